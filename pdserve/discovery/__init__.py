@@ -1,0 +1,1 @@
+"""Discovery backends: embedded (hosted by the router) and etcd."""

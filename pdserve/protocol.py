@@ -1,0 +1,227 @@
+"""Typed, versioned wire messages shared by the router, the workers and the transfer path.
+
+Every message that crosses a process boundary is one pydantic model here, serialised as JSON.
+Peers compare ``PROTOCOL_VERSION`` (HTTP header ``x-pdserve-protocol`` and the transfer
+handshake) and the KV layout's ``compat_hash`` before exchanging KV blocks.
+
+Protocol history:
+    1: first version (context request/response, transfer handle, generation request/chunks,
+       worker records, transfer handshake).
+
+Clocks: deadlines on the wire are wall-clock UNIX seconds (``time.time()``), never monotonic
+readings, because a monotonic clock does not cross processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+PROTOCOL_VERSION = 1
+PROTOCOL_HEADER = "x-pdserve-protocol"
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Role(StrEnum):
+    """Worker roles. ``colocated`` runs prefill and decode in one engine (benchmark baseline)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"
+
+
+class KVLayout(_Msg):
+    """Geometry of a worker's KV cache pool.
+
+    The pool is one contiguous tensor ``[num_layers, num_blocks, 2, tokens_per_block,
+    num_kv_heads, head_dim]`` (index 0 of dim 2 is K, 1 is V); one KV block of one layer is
+    ``block_bytes_per_layer`` contiguous bytes. Keys are stored after rotary embedding.
+    """
+
+    model: str = Field(description="model identity (name + config digest); peers must agree")
+    num_layers: int = Field(gt=0)
+    num_kv_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    tokens_per_block: int = Field(gt=0)
+    dtype: str = Field(description="torch dtype name without the prefix, e.g. 'float32'")
+
+    @property
+    def itemsize(self) -> int:
+        return {"float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
+
+    @property
+    def block_bytes_per_layer(self) -> int:
+        """Bytes of one block in one layer (K and V): ``2 * tpb * kv_heads * head_dim * itemsize``."""
+        return 2 * self.tokens_per_block * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token occupies across all layers."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.itemsize
+
+    def compat_hash(self) -> str:
+        """Short digest of every field; equal hashes mean byte-compatible pools."""
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
+
+    def describe_mismatch(self, other: KVLayout) -> str:
+        """Human-readable list of the fields that differ, e.g. ``tokens_per_block: 16 != 32``."""
+        diffs = [
+            f"{name}: {getattr(self, name)!r} != {getattr(other, name)!r}"
+            for name in type(self).model_fields
+            if getattr(self, name) != getattr(other, name)
+        ]
+        return ", ".join(diffs) or "none"
+
+
+class SamplingParams(_Msg):
+    """Per-request sampling settings.
+
+    ``temperature == 0`` means greedy. ``seed`` makes sampling reproducible: the random draw for
+    output position ``i`` depends only on ``(seed, i)``, so it is identical whether the token is
+    sampled by the prefill worker (position 0) or the decode worker (positions >= 1).
+    """
+
+    max_tokens: int = Field(default=16, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, description="0 disables top-k")
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = Field(default=0, ge=0, le=20)
+
+
+class TokenLogprob(_Msg):
+    """Log-probability (natural log, of the raw model distribution) of one sampled token."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class TransferHandle(_Msg):
+    """What a prefill worker hands back for a parked request: enough for a decode worker to pull
+    the KV blocks. Ownership: the blocks stay owned by the prefill worker until the decode worker
+    releases them or ``lease_deadline`` passes, whichever comes first.
+    """
+
+    worker_id: str
+    epoch: int
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int = Field(ge=1, description="tokens whose K/V the blocks hold (= prompt length)")
+    lease_deadline: float = Field(description="wall-clock UNIX seconds")
+    layout: KVLayout
+    backend: str = Field(description="transfer backend the prefill worker serves: nixl | tcp")
+    transfer_endpoint: str = Field(description="host:port of the prefill worker's transceiver")
+
+    def lease_remaining(self, now: float | None = None) -> float:
+        return self.lease_deadline - (time.time() if now is None else now)
+
+
+class ContextRequest(_Msg):
+    """Router -> prefill worker: run the context phase for ``prompt_token_ids``."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...] = Field(min_length=1)
+    sampling: SamplingParams
+    deadline: float = Field(description="wall-clock UNIX seconds")
+
+
+class ContextResponse(_Msg):
+    """Prefill worker -> router: the first token and, unless the request already finished, the
+    handle of its parked KV blocks."""
+
+    request_id: str
+    first_token: int
+    text: str
+    logprob: TokenLogprob | None = None
+    finish_reason: FinishReason | None = None
+    handle: TransferHandle | None = None
+
+
+class GenerationRequest(_Msg):
+    """Router -> decode worker. With ``handle``: resume after the prefill worker's first token.
+    Without it (colocated baseline), the worker runs prefill itself."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...] = Field(min_length=1)
+    sampling: SamplingParams
+    deadline: float
+    first_token: int | None = None
+    handle: TransferHandle | None = None
+
+
+class GenerationChunk(_Msg):
+    """One line of the decode worker's NDJSON stream. The last chunk has ``finish_reason`` set;
+    an error chunk has ``finish_reason == 'error'`` and ``error`` set."""
+
+    request_id: str
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+
+class WorkerLoad(_Msg):
+    running: int = 0
+    waiting: int = 0
+    parked: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+
+
+class WorkerRecord(_Msg):
+    """A worker's discovery record, held under a lease/TTL and refreshed by the worker.
+
+    ``communicator`` is the transfer communicator handle: backend name, transceiver endpoint and,
+    for NIXL, the base64 agent metadata.
+    """
+
+    role: Role
+    worker_id: str
+    epoch: int
+    model: str
+    http_url: str = Field(description="request-plane base URL, e.g. http://127.0.0.1:8101")
+    communicator: dict[str, str] = Field(default_factory=dict)
+    layout: KVLayout
+    load: WorkerLoad = WorkerLoad()
+    protocol_version: int = PROTOCOL_VERSION
+    updated_at: float = Field(default_factory=time.time)
+
+
+class ErrorBody(_Msg):
+    """OpenAI-style error body: ``{"error": {"message", "type", "code", "param"}}``."""
+
+    message: str
+    type: str
+    code: str | None = None
+    param: str | None = None
+
+
+class ErrorEnvelope(_Msg):
+    error: ErrorBody
+
+
+class ReleaseRequest(_Msg):
+    request_id: str
+    epoch: int
+
+
+RoleLiteral = Literal["prefill", "decode", "colocated"]

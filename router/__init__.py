@@ -1,0 +1,1 @@
+"""Router: live view of workers, pairing policy, the two-leg prefill -> decode transaction."""

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP API (FastAPI app factory, schemas, SSE)."""

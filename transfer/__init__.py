@@ -1,0 +1,1 @@
+"""KV transfer: transceiver, sender/receiver, formatter, connections and transfer agents."""
