@@ -1,0 +1,306 @@
+"""Discovery interfaces shared by every backend: URL parsing, the two roles, the worker view.
+
+Two roles, one per side of the control plane:
+
+- worker side, :class:`Registration`: holds the worker's :class:`WorkerRecord` under a TTL
+  (an etcd lease, or the embedded registry's expiry) and refreshes it every ``ttl_s / 3`` from a
+  background task until :meth:`Registration.close`. Its lifecycle is a pollable
+  :class:`RegistrationState`:
+
+      IDLE --start()--> REGISTERED <--(refresh fails / lease lost)--> RETRYING
+        \\--------------------------------close()------------------------> CLOSED
+
+- router side, :class:`Watcher`: a live ``worker_id -> WorkerRecord`` view plus put/delete
+  callbacks, kept in a :class:`WorkerView`.
+
+Async-safety: every object here belongs to one asyncio event loop and is not thread-safe;
+call its methods from that loop's thread.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import logging
+import math
+import random
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import urlsplit
+
+from pdserve.errors import DiscoveryError
+from pdserve.protocol import WorkerRecord
+
+logger = logging.getLogger(__name__)
+
+Subscriber = Callable[[str, WorkerRecord | None], None]
+"""Called with ``(worker_id, record)`` on a put and ``(worker_id, None)`` on a delete."""
+
+_WORKER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
+
+ACCEPTED_FORMS = (
+    "'http://HOST:PORT' (the router's embedded registry) or 'etcd://HOST:PORT' (etcd, port "
+    "defaults to 2379)"
+)
+
+
+class InvalidDiscoveryURLError(DiscoveryError, ValueError):
+    """A discovery URL that no backend accepts. Also a ``ValueError`` (bad configuration)."""
+
+    code = "invalid_discovery_url"
+
+
+@dataclass(frozen=True)
+class DiscoveryURL:
+    """A parsed discovery URL. ``base_url`` is the HTTP base for ``http``/``https``."""
+
+    scheme: Literal["embedded", "http", "https", "etcd"]
+    host: str = ""
+    port: int = 0
+    base_url: str = ""
+
+
+def parse_discovery_url(url: str, *, allow_embedded: bool = False) -> DiscoveryURL:
+    """Parse ``url``; raise :class:`InvalidDiscoveryURLError` naming it and the accepted forms.
+
+    ``embedded`` (the router's in-process registry) is accepted only when ``allow_embedded``.
+    """
+    forms = ACCEPTED_FORMS + (", or 'embedded' (in-process)" if allow_embedded else "")
+
+    def bad(why: str) -> InvalidDiscoveryURLError:
+        return InvalidDiscoveryURLError(
+            f"invalid discovery URL {url!r}: {why}; accepted forms: {forms}", param="discovery"
+        )
+
+    if not isinstance(url, str) or not url.strip():
+        raise bad("empty")
+    url = url.strip()
+    if url == "embedded":
+        if not allow_embedded:
+            raise bad("'embedded' names the router's in-process registry, use the router's URL")
+        return DiscoveryURL("embedded")
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https", "etcd"):
+        raise bad(f"unknown scheme {parts.scheme or '(none)'!r}")
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise bad(f"bad port ({exc})") from None
+    host = parts.hostname or ""
+    if not host:
+        raise bad("missing host")
+    if parts.username or parts.password or parts.query or parts.fragment:
+        raise bad("credentials, query and fragment are not supported")
+    if scheme == "etcd":
+        if "," in parts.netloc:
+            raise bad("only one etcd endpoint is supported")
+        if parts.path not in ("", "/"):
+            raise bad(f"etcd URLs take no path (got {parts.path!r})")
+        return DiscoveryURL("etcd", host, port or 2379)
+    default_port = 443 if scheme == "https" else 80
+    base = f"{scheme}://{parts.netloc}{parts.path.rstrip('/')}"
+    return DiscoveryURL(scheme, host, port or default_port, base)  # type: ignore[arg-type]
+
+
+def check_ttl(ttl_s: float) -> float:
+    """Validate a registration TTL in seconds (finite, > 0); return it as a float."""
+    if not isinstance(ttl_s, int | float) or not math.isfinite(ttl_s) or ttl_s <= 0:
+        raise ValueError(f"ttl_s must be a finite number of seconds > 0, got {ttl_s!r}")
+    return float(ttl_s)
+
+
+def check_worker_id(worker_id: str) -> str:
+    """Worker ids become URL path segments and etcd keys: 1-128 of ``[A-Za-z0-9._:@-]``."""
+    if not _WORKER_ID.fullmatch(worker_id):
+        raise ValueError(
+            f"worker_id {worker_id!r} must be 1-128 characters of [A-Za-z0-9._:@-], "
+            "starting with a letter or digit"
+        )
+    return worker_id
+
+
+class Backoff:
+    """Exponential backoff with jitter: ``initial_s`` doubling up to ``max_s`` (seconds)."""
+
+    def __init__(self, initial_s: float, max_s: float) -> None:
+        self.initial_s = initial_s
+        self.max_s = max(initial_s, max_s)
+        self._next_s = initial_s
+        self.failures = 0
+
+    def next_delay(self) -> float:
+        """Record a failure and return how long to wait before the next try."""
+        self.failures += 1
+        delay = self._next_s
+        self._next_s = min(self.max_s, self._next_s * 2)
+        return delay * random.uniform(0.8, 1.0)
+
+    def reset(self) -> None:
+        self._next_s = self.initial_s
+        self.failures = 0
+
+
+class RegistrationState(enum.StrEnum):
+    """Where a :class:`Registration` stands (pollable, e.g. by a worker's ``/ready``)."""
+
+    IDLE = "idle"  # constructed, start() not called yet
+    REGISTERED = "registered"  # the last write or refresh reached the registry
+    RETRYING = "retrying"  # registry unreachable or record lost; the task keeps retrying
+    CLOSED = "closed"  # close() called; nothing more is sent
+
+
+class Registration(abc.ABC):
+    """Worker side: keeps one :class:`WorkerRecord` registered under a TTL.
+
+    Ownership: the registration owns its background task and its client connection; both end
+    in :meth:`close`. Errors: none of the methods raise on registry outages (they log a warning
+    and the task retries with backoff); programming errors (``update`` before ``start``, a
+    different ``worker_id``) raise ``RuntimeError`` / ``ValueError``.
+    """
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = check_ttl(ttl_s)
+        self.state = RegistrationState.IDLE
+        self._record: WorkerRecord | None = None
+
+    @property
+    def record(self) -> WorkerRecord | None:
+        """The record most recently passed to :meth:`start` / :meth:`update`."""
+        return self._record
+
+    @property
+    def refresh_interval_s(self) -> float:
+        """Seconds between refreshes: a third of the TTL, so two may fail before expiry."""
+        return self.ttl_s / 3
+
+    def _accept(self, record: WorkerRecord, *, starting: bool) -> None:
+        if starting:
+            if self.state is not RegistrationState.IDLE:
+                raise RuntimeError(f"registration already started (state {self.state})")
+            check_worker_id(record.worker_id)
+        else:
+            if self._record is None or self.state is RegistrationState.IDLE:
+                raise RuntimeError("update() before start()")
+            if record.worker_id != self._record.worker_id:
+                raise ValueError(
+                    f"update() for worker {record.worker_id!r} on the registration of "
+                    f"{self._record.worker_id!r}"
+                )
+        self._record = record
+
+    @abc.abstractmethod
+    async def start(self, record: WorkerRecord) -> None:
+        """Register ``record`` and start the refresh task. Tries once inline; if the registry is
+        unreachable it logs a warning, leaves state RETRYING and the task keeps trying."""
+
+    @abc.abstractmethod
+    async def update(self, record: WorkerRecord) -> None:
+        """Replace the record (same ``worker_id``), e.g. on load changes. Cheap and
+        non-blocking: the refresh task writes the newest record soon (coalescing bursts)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Stop refreshing and remove the record from the registry (best effort, bounded by a
+        short timeout). Idempotent."""
+
+
+class Watcher(abc.ABC):
+    """Router side: a live view of registered workers."""
+
+    def __init__(self) -> None:
+        self.view = WorkerView()
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Load the current records and begin following changes."""
+
+    def workers(self) -> dict[str, WorkerRecord]:
+        """A snapshot ``worker_id -> record`` of live records (a new dict; safe to keep)."""
+        return self.view.snapshot()
+
+    def subscribe(self, callback: Subscriber) -> None:
+        """Call ``callback(worker_id, record)`` on every put and ``(worker_id, None)`` on every
+        delete, on the event loop thread. It must not block; exceptions are logged."""
+        self.view.subscribe(callback)
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Stop following changes; idempotent. The last view stays readable."""
+
+
+class WorkerView:
+    """``worker_id -> WorkerRecord`` plus subscribers; logs arrivals, restarts and removals.
+
+    Not thread-safe: mutate and read it from one event loop.
+    """
+
+    def __init__(self) -> None:
+        self._records: dict[str, WorkerRecord] = {}
+        self._subscribers: list[Subscriber] = []
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __contains__(self, worker_id: object) -> bool:
+        return worker_id in self._records
+
+    def get(self, worker_id: str) -> WorkerRecord | None:
+        return self._records.get(worker_id)
+
+    def snapshot(self) -> dict[str, WorkerRecord]:
+        return dict(self._records)
+
+    def subscribe(self, callback: Subscriber) -> None:
+        self._subscribers.append(callback)
+
+    def put(self, record: WorkerRecord) -> None:
+        """Insert or replace a record; a higher epoch for a known worker is a restart."""
+        old = self._records.get(record.worker_id)
+        self._records[record.worker_id] = record
+        if old is None:
+            logger.info(
+                "worker %s registered (%s, epoch %d, %s)",
+                record.worker_id,
+                record.role,
+                record.epoch,
+                record.http_url,
+            )
+        elif record.epoch > old.epoch:
+            logger.info(
+                "worker %s restarted: epoch %d -> %d", record.worker_id, old.epoch, record.epoch
+            )
+        elif record.epoch < old.epoch:
+            logger.warning(
+                "worker %s epoch went back %d -> %d (stale incarnation?)",
+                record.worker_id,
+                old.epoch,
+                record.epoch,
+            )
+        self._notify(record.worker_id, record)
+
+    def delete(self, worker_id: str, reason: str) -> None:
+        """Remove a record (no-op if absent); ``reason`` goes to the log ("expired", ...)."""
+        old = self._records.pop(worker_id, None)
+        if old is None:
+            return
+        logger.info("worker %s removed (%s, epoch %d)", worker_id, reason, old.epoch)
+        self._notify(worker_id, None)
+
+    def replace_all(self, records: Iterable[WorkerRecord], reason: str) -> None:
+        """Make the view equal ``records`` (after a re-list), emitting only the differences."""
+        fresh = {r.worker_id: r for r in records}
+        for worker_id in [w for w in self._records if w not in fresh]:
+            self.delete(worker_id, reason)
+        for worker_id, record in fresh.items():
+            if self._records.get(worker_id) != record:
+                self.put(record)
+
+    def _notify(self, worker_id: str, record: WorkerRecord | None) -> None:
+        for callback in list(self._subscribers):
+            try:
+                callback(worker_id, record)
+            except Exception:
+                logger.exception("discovery subscriber %r failed on %s", callback, worker_id)

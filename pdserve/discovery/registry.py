@@ -1,0 +1,206 @@
+"""The embedded registry: worker records held in the router process, served over HTTP.
+
+The router creates one :class:`EmbeddedRegistry`, mounts :meth:`EmbeddedRegistry.api_router` at
+its root and calls :meth:`EmbeddedRegistry.start` / :meth:`EmbeddedRegistry.close` from its
+lifespan. Workers register with :class:`pdserve.discovery.http.HttpRegistration`:
+
+- ``PUT /registry/workers/{worker_id}`` body :class:`RegisterBody` -> :class:`RegisterReply`
+  (upsert; also the refresh). 400 if the path and record ids differ; 409 if the record's epoch
+  is lower than the live record's (a stale incarnation must not replace its successor).
+- ``DELETE /registry/workers/{worker_id}`` -> ``{"removed": bool}``
+- ``GET /registry/workers`` -> :class:`WorkerList` (live records only)
+- ``GET /registry/workers/{worker_id}`` -> ``WorkerRecord`` or 404
+
+A record lapses ``ttl_s`` seconds after its last PUT. Lapsed records are dropped lazily on every
+read and by a sweep task every ``sweep_interval_s``; subscribers get a delete for each.
+
+:class:`EmbeddedWatcher` is the router's :class:`Watcher` over its own registry (no HTTP).
+
+Async-safety: one event loop (the router's); not thread-safe. Expiry uses ``time.monotonic()``,
+which is fine because the TTL never leaves this process (the wire carries durations).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import fastapi
+from pydantic import BaseModel, ConfigDict, Field
+
+from pdserve.discovery.base import Subscriber, Watcher, WorkerView, check_ttl
+from pdserve.protocol import WorkerRecord
+
+logger = logging.getLogger(__name__)
+
+MAX_TTL_S = 3600.0
+
+
+class RegisterBody(BaseModel):
+    """Body of ``PUT /registry/workers/{worker_id}``; ``ttl_s`` defaults to the registry's."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    record: WorkerRecord
+    ttl_s: float | None = Field(default=None, gt=0, le=MAX_TTL_S, description="seconds")
+
+
+class RegisterReply(BaseModel):
+    """``created`` is true when no live record existed (first registration, or the record had
+    lapsed / the router restarted), so the worker can log a re-registration."""
+
+    model_config = ConfigDict(frozen=True)
+
+    worker_id: str
+    ttl_s: float
+    created: bool
+
+
+class WorkerList(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    workers: list[WorkerRecord]
+
+
+class EmbeddedRegistry:
+    """Worker records with per-record TTLs, hosted by the router.
+
+    ``ttl_s`` (seconds) applies to PUTs that carry none; ``sweep_interval_s`` (seconds, default
+    ``min(1, ttl_s / 4)``) is how often the sweep task drops lapsed records.
+    """
+
+    def __init__(self, *, ttl_s: float = 10.0, sweep_interval_s: float | None = None) -> None:
+        self.ttl_s = check_ttl(ttl_s)
+        self.sweep_interval_s = check_ttl(sweep_interval_s or min(1.0, self.ttl_s / 4))
+        self.view = WorkerView()
+        self._expires_at: dict[str, float] = {}  # worker_id -> monotonic deadline
+        self._sweeper: asyncio.Task[None] | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the sweep task (idempotent). Without it, expiry happens only on reads."""
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.create_task(self._sweep_loop(), name="registry-sweep")
+
+    async def close(self) -> None:
+        """Stop the sweep task; idempotent. Records stay readable."""
+        task, self._sweeper = self._sweeper, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_interval_s)
+            self.expire()
+
+    # -- records -----------------------------------------------------------------------------
+
+    def put(self, record: WorkerRecord, ttl_s: float | None = None) -> bool:
+        """Insert or refresh ``record`` for ``ttl_s`` seconds; return True if it was not live.
+
+        Raises ``ValueError`` if ``record.epoch`` is lower than the live record's epoch.
+        """
+        self.expire()
+        ttl = check_ttl(ttl_s) if ttl_s is not None else self.ttl_s
+        old = self.view.get(record.worker_id)
+        if old is not None and record.epoch < old.epoch:
+            raise ValueError(
+                f"worker {record.worker_id!r}: epoch {record.epoch} is older than the "
+                f"registered epoch {old.epoch}"
+            )
+        self._expires_at[record.worker_id] = time.monotonic() + ttl
+        self.view.put(record)
+        return old is None
+
+    def remove(self, worker_id: str) -> bool:
+        """Deregister ``worker_id``; return whether a live record was removed."""
+        self.expire()
+        self._expires_at.pop(worker_id, None)
+        present = worker_id in self.view
+        self.view.delete(worker_id, "deregistered")
+        return present
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Drop records whose TTL lapsed (``now``: a ``time.monotonic()`` reading); return ids."""
+        now = time.monotonic() if now is None else now
+        lapsed = [w for w, deadline in self._expires_at.items() if deadline <= now]
+        for worker_id in lapsed:
+            del self._expires_at[worker_id]
+            self.view.delete(worker_id, "TTL expired")
+        return lapsed
+
+    def workers(self) -> dict[str, WorkerRecord]:
+        """Live records (lapsed ones are dropped first)."""
+        self.expire()
+        return self.view.snapshot()
+
+    def subscribe(self, callback: Subscriber) -> None:
+        """See :meth:`Watcher.subscribe`."""
+        self.view.subscribe(callback)
+
+    # -- HTTP --------------------------------------------------------------------------------
+
+    def api_router(self) -> fastapi.APIRouter:
+        """Routes under ``/registry``; include it in the router app at the root."""
+        api = fastapi.APIRouter(prefix="/registry", tags=["registry"])
+
+        @api.put("/workers/{worker_id}", response_model=RegisterReply)
+        async def register(worker_id: str, body: RegisterBody) -> RegisterReply:
+            if body.record.worker_id != worker_id:
+                raise fastapi.HTTPException(
+                    400, f"path worker_id {worker_id!r} != record {body.record.worker_id!r}"
+                )
+            try:
+                created = self.put(body.record, body.ttl_s)
+            except ValueError as exc:
+                raise fastapi.HTTPException(409, str(exc)) from None
+            return RegisterReply(
+                worker_id=worker_id, ttl_s=body.ttl_s or self.ttl_s, created=created
+            )
+
+        @api.delete("/workers/{worker_id}")
+        async def deregister(worker_id: str) -> dict[str, bool]:
+            return {"removed": self.remove(worker_id)}
+
+        @api.get("/workers", response_model=WorkerList)
+        async def list_workers() -> WorkerList:
+            return WorkerList(workers=list(self.workers().values()))
+
+        @api.get("/workers/{worker_id}", response_model=WorkerRecord)
+        async def get_worker(worker_id: str) -> WorkerRecord:
+            record = self.workers().get(worker_id)
+            if record is None:
+                raise fastapi.HTTPException(404, f"no live worker {worker_id!r}")
+            return record
+
+        return api
+
+
+class EmbeddedWatcher(Watcher):
+    """The router's view of its own :class:`EmbeddedRegistry`, read directly (no HTTP).
+
+    ``start`` / ``close`` start and stop the registry's sweep task unless ``manage_sweep`` is
+    False (when the router's lifespan already does).
+    """
+
+    def __init__(self, registry: EmbeddedRegistry, *, manage_sweep: bool = True) -> None:
+        super().__init__()
+        self.registry = registry
+        self.view = registry.view  # shared: the registry is the source of truth
+        self._manage_sweep = manage_sweep
+
+    async def start(self) -> None:
+        if self._manage_sweep:
+            await self.registry.start()
+
+    def workers(self) -> dict[str, WorkerRecord]:
+        return self.registry.workers()
+
+    async def close(self) -> None:
+        if self._manage_sweep:
+            await self.registry.close()

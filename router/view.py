@@ -1,0 +1,143 @@
+"""The router's view of the workers it may use for one served model.
+
+A :class:`WorkerView` reads live records from a discovery watcher (anything with
+``workers() -> dict[str, WorkerRecord]``) on every call, so it never holds stale records, and
+keeps the router's *own* per-worker in-flight counts: requests this router has sent to a worker
+and not yet finished. Workers report their load in their records only every second or so, so the
+local count is what keeps a burst of requests from all landing on the same worker.
+
+A worker is *usable* when its record
+
+- serves this router's model (``record.model == served_model_name``),
+- speaks this router's protocol (``record.protocol_version == PROTOCOL_VERSION``),
+- has the prefill or decode role (colocated workers are not part of a two-leg transaction).
+
+Whether a prefill and a decode worker can be paired (equal KV layout ``compat_hash``) is the
+policy's business (:mod:`pdserve.router.policy`); the view only reports what is there.
+
+Thread-safety: none needed and none given. Every method runs on the router's event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Protocol
+
+from pdserve.protocol import PROTOCOL_VERSION, Role, WorkerRecord
+
+
+class WorkerSource(Protocol):
+    """What the view needs from a discovery watcher."""
+
+    def workers(self) -> dict[str, WorkerRecord]: ...
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """One usable worker as the policy sees it: its record plus this router's in-flight count."""
+
+    record: WorkerRecord
+    in_flight: int
+
+    @property
+    def worker_id(self) -> str:
+        return self.record.worker_id
+
+    @property
+    def compat_hash(self) -> str:
+        return self.record.layout.compat_hash()
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """A snapshot of the usable workers, split by role, plus what was skipped and why."""
+
+    model: str
+    prefill: tuple[WorkerState, ...]
+    decode: tuple[WorkerState, ...]
+    skipped: tuple[str, ...] = ()
+    """Human-readable reasons for live records that were left out, e.g. a protocol mismatch."""
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """What ``/ready`` reports: usable worker ids per role and what is missing (empty = ready)."""
+
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    missing: tuple[str, ...]
+
+    @property
+    def ready(self) -> bool:
+        return not self.missing
+
+
+class WorkerView:
+    """Usable workers for ``served_model_name`` plus this router's in-flight counts.
+
+    Ownership: the view does not own the watcher (it never starts or closes it).
+    """
+
+    def __init__(self, source: WorkerSource, *, served_model_name: str) -> None:
+        self._source = source
+        self.served_model_name = served_model_name
+        self._in_flight: dict[str, int] = {}
+
+    def in_flight(self, worker_id: str) -> int:
+        """Requests this router has outstanding on ``worker_id``."""
+        return self._in_flight.get(worker_id, 0)
+
+    @contextmanager
+    def track(self, worker_id: str) -> Iterator[None]:
+        """Count one in-flight request on ``worker_id`` for the duration of the block."""
+        self._in_flight[worker_id] = self._in_flight.get(worker_id, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._in_flight[worker_id] - 1
+            if left:
+                self._in_flight[worker_id] = left
+            else:
+                del self._in_flight[worker_id]  # no entries for workers long gone
+
+    def candidates(self) -> Candidates:
+        """Snapshot the usable prefill and decode workers (sorted by worker id)."""
+        prefill: list[WorkerState] = []
+        decode: list[WorkerState] = []
+        skipped: list[str] = []
+        for worker_id, record in sorted(self._source.workers().items()):
+            if record.model != self.served_model_name:
+                continue
+            if record.protocol_version != PROTOCOL_VERSION:
+                skipped.append(
+                    f"{worker_id} speaks protocol {record.protocol_version}, "
+                    f"router speaks {PROTOCOL_VERSION}"
+                )
+                continue
+            state = WorkerState(record, self.in_flight(worker_id))
+            if record.role == Role.PREFILL:
+                prefill.append(state)
+            elif record.role == Role.DECODE:
+                decode.append(state)
+        return Candidates(self.served_model_name, tuple(prefill), tuple(decode), tuple(skipped))
+
+    def readiness(self) -> Readiness:
+        """Ready when at least one prefill and one decode worker are usable and at least one
+        such pair has equal KV layouts (otherwise no request could be served)."""
+        cands = self.candidates()
+        missing: list[str] = []
+        if not cands.prefill:
+            missing.append(f"prefill worker for model {self.served_model_name!r}")
+        if not cands.decode:
+            missing.append(f"decode worker for model {self.served_model_name!r}")
+        if cands.prefill and cands.decode:
+            p_hashes = {w.compat_hash for w in cands.prefill}
+            if not any(w.compat_hash in p_hashes for w in cands.decode):
+                missing.append("prefill/decode pair with equal KV layouts")
+        return Readiness(
+            prefill=tuple(w.worker_id for w in cands.prefill),
+            decode=tuple(w.worker_id for w in cands.decode),
+            missing=tuple(missing + list(cands.skipped)) if missing else (),
+        )

@@ -1,0 +1,239 @@
+"""The whole disaggregated path on the tiny model: router + prefill + decode as real processes,
+driven by the official ``openai`` client."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.fixtures.stack import Stack
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = [
+    [1, 72, 101, 108, 108, 111],
+    [1, 84, 104, 101, 32, 113, 117, 105, 99, 107, 32, 98, 114, 111, 119, 110],
+    list(range(40, 90)),  # spans several KV blocks
+]
+
+
+def _client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def hf_reference(tiny_model_dir: Path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    def generate(ids: list[int], max_tokens: int) -> str:
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=tok.eos_token_id,
+        )
+        return tok.decode(out[0, len(ids) :], skip_special_tokens=True)
+
+    return generate
+
+
+def test_greedy_completions_equal_transformers_generate(tiny_stack: Stack, hf_reference) -> None:
+    client = _client(tiny_stack)
+    for ids in PROMPTS:
+        got = client.completions.create(
+            model="tiny-llama", prompt=ids, max_tokens=24, temperature=0
+        )
+        assert got.choices[0].text == hf_reference(ids, 24), f"prompt {ids}"
+        assert got.usage.prompt_tokens == len(ids)
+
+
+def test_chat_completion_not_streamed_has_text_and_usage(tiny_stack: Stack) -> None:
+    resp = _client(tiny_stack).chat.completions.create(
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "hi there"}],
+        max_tokens=8,
+        temperature=0,
+    )
+    choice = resp.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+    assert resp.usage.completion_tokens >= 1
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+
+def test_chat_stream_equals_non_stream(tiny_stack: Stack) -> None:
+    client = _client(tiny_stack)
+    kwargs = dict(model="tiny-llama", messages=[{"role": "user", "content": "abc"}],
+                  max_tokens=12, temperature=0)  # fmt: skip
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    parts = [
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(stream=True, **kwargs)
+        if c.choices
+    ]
+    assert "".join(parts) == whole
+
+
+def test_completion_stream_ends_with_done(tiny_stack: Stack) -> None:
+    body = {"model": "tiny-llama", "prompt": PROMPTS[0], "max_tokens": 6, "stream": True,
+            "temperature": 0}  # fmt: skip
+    with httpx.stream("POST", f"{tiny_stack.url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    text = "".join(json.loads(ln[6:])["choices"][0]["text"] for ln in lines[:-1]
+                   if json.loads(ln[6:])["choices"])  # fmt: skip
+    whole = _client(tiny_stack).completions.create(
+        model="tiny-llama", prompt=PROMPTS[0], max_tokens=6, temperature=0
+    )
+    assert text == whole.choices[0].text
+
+
+def test_seeded_sampling_repeats(tiny_stack: Stack) -> None:
+    client = _client(tiny_stack)
+    kwargs = dict(model="tiny-llama", prompt=PROMPTS[1], max_tokens=16, temperature=1.0,
+                  top_p=0.9, seed=1234)  # fmt: skip
+    first = client.completions.create(**kwargs).choices[0].text
+    assert client.completions.create(**kwargs).choices[0].text == first
+
+
+def test_eight_concurrent_requests_equal_their_solo_outputs(tiny_stack: Stack) -> None:
+    client = _client(tiny_stack)
+    prompts = [PROMPTS[i % 3][: 5 + i] for i in range(8)]
+
+    def run(ids: list[int]) -> str:
+        return client.completions.create(
+            model="tiny-llama", prompt=ids, max_tokens=20, temperature=0
+        ).choices[0].text
+
+    solo = [run(p) for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(run, prompts))
+    assert together == solo
+
+
+def test_models_lists_served_model(tiny_stack: Stack) -> None:
+    ids = [m.id for m in _client(tiny_stack).models.list()]
+    assert ids == ["tiny-llama"]
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404),
+        ({"model": "tiny-llama", "messages": []}, 400),
+        ({"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}],
+          "max_tokens": 10_000_000}, 400),  # fmt: skip
+        ({"model": "tiny-llama", "messages": "not a list"}, 400),
+        ({"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}],
+          "temperature": "hot"}, 400),  # fmt: skip
+    ],
+)
+def test_bad_input_gets_4xx_json_and_server_keeps_serving(
+    tiny_stack: Stack, body: dict, status: int
+) -> None:
+    r = httpx.post(f"{tiny_stack.url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == status
+    assert "message" in r.json()["error"]
+    ok = httpx.post(
+        f"{tiny_stack.url}/v1/completions",
+        json={"model": "tiny-llama", "prompt": PROMPTS[0], "max_tokens": 2},
+        timeout=30,
+    )
+    assert ok.status_code == 200
+
+
+def test_invalid_json_gets_400(tiny_stack: Stack) -> None:
+    r = httpx.post(
+        f"{tiny_stack.url}/v1/chat/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == 400
+    assert r.json()["error"]["message"]
+
+
+def _parked(stack: Stack) -> int:
+    workers = httpx.get(f"{stack.url}/registry/workers", timeout=5).json()
+    records = workers.values() if isinstance(workers, dict) else workers
+    total = 0
+    for rec in records:
+        if rec["role"] == "prefill":
+            total += httpx.get(f"{rec['http_url']}/load", timeout=5).json()["parked"]
+    return total
+
+
+def test_killed_decode_worker_ends_stream_with_error_and_frees_parked_blocks(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from tests.fixtures.stack import start_stack
+
+    lease_s = 4.0
+    stack = start_stack(tiny_model_dir, "tiny-llama", tmp_path, lease_s=lease_s)
+    try:
+        body = {"model": "tiny-llama", "prompt": PROMPTS[2], "max_tokens": 400, "stream": True,
+                "temperature": 0, "ignore_eos": True}  # fmt: skip
+        events: list[str] = []
+        with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 3:
+                    stack.procs["decode-0"].kill()
+        assert events[-1] == "[DONE]"
+        errors = [json.loads(e) for e in events[:-1] if "error" in json.loads(e)]
+        assert errors, f"no error event in {events[-3:]}"
+        deadline = time.monotonic() + lease_s + 3
+        while _parked(stack) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _parked(stack) == 0
+
+        # A decode worker that hangs before pulling: the prefill worker's lease frees the blocks.
+        _wait_until_gone(stack, "decode-0")
+        frozen = stack.start_worker("decode", "decode-1")
+        stack.wait_ready(2)
+        frozen.popen.send_signal(signal.SIGSTOP)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(
+                httpx.post,
+                f"{stack.url}/v1/completions",
+                json={"model": "tiny-llama", "prompt": PROMPTS[2], "max_tokens": 4},
+                timeout=90,
+            )
+            deadline = time.monotonic() + 20
+            while _parked(stack) == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _parked(stack) > 0, "the request never parked its blocks"
+            deadline = time.monotonic() + lease_s + 3
+            while _parked(stack) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert _parked(stack) == 0
+            frozen.kill()
+            resp = pending.result(timeout=90)
+        assert resp.status_code >= 500
+        assert resp.json()["error"]["message"]
+    finally:
+        stack.stop()
+
+
+def _wait_until_gone(stack: Stack, worker_id: str, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        workers = httpx.get(f"{stack.url}/registry/workers", timeout=5).json()
+        ids = workers.keys() if isinstance(workers, dict) else [w["worker_id"] for w in workers]
+        if worker_id not in ids:
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"{worker_id} still registered after {timeout_s} s")

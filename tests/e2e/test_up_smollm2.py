@@ -1,0 +1,91 @@
+"""README's main job: ``pdserve up`` on the embedded defaults (SmolLM2), then Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.fixtures.stack import free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def up(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """``pdserve up`` with no model flag: it must find the prepared SmolLM2 in the cache."""
+    port = free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PDSERVE_CACHE_DIR=str(smollm2_dir.parent))
+    log = tmp_path_factory.mktemp("up") / "up.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=open(log, "w"),  # noqa: SIM115
+        text=True,
+        env=env,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            proc.kill()
+            pytest.fail(f"pdserve up did not print its URL in time:\n{log.read_text()[-4000:]}")
+        if "ready" in line:
+            break
+    assert f"http://127.0.0.1:{port}/v1" in line
+    yield f"http://127.0.0.1:{port}", proc
+    if proc.poll() is None:
+        proc.kill()
+
+
+def test_chat_says_capital_of_france_is_paris(up: tuple[str, subprocess.Popen[str]]) -> None:
+    url, _ = up
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    resp = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=24,
+        temperature=0,
+    )
+    assert "Paris" in resp.choices[0].message.content
+
+
+def test_greedy_tokens_equal_transformers_generate(
+    up: tuple[str, subprocess.Popen[str]], smollm2_dir: Path
+) -> None:
+    url, _ = up
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    for text in ["The tallest mountain in the world is", "def fibonacci(n):"]:
+        ids = tok(text).input_ids
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
+        expected = tok.decode(ref[0, len(ids) :], skip_special_tokens=True)
+        got = client.completions.create(
+            model="SmolLM2-135M-Instruct", prompt=ids, max_tokens=16, temperature=0
+        )
+        assert got.choices[0].text == expected
+
+
+def test_ctrl_c_stops_everything(up: tuple[str, subprocess.Popen[str]]) -> None:
+    url, proc = up
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 0
+    import httpx
+
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{url}/health", timeout=2)

@@ -1,0 +1,171 @@
+"""Decode (generation) role: pull the KV blocks, resume decoding, stream tokens.
+
+Request lifecycle on a decode worker::
+
+    1 RECEIVED     GenerationRequest checked against the handle: layout, token count, lease, epoch
+    2 RESERVED     engine.reserve(): capacity for the whole completion + blocks for the prompt
+    3 TRANSFERRING the transceiver pulls the prefill worker's blocks into the reserved blocks
+    4 RUNNING      engine resumes at the first token in its continuous batch; chunks streamed
+    5 FINISHED     stop / length / abort (client gone) / error; the engine frees the blocks
+
+A failure in 3 unreserves the blocks (never reused while a transfer may still land: the
+transceiver returns only after the transfer is complete or failed) and ends the stream with an
+error. Without a handle (the colocated baseline) the engine runs the prefill itself (mode
+``full``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from pdserve.errors import DeadlineExceededError, HandleError, LayoutMismatchError
+from pdserve.protocol import FinishReason, GenerationChunk, GenerationRequest, TransferHandle
+from pdserve.workers.bridge import OutputStream
+
+if TYPE_CHECKING:
+    from pdserve.transfer import Transceiver
+    from pdserve.workers.engine import Engine, EngineOutput
+
+log = logging.getLogger(__name__)
+
+
+def check_handle(req: GenerationRequest, handle: TransferHandle, engine: Engine) -> None:
+    """Refuse a handle that cannot fill this request's blocks. Raises HandleError or
+    LayoutMismatchError."""
+    if handle.request_id != req.request_id:
+        raise HandleError(
+            f"handle names request {handle.request_id!r}, not {req.request_id!r}"
+        )
+    if handle.num_tokens != len(req.prompt_token_ids):
+        raise HandleError(
+            f"handle holds K/V for {handle.num_tokens} tokens but the prompt has "
+            f"{len(req.prompt_token_ids)}"
+        )
+    tpb = handle.layout.tokens_per_block
+    needed = -(-handle.num_tokens // tpb)
+    if len(handle.block_ids) != needed:
+        raise HandleError(
+            f"handle lists {len(handle.block_ids)} blocks; {handle.num_tokens} tokens at "
+            f"{tpb} tokens/block need {needed}"
+        )
+    if handle.layout != engine.layout:
+        raise LayoutMismatchError(
+            "prefill and decode KV layouts differ: " + handle.layout.describe_mismatch(engine.layout)
+        )
+    if handle.lease_remaining() <= 0:
+        raise HandleError(f"lease of request {req.request_id!r} expired before decode began")
+    if req.first_token is None:
+        raise HandleError("a generation request with a handle needs first_token")
+
+
+class DecodeRole:
+    """Serves ``/internal/generate`` for a decode (or colocated) worker."""
+
+    def __init__(self, *, engine: Engine, transceiver: Transceiver | None) -> None:
+        self.engine = engine
+        self.transceiver = transceiver
+
+    async def admit(self, req: GenerationRequest) -> OutputStream:
+        """States 1-3: validate, reserve, transfer, then add to the running batch.
+
+        Raises (before anything is streamed): DeadlineExceededError, HandleError,
+        LayoutMismatchError, CapacityError, InvalidRequestError, TransferError.
+        """
+        from pdserve.workers.engine import EngineRequest
+
+        if req.deadline <= time.time():
+            raise DeadlineExceededError(f"request {req.request_id} arrived after its deadline")
+        stream = OutputStream()
+        if req.handle is None:
+            self.engine.add_request(
+                EngineRequest(
+                    request_id=req.request_id,
+                    prompt_token_ids=list(req.prompt_token_ids),
+                    sampling=req.sampling,
+                    mode="full",
+                ),
+                stream.sink,
+            )
+            return stream
+        check_handle(req, req.handle, self.engine)
+        if self.transceiver is None:
+            raise HandleError("this worker has no transceiver; it cannot accept a handle")
+        dst = self.engine.reserve(req.request_id, list(req.prompt_token_ids), req.sampling)
+        try:
+            t0 = time.perf_counter()
+            await asyncio.wait_for(
+                self.transceiver.pull(req.handle, dst), timeout=req.deadline - time.time()
+            )
+            log.debug(
+                "request %s: pulled %d KV blocks in %.1f ms",
+                req.request_id,
+                len(dst),
+                (time.perf_counter() - t0) * 1e3,
+            )
+        except TimeoutError:
+            self.engine.unreserve(req.request_id)
+            raise DeadlineExceededError(
+                f"KV transfer for request {req.request_id} did not finish before its deadline"
+            ) from None
+        except BaseException:
+            self.engine.unreserve(req.request_id)
+            raise
+        self.engine.add_request(
+            EngineRequest(
+                request_id=req.request_id,
+                prompt_token_ids=list(req.prompt_token_ids),
+                sampling=req.sampling,
+                mode="resume",
+                first_token=req.first_token,
+            ),
+            stream.sink,
+        )
+        return stream
+
+    async def chunks(
+        self, req: GenerationRequest, stream: OutputStream
+    ) -> AsyncIterator[GenerationChunk]:
+        """State 4-5: the request's chunks until it finishes. Aborts the request in the engine if
+        the consumer goes away (client disconnect) or the deadline passes."""
+        finished = False
+        try:
+            async for out in _until(stream, req.deadline):
+                finished = out.finish_reason is not None or out.error is not None
+                yield _chunk(req.request_id, out)
+        except TimeoutError:
+            finished = True
+            self.engine.abort(req.request_id)
+            yield GenerationChunk(
+                request_id=req.request_id,
+                finish_reason=FinishReason.ERROR,
+                error="deadline exceeded during decode",
+            )
+        finally:
+            if not finished:
+                self.engine.abort(req.request_id)
+
+
+async def _until(stream: OutputStream, deadline: float) -> AsyncIterator[EngineOutput]:
+    while True:
+        out = await stream.next(timeout=max(0.0, deadline - time.time()))
+        yield out
+        if out.finish_reason is not None or out.error is not None:
+            return
+
+
+def _chunk(request_id: str, out: EngineOutput) -> GenerationChunk:
+    finish = out.finish_reason
+    if out.error is not None:
+        finish = FinishReason.ERROR
+    return GenerationChunk(
+        request_id=request_id,
+        token_ids=tuple(out.token_ids),
+        text=out.text,
+        logprobs=tuple(out.logprobs),
+        finish_reason=finish,
+        error=out.error,
+    )
