@@ -20,6 +20,8 @@ call its methods from that loop's thread.
 from __future__ import annotations
 
 import abc
+import asyncio
+import contextlib
 import enum
 import logging
 import math
@@ -165,6 +167,7 @@ class Registration(abc.ABC):
         self.ttl_s = check_ttl(ttl_s)
         self.state = RegistrationState.IDLE
         self._record: WorkerRecord | None = None
+        self._task: asyncio.Task[None] | None = None  # the refresh / keepalive task
 
     @property
     def record(self) -> WorkerRecord | None:
@@ -205,6 +208,19 @@ class Registration(abc.ABC):
     async def close(self) -> None:
         """Stop refreshing and remove the record from the registry (best effort, bounded by a
         short timeout). Idempotent."""
+
+    @abc.abstractmethod
+    async def abandon(self) -> None:
+        """Stop refreshing *without* deregistering, as if the process had died: the record
+        lapses after its TTL. For crash tests and exit paths that must not wait on the
+        registry. Idempotent; ``close()`` afterwards is a no-op."""
+
+    async def _cancel_task(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 class Watcher(abc.ABC):

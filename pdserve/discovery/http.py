@@ -46,7 +46,6 @@ class HttpRegistration(Registration):
         timeout = httpx.Timeout(max(0.5, min(5.0, self.refresh_interval_s)))
         self._client = httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=_HEADERS)
         self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
         self._backoff = Backoff(0.1, self.refresh_interval_s)
         self._ever_registered = False
 
@@ -70,24 +69,32 @@ class HttpRegistration(Registration):
             return
         was_started = self.state is not RegistrationState.IDLE
         self.state = RegistrationState.CLOSED
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._cancel_task()
         if was_started:
-            try:
-                resp = await self._client.delete(self._path, timeout=CLOSE_TIMEOUT_S)
-                resp.raise_for_status()
-                logger.info("deregistered %s from %s", self._record.worker_id, self.base_url)  # type: ignore[union-attr]
-            except httpx.HTTPError as exc:
-                logger.warning(
-                    "could not deregister from %s (%r); the record lapses in %.1f s",
-                    self.base_url,
-                    exc,
-                    self.ttl_s,
-                )
+            await self._deregister()
         await self._client.aclose()
+
+    async def abandon(self) -> None:
+        if self.state is RegistrationState.CLOSED:
+            return
+        self.state = RegistrationState.CLOSED
+        await self._cancel_task()
+        await self._client.aclose()
+
+    async def _deregister(self) -> None:
+        assert self._record is not None
+        try:
+            resp = await self._client.delete(self._path, timeout=CLOSE_TIMEOUT_S)
+            resp.raise_for_status()
+            logger.info("deregistered worker %s from %s", self._record.worker_id, self.base_url)
+        except httpx.HTTPError as exc:
+            logger.warning(
+                "could not deregister worker %s from %s (%r); its record lapses in %.1f s",
+                self._record.worker_id,
+                self.base_url,
+                exc,
+                self.ttl_s,
+            )
 
     async def _put_once(self) -> bool:
         """PUT the current record; update ``state``; return whether it succeeded."""

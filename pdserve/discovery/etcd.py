@@ -1,0 +1,325 @@
+"""etcd discovery backend (URL ``etcd://host:port``), on the asyncio client ``aetcd``.
+
+Records live at ``/pdserve/workers/<worker_id>`` as ``WorkerRecord`` JSON, attached to a lease
+whose TTL is ``ceil(ttl_s)`` seconds (etcd leases have whole-second TTLs, minimum 1).
+
+:class:`EtcdRegistration` (worker side) lifecycle:
+
+1. ``start(record)``: grant a lease, put the record with it (inline, once). Success ->
+   REGISTERED; failure -> a warning, RETRYING (the worker keeps running).
+2. keepalive task: refreshes the lease every ``ttl_s / 3`` seconds and puts the newest record
+   soon after each ``update()``. If etcd answers that the lease is gone (it expired while the
+   worker was cut off, or etcd lost its data), a new lease is granted and the record re-put
+   (logged as a re-registration). If etcd is unreachable: RETRYING, backoff 0.1 s doubling to
+   ``ttl_s / 3``, a warning on the first failure and every 10th. etcd restores leases when it
+   restarts with its data, so a short outage usually needs no re-registration.
+3. ``close()``: cancel the task, revoke the lease (which deletes the record at once; 2 s max),
+   close the client. Idempotent.
+
+:class:`EtcdWatcher` (router side): ``get_prefix`` then ``watch_prefix`` from the next revision.
+If the watch breaks (etcd stopped, connection lost, revision compacted) it keeps its last view,
+reconnects with backoff (0.1 s doubling to 5 s), re-lists (emitting only the differences) and
+watches again. ``connected`` tells whether the view is currently following etcd.
+
+``aetcd`` is imported only inside this module's functions, so importing ``pdserve.discovery``
+does not load gRPC. Async-safety: one event loop; not thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+
+from pdserve.discovery.base import Backoff, Registration, RegistrationState, Watcher
+from pdserve.protocol import WorkerRecord
+
+if TYPE_CHECKING:
+    import aetcd
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "/pdserve/workers/"
+CLOSE_TIMEOUT_S = 2.0
+# Reconnect quickly after an etcd restart (gRPC's default backoff grows to 120 s) and detect a
+# silently dead connection (pings every 10 s; etcd refuses pings more often than every 5 s).
+_GRPC_OPTIONS: dict[str, Any] = {
+    "grpc.initial_reconnect_backoff_ms": 100,
+    "grpc.min_reconnect_backoff_ms": 100,
+    "grpc.max_reconnect_backoff_ms": 1000,
+    "grpc.keepalive_time_ms": 10_000,
+    "grpc.keepalive_timeout_ms": 5_000,
+    "grpc.http2.max_pings_without_data": 0,
+}
+
+
+def worker_key(worker_id: str) -> bytes:
+    return f"{PREFIX}{worker_id}".encode()
+
+
+def _new_client(host: str, port: int, timeout_s: float) -> aetcd.Client:
+    import aetcd  # lazy: gRPC loads only when etcd is used
+
+    return aetcd.Client(host=host, port=port, timeout=timeout_s, options=dict(_GRPC_OPTIONS))  # type: ignore[arg-type]
+
+
+async def _close_client(client: aetcd.Client) -> None:
+    """Close a client, bounded by ``CLOSE_TIMEOUT_S``; errors are logged, never raised."""
+    try:
+        await asyncio.wait_for(client.close(), CLOSE_TIMEOUT_S)
+    except Exception as exc:  # closing a broken channel must not fail the caller
+        logger.debug("closing the etcd client failed: %r", exc)
+
+
+class LeaseLostError(Exception):
+    """etcd no longer knows our lease (expired or etcd lost its data)."""
+
+
+class EtcdRegistration(Registration):
+    """Holds one worker's record in etcd under a lease, refreshed by a background task."""
+
+    def __init__(self, host: str, port: int, *, ttl_s: float) -> None:
+        super().__init__(ttl_s)
+        self.endpoint = f"{host}:{port}"
+        self.lease_ttl_s = max(1, math.ceil(self.ttl_s))
+        self.lease_id: int | None = None
+        op_timeout_s = max(0.5, min(5.0, self.refresh_interval_s))
+        self._client = _new_client(host, port, op_timeout_s)
+        self._wake = asyncio.Event()
+        self._backoff = Backoff(0.1, self.refresh_interval_s)
+        self._ever_registered = False
+
+    async def start(self, record: WorkerRecord) -> None:
+        self._accept(record, starting=True)
+        self.state = RegistrationState.RETRYING
+        await self._attempt(self._register)
+        self._task = asyncio.create_task(self._keepalive_loop(), name=f"etcd-{record.worker_id}")
+
+    async def update(self, record: WorkerRecord) -> None:
+        self._accept(record, starting=False)
+        self._wake.set()
+
+    async def close(self) -> None:
+        if self.state is RegistrationState.CLOSED:
+            return
+        self.state = RegistrationState.CLOSED
+        await self._cancel_task()
+        lease_id, self.lease_id = self.lease_id, None
+        if lease_id is not None:
+            try:
+                await asyncio.wait_for(self._client.revoke_lease(lease_id), CLOSE_TIMEOUT_S)
+                logger.info("deregistered worker %s (lease revoked)", self._worker_id)
+            except Exception as exc:
+                logger.warning(
+                    "could not revoke lease of worker %s at %s (%r); record lapses in %d s",
+                    self._worker_id,
+                    self.endpoint,
+                    exc,
+                    self.lease_ttl_s,
+                )
+        await _close_client(self._client)
+
+    async def abandon(self) -> None:
+        if self.state is RegistrationState.CLOSED:
+            return
+        self.state = RegistrationState.CLOSED
+        await self._cancel_task()
+        await _close_client(self._client)
+
+    @property
+    def _worker_id(self) -> str:
+        return self._record.worker_id if self._record else "?"
+
+    async def _register(self) -> None:
+        """Grant a fresh lease and put the record under it."""
+        record = self._record
+        assert record is not None
+        lease = await self._client.lease(self.lease_ttl_s)
+        self.lease_id = lease.id
+        self._wake.clear()  # the put below carries the newest record
+        await self._client.put(worker_key(record.worker_id), record.model_dump_json().encode(), lease)
+        logger.info(
+            "%s worker %s (epoch %d) in etcd %s, lease %x ttl %d s",
+            "re-registered" if self._ever_registered else "registered",
+            record.worker_id,
+            record.epoch,
+            self.endpoint,
+            lease.id,
+            self.lease_ttl_s,
+        )
+        self._ever_registered = True
+
+    async def _put_record(self) -> None:
+        import aetcd
+
+        record = self._record
+        assert record is not None and self.lease_id is not None
+        try:
+            await self._client.put(
+                worker_key(record.worker_id), record.model_dump_json().encode(), self.lease_id
+            )
+        except aetcd.ClientError as exc:
+            if "lease not found" in str(exc):
+                raise LeaseLostError from exc
+            raise
+
+    async def _refresh(self) -> None:
+        assert self.lease_id is not None
+        reply = await self._client.refresh_lease(self.lease_id)
+        if reply is None or reply.TTL <= 0:
+            raise LeaseLostError
+
+    async def _attempt(self, step: Any) -> bool:
+        """Run one keepalive step; re-register on a lost lease; update state; never raise."""
+        try:
+            try:
+                await step()
+            except LeaseLostError:
+                logger.info("lease of worker %s is gone; registering again", self._worker_id)
+                self.lease_id = None
+                await self._register()
+        except Exception as exc:  # etcd down, timeout, gRPC error: retry, never crash the worker
+            self.state = RegistrationState.RETRYING
+            failures = self._backoff.failures + 1
+            if failures == 1 or failures % 10 == 0:
+                logger.warning(
+                    "etcd %s: keeping worker %s registered failed (%d in a row): %r",
+                    self.endpoint,
+                    self._worker_id,
+                    failures,
+                    exc,
+                )
+            return False
+        if self._backoff.failures:
+            logger.info("etcd %s reachable again", self.endpoint)
+        self._backoff.reset()
+        self.state = RegistrationState.REGISTERED
+        return True
+
+    async def _step(self, refresh_due: bool) -> None:
+        if self.lease_id is None:
+            await self._register()
+            return
+        if self._wake.is_set():
+            self._wake.clear()
+            await self._put_record()
+        if refresh_due:
+            await self._refresh()
+
+    async def _keepalive_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        ok = self.state is RegistrationState.REGISTERED  # outcome of start()'s inline attempt
+        next_refresh = loop.time() + self.refresh_interval_s
+        while True:
+            if ok:  # refresh on schedule; put sooner after update()
+                timeout = max(0.0, next_refresh - loop.time())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=timeout)
+            else:  # updates do not shorten the backoff
+                await asyncio.sleep(self._backoff.next_delay())
+            refresh_due = not ok or loop.time() >= next_refresh
+            ok = await self._attempt(lambda: self._step(refresh_due))  # noqa: B023
+            if ok and refresh_due:
+                next_refresh = loop.time() + self.refresh_interval_s
+
+
+class EtcdWatcher(Watcher):
+    """Follows ``/pdserve/workers/`` in etcd: list, then watch; re-list after reconnecting."""
+
+    def __init__(self, host: str, port: int, *, op_timeout_s: float = 5.0) -> None:
+        super().__init__()
+        self.host, self.port = host, port
+        self.endpoint = f"{host}:{port}"
+        self.op_timeout_s = op_timeout_s
+        self.connected = False
+        self._client: aetcd.Client | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._backoff = Backoff(0.1, 5.0)
+
+    async def start(self) -> None:
+        """List and begin watching inline; if etcd is unreachable, log a warning and keep
+        retrying in the background (the view starts empty)."""
+        if self._task is not None:
+            return
+        watch = await self._connect()
+        self._task = asyncio.create_task(self._run(watch), name="etcd-watch")
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self._drop_client()
+
+    async def _drop_client(self) -> None:
+        self.connected = False
+        client, self._client = self._client, None
+        if client is not None:
+            await _close_client(client)
+
+    async def _connect(self) -> Any | None:
+        """(Re)list the prefix into the view and open a watch from the next revision; return
+        the watch, or None after logging a failure."""
+        await self._drop_client()  # a fresh client: no state left over from a broken stream
+        self._client = client = _new_client(self.host, self.port, self.op_timeout_s)
+        try:
+            listing = await client.get_prefix(PREFIX.encode())
+            records = [r for r in (self._decode(kv.key, kv.value) for kv in listing) if r]
+            self.view.replace_all(records, reason="gone from etcd while disconnected")
+            watch = await client.watch_prefix(
+                PREFIX.encode(), start_revision=listing.header.revision + 1
+            )
+        except Exception as exc:  # etcd down, timeout, compaction: keep the last view, retry
+            if self._backoff.failures % 10 == 0:
+                logger.warning(
+                    "etcd %s: listing/watching workers failed (%r); keeping the last view "
+                    "(%d workers) and retrying",
+                    self.endpoint,
+                    exc,
+                    len(self.view),
+                )
+            return None
+        if self._backoff.failures:
+            logger.info("etcd %s: watching workers again (%d live)", self.endpoint, len(self.view))
+        self._backoff.reset()
+        self.connected = True
+        return watch
+
+    async def _run(self, watch: Any | None) -> None:
+        while True:
+            if watch is not None:
+                try:
+                    async for event in watch:
+                        self._apply(event)
+                    logger.warning("etcd %s: watch stream ended; reconnecting", self.endpoint)
+                except Exception as exc:
+                    logger.warning(
+                        "etcd %s: watch broke (%r); keeping the last view and reconnecting",
+                        self.endpoint,
+                        exc,
+                    )
+                self.connected = False
+            await asyncio.sleep(self._backoff.next_delay())
+            watch = await self._connect()
+
+    def _apply(self, event: Any) -> None:
+        worker_id = event.kv.key.decode(errors="replace").removeprefix(PREFIX)
+        if event.kind == "DELETE":
+            self.view.delete(worker_id, "deleted from etcd (lease expired or revoked)")
+            return
+        record = self._decode(event.kv.key, event.kv.value)
+        if record is not None:
+            self.view.put(record)
+
+    @staticmethod
+    def _decode(key: bytes, value: bytes) -> WorkerRecord | None:
+        try:
+            return WorkerRecord.model_validate_json(value)
+        except ValidationError as exc:
+            logger.warning("ignoring malformed worker record at %r: %s", key, exc)
+            return None

@@ -1,0 +1,239 @@
+"""Typed HTTP calls from the router to a worker's request plane.
+
+One method per worker endpoint (see docs/architecture.md, "Worker request plane"):
+
+- :meth:`WorkerClient.context`  ``POST /internal/context``  -> :class:`ContextResponse`
+- :meth:`WorkerClient.generate` ``POST /internal/generate`` -> :class:`GenerationStream`
+- :meth:`WorkerClient.release`  ``POST /internal/release``  -> bool (best effort, never raises)
+
+Every call is bounded by the request's wall-clock ``deadline`` (UNIX seconds): each network
+operation waits at most the time left, and a call that runs out of time raises
+:class:`DeadlineExceededError`. A worker's error envelope becomes the matching typed error
+(:func:`error_from_envelope`); a connection that could not be opened raises
+:class:`WorkerUnreachableError` (the request never reached the worker, so it is safe to retry
+elsewhere); any other transport failure raises :class:`WorkerError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+from pydantic import ValidationError
+
+from pdserve.errors import (
+    CapacityError,
+    DeadlineExceededError,
+    InvalidRequestError,
+    PdserveError,
+    TransferError,
+    WorkerError,
+)
+from pdserve.protocol import (
+    PROTOCOL_HEADER,
+    PROTOCOL_VERSION,
+    ContextRequest,
+    ContextResponse,
+    ErrorEnvelope,
+    GenerationChunk,
+    GenerationRequest,
+    ReleaseRequest,
+    WorkerRecord,
+)
+
+log = logging.getLogger(__name__)
+
+HEADERS = {PROTOCOL_HEADER: str(PROTOCOL_VERSION)}
+
+
+class WorkerUnreachableError(WorkerError):
+    """The connection to the worker could not be opened: the request was never delivered."""
+
+    code = "worker_unreachable"
+
+
+def _remaining(deadline: float) -> float:
+    return deadline - time.time()
+
+
+def _timeout(deadline: float, connect_timeout_s: float) -> httpx.Timeout:
+    left = max(_remaining(deadline), 0.001)
+    return httpx.Timeout(left, connect=min(left, connect_timeout_s))
+
+
+def error_from_envelope(leg: str, status: int, body: bytes) -> PdserveError:
+    """Map a worker's non-200 answer to a typed error, keeping its message and code.
+
+    ``leg`` names the worker in the message, e.g. ``"prefill worker p0"``. 400 stays 400 (the
+    worker refused the request itself), 503 -> :class:`CapacityError`, 504 ->
+    :class:`DeadlineExceededError`, a ``kv_*`` code -> :class:`TransferError`, anything else ->
+    :class:`WorkerError` (502).
+    """
+    try:
+        err = ErrorEnvelope.model_validate_json(body).error
+        message, code = err.message, err.code
+    except ValidationError:
+        message, code = body[:200].decode(errors="replace") or "(empty body)", None
+    text = f"{leg} answered HTTP {status}: {message}"
+    cls: type[PdserveError]
+    if status == 400:
+        cls = InvalidRequestError
+    elif status == 503:
+        cls = CapacityError
+    elif status == 504:
+        cls = DeadlineExceededError
+    elif code and code.startswith("kv_"):
+        cls = TransferError
+    else:
+        cls = WorkerError
+    return cls(text, code=code)
+
+
+def _transport_error(leg: str, exc: Exception, deadline: float) -> PdserveError:
+    if _remaining(deadline) <= 0 or isinstance(exc, TimeoutError):
+        return DeadlineExceededError(f"{leg} did not answer before the request deadline")
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+        return WorkerUnreachableError(f"{leg} unreachable: {exc!r}")
+    if isinstance(exc, httpx.TimeoutException):
+        return DeadlineExceededError(f"{leg} timed out: {exc!r}")
+    return WorkerError(f"{leg} failed: {exc!r}")
+
+
+class GenerationStream:
+    """An open ``/internal/generate`` NDJSON stream. Closing it (:meth:`aclose`) drops the
+    connection, which makes the decode worker abort the request and free its blocks."""
+
+    def __init__(self, response: httpx.Response, *, leg: str, deadline: float) -> None:
+        self._response = response
+        self._leg = leg
+        self._deadline = deadline
+        self.closed = False
+
+    async def chunks(self) -> AsyncIterator[GenerationChunk]:
+        """Yield chunks as they arrive; each read waits at most until the deadline.
+
+        Raises :class:`DeadlineExceededError` past the deadline, :class:`WorkerError` on a broken
+        connection or a line that is not a ``GenerationChunk``.
+        """
+        lines = self._response.aiter_lines()
+        while True:
+            try:
+                async with asyncio.timeout(max(_remaining(self._deadline), 0.0)):
+                    line = await anext(lines)
+            except StopAsyncIteration:
+                return
+            except (httpx.HTTPError, TimeoutError) as exc:
+                raise _transport_error(self._leg, exc, self._deadline) from exc
+            if not line.strip():
+                continue
+            try:
+                yield GenerationChunk.model_validate_json(line)
+            except ValidationError as exc:
+                raise WorkerError(f"{self._leg} sent a malformed chunk: {line[:200]!r}") from exc
+
+    async def aclose(self) -> None:
+        """Close the connection (idempotent)."""
+        if not self.closed:
+            self.closed = True
+            await self._response.aclose()
+
+
+class WorkerClient:
+    """The router's side of the worker request plane, over one shared ``httpx.AsyncClient``.
+
+    Ownership: the caller owns ``http`` (opens and closes it). ``connect_timeout_s`` bounds
+    opening a connection; ``release_timeout_s`` bounds a best-effort release.
+    """
+
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        *,
+        connect_timeout_s: float = 5.0,
+        release_timeout_s: float = 5.0,
+    ) -> None:
+        self._http = http
+        self.connect_timeout_s = connect_timeout_s
+        self.release_timeout_s = release_timeout_s
+
+    async def context(self, worker: WorkerRecord, req: ContextRequest) -> ContextResponse:
+        """Run the context phase on prefill ``worker``. Raises a typed error on failure."""
+        leg = f"prefill worker {worker.worker_id}"
+        try:
+            async with asyncio.timeout(max(_remaining(req.deadline), 0.0)):
+                resp = await self._http.post(
+                    f"{worker.http_url}/internal/context",
+                    content=req.model_dump_json(),
+                    headers={**HEADERS, "content-type": "application/json"},
+                    timeout=_timeout(req.deadline, self.connect_timeout_s),
+                )
+        except (httpx.HTTPError, TimeoutError) as exc:
+            raise _transport_error(leg, exc, req.deadline) from exc
+        if resp.status_code != 200:
+            raise error_from_envelope(leg, resp.status_code, resp.content)
+        try:
+            out = ContextResponse.model_validate_json(resp.content)
+        except ValidationError as exc:
+            raise WorkerError(f"{leg} sent a malformed ContextResponse: {exc}") from exc
+        if out.request_id != req.request_id:
+            raise WorkerError(f"{leg} answered for request {out.request_id!r}, not {req.request_id!r}")
+        if out.finish_reason is None and out.handle is None:
+            raise WorkerError(f"{leg} answered neither a finish reason nor a transfer handle")
+        return out
+
+    async def generate(self, worker: WorkerRecord, req: GenerationRequest) -> GenerationStream:
+        """Open the decode stream on ``worker``. Raises a typed error if the worker refuses the
+        request before streaming (its HTTP status and envelope)."""
+        leg = f"decode worker {worker.worker_id}"
+        request = self._http.build_request(
+            "POST",
+            f"{worker.http_url}/internal/generate",
+            content=req.model_dump_json(),
+            headers={**HEADERS, "content-type": "application/json"},
+            timeout=_timeout(req.deadline, self.connect_timeout_s),
+        )
+        try:
+            async with asyncio.timeout(max(_remaining(req.deadline), 0.0)):
+                resp = await self._http.send(request, stream=True)
+        except (httpx.HTTPError, TimeoutError) as exc:
+            raise _transport_error(leg, exc, req.deadline) from exc
+        if resp.status_code != 200:
+            try:
+                async with asyncio.timeout(self.connect_timeout_s):
+                    body = await resp.aread()
+            except (httpx.HTTPError, TimeoutError):
+                body = b""
+            finally:
+                await resp.aclose()
+            raise error_from_envelope(leg, resp.status_code, body)
+        return GenerationStream(resp, leg=leg, deadline=req.deadline)
+
+    async def release(self, worker: WorkerRecord, req: ReleaseRequest) -> bool:
+        """Ask prefill ``worker`` to free a parked request's blocks. Best effort: returns whether
+        the worker released something; logs and returns False on any failure."""
+        try:
+            resp = await self._http.post(
+                f"{worker.http_url}/internal/release",
+                content=req.model_dump_json(),
+                headers={**HEADERS, "content-type": "application/json"},
+                timeout=self.release_timeout_s,
+            )
+            if resp.status_code != 200:
+                log.warning(
+                    "release of %s on %s: HTTP %d %s",
+                    req.request_id,
+                    worker.worker_id,
+                    resp.status_code,
+                    resp.text[:200],
+                )
+                return False
+            released = bool(json.loads(resp.content).get("released", False))
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            log.warning("release of %s on %s failed: %r", req.request_id, worker.worker_id, exc)
+            return False
+        log.debug("release of %s on %s: released=%s", req.request_id, worker.worker_id, released)
+        return released

@@ -1,0 +1,269 @@
+"""The two-leg prefill -> decode transaction, under one wall-clock deadline.
+
+Lifecycle of one request (``Transaction.state``)::
+
+    1 PAIRING     Router.start(): the policy picks a compatible (P, D) pair
+    2 PREFILLING  POST ContextRequest to P /internal/context; a connection error (the request
+                  never reached P) retries once on another prefill worker
+    3 PREFILLED   Router.start() returns the Transaction: the first token is known and, unless
+                  it already finished the request, P holds the prompt's KV blocks under a lease
+    4 DECODING    Transaction.events(): the first token is yielded at once (TTFT does not wait
+                  for D), then POST GenerationRequest (first token + handle) to D
+                  /internal/generate and relay its NDJSON chunks
+    5 FINISHED    the last event carries finish_reason stop/length; D released P's blocks
+      FAILED      a typed error was raised (WorkerError, TransferError, CapacityError,
+                  DeadlineExceededError) or the consumer stopped early (client gone)
+
+Cleanup (:meth:`Transaction.aclose`, idempotent, also run when ``events()`` ends for any
+reason): close the D stream (the decode worker aborts and frees its blocks) and, unless the
+request FINISHED, POST ReleaseRequest to P (best effort, logged) so its parked blocks are freed
+now instead of at lease expiry. Cleanup is shielded from cancellation and bounded in time, so a
+client disconnect cannot skip it and cannot hang it.
+
+Ownership: the transaction owns the D stream and the router-side in-flight counts it took; P's
+parked blocks are P's, released by D (success) or by this transaction's release (failure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from enum import StrEnum
+
+import anyio
+
+from pdserve.errors import DeadlineExceededError, NoWorkerError, WorkerError
+from pdserve.protocol import (
+    ContextRequest,
+    ContextResponse,
+    FinishReason,
+    GenerationRequest,
+    ReleaseRequest,
+    SamplingParams,
+    TokenLogprob,
+)
+from pdserve.router.client import GenerationStream, WorkerClient, WorkerUnreachableError
+from pdserve.router.policy import Pair, choose_pair
+from pdserve.router.view import WorkerView
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One step of output: new token ids, their text and (if asked) logprobs. The last event
+    of a successful transaction has ``finish_reason`` STOP or LENGTH."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """What the router was asked to run. ``deadline`` is wall-clock UNIX seconds."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    deadline: float
+
+
+class TxnState(StrEnum):
+    PREFILLED = "prefilled"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+class Router:
+    """Starts transactions: pairs workers, runs the prefill leg, hands back a
+    :class:`Transaction` for the decode leg.
+
+    ``request_timeout_s`` is the whole request's budget (both legs). Ownership: the router uses
+    but does not own ``view`` and ``client``.
+    """
+
+    def __init__(self, view: WorkerView, client: WorkerClient, *, request_timeout_s: float):
+        self.view = view
+        self.client = client
+        self.request_timeout_s = request_timeout_s
+
+    async def start(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+    ) -> Transaction:
+        """Run states 1-3. Raises NoWorkerError (503) when no pair qualifies, or the prefill
+        leg's typed error; nothing has reached the client yet when it raises."""
+        spec = RequestSpec(
+            request_id, tuple(prompt_token_ids), sampling, time.time() + self.request_timeout_s
+        )
+        t0 = time.monotonic()
+        tried: list[str] = []
+        first_error: WorkerUnreachableError | None = None
+        while True:
+            try:
+                pair = choose_pair(self.view.candidates(), exclude_prefill=tried)
+            except NoWorkerError as exc:
+                if first_error is None:
+                    raise
+                raise WorkerUnreachableError(
+                    f"{first_error.message}; no other prefill worker to retry on"
+                ) from exc
+            holds = ExitStack()
+            holds.enter_context(self.view.track(pair.decode.worker_id))
+            try:
+                context = await self._prefill(spec, pair)
+            except WorkerUnreachableError as exc:
+                holds.close()
+                if first_error is not None:
+                    raise
+                log.warning("req %s: %s; retrying on another prefill worker", request_id, exc)
+                first_error = exc
+                tried.append(pair.prefill.worker_id)
+                continue
+            except BaseException:
+                holds.close()
+                raise
+            log.info(
+                "req %s: P=%s D=%s prompt=%d tokens, first token in %.1f ms%s",
+                request_id,
+                pair.prefill.worker_id,
+                pair.decode.worker_id,
+                len(spec.prompt_token_ids),
+                (time.monotonic() - t0) * 1e3,
+                f" (finished: {context.finish_reason})" if context.finish_reason else "",
+            )
+            return Transaction(self, spec, pair, context, holds)
+
+    async def _prefill(self, spec: RequestSpec, pair: Pair) -> ContextResponse:
+        req = ContextRequest(
+            request_id=spec.request_id,
+            prompt_token_ids=spec.prompt_token_ids,
+            sampling=spec.sampling,
+            deadline=spec.deadline,
+        )
+        with self.view.track(pair.prefill.worker_id):
+            try:
+                return await self.client.context(pair.prefill, req)
+            except BaseException as exc:
+                # Gave up waiting (deadline, client gone): P may still park the blocks, free them.
+                if isinstance(exc, DeadlineExceededError | asyncio.CancelledError):
+                    await self._release(pair, spec.request_id, pair.prefill.epoch)
+                raise
+
+    async def _release(self, pair: Pair, request_id: str, epoch: int) -> None:
+        """Best-effort release on P, shielded from cancellation and bounded in time."""
+        with anyio.move_on_after(self.client.release_timeout_s + 1.0, shield=True):
+            await self.client.release(
+                pair.prefill, ReleaseRequest(request_id=request_id, epoch=epoch)
+            )
+
+
+class Transaction:
+    """States 3-5 of one request; see the module docstring. Not reusable: iterate
+    :meth:`events` once, then (or instead) call :meth:`aclose`."""
+
+    def __init__(
+        self, router: Router, spec: RequestSpec, pair: Pair, context: ContextResponse, holds: ExitStack
+    ) -> None:
+        self._router = router
+        self.spec = spec
+        self.pair = pair
+        self.context = context
+        self._holds = holds
+        self._stream: GenerationStream | None = None
+        self._closed = False
+        self.state = TxnState.FINISHED if context.finish_reason else TxnState.PREFILLED
+        self.num_tokens = 1
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    async def events(self) -> AsyncIterator[TokenEvent]:
+        """Yield the first token (from P), then D's tokens. Raises a typed error on failure;
+        always cleans up (``aclose``) when it ends, however it ends."""
+        ctx = self.context
+        try:
+            yield TokenEvent(
+                (ctx.first_token,),
+                ctx.text,
+                (ctx.logprob,) if ctx.logprob is not None else (),
+                ctx.finish_reason,
+            )
+            if ctx.finish_reason is not None:
+                return
+            async for event in self._decode():
+                yield event
+        except BaseException:
+            if self.state is not TxnState.FINISHED:
+                self.state = TxnState.FAILED
+            raise
+        finally:
+            await self.aclose()
+
+    async def _decode(self) -> AsyncIterator[TokenEvent]:
+        assert self.context.handle is not None  # client.context() guarantees it
+        self.state = TxnState.DECODING
+        t0 = time.monotonic()
+        leg = f"decode worker {self.pair.decode.worker_id}"
+        self._stream = await self._router.client.generate(
+            self.pair.decode,
+            GenerationRequest(
+                request_id=self.request_id,
+                prompt_token_ids=self.spec.prompt_token_ids,
+                sampling=self.spec.sampling,
+                deadline=self.spec.deadline,
+                first_token=self.context.first_token,
+                handle=self.context.handle,
+            ),
+        )
+        async for chunk in self._stream.chunks():
+            if chunk.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+                raise WorkerError(f"{leg} failed the request: {chunk.error or chunk.finish_reason}")
+            if chunk.request_id != self.request_id:
+                raise WorkerError(f"{leg} streamed a chunk for request {chunk.request_id!r}")
+            self.num_tokens += len(chunk.token_ids)
+            if chunk.finish_reason is not None:
+                self.state = TxnState.FINISHED
+                log.info(
+                    "req %s finished (%s): %d tokens, decode leg %.1f ms",
+                    self.request_id,
+                    chunk.finish_reason,
+                    self.num_tokens,
+                    (time.monotonic() - t0) * 1e3,
+                )
+            yield TokenEvent(chunk.token_ids, chunk.text, chunk.logprobs, chunk.finish_reason)
+            if chunk.finish_reason is not None:
+                return
+        raise WorkerError(f"{leg} ended its stream without a finish reason")
+
+    async def aclose(self) -> None:
+        """Close the D stream and, unless FINISHED, release P's parked blocks. Idempotent,
+        shielded from cancellation, bounded by the client's release timeout."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            with anyio.move_on_after(self._router.client.release_timeout_s + 1.0, shield=True):
+                if self._stream is not None:
+                    await self._stream.aclose()
+                handle = self.context.handle
+                if self.state is not TxnState.FINISHED and handle is not None:
+                    log.info(
+                        "req %s: %s; releasing its blocks on %s",
+                        self.request_id,
+                        self.state,
+                        self.pair.prefill.worker_id,
+                    )
+                    await self._router.client.release(
+                        self.pair.prefill,
+                        ReleaseRequest(request_id=self.request_id, epoch=handle.epoch),
+                    )
+        finally:
+            self._holds.close()

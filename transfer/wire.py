@@ -1,0 +1,188 @@
+"""Control messages between two transceivers and their framing on the wire.
+
+Design origin: the TensorRT-LLM "KV cache transmission" seed (Sender/Receiver exchange control
+messages; the Formatter decides the block mapping) and vLLM's NIXL connector (typed handshake
+metadata, compatibility check before any byte moves).
+
+Frame = 4-byte big-endian unsigned length + that many bytes of UTF-8 JSON of one message below.
+Every message carries a ``type`` tag; the handshake carries ``protocol_version``
+(:data:`pdserve.protocol.PROTOCOL_VERSION`), so a peer speaking another version is refused in
+:class:`Hello`/:class:`HelloAck` before anything else is exchanged. On the TCP backend the
+:class:`BlockData` header is followed, on the same stream, by exactly ``nbytes`` raw KV bytes
+(no framing inside).
+
+Conversation on one connection (decode D connects to prefill P)::
+
+    D -> P  Hello           (version, worker id, epoch, layout, backend, pool geometry, NIXL info)
+    P -> D  HelloAck        (ok, or the refusal's error code + message)
+    then per request, any number of times:
+    D -> P  SendBlocks      (request id, epoch, transfer id, src block ids, dst block ids)
+    P -> D  BlockData + raw bytes           (TCP backend only)
+    P -> D  TransferDone | TransferFailed   (NIXL: after the WRITE completed locally)
+    D -> P  Release         (after D has the bytes; P then releases the parked blocks)
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from pdserve.errors import HandleError, LayoutMismatchError, TransferError
+from pdserve.protocol import PROTOCOL_VERSION, KVLayout
+
+HEADER = struct.Struct(">I")
+"""Frame header: payload length in bytes."""
+
+MAX_FRAME_BYTES = 16 * 1024 * 1024
+"""Upper bound on one control frame (the largest is a Hello with NIXL metadata, a few KiB)."""
+
+BACKEND_MISMATCH = "kv_backend_mismatch"
+PROTOCOL_MISMATCH = "kv_protocol_mismatch"
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class NixlPeerInfo(_Wire):
+    """What a NIXL WRITE target advertises: its agent and the registered pool region.
+
+    ``metadata_b64`` is ``nixl_agent.get_agent_metadata()`` in base64 (it includes the pool's
+    registration). ``pool_addr``/``pool_bytes`` are the pool tensor's base address and size in
+    bytes; ``mem_type`` is ``"DRAM"`` or ``"VRAM"``; ``device_id`` is the CUDA index (0 on CPU).
+    """
+
+    agent_name: str
+    metadata_b64: str
+    pool_addr: int = Field(ge=0)
+    pool_bytes: int = Field(gt=0)
+    mem_type: Literal["DRAM", "VRAM"] = "DRAM"
+    device_id: int = Field(default=0, ge=0)
+
+
+class Hello(_Wire):
+    """First message of a connection, decode -> prefill. ``num_blocks`` is the sender's pool
+    size in blocks (the pool geometry beyond the layout)."""
+
+    type: Literal["hello"] = "hello"
+    protocol_version: int = PROTOCOL_VERSION
+    worker_id: str
+    epoch: int
+    layout: KVLayout
+    backend: str
+    num_blocks: int = Field(gt=0)
+    nixl: NixlPeerInfo | None = None
+
+
+class HelloAck(_Wire):
+    """Prefill -> decode answer to :class:`Hello`. ``ok=False`` carries the refusal in
+    ``code``/``message`` (codes of :class:`pdserve.errors.TransferError` and subclasses)."""
+
+    type: Literal["hello_ack"] = "hello_ack"
+    ok: bool
+    protocol_version: int = PROTOCOL_VERSION
+    worker_id: str
+    epoch: int
+    layout: KVLayout
+    backend: str
+    num_blocks: int = Field(gt=0)
+    code: str | None = None
+    message: str | None = None
+
+
+class SendBlocks(_Wire):
+    """Decode -> prefill: move the parked blocks ``src_block_ids`` of ``request_id`` into the
+    decode pool's ``dst_block_ids`` (same length; element ``i`` maps to element ``i``, every
+    layer). ``transfer_id`` is unique per pull; it tags the NIXL notification."""
+
+    type: Literal["send_blocks"] = "send_blocks"
+    request_id: str
+    epoch: int
+    transfer_id: str
+    src_block_ids: tuple[int, ...]
+    dst_block_ids: tuple[int, ...]
+
+
+class BlockData(_Wire):
+    """Prefill -> decode (TCP backend): exactly ``nbytes`` raw KV bytes follow this frame, in
+    the order of the transfer plan's segments (layer-major, then block runs)."""
+
+    type: Literal["block_data"] = "block_data"
+    transfer_id: str
+    nbytes: int = Field(ge=0)
+
+
+class TransferDone(_Wire):
+    """Prefill -> decode: every byte of ``transfer_id`` has been sent (TCP) or written and
+    completed locally (NIXL; the decode side still waits for the NIXL notification)."""
+
+    type: Literal["transfer_done"] = "transfer_done"
+    transfer_id: str
+    nbytes: int = Field(ge=0)
+
+
+class TransferFailed(_Wire):
+    """Prefill -> decode: the transfer did not happen; ``code`` is a TransferError code."""
+
+    type: Literal["transfer_failed"] = "transfer_failed"
+    transfer_id: str
+    code: str
+    message: str
+
+
+class Release(_Wire):
+    """Decode -> prefill: the decode side holds the blocks; the prefill side may free them."""
+
+    type: Literal["release"] = "release"
+    request_id: str
+
+
+Message = Annotated[
+    Hello | HelloAck | SendBlocks | BlockData | TransferDone | TransferFailed | Release,
+    Field(discriminator="type"),
+]
+_MESSAGE: TypeAdapter[Message] = TypeAdapter(Message)
+
+
+def encode(msg: _Wire) -> bytes:
+    """One frame: length header + JSON payload."""
+    payload = msg.model_dump_json().encode()
+    return HEADER.pack(len(payload)) + payload
+
+
+def frame_length(header: bytes) -> int:
+    """Payload length from a 4-byte header; raises TransferError past :data:`MAX_FRAME_BYTES`."""
+    (length,) = HEADER.unpack(header)
+    if length > MAX_FRAME_BYTES:
+        raise TransferError(f"control frame of {length} bytes exceeds {MAX_FRAME_BYTES}")
+    return length
+
+
+def decode(payload: bytes | bytearray | memoryview) -> Message:
+    """Parse one frame payload; raises TransferError on anything that is not a known message."""
+    try:
+        return _MESSAGE.validate_json(payload)
+    except ValidationError as exc:
+        raise TransferError(f"malformed transfer control message: {exc}") from exc
+
+
+_ERRORS: dict[str, type[TransferError]] = {
+    LayoutMismatchError.code: LayoutMismatchError,
+    HandleError.code: HandleError,
+}
+
+
+def error_from_wire(code: str | None, message: str | None) -> TransferError:
+    """Rebuild the exception a peer reported: the same class for known codes, else a
+    TransferError keeping the peer's code."""
+    cls = _ERRORS.get(code or "", TransferError)
+    if cls is TransferError:
+        return TransferError(message or "peer reported a transfer failure", code=code)
+    return cls(message or "peer reported a transfer failure")
+
+
+def error_code(exc: TransferError) -> str:
+    """The wire code of a transfer error (its class default unless overridden)."""
+    return exc.code or TransferError.code or "kv_transfer_failed"
