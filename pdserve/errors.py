@@ -7,6 +7,8 @@ HTTP status and OpenAI error ``type``/``code`` it maps to; the HTTP layers turn 
 
 from __future__ import annotations
 
+from typing import Any
+
 from pdserve.protocol import ErrorBody, ErrorEnvelope
 
 
@@ -29,7 +31,7 @@ class PdserveError(Exception):
             error=ErrorBody(message=self.message, type=self.type, code=self.code, param=self.param)
         )
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return self.envelope().model_dump()
 
 

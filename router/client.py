@@ -180,7 +180,9 @@ class WorkerClient:
         except ValidationError as exc:
             raise WorkerError(f"{leg} sent a malformed ContextResponse: {exc}") from exc
         if out.request_id != req.request_id:
-            raise WorkerError(f"{leg} answered for request {out.request_id!r}, not {req.request_id!r}")
+            raise WorkerError(
+                f"{leg} answered for request {out.request_id!r}, not {req.request_id!r}"
+            )
         if out.finish_reason is None and out.handle is None:
             raise WorkerError(f"{leg} answered neither a finish reason nor a transfer handle")
         return out

@@ -169,7 +169,12 @@ class Transaction:
     :meth:`events` once, then (or instead) call :meth:`aclose`."""
 
     def __init__(
-        self, router: Router, spec: RequestSpec, pair: Pair, context: ContextResponse, holds: ExitStack
+        self,
+        router: Router,
+        spec: RequestSpec,
+        pair: Pair,
+        context: ContextResponse,
+        holds: ExitStack,
     ) -> None:
         self._router = router
         self.spec = spec

@@ -1,1 +1,22 @@
-"""KV transfer: transceiver, sender/receiver, formatter, connections and transfer agents."""
+"""KV transfer: transceiver, sender/receiver, formatter, connections and transfer agents.
+
+Public API (docs/architecture.md, "Transfer")::
+
+    create_transceiver(cfg, *, pool, layout, worker_id, epoch, parked) -> Transceiver
+    Transceiver: backend, endpoint, start(), communicator(), pull(handle, dst_block_ids), close()
+    ParkedLookup: lookup(request_id, epoch) -> block ids; release(request_id)
+
+Modules (the TensorRT-LLM "KV cache transmission" components):
+``transceiver`` (Transceiver), ``sender`` / ``receiver`` (control plane, prefill / decode side),
+``handshake`` (version/backend/layout checks), ``formatter`` (layout mapping, block runs),
+``wire`` (typed control messages and framing), ``tcp`` (Connection and the TCP backend),
+``nixl_agent`` (TransferAgent over NIXL, the NIXL backend), ``backend`` (data-plane interface and
+lazy registry), ``bench`` (GB/s between two processes).
+
+Importing this package does not import NIXL: the NIXL backend loads on first use.
+"""
+
+from pdserve.transfer.sender import ParkedLookup
+from pdserve.transfer.transceiver import Transceiver, create_transceiver
+
+__all__ = ["ParkedLookup", "Transceiver", "create_transceiver"]

@@ -186,3 +186,13 @@ def error_from_wire(code: str | None, message: str | None) -> TransferError:
 def error_code(exc: TransferError) -> str:
     """The wire code of a transfer error (its class default unless overridden)."""
     return exc.code or TransferError.code or "kv_transfer_failed"
+
+
+def expect_done(msg: Message, transfer_id: str) -> int:
+    """Check that ``msg`` completes ``transfer_id``; returns its byte count. Raises the peer's
+    error for TransferFailed, TransferError for anything else."""
+    if isinstance(msg, TransferFailed) and msg.transfer_id == transfer_id:
+        raise error_from_wire(msg.code, msg.message)
+    if isinstance(msg, TransferDone) and msg.transfer_id == transfer_id:
+        return msg.nbytes
+    raise TransferError(f"unexpected {msg.type!r} while waiting for transfer {transfer_id}")

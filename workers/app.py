@@ -222,8 +222,16 @@ def create_worker_app(cfg: WorkerConfig, *, http_url: str) -> FastAPI:
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        if not state.ready:
-            return JSONResponse({"ready": False}, status_code=503)
+        from pdserve.discovery import RegistrationState
+
+        registered = (
+            state.registration is not None
+            and state.registration.state is RegistrationState.REGISTERED
+        )
+        if not (state.ready and registered):
+            return JSONResponse(
+                {"ready": False, "loaded": state.ready, "registered": registered}, status_code=503
+            )
         return JSONResponse({"ready": True, "worker_id": worker_id})
 
     @app.get("/load")

@@ -83,10 +83,14 @@ def parse_discovery_url(url: str, *, allow_embedded: bool = False) -> DiscoveryU
         if not allow_embedded:
             raise bad("'embedded' names the router's in-process registry, use the router's URL")
         return DiscoveryURL("embedded")
+    if "://" not in url:
+        raise bad("missing scheme")
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in ("http", "https", "etcd"):
-        raise bad(f"unknown scheme {parts.scheme or '(none)'!r}")
+        raise bad(f"unknown scheme {parts.scheme!r}")
+    if "," in parts.netloc:
+        raise bad("only one endpoint is supported")
     try:
         port = parts.port
     except ValueError as exc:
@@ -97,8 +101,6 @@ def parse_discovery_url(url: str, *, allow_embedded: bool = False) -> DiscoveryU
     if parts.username or parts.password or parts.query or parts.fragment:
         raise bad("credentials, query and fragment are not supported")
     if scheme == "etcd":
-        if "," in parts.netloc:
-            raise bad("only one etcd endpoint is supported")
         if parts.path not in ("", "/"):
             raise bad(f"etcd URLs take no path (got {parts.path!r})")
         return DiscoveryURL("etcd", host, port or 2379)
@@ -196,8 +198,10 @@ class Registration(abc.ABC):
 
     @abc.abstractmethod
     async def start(self, record: WorkerRecord) -> None:
-        """Register ``record`` and start the refresh task. Tries once inline; if the registry is
-        unreachable it logs a warning, leaves state RETRYING and the task keeps trying."""
+        """Register ``record`` and start the refresh task. Tries once inline (bounded by the
+        backend's request timeout, at most 5 s); if the registry is unreachable it logs a
+        warning, leaves state RETRYING and the task keeps trying. Raises ``RuntimeError`` if
+        already started, ``ValueError`` for a worker_id that is not URL/key safe."""
 
     @abc.abstractmethod
     async def update(self, record: WorkerRecord) -> None:

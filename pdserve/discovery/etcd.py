@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -64,7 +66,7 @@ def worker_key(worker_id: str) -> bytes:
 def _new_client(host: str, port: int, timeout_s: float) -> aetcd.Client:
     import aetcd  # lazy: gRPC loads only when etcd is used
 
-    return aetcd.Client(host=host, port=port, timeout=timeout_s, options=dict(_GRPC_OPTIONS))  # type: ignore[arg-type]
+    return aetcd.Client(host=host, port=port, timeout=timeout_s, options=dict(_GRPC_OPTIONS))
 
 
 async def _close_client(client: aetcd.Client) -> None:
@@ -135,13 +137,18 @@ class EtcdRegistration(Registration):
         return self._record.worker_id if self._record else "?"
 
     async def _register(self) -> None:
-        """Grant a fresh lease and put the record under it."""
+        """Grant a fresh lease and put the record under it. ``lease_id`` is set only once the
+        put succeeded, so a failure in between leads to a full retry (the orphan lease lapses).
+        """
         record = self._record
         assert record is not None
+        self.lease_id = None
         lease = await self._client.lease(self.lease_ttl_s)
-        self.lease_id = lease.id
         self._wake.clear()  # the put below carries the newest record
-        await self._client.put(worker_key(record.worker_id), record.model_dump_json().encode(), lease)
+        await self._client.put(
+            worker_key(record.worker_id), record.model_dump_json().encode(), lease
+        )
+        self.lease_id = lease.id
         logger.info(
             "%s worker %s (epoch %d) in etcd %s, lease %x ttl %d s",
             "re-registered" if self._ever_registered else "registered",
@@ -173,7 +180,7 @@ class EtcdRegistration(Registration):
         if reply is None or reply.TTL <= 0:
             raise LeaseLostError
 
-    async def _attempt(self, step: Any) -> bool:
+    async def _attempt(self, step: Callable[[], Awaitable[None]]) -> bool:
         """Run one keepalive step; re-register on a lost lease; update state; never raise."""
         try:
             try:
@@ -183,7 +190,8 @@ class EtcdRegistration(Registration):
                 self.lease_id = None
                 await self._register()
         except Exception as exc:  # etcd down, timeout, gRPC error: retry, never crash the worker
-            self.state = RegistrationState.RETRYING
+            if self.state is not RegistrationState.CLOSED:
+                self.state = RegistrationState.RETRYING
             failures = self._backoff.failures + 1
             if failures == 1 or failures % 10 == 0:
                 logger.warning(
@@ -197,7 +205,8 @@ class EtcdRegistration(Registration):
         if self._backoff.failures:
             logger.info("etcd %s reachable again", self.endpoint)
         self._backoff.reset()
-        self.state = RegistrationState.REGISTERED
+        if self.state is not RegistrationState.CLOSED:
+            self.state = RegistrationState.REGISTERED
         return True
 
     async def _step(self, refresh_due: bool) -> None:
@@ -222,7 +231,7 @@ class EtcdRegistration(Registration):
             else:  # updates do not shorten the backoff
                 await asyncio.sleep(self._backoff.next_delay())
             refresh_due = not ok or loop.time() >= next_refresh
-            ok = await self._attempt(lambda: self._step(refresh_due))  # noqa: B023
+            ok = await self._attempt(functools.partial(self._step, refresh_due))
             if ok and refresh_due:
                 next_refresh = loop.time() + self.refresh_interval_s
 
@@ -310,7 +319,7 @@ class EtcdWatcher(Watcher):
     def _apply(self, event: Any) -> None:
         worker_id = event.kv.key.decode(errors="replace").removeprefix(PREFIX)
         if event.kind == "DELETE":
-            self.view.delete(worker_id, "deleted from etcd (lease expired or revoked)")
+            self.view.delete(worker_id, "deleted in etcd: lease expired or revoked")
             return
         record = self._decode(event.kv.key, event.kv.value)
         if record is not None:

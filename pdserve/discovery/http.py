@@ -102,7 +102,11 @@ class HttpRegistration(Registration):
         assert record is not None
         body = RegisterBody(record=record, ttl_s=self.ttl_s)
         try:
-            resp = await self._client.put(self._path, content=body.model_dump_json())
+            resp = await self._client.put(
+                self._path,
+                content=body.model_dump_json(),
+                headers={"content-type": "application/json"},
+            )
             resp.raise_for_status()
             reply = RegisterReply.model_validate_json(resp.content)
         except (httpx.HTTPError, ValueError) as exc:

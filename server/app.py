@@ -1,0 +1,267 @@
+"""The router process's HTTP app: OpenAI-compatible API in front of the two-leg router.
+
+Lifecycle (the lifespan)::
+
+    1 START  load the tokenizer (local files only) and work out the context window; start the
+             embedded registry (if this app created it) and the discovery watcher (if this app
+             opened it); open the httpx client for the worker request plane (if not injected)
+    2 SERVE  /v1/chat/completions, /v1/completions, /v1/models, /health, /ready (+ /registry/...
+             when an embedded registry is mounted)
+    3 STOP   close what step 1 opened, in reverse order; injected objects are left alone
+
+Request path: validate + tokenize (:mod:`pdserve.server.preprocess`), run the prefill leg
+(``Router.start``; its failure is an HTTP error status), then relay the decode leg as one JSON
+body or as SSE (a failure after the first byte is an in-band error event, :mod:`.sse`).
+
+All state lives in :class:`ServerState` on ``app.state.pdserve``, created by the lifespan; the
+module holds none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, aclosing, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from pdserve.config import RouterConfig
+from pdserve.errors import PdserveError
+from pdserve.router.client import WorkerClient
+from pdserve.router.transaction import Router, Transaction
+from pdserve.router.view import WorkerSource, WorkerView
+from pdserve.server.errors import install_error_handlers
+from pdserve.server.output import ChatFormatter, CompletionFormatter, RequestInfo
+from pdserve.server.preprocess import Prepared, Preprocessor, context_window, load_tokenizer
+from pdserve.server.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from pdserve.server.sse import DONE, SSEResponse, encode_error, encode_event
+from pdserve.server.tokens import TokenFormatter
+
+log = logging.getLogger(__name__)
+
+Formatter = ChatFormatter | CompletionFormatter
+
+
+@dataclass
+class ServerState:
+    """Everything a request handler needs, built by the lifespan."""
+
+    cfg: RouterConfig
+    preprocessor: Preprocessor
+    tokens: TokenFormatter
+    view: WorkerView
+    router: Router
+    max_model_len: int
+    started_at: int
+
+
+def create_app(
+    cfg: RouterConfig,
+    *,
+    watcher: Any | None = None,
+    registry: Any | None = None,
+    http_client: httpx.AsyncClient | None = None,
+) -> FastAPI:
+    """Build the router app for ``cfg``.
+
+    - ``watcher``: discovery watcher (``workers() -> dict[str, WorkerRecord]``; ``start()`` and
+      ``close()`` are called only on a watcher this app opens itself with
+      ``pdserve.discovery.open_watcher(cfg.discovery, registry=registry)``).
+    - ``registry``: an embedded registry to mount (``api_router()`` under ``/registry``). When
+      neither ``watcher`` nor ``registry`` is given and ``cfg.discovery == "embedded"``, the app
+      creates an ``EmbeddedRegistry(ttl_s=cfg.registration_ttl_s)`` and starts/closes it.
+    - ``http_client``: the client for the worker request plane; created (and closed) by the
+      lifespan when not given.
+
+    Injected objects are used as they are: the caller starts and closes them.
+    """
+    owned_registry = registry is None and watcher is None and cfg.discovery == "embedded"
+    if owned_registry:
+        from pdserve.discovery import EmbeddedRegistry
+
+        registry = EmbeddedRegistry(ttl_s=cfg.registration_ttl_s)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with AsyncExitStack() as stack:
+            app.state.pdserve = await _start(
+                cfg, stack, watcher, registry, owned_registry, http_client
+            )
+            log.info(
+                "router serving %s (context window %d tokens, discovery %s)",
+                cfg.served_model_name,
+                app.state.pdserve.max_model_len,
+                cfg.discovery,
+            )
+            try:
+                yield
+            finally:
+                del app.state.pdserve
+        log.info("router stopped")
+
+    app = FastAPI(title="pdserve", lifespan=lifespan)
+    install_error_handlers(app)
+    if registry is not None:
+        app.include_router(registry.api_router())
+    _add_routes(app)
+    return app
+
+
+async def _start(
+    cfg: RouterConfig,
+    stack: AsyncExitStack,
+    watcher: Any | None,
+    registry: Any | None,
+    owned_registry: bool,
+    http_client: httpx.AsyncClient | None,
+) -> ServerState:
+    """Lifespan step 1. Everything opened here is pushed onto ``stack`` for step 3."""
+    tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model_path)
+    max_model_len = context_window(cfg, tokenizer)
+    if owned_registry:
+        await registry.start()
+        stack.push_async_callback(registry.close)
+    if watcher is None:
+        from pdserve.discovery import open_watcher
+
+        watcher = open_watcher(cfg.discovery, registry=registry)
+        await watcher.start()
+        stack.push_async_callback(watcher.close)
+    if http_client is None:
+        http_client = httpx.AsyncClient(
+            timeout=httpx.Timeout(cfg.request_timeout_s, connect=5.0),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=128),
+            trust_env=False,  # the request plane never goes through an HTTP proxy
+        )
+        stack.push_async_callback(http_client.aclose)
+    source: WorkerSource = watcher
+    view = WorkerView(source, served_model_name=cfg.served_model_name)
+    return ServerState(
+        cfg=cfg,
+        preprocessor=Preprocessor(
+            tokenizer, served_model_name=cfg.served_model_name, max_model_len=max_model_len
+        ),
+        tokens=TokenFormatter(tokenizer),
+        view=view,
+        router=Router(view, WorkerClient(http_client), request_timeout_s=cfg.request_timeout_s),
+        max_model_len=max_model_len,
+        started_at=int(time.time()),
+    )
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.pdserve  # type: ignore[no-any-return]
+
+
+def _add_routes(app: FastAPI) -> None:
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        """200 while the process serves HTTP."""
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(request: Request) -> JSONResponse:
+        """200 when a compatible prefill + decode pair serves the model, else 503 + missing."""
+        st = _state(request)
+        r = st.view.readiness()
+        body = {
+            "status": "ready" if r.ready else "not_ready",
+            "model": st.cfg.served_model_name,
+            "prefill": list(r.prefill),
+            "decode": list(r.decode),
+        }
+        if not r.ready:
+            body["missing"] = list(r.missing)
+        return JSONResponse(body, status_code=200 if r.ready else 503)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        st = _state(request)
+        card = ModelCard(
+            id=st.cfg.served_model_name, created=st.started_at, max_model_len=st.max_model_len
+        )
+        return ModelList(data=[card]).model_dump(mode="json")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        st = _state(request)
+        prepared = st.preprocessor.chat(body)
+        info = _info(f"chatcmpl-{uuid.uuid4().hex}", st, prepared, body.logprobs, body)
+        return await _serve(st, prepared, ChatFormatter(info, st.tokens), stream=body.stream)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        st = _state(request)
+        prepared = st.preprocessor.completion(body)
+        info = _info(f"cmpl-{uuid.uuid4().hex}", st, prepared, body.logprobs is not None, body)
+        return await _serve(st, prepared, CompletionFormatter(info, st.tokens), stream=body.stream)
+
+
+def _info(
+    response_id: str,
+    st: ServerState,
+    prepared: Prepared,
+    logprobs: bool,
+    body: ChatCompletionRequest | CompletionRequest,
+) -> RequestInfo:
+    return RequestInfo(
+        response_id=response_id,
+        model=st.cfg.served_model_name,
+        prompt_tokens=len(prepared.prompt_token_ids),
+        logprobs=logprobs,
+        include_usage=bool(
+            body.stream and body.stream_options and body.stream_options.include_usage
+        ),
+    )
+
+
+async def _serve(st: ServerState, prepared: Prepared, fmt: Formatter, *, stream: bool) -> Response:
+    """Run the transaction; errors before the first byte raise (-> HTTP status)."""
+    request_id = fmt.info.response_id
+    log.debug(
+        "req %s: %d prompt tokens, %s, stream=%s",
+        request_id,
+        len(prepared.prompt_token_ids),
+        prepared.sampling,
+        stream,
+    )
+    txn = await st.router.start(request_id, prepared.prompt_token_ids, prepared.sampling)
+    if stream:
+        return SSEResponse(_sse(txn, fmt), headers={"x-request-id": request_id})
+    try:
+        async with aclosing(txn.events()) as events:
+            async for event in events:
+                fmt.add(event)
+    finally:
+        await txn.aclose()
+    return JSONResponse(fmt.response(), headers={"x-request-id": request_id})
+
+
+async def _sse(txn: Transaction, fmt: Formatter) -> AsyncIterator[bytes]:
+    """The SSE body: chunks, the usage chunk if asked, ``[DONE]``; a failure becomes an error
+    event followed by ``[DONE]``. The transaction is closed however this ends."""
+    try:
+        start = fmt.start()
+        if start is not None:
+            yield encode_event(start)
+        async with aclosing(txn.events()) as events:
+            async for event in events:
+                yield encode_event(fmt.chunk(event))
+        if fmt.info.include_usage:
+            yield encode_event(fmt.usage_chunk())
+    except PdserveError as exc:
+        log.warning("req %s failed mid-stream: %s", txn.request_id, exc.message)
+        yield encode_error(exc)
+    except Exception as exc:
+        log.exception("req %s: unexpected error mid-stream", txn.request_id)
+        yield encode_error(PdserveError(f"internal error: {exc!r}"))
+    finally:
+        await txn.aclose()
+    yield DONE

@@ -1,0 +1,207 @@
+"""Router events -> OpenAI responses and stream chunks, for chat and for completions.
+
+One formatter object per request. Streaming: ``start()`` (chat only: the role chunk), one
+``chunk(event)`` per :class:`~pdserve.router.transaction.TokenEvent`, then ``usage_chunk()``
+when ``stream_options.include_usage`` asked for it. Not streaming: ``add(event)`` for every
+event, then ``response()``. Both paths count completion tokens for ``usage``.
+
+Logprobs: natural-log probabilities from the workers' :class:`TokenLogprob`, token strings and
+bytes from :class:`~pdserve.server.tokens.TokenFormatter`. Chat reports
+``choices[].logprobs.content[]`` (token, logprob, bytes, top_logprobs); completions report
+``tokens``, ``token_logprobs``, ``top_logprobs`` (token -> logprob) and ``text_offset`` (the
+character offset of each token in the completion text).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.protocol import TokenLogprob
+from pdserve.router.transaction import TokenEvent
+from pdserve.server.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    DeltaMessage,
+    TopLogprob,
+    Usage,
+)
+from pdserve.server.tokens import TokenFormatter
+
+
+@dataclass
+class RequestInfo:
+    """What every response of one request repeats."""
+
+    response_id: str
+    model: str
+    prompt_tokens: int
+    logprobs: bool = False
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class _Formatter:
+    def __init__(self, info: RequestInfo, tokens: TokenFormatter) -> None:
+        self.info = info
+        self.tokens = tokens
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self._texts: list[str] = []
+        self._collected: list[TokenLogprob] = []
+
+    def add(self, event: TokenEvent) -> None:
+        """Account for one event (both paths call this)."""
+        self.completion_tokens += len(event.token_ids)
+        self._texts.append(event.text)
+        if self.info.logprobs:
+            self._collected.extend(event.logprobs)
+        if event.finish_reason is not None:
+            self.finish_reason = str(event.finish_reason)
+
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=self.info.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.info.prompt_tokens + self.completion_tokens,
+        )
+
+    def _dump_chunk(self, model: Any) -> dict[str, Any]:
+        out = model.model_dump(mode="json")
+        if not self.info.include_usage:
+            out.pop("usage", None)
+        return out
+
+
+class ChatFormatter(_Formatter):
+    def _chat_logprobs(self, items: list[TokenLogprob]) -> ChatLogprobs | None:
+        if not self.info.logprobs:
+            return None
+        t = self.tokens
+        return ChatLogprobs(
+            content=[
+                ChatTokenLogprob(
+                    token=t.text(lp.token_id),
+                    logprob=lp.logprob,
+                    bytes=t.bytes(lp.token_id),
+                    top_logprobs=[
+                        TopLogprob(token=t.text(tid), logprob=v, bytes=t.bytes(tid))
+                        for tid, v in lp.top
+                    ],
+                )
+                for lp in items
+            ]
+        )
+
+    def start(self) -> dict[str, Any]:
+        """The first stream chunk: the assistant role, no content yet."""
+        return self._chunk(DeltaMessage(role="assistant", content=""), None, None)
+
+    def chunk(self, event: TokenEvent) -> dict[str, Any]:
+        self.add(event)
+        logprobs = self._chat_logprobs(list(event.logprobs))
+        finish = str(event.finish_reason) if event.finish_reason is not None else None
+        return self._chunk(DeltaMessage(content=event.text), logprobs, finish)
+
+    def usage_chunk(self) -> dict[str, Any]:
+        chunk = ChatCompletionChunk(
+            id=self.info.response_id,
+            created=self.info.created,
+            model=self.info.model,
+            choices=[],
+            usage=self.usage(),
+        )
+        return chunk.model_dump(mode="json")
+
+    def _chunk(
+        self, delta: DeltaMessage, logprobs: ChatLogprobs | None, finish: str | None
+    ) -> dict[str, Any]:
+        choice = ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish)
+        chunk = ChatCompletionChunk(
+            id=self.info.response_id,
+            created=self.info.created,
+            model=self.info.model,
+            choices=[choice],
+        )
+        out = self._dump_chunk(chunk)
+        if delta.role is None:
+            out["choices"][0]["delta"].pop("role")
+        return out
+
+    def response(self) -> dict[str, Any]:
+        choice = ChatChoice(
+            message=AssistantMessage(content="".join(self._texts)),
+            logprobs=self._chat_logprobs(self._collected),
+            finish_reason=self.finish_reason,
+        )
+        resp = ChatCompletionResponse(
+            id=self.info.response_id,
+            created=self.info.created,
+            model=self.info.model,
+            choices=[choice],
+            usage=self.usage(),
+        )
+        return resp.model_dump(mode="json")
+
+
+class CompletionFormatter(_Formatter):
+    def __init__(self, info: RequestInfo, tokens: TokenFormatter) -> None:
+        super().__init__(info, tokens)
+        self._offset = 0  # characters of completion text reported so far (text_offset)
+
+    def _logprobs_for(self, items: list[TokenLogprob]) -> CompletionLogprobs | None:
+        if not self.info.logprobs:
+            return None
+        t = self.tokens
+        out = CompletionLogprobs()
+        for lp in items:
+            text = t.text(lp.token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(lp.logprob)
+            out.top_logprobs.append({t.text(tid): v for tid, v in lp.top})
+            out.text_offset.append(self._offset)
+            self._offset += len(text)
+        return out
+
+    def start(self) -> None:
+        """Completions streams have no role chunk."""
+        return None
+
+    def chunk(self, event: TokenEvent) -> dict[str, Any]:
+        self.add(event)
+        choice = CompletionChoice(
+            text=event.text,
+            logprobs=self._logprobs_for(list(event.logprobs)),
+            finish_reason=str(event.finish_reason) if event.finish_reason is not None else None,
+        )
+        return self._dump_chunk(self._wrap(choice, None))
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return self._wrap(None, self.usage()).model_dump(mode="json")
+
+    def response(self) -> dict[str, Any]:
+        self._offset = 0
+        choice = CompletionChoice(
+            text="".join(self._texts),
+            logprobs=self._logprobs_for(self._collected),
+            finish_reason=self.finish_reason,
+        )
+        return self._wrap(choice, self.usage()).model_dump(mode="json")
+
+    def _wrap(self, choice: CompletionChoice | None, usage: Usage | None) -> CompletionResponse:
+        return CompletionResponse(
+            id=self.info.response_id,
+            created=self.info.created,
+            model=self.info.model,
+            choices=[choice] if choice is not None else [],
+            usage=usage,
+        )

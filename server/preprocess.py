@@ -1,0 +1,225 @@
+"""Turn an OpenAI request into what the router runs: prompt token ids + SamplingParams.
+
+Steps, in order (the first failure raises a typed error, nothing is sent to a worker):
+
+1. model name: must be the served model, else :class:`ModelNotFoundError` (404).
+2. refuse unsupported features that would change the output: ``n > 1``, non-zero presence or
+   frequency penalty, ``echo``, ``best_of > 1``, ``suffix``, ``top_logprobs`` without
+   ``logprobs``, a batch of several prompts (400).
+3. prompt -> token ids: chat messages through the tokenizer's chat template
+   (``add_generation_prompt=True``, the template supplies any BOS), a completion prompt string
+   through ``encode`` with the tokenizer's special tokens, or the client's own token ids
+   (checked against the vocabulary).
+4. context window: ``len(prompt) + max_tokens <= max_model_len``, else 400 with the numbers.
+   Chat without ``max_tokens`` gets the rest of the window; completions default to 16.
+
+Thread-safety: the tokenizer is only read; calls may run concurrently.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jinja2 import TemplateError
+
+from pdserve.config import RouterConfig
+from pdserve.errors import ConfigError, InvalidRequestError, ModelNotFoundError
+from pdserve.protocol import SamplingParams
+from pdserve.server.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+
+log = logging.getLogger(__name__)
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+_UNSET_MODEL_MAX = 10**8  # transformers' "no limit" placeholder is ~1e30
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated request: what to run and how."""
+
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+
+
+def load_tokenizer(model_path: Path) -> Any:
+    """The model folder's tokenizer (``AutoTokenizer``, local files only). Raises ConfigError."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot load the tokenizer from {model_path}: {exc}") from exc
+
+
+def context_window(cfg: RouterConfig, tokenizer: Any) -> int:
+    """Tokens a request may span (prompt + completion): ``cfg.max_model_len``, else the model
+    config's ``max_position_embeddings`` (or ``n_positions`` / ``max_seq_len``), else the
+    tokenizer's ``model_max_length``. Raises ConfigError when none is known."""
+    if cfg.max_model_len:
+        return cfg.max_model_len
+    config_file = Path(cfg.model_path) / "config.json"
+    if config_file.is_file():
+        config = json.loads(config_file.read_text())
+        for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+            value = config.get(key) or config.get("text_config", {}).get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+    limit = getattr(tokenizer, "model_max_length", None)
+    if isinstance(limit, int) and 0 < limit < _UNSET_MODEL_MAX:
+        return limit
+    raise ConfigError(f"cannot tell the context window of {cfg.model_path}: set max_model_len")
+
+
+class Preprocessor:
+    """Validates and tokenizes requests for one served model; see the module docstring."""
+
+    def __init__(self, tokenizer: Any, *, served_model_name: str, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.served_model_name = served_model_name
+        self.max_model_len = max_model_len
+        self.vocab_size = len(tokenizer)
+
+    def chat(self, req: ChatCompletionRequest) -> Prepared:
+        self._check_common(req)
+        if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
+            raise InvalidRequestError("top_logprobs requires logprobs=true", param="top_logprobs")
+        if not req.messages:
+            raise InvalidRequestError("messages must not be empty", param="messages")
+        messages = [
+            {"role": m.role, "content": _content_text(m.content, i)}
+            for i, m in enumerate(req.messages)
+        ]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+        except (TemplateError, ValueError, TypeError) as exc:
+            raise InvalidRequestError(
+                f"cannot apply the chat template: {exc}", param="messages"
+            ) from exc
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        max_tokens = self._max_tokens(
+            len(ids),
+            req.max_completion_tokens or req.max_tokens,
+            param="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
+            prompt_param="messages",
+        )
+        sampling = _sampling(
+            req, max_tokens, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0
+        )
+        return Prepared(ids, sampling)
+
+    def completion(self, req: CompletionRequest) -> Prepared:
+        self._check_common(req)
+        if req.echo:
+            raise InvalidRequestError("echo is not supported", param="echo")
+        if req.best_of not in (None, 1):
+            raise InvalidRequestError("only best_of=1 is supported", param="best_of")
+        if req.suffix:
+            raise InvalidRequestError("suffix is not supported", param="suffix")
+        ids = self._prompt_ids(req.prompt)
+        max_tokens = self._max_tokens(
+            len(ids),
+            req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS,
+            param="max_tokens",
+            prompt_param="prompt",
+        )
+        sampling = _sampling(
+            req, max_tokens, logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0
+        )
+        return Prepared(ids, sampling)
+
+    # --- steps -------------------------------------------------------------------------------
+
+    def _check_common(self, req: _SamplingFields) -> None:
+        if req.model != self.served_model_name:
+            raise ModelNotFoundError(
+                f"The model {req.model!r} does not exist; this server serves "
+                f"{self.served_model_name!r}",
+                param="model",
+            )
+        if req.n not in (None, 1):
+            raise InvalidRequestError(f"only n=1 is supported, got n={req.n}", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(req, name) not in (None, 0):
+                raise InvalidRequestError(f"{name} is not supported (only 0)", param=name)
+
+    def _prompt_ids(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) > 1:
+                raise InvalidRequestError(
+                    f"batched prompts are not supported (got {len(prompt)}); send one prompt "
+                    "per request",
+                    param="prompt",
+                )
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}",
+                param="prompt",
+            )
+        return list(prompt)  # type: ignore[arg-type]
+
+    def _max_tokens(self, n: int, requested: int | None, *, param: str, prompt_param: str) -> int:
+        """Check the context window for a prompt of ``n`` tokens; return max_tokens."""
+        window = self.max_model_len
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty", param=prompt_param)
+        if requested is None:
+            if window - n < 1:
+                raise InvalidRequestError(
+                    f"This model's maximum context length is {window} tokens, but the "
+                    f"{prompt_param} take {n} tokens, leaving no room for a completion.",
+                    param=prompt_param,
+                    code="context_length_exceeded",
+                )
+            return window - n
+        if n + requested > window:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {window} tokens. However, you "
+                f"requested {n + requested} tokens ({n} in the {prompt_param}, {requested} "
+                f"in the completion). Please reduce the length of the {prompt_param} or "
+                f"{param}.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        return requested
+
+
+def _sampling(
+    req: _SamplingFields, max_tokens: int, *, logprobs: bool, top_logprobs: int
+) -> SamplingParams:
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=max(req.top_k or 0, 0),
+        seed=req.seed,
+        stop=tuple(s for s in stop if s),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs if logprobs else 0,
+    )
+
+
+def _content_text(content: Any, index: int) -> str:
+    """A message's content as one string; text parts are joined with newlines."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise InvalidRequestError(
+                f"only text content parts are supported, got type {part.type!r}",
+                param=f"messages[{index}].content",
+            )
+        texts.append(part.text)
+    return "\n".join(texts)

@@ -1,0 +1,57 @@
+"""Server-sent events in the OpenAI dialect.
+
+Every event is one ``data: <json>\\n\\n`` line; the stream ends with ``data: [DONE]\\n\\n``. A
+failure after the stream started (HTTP 200 already sent) cannot change the status any more, so
+it is reported in-band, the way OpenAI does: ``data: {"error": {...}}`` and then
+``data: [DONE]``.
+
+:class:`SSEResponse` is a ``StreamingResponse`` that always closes its body iterator when the
+response ends, however it ends (finished, client disconnected, server shutting down), so the
+generator's cleanup (closing the decode stream, releasing KV blocks) runs promptly instead of
+whenever the garbage collector finalizes it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.responses import StreamingResponse
+from starlette.types import Send
+
+from pdserve.errors import PdserveError
+
+DONE = b"data: [DONE]\n\n"
+
+
+def encode_event(payload: dict[str, Any]) -> bytes:
+    """One SSE data event carrying ``payload`` as compact JSON."""
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def encode_error(exc: PdserveError) -> bytes:
+    """The in-band error event: the same ``{"error": {...}}`` envelope an HTTP error carries."""
+    return encode_event(exc.to_json())
+
+
+class SSEResponse(StreamingResponse):
+    """``text/event-stream`` response over an async iterator of encoded events."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self, content: AsyncIterator[bytes], *, headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(
+            content,
+            headers={"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})},
+        )
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()

@@ -1,0 +1,337 @@
+"""Fakes for router and server unit tests: a discovery watcher, scripted workers, a tiny
+byte-level tokenizer, and helpers that serve apps over real uvicorn or in-process ASGI.
+
+- :class:`FakeWatcher`: the router-side discovery interface over a plain dict.
+- :class:`FakeWorker`: a FastAPI app implementing the worker request plane
+  (``/internal/context``, ``/internal/release``, ``/internal/generate``) from a script: the
+  reply tokens, optional errors, a per-token delay; it records every request it received and
+  which decode streams were aborted (connection closed before the last chunk).
+- :func:`build_tokenizer_dir`: a byte-level BPE tokenizer (256 byte tokens + 4 specials) with a
+  ChatML-style chat template and a ``config.json``, saved to a folder (no model weights).
+- :func:`serve_app`: run an ASGI app on a real uvicorn server on a free port.
+- :func:`router_harness`: a router app + fake workers, in-process or over real sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pdserve.config import RouterConfig
+from pdserve.errors import PdserveError
+from pdserve.protocol import (
+    ContextRequest,
+    ContextResponse,
+    FinishReason,
+    GenerationChunk,
+    GenerationRequest,
+    KVLayout,
+    ReleaseRequest,
+    Role,
+    SamplingParams,
+    TokenLogprob,
+    TransferHandle,
+    WorkerLoad,
+    WorkerRecord,
+)
+
+MODEL = "tiny-test"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer_dir(path: Path, *, max_position_embeddings: int = 128) -> Path:
+    """Save a byte-level tokenizer + chat template + ``config.json`` into ``path``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>")
+    fast.chat_template = CHAT_TEMPLATE
+    path.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(path))
+    config = {"model_type": "llama", "max_position_embeddings": max_position_embeddings}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def layout(*, tokens_per_block: int = 16, dtype: str = "float32") -> KVLayout:
+    return KVLayout(
+        model=MODEL,
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=8,
+        tokens_per_block=tokens_per_block,
+        dtype=dtype,
+    )
+
+
+class FakeWatcher:
+    """Discovery watcher over a dict; ``put``/``remove`` change what the router sees."""
+
+    def __init__(self, records: list[WorkerRecord] | None = None) -> None:
+        self._records = {r.worker_id: r for r in records or []}
+        self.started = False
+        self.closed = False
+
+    def put(self, record: WorkerRecord) -> None:
+        self._records[record.worker_id] = record
+
+    def remove(self, worker_id: str) -> None:
+        self._records.pop(worker_id, None)
+
+    async def start(self) -> None:
+        self.started = True
+
+    def workers(self) -> dict[str, WorkerRecord]:
+        return dict(self._records)
+
+    def subscribe(self, callback: Any) -> None:
+        pass
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def record(
+    worker_id: str,
+    role: Role | str,
+    http_url: str = "",
+    *,
+    load: WorkerLoad | None = None,
+    kv_layout: KVLayout | None = None,
+    model: str = MODEL,
+    protocol_version: int | None = None,
+) -> WorkerRecord:
+    extra = {} if protocol_version is None else {"protocol_version": protocol_version}
+    return WorkerRecord(
+        role=Role(role),
+        worker_id=worker_id,
+        epoch=7,
+        model=model,
+        http_url=http_url or f"http://{worker_id}",
+        layout=kv_layout or layout(),
+        load=load or WorkerLoad(free_blocks=100, total_blocks=100),
+        **extra,
+    )
+
+
+@dataclass
+class FakeWorker:
+    """A scripted prefill or decode worker. ``reply`` is the (token id, text) sequence every
+    request gets, truncated to ``max_tokens``; the prefill side answers the first of them."""
+
+    worker_id: str
+    role: Role
+    reply: list[tuple[int, str]]
+    kv_layout: KVLayout = field(default_factory=layout)
+    load: WorkerLoad = field(default_factory=lambda: WorkerLoad(free_blocks=100, total_blocks=100))
+    error: PdserveError | None = None  # answered (status + envelope) instead of serving
+    fail_after: int | None = None  # decode: an error chunk after this many streamed tokens
+    token_delay_s: float = 0.0
+    context_delay_s: float = 0.0
+    http_url: str = ""
+    contexts: list[ContextRequest] = field(default_factory=list)
+    generations: list[GenerationRequest] = field(default_factory=list)
+    releases: list[ReleaseRequest] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.http_url = self.http_url or f"http://{self.worker_id}"
+
+    def record(self) -> WorkerRecord:
+        return record(
+            self.worker_id, self.role, self.http_url, load=self.load, kv_layout=self.kv_layout
+        )
+
+    def _logprob(self, token_id: int, sampling: SamplingParams) -> TokenLogprob | None:
+        if not sampling.logprobs:
+            return None
+        top = ((token_id, -0.25), (0, -2.5))[: sampling.top_logprobs]
+        return TokenLogprob(token_id=token_id, logprob=-0.25, top=top)
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.post("/internal/context")
+        async def context(req: ContextRequest) -> Any:
+            self.contexts.append(req)
+            if self.context_delay_s:
+                await asyncio.sleep(self.context_delay_s)
+            if self.error is not None:
+                return JSONResponse(self.error.to_json(), status_code=self.error.status)
+            token, text = self.reply[0]
+            finish = None
+            if len(self.reply) == 1:
+                finish = FinishReason.STOP
+            elif req.sampling.max_tokens == 1:
+                finish = FinishReason.LENGTH
+            handle = None
+            if finish is None:
+                handle = TransferHandle(
+                    worker_id=self.worker_id,
+                    epoch=7,
+                    request_id=req.request_id,
+                    block_ids=(0,),
+                    num_tokens=len(req.prompt_token_ids),
+                    lease_deadline=time.time() + 30,
+                    layout=self.kv_layout,
+                    backend="tcp",
+                    transfer_endpoint="127.0.0.1:1",
+                )
+            return ContextResponse(
+                request_id=req.request_id,
+                first_token=token,
+                text=text,
+                logprob=self._logprob(token, req.sampling),
+                finish_reason=finish,
+                handle=handle,
+            )
+
+        @app.post("/internal/release")
+        async def release(req: ReleaseRequest) -> dict[str, bool]:
+            self.releases.append(req)
+            return {"released": True}
+
+        @app.post("/internal/generate")
+        async def generate(req: GenerationRequest) -> Any:
+            self.generations.append(req)
+            if self.error is not None:
+                return JSONResponse(self.error.to_json(), status_code=self.error.status)
+            return StreamingResponse(self._stream(req), media_type="application/x-ndjson")
+
+        return app
+
+    async def _stream(self, req: GenerationRequest) -> AsyncIterator[bytes]:
+        rest = self.reply[1 : req.sampling.max_tokens]
+        truncated = len(self.reply) > req.sampling.max_tokens
+        done = False
+        try:
+            for i, (token, text) in enumerate(rest):
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+                if self.fail_after is not None and i >= self.fail_after:
+                    chunk = GenerationChunk(
+                        request_id=req.request_id,
+                        finish_reason=FinishReason.ERROR,
+                        error="KV transfer from the prefill worker failed",
+                    )
+                    done = True
+                    yield chunk.model_dump_json().encode() + b"\n"
+                    return
+                last = i == len(rest) - 1
+                finish = None
+                if last:
+                    finish = FinishReason.LENGTH if truncated else FinishReason.STOP
+                lp = self._logprob(token, req.sampling)
+                chunk = GenerationChunk(
+                    request_id=req.request_id,
+                    token_ids=(token,),
+                    text=text,
+                    logprobs=(lp,) if lp else (),
+                    finish_reason=finish,
+                )
+                done = last
+                yield chunk.model_dump_json().encode() + b"\n"
+        finally:
+            if not done:
+                self.aborted.append(req.request_id)
+
+
+def free_port_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+@asynccontextmanager
+async def serve_app(app: Any) -> AsyncIterator[str]:
+    """Serve ``app`` with uvicorn on a free port of 127.0.0.1 (lifespan included) in this
+    event loop; yields the base URL and stops the server on exit."""
+    sock = free_port_socket()
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(
+        app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1, access_log=False
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            if task.done():
+                task.result()
+                raise RuntimeError("uvicorn exited before starting")
+            await asyncio.sleep(0.01)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+        sock.close()
+
+
+@dataclass
+class RouterHarness:
+    """A running router app with fake workers. ``client`` talks to the router."""
+
+    client: httpx.AsyncClient
+    url: str
+    watcher: FakeWatcher
+    workers: dict[str, FakeWorker]
+
+
+@asynccontextmanager
+async def router_harness(
+    cfg: RouterConfig, workers: list[FakeWorker], *, real_sockets: bool = False
+) -> AsyncIterator[RouterHarness]:
+    """Start fake ``workers`` and a router app for ``cfg`` that sees them.
+
+    In-process (default): workers and router run on ``httpx.ASGITransport`` (no sockets;
+    responses are buffered, so nothing streams incrementally). With ``real_sockets``: each app
+    runs on its own uvicorn server, so streams, disconnects and aborts are real.
+    """
+    from pdserve.server.app import create_app
+
+    async with AsyncExitStack() as stack:
+        watcher = FakeWatcher()
+        if real_sockets:
+            for w in workers:
+                w.http_url = await stack.enter_async_context(serve_app(w.app()))
+            worker_http = httpx.AsyncClient(trust_env=False)
+        else:
+            mounts = {w.http_url: httpx.ASGITransport(app=w.app()) for w in workers}
+            worker_http = httpx.AsyncClient(mounts=mounts, trust_env=False)  # type: ignore[arg-type]
+        await stack.enter_async_context(worker_http)
+        for w in workers:
+            watcher.put(w.record())
+        app = create_app(cfg, watcher=watcher, http_client=worker_http)
+        if real_sockets:
+            url = await stack.enter_async_context(serve_app(app))
+            client = httpx.AsyncClient(base_url=url, trust_env=False, timeout=30)
+        else:
+            await stack.enter_async_context(app.router.lifespan_context(app))
+            url = "http://router"
+            client = httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
+                base_url=url,
+                timeout=30,
+            )
+        await stack.enter_async_context(client)
+        yield RouterHarness(client, url, watcher, {w.worker_id: w for w in workers})

@@ -1,0 +1,170 @@
+"""The two-leg transaction against scripted workers (in-process ASGI, no sockets)."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+import httpx
+import pytest
+
+from pdserve.errors import (
+    CapacityError,
+    DeadlineExceededError,
+    PdserveError,
+    WorkerError,
+)
+from pdserve.protocol import FinishReason, Role, SamplingParams, WorkerLoad
+from pdserve.router.client import WorkerClient, WorkerUnreachableError
+from pdserve.router.transaction import Router
+from pdserve.router.view import WorkerView
+from tests.fakes import MODEL, FakeWatcher, FakeWorker, record
+
+REPLY = [(72, "H"), (105, "i"), (33, "!"), (10, "\n")]
+PROMPT = [1, 2, 3]
+
+
+def prefill(worker_id="p0", **kw) -> FakeWorker:
+    return FakeWorker(worker_id, Role.PREFILL, kw.pop("reply", REPLY), **kw)
+
+
+def decode(worker_id="d0", **kw) -> FakeWorker:
+    return FakeWorker(worker_id, Role.DECODE, kw.pop("reply", REPLY), **kw)
+
+
+@asynccontextmanager
+async def make_router(*workers: FakeWorker, extra_records=(), timeout_s: float = 10.0):
+    mounts = {w.http_url: httpx.ASGITransport(app=w.app()) for w in workers}
+    watcher = FakeWatcher([w.record() for w in workers] + list(extra_records))
+    async with httpx.AsyncClient(mounts=mounts, trust_env=False) as http:
+        view = WorkerView(watcher, served_model_name=MODEL)
+        yield Router(view, WorkerClient(http, connect_timeout_s=1.0), request_timeout_s=timeout_s)
+
+
+async def run(router: Router, max_tokens: int = 16, request_id: str = "r1"):
+    txn = await router.start(request_id, PROMPT, SamplingParams(max_tokens=max_tokens))
+    return txn, [e async for e in txn.events()]
+
+
+async def test_decode_tokens_follow_the_prefill_first_token():
+    p, d = prefill(), decode()
+    async with make_router(p, d) as router:
+        txn, events = await run(router)
+        assert "".join(e.text for e in events) == "Hi!\n"
+        assert [e.token_ids for e in events] == [(72,), (105,), (33,), (10,)]
+        assert events[-1].finish_reason == FinishReason.STOP
+        assert all(e.finish_reason is None for e in events[:-1])
+        gen = d.generations[0]
+        assert gen.first_token == 72 and gen.handle is not None
+        assert gen.handle.request_id == "r1" and gen.deadline == p.contexts[0].deadline
+        assert p.releases == [] and d.aborted == []  # D released P's blocks itself
+        assert router.view.in_flight("p0") == router.view.in_flight("d0") == 0
+
+
+@pytest.mark.parametrize(
+    ("reply", "max_tokens", "finish"),
+    [(REPLY[:1], 16, FinishReason.STOP), (REPLY, 1, FinishReason.LENGTH)],
+)
+async def test_first_token_that_finishes_the_request_skips_the_decode_leg(reply, max_tokens, finish):
+    p, d = prefill(reply=reply), decode()
+    async with make_router(p, d) as router:
+        _, events = await run(router, max_tokens=max_tokens)
+    assert [(e.text, e.finish_reason) for e in events] == [("H", finish)]
+    assert d.generations == [] and p.releases == []
+
+
+async def test_max_tokens_truncates_with_finish_reason_length():
+    async with make_router(prefill(), decode()) as router:
+        _, events = await run(router, max_tokens=2)
+    assert "".join(e.text for e in events) == "Hi"
+    assert events[-1].finish_reason == FinishReason.LENGTH
+
+
+async def test_decode_error_chunk_raises_worker_error_and_releases_prefill_blocks():
+    p, d = prefill(), decode(fail_after=1)
+    async with make_router(p, d) as router:
+        txn = await router.start("r1", PROMPT, SamplingParams())
+        seen = []
+        with pytest.raises(WorkerError, match="KV transfer from the prefill worker failed"):
+            async for e in txn.events():
+                seen.append(e.text)
+        assert seen == ["H", "i"]
+        assert [(r.request_id, r.epoch) for r in p.releases] == [("r1", 7)]
+        assert router.view.in_flight("d0") == 0
+
+
+async def test_decode_refusal_before_streaming_is_typed_and_releases_prefill_blocks():
+    p, d = prefill(), decode(error=CapacityError("decode worker has no free KV blocks"))
+    async with make_router(p, d) as router:
+        txn = await router.start("r1", PROMPT, SamplingParams())
+        with pytest.raises(CapacityError, match="no free KV blocks") as err:
+            async for _ in txn.events():
+                pass
+    assert err.value.status == 503
+    assert [r.request_id for r in p.releases] == ["r1"]
+
+
+@pytest.mark.parametrize(
+    ("error", "expected", "status"),
+    [
+        (WorkerError("engine crashed"), WorkerError, 502),
+        (CapacityError("prefill queue full"), CapacityError, 503),
+        (DeadlineExceededError("too late"), DeadlineExceededError, 504),
+    ],
+)
+async def test_prefill_error_envelope_becomes_the_matching_typed_error(error, expected, status):
+    p, d = prefill(error=error), decode()
+    async with make_router(p, d) as router:
+        with pytest.raises(expected) as err:
+            await router.start("r1", PROMPT, SamplingParams())
+    assert err.value.status == status
+    assert "prefill worker p0" in err.value.message and error.message in err.value.message
+    assert d.generations == []
+    assert router.view.in_flight("p0") == router.view.in_flight("d0") == 0
+
+
+async def test_unreachable_prefill_worker_is_retried_once_on_another():
+    dead = record("p-dead", "prefill", "http://127.0.0.1:1")  # nothing listens on port 1
+    p = prefill("p-ok", load=WorkerLoad(running=5, free_blocks=1))  # more loaded: tried second
+    async with make_router(p, decode(), extra_records=[dead]) as router:
+        txn, events = await run(router)
+    assert txn.pair.prefill.worker_id == "p-ok"
+    assert "".join(e.text for e in events) == "Hi!\n"
+
+
+async def test_unreachable_prefill_worker_without_another_fails_with_502():
+    dead = record("p-dead", "prefill", "http://127.0.0.1:1")
+    async with make_router(decode(), extra_records=[dead]) as router:
+        with pytest.raises(WorkerUnreachableError, match="no other prefill worker") as err:
+            await router.start("r1", PROMPT, SamplingParams())
+    assert err.value.status == 502
+
+
+async def test_slow_prefill_hits_the_deadline_and_is_asked_to_release():
+    p = prefill(context_delay_s=5.0)
+    async with make_router(p, decode(), timeout_s=0.3) as router:
+        with pytest.raises(DeadlineExceededError) as err:
+            await router.start("r1", PROMPT, SamplingParams())
+    assert err.value.status == 504
+    assert [(r.request_id, r.epoch) for r in p.releases] == [("r1", 7)]
+
+
+async def test_consumer_stopping_after_the_first_token_releases_prefill_blocks():
+    p, d = prefill(), decode()
+    async with make_router(p, d) as router:
+        txn = await router.start("r1", PROMPT, SamplingParams())
+        events = txn.events()
+        first = await anext(events)
+        await events.aclose()
+        await txn.aclose()  # idempotent
+    assert first.text == "H"
+    assert [r.request_id for r in p.releases] == ["r1"]
+    assert d.generations == []
+
+
+async def test_typed_errors_carry_an_openai_envelope():
+    p = prefill(error=WorkerError("engine crashed"))
+    async with make_router(p, decode()) as router:
+        with pytest.raises(PdserveError) as err:
+            await router.start("r1", PROMPT, SamplingParams())
+    body = err.value.to_json()["error"]
+    assert body["type"] == "server_error" and body["code"] == "worker_error"

@@ -1,0 +1,141 @@
+"""Bad input and failing workers: a JSON error body with the right status, and the server keeps
+serving afterwards."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.config import RouterConfig
+from pdserve.errors import CapacityError, WorkerError
+from pdserve.protocol import Role
+from tests.fakes import MODEL, FakeWorker, build_tokenizer_dir, router_harness
+
+REPLY = [(72, "H"), (105, "i"), (33, "!")]
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tokenizer_dir(tmp_path_factory.mktemp("tok"), max_position_embeddings=64)
+
+
+@pytest.fixture
+def cfg(model_dir):
+    return RouterConfig(model_path=model_dir, served_model_name=MODEL)
+
+
+def workers(**decode_kw):
+    return [FakeWorker("p0", Role.PREFILL, REPLY), FakeWorker("d0", Role.DECODE, REPLY, **decode_kw)]
+
+
+BAD_REQUESTS = [
+    # (path, body (dict or raw bytes), status, code, param, message fragment)
+    ("/v1/chat/completions", {**CHAT, "model": "nope"}, 404, "model_not_found", "model", "nope"),
+    ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "invalid_request", "messages", "empty"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 60}, 400, "context_length_exceeded",
+     "max_tokens", "maximum context length is 64"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x" * 70}, 400, "context_length_exceeded",
+     "max_tokens", "(70 in the prompt, 16 in the completion)"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": "many"}, 400, "invalid_request",
+     "max_tokens", "integer"),
+    ("/v1/chat/completions", {**CHAT, "temperature": 3}, 400, "invalid_request", "temperature",
+     "less than or equal to 2"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": 5}]}, 400,
+     "invalid_request", "messages[0].content", ""),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400,
+     "invalid_request", "messages[0].role", ""),
+    ("/v1/chat/completions", {"messages": CHAT["messages"]}, 400, "invalid_request", "model",
+     "required"),
+    ("/v1/chat/completions", b'{"model": "tiny-test", "messages": [', 400, "invalid_request",
+     None, "not valid JSON"),
+    ("/v1/chat/completions", b"[1, 2]", 400, "invalid_request", None, ""),
+    ("/v1/chat/completions", {**CHAT, "n": 2}, 400, "invalid_request", "n", "only n=1"),
+    ("/v1/chat/completions", {**CHAT, "presence_penalty": 0.5}, 400, "invalid_request",
+     "presence_penalty", "not supported"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "invalid_request",
+     "top_logprobs", "requires logprobs"),
+    ("/v1/chat/completions",
+     {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "invalid_request", "messages[0].content", "only text"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "invalid_request",
+     "prompt", "batched prompts are not supported"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 99999]}, 400, "invalid_request",
+     "prompt", "token ids must be in"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "invalid_request", "prompt",
+     "empty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, 400, "invalid_request",
+     "echo", "not supported"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "body", "status", "code", "param", "fragment"), BAD_REQUESTS)
+async def test_bad_input_is_a_4xx_json_error_and_the_server_keeps_serving(
+    cfg, path, body, status, code, param, fragment
+):
+    async with router_harness(cfg, workers()) as h:
+        if isinstance(body, bytes):
+            r = await h.client.post(path, content=body, headers={"content-type": "application/json"})
+        else:
+            r = await h.client.post(path, json=body)
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error"
+        assert (err["code"], err["param"]) == (code, param)
+        assert fragment in err["message"]
+        assert h.workers["p0"].contexts == []  # nothing reached a worker
+
+        ok = await h.client.post("/v1/chat/completions", json=CHAT)
+        assert ok.status_code == 200
+        assert ok.json()["choices"][0]["message"]["content"] == "Hi!"
+
+
+async def test_unknown_route_is_a_json_404(cfg):
+    async with router_harness(cfg, workers()) as h:
+        r = await h.client.get("/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+async def test_no_workers_is_a_503(cfg):
+    async with router_harness(cfg, []) as h:
+        r = await h.client.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 503
+    assert r.json()["error"]["code"] == "no_worker"
+    assert "no live prefill worker serves model 'tiny-test'" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_prefill_error_is_an_error_status_with_the_worker_envelope(cfg, stream):
+    ws = workers()
+    ws[0].error = CapacityError("prefill worker is draining")
+    async with router_harness(cfg, ws) as h:
+        r = await h.client.post("/v1/chat/completions", json={**CHAT, "stream": stream})
+    assert r.status_code == 503
+    assert r.headers["content-type"] == "application/json"
+    err = r.json()["error"]
+    assert err["code"] == "no_capacity" and "prefill worker is draining" in err["message"]
+
+
+async def test_decode_error_mid_stream_is_an_sse_error_event_then_done(cfg):
+    ws = workers(fail_after=1)
+    async with router_harness(cfg, ws) as h:
+        r = await h.client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert r.status_code == 200
+    datas = [b[len("data: ") :] for b in r.text.split("\n\n") if b.startswith("data: ")]
+    assert datas[-1] == "[DONE]"
+    err = json.loads(datas[-2])["error"]
+    assert err["code"] == "worker_error"
+    assert "KV transfer from the prefill worker failed" in err["message"]
+    content = [json.loads(d)["choices"][0]["delta"].get("content") for d in datas[1:-2]]
+    assert content == ["H", "i"]
+    releases = h.workers["p0"].releases
+    assert len(releases) == 1 and releases[0].epoch == 7
+
+
+async def test_decode_error_without_streaming_is_a_502(cfg):
+    async with router_harness(cfg, workers(error=WorkerError("decode engine died"))) as h:
+        r = await h.client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert r.status_code == 502
+    assert "decode engine died" in r.json()["error"]["message"]
+    assert len(h.workers["p0"].releases) == 1

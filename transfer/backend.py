@@ -1,0 +1,166 @@
+"""The data-plane interface every transfer backend implements, and the lazy backend registry.
+
+Design origin: SGLang's disaggregation ``conn.py`` (a sender with ``poll()`` returning a state
+enum) and the TensorRT-LLM seed's split between *Connection* (bidirectional stream: our TCP
+backend) and *TransferAgent* (one-sided read/write of registered memory: our NIXL backend).
+vLLM's ``kv_connector/factory.py`` is the model for the registry: a backend's module is imported
+only when that backend is chosen, so importing :mod:`pdserve.transfer` never imports NIXL.
+
+Roles: the prefill side calls :meth:`Backend.add_peer` once per connection and
+:meth:`Backend.start_send` once per request, then drives the returned :class:`Outbound` to
+DONE/FAILED; the decode side calls :meth:`Backend.receive` once per request. The control
+messages around them (SendBlocks, TransferDone, Release) belong to the Sender/Receiver.
+
+Thread-safety: everything here runs on the owning transceiver's event loop thread (NIXL is
+treated as not thread-safe).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import time
+from abc import ABC, abstractmethod
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from pdserve.transfer import wire
+from pdserve.transfer.formatter import PoolGeometry, TransferPlan
+
+from pdserve.config import TransferConfig
+from pdserve.errors import ConfigError, TransferError
+
+if TYPE_CHECKING:
+    from pdserve.transfer.tcp import Connection
+
+log = logging.getLogger(__name__)
+
+
+class TransferState(StrEnum):
+    """State of one request's outbound transfer, as :meth:`Outbound.poll` reports it."""
+
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class Poller:
+    """Polling schedule for transfers that progress only when polled (NIXL without its
+    progress thread): yield to the event loop (``sleep(0)``) for ``spin_s`` seconds, then sleep
+    ``idle_s`` between polls. Spinning keeps UCX-over-TCP at full speed; the idle phase stops a
+    stalled peer from burning a core until the timeout. (An asyncio sleep shorter than 1 ms is
+    rounded up to 1 ms by epoll, so there is nothing in between.)"""
+
+    def __init__(self, spin_s: float = 0.25, idle_s: float = 0.001):
+        self._spin_until = time.monotonic() + spin_s
+        self._idle_s = idle_s
+
+    async def sleep(self) -> None:
+        if time.monotonic() < self._spin_until:
+            await asyncio.sleep(0)
+        else:
+            await asyncio.sleep(self._idle_s)
+
+
+class Outbound(ABC):
+    """The prefill side of one request's transfer, started by :meth:`Backend.start_send`."""
+
+    failure: str | None = None
+
+    @abstractmethod
+    def poll(self) -> TransferState:
+        """Advance (where the backend needs it) and report the state; never blocks."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Stop and release resources; idempotent. Bytes may have partly landed."""
+
+    async def wait(self, timeout: float) -> None:
+        """Poll until DONE. Raises TransferError (after :meth:`abort`) on FAILED or timeout."""
+        poller = Poller()
+        deadline = time.monotonic() + timeout
+        while (state := self.poll()) is TransferState.RUNNING:
+            if time.monotonic() > deadline:
+                self.abort()
+                raise TransferError(f"KV send did not complete within {timeout:.1f} s")
+            await poller.sleep()
+        if state is TransferState.FAILED:
+            self.abort()
+            raise TransferError(f"KV send failed: {self.failure or 'backend error'}")
+
+
+class Peer:
+    """What the sender keeps about one connected receiver (backend-specific subclasses)."""
+
+
+class Backend(ABC):
+    """One transfer backend of one transceiver; owns its backend resources until :meth:`close`.
+
+    ``inline_bytes``: the KV bytes travel on the control connection (TCP), so a failed send
+    leaves the stream unusable and the connection must be closed.
+    """
+
+    name: ClassVar[str]
+    inline_bytes: ClassVar[bool]
+
+    def hello_info(self) -> wire.NixlPeerInfo | None:
+        """What the receiving side advertises in its Hello (None: nothing needed)."""
+        return None
+
+    def communicator(self) -> dict[str, str]:
+        """Backend fields of the discovery record's communicator handle."""
+        return {}
+
+    def add_peer(self, hello: wire.Hello) -> Peer:
+        """Sender side, at handshake: prepare to send to this receiver; raises TransferError."""
+        return Peer()
+
+    @abstractmethod
+    def start_send(
+        self, conn: Connection, plan: TransferPlan, peer: Peer, transfer_id: str
+    ) -> Outbound:
+        """Sender side: start moving ``plan`` (src offsets of the local pool) to the peer."""
+
+    @abstractmethod
+    async def receive(self, conn: Connection, plan: TransferPlan, transfer_id: str) -> None:
+        """Receiver side, after SendBlocks went out: return once every byte of ``plan`` is in
+        the local pool and TransferDone arrived. Raises TransferError (or the peer's subclass)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
+        """Release backend resources; idempotent."""
+
+
+_REGISTRY: dict[str, str] = {
+    "tcp": "pdserve.transfer.tcp:TcpBackend",
+    "nixl": "pdserve.transfer.nixl_agent:NixlBackend",
+}
+
+
+def _load(name: str) -> type[Backend]:
+    module, _, cls = _REGISTRY[name].partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def open_backend(
+    cfg: TransferConfig, *, pool: torch.Tensor, geometry: PoolGeometry, agent_name: str
+) -> Backend:
+    """Create the backend ``cfg.backend`` names; ``"auto"`` = NIXL if it imports and
+    initialises, else TCP (logged). An explicit choice that fails raises ConfigError."""
+    kwargs: dict[str, Any] = {
+        "cfg": cfg,
+        "pool": pool,
+        "geometry": geometry,
+        "agent_name": agent_name,
+    }
+    if cfg.backend != "auto":
+        try:
+            return _load(cfg.backend)(**kwargs)
+        except (ImportError, RuntimeError, OSError) as exc:
+            raise ConfigError(f"transfer backend {cfg.backend!r} unavailable: {exc}") from exc
+    try:
+        return _load("nixl")(**kwargs)
+    except Exception as exc:  # any import or init failure of the optional library
+        log.warning("NIXL unavailable (%s); using the TCP transfer backend", exc)
+        return _load("tcp")(**kwargs)

@@ -1,0 +1,101 @@
+"""The first exchange on every transfer connection: who is talking, in which layout, how.
+
+Design origin: step 3 of the TensorRT-LLM seed's workflow ("if no prior connection exists, it is
+established now; the generation phase shares its cache layout with the context phase") and vLLM's
+NIXL handshake (compatibility checked before any byte moves, never silently reinterpreted).
+
+Both sides run the same checks, so a refusal raises on BOTH sides with the same message:
+
+1. protocol version equal        else TransferError code ``kv_protocol_mismatch``
+2. backend name equal            else TransferError code ``kv_backend_mismatch``
+3. :meth:`Formatter.negotiate`   else LayoutMismatchError naming the differing fields
+4. prefill side only: the backend prepares the peer (NIXL: ``add_remote_agent``)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.transfer import wire
+from pdserve.transfer.backend import Backend, Peer
+from pdserve.transfer.formatter import Formatter, PoolGeometry
+
+from pdserve.errors import TransferError
+from pdserve.protocol import PROTOCOL_VERSION, KVLayout
+
+
+@dataclass(frozen=True)
+class LocalSide:
+    """This worker as its transceiver presents it to peers. Immutable for the process life."""
+
+    worker_id: str
+    epoch: int
+    layout: KVLayout
+    geometry: PoolGeometry
+    backend: Backend
+
+    def hello(self) -> wire.Hello:
+        """Decode side: the connection's first message."""
+        return wire.Hello(
+            worker_id=self.worker_id,
+            epoch=self.epoch,
+            layout=self.layout,
+            backend=self.backend.name,
+            num_blocks=self.geometry.num_blocks,
+            nixl=self.backend.hello_info(),
+        )
+
+    def accept(self, hello: wire.Hello) -> tuple[Formatter, Peer]:
+        """Prefill side: check a decode worker's Hello. Raises TransferError/LayoutMismatchError."""
+        self._check(hello.protocol_version, hello.backend, hello.worker_id, role="decode")
+        formatter = Formatter.negotiate(
+            self.layout, hello.layout, self.geometry, _geometry(hello.layout, hello.num_blocks)
+        )
+        return formatter, self.backend.add_peer(hello)
+
+    def ack(self, error: TransferError | None = None) -> wire.HelloAck:
+        """Prefill side: the answer to a Hello (a refusal when ``error`` is given)."""
+        return wire.HelloAck(
+            ok=error is None,
+            worker_id=self.worker_id,
+            epoch=self.epoch,
+            layout=self.layout,
+            backend=self.backend.name,
+            num_blocks=self.geometry.num_blocks,
+            code=None if error is None else wire.error_code(error),
+            message=None if error is None else error.message,
+        )
+
+    def check_ack(self, ack: wire.HelloAck) -> Formatter:
+        """Decode side: the prefill worker's answer. Raises its refusal as the same error class,
+        or the decode side's own finding."""
+        if not ack.ok:
+            raise wire.error_from_wire(ack.code, ack.message)
+        self._check(ack.protocol_version, ack.backend, ack.worker_id, role="prefill")
+        return Formatter.negotiate(
+            ack.layout, self.layout, _geometry(ack.layout, ack.num_blocks), self.geometry
+        )
+
+    def _check(self, version: int, backend: str, peer: str, *, role: str) -> None:
+        if version != PROTOCOL_VERSION:
+            raise TransferError(
+                f"{role} worker {peer} speaks transfer protocol {version}, "
+                f"this worker {PROTOCOL_VERSION}",
+                code=wire.PROTOCOL_MISMATCH,
+            )
+        if backend != self.backend.name:
+            raise TransferError(
+                f"{role} worker {peer} uses transfer backend {backend!r} but this worker "
+                f"{self.worker_id} uses {self.backend.name!r}; configure both with the same "
+                "transfer backend",
+                code=wire.BACKEND_MISMATCH,
+            )
+
+
+def _geometry(layout: KVLayout, num_blocks: int) -> PoolGeometry:
+    """A peer's pool geometry as far as offsets go (its address is the backend's business)."""
+    return PoolGeometry(
+        num_layers=layout.num_layers,
+        num_blocks=num_blocks,
+        block_bytes=layout.block_bytes_per_layer,
+    )

@@ -1,0 +1,231 @@
+"""TransferAgent over NIXL (UCX backend) and the NIXL transfer backend.
+
+Design origin: the TensorRT-LLM seed's *TransferAgent* (one-sided read/write of registered
+memory; NIXL is its reference library) and vLLM's NIXL connector (agent metadata exchanged at
+handshake, one WRITE per request with a notification). The library is imported inside
+:class:`NixlAgent`, so importing this module does not import NIXL.
+
+Per request (prefill P initiates, decode D is passive)::
+
+    D: register pool -> Hello{agent metadata, pool addr}  P: add_remote_agent(metadata)
+    P: initialize_xfer(WRITE, local segs, remote segs, notif=transfer_id); transfer(); poll
+    P: state DONE -> TransferDone over the control connection
+    D: poll get_new_notifs until transfer_id arrives AND TransferDone arrived -> bytes landed
+
+Settings (see the machine notes in the shared ENV.md): the progress thread is OFF and both sides
+poll from the event loop (with it on, UCX over TCP drops to ~0.3 GB/s on 2 cores; the passive
+side must keep polling or transfers stall); ``cfg.ucx_devices`` (e.g. ``"lo"``) limits UCX's
+network devices; WRITE (push), never READ, because UCX emulates READ in software over TCP.
+
+Thread-safety: NIXL is used from the owning event loop's thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import torch
+from pdserve.transfer import wire
+from pdserve.transfer.backend import Backend, Outbound, Peer, Poller, TransferState
+from pdserve.transfer.formatter import PoolGeometry, TransferPlan
+from pdserve.transfer.tcp import Connection
+
+from pdserve.config import TransferConfig
+from pdserve.errors import TransferError
+
+log = logging.getLogger(__name__)
+
+_MAX_PENDING_NOTIFS = 4096
+
+
+class NixlAgent:
+    """One NIXL agent with the UCX backend and this worker's KV pool registered.
+
+    ``name`` must be unique among the agents that will talk to each other.
+    Raises ImportError if NIXL is not installed, RuntimeError/other if it does not initialise.
+    """
+
+    def __init__(self, name: str, pool: torch.Tensor, ucx_devices: str | None):
+        from nixl._api import nixl_agent, nixl_agent_config  # lazy: heavy optional dependency
+
+        conf = nixl_agent_config(enable_prog_thread=False, backends=[])
+        self._agent: Any = nixl_agent(name, conf)
+        params = {"ucx_devices": ucx_devices} if ucx_devices else {}
+        self._agent.create_backend("UCX", params)
+        self.name = name
+        self.mem_type = "DRAM" if pool.device.type == "cpu" else "VRAM"
+        self.device_id = max(pool.get_device(), 0)
+        self._reg = self._agent.register_memory(pool)
+        self._pending: OrderedDict[bytes, None] = OrderedDict()
+        self._closed = False
+
+    def metadata(self) -> bytes:
+        """Agent metadata (connection info + pool registration) for :meth:`add_peer`."""
+        return bytes(self._agent.get_agent_metadata())
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a remote agent's metadata; returns its agent name."""
+        name = self._agent.add_remote_agent(metadata)
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+    def remove_peer(self, name: str) -> None:
+        self._agent.remove_remote_agent(name)
+
+    def write(self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes) -> NixlWrite:
+        """Post ONE WRITE of ``local`` rows into ``remote`` rows (Nx3 uint64: addr, bytes,
+        device id) with ``notif`` delivered to the peer after the data."""
+        descs_l = self._agent.get_xfer_descs(local, self.mem_type)
+        descs_r = self._agent.get_xfer_descs(remote, self.mem_type)
+        handle = self._agent.initialize_xfer("WRITE", descs_l, descs_r, peer, notif)
+        return NixlWrite(self._agent, handle)
+
+    def take_notif(self, tag: bytes) -> bool:
+        """Poll for notifications (this also progresses incoming transfers); True once
+        ``tag`` has arrived, consuming it. Unclaimed notifications are kept (bounded)."""
+        for messages in self._agent.get_new_notifs().values():
+            for msg in messages:
+                self._pending[bytes(msg)] = None
+        while len(self._pending) > _MAX_PENDING_NOTIFS:
+            self._pending.popitem(last=False)
+        if tag in self._pending:
+            del self._pending[tag]
+            return True
+        return False
+
+    def close(self) -> None:
+        """Deregister the pool and drop the agent; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._agent.deregister_memory(self._reg)
+        except Exception as exc:  # best effort at shutdown
+            log.warning("NIXL deregister failed: %s", exc)
+        self._agent = None
+
+
+class NixlWrite(Outbound):
+    """One posted NIXL WRITE; ``poll`` calls check_xfer_state (which progresses UCX)."""
+
+    def __init__(self, agent: Any, handle: Any):
+        self._agent = agent
+        self._handle = handle
+        self._state = self._map(agent.transfer(handle))
+
+    @staticmethod
+    def _map(status: str) -> TransferState:
+        return {"DONE": TransferState.DONE, "PROC": TransferState.RUNNING}.get(
+            status, TransferState.FAILED
+        )
+
+    def poll(self) -> TransferState:
+        if self._state is TransferState.RUNNING:
+            self._state = self._map(self._agent.check_xfer_state(self._handle))
+            if self._state is TransferState.FAILED:
+                self.failure = "NIXL transfer state ERR"
+        if self._state is not TransferState.RUNNING:
+            self.abort()
+        return self._state
+
+    def abort(self) -> None:
+        # Releasing an active handle asks NIXL to cancel it; it raises if it cannot.
+        try:
+            self._handle.release()
+        except Exception as exc:
+            log.warning("NIXL could not release transfer handle: %s", exc)
+
+
+class _NixlPeer(Peer):
+    def __init__(self, agent_name: str, info: wire.NixlPeerInfo):
+        self.agent_name = agent_name
+        self.info = info
+
+
+class NixlBackend(Backend):
+    """WRITE into the peer's registered pool, one NIXL transfer per request."""
+
+    name = "nixl"
+    inline_bytes = False
+
+    def __init__(
+        self, *, cfg: TransferConfig, pool: torch.Tensor, geometry: PoolGeometry, agent_name: str
+    ):
+        self._agent = NixlAgent(agent_name, pool, cfg.ucx_devices)
+        self._geometry = geometry
+        self._metadata_b64 = base64.b64encode(self._agent.metadata()).decode()
+        self._peers: dict[str, str] = {}  # remote agent name -> loaded; one per decode epoch
+
+    def hello_info(self) -> wire.NixlPeerInfo:
+        return wire.NixlPeerInfo(
+            agent_name=self._agent.name,
+            metadata_b64=self._metadata_b64,
+            pool_addr=self._geometry.base_addr,
+            pool_bytes=self._geometry.nbytes,
+            mem_type=self._agent.mem_type,  # type: ignore[arg-type]
+            device_id=self._agent.device_id,
+        )
+
+    def communicator(self) -> dict[str, str]:
+        return {"nixl_agent": self._agent.name, "nixl_metadata": self._metadata_b64}
+
+    def add_peer(self, hello: wire.Hello) -> Peer:
+        info = hello.nixl
+        if info is None:
+            raise TransferError(f"decode worker {hello.worker_id} sent no NIXL agent metadata")
+        if info.agent_name not in self._peers:
+            stale = [n for n, w in self._peers.items() if w == hello.worker_id]
+            for name in stale:  # the same decode worker restarted: forget its old agent
+                self._agent.remove_peer(name)
+                del self._peers[name]
+            try:
+                loaded = self._agent.add_peer(base64.b64decode(info.metadata_b64))
+            except Exception as exc:
+                raise TransferError(
+                    f"cannot load NIXL metadata of {hello.worker_id}: {exc}"
+                ) from exc
+            self._peers[loaded] = hello.worker_id
+        return _NixlPeer(info.agent_name, info)
+
+    def start_send(
+        self, conn: Connection, plan: TransferPlan, peer: Peer, transfer_id: str
+    ) -> Outbound:
+        assert isinstance(peer, _NixlPeer)
+        info = peer.info
+        n = len(plan)
+        local = np.empty((n, 3), dtype=np.uint64)
+        local[:, 0] = plan.src_offsets + self._geometry.base_addr
+        local[:, 1] = plan.lengths
+        local[:, 2] = self._agent.device_id
+        remote = np.empty((n, 3), dtype=np.uint64)
+        remote[:, 0] = plan.dst_offsets + info.pool_addr
+        remote[:, 1] = plan.lengths
+        remote[:, 2] = info.device_id
+        try:
+            return self._agent.write(peer.agent_name, local, remote, transfer_id.encode())
+        except Exception as exc:
+            raise TransferError(f"NIXL WRITE to {peer.agent_name} failed to start: {exc}") from exc
+
+    async def receive(self, conn: Connection, plan: TransferPlan, transfer_id: str) -> None:
+        # Poll notifications (progressing UCX) until the WRITE's notification arrived, while
+        # the control message TransferDone/TransferFailed is awaited on the connection.
+        tag = transfer_id.encode()
+        done = asyncio.ensure_future(conn.recv())
+        poller = Poller()
+        try:
+            notified = self._agent.take_notif(tag)
+            while not (notified and done.done()):
+                if done.done():
+                    wire.expect_done(done.result(), transfer_id)
+                await poller.sleep()
+                notified = notified or self._agent.take_notif(tag)
+            wire.expect_done(done.result(), transfer_id)
+        finally:
+            done.cancel()
+
+    def close(self) -> None:
+        self._agent.close()

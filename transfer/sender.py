@@ -1,0 +1,156 @@
+"""Sender: the prefill side of one transfer connection.
+
+Design origin: the TensorRT-LLM seed's *Sender* (the context side answers the generation side's
+control messages by sending the KV cache it asks for).
+
+Lifecycle of a connection and of each request on it::
+
+    1. HANDSHAKE   receive Hello, check it (:class:`LocalSide.accept`), answer HelloAck;
+                   a refusal is recorded, answered with ok=False, and closes the connection
+    2. IDLE        wait for the next message (a connection serves many requests, one at a time)
+    3. LOOKUP      SendBlocks: ``parked.lookup(request_id, epoch)`` -> the parked block ids;
+                   HandleError & co. are answered with TransferFailed and the connection stays
+    4. SENDING     the backend moves the bytes (TCP: streamed inline; NIXL: one WRITE, polled)
+    5. DONE        TransferDone (or TransferFailed; an inline stream that broke closes instead)
+    6. RELEASE     Release: ``parked.release(request_id)`` (idempotent), back to 2
+
+Ownership: the parked blocks stay the prefill worker's (and its lease's) until Release; this
+module never frees anything else. A decode worker that disappears leaves them to the lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from typing import Protocol
+
+from pdserve.transfer import wire
+from pdserve.transfer.backend import Peer
+from pdserve.transfer.formatter import Formatter
+from pdserve.transfer.handshake import LocalSide
+from pdserve.transfer.tcp import Connection
+
+from pdserve.errors import HandleError, TransferError
+
+log = logging.getLogger(__name__)
+
+
+class ParkedLookup(Protocol):
+    """The prefill worker's parked KV blocks, as the transceiver sees them."""
+
+    def lookup(self, request_id: str, epoch: int) -> list[int]:
+        """Block ids parked for ``request_id``; raises HandleError (unknown id, old epoch,
+        expired lease)."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """Free the parked blocks; idempotent."""
+        ...
+
+
+class Sender:
+    """Serves one accepted connection until the peer closes it (see the module lifecycle).
+
+    ``errors`` collects the TransferErrors this side raised (bounded, newest last), for logs and
+    tests: a refused handshake raises on the serving side too, and this is where it lands.
+    """
+
+    def __init__(
+        self,
+        local: LocalSide,
+        conn: Connection,
+        parked: ParkedLookup | None,
+        timeout_s: float,
+        errors: deque[TransferError],
+    ):
+        self._local = local
+        self._conn = conn
+        self._parked = parked
+        self._timeout_s = timeout_s
+        self._errors = errors
+
+    async def serve(self) -> None:
+        """Run the connection to its end; never raises for peer failures (they are logged)."""
+        try:
+            formatter, peer = await self._handshake()
+            while True:
+                msg = await self._conn.recv()
+                if isinstance(msg, wire.SendBlocks):
+                    await self._send(msg, formatter, peer)
+                elif isinstance(msg, wire.Release):
+                    if self._parked is not None:
+                        self._parked.release(msg.request_id)
+                else:
+                    raise TransferError(f"unexpected {msg.type!r} from {self._conn.peer}")
+        except TransferError as exc:
+            if not self._conn.closed:  # else the peer closed or died: its side reports it
+                self._record(exc)
+            log.debug("transfer connection from %s ended: %s", self._conn.peer, exc.message)
+        except TimeoutError:
+            log.warning("no hello from %s within %.1f s", self._conn.peer, self._timeout_s)
+        except Exception:  # a bug (e.g. in ParkedLookup) must not kill the accept loop
+            log.exception("transfer connection from %s crashed", self._conn.peer)
+        finally:
+            self._conn.close()
+
+    async def _handshake(self) -> tuple[Formatter, Peer]:
+        async with asyncio.timeout(self._timeout_s):
+            hello = await self._conn.recv()
+        if not isinstance(hello, wire.Hello):
+            raise TransferError(f"expected hello from {self._conn.peer}, got {hello.type!r}")
+        try:
+            accepted = self._local.accept(hello)
+        except TransferError as exc:
+            self._record(exc)
+            await self._conn.send(self._local.ack(exc))
+            self._conn.close()
+            raise
+        await self._conn.send(self._local.ack())
+        return accepted
+
+    async def _send(self, msg: wire.SendBlocks, formatter: Formatter, peer: Peer) -> None:
+        try:
+            plan = formatter.plan(self._lookup(msg), msg.dst_block_ids)
+        except TransferError as exc:
+            self._record(exc)
+            await self._fail(msg.transfer_id, exc)
+            return
+        backend = self._local.backend
+        outbound = backend.start_send(self._conn, plan, peer, msg.transfer_id)
+        try:
+            await outbound.wait(self._timeout_s)
+        except TransferError as exc:
+            if backend.inline_bytes:
+                raise  # the byte stream is broken mid-way: only closing tells the peer
+            self._record(exc)
+            await self._fail(msg.transfer_id, exc)
+            return
+        await self._conn.send(wire.TransferDone(transfer_id=msg.transfer_id, nbytes=plan.nbytes))
+
+    def _lookup(self, msg: wire.SendBlocks) -> list[int]:
+        if self._parked is None:
+            raise HandleError(f"worker {self._local.worker_id} holds no parked KV blocks")
+        if msg.epoch != self._local.epoch:
+            raise HandleError(
+                f"handle of request {msg.request_id} names epoch {msg.epoch}, but worker "
+                f"{self._local.worker_id} is at epoch {self._local.epoch} (it restarted)"
+            )
+        block_ids = list(self._parked.lookup(msg.request_id, msg.epoch))
+        if tuple(block_ids) != msg.src_block_ids:
+            raise HandleError(
+                f"handle of request {msg.request_id} names blocks {list(msg.src_block_ids)}, "
+                f"but {block_ids} are parked"
+            )
+        return block_ids
+
+    async def _fail(self, transfer_id: str, exc: TransferError) -> None:
+        await self._conn.send(
+            wire.TransferFailed(
+                transfer_id=transfer_id, code=wire.error_code(exc), message=exc.message
+            )
+        )
+
+    def _record(self, exc: TransferError) -> None:
+        log.warning("KV transfer to %s failed: %s", self._conn.peer, exc.message)
+        self._errors.append(exc)

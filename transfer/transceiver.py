@@ -1,0 +1,168 @@
+"""Transceiver: one per worker; serves its parked KV blocks and pulls other workers' blocks.
+
+Design origin: the TensorRT-LLM seed's *Transceiver* (coordinates sending and receiving of KV
+cache for its executor), with the seed's outlook applied: the control plane is Python
+(:mod:`~pdserve.transfer.sender`, :mod:`~pdserve.transfer.receiver` over
+:mod:`~pdserve.transfer.wire` frames), the data plane a :class:`~pdserve.transfer.backend.Backend`
+(NIXL WRITE of registered memory, or bytes streamed on the TCP connection).
+
+Lifecycle: ``create_transceiver`` (validates the pool, picks and initialises the backend) ->
+``await start()`` (listens on ``cfg.host:cfg.port``; ``endpoint`` is then set) -> serve
+(``pull`` on decode workers; connections accepted on prefill workers) -> ``await close()``
+(idempotent: stops accepting, ends connection handlers, closes idle connections, releases the
+backend's agent and memory registration).
+
+Thread-safety: every method, and ``create_transceiver``, must be called from the thread of the
+event loop that runs the transceiver (NIXL is not thread-safe). No pool locking happens here:
+the engine never touches parked or reserved blocks while they are transferred.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import uuid
+from collections import deque
+
+import torch
+from pdserve.transfer.backend import Backend, open_backend
+from pdserve.transfer.formatter import PoolGeometry
+from pdserve.transfer.handshake import LocalSide
+from pdserve.transfer.receiver import Receiver
+from pdserve.transfer.sender import ParkedLookup, Sender
+from pdserve.transfer.tcp import Connection
+
+from pdserve.config import TransferConfig
+from pdserve.errors import TransferError
+from pdserve.protocol import KVLayout, TransferHandle
+
+log = logging.getLogger(__name__)
+
+_RECENT_ERRORS = 64
+
+
+class Transceiver:
+    """A worker's KV transfer endpoint (see the module docstring for the lifecycle).
+
+    ``backend`` is ``"nixl"`` or ``"tcp"``; ``endpoint`` is ``"host:port"`` once started.
+    ``recent_errors`` holds the last TransferErrors the serving side raised (newest last),
+    e.g. the LayoutMismatchError of a refused handshake.
+    """
+
+    def __init__(self, cfg: TransferConfig, local: LocalSide, parked: ParkedLookup | None):
+        self._cfg = cfg
+        self._local = local
+        self._parked = parked
+        self._receiver = Receiver(local, cfg.timeout_s)
+        self._listener: socket.socket | None = None
+        self._accept_task: asyncio.Task[None] | None = None
+        self._handlers: set[asyncio.Task[None]] = set()
+        self._closed = False
+        self.backend: str = local.backend.name
+        self.endpoint: str = ""
+        self.recent_errors: deque[TransferError] = deque(maxlen=_RECENT_ERRORS)
+
+    async def start(self) -> None:
+        """Listen for peers on ``cfg.host:cfg.port`` (port 0 picks one) and set ``endpoint``."""
+        if self._listener is not None:
+            return
+        host, port = self._cfg.host, self._cfg.port
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.setblocking(False)
+        self._listener = sock
+        bound = sock.getsockname()[1]
+        self.endpoint = f"[{host}]:{bound}" if family == socket.AF_INET6 else f"{host}:{bound}"
+        self._accept_task = asyncio.create_task(self._accept_loop(sock))
+        log.info("KV transceiver (%s) listening on %s", self.backend, self.endpoint)
+
+    def communicator(self) -> dict[str, str]:
+        """The discovery record's communicator handle: backend, endpoint, backend extras
+        (NIXL: ``nixl_agent`` name and ``nixl_metadata`` base64)."""
+        return {
+            "backend": self.backend,
+            "endpoint": self.endpoint,
+            **self._local.backend.communicator(),
+        }
+
+    async def pull(self, handle: TransferHandle, dst_block_ids: list[int]) -> None:
+        """Decode side: copy the parked blocks ``handle.block_ids`` of the prefill worker into
+        the local blocks ``dst_block_ids`` (every layer; element i -> element i), then release
+        them on the prefill side.
+
+        Raises TransferError (peer unreachable, refused, died, timed out after
+        ``cfg.timeout_s``; wrong ``dst_block_ids`` count), LayoutMismatchError, HandleError
+        (unknown request, other epoch, expired lease). See :mod:`pdserve.transfer.receiver`
+        for what the destination blocks hold after an error.
+        """
+        if self._closed:
+            raise TransferError("transceiver is closed")
+        await self._receiver.pull(handle, dst_block_ids)
+
+    async def close(self) -> None:
+        """Stop serving and release everything; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        tasks = [t for t in (self._accept_task, *self._handlers) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self._listener is not None:
+            self._listener.close()
+        self._receiver.close()
+        self._local.backend.close()
+
+    async def _accept_loop(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, addr = await loop.sock_accept(listener)
+            except OSError as exc:  # e.g. EMFILE: back off instead of spinning
+                log.warning("transfer accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            peer = f"{addr[0]}:{addr[1]}"
+            sender = Sender(
+                self._local,
+                Connection(sock, peer),
+                self._parked,
+                self._cfg.timeout_s,
+                self.recent_errors,
+            )
+            task = asyncio.create_task(sender.serve())
+            self._handlers.add(task)
+            task.add_done_callback(self._handlers.discard)
+
+
+def create_transceiver(
+    cfg: TransferConfig,
+    *,
+    pool: torch.Tensor,
+    layout: KVLayout,
+    worker_id: str,
+    epoch: int,
+    parked: ParkedLookup | None,
+) -> Transceiver:
+    """Build a worker's transceiver over its KV pool.
+
+    ``pool``: the worker's one contiguous pool ``[num_layers, num_blocks, 2, tpb, kvh, hd]``
+    of ``layout.dtype`` (CPU; CUDA with NIXL only). It is registered with NIXL and must outlive
+    the transceiver. ``parked``: the prefill worker's parked blocks (None on a pure decode
+    worker: its SendBlocks are refused). Picks the backend (``cfg.backend``; ``"auto"`` = NIXL
+    if it imports and initialises, else TCP). Raises ConfigError for a pool that does not match
+    ``layout`` or an unavailable explicit backend. Call from the event loop's thread.
+    """
+    geometry = PoolGeometry.from_pool(pool, layout)
+    # Unique per incarnation: a restarted worker's agent must not be mistaken for the old one.
+    agent_name = f"pdserve-{worker_id}-{epoch}-{uuid.uuid4().hex[:8]}"
+    backend: Backend = open_backend(cfg, pool=pool, geometry=geometry, agent_name=agent_name)
+    local = LocalSide(worker_id, epoch, layout, geometry, backend)
+    return Transceiver(cfg, local, parked)

@@ -1,0 +1,166 @@
+"""Paged attention over the KV block pool, plugged into transformers' attention interface.
+
+This is the approach of vLLM's Transformers backend: the model class stays transformers' own;
+only the attention *function* is swapped. :func:`register_paged_attention` registers
+:func:`paged_attention_forward` under :data:`ATTENTION_NAME` in ``AttentionInterface`` and a mask
+function that returns ``None`` under the same name in ``AttentionMaskInterface`` (so transformers
+builds no dense ``[T, T]`` mask); a model loaded with ``attn_implementation=ATTENTION_NAME`` then
+calls it from every attention layer.
+
+A step's tokens are flattened (varlen) into batch 1 with explicit ``position_ids``, decode tokens
+first::
+
+    tokens:  | d0 | d1 | d2 | p0 p0 p0 p0 | p1 p1 |      decode seqs feed 1 token each,
+             '---num_decode--' '-prefill chunks-'       prefill seqs a chunk of their prompt
+
+The per-step :class:`PagedAttentionMetadata` travels as the keyword argument
+``paged_attention_metadata`` through the model's forward (transformers hands ``**kwargs`` down to
+the attention function). Per layer the function
+
+1. writes the step's K (after RoPE) and V into the pool at each token's slot
+   (``block_table[pos // tpb]``, offset ``pos % tpb``), then
+2. computes causal attention of each sequence's queries over its cached K/V: one batched SDPA for
+   all decode tokens (block tables gathered, padded, masked), one SDPA per prefill chunk (on the
+   fresh K/V when the chunk is the whole prompt, else on the gathered cache with a bottom-right
+   aligned causal mask). GQA uses SDPA's ``enable_gqa``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION_NAME = "pdserve_paged"
+METADATA_KWARG = "paged_attention_metadata"
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """One prefill sequence's chunk: query rows ``[q_start, q_start + q_len)`` of the step; the
+    sequence holds ``ctx_len`` tokens after the step (``ctx_len == q_len`` for a whole prompt).
+    ``block_ids``: its block table, ``[ceil(ctx_len / tpb)]`` long. ``mask``: ``[q_len, ctx_len]``
+    bool (True = attend) for a continued chunk, None for a whole prompt (``is_causal``)."""
+
+    q_start: int
+    q_len: int
+    ctx_len: int
+    block_ids: torch.Tensor
+    mask: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class PagedAttentionMetadata:
+    """Everything the attention function needs for one step (built once, shared by all layers).
+
+    - ``pool``: ``[num_layers, num_blocks, 2, tpb, kvh, hd]``, the KV cache manager's pool.
+    - ``k_slots`` / ``v_slots``: ``[T]`` long, row of each token's K / V in the layer's pool
+      viewed as ``[num_blocks * 2 * tpb, kvh, hd]`` (``block * 2 * tpb + {0, tpb} + offset``).
+    - ``num_decode``: the first ``num_decode`` tokens are decode tokens, one per sequence.
+    - ``decode_block_tables``: ``[num_decode, max_blocks]`` long, padded with block 0.
+    - ``decode_mask``: ``[num_decode, 1, 1, max_blocks * tpb]`` bool (True = attend), or None when
+      there is a single decode sequence (its gathered K/V is cut to ``decode_ctx_len`` instead).
+    - ``prefill``: the prefill chunks, in token order after the decode tokens.
+    """
+
+    pool: torch.Tensor
+    k_slots: torch.Tensor
+    v_slots: torch.Tensor
+    num_decode: int
+    decode_block_tables: torch.Tensor | None
+    decode_mask: torch.Tensor | None
+    decode_ctx_len: int
+    prefill: tuple[PrefillChunk, ...]
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, kv: int) -> torch.Tensor:
+    """K (``kv=0``) or V (``kv=1``) of ``block_ids`` (``[..., nb]``) from one layer's cache
+    ``[num_blocks, 2, tpb, kvh, hd]`` -> ``[..., kvh, nb * tpb, hd]`` (head-major for SDPA)."""
+    blocks = cache[:, kv][block_ids]  # [..., nb, tpb, kvh, hd], a copy
+    flat = blocks.flatten(-4, -3)  # [..., nb * tpb, kvh, hd]
+    return flat.transpose(-3, -2)
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """Attention function with transformers' signature.
+
+    ``query`` ``[1, H, T, hd]``, ``key``/``value`` ``[1, kvh, T, hd]`` (batch 1, ``T`` flattened
+    step tokens, keys after RoPE). Returns ``([1, T, H, hd], None)``. ``attention_mask`` is
+    ignored (the mask function returns None); the metadata comes from
+    ``kwargs["paged_attention_metadata"]``. Raises ``KeyError`` when a forward runs without it.
+    """
+    meta = kwargs[METADATA_KWARG]
+    assert isinstance(meta, PagedAttentionMetadata)
+    cache = meta.pool[module.layer_idx]  # [num_blocks, 2, tpb, kvh, hd]
+    flat_cache = cache.view(-1, cache.shape[-2], cache.shape[-1])
+    k_tok = key[0].transpose(0, 1)  # [T, kvh, hd]
+    v_tok = value[0].transpose(0, 1)
+    flat_cache.index_copy_(0, meta.k_slots, k_tok.to(cache.dtype))
+    flat_cache.index_copy_(0, meta.v_slots, v_tok.to(cache.dtype))
+
+    num_tokens, num_heads, head_dim = query.shape[2], query.shape[1], query.shape[3]
+    parts: list[torch.Tensor] = []
+    nd = meta.num_decode
+    if nd:
+        assert meta.decode_block_tables is not None
+        q = query[0, :, :nd].transpose(0, 1).unsqueeze(2)  # [nd, H, 1, hd]
+        k = _gather(cache, meta.decode_block_tables, 0)  # [nd, kvh, L, hd]
+        v = _gather(cache, meta.decode_block_tables, 1)
+        if meta.decode_mask is None:
+            k, v = k[:, :, : meta.decode_ctx_len], v[:, :, : meta.decode_ctx_len]
+        out = F.scaled_dot_product_attention(
+            q, k.to(q.dtype), v.to(q.dtype), attn_mask=meta.decode_mask, scale=scaling,
+            enable_gqa=True,
+        )  # fmt: skip
+        parts.append(out.reshape(nd, num_heads, head_dim))
+    for chunk in meta.prefill:
+        rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
+        q = query[:, :, rows]  # [1, H, q_len, hd]
+        if chunk.mask is None:  # whole prompt: attend to the fresh K/V, plain causal
+            k, v = key[:, :, rows], value[:, :, rows]
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=scaling, enable_gqa=True
+            )
+        else:  # continued chunk: earlier chunks' K/V come from the cache
+            k = _gather(cache, chunk.block_ids, 0)[:, : chunk.ctx_len].unsqueeze(0)
+            v = _gather(cache, chunk.block_ids, 1)[:, : chunk.ctx_len].unsqueeze(0)
+            out = F.scaled_dot_product_attention(
+                q, k.to(q.dtype), v.to(q.dtype), attn_mask=chunk.mask, scale=scaling,
+                enable_gqa=True,
+            )  # fmt: skip
+        parts.append(out[0].transpose(0, 1))  # [q_len, H, hd]
+    attn = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    assert attn.shape[0] == num_tokens
+    return attn.unsqueeze(0), None
+
+
+def _no_mask(*args: object, **kwargs: object) -> None:
+    """Mask function for :data:`ATTENTION_NAME`: the paged kernel builds its own masks."""
+    return None
+
+
+def register_paged_attention() -> str:
+    """Register the attention and mask functions with transformers (idempotent) and return the
+    name to pass as ``attn_implementation``. Registration is process-global in transformers."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+    return ATTENTION_NAME
+
+
+def bottom_right_causal_mask(q_len: int, ctx_len: int) -> torch.Tensor:
+    """``[q_len, ctx_len]`` bool: query ``i`` (absolute position ``ctx_len - q_len + i``) attends
+    to keys ``0 ..= ctx_len - q_len + i``."""
+    return torch.ones(q_len, ctx_len, dtype=torch.bool).tril(diagonal=ctx_len - q_len)

@@ -1,0 +1,201 @@
+"""KV cache manager: fixed-size KV blocks carved out of one contiguous pool tensor.
+
+The interface is the seed's (TensorRT-LLM PyTorch backend ``KVCacheManager``, see
+``/work/shared/seeds/kv-cache-manager.md``): ``prepare_resources`` / ``update_resources`` /
+``free_resources`` for the step loop, ``get_max_resource_count`` /
+``get_needed_resource_to_completion`` for the capacity scheduler, ``get_batch_cache_indices`` /
+``get_buffers`` / ``get_num_free_blocks`` for the attention backend and the transfer path.
+
+Pool layout (``docs/architecture.md``, "KV cache pool")::
+
+    pool[num_layers, num_blocks, 2, tokens_per_block, num_kv_heads, head_dim]
+                                 ^ 0 = K (after RoPE), 1 = V
+
+    byte offset of (layer, block) = ((layer * num_blocks) + block) * layout.block_bytes_per_layer
+
+A request owns an ordered list of block ids, its *block table*: token at position ``p`` lives in
+block ``table[p // tokens_per_block]`` at offset ``p % tokens_per_block``. Blocks are handed out
+from a FIFO free list, so a freed block is reused only after every block freed before it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterable
+from typing import Protocol
+
+import torch
+
+from pdserve.errors import CapacityError
+from pdserve.protocol import KVLayout
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class KVDemand(Protocol):
+    """One scheduled sequence as :meth:`KVCacheManager.prepare_resources` sees it."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def num_kv_tokens_after_step(self) -> int:
+        """Tokens whose K/V the request's blocks must hold once this step's forward has run."""
+        ...
+
+
+def blocks_for_tokens(num_tokens: int, tokens_per_block: int) -> int:
+    """Number of blocks that hold ``num_tokens`` tokens (ceiling division)."""
+    return -(-num_tokens // tokens_per_block)
+
+
+def num_blocks_for_budget(layout: KVLayout, budget_bytes: int) -> int:
+    """How many blocks (across all layers) fit in ``budget_bytes`` bytes of pool."""
+    return budget_bytes // (layout.block_bytes_per_layer * layout.num_layers)
+
+
+class KVCacheManager:
+    """Owns the KV pool tensor and the block tables of the requests that hold blocks.
+
+    Thread-safety: every method may be called from any thread (one internal lock). The pool's
+    *contents* are not guarded: the engine thread writes K/V of running requests during a
+    forward, while other threads may read or write the blocks of requests they own (parked
+    blocks being sent, reserved blocks being filled by a transfer). A block id is never handed to
+    two owners at once, so those accesses never overlap.
+
+    Raises :class:`CapacityError` when an allocation does not fit in the free blocks; a failed
+    allocation allocates nothing.
+    """
+
+    def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu"):
+        if num_blocks <= 0:
+            raise CapacityError(
+                f"KV cache budget holds no block of {layout.block_bytes_per_layer * layout.num_layers}"
+                " bytes; raise kv_cache_bytes or num_blocks"
+            )
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.tokens_per_block = layout.tokens_per_block
+        # Zero-filled rather than empty: attention reads padded (masked) slots of the block
+        # table, and a NaN bit pattern there would survive the zero attention weight.
+        self.pool = torch.zeros(
+            (
+                layout.num_layers,
+                num_blocks,
+                2,
+                layout.tokens_per_block,
+                layout.num_kv_heads,
+                layout.head_dim,
+            ),
+            dtype=_TORCH_DTYPES[layout.dtype],
+            device=device,
+        )
+        self._lock = threading.Lock()
+        self._free: deque[int] = deque(range(num_blocks))
+        self._tables: dict[str, list[int]] = {}
+
+    # --- allocation ----------------------------------------------------------------------------
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` tokens."""
+        return blocks_for_tokens(num_tokens, self.tokens_per_block)
+
+    def allocate(self, request_id: str, num_tokens: int) -> list[int]:
+        """Grow ``request_id``'s block table so that it holds ``num_tokens`` tokens and return a
+        copy of the whole table (a no-op when the last block still has room). Raises
+        :class:`CapacityError` (allocating nothing) when the free blocks do not suffice."""
+        with self._lock:
+            table = self._tables.setdefault(request_id, [])
+            missing = self.blocks_for_tokens(num_tokens) - len(table)
+            if missing > len(self._free):
+                if not table:
+                    del self._tables[request_id]
+                raise CapacityError(
+                    f"KV cache exhausted: request {request_id} needs {missing} more blocks, "
+                    f"{len(self._free)} of {self.num_blocks} free"
+                )
+            for _ in range(missing):
+                table.append(self._free.popleft())
+            return list(table)
+
+    def free(self, request_id: str) -> list[int]:
+        """Return ``request_id``'s blocks to the free list; returns the freed ids. Idempotent:
+        an unknown request frees nothing. The caller must know that nothing still reads or writes
+        those blocks (no forward in flight, no transfer landing)."""
+        with self._lock:
+            table = self._tables.pop(request_id, [])
+            self._free.extend(table)
+            return table
+
+    def block_table(self, request_id: str) -> list[int]:
+        """Copy of ``request_id``'s block table (empty when it holds no blocks)."""
+        with self._lock:
+            return list(self._tables.get(request_id, ()))
+
+    def num_allocated(self, request_id: str) -> int:
+        """Blocks ``request_id`` holds now."""
+        with self._lock:
+            return len(self._tables.get(request_id, ()))
+
+    def holders(self) -> list[str]:
+        """Request ids that hold blocks (for leak checks and load reports)."""
+        with self._lock:
+            return list(self._tables)
+
+    # --- the seed's BaseResourceManager interface ----------------------------------------------
+
+    def prepare_resources(self, demands: Iterable[KVDemand]) -> None:
+        """Before a step's forward: allocate blocks so that each scheduled request can hold its
+        K/V after the step (a whole prompt chunk in the context phase, one token in the
+        generation phase; nothing happens while the last block has room). Raises
+        :class:`CapacityError`; requests allocated before the failing one keep their blocks."""
+        for demand in demands:
+            self.allocate(demand.request_id, demand.num_kv_tokens_after_step)
+
+    def update_resources(self, demands: Iterable[KVDemand]) -> None:
+        """After a step's forward. Nothing to do without prefix reuse; a radix/hash index of full
+        blocks would be updated here."""
+        del demands
+
+    def free_resources(self, request_id: str) -> list[int]:
+        """A request finished: recycle its blocks (alias of :meth:`free`)."""
+        return self.free(request_id)
+
+    def get_max_resource_count(self) -> int:
+        """Total number of KV blocks in the pool (the capacity scheduler's budget)."""
+        return self.num_blocks
+
+    def get_needed_resource_to_completion(self, num_prompt_tokens: int, max_new_tokens: int) -> int:
+        """Blocks a request needs to run to completion.
+
+        The K/V of every token fed to the model is cached: the prompt and each generated token
+        except the last (it is sampled, never fed), i.e. ``num_prompt_tokens + max_new_tokens - 1``
+        tokens. A prefill-only leg (one token) therefore needs exactly the prompt's blocks.
+        """
+        return self.blocks_for_tokens(num_prompt_tokens + max(max_new_tokens, 1) - 1)
+
+    def get_batch_cache_indices(self, request_ids: Iterable[str]) -> dict[str, list[int]]:
+        """Block table (list of block ids, in token order) of each request."""
+        with self._lock:
+            return {rid: list(self._tables.get(rid, ())) for rid in request_ids}
+
+    def get_buffers(self, layer: int) -> torch.Tensor:
+        """``pool[layer]``: a view ``[num_blocks, 2, tokens_per_block, num_kv_heads, head_dim]``
+        sharing storage with :attr:`pool`."""
+        return self.pool[layer]
+
+    def get_num_free_blocks(self) -> int:
+        """Blocks on the free list now."""
+        with self._lock:
+            return len(self._free)
+
+    # --- transfer helpers ------------------------------------------------------------------------
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Copy of the K/V of ``block_ids``: ``[num_layers, len(block_ids), 2, tpb, kvh, hd]``."""
+        return self.pool[:, block_ids].clone()
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Write ``data`` (shaped as :meth:`read_blocks` returns) into ``block_ids``."""
+        self.pool[:, block_ids] = data.to(self.pool.dtype)

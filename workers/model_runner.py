@@ -1,0 +1,173 @@
+"""Model runner: loads a transformers causal LM with paged attention and runs one step.
+
+It turns a :class:`ScheduledBatch` into flattened (varlen, batch 1) model inputs with explicit
+``position_ids`` and the :class:`PagedAttentionMetadata` of the step, runs one forward pass, and
+projects only the rows that sample through the LM head (transformers' ``logits_to_keep`` with an
+index tensor), as vLLM's Transformers backend does. Any decoder whose attention goes through
+transformers' ``AttentionInterface`` and passes ``**kwargs`` down to it runs here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.errors import ConfigError
+from pdserve.workers.attention import (
+    METADATA_KWARG,
+    PagedAttentionMetadata,
+    PrefillChunk,
+    bottom_right_causal_mask,
+    register_paged_attention,
+)
+from pdserve.workers.kv_cache import KVCacheManager
+from pdserve.workers.scheduler import ScheduledBatch
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ModelRunner:
+    """Owns the model. ``num_layers``, ``num_kv_heads``, ``head_dim``, ``vocab_size`` and
+    ``max_position_embeddings`` describe it for the KV layout. Not thread-safe: run steps from
+    one thread (the engine thread)."""
+
+    def __init__(self, cfg: EngineConfig):
+        from transformers import AutoModelForCausalLM
+
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)  # process-wide intra-op pool
+        self.device = torch.device(cfg.device)
+        self.dtype = TORCH_DTYPES[cfg.dtype]
+        path = Path(cfg.model_path)
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model folder {path} has no config.json")
+        self.model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=self.dtype,
+            attn_implementation=register_paged_attention(),
+            local_files_only=True,
+        )
+        self.model.to(self.device).eval()
+        text = self.model.config.get_text_config()
+        self.num_layers: int = text.num_hidden_layers
+        self.num_kv_heads: int = getattr(text, "num_key_value_heads", None) or (
+            text.num_attention_heads
+        )
+        self.head_dim: int = getattr(text, "head_dim", None) or (
+            text.hidden_size // text.num_attention_heads
+        )
+        self.vocab_size: int = text.vocab_size
+        self.max_position_embeddings: int = text.max_position_embeddings
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, kv_cache: KVCacheManager) -> torch.Tensor:
+        """Run ``batch`` (its blocks already allocated by ``prepare_resources``): writes the
+        step's K/V into the pool and returns float32 logits ``[len(batch.sampling), vocab]``, one
+        row per sampling sequence in ``batch.sampling`` order."""
+        ids, positions, meta, keep = self.prepare_inputs(batch, kv_cache)
+        out = self.model(
+            input_ids=ids.unsqueeze(0),
+            position_ids=positions.unsqueeze(0),
+            use_cache=False,
+            logits_to_keep=keep,
+            **{METADATA_KWARG: meta},
+        )
+        return out.logits[0].float()
+
+    def prepare_inputs(
+        self, batch: ScheduledBatch, kv_cache: KVCacheManager
+    ) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionMetadata, torch.Tensor]:
+        """Flatten ``batch`` into ``input_ids`` ``[T]``, ``position_ids`` ``[T]`` (long), the
+        attention metadata and the row indices ``[num_sampling]`` whose logits are kept."""
+        tpb = kv_cache.tokens_per_block
+        tables = kv_cache.get_batch_cache_indices(s.request_id for s in batch.items)
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        k_slots: list[torch.Tensor] = []
+        keep: list[int] = []
+
+        # decode tokens: one per sequence, sequence i at row i
+        decode_tables: list[list[int]] = []
+        decode_ctx: list[int] = []
+        dec_pos: list[int] = []
+        dec_slot: list[int] = []
+        for s in batch.decode:
+            table = tables[s.request_id]
+            pos = s.start_position
+            ids.extend(s.token_ids())
+            dec_pos.append(pos)
+            dec_slot.append(table[pos // tpb] * 2 * tpb + pos % tpb)
+            decode_tables.append(table[: pos // tpb + 1])
+            decode_ctx.append(pos + 1)
+        keep.extend(range(len(batch.decode)))
+        positions.append(torch.tensor(dec_pos, dtype=torch.long))
+        k_slots.append(torch.tensor(dec_slot, dtype=torch.long))
+
+        chunks: list[PrefillChunk] = []
+        row = len(batch.decode)
+        for s in batch.prefill:
+            n, start = s.num_new_tokens, s.start_position
+            ctx = start + n
+            block_ids = torch.tensor(tables[s.request_id][: -(-ctx // tpb)], dtype=torch.long)
+            pos = torch.arange(start, ctx, dtype=torch.long)
+            ids.extend(s.token_ids())
+            positions.append(pos)
+            k_slots.append(block_ids[pos // tpb] * 2 * tpb + pos % tpb)
+            mask = None if start == 0 else bottom_right_causal_mask(n, ctx)
+            chunks.append(PrefillChunk(row, n, ctx, block_ids, mask))
+            if s.samples:
+                keep.append(row + n - 1)
+            row += n
+
+        meta = self._metadata(kv_cache, torch.cat(k_slots), decode_tables, decode_ctx, chunks)
+        dev = self.device
+        return (
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.cat(positions).to(dev),
+            meta,
+            torch.tensor(keep, dtype=torch.long, device=dev),
+        )
+
+    def _metadata(
+        self,
+        kv_cache: KVCacheManager,
+        k_slots: torch.Tensor,
+        decode_tables: list[list[int]],
+        decode_ctx: list[int],
+        chunks: list[PrefillChunk],
+    ) -> PagedAttentionMetadata:
+        tpb = kv_cache.tokens_per_block
+        dev = self.device
+        nd = len(decode_tables)
+        tables_t: torch.Tensor | None = None
+        mask: torch.Tensor | None = None
+        if nd:
+            width = max(len(t) for t in decode_tables)
+            padded = [t + [0] * (width - len(t)) for t in decode_tables]
+            tables_t = torch.tensor(padded, dtype=torch.long, device=dev)
+            if nd > 1:
+                ctx = torch.tensor(decode_ctx, dtype=torch.long, device=dev)
+                mask = torch.arange(width * tpb, device=dev)[None, :] < ctx[:, None]
+                mask = mask[:, None, None, :]
+        k_slots = k_slots.to(dev)
+        return PagedAttentionMetadata(
+            pool=kv_cache.pool,
+            k_slots=k_slots,
+            v_slots=k_slots + tpb,
+            num_decode=nd,
+            decode_block_tables=tables_t,
+            decode_mask=mask,
+            decode_ctx_len=decode_ctx[0] if nd == 1 else 0,
+            prefill=tuple(
+                PrefillChunk(
+                    c.q_start,
+                    c.q_len,
+                    c.ctx_len,
+                    c.block_ids.to(dev),
+                    None if c.mask is None else c.mask.to(dev),
+                )
+                for c in chunks
+            ),
+        )

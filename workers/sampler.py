@@ -1,0 +1,139 @@
+"""Token sampler: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+
+Seeded sampling is position-keyed: the random draw for output position ``i`` of a request with
+seed ``s`` comes from a generator seeded with ``mix(s, i)``, never from a stream shared across
+steps. A prefill worker sampling position 0 and a decode worker sampling positions >= 1 thus
+produce the same tokens as one engine doing both, and batching never changes a request's draws.
+
+Sampling uses the exponential-race form (as vLLM's sampler): ``argmax(probs / q)`` with
+``q ~ Exp(1)`` i.i.d. per vocabulary entry picks token ``t`` with probability ``probs[t]``
+exactly, and needs one noise tensor per row rather than a CDF search.
+
+Logprobs are ``log_softmax`` of the raw logits (before temperature, top-k and top-p), i.e. of the
+model's own distribution, as the OpenAI API reports them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.protocol import SamplingParams, TokenLogprob
+
+
+def position_seed(seed: int, position: int) -> int:
+    """Seed of the generator that draws output position ``position`` of a request seeded with
+    ``seed`` (a 63-bit hash of both, so nearby seeds and positions give unrelated streams)."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """One entry per logits row: the sampled token and, when the request asked for logprobs
+    (``logprobs`` or ``top_logprobs > 0``), its :class:`TokenLogprob`."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+class Sampler:
+    """Samples one token per row of a logits batch.
+
+    ``seed`` seeds the generator used for requests without their own seed (None: from OS
+    entropy). Not thread-safe (the unseeded generator is shared): call from the engine thread.
+    """
+
+    def __init__(self, seed: int | None = None):
+        self._rng = torch.Generator(device="cpu")
+        if seed is None:
+            self._rng.seed()
+        else:
+            self._rng.manual_seed(seed)
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        positions: Sequence[int],
+    ) -> SampleResult:
+        """Sample from ``logits`` (``[N, vocab]``, any float dtype, on any device) for ``N``
+        requests with settings ``params[i]`` at output positions ``positions[i]``."""
+        n = logits.shape[0]
+        assert len(params) == n and len(positions) == n, "one SamplingParams per logits row"
+        logits = logits.float()
+        tokens = torch.empty(n, dtype=torch.long, device=logits.device)
+        greedy = [i for i, p in enumerate(params) if p.temperature == 0.0 or p.top_k == 1]
+        greedy_set = set(greedy)
+        sampled = [i for i in range(n) if i not in greedy_set]
+        if greedy:
+            tokens[greedy] = logits[greedy].argmax(dim=-1)
+        if sampled:
+            probs = self._filtered_probs(logits[sampled], [params[i] for i in sampled])
+            noise = torch.empty_like(probs)
+            for row, i in enumerate(sampled):
+                noise[row].exponential_(generator=self._generator(params[i], positions[i]))
+            tokens[sampled] = (probs / noise).argmax(dim=-1)
+        token_list: list[int] = tokens.tolist()
+        return SampleResult(token_list, self._logprobs(logits, params, token_list))
+
+    def _generator(self, p: SamplingParams, position: int) -> torch.Generator:
+        if p.seed is None:
+            return self._rng
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(position_seed(p.seed, position))
+        return gen
+
+    @staticmethod
+    def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """Temperature, then top-k, then top-p (nucleus) masking; returns probabilities ``[M, V]``
+        with masked entries exactly 0. At least one token (the most likely) always survives."""
+        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+        x = logits / temps.to(logits.device).unsqueeze(1)
+        vocab = x.shape[-1]
+        ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        if min(ks) < vocab:
+            kmax = max(ks)
+            top_vals = x.topk(kmax, dim=-1).values
+            k_index = torch.tensor([k - 1 for k in ks], device=x.device).unsqueeze(1)
+            threshold = top_vals.gather(1, k_index)
+            no_k = torch.tensor([k == vocab for k in ks], device=x.device).unsqueeze(1)
+            x = x.masked_fill((x < threshold) & ~no_k, float("-inf"))
+        top_ps = [p.top_p for p in params]
+        if min(top_ps) < 1.0:
+            sorted_x, order = x.sort(dim=-1, descending=True)
+            sorted_probs = sorted_x.softmax(dim=-1)
+            # mass strictly before each token; keep a token while that mass is below top_p
+            before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            p_col = torch.tensor(top_ps, dtype=x.dtype, device=x.device).unsqueeze(1)
+            drop_sorted = before >= p_col
+            drop_sorted[:, 0] = False
+            drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+            x = x.masked_fill(drop, float("-inf"))
+        return x.softmax(dim=-1)
+
+    @staticmethod
+    def _logprobs(
+        logits: torch.Tensor, params: Sequence[SamplingParams], tokens: list[int]
+    ) -> list[TokenLogprob | None]:
+        rows = [i for i, p in enumerate(params) if p.logprobs or p.top_logprobs > 0]
+        out: list[TokenLogprob | None] = [None] * len(params)
+        if not rows:
+            return out
+        lp = torch.log_softmax(logits[rows], dim=-1)
+        chosen = lp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=lp.device))
+        chosen_list = chosen.squeeze(1).tolist()
+        kmax = max(params[i].top_logprobs for i in rows)
+        top_vals, top_ids = (lp.topk(kmax, dim=-1) if kmax else (None, None))
+        for row, i in enumerate(rows):
+            top: tuple[tuple[int, float], ...] = ()
+            k = params[i].top_logprobs
+            if k and top_vals is not None and top_ids is not None:
+                ids = top_ids[row, :k].tolist()
+                vals = top_vals[row, :k].tolist()
+                top = tuple(zip(ids, vals, strict=True))
+            out[i] = TokenLogprob(token_id=tokens[i], logprob=chosen_list[row], top=top)
+        return out
