@@ -197,6 +197,8 @@ def _configure_logging(level: str) -> None:
         format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s",
         stream=sys.stderr,
     )
+    # One line per worker call at INFO is noise; keep httpx's warnings.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def main(argv: list[str] | None = None) -> int:

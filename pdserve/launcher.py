@@ -84,7 +84,7 @@ def _wait_ready(
                     raise RuntimeError(f"{c.name} exited with code {c.proc.returncode} while starting")
             try:
                 ready = client.get(f"{url}/ready").status_code == 200
-                workers = client.get(f"{url}/registry/workers").json()
+                workers = client.get(f"{url}/registry/workers").json()["workers"]
                 if ready and len(workers) >= expected:
                     return True
             except (httpx.HTTPError, ValueError):

@@ -172,7 +172,7 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
-def _tiny_tokenizer():  # -> PreTrainedTokenizerFast
+def tiny_tokenizer():  # -> PreTrainedTokenizerFast
     """Byte-level tokenizer: ids 0-255 are the bytes (GPT-2 byte-to-unicode alphabet, no merges),
     256-259 the special tokens ``<|bos|> <|eos|> <|pad|> <|turn|>``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -228,7 +228,7 @@ def build_tiny_model(path: Path, *, seed: int = 0) -> Path:
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tok = _tiny_tokenizer()
+    tok = tiny_tokenizer()
     ids = {t: tok.convert_tokens_to_ids(t) for t in TINY_SPECIAL_TOKENS}
     config = LlamaConfig(
         vocab_size=len(tok),
@@ -256,4 +256,3 @@ def build_tiny_model(path: Path, *, seed: int = 0) -> Path:
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
-

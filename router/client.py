@@ -126,8 +126,10 @@ class GenerationStream:
                     line = await anext(lines)
             except StopAsyncIteration:
                 return
-            except (httpx.HTTPError, TimeoutError) as exc:
+            except (httpx.TimeoutException, TimeoutError) as exc:
                 raise _transport_error(self._leg, exc, self._deadline) from exc
+            except httpx.HTTPError as exc:
+                raise WorkerError(f"{self._leg} broke its stream (worker gone?): {exc}") from exc
             if not line.strip():
                 continue
             try:

@@ -12,7 +12,8 @@ Lifecycle of one request (``Transaction.state``)::
                   /internal/generate and relay its NDJSON chunks
     5 FINISHED    the last event carries finish_reason stop/length; D released P's blocks
       FAILED      a typed error was raised (WorkerError, TransferError, CapacityError,
-                  DeadlineExceededError) or the consumer stopped early (client gone)
+                  DeadlineExceededError)
+      ABANDONED   the consumer stopped before the end (client disconnected)
 
 Cleanup (:meth:`Transaction.aclose`, idempotent, also run when ``events()`` ends for any
 reason): close the D stream (the decode worker aborts and frees its blocks) and, unless the
@@ -29,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from enum import StrEnum
@@ -79,6 +80,7 @@ class TxnState(StrEnum):
     DECODING = "decoding"
     FINISHED = "finished"
     FAILED = "failed"
+    ABANDONED = "abandoned"
 
 
 class Router:
@@ -120,6 +122,7 @@ class Router:
                 context = await self._prefill(spec, pair)
             except WorkerUnreachableError as exc:
                 holds.close()
+                self.view.mark_unreachable(pair.prefill)
                 if first_error is not None:
                     raise
                 log.warning("req %s: %s; retrying on another prefill worker", request_id, exc)
@@ -190,7 +193,7 @@ class Transaction:
     def request_id(self) -> str:
         return self.spec.request_id
 
-    async def events(self) -> AsyncIterator[TokenEvent]:
+    async def events(self) -> AsyncGenerator[TokenEvent, None]:
         """Yield the first token (from P), then D's tokens. Raises a typed error on failure;
         always cleans up (``aclose``) when it ends, however it ends."""
         ctx = self.context
@@ -205,9 +208,8 @@ class Transaction:
                 return
             async for event in self._decode():
                 yield event
-        except BaseException:
-            if self.state is not TxnState.FINISHED:
-                self.state = TxnState.FAILED
+        except Exception:
+            self.state = TxnState.FAILED
             raise
         finally:
             await self.aclose()
@@ -217,17 +219,19 @@ class Transaction:
         self.state = TxnState.DECODING
         t0 = time.monotonic()
         leg = f"decode worker {self.pair.decode.worker_id}"
-        self._stream = await self._router.client.generate(
-            self.pair.decode,
-            GenerationRequest(
-                request_id=self.request_id,
-                prompt_token_ids=self.spec.prompt_token_ids,
-                sampling=self.spec.sampling,
-                deadline=self.spec.deadline,
-                first_token=self.context.first_token,
-                handle=self.context.handle,
-            ),
+        req = GenerationRequest(
+            request_id=self.request_id,
+            prompt_token_ids=self.spec.prompt_token_ids,
+            sampling=self.spec.sampling,
+            deadline=self.spec.deadline,
+            first_token=self.context.first_token,
+            handle=self.context.handle,
         )
+        try:
+            self._stream = await self._router.client.generate(self.pair.decode, req)
+        except WorkerUnreachableError:
+            self._router.view.mark_unreachable(self.pair.decode)
+            raise
         async for chunk in self._stream.chunks():
             if chunk.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
                 raise WorkerError(f"{leg} failed the request: {chunk.error or chunk.finish_reason}")
@@ -254,6 +258,8 @@ class Transaction:
         if self._closed:
             return
         self._closed = True
+        if self.state in (TxnState.PREFILLED, TxnState.DECODING):
+            self.state = TxnState.ABANDONED
         try:
             with anyio.move_on_after(self._router.client.release_timeout_s + 1.0, shield=True):
                 if self._stream is not None:

@@ -12,6 +12,10 @@ A worker is *usable* when its record
 - speaks this router's protocol (``record.protocol_version == PROTOCOL_VERSION``),
 - has the prefill or decode role (colocated workers are not part of a two-leg transaction).
 
+A worker the router could not connect to is *suspect* for ``suspect_s`` seconds (its record
+may outlive a crash by up to the registration TTL): it is left out, unless it re-registers
+with a new epoch (a restart), so requests stop paying a failed connect each.
+
 Whether a prefill and a decode worker can be paired (equal KV layout ``compat_hash``) is the
 policy's business (:mod:`pdserve.router.policy`); the view only reports what is there.
 
@@ -20,6 +24,7 @@ Thread-safety: none needed and none given. Every method runs on the router's eve
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -80,10 +85,26 @@ class WorkerView:
     Ownership: the view does not own the watcher (it never starts or closes it).
     """
 
-    def __init__(self, source: WorkerSource, *, served_model_name: str) -> None:
+    def __init__(
+        self, source: WorkerSource, *, served_model_name: str, suspect_s: float = 5.0
+    ) -> None:
         self._source = source
         self.served_model_name = served_model_name
+        self.suspect_s = suspect_s
         self._in_flight: dict[str, int] = {}
+        self._suspect: dict[tuple[str, int], float] = {}  # (id, epoch) -> monotonic expiry
+
+    def mark_unreachable(self, record: WorkerRecord) -> None:
+        """Leave this incarnation of the worker out for ``suspect_s`` seconds."""
+        self._suspect[(record.worker_id, record.epoch)] = time.monotonic() + self.suspect_s
+
+    def _is_suspect(self, record: WorkerRecord, now: float) -> bool:
+        key = (record.worker_id, record.epoch)
+        until = self._suspect.get(key)
+        if until is not None and until <= now:
+            del self._suspect[key]
+            return False
+        return until is not None
 
     def in_flight(self, worker_id: str) -> int:
         """Requests this router has outstanding on ``worker_id``."""
@@ -107,8 +128,12 @@ class WorkerView:
         prefill: list[WorkerState] = []
         decode: list[WorkerState] = []
         skipped: list[str] = []
+        now = time.monotonic()
         for worker_id, record in sorted(self._source.workers().items()):
             if record.model != self.served_model_name:
+                continue
+            if self._is_suspect(record, now):
+                skipped.append(f"{worker_id} was unreachable less than {self.suspect_s:g} s ago")
                 continue
             if record.protocol_version != PROTOCOL_VERSION:
                 skipped.append(

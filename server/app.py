@@ -20,13 +20,14 @@ module holds none.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, aclosing, asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import httpx
 from fastapi import FastAPI, Request
@@ -46,7 +47,18 @@ from pdserve.server.tokens import TokenFormatter
 
 log = logging.getLogger(__name__)
 
-Formatter = ChatFormatter | CompletionFormatter
+DISCONNECT_POLL_S = 0.5
+"""How often a non-streamed request checks whether its client is still connected (seconds)."""
+
+Formatter: TypeAlias = ChatFormatter | CompletionFormatter
+
+
+class ClientDisconnectedError(PdserveError):
+    """The client went away before its (non-streamed) response was ready; nobody reads it."""
+
+    status = 499
+    type = "client_closed_request"
+    code = "client_disconnected"
 
 
 @dataclass
@@ -126,6 +138,7 @@ async def _start(
     tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model_path)
     max_model_len = context_window(cfg, tokenizer)
     if owned_registry:
+        assert registry is not None
         await registry.start()
         stack.push_async_callback(registry.close)
     if watcher is None:
@@ -194,14 +207,16 @@ def _add_routes(app: FastAPI) -> None:
         st = _state(request)
         prepared = st.preprocessor.chat(body)
         info = _info(f"chatcmpl-{uuid.uuid4().hex}", st, prepared, body.logprobs, body)
-        return await _serve(st, prepared, ChatFormatter(info, st.tokens), stream=body.stream)
+        fmt = ChatFormatter(info, st.tokens)
+        return await _serve(request, st, prepared, fmt, stream=body.stream)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         st = _state(request)
         prepared = st.preprocessor.completion(body)
         info = _info(f"cmpl-{uuid.uuid4().hex}", st, prepared, body.logprobs is not None, body)
-        return await _serve(st, prepared, CompletionFormatter(info, st.tokens), stream=body.stream)
+        fmt = CompletionFormatter(info, st.tokens)
+        return await _serve(request, st, prepared, fmt, stream=body.stream)
 
 
 def _info(
@@ -222,7 +237,9 @@ def _info(
     )
 
 
-async def _serve(st: ServerState, prepared: Prepared, fmt: Formatter, *, stream: bool) -> Response:
+async def _serve(
+    request: Request, st: ServerState, prepared: Prepared, fmt: Formatter, *, stream: bool
+) -> Response:
     """Run the transaction; errors before the first byte raise (-> HTTP status)."""
     request_id = fmt.info.response_id
     log.debug(
@@ -234,14 +251,38 @@ async def _serve(st: ServerState, prepared: Prepared, fmt: Formatter, *, stream:
     )
     txn = await st.router.start(request_id, prepared.prompt_token_ids, prepared.sampling)
     if stream:
-        return SSEResponse(_sse(txn, fmt), headers={"x-request-id": request_id})
+        return SSEResponse(
+            _sse(txn, fmt), headers={"x-request-id": request_id}, on_close=txn.aclose
+        )
     try:
-        async with aclosing(txn.events()) as events:
-            async for event in events:
-                fmt.add(event)
+        await _collect(request, txn, fmt)
     finally:
         await txn.aclose()
     return JSONResponse(fmt.response(), headers={"x-request-id": request_id})
+
+
+async def _collect(request: Request, txn: Transaction, fmt: Formatter) -> None:
+    """Feed every event to ``fmt``. A client that disconnects (checked every
+    ``DISCONNECT_POLL_S``) abandons the transaction, so the workers stop generating for nobody."""
+
+    async def consume() -> None:
+        async with aclosing(txn.events()) as events:
+            async for event in events:
+                fmt.add(event)
+
+    task = asyncio.create_task(consume())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                log.info("req %s: client disconnected; abandoning it", txn.request_id)
+                raise ClientDisconnectedError(f"client of {txn.request_id} disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    task.result()  # raises the transaction's typed error, if any
 
 
 async def _sse(txn: Transaction, fmt: Formatter) -> AsyncIterator[bytes]:

@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel
+
 from pdserve.protocol import TokenLogprob
 from pdserve.router.transaction import TokenEvent
 from pdserve.server.schemas import (
@@ -75,7 +77,7 @@ class _Formatter:
             total_tokens=self.info.prompt_tokens + self.completion_tokens,
         )
 
-    def _dump_chunk(self, model: Any) -> dict[str, Any]:
+    def _dump_chunk(self, model: BaseModel) -> dict[str, Any]:
         out = model.model_dump(mode="json")
         if not self.info.include_usage:
             out.pop("usage", None)

@@ -8,13 +8,14 @@ it is reported in-band, the way OpenAI does: ``data: {"error": {...}}`` and then
 :class:`SSEResponse` is a ``StreamingResponse`` that always closes its body iterator when the
 response ends, however it ends (finished, client disconnected, server shutting down), so the
 generator's cleanup (closing the decode stream, releasing KV blocks) runs promptly instead of
-whenever the garbage collector finalizes it.
+whenever the garbage collector finalizes it, and then runs its ``on_close`` callback (which
+covers a body that never started).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from starlette.responses import StreamingResponse
@@ -41,17 +42,28 @@ class SSEResponse(StreamingResponse):
     media_type = "text/event-stream"
 
     def __init__(
-        self, content: AsyncIterator[bytes], *, headers: dict[str, str] | None = None
+        self,
+        content: AsyncIterator[bytes],
+        *,
+        headers: dict[str, str] | None = None,
+        on_close: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
+        """``on_close`` runs after the body iterator is closed, even if iteration never began
+        (a client gone before the first byte): it must be idempotent and cancellation-safe."""
         super().__init__(
             content,
             headers={"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})},
         )
+        self._on_close = on_close
 
     async def stream_response(self, send: Send) -> None:
         try:
             await super().stream_response(send)
         finally:
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            try:
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            finally:
+                if self._on_close is not None:
+                    await self._on_close()

@@ -121,8 +121,7 @@ def record(
     model: str = MODEL,
     protocol_version: int | None = None,
 ) -> WorkerRecord:
-    extra = {} if protocol_version is None else {"protocol_version": protocol_version}
-    return WorkerRecord(
+    rec = WorkerRecord(
         role=Role(role),
         worker_id=worker_id,
         epoch=7,
@@ -130,8 +129,10 @@ def record(
         http_url=http_url or f"http://{worker_id}",
         layout=kv_layout or layout(),
         load=load or WorkerLoad(free_blocks=100, total_blocks=100),
-        **extra,
     )
+    if protocol_version is not None:
+        rec = rec.model_copy(update={"protocol_version": protocol_version})
+    return rec
 
 
 @dataclass

@@ -98,8 +98,9 @@ class Peer:
 class Backend(ABC):
     """One transfer backend of one transceiver; owns its backend resources until :meth:`close`.
 
-    ``inline_bytes``: the KV bytes travel on the control connection (TCP), so a failed send
-    leaves the stream unusable and the connection must be closed.
+    ``inline_bytes``: the KV bytes travel on the control connection (TCP): their announced
+    count completes a transfer (no TransferDone), and a failed send leaves the stream unusable,
+    so the connection must be closed.
     """
 
     name: ClassVar[str]
@@ -126,7 +127,8 @@ class Backend(ABC):
     @abstractmethod
     async def receive(self, conn: Connection, plan: TransferPlan, transfer_id: str) -> None:
         """Receiver side, after SendBlocks went out: return once every byte of ``plan`` is in
-        the local pool and TransferDone arrived. Raises TransferError (or the peer's subclass)."""
+        the local pool (NIXL: and TransferDone arrived). Raises TransferError (or the peer's
+        subclass)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
         """Release backend resources; idempotent."""

@@ -60,6 +60,7 @@ class NixlAgent:
         self.name = name
         self.mem_type = "DRAM" if pool.device.type == "cpu" else "VRAM"
         self.device_id = max(pool.get_device(), 0)
+        self._pool = pool  # registered memory must stay allocated while the agent lives
         self._reg = self._agent.register_memory(pool)
         self._pending: OrderedDict[bytes, None] = OrderedDict()
         self._closed = False
@@ -107,6 +108,7 @@ class NixlAgent:
         except Exception as exc:  # best effort at shutdown
             log.warning("NIXL deregister failed: %s", exc)
         self._agent = None
+        self._pool = None
 
 
 class NixlWrite(Outbound):

@@ -11,7 +11,8 @@ Lifecycle of a connection and of each request on it::
     3. LOOKUP      SendBlocks: ``parked.lookup(request_id, epoch)`` -> the parked block ids;
                    HandleError & co. are answered with TransferFailed and the connection stays
     4. SENDING     the backend moves the bytes (TCP: streamed inline; NIXL: one WRITE, polled)
-    5. DONE        TransferDone (or TransferFailed; an inline stream that broke closes instead)
+    5. DONE        NIXL: TransferDone (or TransferFailed); TCP: the stream's announced byte
+                   count is the completion, and a stream that broke closes the connection
     6. RELEASE     Release: ``parked.release(request_id)`` (idempotent), back to 2
 
 Ownership: the parked blocks stay the prefill worker's (and its lease's) until Release; this
@@ -117,8 +118,8 @@ class Sender:
             await self._fail(msg.transfer_id, exc)
             return
         backend = self._local.backend
-        outbound = backend.start_send(self._conn, plan, peer, msg.transfer_id)
         try:
+            outbound = backend.start_send(self._conn, plan, peer, msg.transfer_id)
             await outbound.wait(self._timeout_s)
         except TransferError as exc:
             if backend.inline_bytes:
@@ -126,7 +127,10 @@ class Sender:
             self._record(exc)
             await self._fail(msg.transfer_id, exc)
             return
-        await self._conn.send(wire.TransferDone(transfer_id=msg.transfer_id, nbytes=plan.nbytes))
+        if not backend.inline_bytes:  # inline bytes complete themselves (their count is known)
+            await self._conn.send(
+                wire.TransferDone(transfer_id=msg.transfer_id, nbytes=plan.nbytes)
+            )
 
     def _lookup(self, msg: wire.SendBlocks) -> list[int]:
         if self._parked is None:

@@ -17,8 +17,9 @@ Conversation on one connection (decode D connects to prefill P)::
     P -> D  HelloAck        (ok, or the refusal's error code + message)
     then per request, any number of times:
     D -> P  SendBlocks      (request id, epoch, transfer id, src block ids, dst block ids)
-    P -> D  BlockData + raw bytes           (TCP backend only)
-    P -> D  TransferDone | TransferFailed   (NIXL: after the WRITE completed locally)
+    P -> D  BlockData + raw bytes   (TCP backend: the byte count is the completion)
+      or    TransferDone            (NIXL backend: after the WRITE completed locally)
+      or    TransferFailed          (either backend: lookup refused, NIXL error)
     D -> P  Release         (after D has the bytes; P then releases the parked blocks)
 """
 
@@ -107,7 +108,8 @@ class SendBlocks(_Wire):
 
 class BlockData(_Wire):
     """Prefill -> decode (TCP backend): exactly ``nbytes`` raw KV bytes follow this frame, in
-    the order of the transfer plan's segments (layer-major, then block runs)."""
+    the order of the transfer plan's segments (layer-major, then block runs). Receiving them
+    all completes the transfer; a sender that fails mid-way closes the connection."""
 
     type: Literal["block_data"] = "block_data"
     transfer_id: str
@@ -115,8 +117,8 @@ class BlockData(_Wire):
 
 
 class TransferDone(_Wire):
-    """Prefill -> decode: every byte of ``transfer_id`` has been sent (TCP) or written and
-    completed locally (NIXL; the decode side still waits for the NIXL notification)."""
+    """Prefill -> decode (NIXL backend): the WRITE of ``transfer_id`` completed locally; the
+    decode side still waits for the NIXL notification, which follows the data."""
 
     type: Literal["transfer_done"] = "transfer_done"
     transfer_id: str

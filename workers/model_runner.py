@@ -51,6 +51,11 @@ class ModelRunner:
         )
         self.model.to(self.device).eval()
         text = self.model.config.get_text_config()
+        if any(kind != "full_attention" for kind in getattr(text, "layer_types", None) or ()):
+            raise ConfigError(
+                f"{path}: layers other than full causal attention (sliding window, linear) are "
+                "not supported by the paged attention"
+            )
         self.num_layers: int = text.num_hidden_layers
         self.num_kv_heads: int = getattr(text, "num_key_value_heads", None) or (
             text.num_attention_heads

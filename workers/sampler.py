@@ -60,12 +60,14 @@ class Sampler:
         params: Sequence[SamplingParams],
         positions: Sequence[int],
     ) -> SampleResult:
-        """Sample from ``logits`` (``[N, vocab]``, any float dtype, on any device) for ``N``
-        requests with settings ``params[i]`` at output positions ``positions[i]``."""
+        """Sample from ``logits`` (``[N, vocab]``, any float dtype, any device; computed on CPU in
+        float32) for ``N`` requests with settings ``params[i]`` at output positions
+        ``positions[i]``."""
         n = logits.shape[0]
         assert len(params) == n and len(positions) == n, "one SamplingParams per logits row"
-        logits = logits.float()
-        tokens = torch.empty(n, dtype=torch.long, device=logits.device)
+        # CPU: the per-request generators are CPU generators (and [N, vocab] is small to move)
+        logits = logits.float().cpu()
+        tokens = torch.empty(n, dtype=torch.long)
         greedy = [i for i, p in enumerate(params) if p.temperature == 0.0 or p.top_k == 1]
         greedy_set = set(greedy)
         sampled = [i for i in range(n) if i not in greedy_set]
@@ -127,7 +129,7 @@ class Sampler:
         chosen = lp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=lp.device))
         chosen_list = chosen.squeeze(1).tolist()
         kmax = max(params[i].top_logprobs for i in rows)
-        top_vals, top_ids = (lp.topk(kmax, dim=-1) if kmax else (None, None))
+        top_vals, top_ids = lp.topk(kmax, dim=-1) if kmax else (None, None)
         for row, i in enumerate(rows):
             top: tuple[tuple[int, float], ...] = ()
             k = params[i].top_logprobs

@@ -115,7 +115,7 @@ class Scheduler:
     def reserve(self, seq: Sequence) -> list[int]:
         """Admit ``seq``'s whole completion now and allocate blocks for its prompt; returns the
         prompt's block table (the caller fills those blocks, then submits the resume request,
-        which :meth:`add` matches by request id). Raises :class:`CapacityError` when
+        which passes the same object to :meth:`add`). Raises :class:`CapacityError` when
         ``seq.need_blocks`` exceeds the headroom."""
         with self._lock:
             room = self.headroom()
@@ -129,12 +129,6 @@ class Scheduler:
             self.reserved[seq.request_id] = seq
             return self.kv_cache.allocate(seq.request_id, seq.num_prompt_tokens)
 
-    def claim_reservation(self, request_id: str) -> Sequence | None:
-        """Remove and return the reservation of ``request_id`` (None if there is none); its
-        blocks stay allocated to the request."""
-        with self._lock:
-            return self.reserved.pop(request_id, None)
-
     def unreserve(self, request_id: str) -> bool:
         """Drop a reservation and free its blocks; False if there was none. Idempotent."""
         with self._lock:
@@ -146,9 +140,11 @@ class Scheduler:
     # --- queues --------------------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
-        """Queue ``seq`` as WAITING. A sequence whose capacity is already held (``reserved``)
-        is admitted ahead of the FCFS queue."""
+        """Queue ``seq`` as WAITING. A reserved sequence (the same object :meth:`reserve` took)
+        leaves ``reserved`` atomically and is admitted ahead of the FCFS queue."""
         with self._lock:
+            if self.reserved.get(seq.request_id) is seq:  # its capacity moves along with it
+                del self.reserved[seq.request_id]
             seq.status = SequenceStatus.WAITING
             self.waiting.append(seq)
 

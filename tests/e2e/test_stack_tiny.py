@@ -165,8 +165,7 @@ def test_invalid_json_gets_400(tiny_stack: Stack) -> None:
 
 
 def _parked(stack: Stack) -> int:
-    workers = httpx.get(f"{stack.url}/registry/workers", timeout=5).json()
-    records = workers.values() if isinstance(workers, dict) else workers
+    records = httpx.get(f"{stack.url}/registry/workers", timeout=5).json()["workers"]
     total = 0
     for rec in records:
         if rec["role"] == "prefill":
@@ -231,8 +230,8 @@ def test_killed_decode_worker_ends_stream_with_error_and_frees_parked_blocks(
 def _wait_until_gone(stack: Stack, worker_id: str, timeout_s: float = 20) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        workers = httpx.get(f"{stack.url}/registry/workers", timeout=5).json()
-        ids = workers.keys() if isinstance(workers, dict) else [w["worker_id"] for w in workers]
+        workers = httpx.get(f"{stack.url}/registry/workers", timeout=5).json()["workers"]
+        ids = [w["worker_id"] for w in workers]
         if worker_id not in ids:
             return
         time.sleep(0.3)

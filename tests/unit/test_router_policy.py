@@ -107,3 +107,19 @@ def test_readiness_needs_a_compatible_prefill_and_decode_worker():
     watcher.put(record("d1", "decode"))
     r = view.readiness()
     assert r.ready and r.decode == ("d0", "d1") and r.missing == ()
+
+
+def test_unreachable_worker_is_left_out_until_it_restarts_or_the_cooldown_ends():
+    dead = record("p0", "prefill")
+    watcher = FakeWatcher([dead, record("d0", "decode")])
+    view = WorkerView(watcher, served_model_name=MODEL, suspect_s=60)
+    view.mark_unreachable(dead)
+    with pytest.raises(NoWorkerError, match="p0 was unreachable"):
+        choose_pair(view.candidates())
+
+    watcher.put(dead.model_copy(update={"epoch": dead.epoch + 1}))  # restarted
+    assert choose_pair(view.candidates()).prefill.worker_id == "p0"
+
+    quick = WorkerView(watcher, served_model_name=MODEL, suspect_s=0)
+    quick.mark_unreachable(watcher.workers()["p0"])
+    assert choose_pair(quick.candidates()).prefill.worker_id == "p0"

@@ -10,7 +10,9 @@ import pytest
 from pdserve.errors import (
     CapacityError,
     DeadlineExceededError,
+    LayoutMismatchError,
     PdserveError,
+    TransferError,
     WorkerError,
 )
 from pdserve.protocol import FinishReason, Role, SamplingParams, WorkerLoad
@@ -64,7 +66,9 @@ async def test_decode_tokens_follow_the_prefill_first_token():
     ("reply", "max_tokens", "finish"),
     [(REPLY[:1], 16, FinishReason.STOP), (REPLY, 1, FinishReason.LENGTH)],
 )
-async def test_first_token_that_finishes_the_request_skips_the_decode_leg(reply, max_tokens, finish):
+async def test_first_token_that_finishes_the_request_skips_the_decode_leg(
+    reply, max_tokens, finish
+):
     p, d = prefill(reply=reply), decode()
     async with make_router(p, d) as router:
         _, events = await run(router, max_tokens=max_tokens)
@@ -92,14 +96,24 @@ async def test_decode_error_chunk_raises_worker_error_and_releases_prefill_block
         assert router.view.in_flight("d0") == 0
 
 
-async def test_decode_refusal_before_streaming_is_typed_and_releases_prefill_blocks():
-    p, d = prefill(), decode(error=CapacityError("decode worker has no free KV blocks"))
+@pytest.mark.parametrize(
+    ("error", "expected", "code"),
+    [
+        (CapacityError("no free KV blocks"), CapacityError, "no_capacity"),
+        (LayoutMismatchError("tokens_per_block: 16 != 32"), TransferError, "kv_layout_mismatch"),
+    ],
+)
+async def test_decode_refusal_before_streaming_is_typed_and_releases_prefill_blocks(
+    error, expected, code
+):
+    p, d = prefill(), decode(error=error)
     async with make_router(p, d) as router:
         txn = await router.start("r1", PROMPT, SamplingParams())
-        with pytest.raises(CapacityError, match="no free KV blocks") as err:
+        with pytest.raises(expected) as err:
             async for _ in txn.events():
                 pass
-    assert err.value.status == 503
+    assert err.value.status == error.status and err.value.code == code
+    assert error.message in err.value.message and "decode worker d0" in err.value.message
     assert [r.request_id for r in p.releases] == ["r1"]
 
 
@@ -129,6 +143,9 @@ async def test_unreachable_prefill_worker_is_retried_once_on_another():
         txn, events = await run(router)
     assert txn.pair.prefill.worker_id == "p-ok"
     assert "".join(e.text for e in events) == "Hi!\n"
+    # The dead worker is left out for a while instead of costing every request a retry.
+    assert [w.worker_id for w in router.view.candidates().prefill] == ["p-ok"]
+    assert "p-dead was unreachable" in router.view.candidates().skipped[0]
 
 
 async def test_unreachable_prefill_worker_without_another_fails_with_502():

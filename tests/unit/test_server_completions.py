@@ -171,7 +171,9 @@ async def test_streamed_text_completion_ends_with_done(cfg, workers):
 async def test_first_token_that_finishes_skips_decode(cfg, reply):
     workers = [FakeWorker("p0", Role.PREFILL, reply), FakeWorker("d0", Role.DECODE, reply)]
     async with router_harness(cfg, workers) as h:
-        r = await h.client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1})
+        r = await h.client.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}
+        )
     assert r.json()["choices"][0]["text"] == REPLY_TEXT[0]
     assert r.json()["choices"][0]["finish_reason"] == "length"
     assert r.json()["usage"]["completion_tokens"] == 1
@@ -211,3 +213,14 @@ async def test_completion_logprobs_in_openai_format(cfg, workers):
         "top_logprobs": [{"H": -0.25}, {"i": -0.25}, {" ": -0.25}],
         "text_offset": [0, 1, 2],
     }
+
+
+async def test_router_loads_the_shared_tiny_model_folder(tiny_model_dir, reply):
+    cfg = RouterConfig(model_path=tiny_model_dir, served_model_name=MODEL)
+    workers = [FakeWorker("p0", Role.PREFILL, reply), FakeWorker("d0", Role.DECODE, reply)]
+    async with router_harness(cfg, workers) as h:
+        r = await h.client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 3})
+        models = (await h.client.get("/v1/models")).json()
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == REPLY_TEXT[:3]
+    assert models["data"][0]["max_model_len"] > 0

@@ -27,7 +27,10 @@ def cfg(model_dir):
 
 
 def workers(**decode_kw):
-    return [FakeWorker("p0", Role.PREFILL, REPLY), FakeWorker("d0", Role.DECODE, REPLY, **decode_kw)]
+    return [
+        FakeWorker("p0", Role.PREFILL, REPLY),
+        FakeWorker("d0", Role.DECODE, REPLY, **decode_kw),
+    ]
 
 
 BAD_REQUESTS = [
@@ -76,7 +79,9 @@ async def test_bad_input_is_a_4xx_json_error_and_the_server_keeps_serving(
 ):
     async with router_harness(cfg, workers()) as h:
         if isinstance(body, bytes):
-            r = await h.client.post(path, content=body, headers={"content-type": "application/json"})
+            r = await h.client.post(
+                path, content=body, headers={"content-type": "application/json"}
+            )
         else:
             r = await h.client.post(path, json=body)
         assert r.status_code == status, r.text

@@ -1,0 +1,111 @@
+"""Helpers for the engine integration tests: run requests to completion, HF references, the
+prefill -> decode split with a byte-level block copy as the transfer path would do it."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.protocol import FinishReason, SamplingParams
+from pdserve.workers.engine import Engine, EngineOutput, EngineRequest
+
+
+def make_engine(model_dir: Path, **overrides: object) -> Engine:
+    settings: dict[str, object] = {"tokens_per_block": 4, "num_blocks": 512, "max_num_seqs": 8}
+    settings.update(overrides)
+    engine = Engine(EngineConfig(model_path=model_dir, **settings))  # type: ignore[arg-type]
+    engine.start()
+    return engine
+
+
+def run(
+    engine: Engine, reqs: list[EngineRequest], timeout: float = 120.0
+) -> dict[str, list[EngineOutput]]:
+    """Submit ``reqs`` together; return each request's outputs once all ended (a finish_reason,
+    or the single parked output of prefill mode)."""
+    outs: dict[str, list[EngineOutput]] = {r.request_id: [] for r in reqs}
+    left = [len(reqs)]
+    lock, done = threading.Lock(), threading.Event()
+
+    def sink(out: EngineOutput) -> None:
+        with lock:
+            outs[out.request_id].append(out)
+            if out.finish_reason is not None or out.parked_block_ids is not None:
+                left[0] -= 1
+                if left[0] == 0:
+                    done.set()
+
+    for req in reqs:
+        engine.add_request(req, sink)
+    assert done.wait(timeout), f"requests did not finish in {timeout} s"
+    return outs
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+
+
+def joined(outs: list[EngineOutput]) -> Completion:
+    return Completion(
+        [t for o in outs for t in o.token_ids],
+        "".join(o.text for o in outs),
+        outs[-1].finish_reason,
+    )
+
+
+def complete(engine: Engine, rid: str, prompt: list[int], sampling: SamplingParams) -> Completion:
+    return joined(run(engine, [EngineRequest(rid, prompt, sampling)])[rid])
+
+
+def copy_blocks_bytewise(
+    src: Engine, src_blocks: list[int], dst: Engine, dst_blocks: list[int]
+) -> None:
+    """Copy K/V block by block and layer by layer as raw bytes, at the byte offsets
+    ``docs/architecture.md`` gives: ((layer * num_blocks) + block) * block_bytes_per_layer."""
+    layout = src.layout
+    size = layout.block_bytes_per_layer
+    src_bytes = src.kv_cache.pool.view(-1).view(torch.uint8)
+    dst_bytes = dst.kv_cache.pool.view(-1).view(torch.uint8)
+    n_src, n_dst = src.kv_cache.num_blocks, dst.kv_cache.num_blocks
+    for layer in range(layout.num_layers):
+        for s, d in zip(src_blocks, dst_blocks, strict=True):
+            a, b = ((layer * n_src) + s) * size, ((layer * n_dst) + d) * size
+            dst_bytes[b : b + size] = src_bytes[a : a + size]
+
+
+def split_complete(
+    prefill: Engine, decode: Engine, rid: str, prompt: list[int], sampling: SamplingParams
+) -> Completion:
+    """Prefill leg on ``prefill`` (parks the blocks), reserve + copy + resume on ``decode``."""
+    (first,) = run(prefill, [EngineRequest(rid, prompt, sampling, mode="prefill")])[rid]
+    assert len(first.token_ids) == 1
+    if first.finish_reason is not None:
+        assert first.parked_block_ids is None
+        return joined([first])
+    assert first.parked_block_ids is not None
+    dst = decode.reserve(rid, prompt, sampling)
+    copy_blocks_bytewise(prefill, first.parked_block_ids, decode, dst)
+    prefill.free_parked(rid)
+    resume = EngineRequest(rid, prompt, sampling, mode="resume", first_token=first.token_ids[0])
+    rest = run(decode, [resume])[rid]
+    return joined([first, *rest])
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:  # noqa: ANN001
+    """transformers' own greedy generate(); stops at the model's EOS like the engine."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+        )
+    return out[0, len(prompt) :].tolist()

@@ -1,0 +1,95 @@
+"""/health, /ready, /v1/models, and the app factory's embedded-registry wiring."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from pdserve.config import RouterConfig
+from pdserve.protocol import Role
+from tests.fakes import MODEL, FakeWorker, build_tokenizer_dir, layout, record, router_harness
+
+REPLY = [(72, "H"), (105, "i")]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tokenizer_dir(tmp_path_factory.mktemp("tok"), max_position_embeddings=96)
+
+
+@pytest.fixture
+def cfg(model_dir):
+    return RouterConfig(model_path=model_dir, served_model_name=MODEL)
+
+
+async def test_ready_only_with_a_live_prefill_and_decode_worker(cfg):
+    async with router_harness(cfg, []) as h:
+        assert (await h.client.get("/health")).status_code == 200
+
+        r = await h.client.get("/ready")
+        assert r.status_code == 503
+        body = r.json()
+        assert body["status"] == "not_ready" and len(body["missing"]) == 2
+
+        h.watcher.put(record("p0", "prefill"))
+        h.watcher.put(record("d-other", "decode", model="another-model"))
+        r = await h.client.get("/ready")
+        assert r.status_code == 503
+        assert r.json()["missing"] == [f"decode worker for model {MODEL!r}"]
+
+        h.watcher.put(record("d0", "decode", kv_layout=layout(tokens_per_block=4)))
+        r = await h.client.get("/ready")
+        assert r.status_code == 503
+        assert r.json()["missing"] == ["prefill/decode pair with equal KV layouts"]
+
+        h.watcher.put(record("d1", "decode"))
+        r = await h.client.get("/ready")
+        assert r.status_code == 200
+        assert r.json() == {
+            "status": "ready",
+            "model": MODEL,
+            "prefill": ["p0"],
+            "decode": ["d0", "d1"],
+        }
+
+        h.watcher.remove("p0")  # a worker whose lease lapsed
+        assert (await h.client.get("/ready")).status_code == 503
+        assert (await h.client.get("/health")).status_code == 200
+
+
+async def test_models_lists_the_served_model_and_its_context_window(cfg):
+    async with router_harness(cfg, []) as h:
+        r = await h.client.get("/v1/models")
+    assert r.status_code == 200
+    [card] = r.json()["data"]
+    assert (card["id"], card["object"], card["max_model_len"]) == (MODEL, "model", 96)
+
+
+async def test_max_model_len_in_the_config_overrides_the_model_config(model_dir):
+    cfg = RouterConfig(model_path=model_dir, served_model_name=MODEL, max_model_len=32)
+    async with router_harness(cfg, []) as h:
+        assert (await h.client.get("/v1/models")).json()["data"][0]["max_model_len"] == 32
+
+
+async def test_embedded_registry_is_mounted_and_feeds_the_router(cfg):
+    from pdserve.server.app import create_app
+
+    p, d = FakeWorker("p0", Role.PREFILL, REPLY), FakeWorker("d0", Role.DECODE, REPLY)
+    mounts = {w.http_url: httpx.ASGITransport(app=w.app()) for w in (p, d)}
+    async with httpx.AsyncClient(mounts=mounts, trust_env=False) as worker_http:
+        app = create_app(cfg, http_client=worker_http)  # discovery="embedded": app-owned registry
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as c,
+        ):
+            assert (await c.get("/ready")).status_code == 503
+            for w in (p, d):
+                body = {"record": w.record().model_dump(mode="json")}
+                r = await c.put(f"/registry/workers/{w.worker_id}", json=body)
+                assert r.status_code == 200, r.text
+            assert (await c.get("/ready")).status_code == 200
+            r = await c.post(
+                "/v1/chat/completions",
+                json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+            )
+            assert r.json()["choices"][0]["message"]["content"] == "Hi"

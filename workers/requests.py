@@ -1,0 +1,112 @@
+"""The engine's request/response contract: :class:`EngineRequest`, :class:`EngineOutput`, the
+sink type, and the checks a request must pass before it is queued (:class:`RequestLimits`).
+
+These types are re-exported by :mod:`pdserve.workers.engine`, which is where callers import them
+from (``docs/architecture.md``, "Engine").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve.errors import CapacityError, InvalidRequestError
+from pdserve.protocol import FinishReason, SamplingParams, TokenLogprob
+from pdserve.workers.kv_cache import KVCacheManager
+from pdserve.workers.sequence import EngineMode
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A request for ``Engine.add_request``.
+
+    ``mode``: ``prefill`` (context phase + exactly one token, blocks parked), ``full`` (prefill +
+    decode here) or ``resume`` (decode after a prefill elsewhere, into blocks from
+    ``Engine.reserve``). ``first_token`` is required in (and only in) ``resume`` mode: the token
+    the prefill leg sampled at output position 0; it counts against ``max_tokens``.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    mode: EngineMode = "full"
+    first_token: int | None = None
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    """One step's result for one request (one token, or none on abort/error).
+
+    ``text`` is the detokenized delta since the previous output; it never contains a stop string
+    and may hold back a few characters that could still start one (released with the last
+    output). ``logprobs`` has one entry per token when the request asked for logprobs.
+    ``parked_block_ids`` is set only on a prefill-mode output without ``finish_reason``:
+    ownership of those blocks passes to the caller, who must call ``Engine.free_parked``.
+    ``error`` is set with ``finish_reason == ERROR``.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob]
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    parked_block_ids: list[int] | None = None
+
+
+Sink = Callable[[EngineOutput], None]
+"""Receives a request's outputs, on the engine thread; must not block."""
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request must satisfy to be queued on an engine."""
+
+    vocab_size: int
+    max_model_len: int
+    kv_cache: KVCacheManager
+
+    def check(
+        self,
+        request_id: str,
+        prompt: list[int],
+        sampling: SamplingParams,
+        mode: str,
+        first_token: int | None,
+    ) -> None:
+        """Raise :class:`InvalidRequestError` for a malformed request (unknown mode, empty
+        prompt, token ids outside the vocabulary, prompt + ``max_tokens`` beyond
+        ``max_model_len``, ``first_token`` missing in resume mode or present elsewhere) and
+        :class:`CapacityError` for one whose part on this engine (the prompt alone in prefill
+        mode, the whole completion otherwise) needs more KV blocks than the whole pool (it could
+        never be admitted)."""
+        vocab, limit = self.vocab_size, self.max_model_len
+        if mode not in ("prefill", "full", "resume"):
+            raise InvalidRequestError(f"unknown engine mode {mode!r}")
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if any(t < 0 or t >= vocab for t in prompt):
+            raise InvalidRequestError(f"prompt token ids must lie in [0, {vocab})", param="prompt")
+        if len(prompt) >= limit:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt)} tokens; max_model_len is {limit}", param="prompt"
+            )
+        if len(prompt) + sampling.max_tokens > limit:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds "
+                f"max_model_len {limit}",
+                param="max_tokens",
+            )
+        if (mode == "resume") != (first_token is not None):
+            raise InvalidRequestError("first_token is required in resume mode and only there")
+        if first_token is not None and not 0 <= first_token < vocab:
+            raise InvalidRequestError(f"first_token must lie in [0, {vocab})")
+        if mode == "resume" and sampling.max_tokens < 2:
+            raise InvalidRequestError("resume needs max_tokens >= 2 (the first token counts)")
+        total = self.kv_cache.get_max_resource_count()
+        max_new = 1 if mode == "prefill" else sampling.max_tokens  # this engine's share
+        need = self.kv_cache.get_needed_resource_to_completion(len(prompt), max_new)
+        if need > total:
+            raise CapacityError(
+                f"request {request_id} needs {need} KV blocks to complete; the pool has {total}"
+            )
