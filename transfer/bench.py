@@ -30,11 +30,11 @@ from multiprocessing.connection import Connection as Pipe
 
 import numpy as np
 import torch
-from pdserve.transfer.transceiver import create_transceiver
 
 from pdserve.config import TransferConfig
 from pdserve.errors import HandleError
 from pdserve.protocol import KVLayout, TransferHandle
+from pdserve.transfer.transceiver import create_transceiver
 
 SMOLLM2_LAYOUT = KVLayout(
     model="SmolLM2-135M-Instruct",

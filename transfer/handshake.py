@@ -16,12 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.errors import TransferError
+from pdserve.protocol import PROTOCOL_VERSION, KVLayout
 from pdserve.transfer import wire
 from pdserve.transfer.backend import Backend, Peer
 from pdserve.transfer.formatter import Formatter, PoolGeometry
-
-from pdserve.errors import TransferError
-from pdserve.protocol import PROTOCOL_VERSION, KVLayout
 
 
 @dataclass(frozen=True)

@@ -25,22 +25,26 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import time
 from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 import torch
+
+from pdserve.config import TransferConfig
+from pdserve.errors import TransferError
 from pdserve.transfer import wire
 from pdserve.transfer.backend import Backend, Outbound, Peer, Poller, TransferState
 from pdserve.transfer.formatter import PoolGeometry, TransferPlan
 from pdserve.transfer.tcp import Connection
 
-from pdserve.config import TransferConfig
-from pdserve.errors import TransferError
-
 log = logging.getLogger(__name__)
 
 _MAX_PENDING_NOTIFS = 4096
+_ABORT_WAIT_S = 2.0
+"""How long an aborted WRITE that NIXL cannot cancel may take to end (prefill side), and how long
+a decode that gave up waits for the prefill side to confirm its Abort."""
 
 
 class NixlAgent:
@@ -80,6 +84,8 @@ class NixlAgent:
     def write(self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes) -> NixlWrite:
         """Post ONE WRITE of ``local`` rows into ``remote`` rows (Nx3 uint64: addr, bytes,
         device id) with ``notif`` delivered to the peer after the data."""
+        if self._agent is None:
+            raise TransferError("NIXL agent is closed")
         descs_l = self._agent.get_xfer_descs(local, self.mem_type)
         descs_r = self._agent.get_xfer_descs(remote, self.mem_type)
         handle = self._agent.initialize_xfer("WRITE", descs_l, descs_r, peer, notif)
@@ -88,6 +94,8 @@ class NixlAgent:
     def take_notif(self, tag: bytes) -> bool:
         """Poll for notifications (this also progresses incoming transfers); True once
         ``tag`` has arrived, consuming it. Unclaimed notifications are kept (bounded)."""
+        if self._agent is None:
+            raise TransferError("NIXL agent is closed")
         for messages in self._agent.get_new_notifs().values():
             for msg in messages:
                 self._pending[bytes(msg)] = None
@@ -135,11 +143,24 @@ class NixlWrite(Outbound):
         return self._state
 
     def abort(self) -> None:
-        # Releasing an active handle asks NIXL to cancel it; it raises if it cannot.
+        # Releasing an active handle asks NIXL to cancel it; it raises if it cannot, and then
+        # the WRITE is finished first (rare path, bounded, blocks the loop) so that nothing
+        # lands in the peer's blocks after this returns.
+        try:
+            self._handle.release()
+            return
+        except Exception as exc:
+            log.warning("NIXL could not cancel a WRITE (%s); waiting for it to end", exc)
+        deadline = time.monotonic() + _ABORT_WAIT_S
+        while self._agent.check_xfer_state(self._handle) == "PROC":
+            if time.monotonic() > deadline:
+                log.error("NIXL WRITE still running %.1f s after abort", _ABORT_WAIT_S)
+                return
+            time.sleep(0.0005)
         try:
             self._handle.release()
         except Exception as exc:
-            log.warning("NIXL could not release transfer handle: %s", exc)
+            log.error("NIXL could not release an ended transfer handle: %s", exc)
 
 
 class _NixlPeer(Peer):
@@ -216,18 +237,41 @@ class NixlBackend(Backend):
         # Poll notifications (progressing UCX) until the WRITE's notification arrived, while
         # the control message TransferDone/TransferFailed is awaited on the connection.
         tag = transfer_id.encode()
-        done = asyncio.ensure_future(conn.recv())
+        answer = asyncio.ensure_future(conn.recv())
         poller = Poller()
         try:
             notified = self._agent.take_notif(tag)
-            while not (notified and done.done()):
-                if done.done():
-                    wire.expect_done(done.result(), transfer_id)
+            while not (notified and answer.done()):
+                if answer.done():
+                    wire.expect_done(answer.result(), transfer_id)
                 await poller.sleep()
                 notified = notified or self._agent.take_notif(tag)
-            wire.expect_done(done.result(), transfer_id)
+            wire.expect_done(answer.result(), transfer_id)
+        except BaseException:
+            if not answer.done():  # the WRITE may still be running: stop it before returning
+                await asyncio.shield(_abort(conn, transfer_id, answer))
+            raise
         finally:
-            done.cancel()
+            answer.cancel()
 
     def close(self) -> None:
         self._agent.close()
+
+
+async def _abort(conn: Connection, transfer_id: str, answer: asyncio.Future[Any]) -> None:
+    """Decode side gave up on ``transfer_id`` before the answer: send Abort and wait (bounded)
+    for the answer, after which the prefill side writes nothing more. Closes ``conn``."""
+    try:
+        async with asyncio.timeout(_ABORT_WAIT_S):
+            await conn.send(wire.Abort(transfer_id=transfer_id))
+            await answer
+    except TimeoutError:
+        log.error(
+            "prefill side %s did not confirm abort of %s; late NIXL writes may land",
+            conn.peer,
+            transfer_id,
+        )
+    except (TransferError, asyncio.CancelledError):
+        pass  # connection lost: a prefill side that sees EOF cancels its WRITE too
+    finally:
+        conn.close()

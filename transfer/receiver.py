@@ -32,13 +32,12 @@ import logging
 import uuid
 from dataclasses import dataclass, field
 
+from pdserve.errors import HandleError, LayoutMismatchError, TransferError
+from pdserve.protocol import TransferHandle
 from pdserve.transfer import wire
 from pdserve.transfer.formatter import Formatter
 from pdserve.transfer.handshake import LocalSide
 from pdserve.transfer.tcp import Connection
-
-from pdserve.errors import HandleError, LayoutMismatchError, TransferError
-from pdserve.protocol import TransferHandle
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +148,7 @@ class Receiver:
             session = None  # maybe restarted: handshake again to learn who is there now
         while session is not None and session.idle:
             conn = session.idle.pop()
-            if not conn.is_stale():
+            if not conn.has_input():  # else closed by the peer or out of step
                 return conn, session
             conn.close()
         conn = await Connection.open(endpoint, self._timeout_s)

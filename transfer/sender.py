@@ -10,7 +10,8 @@ Lifecycle of a connection and of each request on it::
     2. IDLE        wait for the next message (a connection serves many requests, one at a time)
     3. LOOKUP      SendBlocks: ``parked.lookup(request_id, epoch)`` -> the parked block ids;
                    HandleError & co. are answered with TransferFailed and the connection stays
-    4. SENDING     the backend moves the bytes (TCP: streamed inline; NIXL: one WRITE, polled)
+    4. SENDING     the backend moves the bytes (TCP: streamed inline; NIXL: one WRITE, polled;
+                   input from the receiver meanwhile = Abort or EOF -> the WRITE is cancelled)
     5. DONE        NIXL: TransferDone (or TransferFailed); TCP: the stream's announced byte
                    count is the completion, and a stream that broke closes the connection
     6. RELEASE     Release: ``parked.release(request_id)`` (idempotent), back to 2
@@ -26,13 +27,12 @@ import logging
 from collections import deque
 from typing import Protocol
 
+from pdserve.errors import HandleError, TransferError
 from pdserve.transfer import wire
-from pdserve.transfer.backend import Peer
+from pdserve.transfer.backend import Outbound, Peer
 from pdserve.transfer.formatter import Formatter
 from pdserve.transfer.handshake import LocalSide
 from pdserve.transfer.tcp import Connection
-
-from pdserve.errors import HandleError, TransferError
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,8 @@ class Sender:
                 elif isinstance(msg, wire.Release):
                     if self._parked is not None:
                         self._parked.release(msg.request_id)
+                elif isinstance(msg, wire.Abort):
+                    pass  # its transfer was already stopped (or done) and answered
                 else:
                     raise TransferError(f"unexpected {msg.type!r} from {self._conn.peer}")
         except TransferError as exc:
@@ -118,15 +120,22 @@ class Sender:
             await self._fail(msg.transfer_id, exc)
             return
         backend = self._local.backend
+        outbound: Outbound | None = None
         try:
             outbound = backend.start_send(self._conn, plan, peer, msg.transfer_id)
-            await outbound.wait(self._timeout_s)
+            # The receiver is silent until the answer; input now means Abort or a closed
+            # connection: cancel the WRITE so nothing lands in blocks it may reuse.
+            await outbound.wait(self._timeout_s, abandoned=self._conn.has_input)
         except TransferError as exc:
             if backend.inline_bytes:
                 raise  # the byte stream is broken mid-way: only closing tells the peer
             self._record(exc)
             await self._fail(msg.transfer_id, exc)
             return
+        except BaseException:  # cancelled (transceiver closing): stop writing into the peer
+            if outbound is not None:
+                outbound.abort()
+            raise
         if not backend.inline_bytes:  # inline bytes complete themselves (their count is known)
             await self._conn.send(
                 wire.TransferDone(transfer_id=msg.transfer_id, nbytes=plan.nbytes)

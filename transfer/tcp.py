@@ -29,15 +29,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from collections.abc import Callable
 
 import numpy as np
 import torch
-from pdserve.transfer import wire
-from pdserve.transfer.backend import Backend, Outbound, Peer, TransferState
-from pdserve.transfer.formatter import PoolGeometry, TransferPlan, pool_bytes
 
 from pdserve.config import TransferConfig
 from pdserve.errors import TransferError
+from pdserve.transfer import wire
+from pdserve.transfer.backend import Backend, Outbound, Peer, TransferState
+from pdserve.transfer.formatter import PoolGeometry, TransferPlan, pool_bytes
 
 _IOV_MAX = 1024
 """Buffers per sendmsg/recvmsg_into call (Linux IOV_MAX)."""
@@ -133,12 +134,14 @@ class Connection:
         stream (scattered: the kernel copies straight into the pool, many segments per call)."""
         await self._io(_slices(pool, offsets, lengths), send=False)
 
-    def is_stale(self) -> bool:
-        """True if an idle connection was closed by the peer or holds unexpected bytes."""
+    def has_input(self) -> bool:
+        """True if the peer sent something or closed the connection (never blocks, consumes
+        nothing). For an idle connection, or one the peer should be silent on, that means it
+        is unusable or the peer wants to stop."""
         if self.closed:
             return True
         try:
-            self.sock.recv(1, socket.MSG_PEEK)  # b"" (EOF) or a stray byte: unusable either way
+            self.sock.recv(1, socket.MSG_PEEK)  # b"" (EOF) or a byte: input either way
             return True
         except BlockingIOError:
             return False
@@ -232,8 +235,9 @@ class _StreamSend(Outbound):
     def abort(self) -> None:
         self._task.cancel()
 
-    async def wait(self, timeout: float) -> None:
-        # The task progresses on the loop by itself: await it instead of polling.
+    async def wait(self, timeout: float, abandoned: Callable[[], bool] | None = None) -> None:
+        # The task progresses on the loop by itself: await it instead of polling. (A receiver
+        # that stops reading surfaces as a send error; ``abandoned`` is not needed.)
         try:
             async with asyncio.timeout(timeout):
                 await asyncio.shield(self._task)

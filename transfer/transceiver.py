@@ -27,16 +27,16 @@ import uuid
 from collections import deque
 
 import torch
+
+from pdserve.config import TransferConfig
+from pdserve.errors import TransferError
+from pdserve.protocol import KVLayout, TransferHandle
 from pdserve.transfer.backend import Backend, open_backend
 from pdserve.transfer.formatter import PoolGeometry
 from pdserve.transfer.handshake import LocalSide
 from pdserve.transfer.receiver import Receiver
 from pdserve.transfer.sender import ParkedLookup, Sender
 from pdserve.transfer.tcp import Connection
-
-from pdserve.config import TransferConfig
-from pdserve.errors import TransferError
-from pdserve.protocol import KVLayout, TransferHandle
 
 log = logging.getLogger(__name__)
 

@@ -20,6 +20,8 @@ Conversation on one connection (decode D connects to prefill P)::
     P -> D  BlockData + raw bytes   (TCP backend: the byte count is the completion)
       or    TransferDone            (NIXL backend: after the WRITE completed locally)
       or    TransferFailed          (either backend: lookup refused, NIXL error)
+    D -> P  Abort           (NIXL, only if D gives up before the answer; P stops the WRITE
+                             and answers TransferFailed, or TransferDone if it was done)
     D -> P  Release         (after D has the bytes; P then releases the parked blocks)
 """
 
@@ -134,6 +136,14 @@ class TransferFailed(_Wire):
     message: str
 
 
+class Abort(_Wire):
+    """Decode -> prefill (NIXL backend): the pull of ``transfer_id`` gave up (deadline,
+    cancellation); stop writing and answer, so that nothing lands after the answer."""
+
+    type: Literal["abort"] = "abort"
+    transfer_id: str
+
+
 class Release(_Wire):
     """Decode -> prefill: the decode side holds the blocks; the prefill side may free them."""
 
@@ -142,7 +152,7 @@ class Release(_Wire):
 
 
 Message = Annotated[
-    Hello | HelloAck | SendBlocks | BlockData | TransferDone | TransferFailed | Release,
+    Hello | HelloAck | SendBlocks | BlockData | TransferDone | TransferFailed | Abort | Release,
     Field(discriminator="type"),
 ]
 _MESSAGE: TypeAdapter[Message] = TypeAdapter(Message)

@@ -164,8 +164,12 @@ class Engine:
                     seq = self._resume_from_reservation(req, prompt, detok)
                 else:
                     seq = Sequence(req.request_id, prompt, req.sampling, req.mode, self._need(req))
-                self._live[req.request_id] = _Live(seq, sink, detok)
-                self.scheduler.add(seq)
+                self._live[req.request_id] = _Live(seq, sink, detok)  # before the engine sees it
+                try:
+                    self.scheduler.add(seq)
+                except Exception:
+                    del self._live[req.request_id]
+                    raise
         except Exception:
             if req.mode == "resume":  # a refused resume gives its reservation back
                 self.unreserve(req.request_id)

@@ -26,7 +26,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
-from pdserve.errors import CapacityError
+from pdserve.errors import CapacityError, InvalidRequestError
 from pdserve.workers.kv_cache import KVCacheManager
 from pdserve.workers.sequence import Sequence, SequenceStatus
 
@@ -141,9 +141,12 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue ``seq`` as WAITING. A reserved sequence (the same object :meth:`reserve` took)
-        leaves ``reserved`` atomically and is admitted ahead of the FCFS queue."""
+        leaves ``reserved`` atomically and is admitted ahead of the FCFS queue; raises
+        :class:`InvalidRequestError` if its reservation was released meanwhile."""
         with self._lock:
-            if self.reserved.get(seq.request_id) is seq:  # its capacity moves along with it
+            if seq.reserved:  # its capacity moves along with it
+                if self.reserved.get(seq.request_id) is not seq:
+                    raise InvalidRequestError(f"the reservation of {seq.request_id} was released")
                 del self.reserved[seq.request_id]
             seq.status = SequenceStatus.WAITING
             self.waiting.append(seq)

@@ -174,7 +174,11 @@ async def _decode(
 ) -> tuple[Transceiver, torch.Tensor]:
     pool = _pool(layout, NUM_BLOCKS)
     t = create_transceiver(
-        _cfg(backend, timeout_s), pool=pool, layout=layout, worker_id="decode-0", epoch=1,
+        _cfg(backend, timeout_s),
+        pool=pool,
+        layout=layout,
+        worker_id="decode-0",
+        epoch=1,
         parked=None,
     )
     await t.start()
@@ -247,9 +251,7 @@ async def test_layout_mismatch_is_refused_on_both_sides_naming_the_field(prefill
     finally:
         await t.close()
     _, errors = prefill.state()
-    assert any(
-        name == "LayoutMismatchError" and "tokens_per_block" in msg for name, msg in errors
-    )
+    assert any(name == "LayoutMismatchError" and "tokens_per_block" in msg for name, msg in errors)
     assert not pool.any()
 
 
