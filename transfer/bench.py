@@ -77,7 +77,7 @@ class _AllParked:
 
 def _prefill_peer(pipe: Pipe, backend: str, layout: KVLayout, num_blocks: int) -> None:
     async def serve() -> None:
-        cfg = TransferConfig(backend=backend, ucx_devices="lo")  # type: ignore[arg-type]
+        cfg = TransferConfig.model_validate({"backend": backend, "ucx_devices": "lo"})
         pool = _pool(layout, num_blocks, 1.0)
         t = create_transceiver(
             cfg,
@@ -96,7 +96,7 @@ def _prefill_peer(pipe: Pipe, backend: str, layout: KVLayout, num_blocks: int) -
 
 
 def _raw_peer(pipe: Pipe, max_size: int) -> None:
-    buf = memoryview(np.ones(max_size, dtype=np.uint8))
+    buf = np.ones(max_size, dtype=np.uint8).data
     with socket.create_server(("127.0.0.1", 0)) as server:
         pipe.send(server.getsockname()[1])
         conn, _ = server.accept()
@@ -140,7 +140,7 @@ def _bench_raw(sizes: list[int]) -> list[dict]:
     proc.start()
     try:
         port = pipe.recv()
-        buf = memoryview(np.zeros(max(sizes), dtype=np.uint8))
+        buf = np.zeros(max(sizes), dtype=np.uint8).data
         rows = []
         with socket.create_connection(("127.0.0.1", port)) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -179,7 +179,7 @@ def _bench_backend(layout: KVLayout, blocks: list[int], backend: str) -> list[di
 async def _pull_all(
     layout: KVLayout, blocks: list[int], backend: str, endpoint: str, served: str
 ) -> list[dict]:
-    cfg = TransferConfig(backend=backend, ucx_devices="lo")  # type: ignore[arg-type]
+    cfg = TransferConfig.model_validate({"backend": backend, "ucx_devices": "lo"})
     pool = _pool(layout, max(blocks), 0.0)
     t = create_transceiver(
         cfg, pool=pool, layout=layout, worker_id="bench-decode", epoch=_EPOCH, parked=None
@@ -248,6 +248,11 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def print_results(rows: list[dict]) -> None:
+    """Print :func:`run_transfer_benchmark`'s rows as :func:`format_table` lays them out."""
+    print(format_table(rows))
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m pdserve.transfer.bench [--sizes-mib 1 16 64 256] [--backends tcp nixl]``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -262,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{layout.tokens_per_block} tokens/block, {layout.dtype}: "
         f"{block_bytes(layout)} bytes/block)"
     )
-    print(format_table(run_transfer_benchmark(layout, sizes, args.backends)))
+    print_results(run_transfer_benchmark(layout, sizes, args.backends))
 
 
 if __name__ == "__main__":

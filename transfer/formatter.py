@@ -83,7 +83,7 @@ def pool_bytes(pool: torch.Tensor) -> memoryview:
     """Writable flat byte view of a contiguous CPU pool (any dtype, bfloat16 included); no copy."""
     if pool.device.type != "cpu":
         raise ConfigError(f"byte streaming needs a CPU pool, got {pool.device}")
-    return memoryview(pool.view(-1).view(torch.uint8).numpy()).cast("B")
+    return pool.view(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 def coalesce_runs(

@@ -64,7 +64,9 @@ class NixlAgent:
         self.name = name
         self.mem_type = "DRAM" if pool.device.type == "cpu" else "VRAM"
         self.device_id = max(pool.get_device(), 0)
-        self._pool = pool  # registered memory must stay allocated while the agent lives
+        self._pool: torch.Tensor | None = (
+            pool  # registered memory must stay allocated while the agent lives
+        )
         self._reg = self._agent.register_memory(pool)
         self._pending: OrderedDict[bytes, None] = OrderedDict()
         self._closed = False
@@ -181,7 +183,7 @@ class NixlBackend(Backend):
         self._agent = NixlAgent(agent_name, pool, cfg.ucx_devices)
         self._geometry = geometry
         self._metadata_b64 = base64.b64encode(self._agent.metadata()).decode()
-        self._peers: dict[str, str] = {}  # remote agent name -> loaded; one per decode epoch
+        self._peers: dict[str, str] = {}  # loaded remote agent name -> its decode worker id
 
     def hello_info(self) -> wire.NixlPeerInfo:
         return wire.NixlPeerInfo(
@@ -272,6 +274,8 @@ async def _abort(conn: Connection, transfer_id: str, answer: asyncio.Future[Any]
             transfer_id,
         )
     except (TransferError, asyncio.CancelledError):
-        pass  # connection lost: a prefill side that sees EOF cancels its WRITE too
+        # Connection lost (a prefill side that sees EOF cancels its WRITE too), or ``answer``
+        # cancelled by the caller being cancelled again while this runs shielded.
+        pass
     finally:
         conn.close()

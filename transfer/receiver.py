@@ -15,13 +15,17 @@ Lifecycle of one :meth:`Receiver.pull`, all within ``timeout_s``::
                    WRITE's notification and TransferDone
     5. RELEASE     Release(request id); the connection goes back to the idle list
 
-Any failure closes that connection and raises TransferError (LayoutMismatchError, HandleError
-as the prefill side reported them); nothing hangs past ``timeout_s``.
+Failures raise TransferError, or the prefill side's LayoutMismatchError / HandleError as the
+same class; nothing hangs past ``timeout_s``. A clean refusal (HandleError) keeps the connection;
+anything else closes it.
 
 Ownership: the caller owns ``dst_block_ids`` (reserved, not used by the engine) before, during
-and after the call. After a TransferError their content is undefined; with NIXL a WRITE the
-prefill side already posted can still land until the prefill side's own ``timeout_s`` expires
-(it cancels then), so hold those blocks that long before reusing them.
+and after the call; after an error their content is undefined. Nothing is written into them
+after ``pull`` returns or raises: TCP bytes land only while ``pull`` reads them; with NIXL a
+pull that gives up (timeout, cancellation) sends Abort and waits up to 2 s for the prefill
+side's answer, after which it writes nothing (the prefill side cancels its WRITE when it sees
+Abort or a closed connection). Only a prefill side that neither answers nor dies within those
+2 s leaves a risk, which is logged as an error.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import logging
 import uuid
 from dataclasses import dataclass, field
 
-from pdserve.errors import HandleError, LayoutMismatchError, TransferError
+from pdserve.errors import HandleError, TransferError
 from pdserve.protocol import TransferHandle
 from pdserve.transfer import wire
 from pdserve.transfer.formatter import Formatter
@@ -128,7 +132,7 @@ class Receiver:
                 )
             )
             await self._local.backend.receive(conn, plan, transfer_id)
-        except (HandleError, LayoutMismatchError):
+        except HandleError:
             self._give_back(session, conn)  # the peer refused cleanly: the stream is intact
             raise
         except BaseException:

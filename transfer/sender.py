@@ -113,13 +113,15 @@ class Sender:
         return accepted
 
     async def _send(self, msg: wire.SendBlocks, formatter: Formatter, peer: Peer) -> None:
+        backend = self._local.backend
         try:
             plan = formatter.plan(self._lookup(msg), msg.dst_block_ids)
+            if not backend.inline_bytes and self._conn.has_input():
+                raise TransferError(f"the decode side gave up on {msg.transfer_id} already")
         except TransferError as exc:
             self._record(exc)
             await self._fail(msg.transfer_id, exc)
             return
-        backend = self._local.backend
         outbound: Outbound | None = None
         try:
             outbound = backend.start_send(self._conn, plan, peer, msg.transfer_id)

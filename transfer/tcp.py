@@ -227,8 +227,11 @@ class _StreamSend(Outbound):
     def poll(self) -> TransferState:
         if not self._task.done():
             return TransferState.RUNNING
-        if self._task.cancelled() or self._task.exception() is not None:
-            self.failure = self.failure or repr(self._task.exception())
+        if self._task.cancelled():
+            self.failure = "cancelled"
+            return TransferState.FAILED
+        if (exc := self._task.exception()) is not None:
+            self.failure = repr(exc)
             return TransferState.FAILED
         return TransferState.DONE
 

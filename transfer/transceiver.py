@@ -29,7 +29,7 @@ from collections import deque
 import torch
 
 from pdserve.config import TransferConfig
-from pdserve.errors import TransferError
+from pdserve.errors import ConfigError, TransferError
 from pdserve.protocol import KVLayout, TransferHandle
 from pdserve.transfer.backend import Backend, open_backend
 from pdserve.transfer.formatter import PoolGeometry
@@ -65,15 +65,20 @@ class Transceiver:
         self.recent_errors: deque[TransferError] = deque(maxlen=_RECENT_ERRORS)
 
     async def start(self) -> None:
-        """Listen for peers on ``cfg.host:cfg.port`` (port 0 picks one) and set ``endpoint``."""
+        """Listen for peers on ``cfg.host:cfg.port`` (port 0 picks one) and set ``endpoint``.
+        Raises ConfigError if the address cannot be bound."""
         if self._listener is not None:
             return
         host, port = self._cfg.host, self._cfg.port
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(128)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(128)
+        except OSError as exc:
+            sock.close()
+            raise ConfigError(f"KV transceiver cannot listen on {host}:{port}: {exc}") from exc
         sock.setblocking(False)
         self._listener = sock
         bound = sock.getsockname()[1]
@@ -105,7 +110,8 @@ class Transceiver:
         await self._receiver.pull(handle, dst_block_ids)
 
     async def close(self) -> None:
-        """Stop serving and release everything; idempotent."""
+        """Stop serving and release everything; idempotent. Call it once this worker's own
+        pulls have returned (a pull still running then fails with TransferError)."""
         if self._closed:
             return
         self._closed = True

@@ -172,7 +172,7 @@ def frame_length(header: bytes) -> int:
     return length
 
 
-def decode(payload: bytes | bytearray | memoryview) -> Message:
+def decode(payload: bytes | bytearray) -> Message:
     """Parse one frame payload; raises TransferError on anything that is not a known message."""
     try:
         return _MESSAGE.validate_json(payload)

@@ -140,7 +140,9 @@ async def _start(state: WorkerState) -> None:
             worker_id=state.worker_id,
         )
     else:
-        state.decode = DecodeRole(engine=engine, transceiver=state.transceiver)
+        state.decode = DecodeRole(
+            engine=engine, transceiver=state.transceiver, quarantine_s=cfg.transfer.timeout_s
+        )
     state.registration = open_registration(cfg.discovery, ttl_s=cfg.registration_ttl_s)
     await state.registration.start(state.record())
     state.tasks.append(asyncio.create_task(_refresh_load(state), name="load-refresh"))

@@ -23,6 +23,10 @@ the attention function). Per layer the function
    all decode tokens (block tables gathered, padded, masked), one SDPA per prefill chunk (on the
    fresh K/V when the chunk is the whole prompt, else on the gathered cache with a bottom-right
    aligned causal mask). GQA uses SDPA's ``enable_gqa``.
+
+Requirements on the model: attention modules carry ``layer_idx`` (the pool layer they use) and
+pass ``**kwargs`` to the attention function, as transformers' Llama-family models do; all layers
+are full causal attention (the model runner refuses sliding-window layer types).
 """
 
 from __future__ import annotations
@@ -122,9 +126,13 @@ def paged_attention_forward(
         if meta.decode_mask is None:
             k, v = k[:, :, : meta.decode_ctx_len], v[:, :, : meta.decode_ctx_len]
         out = F.scaled_dot_product_attention(
-            q, k.to(q.dtype), v.to(q.dtype), attn_mask=meta.decode_mask, scale=scaling,
+            q,
+            k.to(q.dtype),
+            v.to(q.dtype),
+            attn_mask=meta.decode_mask,
+            scale=scaling,
             enable_gqa=True,
-        )  # fmt: skip
+        )
         parts.append(out.reshape(nd, num_heads, head_dim))
     for chunk in meta.prefill:
         rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
@@ -138,9 +146,13 @@ def paged_attention_forward(
             k = _gather(cache, chunk.block_ids, 0)[:, : chunk.ctx_len].unsqueeze(0)
             v = _gather(cache, chunk.block_ids, 1)[:, : chunk.ctx_len].unsqueeze(0)
             out = F.scaled_dot_product_attention(
-                q, k.to(q.dtype), v.to(q.dtype), attn_mask=chunk.mask, scale=scaling,
+                q,
+                k.to(q.dtype),
+                v.to(q.dtype),
+                attn_mask=chunk.mask,
+                scale=scaling,
                 enable_gqa=True,
-            )  # fmt: skip
+            )
         parts.append(out[0].transpose(0, 1))  # [q_len, H, hd]
     attn = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     assert attn.shape[0] == num_tokens

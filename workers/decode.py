@@ -8,9 +8,9 @@ Request lifecycle on a decode worker::
     4 RUNNING      engine resumes at the first token in its continuous batch; chunks streamed
     5 FINISHED     stop / length / abort (client gone) / error; the engine frees the blocks
 
-A failure in 3 unreserves the blocks (never reused while a transfer may still land: the
-transceiver returns only after the transfer is complete or failed) and ends the stream with an
-error. Without a handle (the colocated baseline) the engine runs the prefill itself (mode
+A failure in 3 ends the stream with an error. Blocks refused before any byte moved (bad handle,
+layout mismatch) are unreserved at once; after a failure mid-transfer (timeout, peer death) they
+are quarantined for the transfer timeout first, since a remote WRITE may still land in them. Without a handle (the colocated baseline) the engine runs the prefill itself (mode
 ``full``).
 """
 
@@ -65,9 +65,30 @@ def check_handle(req: GenerationRequest, handle: TransferHandle, engine: Engine)
 class DecodeRole:
     """Serves ``/internal/generate`` for a decode (or colocated) worker."""
 
-    def __init__(self, *, engine: Engine, transceiver: Transceiver | None) -> None:
+    def __init__(
+        self, *, engine: Engine, transceiver: Transceiver | None, quarantine_s: float = 30.0
+    ) -> None:
         self.engine = engine
         self.transceiver = transceiver
+        self.quarantine_s = quarantine_s
+        self.quarantined = 0
+
+    def _quarantine(self, request_id: str) -> None:
+        """Free a failed transfer's destination blocks only after ``quarantine_s``: a remote
+        WRITE (NIXL) issued before the failure may still land in them, and a block must never
+        be reused while that can happen (Dynamo's deferred abort)."""
+        self.quarantined += 1
+
+        def _free() -> None:
+            self.quarantined -= 1
+            self.engine.unreserve(request_id)
+
+        asyncio.get_running_loop().call_later(self.quarantine_s, _free)
+        log.warning(
+            "request %s: KV transfer failed mid-flight; its blocks are quarantined for %.0f s",
+            request_id,
+            self.quarantine_s,
+        )
 
     async def admit(self, req: GenerationRequest) -> OutputStream:
         """States 1-3: validate, reserve, transfer, then add to the running batch.
@@ -106,13 +127,17 @@ class DecodeRole:
                 len(dst),
                 (time.perf_counter() - t0) * 1e3,
             )
-        except TimeoutError:
+        except (HandleError, LayoutMismatchError):
+            # Refused before any byte was written: the blocks can go back at once.
             self.engine.unreserve(req.request_id)
+            raise
+        except TimeoutError:
+            self._quarantine(req.request_id)
             raise DeadlineExceededError(
                 f"KV transfer for request {req.request_id} did not finish before its deadline"
             ) from None
         except BaseException:
-            self.engine.unreserve(req.request_id)
+            self._quarantine(req.request_id)
             raise
         self.engine.add_request(
             EngineRequest(

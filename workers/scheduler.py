@@ -171,10 +171,6 @@ class Scheduler:
             if free_blocks:
                 self.kv_cache.free(seq.request_id)
 
-    def has_work(self) -> bool:
-        with self._lock:
-            return bool(self.waiting or self.running)
-
     # --- the step ------------------------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch:
@@ -207,6 +203,8 @@ class Scheduler:
         headroom allow. Reserved ones first; the FCFS rest stops at the first that does not fit
         (no overtaking, so a large request is not starved)."""
         admitted: list[Sequence] = []
+        if not self.waiting:
+            return admitted
         room = self.headroom()
         for seq in sorted(self.waiting, key=lambda s: not s.reserved):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:

@@ -41,7 +41,9 @@ EPOCH = 7
 
 
 def _cfg(backend: str, timeout_s: float = 10.0) -> TransferConfig:
-    return TransferConfig(backend=backend, ucx_devices="lo", timeout_s=timeout_s)
+    return TransferConfig.model_validate(
+        {"backend": backend, "ucx_devices": "lo", "timeout_s": timeout_s}
+    )
 
 
 def _pool(layout: KVLayout, num_blocks: int) -> torch.Tensor:
@@ -64,10 +66,12 @@ class _Parked:
         self.blocks: dict[str, list[int]] = {}
         self.released: list[str] = []
         self.die: dict[str, float | None] = {}  # request id -> exit delay (None: right now)
+        self.slow: dict[str, float] = {}  # request id -> seconds lookup blocks the prefill
 
     def lookup(self, request_id: str, epoch: int) -> list[int]:
         if epoch != self.epoch or request_id not in self.blocks:
             raise HandleError(f"no parked request {request_id} at epoch {epoch}")
+        time.sleep(self.slow.get(request_id, 0.0))
         if request_id in self.die:
             delay = self.die[request_id]
             if delay is None:
@@ -100,6 +104,9 @@ async def _prefill_main(pipe: Pipe, backend: str, layout: KVLayout, num_blocks: 
             pipe.send("ok")
         elif cmd == "die":
             parked.die[args[0]] = args[1]
+            pipe.send("ok")
+        elif cmd == "slow":
+            parked.slow[args[0]] = args[1]
             pipe.send("ok")
         elif cmd == "state":
             errors = [(type(e).__name__, e.message) for e in t.recent_errors]
@@ -277,6 +284,21 @@ async def test_unresponsive_peer_times_out_with_transfer_error(prefill):
         assert time.monotonic() - started < 5
     finally:
         os.kill(prefill.proc.pid, signal.SIGCONT)
+        await t.close()
+
+
+async def test_pull_that_gives_up_gets_nothing_written_into_its_blocks(prefill):
+    t, pool = await _decode(prefill.backend, timeout_s=0.5)
+    try:
+        handle = prefill.park("g1", [1, 2])
+        prefill.call("slow", "g1", 1.0)  # the answer comes after the decode gave up
+        with pytest.raises(TransferError, match="timed out"):
+            await t.pull(handle, [3, 4])
+        await asyncio.sleep(1.0)  # the prefill side is awake again and had its chance
+        assert not pool.any()
+        await t.pull(prefill.park("g2", [5]), [6])  # the transceiver still works
+        _assert_landed(pool, [5], [6], LAYOUT)
+    finally:
         await t.close()
 
 
