@@ -37,7 +37,9 @@ def _cli(*args: str, log_level: str) -> list[str]:
     return [sys.executable, "-m", "pdserve.cli", "--log-level", log_level, *args]
 
 
-def worker_commands(args: argparse.Namespace, model_path: Path, router_url: str) -> list[tuple[str, list[str]]]:
+def worker_commands(
+    args: argparse.Namespace, model_path: Path, router_url: str
+) -> list[tuple[str, list[str]]]:
     """The (name, argv) of every worker child. Threads are split evenly across workers."""
     n_workers = args.prefill + args.decode
     threads = args.threads or max(1, (os.cpu_count() or 1) // n_workers)
@@ -81,7 +83,9 @@ def _wait_ready(
                 return False
             for c in children:
                 if c.proc.poll() is not None:
-                    raise RuntimeError(f"{c.name} exited with code {c.proc.returncode} while starting")
+                    raise RuntimeError(
+                        f"{c.name} exited with code {c.proc.returncode} while starting"
+                    )
             try:
                 ready = client.get(f"{url}/ready").status_code == 200
                 workers = client.get(f"{url}/registry/workers").json()["workers"]
@@ -105,7 +109,10 @@ def _stop_all(children: list[Child]) -> None:
             try:
                 c.proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                print(f"pdserve: {c.name} did not stop in {GRACE_S:.0f} s; killing it", file=sys.stderr)
+                print(
+                    f"pdserve: {c.name} did not stop in {GRACE_S:.0f} s; killing it",
+                    file=sys.stderr,
+                )
                 c.proc.kill()
                 c.proc.wait()
 
@@ -142,13 +149,17 @@ def run_up(args: argparse.Namespace, model_path: Path) -> int:
         if _wait_ready(
             url, args.prefill + args.decode, children, args.ready_timeout_s, lambda: stopping
         ):
-            print(f"pdserve: ready. OpenAI-compatible endpoint: {url}/v1  (model {name!r}; Ctrl-C stops)")
+            print(
+                f"pdserve: ready. OpenAI-compatible endpoint: {url}/v1  (model {name!r}; Ctrl-C stops)"
+            )
         sys.stdout.flush()
         while not stopping:
             for c in children:
                 if c.proc.poll() is not None:
-                    print(f"pdserve: {c.name} exited with code {c.proc.returncode}; stopping",
-                          file=sys.stderr)
+                    print(
+                        f"pdserve: {c.name} exited with code {c.proc.returncode}; stopping",
+                        file=sys.stderr,
+                    )
                     return 1
             time.sleep(0.5)
         print("pdserve: stopping ...", file=sys.stderr)

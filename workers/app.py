@@ -100,8 +100,13 @@ async def _start(state: WorkerState) -> None:
     from pdserve.workers.prefill import PrefillRole
 
     cfg = state.cfg
-    log.info("%s %s (epoch %d): loading %s", cfg.role, state.worker_id, state.epoch,
-             cfg.engine.model_path)
+    log.info(
+        "%s %s (epoch %d): loading %s",
+        cfg.role,
+        state.worker_id,
+        state.epoch,
+        cfg.engine.model_path,
+    )
     t0 = time.perf_counter()
     engine = await asyncio.to_thread(Engine, cfg.engine)
     state.engine = engine
@@ -285,8 +290,9 @@ def run_worker(cfg: WorkerConfig, *, log_level: str = "info") -> None:
 
     sock = bind_socket(cfg.host, cfg.port)
     port = sock.getsockname()[1]
-    advertise = cfg.advertise_host or (cfg.host if cfg.host not in ("0.0.0.0", "::") else
-                                       socket.gethostname())
+    advertise = cfg.advertise_host or (
+        cfg.host if cfg.host not in ("0.0.0.0", "::") else socket.gethostname()
+    )
     app = create_worker_app(cfg, http_url=f"http://{advertise}:{port}")
     server = uvicorn.Server(
         uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, access_log=False)

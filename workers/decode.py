@@ -37,9 +37,7 @@ def check_handle(req: GenerationRequest, handle: TransferHandle, engine: Engine)
     """Refuse a handle that cannot fill this request's blocks. Raises HandleError or
     LayoutMismatchError."""
     if handle.request_id != req.request_id:
-        raise HandleError(
-            f"handle names request {handle.request_id!r}, not {req.request_id!r}"
-        )
+        raise HandleError(f"handle names request {handle.request_id!r}, not {req.request_id!r}")
     if handle.num_tokens != len(req.prompt_token_ids):
         raise HandleError(
             f"handle holds K/V for {handle.num_tokens} tokens but the prompt has "
@@ -54,7 +52,8 @@ def check_handle(req: GenerationRequest, handle: TransferHandle, engine: Engine)
         )
     if handle.layout != engine.layout:
         raise LayoutMismatchError(
-            "prefill and decode KV layouts differ: " + handle.layout.describe_mismatch(engine.layout)
+            "prefill and decode KV layouts differ: "
+            + handle.layout.describe_mismatch(engine.layout)
         )
     if handle.lease_remaining() <= 0:
         raise HandleError(f"lease of request {req.request_id!r} expired before decode began")

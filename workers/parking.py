@@ -92,7 +92,9 @@ class ParkedBlocks:
             )
         parked = self._parked.get(request_id)
         if parked is None:
-            raise HandleError(f"request {request_id!r} has no parked KV blocks (released or expired)")
+            raise HandleError(
+                f"request {request_id!r} has no parked KV blocks (released or expired)"
+            )
         if self._clock() > parked.deadline:
             self._expire(parked)
             raise HandleError(f"lease of request {request_id!r} expired before the transfer")

@@ -12,7 +12,9 @@ from tests.fixtures.stack import start_stack
 pytestmark = pytest.mark.integration
 
 
-def test_requests_flow_with_etcd_discovery(tiny_model_dir: Path, tmp_path: Path, etcd_server) -> None:
+def test_requests_flow_with_etcd_discovery(
+    tiny_model_dir: Path, tmp_path: Path, etcd_server
+) -> None:
     stack = start_stack(tiny_model_dir, "tiny-llama", tmp_path, discovery=etcd_server.url)
     try:
         client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=60)

@@ -112,9 +112,11 @@ def test_eight_concurrent_requests_equal_their_solo_outputs(tiny_stack: Stack) -
     prompts = [PROMPTS[i % 3][: 5 + i] for i in range(8)]
 
     def run(ids: list[int]) -> str:
-        return client.completions.create(
-            model="tiny-llama", prompt=ids, max_tokens=20, temperature=0
-        ).choices[0].text
+        return (
+            client.completions.create(model="tiny-llama", prompt=ids, max_tokens=20, temperature=0)
+            .choices[0]
+            .text
+        )
 
     solo = [run(p) for p in prompts]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -132,11 +134,23 @@ def test_models_lists_served_model(tiny_stack: Stack) -> None:
     [
         ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404),
         ({"model": "tiny-llama", "messages": []}, 400),
-        ({"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}],
-          "max_tokens": 10_000_000}, 400),  # fmt: skip
+        (
+            {
+                "model": "tiny-llama",
+                "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 10_000_000,
+            },
+            400,
+        ),  # fmt: skip
         ({"model": "tiny-llama", "messages": "not a list"}, 400),
-        ({"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}],
-          "temperature": "hot"}, 400),  # fmt: skip
+        (
+            {
+                "model": "tiny-llama",
+                "messages": [{"role": "user", "content": "x"}],
+                "temperature": "hot",
+            },
+            400,
+        ),  # fmt: skip
     ],
 )
 def test_bad_input_gets_4xx_json_and_server_keeps_serving(

@@ -23,7 +23,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def up(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+def up(
+    smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     """``pdserve up`` with no model flag: it must find the prepared SmolLM2 in the cache."""
     port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1", PDSERVE_CACHE_DIR=str(smollm2_dir.parent))
