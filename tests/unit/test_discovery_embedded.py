@@ -171,7 +171,12 @@ async def test_registration_retries_until_router_is_reachable(
         registry = EmbeddedRegistry(ttl_s=TTL_S)
         await handle.start(router_app(registry))
         await wait_until(lambda: "prefill-0" in registry.workers(), 2 * TTL_S, what="re-reg")
-        assert any("re-registered" in r.message for r in caplog.records)
+        # The worker logs after it has processed the registry's reply, a moment later.
+        await wait_until(
+            lambda: any("re-registered" in r.message for r in caplog.records),
+            2 * TTL_S,
+            what="re-registration logged",
+        )
     finally:
         await reg.close()
         await handle.stop()
