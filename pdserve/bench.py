@@ -221,12 +221,8 @@ def _run_level(one, prompts: list[list[int]], concurrency: int) -> dict[str, flo
 
 
 def transfer_main(args: argparse.Namespace) -> int:
-    """KV transfer GB/s per backend beside a raw-socket reference (pdserve.transfer.bench)."""
-    from pdserve.protocol import KVLayout
-    from pdserve.transfer.bench import print_results, run_transfer_benchmark
+    """KV transfer per backend beside raw-socket and memcpy references, with fits and the
+    issue's targets (:mod:`pdserve.transfer.bench`, :mod:`pdserve.transfer.bench_report`)."""
+    from pdserve.transfer.bench_report import run_from_args
 
-    layout = KVLayout(model="SmolLM2-135M-Instruct", num_layers=30, num_kv_heads=3, head_dim=64,
-                      tokens_per_block=16, dtype="float32")  # fmt: skip
-    sizes = [int(m * 2**20) for m in args.sizes_mib]
-    print_results(run_transfer_benchmark(layout, sizes, args.backends))
-    return 0
+    return run_from_args(args)

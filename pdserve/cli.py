@@ -1,4 +1,5 @@
-"""Command line: ``pdserve up | router | prefill | decode | colocated | model prepare | bench``.
+"""Command line: ``pdserve up | router | prefill | decode | colocated | model prepare | bench |
+doctor``.
 
 Configuration is built here, once, from flags (and ``PDSERVE_CACHE_DIR`` for the model cache),
 validated into the frozen models of :mod:`pdserve.config`, and passed down.
@@ -29,8 +30,11 @@ examples:
   pdserve up --prefill 2 --decode 2 --port 9000
   pdserve router --discovery etcd://10.0.0.5:2379 --host 0.0.0.0
   pdserve prefill --discovery etcd://10.0.0.5:2379 --host 0.0.0.0 --advertise-host 10.0.0.6
+  pdserve decode --discovery nats://10.0.0.5:4222 --registration-ttl-s 5   # NATS control plane
   pdserve model prepare                        # convert SmolLM2 once into the cache
   pdserve bench serve                          # TTFT/TPOT: disaggregated vs colocated
+  pdserve bench transfer                       # KV transfer GB/s per backend vs socket/memcpy
+  pdserve doctor --peer 10.0.0.6:7100          # transfer environment + bandwidth to a worker
 """
 
 
@@ -56,6 +60,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument(
+        "--kv-dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="KV cache dtype (default: --dtype); prefill and decode workers may differ",
+    )
     p.add_argument("--kv-cache-mb", type=int, default=256, help="KV cache pool size in MiB")
     p.add_argument("--tokens-per-block", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-num-seqs", type=int, default=32, help="running sequences per step")
@@ -70,19 +80,37 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--discovery",
         default="http://127.0.0.1:8000",
-        help="router URL (embedded registry) or etcd://host:port",
+        help="router URL (embedded registry), etcd://host:port or nats://host:port",
+    )
+    p.add_argument(
+        "--registration-ttl-s",
+        type=float,
+        default=10.0,
+        help="seconds the discovery record outlives a silent worker (refreshed every third)",
     )
     p.add_argument(
         "--transfer-backend",
-        choices=["auto", "nixl", "tcp"],
+        choices=["auto", "nixl", "ucx", "tcp"],
         default="auto",
         help="KV transfer backend; auto = NIXL where it imports, else TCP",
     )
     p.add_argument("--transfer-host", default=None, help="transceiver bind/advertise address")
     p.add_argument("--transfer-port", type=int, default=0)
-    p.add_argument("--ucx-devices", default=None, help="UCX net devices for NIXL, e.g. lo or eth0")
+    p.add_argument(
+        "--ucx-devices", default=None, help="UCX net devices (nixl, ucx), e.g. lo or eth0"
+    )
     p.add_argument("--lease-s", type=float, default=30.0, help="how long parked KV blocks wait")
+    _add_integrity_arg(p)
     p.add_argument("--worker-id", default=None)
+
+
+def _add_integrity_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-kv-integrity",
+        dest="kv_integrity",
+        action="store_false",
+        help="do not digest-check pulled KV blocks (on by default; ~0.5 ms per 16 MiB a side)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,8 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=8000, help="router port")
     up.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     up.add_argument("--decode", type=int, default=1, help="number of decode workers")
-    up.add_argument("--transfer-backend", choices=["auto", "nixl", "tcp"], default="auto")
+    up.add_argument("--transfer-backend", choices=["auto", "nixl", "ucx", "tcp"], default="auto")
     up.add_argument("--lease-s", type=float, default=30.0, help="how long parked KV blocks wait")
+    _add_integrity_arg(up)
     up.add_argument("--ready-timeout-s", type=float, default=300.0)
 
     router = sub.add_parser("router", help="the OpenAI-compatible router alone")
@@ -111,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=8000)
     router.add_argument(
-        "--discovery", default="embedded", help="'embedded' (host the registry) or etcd://host:port"
+        "--discovery",
+        default="embedded",
+        help="'embedded' (host the registry), etcd://host:port or nats://host:port",
     )
     router.add_argument("--request-timeout-s", type=float, default=300.0)
     router.add_argument("--max-model-len", type=int, default=None)
@@ -140,10 +171,30 @@ def build_parser() -> argparse.ArgumentParser:
     bserve.add_argument("--prompt-tokens", type=int, default=256)
     bserve.add_argument("--max-tokens", type=int, default=32)
     bserve.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
-    bserve.add_argument("--transfer-backend", choices=["auto", "nixl", "tcp"], default="auto")
-    btx = bsub.add_parser("transfer", help="KV transfer GB/s per backend vs raw sockets")
-    btx.add_argument("--sizes-mib", type=float, nargs="+", default=[0.375, 1.5, 6, 24, 96])
-    btx.add_argument("--backends", nargs="+", default=["tcp", "nixl"])
+    bserve.add_argument(
+        "--transfer-backend", choices=["auto", "nixl", "ucx", "tcp"], default="auto"
+    )
+    btx = bsub.add_parser("transfer", help="KV transfer GB/s per backend vs socket/memcpy")
+    btx.add_argument(
+        "--sizes-mib", type=float, nargs="+", default=None,
+        help="request sizes in MiB, rounded up to whole KV blocks (default: 1 block .. 64 MiB)",
+    )  # fmt: skip
+    btx.add_argument(
+        "--backends", nargs="+", default=["tcp", "nixl", "ucx"],
+        help="cases: tcp nixl-tcp nixl-shm ucx-tcp ucx-shm (nixl, ucx: both of theirs)",
+    )  # fmt: skip
+    btx.add_argument(
+        "--integrity", choices=["off", "on", "both"], default="both",
+        help="KV digests during the backend runs (default: both, side by side)",
+    )  # fmt: skip
+    btx.add_argument("--min-seconds", type=float, default=0.3, help="measuring time per size")
+    btx.add_argument("--rounds", type=int, default=1, help="measure everything N times, pooled")
+
+    from pdserve.doctor import add_arguments as add_doctor_arguments  # light: no torch
+
+    add_doctor_arguments(
+        sub.add_parser("doctor", help="check the KV transfer environment, probe a worker")
+    )
     return parser
 
 
@@ -164,6 +215,7 @@ def engine_config(args: argparse.Namespace, model_path: Path) -> EngineConfig:
         model_path=model_path,
         served_model_name=_served_name(args, model_path),
         dtype=args.dtype,
+        kv_dtype=args.kv_dtype,
         kv_cache_bytes=args.kv_cache_mb * 2**20,
         tokens_per_block=args.tokens_per_block,
         max_num_seqs=args.max_num_seqs,
@@ -181,11 +233,13 @@ def worker_config(args: argparse.Namespace, role: str, model_path: Path) -> Work
             host=args.transfer_host or args.advertise_host or args.host,
             port=args.transfer_port,
             ucx_devices=args.ucx_devices,
+            integrity=args.kv_integrity,
         ),
         host=args.host,
         port=args.port,
         advertise_host=args.advertise_host,
         discovery=args.discovery,
+        registration_ttl_s=args.registration_ttl_s,
         lease_s=args.lease_s,
         worker_id=args.worker_id,
     )
@@ -242,6 +296,10 @@ def _dispatch(args: argparse.Namespace) -> int:
             if args.bench_command == "serve":
                 return bench.serve_main(args, _resolve_model(args))
             return bench.transfer_main(args)
+        if args.command == "doctor":
+            from pdserve.doctor import run as run_doctor
+
+            return run_doctor(args)
     except PdserveError as exc:
         print(f"pdserve: {exc.message}", file=sys.stderr)
         return 1

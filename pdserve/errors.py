@@ -89,9 +89,17 @@ class LayoutMismatchError(TransferError):
 
 
 class HandleError(TransferError):
-    """The handle names an unknown request, an old epoch, or an expired lease."""
+    """The handle names an unknown request, an old epoch, another lease, an expired lease, or
+    blocks that are not (or no longer) the ones parked."""
 
     code = "kv_handle_invalid"
+
+
+class IntegrityError(TransferError):
+    """KV bytes arrived that differ from what the sender digested (corrupted on the way, or the
+    source changed under the transfer); the message names the request and the blocks."""
+
+    code = "kv_integrity_failed"
 
 
 class DiscoveryError(PdserveError):

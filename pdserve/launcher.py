@@ -58,6 +58,10 @@ def worker_commands(
     ]  # fmt: skip
     if args.max_model_len:
         common += ["--max-model-len", str(args.max_model_len)]
+    if args.kv_dtype:
+        common += ["--kv-dtype", args.kv_dtype]
+    if not args.kv_integrity:
+        common += ["--no-kv-integrity"]
     cmds = []
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
         for i in range(count):

@@ -7,6 +7,9 @@ handshake) and the KV layout's ``compat_hash`` before exchanging KV blocks.
 Protocol history:
     1: first version (context request/response, transfer handle, generation request/chunks,
        worker records, transfer handshake).
+    2: fencing and integrity: ``TransferHandle.lease_id`` (and optional ``lease_id`` on
+       releases); transfer ``SendBlocks`` carries the lease id and asks for block digests,
+       answered by ``BlockDigests`` after the bytes.
 
 Clocks: deadlines on the wire are wall-clock UNIX seconds (``time.time()``), never monotonic
 readings, because a monotonic clock does not cross processes.
@@ -21,7 +24,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 PROTOCOL_HEADER = "x-pdserve-protocol"
 
 
@@ -79,6 +82,23 @@ class KVLayout(_Msg):
         ]
         return ", ".join(diffs) or "none"
 
+    def describe_unmappable(self, dst: KVLayout) -> str:
+        """The differences that no KV formatter can bridge when this (prefill) layout is sent
+        into ``dst`` (decode), as :meth:`describe_mismatch` writes them; ``""`` when it can.
+        ``tokens_per_block`` and ``dtype`` may differ (``pdserve.transfer.formatter`` re-blocks
+        and converts); model identity, layers, KV heads and head size must be equal."""
+        fields = ("model", "num_layers", "num_kv_heads", "head_dim")
+        return ", ".join(
+            f"{name}: {getattr(self, name)!r} != {getattr(dst, name)!r}"
+            for name in fields
+            if getattr(self, name) != getattr(dst, name)
+        )
+
+    def can_map_to(self, dst: KVLayout) -> bool:
+        """True when a formatter maps this (prefill) layout onto ``dst`` (torch-free, so the
+        router can pair workers with it)."""
+        return not self.describe_unmappable(dst)
+
 
 class SamplingParams(_Msg):
     """Per-request sampling settings.
@@ -118,11 +138,17 @@ class TransferHandle(_Msg):
     """What a prefill worker hands back for a parked request: enough for a decode worker to pull
     the KV blocks. Ownership: the blocks stay owned by the prefill worker until the decode worker
     releases them or ``lease_deadline`` passes, whichever comes first.
+
+    Fencing: ``epoch`` names the prefill worker's incarnation (its registration epoch) and
+    ``lease_id`` the one park of ``block_ids`` it issued (``ParkedBlocks.park``); both sides
+    refuse a handle whose epoch, lease id, lease deadline or block ids do not match what the
+    prefill worker holds now (``pdserve.workers.parking``).
     """
 
     worker_id: str
     epoch: int
     request_id: str
+    lease_id: str = Field(min_length=1, description="unique per park; binds the handle to it")
     block_ids: tuple[int, ...]
     num_tokens: int = Field(ge=1, description="tokens whose K/V the blocks hold (= prompt length)")
     lease_deadline: float = Field(description="wall-clock UNIX seconds")
@@ -220,8 +246,11 @@ class ErrorEnvelope(_Msg):
 
 
 class ReleaseRequest(_Msg):
+    """Router -> prefill worker: free a parked request. With ``lease_id``, only that park."""
+
     request_id: str
     epoch: int
+    lease_id: str | None = None
 
 
 RoleLiteral = Literal["prefill", "decode", "colocated"]

@@ -3,10 +3,12 @@
 The policy is a pure function of a :class:`~pdserve.router.view.Candidates` snapshot; it decides
 and never talks to a worker. Rules, in order:
 
-1. Only pairs whose KV layouts are byte-compatible (equal ``layout.compat_hash()``) qualify: the
-   decode worker pulls the prefill worker's blocks as they are (no format conversion yet).
+1. Only pairs whose KV layouts the transfer formatter maps qualify
+   (:meth:`KVLayout.can_map_to`: the same model, layers, KV heads and head size; tokens per
+   block and KV dtype may differ, the prefill side then converts while sending).
 2. Among prefill workers, the least loaded one that has at least one compatible decode worker
-   wins; among its compatible decode workers, the least loaded one wins.
+   wins; among its compatible decode workers, the least loaded one wins (an equal layout is
+   not preferred: the conversion costs far less than an unbalanced decode worker).
 3. "Least loaded" compares :func:`load_key`: this router's in-flight count first (fresh), then
    the worker's reported ``running + waiting`` (up to a second old), then the most free KV
    blocks, then the worker id (a stable tie-break, so tests and logs are deterministic).
@@ -43,7 +45,7 @@ def choose_pair(cands: Candidates, *, exclude_prefill: Collection[str] = ()) -> 
 
     ``exclude_prefill`` lists prefill worker ids not to use (a retry after a connection error).
     Raises :class:`NoWorkerError` naming what is missing: no prefill worker, no decode worker,
-    or no pair with equal KV layouts (with the layout hashes on each side).
+    or no pair with mappable KV layouts (with the layout hashes on each side and what differs).
     """
     model = repr(cands.model)
     prefill = [w for w in cands.prefill if w.worker_id not in exclude_prefill]
@@ -53,21 +55,20 @@ def choose_pair(cands: Candidates, *, exclude_prefill: Collection[str] = ()) -> 
     if not cands.decode:
         raise NoWorkerError(f"no live decode worker serves model {model}{_why(cands)}")
 
-    decode_by_hash: dict[str, list[WorkerState]] = {}
-    for d in cands.decode:
-        decode_by_hash.setdefault(d.compat_hash, []).append(d)
     for p in sorted(prefill, key=load_key):
-        compatible = decode_by_hash.get(p.compat_hash)
+        compatible = [d for d in cands.decode if p.record.layout.can_map_to(d.record.layout)]
         if compatible:
             d = min(compatible, key=load_key)
             return Pair(prefill=p.record, decode=d.record)
 
     p_hashes = sorted({w.compat_hash for w in prefill})
-    d_hashes = sorted(decode_by_hash)
+    d_hashes = sorted({w.compat_hash for w in cands.decode})
+    example = prefill[0].record.layout.describe_unmappable(cands.decode[0].record.layout)
     raise NoWorkerError(
-        f"no prefill/decode pair with equal KV layouts for model {model}: prefill layouts "
-        f"{p_hashes}, decode layouts {d_hashes} (workers must run the same model, dtype and "
-        "tokens per block)"
+        f"no prefill/decode pair with mappable KV layouts for model {model}: prefill layouts "
+        f"{p_hashes}, decode layouts {d_hashes} (e.g. {prefill[0].worker_id} -> "
+        f"{cands.decode[0].worker_id}: {example}; workers must run the same model with the same "
+        "layers, KV heads and head size)"
     )
 
 

@@ -274,7 +274,11 @@ class Transaction:
                     )
                     await self._router.client.release(
                         self.pair.prefill,
-                        ReleaseRequest(request_id=self.request_id, epoch=handle.epoch),
+                        ReleaseRequest(
+                            request_id=self.request_id,
+                            epoch=handle.epoch,
+                            lease_id=handle.lease_id,
+                        ),
                     )
         finally:
             self._holds.close()

@@ -16,8 +16,9 @@ A worker the router could not connect to is *suspect* for ``suspect_s`` seconds 
 may outlive a crash by up to the registration TTL): it is left out, unless it re-registers
 with a new epoch (a restart), so requests stop paying a failed connect each.
 
-Whether a prefill and a decode worker can be paired (equal KV layout ``compat_hash``) is the
-policy's business (:mod:`pdserve.router.policy`); the view only reports what is there.
+Whether a prefill and a decode worker can be paired (KV layouts the formatter maps,
+``KVLayout.can_map_to``) is the policy's business (:mod:`pdserve.router.policy`); the view only
+reports what is there.
 
 Thread-safety: none needed and none given. Every method runs on the router's event loop.
 """
@@ -150,7 +151,7 @@ class WorkerView:
 
     def readiness(self) -> Readiness:
         """Ready when at least one prefill and one decode worker are usable and at least one
-        such pair has equal KV layouts (otherwise no request could be served)."""
+        such pair has KV layouts the formatter maps (otherwise no request could be served)."""
         cands = self.candidates()
         missing: list[str] = []
         if not cands.prefill:
@@ -158,9 +159,12 @@ class WorkerView:
         if not cands.decode:
             missing.append(f"decode worker for model {self.served_model_name!r}")
         if cands.prefill and cands.decode:
-            p_hashes = {w.compat_hash for w in cands.prefill}
-            if not any(w.compat_hash in p_hashes for w in cands.decode):
-                missing.append("prefill/decode pair with equal KV layouts")
+            if not any(
+                p.record.layout.can_map_to(d.record.layout)
+                for p in cands.prefill
+                for d in cands.decode
+            ):
+                missing.append("prefill/decode pair with mappable KV layouts")
         return Readiness(
             prefill=tuple(w.worker_id for w in cands.prefill),
             decode=tuple(w.worker_id for w in cands.decode),

@@ -73,11 +73,13 @@ def build_tokenizer_dir(path: Path, *, max_position_embeddings: int = 128) -> Pa
     return path
 
 
-def layout(*, tokens_per_block: int = 16, dtype: str = "float32") -> KVLayout:
+def layout(
+    *, tokens_per_block: int = 16, dtype: str = "float32", num_kv_heads: int = 2
+) -> KVLayout:
     return KVLayout(
         model=MODEL,
         num_layers=2,
-        num_kv_heads=2,
+        num_kv_heads=num_kv_heads,
         head_dim=8,
         tokens_per_block=tokens_per_block,
         dtype=dtype,
@@ -191,6 +193,7 @@ class FakeWorker:
                     worker_id=self.worker_id,
                     epoch=7,
                     request_id=req.request_id,
+                    lease_id=f"lease-{req.request_id}",
                     block_ids=(0,),
                     num_tokens=len(req.prompt_token_ids),
                     lease_deadline=time.time() + 30,

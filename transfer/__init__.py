@@ -4,14 +4,17 @@ Public API (docs/architecture.md, "Transfer")::
 
     create_transceiver(cfg, *, pool, layout, worker_id, epoch, parked) -> Transceiver
     Transceiver: backend, endpoint, start(), communicator(), pull(handle, dst_block_ids), close()
-    ParkedLookup: lookup(request_id, epoch) -> block ids; release(request_id)
+    ParkedLookup: lookup(request_id, epoch, lease_id) -> block ids; release(request_id, lease_id)
 
 Modules (the TensorRT-LLM "KV cache transmission" components):
 ``transceiver`` (Transceiver), ``sender`` / ``receiver`` (control plane, prefill / decode side),
 ``handshake`` (version/backend/layout checks), ``formatter`` (layout mapping, block runs),
-``wire`` (typed control messages and framing), ``tcp`` (Connection and the TCP backend),
+``convert`` (re-block/dtype kernel and staging buffers for mixed layouts),
+``wire`` (typed control messages and framing), ``integrity`` (xxh3 digests of the moved
+bytes), ``tcp`` (Connection and the TCP backend),
 ``nixl_agent`` (TransferAgent over NIXL, the NIXL backend), ``backend`` (data-plane interface and
-lazy registry), ``bench`` (GB/s between two processes).
+lazy registry), ``bench`` (GB/s between two processes), ``bench_formatter`` (what layout
+conversion costs).
 
 Importing this package does not import NIXL: the NIXL backend loads on first use.
 """

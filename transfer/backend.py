@@ -1,10 +1,11 @@
 """The data-plane interface every transfer backend implements, and the lazy backend registry.
 
 Design origin: SGLang's disaggregation ``conn.py`` (a sender with ``poll()`` returning a state
-enum) and the TensorRT-LLM seed's split between *Connection* (bidirectional stream: our TCP
-backend) and *TransferAgent* (one-sided read/write of registered memory: our NIXL backend).
-vLLM's ``kv_connector/factory.py`` is the model for the registry: a backend's module is imported
-only when that backend is chosen, so importing :mod:`pdserve.transfer` never imports NIXL.
+enum) and the TensorRT-LLM seed's split between *Connection* (bidirectional send/receive: our
+TCP and UCX backends) and *TransferAgent* (one-sided read/write of registered memory: our NIXL
+backend). vLLM's ``kv_connector/factory.py`` is the model for the registry: a backend's module
+is imported only when that backend is chosen, so importing :mod:`pdserve.transfer` never
+imports NIXL or ucxx.
 
 Roles: the prefill side calls :meth:`Backend.add_peer` once per connection and
 :meth:`Backend.start_send` once per request, then drives the returned :class:`Outbound` to
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
+import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -49,13 +51,22 @@ class TransferState(StrEnum):
 
 class Poller:
     """Polling schedule for transfers that progress only when polled (NIXL without its
-    progress thread): yield to the event loop (``sleep(0)``) for ``spin_s`` seconds, then sleep
-    ``idle_s`` between polls. Other tasks on the loop still run while it spins.
+    progress thread): for ``spin_s`` seconds give the CPU away (``sched_yield``) and yield to
+    the event loop (``sleep(0)``) between polls, then sleep ``idle_s`` between polls. Other
+    tasks on the loop still run while it spins.
 
     Why spin: an asyncio sleep shorter than 1 ms is rounded up to 1 ms by epoll, and polling
     every 1 ms measured (dev box, NIXL, 2 processes) 0.4-0.5 GB/s instead of 1.2-1.5 GB/s for
-    1.4 MiB requests, and 1.4 instead of 3.4 GB/s for 16 MiB over UCX_TLS=tcp. The idle phase
-    stops a stalled peer from burning a core until the timeout."""
+    1.4 MiB requests, and 1.4 instead of 3.4 GB/s for 16 MiB over UCX_TLS=tcp. NIXL's own
+    progress thread is worse still on few cores: it busy-spins (the Python API fixes its
+    delay at 0). Why ``sched_yield``: the peer process that must make progress (the prefill
+    side posting, the decode side's UCX receiving) may be waiting for this very core; with
+    more runnable processes than cores, a spin that only yields to its own event loop held
+    the core for whole scheduler slices and one-block NIXL pulls took 8-12 ms instead of
+    1-3 ms (2 cores, load average 3-4). On an idle core the call returns at once
+    (about 1 us) and costs nothing. It releases the GIL, so an engine thread in the same
+    process runs too. The idle phase stops a stalled peer from burning a core until the
+    timeout."""
 
     def __init__(self, spin_s: float = 0.25, idle_s: float = 0.001):
         self._spin_until = time.monotonic() + spin_s
@@ -63,6 +74,7 @@ class Poller:
 
     async def sleep(self) -> None:
         if time.monotonic() < self._spin_until:
+            os.sched_yield()
             await asyncio.sleep(0)
         else:
             await asyncio.sleep(self._idle_s)
@@ -115,7 +127,7 @@ class Backend(ABC):
     name: ClassVar[str]
     inline_bytes: ClassVar[bool]
 
-    def hello_info(self) -> wire.NixlPeerInfo | None:
+    def hello_info(self) -> wire.NixlPeerInfo | wire.UcxPeerInfo | None:
         """What the receiving side advertises in its Hello (None: nothing needed)."""
         return None
 
@@ -131,13 +143,23 @@ class Backend(ABC):
     def start_send(
         self, conn: Connection, plan: TransferPlan, peer: Peer, transfer_id: str
     ) -> Outbound:
-        """Sender side: start moving ``plan`` (src offsets of the local pool) to the peer."""
+        """Sender side: start moving ``plan`` to the peer; its src offsets index the local pool,
+        or ``plan.source`` when set (a registered staging buffer, see :meth:`register_staging`)."""
 
     @abstractmethod
     async def receive(self, conn: Connection, plan: TransferPlan, transfer_id: str) -> None:
         """Receiver side, after SendBlocks went out: return once every byte of ``plan`` is in
         the local pool (NIXL: and TransferDone arrived). Raises TransferError (or the peer's
         subclass)."""
+
+    def register_staging(self, buf: torch.Tensor) -> None:  # noqa: B027 - optional hook
+        """Sender side: make ``buf`` (1-D uint8, contiguous, on the pool's device; a staging
+        buffer of :class:`pdserve.transfer.convert.StagingPool`) a valid ``plan.source`` for
+        :meth:`start_send` until :meth:`deregister_staging`. Default: nothing to do (backends
+        that send from any memory). Raises TransferError (NIXL: registration refused)."""
+
+    def deregister_staging(self, buf: torch.Tensor) -> None:  # noqa: B027 - optional hook
+        """Undo :meth:`register_staging`; called once no send reads ``buf``."""
 
     def close(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
         """Release backend resources; idempotent."""
@@ -146,6 +168,7 @@ class Backend(ABC):
 _REGISTRY: dict[str, str] = {
     "tcp": "pdserve.transfer.tcp:TcpBackend",
     "nixl": "pdserve.transfer.nixl_agent:NixlBackend",
+    "ucx": "pdserve.transfer.ucx:UcxBackend",
 }
 
 

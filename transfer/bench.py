@@ -1,40 +1,47 @@
-"""KV transfer throughput between two processes, per backend, beside a raw-socket reference.
+"""KV transfer benchmark: every backend beside a raw-socket and a memcpy reference, in one run.
 
-``run_transfer_benchmark`` spawns a prefill process per backend (a real transceiver serving a
-pool whose every block counts as parked) and pulls into this process's transceiver, exactly as a
-decode worker does: connect + handshake once, then per request SendBlocks -> bytes -> Release.
-The reference is plain blocking Python sockets between two processes moving the same sizes into
-a preallocated buffer (``recv_into``), measured in the same run, since figures on a shared
-machine only compare within one run.
+Issue 3's benchmark. Each *case* moves KV blocks of a real layout (default SmolLM2-135M: 30
+layers, 3 KV heads, head dim 64, 16 tokens per block, float32 = 720 KiB per block) from a
+prefill-side transceiver to a decode-side transceiver, in two fresh processes started with the
+case's environment (:mod:`pdserve.transfer.bench_peers`), exactly as workers do: handshake
+once, then per request SendBlocks -> bytes -> Release. Cases::
 
-Sizes are rounded up to whole KV blocks (one block of all layers = ``layout.bytes_per_token *
-tokens_per_block`` bytes); the blocks are contiguous on both sides, so a request is one segment
-per layer. GB/s = bytes / median wall time of one ``pull`` (1 GB = 1e9 bytes).
+    tcp        the TCP backend (bytes on the control connection)
+    nixl-tcp   NIXL WRITE with UCX_TLS=tcp on loopback      (the cross-host path, on one host)
+    nixl-shm   NIXL WRITE with UCX's default transports     (same host: CMA / shared memory)
+    ucx-tcp    the ucxx backend, UCX_TLS=tcp on loopback     (only when "ucx" is registered)
+    ucx-shm    the ucxx backend, default transports
 
-For NIXL, UCX picks its transports from its environment (same host: shared memory / CMA unless
-``UCX_TLS`` says otherwise); ``cfg.ucx_devices`` restricts network devices (``lo`` here).
+References measured in the same run (figures on a shared machine compare only within a run):
+``raw-socket``, a blocking Python socket stream between two processes moving the same byte
+counts (request 8 bytes, ``recv_into`` a preallocated buffer; same socket options as the TCP
+backend), and ``memcpy``, ``numpy.copyto`` of the same byte counts in one process (the
+benchmark's own, while no peer runs).
+
+Every case is measured with integrity digests off and on when ``TransferConfig`` has the
+``integrity`` field. Per case a fit ``t = c + bytes / B`` (least squares on the p50 times,
+weighted by 1/t^2 so every size counts by its relative error) gives the fixed cost per
+transfer ``c`` in microseconds and the bandwidth ``B``. GB/s are 1e9 bytes per second.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import math
-import multiprocessing as mp
-import socket
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
-import uuid
-from collections.abc import Callable
-from multiprocessing.connection import Connection as Pipe
-
-import numpy as np
-import torch
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from pdserve.config import TransferConfig
-from pdserve.errors import HandleError
-from pdserve.protocol import KVLayout, TransferHandle
-from pdserve.transfer.transceiver import create_transceiver
+from pdserve.protocol import KVLayout
+from pdserve.transfer import backend as backend_registry
+from pdserve.transfer.bench_peers import RESULT_PREFIX, PeerSpec, block_bytes, memcpy_times
 
 SMOLLM2_LAYOUT = KVLayout(
     model="SmolLM2-135M-Instruct",
@@ -44,231 +51,273 @@ SMOLLM2_LAYOUT = KVLayout(
     tokens_per_block=16,
     dtype="float32",
 )
-DEFAULT_SIZES = [1 << 20, 16 << 20, 64 << 20, 256 << 20]
-_EPOCH = 1
-_MIN_REPS, _MAX_REPS, _MIN_SECONDS = 5, 50, 0.5
+DEFAULT_BLOCKS = [1, 2, 4, 8, 16, 32, 64, 91]
+"""One block (0.7 MiB) to 91 blocks (64.0 MiB) of the SmolLM2 layout."""
+
+_UCX_ENV = ("UCX_TLS", "UCX_NET_DEVICES")  # cleared in every case: the case decides
+_START_TIMEOUT_S = 120.0
+_RUN_TIMEOUT_S = 600.0
 
 
-def block_bytes(layout: KVLayout) -> int:
-    """Bytes of one KV block across all layers."""
-    return layout.block_bytes_per_layer * layout.num_layers
+@dataclass(frozen=True)
+class Case:
+    """One backend configuration. ``path`` is what it stands for: ``"tcp"`` (a network path,
+    compared with the raw socket) or ``"same-host"`` (compared with memcpy); ``env`` is set
+    in both processes' environment."""
+
+    name: str
+    backend: str
+    path: Literal["tcp", "same-host"]
+    env: dict[str, str] = field(default_factory=dict)
+    ucx_devices: str | None = None
 
 
-def _blocks_for(layout: KVLayout, size: int) -> int:
-    return max(1, math.ceil(size / block_bytes(layout)))
-
-
-def _pool(layout: KVLayout, num_blocks: int, fill: float) -> torch.Tensor:
-    shape = (layout.num_layers, num_blocks, 2, layout.tokens_per_block, layout.num_kv_heads)
-    return torch.full((*shape, layout.head_dim), fill, dtype=getattr(torch, layout.dtype))
-
-
-class _AllParked:
-    """Every request ``bench-<n>-<uuid>`` has blocks 0..n-1 parked."""
-
-    def lookup(self, request_id: str, epoch: int) -> list[int]:
-        if epoch != _EPOCH or not request_id.startswith("bench-"):
-            raise HandleError(f"unknown request {request_id}")
-        return list(range(int(request_id.split("-")[1])))
-
-    def release(self, request_id: str) -> None:
-        pass
-
-
-def _prefill_peer(pipe: Pipe, backend: str, layout: KVLayout, num_blocks: int) -> None:
-    async def serve() -> None:
-        cfg = TransferConfig.model_validate({"backend": backend, "ucx_devices": "lo"})
-        pool = _pool(layout, num_blocks, 1.0)
-        t = create_transceiver(
-            cfg,
-            pool=pool,
-            layout=layout,
-            worker_id="bench-prefill",
-            epoch=_EPOCH,
-            parked=_AllParked(),
-        )
-        await t.start()
-        pipe.send((t.endpoint, t.backend))
-        await asyncio.get_running_loop().run_in_executor(None, pipe.recv)  # until told to stop
-        await t.close()
-
-    asyncio.run(serve())
-
-
-def _raw_peer(pipe: Pipe, max_size: int) -> None:
-    buf = np.ones(max_size, dtype=np.uint8).data
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        pipe.send(server.getsockname()[1])
-        conn, _ = server.accept()
-        with conn:
-            while request := conn.recv(8):
-                size = int.from_bytes(request, "big")
-                conn.sendall(buf[:size])
-
-
-def _reps(run: Callable[[], None]) -> list[float]:
-    run()  # warm-up: first-touch page faults, connection set-up
-    times: list[float] = []
-    started = time.perf_counter()
-    while len(times) < _MIN_REPS or (
-        len(times) < _MAX_REPS and time.perf_counter() - started < _MIN_SECONDS
-    ):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
-def _row(backend: str, nbytes: int, blocks: int, segments: int, times: list[float]) -> dict:
-    p50 = statistics.median(times)
-    return {
-        "backend": backend,
-        "bytes": nbytes,
-        "blocks": blocks,
-        "segments": segments,
-        "reps": len(times),
-        "p50_ms": p50 * 1e3,
-        "gbps_p50": nbytes / p50 / 1e9,
-        "gbps_best": nbytes / min(times) / 1e9,
-    }
-
-
-def _bench_raw(sizes: list[int]) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    pipe, child = ctx.Pipe()
-    proc = ctx.Process(target=_raw_peer, args=(child, max(sizes)), daemon=True)
-    proc.start()
-    try:
-        port = pipe.recv()
-        buf = np.zeros(max(sizes), dtype=np.uint8).data
-        rows = []
-        with socket.create_connection(("127.0.0.1", port)) as sock:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            for size in sizes:
-
-                def once(size: int = size) -> None:
-                    sock.sendall(size.to_bytes(8, "big"))
-                    pos = 0
-                    while pos < size:
-                        pos += sock.recv_into(buf[pos:size])
-
-                rows.append(_row("raw-socket", size, 0, 1, _reps(once)))
-        return rows
-    finally:
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-
-
-def _bench_backend(layout: KVLayout, blocks: list[int], backend: str) -> list[dict]:
-    num_blocks = max(blocks)
-    ctx = mp.get_context("spawn")
-    pipe, child = ctx.Pipe()
-    proc = ctx.Process(target=_prefill_peer, args=(child, backend, layout, num_blocks), daemon=True)
-    proc.start()
-    try:
-        endpoint, served = pipe.recv()
-        return asyncio.run(_pull_all(layout, blocks, backend, endpoint, served))
-    finally:
-        pipe.send("stop")
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-
-
-async def _pull_all(
-    layout: KVLayout, blocks: list[int], backend: str, endpoint: str, served: str
-) -> list[dict]:
-    cfg = TransferConfig.model_validate({"backend": backend, "ucx_devices": "lo"})
-    pool = _pool(layout, max(blocks), 0.0)
-    t = create_transceiver(
-        cfg, pool=pool, layout=layout, worker_id="bench-decode", epoch=_EPOCH, parked=None
+_LOOPBACK_TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+CASES: dict[str, Case] = {
+    c.name: c
+    for c in (
+        Case("tcp", "tcp", "tcp"),
+        Case("nixl-tcp", "nixl", "tcp", _LOOPBACK_TCP, ucx_devices="lo"),
+        Case("nixl-shm", "nixl", "same-host"),
+        Case("ucx-tcp", "ucx", "tcp", _LOOPBACK_TCP, ucx_devices="lo"),
+        Case("ucx-shm", "ucx", "same-host"),
     )
-    await t.start()
-    rows = []
+}
+ALIASES = {"nixl": ["nixl-tcp", "nixl-shm"], "ucx": ["ucx-tcp", "ucx-shm"]}
+
+
+@dataclass(frozen=True)
+class Fit:
+    """``t = fixed_us * 1e-6 + bytes / (gbps * 1e9)``; ``gbps`` is ``inf`` when the time did
+    not grow with the size."""
+
+    fixed_us: float
+    gbps: float
+
+
+@dataclass
+class Series:
+    """One column of the result: seconds per repetition for every request size (blocks)."""
+
+    name: str
+    path: Literal["tcp", "same-host", "reference"]
+    times: dict[int, list[float]]
+    integrity: bool | None = None
+
+    def p50(self, blocks: int) -> float:
+        return statistics.median(self.times[blocks])
+
+    def gbps(self, blocks: int, layout: KVLayout) -> float:
+        return blocks * block_bytes(layout) / self.p50(blocks) / 1e9
+
+    def fit(self, layout: KVLayout) -> Fit:
+        sizes = sorted(self.times)
+        return fit_cost([n * block_bytes(layout) for n in sizes], [self.p50(n) for n in sizes])
+
+
+@dataclass
+class Result:
+    """Everything one run measured; ``skipped`` holds ``case name -> why``."""
+
+    layout: KVLayout
+    blocks: list[int]
+    series: list[Series]
+    skipped: dict[str, str]
+
+    def get(self, name: str) -> Series | None:
+        return next((s for s in self.series if s.name == name), None)
+
+
+def fit_cost(sizes_bytes: Sequence[float], seconds: Sequence[float]) -> Fit:
+    """Least squares of ``t = c + bytes / B`` weighted by ``1 / t**2`` (relative residuals, so
+    the microseconds of small requests are not drowned by the milliseconds of large ones).
+
+    Raises ValueError for fewer than two distinct sizes, unequal lengths or a time <= 0."""
+    if len(sizes_bytes) != len(seconds):
+        raise ValueError("one time per size is needed")
+    if len(set(sizes_bytes)) < 2:
+        raise ValueError("a fit needs at least two distinct sizes")
+    if min(seconds) <= 0:
+        raise ValueError("times must be positive")
+    w = [1.0 / t**2 for t in seconds]
+    sw = sum(w)
+    sb = sum(wi * b for wi, b in zip(w, sizes_bytes, strict=True))
+    st = sum(wi * t for wi, t in zip(w, seconds, strict=True))
+    sbb = sum(wi * b * b for wi, b in zip(w, sizes_bytes, strict=True))
+    sbt = sum(wi * b * t for wi, b, t in zip(w, sizes_bytes, seconds, strict=True))
+    slope = (sw * sbt - sb * st) / (sw * sbb - sb * sb)  # seconds per byte
+    fixed = (st - slope * sb) / sw
+    return Fit(fixed_us=fixed * 1e6, gbps=1e-9 / slope if slope > 0 else math.inf)
+
+
+def resolve_cases(names: Sequence[str]) -> list[Case]:
+    """Case names (or the aliases ``nixl``, ``ucx``) -> cases, in order, without repeats.
+    Raises ValueError for an unknown name."""
+    out: list[Case] = []
+    for name in names:
+        for n in ALIASES.get(name, [name]):
+            if n not in CASES:
+                known = ", ".join([*CASES, *ALIASES])
+                raise ValueError(f"unknown transfer benchmark case {n!r} (known: {known})")
+            if CASES[n] not in out:
+                out.append(CASES[n])
+    return out
+
+
+def unavailable(case: Case) -> str | None:
+    """Why ``case`` cannot run in this installation (None: it can)."""
+    if case.backend not in backend_registry._REGISTRY:
+        return f"no {case.backend!r} transfer backend is registered in this build"
     try:
-        for n in blocks:
-            ids = list(range(n))
-            times: list[float] = []
-            for rep in range(_MAX_REPS + 1):
-                handle = TransferHandle(
-                    worker_id="bench-prefill",
-                    epoch=_EPOCH,
-                    request_id=f"bench-{n}-{uuid.uuid4().hex[:8]}",
-                    block_ids=tuple(ids),
-                    num_tokens=n * layout.tokens_per_block,
-                    lease_deadline=time.time() + 60,
-                    layout=layout,
-                    backend=served,
-                    transfer_endpoint=endpoint,
-                )
-                t0 = time.perf_counter()
-                await t.pull(handle, ids)
-                if rep:  # rep 0 warms up
-                    times.append(time.perf_counter() - t0)
-                if len(times) >= _MIN_REPS and sum(times) > _MIN_SECONDS:
-                    break
-            assert bool(pool[-1, n - 1].eq(1.0).all()), "transferred bytes do not match"
-            rows.append(_row(t.backend, n * block_bytes(layout), n, layout.num_layers, times))
-    finally:
-        await t.close()
-    return rows
+        TransferConfig.model_validate({"backend": case.backend})
+    except ValueError:
+        return f"TransferConfig does not accept backend {case.backend!r} yet"
+    return None
+
+
+def integrity_settings(mode: Literal["off", "on", "both"]) -> list[bool]:
+    """The integrity values to measure ([] when TransferConfig has no ``integrity`` field)."""
+    if "integrity" not in TransferConfig.model_fields:
+        return []
+    return {"off": [False], "on": [True], "both": [False, True]}[mode]
 
 
 def run_transfer_benchmark(
-    layout: KVLayout, sizes_bytes: list[int], backends: list[str]
-) -> list[dict]:
-    """Measure KV pull throughput per backend and a raw-socket reference, two processes each.
+    layout: KVLayout,
+    blocks: Sequence[int],
+    cases: Sequence[Case],
+    *,
+    integrity: Literal["off", "on", "both"] = "both",
+    min_seconds: float = 0.3,
+    rounds: int = 1,
+) -> Result:
+    """Measure the references and every case (see the module docstring) ``rounds`` times, in
+    turn, pooling the repetitions of all rounds (on a shared machine the load drifts; rounds
+    spread every series over the same stretch of time). Call it outside an event loop. A case
+    whose backend is missing is skipped (``Result.skipped``); a case that fails raises
+    RuntimeError with its processes' stderr."""
+    blocks = sorted(set(blocks))
+    spec = PeerSpec(layout=layout, blocks=blocks, min_seconds=min_seconds)
+    result = Result(layout, blocks, [], {})
+    runnable = []
+    for case in cases:
+        if (why := unavailable(case)) is not None:
+            result.skipped[case.name] = why
+        else:
+            runnable.append(case)
+    for _ in range(rounds):
+        _round(result, spec, runnable, integrity_settings(integrity))
+    return result
 
-    Returns one dict per (backend, size): ``backend`` ("tcp", "nixl", "raw-socket"), ``bytes``
-    moved per request, ``blocks``, ``segments`` per request, ``reps``, ``p50_ms``,
-    ``gbps_p50``, ``gbps_best``. Call it outside a running event loop.
-    """
-    blocks = [_blocks_for(layout, size) for size in sizes_bytes]
-    rows = _bench_raw([n * block_bytes(layout) for n in blocks])
-    for backend in backends:
-        rows += _bench_backend(layout, blocks, backend)
-    return rows
 
-
-def format_table(rows: list[dict]) -> str:
-    """The rows as an aligned text table, with each row's ratio to raw sockets at its size."""
-    raw = {r["bytes"]: r["gbps_p50"] for r in rows if r["backend"] == "raw-socket"}
-    lines = [
-        f"{'backend':<11}{'MiB':>9}{'blocks':>8}{'segs':>6}{'reps':>6}"
-        f"{'p50 ms':>10}{'GB/s p50':>10}{'GB/s best':>11}{'vs raw':>8}"
-    ]
-    for r in rows:
-        ratio = r["gbps_p50"] / raw[r["bytes"]] if r["bytes"] in raw else float("nan")
-        lines.append(
-            f"{r['backend']:<11}{r['bytes'] / 2**20:>9.1f}{r['blocks']:>8}{r['segments']:>6}"
-            f"{r['reps']:>6}{r['p50_ms']:>10.2f}{r['gbps_p50']:>10.2f}{r['gbps_best']:>11.2f}"
-            f"{ratio:>8.2f}"
+def _round(result: Result, spec: PeerSpec, cases: Sequence[Case], integrity: list[bool]) -> None:
+    """One measurement of every series, added to ``result`` (new series or more repetitions)."""
+    env = _env({})
+    _add(result, Series("memcpy", "reference", asyncio.run(memcpy_times(spec))))
+    with _Server("source", spec, env) as server:
+        times = _run_one("sink", spec.model_copy(update={"endpoint": server.endpoint}), env)
+    _add(result, Series("raw-socket", "reference", times[0]["times"]))
+    for case in cases:
+        case_spec = spec.model_copy(
+            update={
+                "backend": case.backend,
+                "ucx_devices": case.ucx_devices,
+                "integrity": integrity,
+            }
         )
-    return "\n".join(lines)
+        case_env = _env(case.env)
+        with _Server("serve", case_spec, case_env) as server:
+            pulled = _run_one(
+                "pull", case_spec.model_copy(update={"endpoint": server.endpoint}), case_env
+            )
+        for r in pulled:
+            name = case.name + ("+xxh3" if r["integrity"] else "")
+            _add(result, Series(name, case.path, r["times"], r["integrity"]))
 
 
-def print_results(rows: list[dict]) -> None:
-    """Print :func:`run_transfer_benchmark`'s rows as :func:`format_table` lays them out."""
-    print(format_table(rows))
+def _add(result: Result, series: Series) -> None:
+    series.times = {int(k): v for k, v in series.times.items()}  # JSON object keys are strings
+    if (known := result.get(series.name)) is None:
+        result.series.append(series)
+    else:
+        for n, times in series.times.items():
+            known.times[n] = known.times[n] + times
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``python -m pdserve.transfer.bench [--sizes-mib 1 16 64 256] [--backends tcp nixl]``."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes-mib", type=float, nargs="+", default=None)
-    parser.add_argument("--backends", nargs="+", default=["tcp", "nixl"])
-    args = parser.parse_args(argv)
-    sizes = [int(s * 2**20) for s in args.sizes_mib] if args.sizes_mib else DEFAULT_SIZES
-    layout = SMOLLM2_LAYOUT
-    print(
-        f"KV transfer, 2 processes, {layout.model} layout ({layout.num_layers} layers, "
-        f"{layout.num_kv_heads} kv heads, head dim {layout.head_dim}, "
-        f"{layout.tokens_per_block} tokens/block, {layout.dtype}: "
-        f"{block_bytes(layout)} bytes/block)"
-    )
-    print_results(run_transfer_benchmark(layout, sizes, args.backends))
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _UCX_ENV}
+    return {**env, **extra}
 
 
-if __name__ == "__main__":
-    main()
+def _command(role: str, spec: PeerSpec) -> list[str]:
+    return [sys.executable, "-m", "pdserve.transfer.bench_peers", role, spec.model_dump_json()]
+
+
+def _results(stdout: str) -> list[dict[str, Any]]:
+    import json
+
+    return [json.loads(line[len(RESULT_PREFIX) :]) for line in stdout.splitlines()
+            if line.startswith(RESULT_PREFIX)]  # fmt: skip
+
+
+def _run_one(role: str, spec: PeerSpec, env: dict[str, str]) -> list[dict[str, Any]]:
+    """Run a measuring role to its end; its result lines. Raises RuntimeError on failure."""
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.run(
+            _command(role, spec), env=env, stdout=subprocess.PIPE, stderr=err, text=True,
+            timeout=_RUN_TIMEOUT_S, check=False,
+        )  # fmt: skip
+        if proc.returncode != 0 or not (results := _results(proc.stdout)):
+            err.seek(0)
+            raise RuntimeError(f"benchmark role {role} failed:\n{err.read()[-4000:]}")
+    return results
+
+
+class _Server:
+    """A serving role (``serve`` or ``source``) for the length of a ``with`` block. Its stdout
+    goes to a file (a pipe nobody drains could fill up with library logs and block it)."""
+
+    def __init__(self, role: str, spec: PeerSpec, env: dict[str, str]):
+        self._out = tempfile.NamedTemporaryFile("w+", prefix="pdserve-bench-")  # noqa: SIM115
+        self._err = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in __exit__
+        self._proc = subprocess.Popen(
+            _command(role, spec), env=env, stdin=subprocess.PIPE, stdout=self._out,
+            stderr=self._err,
+        )  # fmt: skip
+        self.role = role
+        self.endpoint = ""
+
+    def __enter__(self) -> _Server:
+        try:
+            self.endpoint = self._first_result()["endpoint"]
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._proc.stdin is not None
+        self._proc.stdin.close()  # "serve" ends at EOF; "source" when the sink disconnected
+        try:
+            self._proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._out.close()
+        self._err.close()
+
+    def _first_result(self) -> dict[str, Any]:
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while time.monotonic() < deadline and self._proc.poll() is None:
+            with open(self._out.name) as out:
+                if results := _results(out.read().rpartition("\n")[0]):
+                    return results[0]
+            time.sleep(0.05)
+        self._err.seek(0)
+        raise RuntimeError(f"benchmark role {self.role} did not start:\n{self._err.read()[-4000:]}")
+
+
+if __name__ == "__main__":  # python -m pdserve.transfer.bench [flags of `pdserve bench transfer`]
+    from pdserve.cli import main
+
+    raise SystemExit(main(["bench", "transfer", *sys.argv[1:]]))

@@ -8,13 +8,17 @@ Both sides run the same checks, so a refusal raises on BOTH sides with the same 
 
 1. protocol version equal        else TransferError code ``kv_protocol_mismatch``
 2. backend name equal            else TransferError code ``kv_backend_mismatch``
-3. :meth:`Formatter.negotiate`   else LayoutMismatchError naming the differing fields
-4. prefill side only: the backend prepares the peer (NIXL: ``add_remote_agent``)
+3. :meth:`Formatter.negotiate`   identity, or a converting formatter when only tokens per block
+                                 and/or dtype differ; else LayoutMismatchError naming the
+                                 fields no formatter maps (e.g. ``num_kv_heads: 3 != 6``)
+4. prefill side only: the backend prepares the peer (NIXL: ``add_remote_agent``; UCX: keeps
+   the decode worker's UCX address for its endpoint)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pdserve.errors import TransferError
 from pdserve.protocol import PROTOCOL_VERSION, KVLayout
@@ -22,26 +26,35 @@ from pdserve.transfer import wire
 from pdserve.transfer.backend import Backend, Peer
 from pdserve.transfer.formatter import Formatter, PoolGeometry
 
+if TYPE_CHECKING:
+    from pdserve.transfer.convert import StagingPool
+
 
 @dataclass(frozen=True)
 class LocalSide:
-    """This worker as its transceiver presents it to peers. Immutable for the process life."""
+    """This worker as its transceiver presents it to peers. Immutable for the process life.
+
+    ``staging``: where a sender stages the bytes a converting formatter produces (layouts that
+    differ in tokens per block or dtype); None refuses such sends."""
 
     worker_id: str
     epoch: int
     layout: KVLayout
     geometry: PoolGeometry
     backend: Backend
+    staging: StagingPool | None = None
 
     def hello(self) -> wire.Hello:
         """Decode side: the connection's first message."""
+        info = self.backend.hello_info()
         return wire.Hello(
             worker_id=self.worker_id,
             epoch=self.epoch,
             layout=self.layout,
             backend=self.backend.name,
             num_blocks=self.geometry.num_blocks,
-            nixl=self.backend.hello_info(),
+            nixl=info if isinstance(info, wire.NixlPeerInfo) else None,
+            ucx=info if isinstance(info, wire.UcxPeerInfo) else None,
         )
 
     def accept(self, hello: wire.Hello) -> tuple[Formatter, Peer]:

@@ -5,19 +5,29 @@ context side which cache it needs) and its workflow steps 3-6.
 
 Lifecycle of one :meth:`Receiver.pull`, all within ``timeout_s``::
 
-    1. CHECK       dst ids vs handle (count), backend of the handle (the layouts are the
-                   handshake's and the Formatter's business, not an equality test here)
+    1. CHECK       dst ids vs handle (ceil(num_tokens / local tpb) of them), backend of the
+                   handle (the layouts are the handshake's and the Formatter's business),
+                   lease deadline not passed (fencing: refused before asking)
     2. CONNECT     reuse an idle handshaken connection to ``handle.transfer_endpoint`` or open
                    one and handshake (:meth:`LocalSide.check_ack`); the cached session is
-                   dropped when the handle names another epoch (the prefill worker restarted)
-    3. REQUEST     SendBlocks(request id, epoch, transfer id, src ids, dst ids)
+                   dropped when the handle names another epoch (the prefill worker restarted),
+                   and a handle whose epoch is not the one the handshake found is refused;
+                   so are source block ids outside the prefill pool (its Hello geometry)
+    3. REQUEST     SendBlocks(request id, epoch, lease id, transfer id, src ids, dst ids,
+                   integrity = whether this side checks digests)
     4. RECEIVING   backend.receive: TCP bytes land straight in the pool; NIXL polls for the
-                   WRITE's notification and TransferDone
-    5. RELEASE     Release(request id); the connection goes back to the idle list
+                   WRITE's notification and TransferDone; UCX polls its tagged receives
+                   (posted into the pool) and awaits TransferDone
+    4b VERIFY      integrity on: BlockDigests (received ahead of the bytes on inline
+                   backends, right after TransferDone otherwise), compared with the digests of
+                   the landed bytes (:class:`~pdserve.transfer.integrity.BlockDigester`); a
+                   mismatch raises IntegrityError naming the blocks, closes the connection and
+                   sends no Release
+    5. RELEASE     Release(request id, lease id); the connection goes back to the idle list
 
 Failures raise TransferError, or the prefill side's LayoutMismatchError / HandleError as the
-same class; nothing hangs past ``timeout_s``. A clean refusal (HandleError) keeps the connection;
-anything else closes it.
+same class, or IntegrityError (this side's digest check); nothing hangs past ``timeout_s``. A
+clean refusal (HandleError) keeps the connection; anything else closes it.
 
 Ownership: the caller owns ``dst_block_ids`` (reserved, not used by the engine) before, during
 and after the call; after an error their content is undefined. Nothing is written into them
@@ -39,8 +49,9 @@ from dataclasses import dataclass, field
 from pdserve.errors import HandleError, TransferError
 from pdserve.protocol import TransferHandle
 from pdserve.transfer import wire
-from pdserve.transfer.formatter import Formatter
+from pdserve.transfer.formatter import Formatter, TransferPlan
 from pdserve.transfer.handshake import LocalSide
+from pdserve.transfer.integrity import BlockDigester
 from pdserve.transfer.tcp import Connection
 
 log = logging.getLogger(__name__)
@@ -56,6 +67,7 @@ class _Session:
     worker_id: str
     epoch: int
     formatter: Formatter
+    peer_blocks: int  # blocks in the prefill pool (its HelloAck): valid source ids lie below
     idle: list[Connection] = field(default_factory=list)
     closed: bool = False
 
@@ -67,16 +79,23 @@ class _Session:
 
 
 class Receiver:
-    """Pulls for one decode transceiver; keeps one :class:`_Session` per prefill endpoint."""
+    """Pulls for one decode transceiver; keeps one :class:`_Session` per prefill endpoint.
 
-    def __init__(self, local: LocalSide, timeout_s: float):
+    ``digester``: checks the block digests of every pull (None: integrity off, no digests
+    asked for)."""
+
+    def __init__(self, local: LocalSide, timeout_s: float, digester: BlockDigester | None = None):
         self._local = local
         self._timeout_s = timeout_s
+        self._digester = digester
         self._sessions: dict[str, _Session] = {}
 
     async def pull(self, handle: TransferHandle, dst_block_ids: list[int]) -> None:
-        """Copy every layer of ``handle.block_ids[i]`` (prefill pool) into
-        ``dst_block_ids[i]`` (local pool); returns when the bytes are in place and released."""
+        """Copy the K/V of ``handle.num_tokens`` tokens held by ``handle.block_ids`` (prefill
+        pool, in token order) into ``dst_block_ids`` (local pool, in token order: as many
+        blocks as the tokens need at the local tokens per block), every layer; equal layouts
+        map ``block_ids[i]`` to ``dst_block_ids[i]``. Returns when the bytes are in place and
+        released."""
         self._check(handle, dst_block_ids)
         try:
             async with asyncio.timeout(self._timeout_s):
@@ -95,10 +114,13 @@ class Receiver:
         self._sessions.clear()
 
     def _check(self, handle: TransferHandle, dst_block_ids: list[int]) -> None:
-        if len(dst_block_ids) != len(handle.block_ids):
+        tpb = self._local.layout.tokens_per_block  # may differ from the handle's (formatter)
+        needed = -(-handle.num_tokens // tpb)
+        if len(dst_block_ids) != needed:
             raise TransferError(
                 f"request {handle.request_id}: {len(dst_block_ids)} destination blocks for "
-                f"{len(handle.block_ids)} parked blocks"
+                f"{handle.num_tokens} tokens in {len(handle.block_ids)} parked blocks "
+                f"({needed} needed at {tpb} tokens/block)"
             )
         backend = self._local.backend.name
         if handle.backend != backend:
@@ -106,6 +128,11 @@ class Receiver:
                 f"request {handle.request_id} is served over {handle.backend!r}, this worker "
                 f"uses {backend!r}; configure both with the same transfer backend",
                 code=wire.BACKEND_MISMATCH,
+            )
+        if handle.lease_remaining() <= 0:
+            raise HandleError(
+                f"lease of request {handle.request_id} on {handle.worker_id} expired "
+                f"{-handle.lease_remaining():.1f} s ago; its KV blocks are gone"
             )
 
     async def _transfer(
@@ -116,6 +143,7 @@ class Receiver:
         dst_block_ids: list[int],
     ) -> None:
         try:
+            _check_source_ids(handle, session.peer_blocks)
             plan = session.formatter.plan(handle.block_ids, dst_block_ids)
         except TransferError:
             self._give_back(session, conn)
@@ -126,12 +154,21 @@ class Receiver:
                 wire.SendBlocks(
                     request_id=handle.request_id,
                     epoch=handle.epoch,
+                    lease_id=handle.lease_id,
                     transfer_id=transfer_id,
                     src_block_ids=handle.block_ids,
                     dst_block_ids=tuple(dst_block_ids),
+                    integrity=self._digester is not None,
                 )
             )
+            digests: str | None = None
+            if self._digester is not None and self._local.backend.inline_bytes:
+                digests = await self._digests(conn, transfer_id)  # ahead of inline bytes
             await self._local.backend.receive(conn, plan, transfer_id)
+            if self._digester is not None:
+                if digests is None:
+                    digests = await self._digests(conn, transfer_id)  # after TransferDone
+                self._verify(self._digester, digests, plan, handle, dst_block_ids)
         except HandleError:
             self._give_back(session, conn)  # the peer refused cleanly: the stream is intact
             raise
@@ -139,8 +176,36 @@ class Receiver:
             conn.close()  # cancelled or broken mid-conversation: its state is unknown
             raise
         with contextlib.suppress(TransferError):  # the bytes are here; the lease covers a loss
-            await conn.send(wire.Release(request_id=handle.request_id))
+            await conn.send(wire.Release(request_id=handle.request_id, lease_id=handle.lease_id))
         self._give_back(session, conn)
+
+    async def _digests(self, conn: Connection, transfer_id: str) -> str:
+        """The sender's BlockDigests of ``transfer_id`` (ahead of inline bytes, after
+        TransferDone otherwise). Raises the peer's refusal (TransferFailed) or TransferError."""
+        msg = await conn.recv()
+        if isinstance(msg, wire.BlockDigests) and msg.transfer_id == transfer_id:
+            return msg.digests
+        wire.expect_done(msg, transfer_id)  # raises the peer's error for TransferFailed
+        raise TransferError(f"transfer {transfer_id} from {conn.peer} came without block digests")
+
+    def _verify(
+        self,
+        digester: BlockDigester,
+        digests: str,
+        plan: TransferPlan,
+        handle: TransferHandle,
+        dst_block_ids: list[int],
+    ) -> None:
+        """Step 4b: every byte of ``plan`` has landed (the backend returned); compare it with
+        the sender's digests. Raises IntegrityError (naming the blocks) or TransferError."""
+        one_to_one = handle.layout.tokens_per_block == self._local.layout.tokens_per_block
+        digester.check(  # the message names prefill blocks only where blocks map one to one
+            plan,
+            digests,
+            request_id=handle.request_id,
+            geometry=self._local.geometry,
+            block_map=dict(zip(dst_block_ids, handle.block_ids, strict=True)) if one_to_one else {},
+        )
 
     async def _checkout(self, handle: TransferHandle) -> tuple[Connection, _Session]:
         endpoint = handle.transfer_endpoint
@@ -169,7 +234,9 @@ class Receiver:
         if session is None or (session.worker_id, session.epoch) != (ack.worker_id, ack.epoch):
             if session is not None:
                 session.close()
-            session = self._sessions[endpoint] = _Session(ack.worker_id, ack.epoch, formatter)
+            session = self._sessions[endpoint] = _Session(
+                ack.worker_id, ack.epoch, formatter, ack.num_blocks
+            )
         if (ack.worker_id, ack.epoch) != (handle.worker_id, handle.epoch):
             self._give_back(session, conn)
             raise HandleError(
@@ -183,3 +250,13 @@ class Receiver:
             conn.close()
         else:
             session.idle.append(conn)
+
+
+def _check_source_ids(handle: TransferHandle, peer_blocks: int) -> None:
+    """Refuse (HandleError) source block ids the prefill pool cannot hold, before asking."""
+    ids = handle.block_ids
+    if not ids or min(ids) < 0 or max(ids) >= peer_blocks:
+        raise HandleError(
+            f"handle of request {handle.request_id} names KV blocks {list(ids)}, but the pool "
+            f"of {handle.worker_id} has blocks 0..{peer_blocks - 1}"
+        )

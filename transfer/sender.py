@@ -8,13 +8,23 @@ Lifecycle of a connection and of each request on it::
     1. HANDSHAKE   receive Hello, check it (:class:`LocalSide.accept`), answer HelloAck;
                    a refusal is recorded, answered with ok=False, and closes the connection
     2. IDLE        wait for the next message (a connection serves many requests, one at a time)
-    3. LOOKUP      SendBlocks: ``parked.lookup(request_id, epoch)`` -> the parked block ids;
-                   HandleError & co. are answered with TransferFailed and the connection stays
-    4. SENDING     the backend moves the bytes (TCP: streamed inline; NIXL: one WRITE, polled;
-                   input from the receiver meanwhile = Abort or EOF -> the WRITE is cancelled)
-    5. DONE        NIXL: TransferDone (or TransferFailed); TCP: the stream's announced byte
+    3. LOOKUP      SendBlocks: ``parked.lookup(request_id, epoch, lease_id)`` -> the parked
+                   block ids (fencing: epoch, lease id, lease deadline, block generations; then
+                   the ids must equal the handle's); HandleError & co. are answered with
+                   TransferFailed and the connection stays
+    4. SENDING     (converting formatter: the K/V is first staged in the decode layout)
+                   the backend moves the bytes (TCP: streamed inline; NIXL: one WRITE, polled;
+                   UCX: one tagged send per segment, polled; input from the receiver meanwhile
+                   = Abort or EOF -> the WRITE / the sends are cancelled)
+    5. DONE        NIXL, UCX: TransferDone (or TransferFailed); TCP: the stream's announced byte
                    count is the completion, and a stream that broke closes the connection
-    6. RELEASE     Release: ``parked.release(request_id)`` (idempotent), back to 2
+    5b DIGESTS     if SendBlocks asked (integrity): BlockDigests, the xxh3_64 of each plan
+                   segment computed over the source bytes right before the backend started
+                   moving them (:mod:`pdserve.transfer.integrity`); sent ahead of the bytes on
+                   inline backends (TCP), right after TransferDone otherwise (NIXL: the
+                   receiver's backend reads exactly one answer frame, and a receiver that gives
+                   up before the answer still gets its Abort handshake)
+    6. RELEASE     Release: ``parked.release(request_id, lease_id)`` (idempotent), back to 2
 
 Ownership: the parked blocks stay the prefill worker's (and its lease's) until Release; this
 module never frees anything else. A decode worker that disappears leaves them to the lease.
@@ -30,8 +40,10 @@ from typing import Protocol
 from pdserve.errors import HandleError, TransferError
 from pdserve.transfer import wire
 from pdserve.transfer.backend import Outbound, Peer
-from pdserve.transfer.formatter import Formatter
+from pdserve.transfer.formatter import Formatter, TransferPlan
 from pdserve.transfer.handshake import LocalSide
+from pdserve.transfer.integrity import BlockDigester
+from pdserve.transfer.probe import serve_probes
 from pdserve.transfer.tcp import Connection
 
 log = logging.getLogger(__name__)
@@ -40,13 +52,14 @@ log = logging.getLogger(__name__)
 class ParkedLookup(Protocol):
     """The prefill worker's parked KV blocks, as the transceiver sees them."""
 
-    def lookup(self, request_id: str, epoch: int) -> list[int]:
-        """Block ids parked for ``request_id``; raises HandleError (unknown id, old epoch,
-        expired lease)."""
+    def lookup(self, request_id: str, epoch: int, lease_id: str) -> list[int]:
+        """Block ids parked for ``request_id`` under ``lease_id``, about to be sent; raises
+        HandleError (unknown id, old epoch, another lease, expired lease, a block that changed
+        hands since it was parked)."""
         ...
 
-    def release(self, request_id: str) -> None:
-        """Free the parked blocks; idempotent."""
+    def release(self, request_id: str, lease_id: str | None = None) -> object:
+        """Free the parked blocks (with ``lease_id``: only that park's); idempotent."""
         ...
 
 
@@ -55,6 +68,7 @@ class Sender:
 
     ``errors`` collects the TransferErrors this side raised (bounded, newest last), for logs and
     tests: a refused handshake raises on the serving side too, and this is where it lands.
+    ``digester`` computes the block digests a receiver asks for (over this worker's pool).
     """
 
     def __init__(
@@ -64,12 +78,14 @@ class Sender:
         parked: ParkedLookup | None,
         timeout_s: float,
         errors: deque[TransferError],
+        digester: BlockDigester,
     ):
         self._local = local
         self._conn = conn
         self._parked = parked
         self._timeout_s = timeout_s
         self._errors = errors
+        self._digester = digester
 
     async def serve(self) -> None:
         """Run the connection to its end; never raises for peer failures (they are logged)."""
@@ -81,7 +97,7 @@ class Sender:
                     await self._send(msg, formatter, peer)
                 elif isinstance(msg, wire.Release):
                     if self._parked is not None:
-                        self._parked.release(msg.request_id)
+                        self._parked.release(msg.request_id, msg.lease_id)
                 elif isinstance(msg, wire.Abort):
                     pass  # its transfer was already stopped (or done) and answered
                 else:
@@ -100,6 +116,8 @@ class Sender:
     async def _handshake(self) -> tuple[Formatter, Peer]:
         async with asyncio.timeout(self._timeout_s):
             hello = await self._conn.recv()
+        if isinstance(hello, wire.Probe):  # `pdserve doctor`: zeros, no handshake, no KV block
+            await serve_probes(self._conn, hello, self._local)  # raises once the doctor closes
         if not isinstance(hello, wire.Hello):
             raise TransferError(f"expected hello from {self._conn.peer}, got {hello.type!r}")
         try:
@@ -115,15 +133,22 @@ class Sender:
     async def _send(self, msg: wire.SendBlocks, formatter: Formatter, peer: Peer) -> None:
         backend = self._local.backend
         try:
-            plan = formatter.plan(self._lookup(msg), msg.dst_block_ids)
+            src_ids = self._lookup(msg)
+            plan = formatter.plan(src_ids, msg.dst_block_ids)
             if not backend.inline_bytes and self._conn.has_input():
                 raise TransferError(f"the decode side gave up on {msg.transfer_id} already")
+            plan = self._stage(formatter, src_ids, msg.dst_block_ids, plan)
         except TransferError as exc:
             self._record(exc)
             await self._fail(msg.transfer_id, exc)
             return
         outbound: Outbound | None = None
+        digests: str | None = None
         try:
+            if msg.integrity:  # over the exact bytes about to leave, before any of them does
+                digests = self._digester.source(plan)
+                if backend.inline_bytes:  # ahead of the bytes: the receiver waits on no extra frame
+                    await self._send_digests(msg.transfer_id, digests)
             outbound = backend.start_send(self._conn, plan, peer, msg.transfer_id)
             # The receiver is silent until the answer; input now means Abort or a closed
             # connection: cancel the WRITE so nothing lands in blocks it may reuse.
@@ -138,10 +163,34 @@ class Sender:
             if outbound is not None:
                 outbound.abort()
             raise
+        finally:  # the backend reads no more of a staging buffer: lend it to the next send
+            if plan.source is not None and self._local.staging is not None:
+                self._local.staging.release(plan)
         if not backend.inline_bytes:  # inline bytes complete themselves (their count is known)
             await self._conn.send(
                 wire.TransferDone(transfer_id=msg.transfer_id, nbytes=plan.nbytes)
             )
+        if digests is not None and not backend.inline_bytes:  # right after the completion
+            await self._send_digests(msg.transfer_id, digests)
+
+    async def _send_digests(self, transfer_id: str, digests: str) -> None:
+        await self._conn.send(wire.BlockDigests(transfer_id=transfer_id, digests=digests))
+
+    def _stage(
+        self,
+        formatter: Formatter,
+        src_ids: list[int],
+        dst_ids: tuple[int, ...],
+        plan: TransferPlan,
+    ) -> TransferPlan:
+        """A converting formatter's plan reads the K/V re-blocked/converted into a staging
+        buffer lent by the transceiver's StagingPool (released once the send has ended);
+        an identity plan reads the pool itself. Raises TransferError."""
+        if not formatter.staged:
+            return plan
+        if self._local.staging is None:
+            raise TransferError(f"worker {self._local.worker_id} cannot stage converted KV bytes")
+        return self._local.staging.fill(formatter, src_ids, dst_ids, plan)
 
     def _lookup(self, msg: wire.SendBlocks) -> list[int]:
         if self._parked is None:
@@ -151,7 +200,7 @@ class Sender:
                 f"handle of request {msg.request_id} names epoch {msg.epoch}, but worker "
                 f"{self._local.worker_id} is at epoch {self._local.epoch} (it restarted)"
             )
-        block_ids = list(self._parked.lookup(msg.request_id, msg.epoch))
+        block_ids = list(self._parked.lookup(msg.request_id, msg.epoch, msg.lease_id))
         if tuple(block_ids) != msg.src_block_ids:
             raise HandleError(
                 f"handle of request {msg.request_id} names blocks {list(msg.src_block_ids)}, "

@@ -32,8 +32,10 @@ from pdserve.config import TransferConfig
 from pdserve.errors import ConfigError, TransferError
 from pdserve.protocol import KVLayout, TransferHandle
 from pdserve.transfer.backend import Backend, open_backend
+from pdserve.transfer.convert import StagingPool
 from pdserve.transfer.formatter import PoolGeometry
 from pdserve.transfer.handshake import LocalSide
+from pdserve.transfer.integrity import BlockDigester
 from pdserve.transfer.receiver import Receiver
 from pdserve.transfer.sender import ParkedLookup, Sender
 from pdserve.transfer.tcp import Connection
@@ -51,11 +53,20 @@ class Transceiver:
     e.g. the LayoutMismatchError of a refused handshake.
     """
 
-    def __init__(self, cfg: TransferConfig, local: LocalSide, parked: ParkedLookup | None):
+    def __init__(
+        self,
+        cfg: TransferConfig,
+        local: LocalSide,
+        parked: ParkedLookup | None,
+        digester: BlockDigester,
+    ):
         self._cfg = cfg
         self._local = local
         self._parked = parked
-        self._receiver = Receiver(local, cfg.timeout_s)
+        self._digester = digester
+        # Integrity is the pulling side's choice (cfg.integrity); serving, this side digests
+        # whenever a peer asks.
+        self._receiver = Receiver(local, cfg.timeout_s, digester if cfg.integrity else None)
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
         self._handlers: set[asyncio.Task[None]] = set()
@@ -102,8 +113,10 @@ class Transceiver:
 
         Raises TransferError (peer unreachable, refused, died, timed out after
         ``cfg.timeout_s``; wrong ``dst_block_ids`` count), LayoutMismatchError, HandleError
-        (unknown request, other epoch, expired lease). See :mod:`pdserve.transfer.receiver`
-        for what the destination blocks hold after an error.
+        (unknown request, other epoch, another lease id, expired lease, blocks not parked or
+        reallocated since), IntegrityError (``cfg.integrity``: the landed bytes differ from the
+        sender's digests; all of them have landed, none will follow). See
+        :mod:`pdserve.transfer.receiver` for what the destination blocks hold after an error.
         """
         if self._closed:
             raise TransferError("transceiver is closed")
@@ -124,6 +137,8 @@ class Transceiver:
         if self._listener is not None:
             self._listener.close()
         self._receiver.close()
+        if self._local.staging is not None:  # before the backend: NIXL deregisters its buffers
+            self._local.staging.close()
         self._local.backend.close()
 
     async def _accept_loop(self, listener: socket.socket) -> None:
@@ -142,6 +157,7 @@ class Transceiver:
                 self._parked,
                 self._cfg.timeout_s,
                 self.recent_errors,
+                self._digester,
             )
             task = asyncio.create_task(sender.serve())
             self._handlers.add(task)
@@ -170,5 +186,6 @@ def create_transceiver(
     # Unique per incarnation: a restarted worker's agent must not be mistaken for the old one.
     agent_name = f"pdserve-{worker_id}-{epoch}-{uuid.uuid4().hex[:8]}"
     backend: Backend = open_backend(cfg, pool=pool, geometry=geometry, agent_name=agent_name)
-    local = LocalSide(worker_id, epoch, layout, geometry, backend)
-    return Transceiver(cfg, local, parked)
+    staging = StagingPool(pool, backend)  # used only by peers whose layout differs
+    local = LocalSide(worker_id, epoch, layout, geometry, backend, staging=staging)
+    return Transceiver(cfg, local, parked, BlockDigester(pool))

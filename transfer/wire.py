@@ -13,16 +13,27 @@ Every message carries a ``type`` tag; the handshake carries ``protocol_version``
 
 Conversation on one connection (decode D connects to prefill P)::
 
-    D -> P  Hello           (version, worker id, epoch, layout, backend, pool geometry, NIXL info)
+    D -> P  Hello           (version, worker id, epoch, layout, backend, pool geometry,
+                             NIXL agent info / UCX worker address)
     P -> D  HelloAck        (ok, or the refusal's error code + message)
     then per request, any number of times:
-    D -> P  SendBlocks      (request id, epoch, transfer id, src block ids, dst block ids)
+    D -> P  SendBlocks      (request id, epoch, lease id, transfer id, src/dst block ids,
+                             integrity: whether D wants digests)
     P -> D  BlockData + raw bytes   (TCP backend: the byte count is the completion)
-      or    TransferDone            (NIXL backend: after the WRITE completed locally)
+      or    TransferDone            (NIXL: after the WRITE completed locally; UCX: after
+                                     every tagged send completed)
       or    TransferFailed          (either backend: lookup refused, NIXL error)
+    P -> D  BlockDigests    (only if asked: digests P computed over the source bytes BEFORE
+                             it started sending them; on TCP just ahead of BlockData, otherwise
+                             right after TransferDone; D checks them once every byte landed)
     D -> P  Abort           (NIXL, only if D gives up before the answer; P stops the WRITE
                              and answers TransferFailed, or TransferDone if it was done)
-    D -> P  Release         (after D has the bytes; P then releases the parked blocks)
+    D -> P  Release         (after D has the bytes and they passed the digest check; P then
+                             releases the parked blocks. A failed check sends no Release.)
+
+A bandwidth probe (``pdserve doctor``, :mod:`pdserve.transfer.probe`) opens a connection to any
+transceiver and sends Probe instead of Hello, any number of times; each is answered with
+ProbeData + ``nbytes`` zero bytes. No handshake, no KV block is involved.
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from pdserve.errors import HandleError, LayoutMismatchError, TransferError
+from pdserve.errors import HandleError, IntegrityError, LayoutMismatchError, TransferError
 from pdserve.protocol import PROTOCOL_VERSION, KVLayout
 
 HEADER = struct.Struct(">I")
@@ -65,6 +76,13 @@ class NixlPeerInfo(_Wire):
     device_id: int = Field(default=0, ge=0)
 
 
+class UcxPeerInfo(_Wire):
+    """What a UCX receiver advertises: ``address_b64``, its UCX worker address
+    (``UCXWorker.address``, a few hundred bytes) in base64, for the sender's endpoint."""
+
+    address_b64: str = Field(min_length=1)
+
+
 class Hello(_Wire):
     """First message of a connection, decode -> prefill. ``num_blocks`` is the sender's pool
     size in blocks (the pool geometry beyond the layout)."""
@@ -77,6 +95,7 @@ class Hello(_Wire):
     backend: str
     num_blocks: int = Field(gt=0)
     nixl: NixlPeerInfo | None = None
+    ucx: UcxPeerInfo | None = None
 
 
 class HelloAck(_Wire):
@@ -103,9 +122,11 @@ class SendBlocks(_Wire):
     type: Literal["send_blocks"] = "send_blocks"
     request_id: str
     epoch: int
+    lease_id: str = Field(min_length=1, description="the handle's lease id (fencing)")
     transfer_id: str
     src_block_ids: tuple[int, ...]
     dst_block_ids: tuple[int, ...]
+    integrity: bool = Field(default=False, description="answer with BlockDigests")
 
 
 class BlockData(_Wire):
@@ -119,12 +140,28 @@ class BlockData(_Wire):
 
 
 class TransferDone(_Wire):
-    """Prefill -> decode (NIXL backend): the WRITE of ``transfer_id`` completed locally; the
-    decode side still waits for the NIXL notification, which follows the data."""
+    """Prefill -> decode (NIXL, UCX backends): the WRITE (NIXL) or every tagged send (UCX) of
+    ``transfer_id`` completed locally; the decode side still waits for the NIXL notification,
+    which follows the data, or for its own UCX receives to complete."""
 
     type: Literal["transfer_done"] = "transfer_done"
     transfer_id: str
     nbytes: int = Field(ge=0)
+
+
+class BlockDigests(_Wire):
+    """Prefill -> decode, only when SendBlocks asked: just ahead of the raw bytes on inline
+    backends (TCP: before BlockData), right after TransferDone otherwise; the decode side
+    compares them with the landed bytes after the transfer completed.
+
+    ``digests`` is base64 of ``len(plan)`` little-endian uint64 ``algorithm`` digests, one per
+    transfer-plan segment in plan order, computed over the exact bytes the sender moved, before
+    it started moving them (:mod:`pdserve.transfer.integrity`)."""
+
+    type: Literal["block_digests"] = "block_digests"
+    transfer_id: str
+    algorithm: Literal["xxh3_64"] = "xxh3_64"
+    digests: str
 
 
 class TransferFailed(_Wire):
@@ -149,10 +186,48 @@ class Release(_Wire):
 
     type: Literal["release"] = "release"
     request_id: str
+    lease_id: str | None = Field(default=None, description="release only this park")
+
+
+PROBE_MAX_BYTES = 256 * 1024 * 1024
+"""Upper bound on one probe's byte count (a larger Probe is refused as malformed)."""
+
+
+class Probe(_Wire):
+    """Doctor -> any transceiver, in place of Hello: answer with :class:`ProbeData` followed
+    by ``nbytes`` zero bytes on this connection (they come from a constant buffer, never the KV
+    pool)."""
+
+    type: Literal["probe"] = "probe"
+    protocol_version: int = PROTOCOL_VERSION
+    nbytes: int = Field(ge=0, le=PROBE_MAX_BYTES)
+
+
+class ProbeData(_Wire):
+    """Transceiver -> doctor: who answers (worker id, epoch, backend, KV layout), then exactly
+    ``nbytes`` raw bytes follow on the stream."""
+
+    type: Literal["probe_data"] = "probe_data"
+    protocol_version: int = PROTOCOL_VERSION
+    worker_id: str
+    epoch: int
+    backend: str
+    layout: KVLayout
+    nbytes: int = Field(ge=0)
 
 
 Message = Annotated[
-    Hello | HelloAck | SendBlocks | BlockData | TransferDone | TransferFailed | Abort | Release,
+    Hello
+    | HelloAck
+    | SendBlocks
+    | BlockData
+    | TransferDone
+    | BlockDigests
+    | TransferFailed
+    | Abort
+    | Release
+    | Probe
+    | ProbeData,
     Field(discriminator="type"),
 ]
 _MESSAGE: TypeAdapter[Message] = TypeAdapter(Message)
@@ -183,6 +258,7 @@ def decode(payload: bytes | bytearray) -> Message:
 _ERRORS: dict[str, type[TransferError]] = {
     LayoutMismatchError.code: LayoutMismatchError,
     HandleError.code: HandleError,
+    IntegrityError.code: IntegrityError,
 }
 
 

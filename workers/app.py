@@ -45,6 +45,7 @@ from pdserve.protocol import (
 
 if TYPE_CHECKING:
     from pdserve.discovery import Registration
+    from pdserve.discovery.events import EventPublisher
     from pdserve.transfer import Transceiver
     from pdserve.workers.decode import DecodeRole
     from pdserve.workers.engine import Engine
@@ -69,6 +70,7 @@ class WorkerState:
     prefill: PrefillRole | None = None
     decode: DecodeRole | None = None
     registration: Registration | None = None
+    events: EventPublisher | None = None  # load / KV events, NATS discovery only
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
 
     def load(self) -> WorkerLoad:
@@ -93,6 +95,7 @@ class WorkerState:
 
 async def _start(state: WorkerState) -> None:
     from pdserve.discovery import open_registration
+    from pdserve.discovery.events import event_publisher
     from pdserve.transfer import create_transceiver
     from pdserve.workers.decode import DecodeRole
     from pdserve.workers.engine import Engine
@@ -122,7 +125,11 @@ async def _start(state: WorkerState) -> None:
     )
     if cfg.role == "prefill":
         state.parked = ParkedBlocks(
-            epoch=state.epoch, lease_s=cfg.lease_s, free_blocks=engine.free_parked
+            epoch=state.epoch,
+            lease_s=cfg.lease_s,
+            free_blocks=engine.free_parked,
+            generations=engine.kv_cache.generations,  # fencing: no reused block is ever sent
+            send_grace_s=cfg.transfer.timeout_s + 5.0,  # a send outlives no lease by more
         )
         state.parked.start()
     if cfg.role in ("prefill", "decode"):
@@ -150,6 +157,7 @@ async def _start(state: WorkerState) -> None:
         )
     state.registration = open_registration(cfg.discovery, ttl_s=cfg.registration_ttl_s)
     await state.registration.start(state.record())
+    state.events = event_publisher(state.registration)
     state.tasks.append(asyncio.create_task(_refresh_load(state), name="load-refresh"))
     state.ready = True
     log.info("%s %s ready at %s", cfg.role, state.worker_id, state.http_url)
@@ -164,6 +172,8 @@ async def _refresh_load(state: WorkerState, interval_s: float = 1.0) -> None:
             with contextlib.suppress(Exception):
                 await state.registration.update(state.record())
             last = load
+        if state.events is not None:  # every tick: fresher than the record's refresh
+            await state.events.publish(load, state.parked)
 
 
 async def _stop(state: WorkerState) -> None:
@@ -255,7 +265,7 @@ def create_worker_app(cfg: WorkerConfig, *, http_url: str) -> FastAPI:
     async def release(req: ReleaseRequest) -> dict[str, bool]:
         if state.prefill is None:
             raise InvalidRequestError(f"this is a {cfg.role} worker; /internal/release is prefill")
-        return {"released": state.prefill.release(req.request_id, req.epoch)}
+        return {"released": state.prefill.release(req.request_id, req.epoch, req.lease_id)}
 
     @app.post("/internal/generate")
     async def generate(req: GenerationRequest) -> StreamingResponse:

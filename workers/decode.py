@@ -2,14 +2,17 @@
 
 Request lifecycle on a decode worker::
 
-    1 RECEIVED     GenerationRequest checked against the handle: layout, token count, lease, epoch
+    1 RECEIVED     GenerationRequest checked against the handle: token count, blocks at the
+                   handle's tokens per block, layout mappable (the formatter converts tokens per
+                   block and dtype), lease, epoch
     2 RESERVED     engine.reserve(): capacity for the whole completion + blocks for the prompt
     3 TRANSFERRING the transceiver pulls the prefill worker's blocks into the reserved blocks
     4 RUNNING      engine resumes at the first token in its continuous batch; chunks streamed
     5 FINISHED     stop / length / abort (client gone) / error; the engine frees the blocks
 
 A failure in 3 ends the stream with an error. Blocks refused before any byte moved (bad handle,
-layout mismatch) are unreserved at once; after a failure mid-transfer (timeout, peer death) they
+layout mismatch) are unreserved at once, and so are blocks whose bytes all landed but failed the
+digest check (IntegrityError: never used); after a failure mid-transfer (timeout, peer death) they
 are quarantined for the transfer timeout first, since a remote WRITE may still land in them. Without a handle (the colocated baseline) the engine runs the prefill itself (mode
 ``full``).
 """
@@ -22,7 +25,12 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from pdserve.errors import DeadlineExceededError, HandleError, LayoutMismatchError
+from pdserve.errors import (
+    DeadlineExceededError,
+    HandleError,
+    IntegrityError,
+    LayoutMismatchError,
+)
 from pdserve.protocol import FinishReason, GenerationChunk, GenerationRequest, TransferHandle
 from pdserve.workers.bridge import OutputStream
 
@@ -50,13 +58,18 @@ def check_handle(req: GenerationRequest, handle: TransferHandle, engine: Engine)
             f"handle lists {len(handle.block_ids)} blocks; {handle.num_tokens} tokens at "
             f"{tpb} tokens/block need {needed}"
         )
-    if handle.layout != engine.layout:
+    if not handle.layout.can_map_to(engine.layout):  # tokens/block and dtype are converted
         raise LayoutMismatchError(
-            "prefill and decode KV layouts differ: "
-            + handle.layout.describe_mismatch(engine.layout)
+            "prefill and decode KV layouts cannot be mapped: "
+            + handle.layout.describe_unmappable(engine.layout)
         )
     if handle.lease_remaining() <= 0:
         raise HandleError(f"lease of request {req.request_id!r} expired before decode began")
+    if min(handle.block_ids) < 0 or len(set(handle.block_ids)) != len(handle.block_ids):
+        raise HandleError(
+            f"handle of request {req.request_id!r} names negative or repeated KV blocks "
+            f"{list(handle.block_ids)}"
+        )
     if req.first_token is None:
         raise HandleError("a generation request with a handle needs first_token")
 
@@ -126,8 +139,9 @@ class DecodeRole:
                 len(dst),
                 (time.perf_counter() - t0) * 1e3,
             )
-        except (HandleError, LayoutMismatchError):
-            # Refused before any byte was written: the blocks can go back at once.
+        except (HandleError, LayoutMismatchError, IntegrityError):
+            # Refused before any byte was written, or (IntegrityError) checked after every byte
+            # had landed, so nothing more can land: the blocks go back at once, never used.
             self.engine.unreserve(req.request_id)
             raise
         except TimeoutError:

@@ -97,7 +97,7 @@ class Engine:
             num_kv_heads=self.runner.num_kv_heads,
             head_dim=self.runner.head_dim,
             tokens_per_block=cfg.tokens_per_block,
-            dtype=cfg.dtype,
+            dtype=cfg.cache_dtype,
         )
         num_blocks = cfg.num_blocks or num_blocks_for_budget(self.layout, cfg.kv_cache_bytes)
         self.kv_cache = KVCacheManager(self.layout, num_blocks, cfg.device)

@@ -16,6 +16,11 @@ Pool layout (``docs/architecture.md``, "KV cache pool")::
 A request owns an ordered list of block ids, its *block table*: token at position ``p`` lives in
 block ``table[p // tokens_per_block]`` at offset ``p % tokens_per_block``. Blocks are handed out
 from a FIFO free list, so a freed block is reused only after every block freed before it.
+
+Every block has a *generation*, bumped each time it is allocated and each time it is freed, so
+``(block id, generation)`` names one allocation: the prefill worker records the generations of
+parked blocks and refuses to send a block whose generation moved (freed, maybe reallocated)
+before its transfer starts (``pdserve.workers.parking``, fencing).
 """
 
 from __future__ import annotations
@@ -94,6 +99,7 @@ class KVCacheManager:
         self._lock = threading.Lock()
         self._free: deque[int] = deque(range(num_blocks))
         self._tables: dict[str, list[int]] = {}
+        self._generation: list[int] = [0] * num_blocks
 
     # --- allocation ----------------------------------------------------------------------------
 
@@ -116,7 +122,9 @@ class KVCacheManager:
                     f"{len(self._free)} of {self.num_blocks} free"
                 )
             for _ in range(missing):
-                table.append(self._free.popleft())
+                block = self._free.popleft()
+                self._generation[block] += 1
+                table.append(block)
             return list(table)
 
     def free(self, request_id: str) -> list[int]:
@@ -125,8 +133,20 @@ class KVCacheManager:
         those blocks (no forward in flight, no transfer landing)."""
         with self._lock:
             table = self._tables.pop(request_id, [])
+            for block in table:
+                self._generation[block] += 1
             self._free.extend(table)
             return table
+
+    def generations(self, block_ids: Iterable[int]) -> tuple[int, ...]:
+        """Current generation of each block (bumped at every allocation and every free): equal
+        generations at two moments mean the block stayed with one owner in between. Raises
+        IndexError for an id outside the pool."""
+        ids = list(block_ids)
+        if ids and min(ids) < 0:
+            raise IndexError(f"negative KV block id in {ids}")
+        with self._lock:
+            return tuple(self._generation[b] for b in ids)
 
     def block_table(self, request_id: str) -> list[int]:
         """Copy of ``request_id``'s block table (empty when it holds no blocks)."""

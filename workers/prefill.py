@@ -82,14 +82,15 @@ class PrefillRole:
                 logprob=logprob,
                 finish_reason=out.finish_reason,
             )
-        deadline = self.parked.park(req.request_id, out.parked_block_ids, len(req.prompt_token_ids))
+        lease = self.parked.park(req.request_id, out.parked_block_ids, len(req.prompt_token_ids))
         handle = TransferHandle(
             worker_id=self.worker_id,
             epoch=self.parked.epoch,
             request_id=req.request_id,
+            lease_id=lease.lease_id,
             block_ids=tuple(out.parked_block_ids),
             num_tokens=len(req.prompt_token_ids),
-            lease_deadline=deadline,
+            lease_deadline=lease.deadline,
             layout=self.engine.layout,
             backend=self.transceiver.backend,
             transfer_endpoint=self.transceiver.endpoint,
@@ -98,7 +99,7 @@ class PrefillRole:
             "request %s parked %d KV blocks until %.1f",
             req.request_id,
             len(handle.block_ids),
-            deadline,
+            lease.deadline,
         )
         return ContextResponse(
             request_id=req.request_id,
@@ -108,9 +109,10 @@ class PrefillRole:
             handle=handle,
         )
 
-    def release(self, request_id: str, epoch: int) -> bool:
-        """Free a parked request (router-side abort). Returns False when nothing was parked or
-        the epoch is not ours (blocks of an old incarnation are already gone)."""
+    def release(self, request_id: str, epoch: int, lease_id: str | None = None) -> bool:
+        """Free a parked request (router-side abort); with ``lease_id`` only that park. Returns
+        False when nothing was parked, the epoch is not ours (blocks of an old incarnation are
+        already gone), or the request is parked under another lease."""
         if epoch != self.parked.epoch:
             return False
-        return self.parked.release(request_id)
+        return self.parked.release(request_id, lease_id)

@@ -3,9 +3,9 @@
 Two roles, one per side of the control plane:
 
 - worker side, :class:`Registration`: holds the worker's :class:`WorkerRecord` under a TTL
-  (an etcd lease, or the embedded registry's expiry) and refreshes it every ``ttl_s / 3`` from a
-  background task until :meth:`Registration.close`. Its lifecycle is a pollable
-  :class:`RegistrationState`:
+  (an etcd lease, a NATS per-key TTL, or the embedded registry's expiry) and refreshes it every
+  ``ttl_s / 3`` from a background task until :meth:`Registration.close`. Its lifecycle is a
+  pollable :class:`RegistrationState`:
 
       IDLE --start()--> REGISTERED <--(refresh fails / lease lost)--> RETRYING
         \\--------------------------------close()------------------------> CLOSED
@@ -43,8 +43,8 @@ Subscriber = Callable[[str, WorkerRecord | None], None]
 _WORKER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 
 ACCEPTED_FORMS = (
-    "'http://HOST:PORT' (the router's embedded registry) or 'etcd://HOST:PORT' (etcd, port "
-    "defaults to 2379)"
+    "'http://HOST:PORT' (the router's embedded registry), 'etcd://HOST:PORT' (etcd, port "
+    "defaults to 2379) or 'nats://HOST:PORT' (NATS JetStream, port defaults to 4222)"
 )
 
 
@@ -58,7 +58,7 @@ class InvalidDiscoveryURLError(DiscoveryError, ValueError):
 class DiscoveryURL:
     """A parsed discovery URL. ``base_url`` is the HTTP base for ``http``/``https``."""
 
-    scheme: Literal["embedded", "http", "https", "etcd"]
+    scheme: Literal["embedded", "http", "https", "etcd", "nats"]
     host: str = ""
     port: int = 0
     base_url: str = ""
@@ -87,7 +87,7 @@ def parse_discovery_url(url: str, *, allow_embedded: bool = False) -> DiscoveryU
         raise bad("missing scheme")
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
-    if scheme not in ("http", "https", "etcd"):
+    if scheme not in ("http", "https", "etcd", "nats"):
         raise bad(f"unknown scheme {parts.scheme!r}")
     if "," in parts.netloc:
         raise bad("only one endpoint is supported")
@@ -100,10 +100,11 @@ def parse_discovery_url(url: str, *, allow_embedded: bool = False) -> DiscoveryU
         raise bad("missing host")
     if parts.username or parts.password or parts.query or parts.fragment:
         raise bad("credentials, query and fragment are not supported")
-    if scheme == "etcd":
+    if scheme in ("etcd", "nats"):
         if parts.path not in ("", "/"):
-            raise bad(f"etcd URLs take no path (got {parts.path!r})")
-        return DiscoveryURL("etcd", host, port or 2379)
+            raise bad(f"{scheme} URLs take no path (got {parts.path!r})")
+        default = 2379 if scheme == "etcd" else 4222
+        return DiscoveryURL(scheme, host, port or default)  # type: ignore[arg-type]
     default_port = 443 if scheme == "https" else 80
     base = f"{scheme}://{parts.netloc}{parts.path.rstrip('/')}"
     return DiscoveryURL(scheme, host, port or default_port, base)  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""KV transfer between two real processes, over each backend (tcp, nixl).
+"""KV transfer between two real processes, over each backend (tcp, nixl, ucx).
 
 The prefill worker is a spawned process running a real transceiver over a pool filled with a
 known pattern; a tiny ParkedLookup there plays the engine's parked-block table. This test
@@ -30,7 +30,12 @@ from pdserve.transfer import Transceiver, create_transceiver
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 HAVE_NIXL = importlib.util.find_spec("nixl") is not None
-BACKENDS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(not HAVE_NIXL, reason="no nixl"))]
+HAVE_UCXX = importlib.util.find_spec("ucxx") is not None
+BACKENDS = [
+    "tcp",
+    pytest.param("nixl", marks=pytest.mark.skipif(not HAVE_NIXL, reason="no nixl")),
+    pytest.param("ucx", marks=pytest.mark.skipif(not HAVE_UCXX, reason="no ucxx")),
+]
 
 LAYOUT = KVLayout(
     model="tiny-test", num_layers=3, num_kv_heads=2, head_dim=8, tokens_per_block=4, dtype="float32"
@@ -68,7 +73,7 @@ class _Parked:
         self.die: dict[str, float | None] = {}  # request id -> exit delay (None: right now)
         self.slow: dict[str, float] = {}  # request id -> seconds lookup blocks the prefill
 
-    def lookup(self, request_id: str, epoch: int) -> list[int]:
+    def lookup(self, request_id: str, epoch: int, lease_id: str) -> list[int]:
         if epoch != self.epoch or request_id not in self.blocks:
             raise HandleError(f"no parked request {request_id} at epoch {epoch}")
         time.sleep(self.slow.get(request_id, 0.0))
@@ -79,7 +84,7 @@ class _Parked:
             asyncio.get_running_loop().call_later(delay, os._exit, 3)
         return self.blocks[request_id]
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str, lease_id: str | None = None) -> None:
         self.released.append(request_id)
         self.blocks.pop(request_id, None)
 
@@ -137,6 +142,7 @@ class PrefillPeer:
             worker_id=PREFILL_ID,
             epoch=epoch,
             request_id=request_id,
+            lease_id=f"lease-{request_id}",
             block_ids=tuple(block_ids),
             num_tokens=len(block_ids) * self.layout.tokens_per_block,
             lease_deadline=time.time() + 60,
@@ -250,15 +256,15 @@ async def test_wrong_destination_count_raises_transfer_error(prefill, decode):
 
 
 async def test_layout_mismatch_is_refused_on_both_sides_naming_the_field(prefill):
-    other = LAYOUT.model_copy(update={"tokens_per_block": 8})
+    other = LAYOUT.model_copy(update={"num_kv_heads": 4})  # tokens/block, dtype: converted
     t, pool = await _decode(prefill.backend, layout=other)
     try:
-        with pytest.raises(LayoutMismatchError, match="tokens_per_block: 4 != 8"):
+        with pytest.raises(LayoutMismatchError, match="num_kv_heads: 2 != 4"):
             await t.pull(prefill.park("m1", [1]), [1])
     finally:
         await t.close()
     _, errors = prefill.state()
-    assert any(name == "LayoutMismatchError" and "tokens_per_block" in msg for name, msg in errors)
+    assert any(name == "LayoutMismatchError" and "num_kv_heads" in msg for name, msg in errors)
     assert not pool.any()
 
 
@@ -322,6 +328,9 @@ BIG_BLOCKS = 512  # 3 layers * 512 blocks * 32 KiB = 48 MiB
         ("tcp", None),
         ("tcp", 0.005),  # mid-stream: the 48 MiB take far longer than 5 ms
         pytest.param("nixl", None, marks=pytest.mark.skipif(not HAVE_NIXL, reason="no nixl")),
+        pytest.param("ucx", None, marks=pytest.mark.skipif(not HAVE_UCXX, reason="no ucxx")),
+        # sends posted: P exits at its first yield after the digest of the 48 MiB (> 5 ms)
+        pytest.param("ucx", 0.005, marks=pytest.mark.skipif(not HAVE_UCXX, reason="no ucxx")),
     ],
 )
 async def test_peer_dying_mid_transfer_raises_transfer_error(backend, delay):

@@ -1,4 +1,5 @@
-"""The decode worker refuses a transfer handle that cannot fill the request's blocks."""
+"""The decode worker refuses a transfer handle that cannot fill the request's blocks, and KV
+blocks that arrived corrupted."""
 
 from __future__ import annotations
 
@@ -6,10 +7,11 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from pydantic import ValidationError
 
-from pdserve.errors import HandleError, LayoutMismatchError
+from pdserve.errors import HandleError, IntegrityError, LayoutMismatchError
 from pdserve.protocol import GenerationRequest, KVLayout, SamplingParams, TransferHandle
-from pdserve.workers.decode import check_handle
+from pdserve.workers.decode import DecodeRole, check_handle
 
 LAYOUT = KVLayout(model="m", num_layers=2, num_kv_heads=2, head_dim=8, tokens_per_block=4,
                   dtype="float32")  # fmt: skip
@@ -17,9 +19,9 @@ ENGINE = SimpleNamespace(layout=LAYOUT)
 
 
 def _req(n_tokens: int = 10, **handle_kw) -> GenerationRequest:
-    fields = dict(worker_id="p", epoch=1, request_id="r", block_ids=(0, 1, 2), num_tokens=n_tokens,
-                  lease_deadline=time.time() + 30, layout=LAYOUT, backend="tcp",
-                  transfer_endpoint="127.0.0.1:1")  # fmt: skip
+    fields = dict(worker_id="p", epoch=1, request_id="r", lease_id="l1", block_ids=(0, 1, 2),
+                  num_tokens=n_tokens, lease_deadline=time.time() + 30, layout=LAYOUT,
+                  backend="tcp", transfer_endpoint="127.0.0.1:1")  # fmt: skip
     fields.update(handle_kw)
     return GenerationRequest(
         request_id="r",
@@ -49,9 +51,9 @@ def test_wrong_number_of_blocks_is_refused() -> None:
 
 
 def test_layout_mismatch_names_the_field() -> None:
-    other = LAYOUT.model_copy(update={"tokens_per_block": 8})
-    req = _req(layout=other, block_ids=(0, 1))
-    with pytest.raises(LayoutMismatchError, match="tokens_per_block: 8 != 4"):
+    other = LAYOUT.model_copy(update={"num_kv_heads": 4})  # no formatter maps KV heads
+    req = _req(layout=other)
+    with pytest.raises(LayoutMismatchError, match="num_kv_heads: 4 != 2"):
         check_handle(req, req.handle, ENGINE)
 
 
@@ -65,3 +67,53 @@ def test_handle_for_another_request_is_refused() -> None:
     req = _req(request_id="other")
     with pytest.raises(HandleError, match="other"):
         check_handle(req, req.handle, ENGINE)
+
+
+def test_repeated_block_ids_are_refused() -> None:
+    req = _req(block_ids=(0, 1, 1))
+    with pytest.raises(HandleError, match="repeated"):
+        check_handle(req, req.handle, ENGINE)
+
+
+def test_negative_block_ids_are_refused() -> None:
+    req = _req(block_ids=(0, -1, 2))
+    with pytest.raises(HandleError, match="negative"):
+        check_handle(req, req.handle, ENGINE)
+
+
+def test_handle_without_a_lease_id_does_not_parse() -> None:
+    with pytest.raises(ValidationError, match="lease_id"):
+        _req(lease_id="")
+
+
+class _Engine:
+    """The engine calls DecodeRole makes around a transfer (logic around the real path)."""
+
+    layout = LAYOUT
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def reserve(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> list[int]:
+        self.calls.append("reserve")
+        return [7, 8, 9]
+
+    def unreserve(self, request_id: str) -> None:
+        self.calls.append("unreserve")
+
+    def add_request(self, *args: object) -> None:
+        self.calls.append("add_request")
+
+
+class _CorruptingTransceiver:
+    async def pull(self, handle: TransferHandle, dst_block_ids: list[int]) -> None:
+        raise IntegrityError("layer 0, decode block 7 (prefill block 0) arrived corrupted")
+
+
+async def test_blocks_that_fail_the_digest_check_are_unreserved_at_once_and_never_resumed() -> None:
+    engine = _Engine()
+    role = DecodeRole(engine=engine, transceiver=_CorruptingTransceiver())  # type: ignore[arg-type]
+    with pytest.raises(IntegrityError, match="decode block 7"):
+        await role.admit(_req())
+    assert engine.calls == ["reserve", "unreserve"], "freed now, not quarantined, not resumed"
+    assert role.quarantined == 0

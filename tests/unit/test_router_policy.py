@@ -39,9 +39,9 @@ def test_router_in_flight_count_outweighs_reported_load():
     assert choose_pair(view.candidates()).prefill.worker_id == "p1"
 
 
-def test_pairs_only_workers_with_equal_kv_layouts():
+def test_pairs_only_workers_whose_kv_layouts_the_formatter_maps():
     view = view_of(
-        record("p0", "prefill", kv_layout=layout(tokens_per_block=32)),
+        record("p0", "prefill", kv_layout=layout(num_kv_heads=4)),
         record("p1", "prefill", load=WorkerLoad(running=9)),
         record("d0", "decode"),
     )
@@ -49,15 +49,26 @@ def test_pairs_only_workers_with_equal_kv_layouts():
     assert (pair.prefill.worker_id, pair.decode.worker_id) == ("p1", "d0")
 
 
-def test_no_compatible_pair_is_a_503_naming_the_layouts():
+def test_block_size_and_kv_dtype_differences_still_pair():
     view = view_of(
-        record("p0", "prefill", kv_layout=layout(dtype="bfloat16")),
+        record("p0", "prefill", kv_layout=layout(tokens_per_block=32, dtype="bfloat16")),
         record("d0", "decode"),
     )
-    with pytest.raises(NoWorkerError, match="equal KV layouts") as err:
+    pair = choose_pair(view.candidates())
+    assert (pair.prefill.worker_id, pair.decode.worker_id) == ("p0", "d0")
+    assert view.readiness().ready
+
+
+def test_no_compatible_pair_is_a_503_naming_the_layouts():
+    view = view_of(
+        record("p0", "prefill", kv_layout=layout(num_kv_heads=4)),
+        record("d0", "decode"),
+    )
+    with pytest.raises(NoWorkerError, match="mappable KV layouts") as err:
         choose_pair(view.candidates())
     assert err.value.status == 503
-    assert layout(dtype="bfloat16").compat_hash() in err.value.message
+    assert layout(num_kv_heads=4).compat_hash() in err.value.message
+    assert "num_kv_heads: 4 != 2" in err.value.message
 
 
 @pytest.mark.parametrize(
@@ -101,8 +112,8 @@ def test_readiness_needs_a_compatible_prefill_and_decode_worker():
     assert not r.ready and r.prefill == ("p0",)
     assert any("decode" in m for m in r.missing)
 
-    watcher.put(record("d0", "decode", kv_layout=layout(tokens_per_block=8)))
-    assert view.readiness().missing == ("prefill/decode pair with equal KV layouts",)
+    watcher.put(record("d0", "decode", kv_layout=layout(num_kv_heads=4)))
+    assert view.readiness().missing == ("prefill/decode pair with mappable KV layouts",)
 
     watcher.put(record("d1", "decode"))
     r = view.readiness()

@@ -37,10 +37,11 @@ async def test_ready_only_with_a_live_prefill_and_decode_worker(cfg):
         assert r.status_code == 503
         assert r.json()["missing"] == [f"decode worker for model {MODEL!r}"]
 
-        h.watcher.put(record("d0", "decode", kv_layout=layout(tokens_per_block=4)))
+        # Another head count cannot be mapped by the formatter (block size or dtype could).
+        h.watcher.put(record("d0", "decode", kv_layout=layout(num_kv_heads=4)))
         r = await h.client.get("/ready")
         assert r.status_code == 503
-        assert r.json()["missing"] == ["prefill/decode pair with equal KV layouts"]
+        assert r.json()["missing"] == ["prefill/decode pair with mappable KV layouts"]
 
         h.watcher.put(record("d1", "decode"))
         r = await h.client.get("/ready")

@@ -52,12 +52,19 @@ MESSAGES = [
         message="tokens_per_block: 4 != 8",
     ),
     wire.SendBlocks(
-        request_id="r", epoch=1, transfer_id="t", src_block_ids=(1, 2), dst_block_ids=(5, 6)
+        request_id="r",
+        epoch=1,
+        lease_id="l",
+        transfer_id="t",
+        src_block_ids=(1, 2),
+        dst_block_ids=(5, 6),
+        integrity=True,
     ),
     wire.BlockData(transfer_id="t", nbytes=1 << 33),
     wire.TransferDone(transfer_id="t", nbytes=10),
     wire.TransferFailed(transfer_id="t", code="kv_handle_invalid", message="gone"),
     wire.Release(request_id="r"),
+    wire.BlockDigests(transfer_id="t", digests="AAAAAAAAAAA="),
 ]
 
 
@@ -153,13 +160,13 @@ def test_equal_layouts_negotiate_the_identity_formatter():
     assert isinstance(f, IdentityFormatter)
 
 
-def test_different_layouts_are_refused_naming_every_differing_field():
-    other = LAYOUT.model_copy(update={"tokens_per_block": 8, "dtype": "bfloat16"})
+def test_unmappable_layouts_are_refused_naming_every_unmappable_field():
+    other = LAYOUT.model_copy(update={"num_kv_heads": 4, "head_dim": 16, "dtype": "bfloat16"})
     with pytest.raises(LayoutMismatchError) as info:
         Formatter.negotiate(LAYOUT, other, _geometry(4), _geometry(4, other))
-    assert "tokens_per_block: 4 != 8" in info.value.message
-    assert "dtype: 'float32' != 'bfloat16'" in info.value.message
-    assert "num_layers" not in info.value.message
+    assert "num_kv_heads: 2 != 4" in info.value.message
+    assert "head_dim: 8 != 16" in info.value.message
+    assert "num_layers" not in info.value.message and "dtype:" not in info.value.message
 
 
 def _pool(layout: KVLayout, num_blocks: int) -> torch.Tensor:

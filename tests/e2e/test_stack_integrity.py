@@ -1,0 +1,115 @@
+"""A KV block corrupted between the prefill and the decode worker fails the request with an
+error, never a 200: router + prefill + decode as real processes (tiny model, default backend).
+
+The fault is injected by a test-only ``sitecustomize`` on the workers' ``PYTHONPATH``: in the
+prefill process it wraps ``BlockDigester.source`` so that, while a flag file exists, one byte of
+the source is flipped right after the digest was taken and before the backend moves it. No
+production code knows about it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.fixtures.stack import Stack, start_stack
+
+pytestmark = pytest.mark.integration
+
+HOOK = """
+import os, sys
+
+if "prefill" in sys.argv:  # python -m pdserve.cli ... prefill ...
+    from pdserve.transfer import integrity
+    from pdserve.transfer.formatter import pool_bytes
+
+    _source = integrity.BlockDigester.source
+
+    def _corrupting_source(self, plan):
+        digests = _source(self, plan)
+        if os.path.exists(os.environ["PDSERVE_TEST_CORRUPT_FLAG"]):
+            view = self._bytes if plan.source is None else pool_bytes(plan.source)
+            view[int(plan.src_offsets[0] + plan.lengths[0] // 2)] ^= 0x10
+        return digests
+
+    integrity.BlockDigester.source = _corrupting_source
+"""
+
+PROMPT = list(range(40, 90))  # several KV blocks
+
+
+@pytest.fixture(scope="module")
+def corrupting_stack(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Stack, Path]]:
+    hook_dir = tmp_path_factory.mktemp("hook")
+    (hook_dir / "sitecustomize.py").write_text(HOOK)
+    flag = hook_dir / "corrupt"
+    with pytest.MonkeyPatch.context() as mp:  # inherited by the stack's processes only
+        mp.setenv("PYTHONPATH", str(hook_dir))
+        mp.setenv("PDSERVE_TEST_CORRUPT_FLAG", str(flag))
+        stack = start_stack(tiny_model_dir, "tiny-llama", tmp_path_factory.mktemp("stack"))
+    yield stack, flag
+    stack.stop()
+
+
+@pytest.fixture
+def corrupting(corrupting_stack: tuple[Stack, Path]) -> Iterator[Stack]:
+    stack, flag = corrupting_stack
+    flag.touch()
+    yield stack
+    flag.unlink(missing_ok=True)
+
+
+def _body(stream: bool) -> dict[str, object]:
+    return {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+            "stream": stream}  # fmt: skip
+
+
+def _parked_on_prefill(stack: Stack) -> int:
+    workers = httpx.get(f"{stack.url}/registry/workers", timeout=5).json()["workers"]
+    (prefill,) = [w for w in workers if w["role"] == "prefill"]
+    return int(httpx.get(f"{prefill['http_url']}/load", timeout=5).json()["parked"])
+
+
+def test_corrupted_blocks_fail_a_request_with_502_naming_the_block(corrupting: Stack) -> None:
+    r = httpx.post(f"{corrupting.url}/v1/completions", json=_body(False), timeout=60)
+    assert r.status_code == 502, r.text
+    error = r.json()["error"]
+    assert error["code"] == "kv_integrity_failed"
+    assert "arrived corrupted" in error["message"] and "decode block" in error["message"]
+
+
+def test_corrupted_blocks_end_a_started_stream_with_an_error_event(corrupting: Stack) -> None:
+    with httpx.stream(
+        "POST", f"{corrupting.url}/v1/completions", json=_body(True), timeout=60
+    ) as r:
+        assert r.status_code == 200  # the first token was streamed before the decode leg
+        events = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    errors = [json.loads(e)["error"] for e in events[:-1] if "error" in json.loads(e)]
+    assert len(errors) == 1 and errors[0]["code"] == "kv_integrity_failed"
+
+
+def test_after_a_corrupted_request_the_blocks_are_freed_and_the_next_request_succeeds(
+    corrupting_stack: tuple[Stack, Path],
+) -> None:
+    stack, flag = corrupting_stack
+    flag.touch()
+    try:
+        r = httpx.post(f"{stack.url}/v1/completions", json=_body(False), timeout=60)
+        assert r.status_code == 502
+    finally:
+        flag.unlink()
+    deadline = time.monotonic() + 10
+    while _parked_on_prefill(stack) and time.monotonic() < deadline:
+        time.sleep(0.1)  # the router's release reaches the prefill worker
+    assert _parked_on_prefill(stack) == 0
+    r = httpx.post(f"{stack.url}/v1/completions", json=_body(False), timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"]

@@ -1,0 +1,194 @@
+"""Integrity on every transfer backend: a byte flipped on the way fails the pull, never passes.
+
+Two ways to flip a byte, both outside production code:
+
+- every backend: a fault hook in the prefill process (:mod:`tests.integration.kv_peer`) flips
+  one byte of the source right after the sender digested it and before the backend moved it
+  (for NIXL/UCX, memory is written directly: there is no wire to tamper with);
+- TCP: a proxy between the decode and the prefill transceivers flips one byte of the raw KV
+  stream, so the bytes really are corrupted on the wire.
+
+In both cases the pull raises IntegrityError naming the request and the blocks, the prefill side
+keeps its parked blocks (no Release: they are freed by the lease or the router's release), and
+the decode side gets an error instead of blocks to resume from. With integrity switched off the
+decode side does not ask for digests and the prefill side computes none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import torch
+
+from pdserve.errors import IntegrityError
+from pdserve.transfer import Transceiver, create_transceiver, wire
+from tests.integration.kv_peer import LAYOUT, PrefillProcess, cfg, empty_pool, pattern
+from tests.integration.test_transfer_backends import BACKENDS
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def prefill(request: pytest.FixtureRequest) -> Iterator[PrefillProcess]:
+    peer = PrefillProcess(request.param)
+    yield peer
+    peer.stop()
+
+
+@pytest.fixture
+def fresh(prefill: PrefillProcess) -> PrefillProcess:
+    prefill.call("reset")  # nothing parked, pattern intact, true clock, no recorded errors
+    return prefill
+
+
+async def _decode(backend: str, integrity: bool = True) -> tuple[Transceiver, torch.Tensor]:
+    pool = empty_pool()
+    t = create_transceiver(
+        cfg(backend, integrity=integrity),
+        pool=pool,
+        layout=LAYOUT,
+        worker_id="decode-i",
+        epoch=1,
+        parked=None,
+    )
+    await t.start()
+    return t, pool
+
+
+@pytest.fixture
+async def decode(fresh: PrefillProcess) -> AsyncIterator[tuple[Transceiver, torch.Tensor]]:
+    t, pool = await _decode(fresh.backend)
+    yield t, pool
+    await t.close()
+
+
+def _rid() -> str:
+    return f"req-{uuid.uuid4().hex[:8]}"
+
+
+async def test_byte_flipped_after_the_digest_fails_the_pull_naming_the_block(prefill, decode):
+    t, _ = decode
+    handle = prefill.park(_rid(), num_tokens=4)  # one block: 3 layers, the flip hits layer 0
+    prefill.call("corrupt_next")
+    with pytest.raises(
+        IntegrityError,
+        match=rf"request {handle.request_id}: layer 0, decode block 5 "
+        rf"\(prefill block {handle.block_ids[0]}\) arrived corrupted.*1 of 3 segments differ",
+    ) as caught:
+        await t.pull(handle, [5])
+    assert caught.value.code == "kv_integrity_failed"
+    await asyncio.sleep(0.2)  # a Release, had one been sent, would have arrived by now
+    state = prefill.state()
+    assert state.parked == 1 and state.released_total == 0, "no Release after a failed check"
+    prefill.call("skew", 61.0)
+    assert prefill.call("reap") == 1, "the lease still frees the blocks"
+
+
+async def test_intact_pull_after_a_corrupted_one_succeeds_on_the_same_transceiver(prefill, decode):
+    t, pool = decode
+    prefill.call("corrupt_next")
+    with pytest.raises(IntegrityError):
+        await t.pull(prefill.park(_rid(), num_tokens=8), [5, 6])
+    prefill.call("reset")  # heal the corrupted source
+    handle = prefill.park(_rid(), num_tokens=8)
+    await t.pull(handle, [5, 6])
+    assert torch.equal(pool[:, [5, 6]], pattern()[:, list(handle.block_ids)])
+
+
+async def test_with_integrity_off_no_digest_is_asked_for_or_computed(fresh):
+    prefill = fresh
+    t, pool = await _decode(prefill.backend, integrity=False)
+    try:
+        handle = prefill.park(_rid(), num_tokens=4)
+        before = prefill.state().digests_computed
+        prefill.call("corrupt_next")  # armed, but it only fires when a digest is computed
+        await t.pull(handle, [7])
+        assert prefill.state().digests_computed == before
+        assert torch.equal(pool[:, 7], pattern()[:, handle.block_ids[0]])
+    finally:
+        await t.close()
+
+
+class FlippingProxy:
+    """TCP proxy between a decode and a prefill transceiver that flips one byte in the middle
+    of the next raw KV byte stream (after a BlockData header); control frames pass intact."""
+
+    def __init__(self, target: str):
+        self._target = target.rsplit(":", 1)
+        self.armed = False
+        self.flipped = 0
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        return f"127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def close(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _accept(self, down_r: asyncio.StreamReader, down_w: asyncio.StreamWriter) -> None:
+        up_r, up_w = await asyncio.open_connection(self._target[0], int(self._target[1]))
+        pumps = [self._copy(down_r, up_w), self._frames(up_r, down_w)]
+        for pump in pumps:
+            task = asyncio.ensure_future(pump)
+            self._tasks.add(task)
+
+    @staticmethod
+    async def _copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError):
+            while data := await reader.read(1 << 16):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def _frames(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                header = await reader.readexactly(wire.HEADER.size)
+                payload = await reader.readexactly(wire.frame_length(header))
+                writer.write(header + payload)
+                msg = wire.decode(payload)
+                if isinstance(msg, wire.BlockData):
+                    data = bytearray(await reader.readexactly(msg.nbytes))
+                    if self.armed:
+                        self.armed = False
+                        self.flipped += 1
+                        data[len(data) // 2] ^= 0x01
+                    writer.write(data)
+                await writer.drain()
+        writer.close()
+
+
+async def test_byte_flipped_on_the_tcp_wire_fails_the_pull_naming_the_block() -> None:
+    prefill = PrefillProcess("tcp")
+    proxy = FlippingProxy(prefill.endpoint)
+    t, pool = await _decode("tcp")
+    try:
+        via_proxy = await proxy.start()
+        good = prefill.park(_rid(), num_tokens=4)
+        await t.pull(good.model_copy(update={"transfer_endpoint": via_proxy}), [1])
+        assert torch.equal(pool[:, 1], pattern()[:, good.block_ids[0]]), "the proxy is faithful"
+        bad = prefill.park(_rid(), num_tokens=4)
+        proxy.armed = True  # the stream is 3 layers of one block: its middle is in layer 1
+        with pytest.raises(
+            IntegrityError,
+            match=rf"request {bad.request_id}: layer 1, decode block 2 "
+            rf"\(prefill block {bad.block_ids[0]}\) arrived corrupted",
+        ):
+            await t.pull(bad.model_copy(update={"transfer_endpoint": via_proxy}), [2])
+        assert proxy.flipped == 1
+        await asyncio.sleep(0.2)
+        assert prefill.state().parked == 1, "the corrupted request stays parked (no Release)"
+    finally:
+        await t.close()
+        await proxy.close()
+        prefill.stop()

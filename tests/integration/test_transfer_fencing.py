@@ -1,0 +1,244 @@
+"""Fencing on every transfer backend: stale or foreign handles are refused by both sides.
+
+The prefill side (a real transceiver, KV cache manager and lease table in a spawned process,
+:mod:`tests.integration.kv_peer`) refuses a SendBlocks naming an old epoch, another lease id, an
+expired lease, blocks that are not the parked ones, or a block that changed hands since it was
+parked. The decode side (this process's real transceiver) refuses, before asking, a handle
+whose lease has run out, whose epoch is not the one the handshake found (also after the prefill
+worker restarted), or whose block ids lie outside the prefill pool. Every refusal is a
+HandleError with a message that names the reason, and moves no byte.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import torch
+
+from pdserve.errors import HandleError
+from pdserve.protocol import TransferHandle
+from pdserve.transfer import Transceiver, create_transceiver, wire
+from pdserve.transfer.backend import open_backend
+from pdserve.transfer.formatter import PoolGeometry
+from pdserve.transfer.handshake import LocalSide
+from pdserve.transfer.tcp import Connection
+from tests.integration.kv_peer import LAYOUT, PrefillProcess, cfg, empty_pool, pattern
+from tests.integration.test_transfer_backends import BACKENDS
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def prefill(request: pytest.FixtureRequest) -> Iterator[PrefillProcess]:
+    peer = PrefillProcess(request.param)
+    yield peer
+    peer.stop()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_prefill(prefill: PrefillProcess) -> None:
+    prefill.call("reset")  # nothing parked, pattern intact, true clock, no recorded errors
+
+
+@pytest.fixture
+async def decode(prefill: PrefillProcess) -> AsyncIterator[tuple[Transceiver, torch.Tensor]]:
+    pool = empty_pool()
+    t = create_transceiver(
+        cfg(prefill.backend), pool=pool, layout=LAYOUT, worker_id="decode-f", epoch=1, parked=None
+    )
+    await t.start()
+    yield t, pool
+    await t.close()
+
+
+def _rid() -> str:
+    return f"req-{uuid.uuid4().hex[:8]}"
+
+
+def _refused_by_prefill(prefill: PrefillProcess, match: str) -> None:
+    errors = prefill.state().errors
+    assert errors and errors[-1][0] == "HandleError" and match in errors[-1][1], errors
+
+
+async def test_pull_under_a_valid_lease_copies_the_blocks_and_releases_the_park(prefill, decode):
+    t, pool = decode
+    handle = prefill.park(_rid(), num_tokens=10)
+    free_before = prefill.state().free_blocks
+    await t.pull(handle, [20, 21, 22])
+    assert torch.equal(pool[:, [20, 21, 22]], pattern()[:, list(handle.block_ids)])
+    state = prefill.wait_state(lambda s: s.parked == 0)
+    assert state.parked == 0 and state.released_total == 1
+    assert state.free_blocks == free_before + 3
+    assert state.digests_computed >= 1, "integrity is on by default"
+
+
+# --- refused by the decode side, before it asks -----------------------------------------------
+
+
+async def test_handle_of_another_epoch_is_refused_by_the_decode_side_after_the_handshake(
+    prefill, decode
+):
+    t, pool = decode
+    handle = prefill.park(_rid(), num_tokens=4)
+    stale = handle.model_copy(update={"epoch": prefill.epoch - 1})
+    with pytest.raises(HandleError, match=f"epoch {prefill.epoch - 1}.*serves .* epoch 7"):
+        await t.pull(stale, [3])
+    assert prefill.state().errors == [], "the prefill side never saw a SendBlocks"
+    assert not pool.any()
+    await t.pull(handle, [3])  # the real handle still works: nothing was released or freed
+
+
+async def test_expired_lease_is_refused_by_the_decode_side_without_asking(prefill, decode):
+    t, pool = decode
+    handle = prefill.park(_rid(), num_tokens=4)
+    expired = handle.model_copy(update={"lease_deadline": handle.lease_deadline - 120})
+    with pytest.raises(HandleError, match="expired .* ago"):
+        await t.pull(expired, [3])
+    state = prefill.state()
+    assert state.errors == [] and state.parked == 1
+    assert not pool.any()
+
+
+async def test_block_ids_outside_the_prefill_pool_are_refused_by_the_decode_side(prefill, decode):
+    t, pool = decode
+    handle = prefill.park(_rid(), num_tokens=8)
+    foreign = handle.model_copy(update={"block_ids": (handle.block_ids[0], 4096)})
+    with pytest.raises(HandleError, match=r"names KV blocks .*4096.* has blocks 0\.\.31"):
+        await t.pull(foreign, [3, 4])
+    assert prefill.state().errors == []
+    assert not pool.any()
+
+
+# --- refused by the prefill side --------------------------------------------------------------
+
+
+async def test_send_blocks_naming_an_old_epoch_is_refused_by_the_prefill_side(prefill):
+    """A decode side that skipped its own check (here: a bare connection speaking the wire
+    protocol) is still refused by the prefill worker's lease table."""
+    handle = prefill.park(_rid(), num_tokens=4)
+    pool = empty_pool()
+    geometry = PoolGeometry.from_pool(pool, LAYOUT)
+    backend = open_backend(
+        cfg(prefill.backend), pool=pool, geometry=geometry, agent_name=f"raw-{uuid.uuid4().hex}"
+    )
+    conn = await Connection.open(prefill.endpoint, 10.0)
+    try:
+        local = LocalSide("decode-raw", 1, LAYOUT, geometry, backend)
+        await conn.send(local.hello())
+        local.check_ack(await conn.recv())  # type: ignore[arg-type]
+        await conn.send(
+            wire.SendBlocks(
+                request_id=handle.request_id,
+                epoch=prefill.epoch - 1,
+                lease_id=handle.lease_id,
+                transfer_id="t-old-epoch",
+                src_block_ids=handle.block_ids,
+                dst_block_ids=(0,),
+            )
+        )
+        answer = await conn.recv()
+    finally:
+        conn.close()
+        backend.close()
+    assert isinstance(answer, wire.TransferFailed)
+    assert answer.code == "kv_handle_invalid"
+    assert f"epoch {prefill.epoch - 1}" in answer.message and "restarted" in answer.message
+    assert not pool.any()
+    assert prefill.state().parked == 1, "a refused handle frees nothing"
+
+
+async def test_expired_lease_is_refused_by_the_prefill_side_and_its_blocks_freed(prefill, decode):
+    t, pool = decode
+    handle = prefill.park(_rid(), num_tokens=4)
+    prefill.call("skew", 61.0)  # the prefill worker's lease ran out; the handle claims otherwise
+    before = prefill.state()
+    with pytest.raises(HandleError, match="expired before the transfer"):
+        await t.pull(handle, [3])
+    _refused_by_prefill(prefill, "expired")
+    after = prefill.state()
+    assert after.parked == 0 and after.free_blocks == before.free_blocks + 1
+    assert not pool.any()
+
+
+async def test_handle_with_another_lease_id_is_refused_by_the_prefill_side(prefill, decode):
+    t, pool = decode
+    handle = prefill.park(_rid(), num_tokens=4)
+    forged = handle.model_copy(update={"lease_id": "0" * 32})
+    with pytest.raises(HandleError, match=f"names lease '{'0' * 32}'.*parked under lease"):
+        await t.pull(forged, [3])
+    _refused_by_prefill(prefill, "another park")
+    assert not pool.any()
+    await t.pull(handle, [3])  # the genuine handle is unaffected
+    assert torch.equal(pool[:, 3], pattern()[:, handle.block_ids[0]])
+
+
+async def test_handle_of_a_previous_park_of_the_same_request_is_refused(prefill, decode):
+    t, pool = decode
+    rid = _rid()
+    first = prefill.park(rid, num_tokens=4)
+    await t.pull(first, [3])  # pulled and released
+    prefill.wait_state(lambda s: s.parked == 0)
+    second = prefill.park(rid, num_tokens=4)  # same request id parked again (a retry)
+    with pytest.raises(HandleError, match="parked under lease"):
+        await t.pull(first, [4])
+    assert not pool[:, 4].any()
+    await t.pull(second, [4])
+
+
+async def test_block_ids_that_are_not_the_parked_ones_are_refused_by_the_prefill_side(
+    prefill, decode
+):
+    t, pool = decode
+    handle = prefill.park(_rid(), num_tokens=8)
+    other = tuple(b for b in range(8) if b not in handle.block_ids)[:2]
+    with pytest.raises(HandleError, match="names blocks .* are parked"):
+        await t.pull(handle.model_copy(update={"block_ids": other}), [3, 4])
+    _refused_by_prefill(prefill, "are parked")
+    assert not pool.any()
+
+
+async def test_block_freed_and_reallocated_after_the_park_is_never_sent(prefill, decode):
+    t, pool = decode
+    handle = prefill.park(_rid(), num_tokens=8)
+    stolen = prefill.call("steal", handle.request_id)  # freed, then given to another request
+    assert set(handle.block_ids) <= set(stolen)
+    with pytest.raises(HandleError, match=f"KV block {handle.block_ids[0]} .* reallocated"):
+        await t.pull(handle, [3, 4])
+    _refused_by_prefill(prefill, "refusing to send it")
+    assert not pool.any(), "not one byte of the other request's blocks arrived"
+
+
+async def test_handle_from_before_a_prefill_restart_is_refused_after_re_handshaking(prefill):
+    """The decode side holds a handshaken session with the old incarnation; the prefill worker
+    restarts on the same endpoint with a new epoch; the old handle is refused (the new
+    incarnation's handles work)."""
+    first = PrefillProcess(prefill.backend, epoch=100)
+    port = int(first.endpoint.rsplit(":", 1)[1])
+    pool = empty_pool()
+    t = create_transceiver(
+        cfg(prefill.backend), pool=pool, layout=LAYOUT, worker_id="decode-r", epoch=1, parked=None
+    )
+    second: PrefillProcess | None = None
+    try:
+        await t.start()
+        await t.pull(first.park(_rid(), num_tokens=4), [0])  # session with epoch 100
+        old = first.park(_rid(), num_tokens=4)
+        first.stop()
+        second = PrefillProcess(prefill.backend, epoch=200, port=port)
+        with pytest.raises(HandleError, match=r"epoch 100, but .* serves .* epoch 200"):
+            await t.pull(old, [1])
+        assert not pool[:, 1].any()
+        await t.pull(second.park(_rid(), num_tokens=4), [2])
+        assert pool[:, 2].any()
+    finally:
+        await t.close()
+        first.stop()
+        if second is not None:
+            second.stop()
+
+
+def test_handles_name_the_lease_they_were_issued_under(prefill):
+    a, b = prefill.park(_rid(), num_tokens=4), prefill.park(_rid(), num_tokens=4)
+    assert isinstance(a, TransferHandle) and a.lease_id != b.lease_id

@@ -1,0 +1,260 @@
+"""The processes of the transfer benchmark (:mod:`pdserve.transfer.bench`), one role each.
+
+Each measurement runs in fresh child processes started by the benchmark with an environment of
+its own (e.g. ``UCX_TLS=tcp`` for "NIXL over TCP"), because UCX reads its transports from the
+environment when a context is created and the benchmark's own process must not be configured
+through ``os.environ``. Roles (``python -m pdserve.transfer.bench_peers ROLE SPEC``)::
+
+    serve    a prefill-side transceiver over a pool of ``max(blocks)`` blocks that all count as
+             parked (:class:`AllParked`); prints {"endpoint", "backend"}; runs until stdin closes
+    pull     a decode-side transceiver pulling 0..n-1 -> 0..n-1 from ``spec.endpoint`` for every
+             n of ``spec.blocks``, once per integrity setting; prints the times and checks bytes
+    source   raw-socket reference, sending side: answers an 8-byte size with that many bytes
+    sink     raw-socket reference, receiving side: asks for each size, ``recv_into`` a buffer
+    memcpy   in-process reference: ``numpy.copyto`` of the same byte counts
+
+Results are one line ``PDSERVE-BENCH <json>`` on stdout (libraries may print there too). Every
+timing is a list of seconds per repetition after one warm-up: at least ``min_reps`` and until
+``min_seconds`` have passed (at most ``max_reps``). Timing starts right before the call that
+moves the bytes (``Transceiver.pull``, the size request, ``copyto``) and stops when the bytes
+are in the destination buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from pdserve.config import TransferConfig
+from pdserve.errors import HandleError
+from pdserve.protocol import KVLayout, TransferHandle
+from pdserve.transfer.transceiver import create_transceiver
+
+RESULT_PREFIX = "PDSERVE-BENCH "
+_EPOCH = 1
+_SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
+
+
+class PeerSpec(BaseModel):
+    """What one child process measures (JSON on its command line).
+
+    ``blocks``: request sizes in KV blocks of ``layout`` (one block = all layers); ``backend``:
+    a transfer backend name (serve/pull); ``integrity``: the settings to pull with (only when
+    ``TransferConfig`` has the field); ``ucx_devices``: ``TransferConfig.ucx_devices``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    layout: KVLayout
+    blocks: list[int]
+    backend: str = "tcp"
+    ucx_devices: str | None = None
+    integrity: list[bool] = []
+    endpoint: str = ""
+    min_reps: int = 5
+    max_reps: int = 200
+    min_seconds: float = 0.3
+
+
+def block_bytes(layout: KVLayout) -> int:
+    """Bytes of one KV block across all layers (``layout.block_bytes_per_layer * layers``)."""
+    return layout.block_bytes_per_layer * layout.num_layers
+
+
+def emit(result: dict[str, Any]) -> None:
+    """Print one result line for the parent."""
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def _pool(layout: KVLayout, num_blocks: int, fill: float) -> torch.Tensor:
+    shape = (layout.num_layers, num_blocks, 2, layout.tokens_per_block, layout.num_kv_heads)
+    return torch.full((*shape, layout.head_dim), fill, dtype=getattr(torch, layout.dtype))
+
+
+def _config(spec: PeerSpec, integrity: bool | None = None) -> TransferConfig:
+    fields: dict[str, Any] = {"backend": spec.backend, "ucx_devices": spec.ucx_devices}
+    if integrity is not None:
+        fields["integrity"] = integrity
+    return TransferConfig.model_validate(fields)
+
+
+class AllParked:
+    """The serving side's parked blocks: request ``bench-<n>-<k>`` has blocks 0..n-1 parked
+    (any lease id); release does nothing. Raises HandleError for other ids or epochs."""
+
+    def lookup(self, request_id: str, epoch: int, lease_id: str | None = None) -> list[int]:
+        parts = request_id.split("-")
+        if epoch != _EPOCH or len(parts) != 3 or parts[0] != "bench":
+            raise HandleError(f"unknown request {request_id}")
+        return list(range(int(parts[1])))
+
+    def release(self, request_id: str, lease_id: str | None = None) -> None:
+        pass
+
+
+async def _times(spec: PeerSpec, once: Callable[[], Awaitable[None]]) -> list[float]:
+    """Seconds per repetition of ``once`` after one warm-up (see the module docstring)."""
+    await once()
+    times: list[float] = []
+    started = time.perf_counter()
+    while len(times) < spec.min_reps or (
+        len(times) < spec.max_reps and time.perf_counter() - started < spec.min_seconds
+    ):
+        t0 = time.perf_counter()
+        await once()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+async def serve(spec: PeerSpec) -> None:
+    """Role ``serve``: prefill transceiver until stdin closes."""
+    pool = _pool(spec.layout, max(spec.blocks), 1.0)
+    t = create_transceiver(
+        _config(spec),
+        pool=pool,
+        layout=spec.layout,
+        worker_id="bench-prefill",
+        epoch=_EPOCH,
+        parked=AllParked(),
+    )
+    await t.start()
+    try:
+        emit({"endpoint": t.endpoint, "backend": t.backend})
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    finally:
+        await t.close()
+
+
+async def pull(spec: PeerSpec) -> None:
+    """Role ``pull``: one result per integrity setting: ``{"integrity", "backend", "times":
+    {blocks: [seconds]}}``. Raises RuntimeError if the bytes did not arrive."""
+    settings: list[bool | None] = [*spec.integrity] or [None]
+    for integrity in settings:
+        pool = _pool(spec.layout, max(spec.blocks), 0.0)
+        t = create_transceiver(
+            _config(spec, integrity),
+            pool=pool,
+            layout=spec.layout,
+            worker_id="bench-decode",
+            epoch=_EPOCH,
+            parked=None,
+        )
+        await t.start()
+        try:
+            times = {}
+            for n in spec.blocks:
+                times[n] = await _times(spec, _puller(t, spec, n))
+                if not bool(pool[-1, n - 1].eq(1.0).all()):
+                    raise RuntimeError(f"{n}-block pulls did not deliver the bytes")
+                pool[:, :n].zero_()
+        finally:
+            await t.close()
+        emit({"integrity": integrity, "backend": t.backend, "times": times})
+
+
+def _puller(t: Any, spec: PeerSpec, n: int) -> Callable[[], Awaitable[None]]:
+    """One pull of blocks 0..n-1 into 0..n-1. The handle is reused: :class:`AllParked` holds
+    every request forever, so only the transfer itself is timed."""
+    ids = list(range(n))
+    handle = TransferHandle(
+        worker_id="bench-prefill",
+        epoch=_EPOCH,
+        request_id=f"bench-{n}-0",
+        lease_id="bench",
+        block_ids=tuple(ids),
+        num_tokens=n * spec.layout.tokens_per_block,
+        lease_deadline=time.time() + 3600,
+        layout=spec.layout,
+        backend=t.backend,
+        transfer_endpoint=spec.endpoint,
+    )
+
+    async def once() -> None:
+        await t.pull(handle, ids)
+
+    return once
+
+
+def _tune(sock: socket.socket) -> None:
+    """The same socket options the TCP backend uses (:func:`pdserve.transfer.tcp.tune`), so
+    the reference and the backend differ only in what runs above the socket."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, opt, _SOCKET_BUFFER_BYTES)
+
+
+def source(spec: PeerSpec) -> None:
+    """Role ``source``: blocking sockets, one connection, ``sendall`` of a prefilled buffer."""
+    buf = memoryview(np.ones(max(spec.blocks) * block_bytes(spec.layout), np.uint8).data)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        emit({"endpoint": f"127.0.0.1:{server.getsockname()[1]}"})
+        conn, _ = server.accept()
+        with conn:
+            _tune(conn)
+            while len(request := conn.recv(8)) == 8:
+                conn.sendall(buf[: int.from_bytes(request, "big")])
+
+
+async def sink(spec: PeerSpec) -> None:
+    """Role ``sink``: ``{"times": {blocks: [seconds]}}`` of request + ``recv_into`` loops."""
+    host, _, port = spec.endpoint.rpartition(":")
+    buf = memoryview(np.zeros(max(spec.blocks) * block_bytes(spec.layout), np.uint8).data)
+    with socket.create_connection((host, int(port))) as sock:
+        _tune(sock)
+        times = {}
+        for n in spec.blocks:
+            size = n * block_bytes(spec.layout)
+
+            async def once(size: int = size) -> None:
+                sock.sendall(size.to_bytes(8, "big"))
+                pos = 0
+                while pos < size:
+                    pos += sock.recv_into(buf[pos:size])
+
+            times[n] = await _times(spec, once)
+    emit({"times": times})
+
+
+async def memcpy_times(spec: PeerSpec) -> dict[int, list[float]]:
+    """``numpy.copyto`` between two preallocated buffers, the same byte counts as the transfers
+    (and, like them, the same bytes each repetition): seconds per repetition per size."""
+    total = max(spec.blocks) * block_bytes(spec.layout)
+    src, dst = np.ones(total, np.uint8), np.zeros(total, np.uint8)
+    times = {}
+    for n in spec.blocks:
+        size = n * block_bytes(spec.layout)
+
+        async def once(size: int = size) -> None:
+            np.copyto(dst[:size], src[:size])
+
+        times[n] = await _times(spec, once)
+    return times
+
+
+async def memcpy(spec: PeerSpec) -> None:
+    """Role ``memcpy``: ``{"times": {blocks: [seconds]}}`` of :func:`memcpy_times`."""
+    emit({"times": await memcpy_times(spec)})
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m pdserve.transfer.bench_peers ROLE SPEC_JSON``."""
+    role, raw = (argv if argv is not None else sys.argv[1:])[:2]
+    spec = PeerSpec.model_validate_json(raw)
+    if role == "source":
+        source(spec)
+        return
+    roles = {"serve": serve, "pull": pull, "sink": sink, "memcpy": memcpy}
+    asyncio.run(roles[role](spec))
+
+
+if __name__ == "__main__":
+    main()

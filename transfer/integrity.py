@@ -1,0 +1,175 @@
+"""Block digests: the sender's record of the KV bytes it moved, checked where they landed.
+
+Design origin: issue 3 ("each transferred block carries a digest checked on arrival; a mismatch
+fails the request"), and the end-to-end argument: whatever the backend (TCP stream, NIXL/UCX
+one-sided WRITE, ucxx send/recv), the only check that covers the whole path is one computed over
+the source memory before the bytes leave and over the destination memory after they landed.
+
+Unit of a digest: one **transfer-plan segment** (:class:`~pdserve.transfer.formatter.TransferPlan`),
+i.e. one layer of one run of blocks consecutive on both sides::
+
+    plan segment k = layer (k // runs), run (k % runs)      (layer-major, as the formatter emits)
+    sender:   xxh3_64(src_pool_bytes[src_offsets[k] : src_offsets[k] + lengths[k]])
+    receiver: xxh3_64(dst_pool_bytes[dst_offsets[k] : dst_offsets[k] + lengths[k]])
+
+One hash call per contiguous range, so a request costs ``num_layers * num_runs`` calls (about
+0.25 us each) plus the hashing itself, never a Python call per block per layer. Measured on the
+2-core dev machine (AVX-512): xxh3_64 hashes 30-40 GB/s from memory, i.e. about 0.05 ms per side
+for a 1.4 MiB SmolLM2 request and 0.4-0.7 ms per side for 16 MiB, against 1.5 and 11-13 ms for
+the transfer itself over TCP. Both sides derive the same plan from the same block ids (the
+formatter is deterministic), so segment k names the same bytes on both sides. A mismatch is
+reported with the layer and the decode (and prefill) block ids of the segment, which is as
+precise as the digest granularity allows; a single block run is always named exactly.
+
+Wire form: ``len(plan)`` digests as little-endian uint64, base64 in
+:class:`~pdserve.transfer.wire.BlockDigests` (8 bytes per segment; a SmolLM2 request of one run
+is 30 segments, 320 characters).
+
+What it guards against: bytes corrupted on the way (a NIC, a proxy, a backend bug, a wrong
+offset) and a source block that changed under the transfer. What it does not: an attacker on
+the unauthenticated control connection, who could rewrite the digest frame as well (xxh3 is
+not cryptographic, and the connection is not authenticated either).
+
+Thread-safety: stateless apart from the pool view; call from the transceiver's event loop.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+import xxhash
+
+from pdserve.errors import IntegrityError, TransferError
+from pdserve.transfer.formatter import PoolGeometry, TransferPlan, pool_bytes
+
+ALGORITHM = "xxh3_64"
+"""Digest of every segment (python-xxhash ``xxh3_64``, seed 0)."""
+
+_DIGEST = np.dtype("<u8")
+
+
+def segment_digests(buf: memoryview, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """xxh3_64 of ``buf[offsets[k] : offsets[k] + lengths[k]]`` for every k: uint64 ``[K]``.
+
+    ``buf`` is a flat byte view (``memoryview`` of format ``B``); offsets and lengths are in
+    bytes. Raises TransferError when a segment lies outside ``buf``."""
+    offs, lens = offsets.tolist(), lengths.tolist()
+    if offs and (min(offs) < 0 or max(o + n for o, n in zip(offs, lens, strict=True)) > len(buf)):
+        raise TransferError(f"digest segment outside the {len(buf)}-byte KV pool")
+    digest = xxhash.xxh3_64_intdigest
+    return np.fromiter(
+        (digest(buf[o : o + n]) for o, n in zip(offs, lens, strict=True)),
+        dtype=_DIGEST,
+        count=len(offs),
+    )
+
+
+def encode(digests: np.ndarray) -> str:
+    """uint64 digests -> base64 of their little-endian bytes (the wire form)."""
+    return base64.b64encode(digests.astype(_DIGEST, copy=False).tobytes()).decode()
+
+
+def decode(text: str, count: int) -> np.ndarray:
+    """The wire form -> uint64 ``[count]``. Raises TransferError when it is not ``count``
+    digests (a sender that planned another transfer, or a garbled frame)."""
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except ValueError as exc:
+        raise TransferError(f"malformed block digests: {exc}") from exc
+    if len(raw) != count * _DIGEST.itemsize:
+        raise TransferError(
+            f"peer sent {len(raw) // _DIGEST.itemsize} block digests for a {count}-segment plan"
+        )
+    return np.frombuffer(raw, dtype=_DIGEST)
+
+
+class BlockDigester:
+    """Digests over one worker's KV pool; one per transceiver.
+
+    ``pool`` is the worker's contiguous pool tensor (any dtype); it is read, never written, and
+    must outlive the digester. Only CPU pools can be hashed here: for another device every
+    call raises TransferError (switch integrity off with ``TransferConfig.integrity=False``).
+    """
+
+    def __init__(self, pool: torch.Tensor) -> None:
+        self._bytes: memoryview | None = pool_bytes(pool) if pool.device.type == "cpu" else None
+        self._device = str(pool.device)
+
+    def source(self, plan: TransferPlan) -> str:
+        """Sender side, before any byte of ``plan`` moves: the wire form of the digests of its
+        source segments (``plan.src_offsets``) in the memory the backend sends from: the pool,
+        or ``plan.source`` (a converting formatter's staging buffer, already filled)."""
+        if plan.source is None:
+            buf = self._view()
+        elif plan.source.device.type == "cpu":
+            buf = pool_bytes(plan.source)
+        else:
+            raise _not_on_cpu(str(plan.source.device))
+        return encode(segment_digests(buf, plan.src_offsets, plan.lengths))
+
+    def check(
+        self,
+        plan: TransferPlan,
+        digests: str,
+        *,
+        request_id: str,
+        geometry: PoolGeometry,
+        block_map: Mapping[int, int],
+    ) -> None:
+        """Receiver side, after every byte of ``plan`` landed: compare the destination segments
+        (``plan.dst_offsets`` in the pool) with the sender's ``digests`` (wire form).
+
+        ``geometry`` is this (destination) pool's; ``block_map`` maps a destination block id to
+        the prefill block id it was filled from (for the message only). Raises IntegrityError
+        naming the request, the layer and the blocks of the first differing segment; raises
+        TransferError for digests that do not fit the plan."""
+        expected = decode(digests, len(plan))
+        actual = segment_digests(self._view(), plan.dst_offsets, plan.lengths)
+        bad = np.flatnonzero(actual != expected)
+        if bad.size == 0:
+            return
+        k = int(bad[0])
+        where = describe_segment(
+            int(plan.dst_offsets[k]), int(plan.lengths[k]), geometry, block_map
+        )
+        raise IntegrityError(
+            f"KV integrity check failed for request {request_id}: {where} arrived corrupted "
+            f"({ALGORITHM} {int(actual[k]):#018x}, the prefill worker digested "
+            f"{int(expected[k]):#018x}); {bad.size} of {len(plan)} segments differ"
+        )
+
+    def _view(self) -> memoryview:
+        if self._bytes is None:
+            raise _not_on_cpu(self._device)
+        return self._bytes
+
+
+def _not_on_cpu(device: str) -> TransferError:
+    return TransferError(
+        f"KV block digests need CPU memory, this KV data is on {device}; "
+        "switch transfer integrity off (--no-kv-integrity) for it"
+    )
+
+
+def describe_segment(
+    offset: int, length: int, geometry: PoolGeometry, block_map: Mapping[int, int]
+) -> str:
+    """Name the blocks a segment of ``geometry``'s pool covers, e.g. ``"layer 2, decode blocks
+    [10, 11] (prefill blocks [3, 4])"``. ``block_map``: local block id -> peer block id."""
+    stride = geometry.num_blocks * geometry.block_bytes
+    layer, start = divmod(offset, stride)
+    first = start // geometry.block_bytes
+    last = (start + max(length, 1) - 1) // geometry.block_bytes
+    local = list(range(first, last + 1))
+    text = f"layer {layer}, decode block{'s' if len(local) > 1 else ''} {_ids(local)}"
+    peer = [block_map[b] for b in local if b in block_map]
+    if peer:
+        text += f" (prefill block{'s' if len(peer) > 1 else ''} {_ids(peer)})"
+    return text
+
+
+def _ids(ids: Sequence[int]) -> str:
+    return str(ids[0]) if len(ids) == 1 else str(list(ids))
