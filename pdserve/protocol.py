@@ -153,7 +153,7 @@ class TransferHandle(_Msg):
     num_tokens: int = Field(ge=1, description="tokens whose K/V the blocks hold (= prompt length)")
     lease_deadline: float = Field(description="wall-clock UNIX seconds")
     layout: KVLayout
-    backend: str = Field(description="transfer backend the prefill worker serves: nixl | tcp")
+    backend: str = Field(description="transfer backend the prefill worker serves: nixl | ucx | tcp")
     transfer_endpoint: str = Field(description="host:port of the prefill worker's transceiver")
 
     def lease_remaining(self, now: float | None = None) -> float:

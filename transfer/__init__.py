@@ -12,11 +12,13 @@ Modules (the TensorRT-LLM "KV cache transmission" components):
 ``convert`` (re-block/dtype kernel and staging buffers for mixed layouts),
 ``wire`` (typed control messages and framing), ``integrity`` (xxh3 digests of the moved
 bytes), ``tcp`` (Connection and the TCP backend),
-``nixl_agent`` (TransferAgent over NIXL, the NIXL backend), ``backend`` (data-plane interface and
-lazy registry), ``bench`` (GB/s between two processes), ``bench_formatter`` (what layout
-conversion costs).
+``nixl_agent`` (TransferAgent over NIXL, the NIXL backend), ``ucx`` (Connection over ucxx, the
+UCX backend), ``backend`` (data-plane interface and lazy registry), ``probe`` (bandwidth probe
+served in place of a handshake, for ``pdserve doctor``), ``bench`` / ``bench_peers`` /
+``bench_report`` (GB/s between two processes, references, fit, targets), ``bench_formatter``
+(what layout conversion costs).
 
-Importing this package does not import NIXL: the NIXL backend loads on first use.
+Importing this package imports neither NIXL nor ucxx: each backend loads on first use.
 """
 
 from pdserve.transfer.sender import ParkedLookup

@@ -48,7 +48,7 @@ _RECENT_ERRORS = 64
 class Transceiver:
     """A worker's KV transfer endpoint (see the module docstring for the lifecycle).
 
-    ``backend`` is ``"nixl"`` or ``"tcp"``; ``endpoint`` is ``"host:port"`` once started.
+    ``backend`` is ``"nixl"``, ``"ucx"`` or ``"tcp"``; ``endpoint`` is ``"host:port"`` once started.
     ``recent_errors`` holds the last TransferErrors the serving side raised (newest last),
     e.g. the LayoutMismatchError of a refused handshake.
     """
