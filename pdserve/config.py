@@ -79,7 +79,9 @@ class WorkerConfig(_Cfg):
     host: str = "127.0.0.1"
     port: int = Field(default=0, ge=0, le=65535)
     advertise_host: str | None = None
-    discovery: str = Field(description="router URL (embedded registry, http://router:port), etcd://host:port or nats://host:port")
+    discovery: str = Field(
+        description="router URL (embedded registry, http://router:port), etcd://host:port or nats://host:port"
+    )
     lease_s: float = Field(default=30.0, gt=0, description="how long parked KV blocks wait")
     registration_ttl_s: float = Field(default=10.0, gt=0)
     worker_id: str | None = None
@@ -90,7 +92,9 @@ class RouterConfig(_Cfg):
     served_model_name: str = DEFAULT_MODEL
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
-    discovery: str = Field(default="embedded", description="'embedded', etcd://host:port or nats://host:port")
+    discovery: str = Field(
+        default="embedded", description="'embedded', etcd://host:port or nats://host:port"
+    )
     request_timeout_s: float = Field(default=300.0, gt=0, description="deadline for both legs")
     registration_ttl_s: float = Field(default=10.0, gt=0)
     max_model_len: int | None = None
