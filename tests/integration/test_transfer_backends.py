@@ -328,9 +328,9 @@ BIG_BLOCKS = 512  # 3 layers * 512 blocks * 32 KiB = 48 MiB
         ("tcp", None),
         ("tcp", 0.005),  # mid-stream: the 48 MiB take far longer than 5 ms
         pytest.param("nixl", None, marks=pytest.mark.skipif(not HAVE_NIXL, reason="no nixl")),
+        # No mid-flight ucx case: over shared memory the 48 MiB land in about 10 ms, too close
+        # to a 5 ms kill to fail reliably (the pull sometimes completes first).
         pytest.param("ucx", None, marks=pytest.mark.skipif(not HAVE_UCXX, reason="no ucxx")),
-        # sends posted: P exits at its first yield after the digest of the 48 MiB (> 5 ms)
-        pytest.param("ucx", 0.005, marks=pytest.mark.skipif(not HAVE_UCXX, reason="no ucxx")),
     ],
 )
 async def test_peer_dying_mid_transfer_raises_transfer_error(backend, delay):
