@@ -171,6 +171,7 @@ class Registration(abc.ABC):
         self.state = RegistrationState.IDLE
         self._record: WorkerRecord | None = None
         self._task: asyncio.Task[None] | None = None  # the refresh / keepalive task
+        self._backoff = Backoff(0.1, self.refresh_interval_s)
 
     @property
     def record(self) -> WorkerRecord | None:
@@ -219,6 +220,30 @@ class Registration(abc.ABC):
         """Stop refreshing *without* deregistering, as if the process had died: the record
         lapses after its TTL. For crash tests and exit paths that must not wait on the
         registry. Idempotent; ``close()`` afterwards is a no-op."""
+
+    def _note_failure(self, where: str, exc: Exception, detail: str = "") -> None:
+        """A write or refresh failed: state RETRYING (unless closed); a warning on the first
+        failure in a row and every tenth after it, so an outage does not flood the log."""
+        if self.state is not RegistrationState.CLOSED:
+            self.state = RegistrationState.RETRYING
+        failures = self._backoff.failures + 1
+        if failures == 1 or failures % 10 == 0:
+            logger.warning(
+                "%s: keeping worker %s registered failed (%d in a row): %r %s",
+                where,
+                self._record.worker_id if self._record else "?",
+                failures,
+                exc,
+                detail,
+            )
+
+    def _note_success(self, where: str) -> None:
+        """A write or refresh reached the registry: reset the backoff, state REGISTERED."""
+        if self._backoff.failures:
+            logger.info("%s reachable again", where)
+        self._backoff.reset()
+        if self.state is not RegistrationState.CLOSED:
+            self.state = RegistrationState.REGISTERED
 
     async def _cancel_task(self) -> None:
         task, self._task = self._task, None

@@ -92,7 +92,6 @@ class EtcdRegistration(Registration):
         op_timeout_s = max(0.5, min(5.0, self.refresh_interval_s))
         self._client = _new_client(host, port, op_timeout_s)
         self._wake = asyncio.Event()
-        self._backoff = Backoff(0.1, self.refresh_interval_s)
         self._ever_registered = False
 
     async def start(self, record: WorkerRecord) -> None:
@@ -190,23 +189,9 @@ class EtcdRegistration(Registration):
                 self.lease_id = None
                 await self._register()
         except Exception as exc:  # etcd down, timeout, gRPC error: retry, never crash the worker
-            if self.state is not RegistrationState.CLOSED:
-                self.state = RegistrationState.RETRYING
-            failures = self._backoff.failures + 1
-            if failures == 1 or failures % 10 == 0:
-                logger.warning(
-                    "etcd %s: keeping worker %s registered failed (%d in a row): %r",
-                    self.endpoint,
-                    self._worker_id,
-                    failures,
-                    exc,
-                )
+            self._note_failure(f"etcd {self.endpoint}", exc)
             return False
-        if self._backoff.failures:
-            logger.info("etcd %s reachable again", self.endpoint)
-        self._backoff.reset()
-        if self.state is not RegistrationState.CLOSED:
-            self.state = RegistrationState.REGISTERED
+        self._note_success(f"etcd {self.endpoint}")
         return True
 
     async def _step(self, refresh_due: bool) -> None:

@@ -46,7 +46,6 @@ class HttpRegistration(Registration):
         timeout = httpx.Timeout(max(0.5, min(5.0, self.refresh_interval_s)))
         self._client = httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=_HEADERS)
         self._wake = asyncio.Event()
-        self._backoff = Backoff(0.1, self.refresh_interval_s)
         self._ever_registered = False
 
     @property
@@ -131,19 +130,8 @@ class HttpRegistration(Registration):
         return True
 
     def _on_failure(self, exc: Exception) -> None:
-        if self.state is not RegistrationState.CLOSED:
-            self.state = RegistrationState.RETRYING
-        failures = self._backoff.failures + 1
-        if failures == 1 or failures % 10 == 0:
-            detail = exc.response.text[:200] if isinstance(exc, httpx.HTTPStatusError) else ""
-            logger.warning(
-                "registration of %s with %s failed (%d in a row): %r %s",
-                self._record.worker_id if self._record else "?",
-                self.base_url,
-                failures,
-                exc,
-                detail,
-            )
+        detail = exc.response.text[:200] if isinstance(exc, httpx.HTTPStatusError) else ""
+        self._note_failure(f"registry {self.base_url}", exc, detail)
 
     async def _refresh_loop(self) -> None:
         ok = self.state is RegistrationState.REGISTERED  # outcome of start()'s inline PUT

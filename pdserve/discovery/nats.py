@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
-from pdserve.discovery.base import Backoff, Registration, RegistrationState
+from pdserve.discovery.base import Registration, RegistrationState
 from pdserve.discovery.events import EventPublisher, subject_token
 from pdserve.errors import DiscoveryError
 from pdserve.protocol import WorkerLoad, WorkerRecord
@@ -223,7 +223,6 @@ class NatsRegistration(Registration):
         )
         self._wake = asyncio.Event()  # put soon: update() changed the identity, or reconnected
         self._reconnected = asyncio.Event()  # cuts the backoff short
-        self._backoff = Backoff(0.1, self.refresh_interval_s)
         self._written: WorkerRecord | None = None
         self._ever_registered = False
         self._superseded = False
@@ -372,23 +371,9 @@ class NatsRegistration(Registration):
         except Exception as exc:  # NATS down, timeout, JetStream not ready: retry
             if isinstance(exc, nats.js.errors.NoStreamResponseError | nats.js.errors.NotFoundError):
                 self._session.forget_bucket()  # the stream is gone (e.g. a wiped store)
-            if self.state is not RegistrationState.CLOSED:
-                self.state = RegistrationState.RETRYING
-            failures = self._backoff.failures + 1
-            if failures == 1 or failures % 10 == 0:
-                logger.warning(
-                    "NATS %s: keeping worker %s registered failed (%d in a row): %r",
-                    self.server_url,
-                    self._worker_id,
-                    failures,
-                    exc,
-                )
+            self._note_failure(f"NATS {self.server_url}", exc)
             return False
-        if self._backoff.failures:
-            logger.info("NATS %s reachable again", self.server_url)
-        self._backoff.reset()
-        if self.state is not RegistrationState.CLOSED:
-            self.state = RegistrationState.REGISTERED
+        self._note_success(f"NATS {self.server_url}")
         return True
 
     async def _refresh_loop(self) -> None:
