@@ -12,17 +12,20 @@ Lifecycle::
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import yaml
+
+from pdserve.config import ENV_PREFIX, PdserveConfig, served_model_name
 
 GRACE_S = 10.0
 
@@ -37,49 +40,55 @@ def _cli(*args: str, log_level: str) -> list[str]:
     return [sys.executable, "-m", "pdserve.cli", "--log-level", log_level, *args]
 
 
+def child_config(cfg: PdserveConfig, model_path: Path) -> PdserveConfig:
+    """The fully resolved config the children read: the model path and name pinned,
+    ``scheduler.threads`` split evenly across the workers and UCX on loopback when unset."""
+    n_workers = max(1, cfg.prefill.replicas + cfg.decode.replicas)
+    threads = cfg.scheduler.threads or max(1, (os.cpu_count() or 1) // n_workers)
+    return cfg.model_copy(
+        update={
+            "model": cfg.model.model_copy(
+                update={"path": model_path, "served_name": served_model_name(cfg, model_path)}
+            ),
+            "scheduler": cfg.scheduler.model_copy(update={"threads": threads}),
+            # One host: UCX (nixl, ucx backends) stays on loopback unless told otherwise.
+            "transfer": cfg.transfer.model_copy(
+                update={"ucx_devices": cfg.transfer.ucx_devices or "lo"}
+            ),
+        }
+    )
+
+
 def worker_commands(
-    args: argparse.Namespace, model_path: Path, router_url: str
+    cfg: PdserveConfig, config_file: Path, log_level: str
 ) -> list[tuple[str, list[str]]]:
-    """The (name, argv) of every worker child. Threads are split evenly across workers."""
-    n_workers = args.prefill + args.decode
-    threads = args.threads or max(1, (os.cpu_count() or 1) // n_workers)
-    common = [
-        "--model", str(model_path),
-        "--served-model-name", args.served_model_name or _default_name(args, model_path),
-        "--discovery", router_url,
-        "--dtype", args.dtype,
-        "--kv-cache-mb", str(args.kv_cache_mb),
-        "--tokens-per-block", str(args.tokens_per_block),
-        "--max-num-seqs", str(args.max_num_seqs),
-        "--threads", str(threads),
-        "--transfer-backend", args.transfer_backend,
-        "--lease-s", str(args.lease_s),
-        "--ucx-devices", "lo",
-    ]  # fmt: skip
-    if args.max_model_len:
-        common += ["--max-model-len", str(args.max_model_len)]
-    if args.kv_dtype:
-        common += ["--kv-dtype", args.kv_dtype]
-    if not args.kv_integrity:
-        common += ["--no-kv-integrity"]
+    """The (name, argv) of every worker child: ``--config`` plus a distinct ``--worker-id``."""
     cmds = []
-    for role, count in (("prefill", args.prefill), ("decode", args.decode)):
-        for i in range(count):
+    for role in ("prefill", "decode"):
+        for i in range(cfg.worker(role).replicas):
             name = f"{role}-{i}"
-            cmds.append((name, _cli(role, *common, "--worker-id", name, log_level=args.log_level)))
+            argv = _cli(
+                role, "--config", str(config_file), "--worker-id", name, log_level=log_level
+            )
+            cmds.append((name, argv))
     return cmds
 
 
-def _default_name(args: argparse.Namespace, model_path: Path) -> str:
-    from pdserve.config import DEFAULT_MODEL
-
-    return DEFAULT_MODEL if args.model in (None, DEFAULT_MODEL) else model_path.name
+def child_env() -> dict[str, str]:
+    """This environment minus ``PDSERVE_<SECTION>__<FIELD>`` settings: the children's config
+    file is already resolved, and a variable would otherwise outrank a flag given to ``up``."""
+    return {k: v for k, v in os.environ.items() if not (k.startswith(ENV_PREFIX) and "__" in k)}
 
 
 def _wait_ready(
-    url: str, expected: int, children: list[Child], timeout_s: float, stopping: Callable[[], bool]
+    url: str,
+    expected: tuple[int, int],
+    children: list[Child],
+    timeout_s: float,
+    stopping: Callable[[], bool],
 ) -> bool:
-    """Poll until ready (True) or asked to stop (False); raises on a dead child or timeout."""
+    """Poll the router's /ready until every worker is registered (True) or asked to stop
+    (False); raises on a dead child or timeout."""
     deadline = time.monotonic() + timeout_s
     with httpx.Client(timeout=2.0) as client:
         while time.monotonic() < deadline:
@@ -91,11 +100,11 @@ def _wait_ready(
                         f"{c.name} exited with code {c.proc.returncode} while starting"
                     )
             try:
-                ready = client.get(f"{url}/ready").status_code == 200
-                workers = client.get(f"{url}/registry/workers").json()["workers"]
-                if ready and len(workers) >= expected:
+                r = client.get(f"{url}/ready")
+                body = r.json()
+                if r.status_code == 200 and (len(body["prefill"]), len(body["decode"])) >= expected:
                     return True
-            except (httpx.HTTPError, ValueError):
+            except (httpx.HTTPError, ValueError, KeyError):
                 pass
             time.sleep(0.5)
     raise TimeoutError(f"the stack was not ready within {timeout_s:.0f} s")
@@ -121,17 +130,14 @@ def _stop_all(children: list[Child]) -> None:
                 c.proc.wait()
 
 
-def run_up(args: argparse.Namespace, model_path: Path) -> int:
+def run_up(
+    cfg: PdserveConfig, model_path: Path, *, log_level: str = "info", ready_timeout_s: float = 300
+) -> int:
     """Run the whole stack until Ctrl-C; returns the exit code."""
-    url_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-    url = f"http://{url_host}:{args.port}"
-    name = args.served_model_name or _default_name(args, model_path)
-    router_cmd = _cli(
-        "router", "--model", str(model_path), "--served-model-name", name,
-        "--host", args.host, "--port", str(args.port), "--discovery", "embedded",
-        *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []),
-        log_level=args.log_level,
-    )  # fmt: skip
+    cfg = child_config(cfg, model_path)
+    url = cfg.router_url
+    name = cfg.model.served_name
+    n_prefill, n_decode = cfg.prefill.replicas, cfg.decode.replicas
     children: list[Child] = []
     stopping = False
 
@@ -141,35 +147,43 @@ def run_up(args: argparse.Namespace, model_path: Path) -> int:
 
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
-    try:
-        children.append(Child("router", subprocess.Popen(router_cmd, start_new_session=True)))
-        for wname, cmd in worker_commands(args, model_path, url):
-            children.append(Child(wname, subprocess.Popen(cmd, start_new_session=True)))
-        print(
-            f"pdserve: starting router + {args.prefill} prefill + {args.decode} decode "
-            f"worker(s) for {name} ...",
-            file=sys.stderr,
-        )
-        if _wait_ready(
-            url, args.prefill + args.decode, children, args.ready_timeout_s, lambda: stopping
-        ):
-            print(
-                f"pdserve: ready. OpenAI-compatible endpoint: {url}/v1  (model {name!r}; Ctrl-C stops)"
+    with tempfile.TemporaryDirectory(prefix="pdserve-up-") as tmp:
+        config_file = Path(tmp) / "config.yaml"
+        config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        env = child_env()
+        try:
+            router_cmd = _cli("router", "--config", str(config_file), log_level=log_level)
+            children.append(
+                Child("router", subprocess.Popen(router_cmd, start_new_session=True, env=env))
             )
-        sys.stdout.flush()
-        while not stopping:
-            for c in children:
-                if c.proc.poll() is not None:
-                    print(
-                        f"pdserve: {c.name} exited with code {c.proc.returncode}; stopping",
-                        file=sys.stderr,
-                    )
-                    return 1
-            time.sleep(0.5)
-        print("pdserve: stopping ...", file=sys.stderr)
-        return 0
-    except (RuntimeError, TimeoutError) as exc:
-        print(f"pdserve: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        _stop_all(children)
+            for wname, cmd in worker_commands(cfg, config_file, log_level):
+                children.append(
+                    Child(wname, subprocess.Popen(cmd, start_new_session=True, env=env))
+                )
+            print(
+                f"pdserve: starting router + {n_prefill} prefill + {n_decode} decode "
+                f"worker(s) for {name} ...",
+                file=sys.stderr,
+            )
+            if _wait_ready(url, (n_prefill, n_decode), children, ready_timeout_s, lambda: stopping):
+                print(
+                    f"pdserve: ready. OpenAI-compatible endpoint: {url}/v1  "
+                    f"(model {name!r}; Ctrl-C stops)"
+                )
+            sys.stdout.flush()
+            while not stopping:
+                for c in children:
+                    if c.proc.poll() is not None:
+                        print(
+                            f"pdserve: {c.name} exited with code {c.proc.returncode}; stopping",
+                            file=sys.stderr,
+                        )
+                        return 1
+                time.sleep(0.5)
+            print("pdserve: stopping ...", file=sys.stderr)
+            return 0
+        except (RuntimeError, TimeoutError) as exc:
+            print(f"pdserve: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            _stop_all(children)

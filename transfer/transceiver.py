@@ -28,7 +28,7 @@ from collections import deque
 
 import torch
 
-from pdserve.config import TransferConfig
+from pdserve.config import TransferConfig, advertised_host
 from pdserve.errors import ConfigError, TransferError
 from pdserve.protocol import KVLayout, TransferHandle
 from pdserve.transfer.backend import Backend, open_backend
@@ -93,7 +93,8 @@ class Transceiver:
         sock.setblocking(False)
         self._listener = sock
         bound = sock.getsockname()[1]
-        self.endpoint = f"[{host}]:{bound}" if family == socket.AF_INET6 else f"{host}:{bound}"
+        shown = advertised_host(host, self._cfg.advertise_host)
+        self.endpoint = f"[{shown}]:{bound}" if ":" in shown else f"{shown}:{bound}"
         self._accept_task = asyncio.create_task(self._accept_loop(sock))
         log.info("KV transceiver (%s) listening on %s", self.backend, self.endpoint)
 
@@ -176,8 +177,9 @@ def create_transceiver(
     """Build a worker's transceiver over its KV pool.
 
     ``pool``: the worker's one contiguous pool ``[num_layers, num_blocks, 2, tpb, kvh, hd]``
-    of ``layout.dtype`` (CPU; CUDA with NIXL only). It is registered with NIXL and must outlive
-    the transceiver. ``parked``: the prefill worker's parked blocks (None on a pure decode
+    of ``layout.dtype`` (CPU or CUDA: NIXL registers either, TCP stages CUDA bytes through
+    pinned host memory, ucx refuses CUDA with ConfigError). It is registered with NIXL and must
+    outlive the transceiver. ``parked``: the prefill worker's parked blocks (None on a pure decode
     worker: its SendBlocks are refused). Picks the backend (``cfg.backend``; ``"auto"`` = NIXL
     if it imports and initialises, else TCP). Raises ConfigError for a pool that does not match
     ``layout`` or an unavailable explicit backend. Call from the event loop's thread.

@@ -29,7 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pdserve.config import WorkerConfig
+from pdserve.config import WorkerConfig, advertised_host
 from pdserve.errors import InvalidRequestError, PdserveError
 from pdserve.protocol import (
     PROTOCOL_HEADER,
@@ -300,9 +300,7 @@ def run_worker(cfg: WorkerConfig, *, log_level: str = "info") -> None:
 
     sock = bind_socket(cfg.host, cfg.port)
     port = sock.getsockname()[1]
-    advertise = cfg.advertise_host or (
-        cfg.host if cfg.host not in ("0.0.0.0", "::") else socket.gethostname()
-    )
+    advertise = advertised_host(cfg.host, cfg.advertise_host)
     app = create_worker_app(cfg, http_url=f"http://{advertise}:{port}")
     server = uvicorn.Server(
         uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, access_log=False)

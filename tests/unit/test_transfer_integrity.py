@@ -14,10 +14,9 @@ import pytest
 import torch
 import xxhash
 
-from pdserve.cli import build_parser, worker_config
-from pdserve.config import TransferConfig
+from pdserve.cli import build_parser, resolve_config
+from pdserve.config import TransferConfig, worker_config
 from pdserve.errors import IntegrityError, TransferError
-from pdserve.launcher import worker_commands
 from pdserve.protocol import KVLayout
 from pdserve.transfer import integrity
 from pdserve.transfer.formatter import Formatter, PoolGeometry, TransferPlan, pool_bytes
@@ -171,11 +170,14 @@ def test_a_pool_that_is_not_in_host_memory_asks_to_switch_integrity_off() -> Non
 
 def test_integrity_is_on_by_default_and_the_cli_switch_turns_it_off_through_up() -> None:
     parser, model = build_parser(), Path("/models/m")
+
+    def integrity(argv: list[str], role: str | None = None) -> bool:
+        cfg, _ = resolve_config(parser.parse_args(argv), role, env={})
+        return worker_config(cfg, "decode", model).transfer.integrity
+
     assert TransferConfig().integrity is True
-    assert worker_config(parser.parse_args(["decode"]), "decode", model).transfer.integrity
-    off = parser.parse_args(["decode", "--no-kv-integrity"])
-    assert worker_config(off, "decode", model).transfer.integrity is False
-    up_off = worker_commands(parser.parse_args(["up", "--no-kv-integrity"]), model, "http://r")
-    assert up_off and all("--no-kv-integrity" in argv for _, argv in up_off)
-    up_on = worker_commands(parser.parse_args(["up"]), model, "http://r")
-    assert not any("--no-kv-integrity" in argv for _, argv in up_on)
+    assert integrity(["decode"], "decode") is True
+    assert integrity(["decode", "--no-kv-integrity"], "decode") is False
+    # `up` writes one resolved config file that every child reads.
+    assert integrity(["up", "--no-kv-integrity"]) is False
+    assert integrity(["up"]) is True

@@ -1,0 +1,212 @@
+"""The YAML config: every example validates, every error names its path and source, and the
+layers resolve as flag > environment > file > default."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pdserve.cli import build_parser, main, resolve_config
+from pdserve.config import (
+    ConfigError,
+    PdserveConfig,
+    dump_config,
+    load_config,
+    load_file,
+    router_config,
+    worker_config,
+)
+from pdserve.launcher import child_config, child_env, worker_commands
+
+CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
+MODEL = Path("/models/m")
+
+
+def test_there_is_one_example_per_topology() -> None:
+    assert {p.name for p in CONFIGS} >= {"single-host.yaml", "1p1d-etcd.yaml", "2p2d-nats.yaml"}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_example_config_validates(path: Path) -> None:
+    cfg = load_file(path)
+    assert cfg.prefill.replicas >= 1 and cfg.decode.replicas >= 1
+    # Every example keeps the lease shorter than the request deadline it documents.
+    assert cfg.kv_cache.lease_s < cfg.router.request_timeout_s
+
+
+def test_the_topologies_use_the_discovery_they_are_named_after() -> None:
+    by_name = {p.name: load_file(p) for p in CONFIGS}
+    assert by_name["single-host.yaml"].discovery.url == "embedded"
+    assert by_name["1p1d-etcd.yaml"].discovery.url.startswith("etcd://")
+    nats = by_name["2p2d-nats.yaml"]
+    assert nats.discovery.url.startswith("nats://")
+    assert (nats.prefill.replicas, nats.decode.replicas) == (2, 2)
+
+
+def test_config_validate_cli_accepts_the_examples(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "validate", *map(str, CONFIGS)]) == 0
+    assert capsys.readouterr().out.count(": OK") == len(CONFIGS)
+
+
+BAD = """\
+kv_cache:
+  tokens_per_block: 0
+  lease: 3
+transfer:
+  backend: rdma
+discovery:
+  url: zookeeper://zk:2181
+prefill:
+  port: 99999
+"""
+
+
+def test_an_invalid_file_reports_every_error_with_its_path_and_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(BAD)
+    with pytest.raises(ConfigError) as info:
+        load_file(bad)
+    problems = info.value.problems
+    assert len(problems) == 5
+    expected = {
+        "kv_cache.tokens_per_block": ("greater than 0", 2),
+        "kv_cache.lease": ("unknown setting", 3),
+        "transfer.backend": ("'tcp'", 5),
+        "discovery.url": ("etcd://host:port", 7),
+        "prefill.port": ("65535", 9),
+    }
+    for path, (text, line) in expected.items():
+        (hit,) = [p for p in problems if p.startswith(path + ":")]
+        assert text in hit and f"bad.yaml:{line}]" in hit, hit
+
+
+def test_config_validate_cli_exits_2_and_prints_the_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(BAD)
+    assert main(["config", "validate", str(CONFIGS[0]), str(bad)]) == 2
+    out = capsys.readouterr()
+    assert "INVALID (5 error(s))" in out.err and "transfer.backend" in out.err
+    assert ": OK" in out.out
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [("router: [\n", "bad.yaml:2:1: not valid YAML"), ("- 1\n", "must be a mapping")],
+)
+def test_yaml_that_is_not_a_config_is_refused_with_a_location(
+    tmp_path: Path, text: str, needle: str
+) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    with pytest.raises(ConfigError, match=needle):
+        load_file(bad)
+
+
+def test_a_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read the config file"):
+        load_file(tmp_path / "nope.yaml")
+
+
+def test_precedence_is_flag_over_environment_over_file_over_default(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("kv_cache:\n  lease_s: 11\n  tokens_per_block: 32\nrouter:\n  port: 9001\n")
+    env = {"PDSERVE_KV_CACHE__LEASE_S": "12", "PDSERVE_ROUTER__PORT": "9002"}
+    args = build_parser().parse_args(["decode", "--config", str(f), "--lease-s", "13"])
+    cfg, sources = resolve_config(args, "decode", env=env)
+    assert cfg.kv_cache.lease_s == 13  # flag beats env and file
+    assert cfg.router.port == 9002  # env beats file
+    assert cfg.kv_cache.tokens_per_block == 32  # file beats default
+    assert cfg.scheduler.max_num_seqs == PdserveConfig().scheduler.max_num_seqs  # default
+    assert sources[("kv_cache", "lease_s")] == "command line"
+    assert sources[("router", "port")] == "env PDSERVE_ROUTER__PORT"
+    assert sources[("kv_cache", "tokens_per_block")].endswith("c.yaml:3")
+    shown = dump_config(cfg, sources)
+    assert "lease_s: 13.0  # command line" in shown
+
+
+def test_pdserve_config_names_the_file_when_no_flag_does(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("discovery:\n  url: nats://nats:4222\n")
+    args = build_parser().parse_args(["router"])
+    cfg, _ = resolve_config(args, env={"PDSERVE_CONFIG": str(f)})
+    assert router_config(cfg, MODEL).discovery == "nats://nats:4222"
+
+
+def test_bad_environment_values_and_unknown_variables_name_the_variable() -> None:
+    env = {"PDSERVE_KV_CACHE__TOKENS_PER_BLOCK": "x", "PDSERVE_TRANSFR__PORT": "1"}
+    with pytest.raises(ConfigError) as info:
+        load_config(env=env)
+    text = str(info.value)
+    assert (
+        "kv_cache.tokens_per_block" in text and "[env PDSERVE_KV_CACHE__TOKENS_PER_BLOCK]" in text
+    )
+    assert "transfr: unknown setting" in text and "[env PDSERVE_TRANSFR__PORT]" in text
+
+
+def test_an_empty_environment_value_means_null_and_plain_pdserve_variables_are_ignored() -> None:
+    cfg, _ = load_config(
+        env={"PDSERVE_SCHEDULER__THREADS": "", "PDSERVE_CACHE_DIR": "/x", "PDSERVE_CONFIG": ""}
+    )
+    assert cfg.scheduler.threads is None
+
+
+def test_worker_runtime_config_follows_the_file(tmp_path: Path) -> None:
+    cfg = load_file(Path(__file__).parents[2] / "configs" / "1p1d-etcd.yaml")
+    w = worker_config(cfg, "prefill", MODEL)
+    assert w.discovery == "etcd://etcd:2379"
+    assert (w.host, w.port, w.lease_s) == ("0.0.0.0", 8100, cfg.kv_cache.lease_s)
+    assert (w.transfer.backend, w.transfer.host, w.transfer.port) == ("tcp", "0.0.0.0", 7100)
+    # A wildcard bind advertises the hostname (compose and Kubernetes DNS resolve it) ...
+    assert w.transfer.advertise_host not in ("0.0.0.0", "", None)
+    # ... unless told otherwise.
+    args = build_parser().parse_args(["prefill", "--advertise-host", "10.0.0.6"])
+    cfg2, _ = resolve_config(args, "prefill", env={"PDSERVE_CONFIG": str(CONFIGS[0])})
+    assert worker_config(cfg2, "prefill", MODEL).transfer.advertise_host == "10.0.0.6"
+    assert w.engine.kv_cache_bytes == cfg.kv_cache.budget_mb * 2**20
+
+
+def test_a_worker_given_a_router_url_uses_the_embedded_registry_there() -> None:
+    args = build_parser().parse_args(["decode", "--discovery", "http://10.0.0.5:8000"])
+    cfg, _ = resolve_config(args, "decode", env={})
+    assert cfg.discovery.url == "embedded"
+    assert worker_config(cfg, "decode", MODEL).discovery == "http://10.0.0.5:8000"
+    # The default worker dials the default router.
+    cfg, _ = resolve_config(build_parser().parse_args(["decode"]), "decode", env={})
+    assert worker_config(cfg, "decode", MODEL).discovery == "http://127.0.0.1:8000"
+
+
+def test_up_children_read_one_resolved_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    args = build_parser().parse_args(["up", "--prefill", "2", "--decode", "3", "--port", "9100"])
+    cfg, _ = resolve_config(args, env={})
+    resolved = child_config(cfg, MODEL)
+    assert resolved.model.path == MODEL and resolved.scheduler.threads
+    assert resolved.router_url == "http://127.0.0.1:9100"
+    cmds = worker_commands(resolved, tmp_path / "c.yaml", "info")
+    assert [name for name, _ in cmds] == ["prefill-0", "prefill-1"] + [
+        f"decode-{i}" for i in range(3)
+    ]
+    assert all("--config" in argv for _, argv in cmds)
+    monkeypatch.setenv("PDSERVE_ROUTER__PORT", "1")
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", "/cache")
+    env = child_env()
+    assert "PDSERVE_ROUTER__PORT" not in env and env["PDSERVE_CACHE_DIR"] == "/cache"
+
+
+def test_schema_cli_prints_every_section(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert set(schema["properties"]) == set(PdserveConfig.model_fields)
+    assert "KVCacheSettings" in schema["$defs"]
+
+
+def test_help_shows_the_schema_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["decode", "--help"])
+    out = capsys.readouterr().out
+    assert "(default: 30.0; config kv_cache.lease_s)" in " ".join(out.split())
