@@ -34,6 +34,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 import anyio
 
@@ -50,6 +51,9 @@ from pdserve.protocol import (
 from pdserve.router.client import GenerationStream, WorkerClient, WorkerUnreachableError
 from pdserve.router.policy import Pair, choose_pair
 from pdserve.router.view import WorkerView
+
+if TYPE_CHECKING:
+    from pdserve.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
 
@@ -87,20 +91,46 @@ class Router:
     """Starts transactions: pairs workers, runs the prefill leg, hands back a
     :class:`Transaction` for the decode leg.
 
-    ``request_timeout_s`` is the whole request's budget (both legs). Ownership: the router uses
-    but does not own ``view`` and ``client``.
+    ``request_timeout_s`` is the whole request's budget (both legs). ``metrics``, when given,
+    records every request's outcome, TTFT, ITL, TPOT and token counts. Ownership: the router
+    uses but does not own ``view``, ``client`` and ``metrics``.
     """
 
-    def __init__(self, view: WorkerView, client: WorkerClient, *, request_timeout_s: float):
+    def __init__(
+        self,
+        view: WorkerView,
+        client: WorkerClient,
+        *,
+        request_timeout_s: float,
+        metrics: RouterMetrics | None = None,
+    ):
         self.view = view
         self.client = client
         self.request_timeout_s = request_timeout_s
+        self.metrics = metrics
 
     async def start(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
     ) -> Transaction:
         """Run states 1-3. Raises NoWorkerError (503) when no pair qualifies, or the prefill
         leg's typed error; nothing has reached the client yet when it raises."""
+        t_in = time.monotonic()
+        try:
+            txn = await self._start(request_id, prompt_token_ids, sampling)
+        except BaseException:
+            if self.metrics is not None:
+                self.metrics.requests.labels("failed").inc()
+            raise
+        txn.t_in = t_in
+        if self.metrics is not None:
+            self.metrics.ttft.observe(txn.t_first - t_in)
+            self.metrics.prompt_tokens.inc(len(prompt_token_ids))
+            self.metrics.running.inc()
+        return txn
+
+    async def _start(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+    ) -> Transaction:
         spec = RequestSpec(
             request_id, tuple(prompt_token_ids), sampling, time.time() + self.request_timeout_s
         )
@@ -188,6 +218,7 @@ class Transaction:
         self._closed = False
         self.state = TxnState.FINISHED if context.finish_reason else TxnState.PREFILLED
         self.num_tokens = 1
+        self.t_in = self.t_first = self.t_last = time.monotonic()
 
     @property
     def request_id(self) -> str:
@@ -238,6 +269,10 @@ class Transaction:
             if chunk.request_id != self.request_id:
                 raise WorkerError(f"{leg} streamed a chunk for request {chunk.request_id!r}")
             self.num_tokens += len(chunk.token_ids)
+            now = time.monotonic()
+            if self._router.metrics is not None:
+                self._router.metrics.itl.observe(now - self.t_last)
+            self.t_last = now
             if chunk.finish_reason is not None:
                 self.state = TxnState.FINISHED
                 log.info(
@@ -282,3 +317,17 @@ class Transaction:
                     )
         finally:
             self._holds.close()
+            self._record()
+
+    def _record(self) -> None:
+        m = self._router.metrics
+        if m is None:
+            return
+        outcome = {TxnState.FINISHED: "finished", TxnState.FAILED: "failed"}
+        m.requests.labels(outcome.get(self.state, "abandoned")).inc()
+        m.running.dec()
+        m.generation_tokens.inc(self.num_tokens)
+        if self.state is TxnState.FINISHED:
+            m.e2e.observe(self.t_last - self.t_in)
+            if self.num_tokens > 1:
+                m.tpot.observe((self.t_last - self.t_first) / (self.num_tokens - 1))

@@ -5,8 +5,8 @@ Lifecycle (the lifespan)::
     1 START  load the tokenizer (local files only) and work out the context window; start the
              embedded registry (if this app created it) and the discovery watcher (if this app
              opened it); open the httpx client for the worker request plane (if not injected)
-    2 SERVE  /v1/chat/completions, /v1/completions, /v1/models, /health, /ready (+ /registry/...
-             when an embedded registry is mounted)
+    2 SERVE  /v1/chat/completions, /v1/completions, /v1/models, /health, /ready, /metrics
+             (+ /registry/... when an embedded registry is mounted)
     3 STOP   close what step 1 opened, in reverse order; injected objects are left alone
 
 Request path: validate + tokenize (:mod:`pdserve.server.preprocess`), run the prefill leg
@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pdserve.config import RouterConfig
 from pdserve.errors import PdserveError
+from pdserve.metrics import CONTENT_TYPE, RouterMetrics
 from pdserve.router.client import WorkerClient
 from pdserve.router.transaction import Router, Transaction
 from pdserve.router.view import WorkerSource, WorkerView
@@ -72,6 +73,7 @@ class ServerState:
     router: Router
     max_model_len: int
     started_at: int
+    metrics: RouterMetrics
 
 
 def create_app(
@@ -156,6 +158,12 @@ async def _start(
         stack.push_async_callback(http_client.aclose)
     source: WorkerSource = watcher
     view = WorkerView(source, served_model_name=cfg.served_model_name)
+
+    def usable_workers() -> dict[str, int]:
+        c = view.candidates()
+        return {"prefill": len(c.prefill), "decode": len(c.decode)}
+
+    metrics = RouterMetrics(usable_workers)
     return ServerState(
         cfg=cfg,
         preprocessor=Preprocessor(
@@ -163,9 +171,15 @@ async def _start(
         ),
         tokens=TokenFormatter(tokenizer),
         view=view,
-        router=Router(view, WorkerClient(http_client), request_timeout_s=cfg.request_timeout_s),
+        router=Router(
+            view,
+            WorkerClient(http_client),
+            request_timeout_s=cfg.request_timeout_s,
+            metrics=metrics,
+        ),
         max_model_len=max_model_len,
         started_at=int(time.time()),
+        metrics=metrics,
     )
 
 
@@ -193,6 +207,11 @@ def _add_routes(app: FastAPI) -> None:
         if not r.ready:
             body["missing"] = list(r.missing)
         return JSONResponse(body, status_code=200 if r.ready else 503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        """Prometheus text format: request outcomes, TTFT, TPOT, ITL, tokens, workers."""
+        return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:

@@ -10,7 +10,8 @@ Lifecycle (start -> serve -> drain -> cleanup; cleanup is idempotent)::
     4 CLEANUP  close the transceiver, free parked blocks, stop the engine
 
 Routes: ``POST /internal/context`` and ``/internal/release`` (prefill), ``POST
-/internal/generate`` (decode, colocated), ``GET /health``, ``GET /ready``, ``GET /load``.
+/internal/generate`` (decode, colocated), ``GET /health``, ``GET /ready``, ``GET /load``,
+``GET /metrics``.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.config import WorkerConfig, advertised_host
 from pdserve.errors import InvalidRequestError, PdserveError
+from pdserve.metrics import CONTENT_TYPE, WorkerMetrics
 from pdserve.protocol import (
     PROTOCOL_HEADER,
     PROTOCOL_VERSION,
@@ -72,6 +74,7 @@ class WorkerState:
     registration: Registration | None = None
     events: EventPublisher | None = None  # load / KV events, NATS discovery only
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+    metrics: WorkerMetrics | None = None
 
     def load(self) -> WorkerLoad:
         assert self.engine is not None
@@ -153,7 +156,10 @@ async def _start(state: WorkerState) -> None:
         )
     else:
         state.decode = DecodeRole(
-            engine=engine, transceiver=state.transceiver, quarantine_s=cfg.transfer.timeout_s
+            engine=engine,
+            transceiver=state.transceiver,
+            quarantine_s=cfg.transfer.timeout_s,
+            metrics=state.metrics,
         )
     state.registration = open_registration(cfg.discovery, ttl_s=cfg.registration_ttl_s)
     await state.registration.start(state.record())
@@ -207,6 +213,11 @@ def create_worker_app(cfg: WorkerConfig, *, http_url: str) -> FastAPI:
     reach this worker (it goes into the discovery record)."""
     worker_id = cfg.worker_id or f"{cfg.role}-{uuid.uuid4().hex[:8]}"
     state = WorkerState(cfg=cfg, http_url=http_url, worker_id=worker_id)
+    state.metrics = WorkerMetrics(
+        cfg.role,
+        load=lambda: state.load() if state.engine is not None else None,
+        lease_expired=lambda: state.parked.expired_total if state.parked is not None else 0,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -236,6 +247,12 @@ def create_worker_app(cfg: WorkerConfig, *, http_url: str) -> FastAPI:
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "role": cfg.role, "worker_id": worker_id, "epoch": state.epoch}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus text format: KV blocks, batch, leases, KV transfers."""
+        assert state.metrics is not None
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/ready")
     async def ready() -> JSONResponse:

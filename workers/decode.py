@@ -35,6 +35,7 @@ from pdserve.protocol import FinishReason, GenerationChunk, GenerationRequest, T
 from pdserve.workers.bridge import OutputStream
 
 if TYPE_CHECKING:
+    from pdserve.metrics import WorkerMetrics
     from pdserve.transfer import Transceiver
     from pdserve.workers.engine import Engine, EngineOutput
 
@@ -78,12 +79,18 @@ class DecodeRole:
     """Serves ``/internal/generate`` for a decode (or colocated) worker."""
 
     def __init__(
-        self, *, engine: Engine, transceiver: Transceiver | None, quarantine_s: float = 30.0
+        self,
+        *,
+        engine: Engine,
+        transceiver: Transceiver | None,
+        quarantine_s: float = 30.0,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self.engine = engine
         self.transceiver = transceiver
         self.quarantine_s = quarantine_s
         self.quarantined = 0
+        self.metrics = metrics
 
     def _quarantine(self, request_id: str) -> None:
         """Free a failed transfer's destination blocks only after ``quarantine_s``: a remote
@@ -133,25 +140,26 @@ class DecodeRole:
             await asyncio.wait_for(
                 self.transceiver.pull(req.handle, dst), timeout=req.deadline - time.time()
             )
+            elapsed = time.perf_counter() - t0
             log.debug(
                 "request %s: pulled %d KV blocks in %.1f ms",
                 req.request_id,
                 len(dst),
-                (time.perf_counter() - t0) * 1e3,
+                elapsed * 1e3,
             )
-        except (HandleError, LayoutMismatchError, IntegrityError):
-            # Refused before any byte was written, or (IntegrityError) checked after every byte
-            # had landed, so nothing more can land: the blocks go back at once, never used.
-            self.engine.unreserve(req.request_id)
-            raise
-        except TimeoutError:
-            self._quarantine(req.request_id)
-            raise DeadlineExceededError(
-                f"KV transfer for request {req.request_id} did not finish before its deadline"
-            ) from None
-        except BaseException:
-            self._quarantine(req.request_id)
-            raise
+            if self.metrics is not None:
+                self.metrics.transfer_seconds.observe(elapsed)
+                layout = self.engine.layout
+                self.metrics.transfer_bytes.inc(
+                    len(dst) * layout.num_layers * layout.block_bytes_per_layer
+                )
+        except BaseException as exc:
+            if self.metrics is not None and not isinstance(exc, asyncio.CancelledError):
+                self.metrics.transfer_failures.labels(type(exc).__name__).inc()
+            error = self._pull_failed(req.request_id, exc)
+            if error is exc:
+                raise
+            raise error from None
         self.engine.add_request(
             EngineRequest(
                 request_id=req.request_id,
@@ -163,6 +171,24 @@ class DecodeRole:
             stream.sink,
         )
         return stream
+
+    def _pull_failed(self, request_id: str, exc: BaseException) -> BaseException:
+        """Dispose of a failed pull's destination blocks and return the error to raise.
+
+        Refused before any byte was written, or (IntegrityError) checked after every byte had
+        landed: nothing more can land, so the blocks go back at once, never used. Anything
+        else (deadline, peer gone, cancellation) may leave a WRITE in flight: quarantine them.
+        A deadline becomes DeadlineExceededError.
+        """
+        if isinstance(exc, HandleError | LayoutMismatchError | IntegrityError):
+            self.engine.unreserve(request_id)
+            return exc
+        self._quarantine(request_id)
+        if isinstance(exc, TimeoutError):
+            return DeadlineExceededError(
+                f"KV transfer for request {request_id} did not finish before its deadline"
+            )
+        return exc
 
     async def chunks(
         self, req: GenerationRequest, stream: OutputStream

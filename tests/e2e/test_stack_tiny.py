@@ -124,6 +124,42 @@ def test_eight_concurrent_requests_equal_their_solo_outputs(tiny_stack: Stack) -
     assert together == solo
 
 
+def _samples(text: str) -> dict[str, float]:
+    """``name{labels} value`` lines of a Prometheus exposition, by name-with-labels."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+def test_metrics_count_requests_ttft_and_kv_transfers(tiny_stack: Stack) -> None:
+    before = _samples(httpx.get(f"{tiny_stack.url}/metrics").text)
+    client = _client(tiny_stack)
+    for ids in PROMPTS[:2]:
+        client.completions.create(model="tiny-llama", prompt=ids, max_tokens=8, temperature=0)
+    router = _samples(httpx.get(f"{tiny_stack.url}/metrics").text)
+
+    def grew(name: str) -> float:
+        return router[name] - before.get(name, 0.0)
+
+    assert grew('pdserve_requests_total{outcome="finished"}') == 2
+    assert grew("pdserve_time_to_first_token_seconds_count") == 2
+    assert grew("pdserve_time_per_output_token_seconds_count") == 2
+    assert grew("pdserve_prompt_tokens_total") == sum(len(p) for p in PROMPTS[:2])
+    assert grew("pdserve_generation_tokens_total") == 16
+    assert router['pdserve_workers{role="decode"}'] == 1
+    assert router["pdserve_requests_running"] == 0
+    workers = httpx.get(f"{tiny_stack.url}/registry/workers").json()["workers"]
+    decode = next(w for w in workers if w["role"] == "decode")
+    d = _samples(httpx.get(f"{decode['http_url']}/metrics").text)
+    assert d["pdserve_kv_transfer_seconds_count"] >= 2
+    assert d["pdserve_kv_transfer_bytes_total"] > 0
+    assert d['pdserve_kv_blocks{state="used"}'] == 0  # every finished request freed its blocks
+    assert d['pdserve_kv_blocks{state="free"}'] > 0
+
+
 def test_models_lists_served_model(tiny_stack: Stack) -> None:
     ids = [m.id for m in _client(tiny_stack).models.list()]
     assert ids == ["tiny-llama"]

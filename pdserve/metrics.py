@@ -1,0 +1,182 @@
+"""Prometheus metrics: ``GET /metrics`` on the router and on every worker.
+
+Each app owns one :class:`prometheus_client.CollectorRegistry` (never the global default one),
+so several apps in one process (tests) do not collide. Names follow Prometheus conventions:
+seconds, ``_total`` counters, a ``pdserve_`` prefix.
+
+Router (:class:`RouterMetrics`), per request:
+
+- ``pdserve_requests_total{outcome}``: finished, failed (a typed error reached the client,
+  as an HTTP status or an in-band SSE error), abandoned (the client went away)
+- ``pdserve_time_to_first_token_seconds`` (TTFT: request in -> first token, which the prefill
+  leg returns), ``pdserve_time_per_output_token_seconds`` (TPOT: (last - first token time) /
+  (tokens - 1)), ``pdserve_inter_token_latency_seconds`` (ITL: gap between two chunks the
+  router relays), ``pdserve_e2e_request_latency_seconds``
+- ``pdserve_prompt_tokens_total``, ``pdserve_generation_tokens_total``,
+  ``pdserve_requests_running``, ``pdserve_workers{role}`` (usable workers in the router's view)
+
+Worker (:class:`WorkerMetrics`): the engine's load read at scrape time
+(``pdserve_kv_blocks{state=free|used|parked}``, ``pdserve_num_requests_running``,
+``pdserve_num_requests_waiting``), ``pdserve_kv_lease_expired_total``, and on decode workers
+``pdserve_kv_transfer_seconds`` / ``pdserve_kv_transfer_bytes_total`` /
+``pdserve_kv_transfer_failures_total{error}`` for every pull.
+
+Goodput (requests meeting a TTFT and TPOT target) is computed from these histograms by the
+query, e.g. ``histogram_quantile`` over ``pdserve_time_to_first_token_seconds_bucket``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from pdserve.protocol import WorkerLoad
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
+    7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_TOKEN_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+    0.3, 0.5, 0.75, 1.0, 2.5,
+)  # fmt: skip
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+class RouterMetrics:
+    """The router's request metrics (see the module docstring). ``workers`` is called at
+    scrape time and returns the usable worker count per role."""
+
+    def __init__(self, workers: Callable[[], dict[str, int]] | None = None) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("pdserve_requests", "Requests by outcome", ["outcome"], registry=r)
+        self.ttft = Histogram(
+            "pdserve_time_to_first_token_seconds",
+            "TTFT: request in to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "pdserve_time_per_output_token_seconds",
+            "TPOT per request: (last - first token time) / (tokens - 1)",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pdserve_inter_token_latency_seconds",
+            "ITL: gap between two relayed chunks",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pdserve_e2e_request_latency_seconds",
+            "Request in to last token",
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "pdserve_prompt_tokens", "Prompt tokens of started requests", registry=r
+        )
+        self.generation_tokens = Counter(
+            "pdserve_generation_tokens", "Tokens generated", registry=r
+        )
+        self.running = Gauge("pdserve_requests_running", "Requests in flight", registry=r)
+        for outcome in ("finished", "failed", "abandoned"):
+            self.requests.labels(outcome)  # export zeros before the first request
+        if workers is not None:
+            r.register(_WorkersCollector(workers))
+
+    def render(self) -> bytes:
+        """The text exposition format (``CONTENT_TYPE``)."""
+        return generate_latest(self.registry)
+
+
+class _WorkersCollector(Collector):
+    def __init__(self, workers: Callable[[], dict[str, int]]) -> None:
+        self._workers = workers
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        g = GaugeMetricFamily(
+            "pdserve_workers", "Usable workers in the router's view", labels=["role"]
+        )
+        for role, n in sorted(self._workers().items()):
+            g.add_metric([role], n)
+        yield g
+
+
+class WorkerMetrics:
+    """A worker's metrics. ``load`` (the engine's :class:`WorkerLoad`, None before the engine
+    exists) and ``lease_expired`` (parked leases expired so far) are read at scrape time."""
+
+    def __init__(
+        self,
+        role: str,
+        load: Callable[[], WorkerLoad | None],
+        lease_expired: Callable[[], int],
+    ) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.transfer_seconds = Histogram(
+            "pdserve_kv_transfer_seconds",
+            "KV cache pull time per request (decode side)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.transfer_bytes = Counter(
+            "pdserve_kv_transfer_bytes", "KV cache bytes pulled", registry=r
+        )
+        self.transfer_failures = Counter(
+            "pdserve_kv_transfer_failures", "Failed KV pulls by error", ["error"], registry=r
+        )
+        r.register(_LoadCollector(role, load, lease_expired))
+
+    def render(self) -> bytes:
+        """The text exposition format (``CONTENT_TYPE``)."""
+        return generate_latest(self.registry)
+
+
+class _LoadCollector(Collector):
+    def __init__(
+        self,
+        role: str,
+        load: Callable[[], WorkerLoad | None],
+        lease_expired: Callable[[], int],
+    ) -> None:
+        self._role, self._load, self._expired = role, load, lease_expired
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        from prometheus_client.core import CounterMetricFamily
+
+        load = self._load()
+        if load is not None:
+            blocks = GaugeMetricFamily(
+                "pdserve_kv_blocks", "KV cache blocks by state", labels=["state"]
+            )
+            used = load.total_blocks - load.free_blocks
+            blocks.add_metric(["free"], load.free_blocks)
+            blocks.add_metric(["used"], used)
+            blocks.add_metric(["parked"], load.parked)
+            yield blocks
+            yield GaugeMetricFamily(
+                "pdserve_kv_cache_usage_ratio", "Used / total KV blocks",
+                value=used / load.total_blocks if load.total_blocks else 0.0,
+            )  # fmt: skip
+            yield GaugeMetricFamily(
+                "pdserve_num_requests_running", "Sequences in the running batch", value=load.running
+            )
+            yield GaugeMetricFamily(
+                "pdserve_num_requests_waiting",
+                "Sequences waiting for admission",
+                value=load.waiting,
+            )
+        yield CounterMetricFamily(
+            "pdserve_kv_lease_expired",
+            "Parked KV leases that expired unclaimed",
+            value=self._expired(),
+        )
