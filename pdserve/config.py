@@ -276,7 +276,7 @@ class PdserveConfig(_Section):
         if self.router.url:
             return self.router.url.rstrip("/")
         host = "127.0.0.1" if self.router.host in _WILDCARD_HOSTS else self.router.host
-        return f"http://{_url_host(host)}:{self.router.port}"
+        return f"http://{url_host(host)}:{self.router.port}"
 
     def worker_discovery(self) -> str:
         """What a worker dials: the router URL (embedded registry) or the etcd/NATS URL."""
@@ -287,7 +287,8 @@ class PdserveConfig(_Section):
         return {"prefill": self.prefill, "decode": self.decode, "colocated": self.colocated}[role]
 
 
-def _url_host(host: str) -> str:
+def url_host(host: str) -> str:
+    """``host`` as it goes into a URL: IPv6 addresses in brackets."""
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 

@@ -6,7 +6,9 @@ Lifecycle (start -> serve -> drain -> cleanup; cleanup is idempotent)::
                transceiver, register the worker record (role, id, epoch, endpoints, communicator
                handle, KV layout, load) under a lease
     2 SERVE    /internal/* requests; the record's load is refreshed every second; /ready is 200
-    3 DRAIN    on SIGTERM/SIGINT: deregister first (the router stops routing here), /ready is 503
+    3 DRAIN    on SIGTERM/SIGINT: deregister first (the router stops routing here), /ready is
+               503, keep serving until nothing runs, waits or is parked (at most lease + 5 s);
+               a second signal skips the wait
     4 CLEANUP  close the transceiver, free parked blocks, stop the engine
 
 Routes: ``POST /internal/context`` and ``/internal/release`` (prefill), ``POST
@@ -24,13 +26,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.config import WorkerConfig, advertised_host
+from pdserve.config import WorkerConfig, advertised_host, url_host
 from pdserve.errors import InvalidRequestError, PdserveError
 from pdserve.metrics import CONTENT_TYPE, WorkerMetrics
 from pdserve.protocol import (
@@ -182,6 +185,32 @@ async def _refresh_load(state: WorkerState, interval_s: float = 1.0) -> None:
             await state.events.publish(load, state.parked)
 
 
+async def drain(state: WorkerState, timeout_s: float) -> None:
+    """Lifecycle step 3: deregister (the router stops routing here), turn ``/ready`` 503, then
+    wait until nothing runs, waits or is parked here, at most ``timeout_s`` seconds (parked
+    blocks are pulled by their decode worker or expire within the lease). The HTTP server keeps
+    serving meanwhile, so in-flight streams finish and pulls of parked blocks succeed."""
+    state.ready = False
+    if state.registration is not None:
+        with contextlib.suppress(Exception):
+            await state.registration.close()
+        state.registration = None
+    deadline = time.monotonic() + timeout_s
+    busy = None
+    while state.engine is not None and time.monotonic() < deadline:
+        load = state.load()
+        busy = load.running + load.waiting + load.parked
+        if busy == 0:
+            break
+        await asyncio.sleep(0.1)
+    log.info(
+        "%s %s drained%s",
+        state.cfg.role,
+        state.worker_id,
+        f"; {busy} request(s) still in flight after {timeout_s:.0f} s" if busy else "",
+    )
+
+
 async def _stop(state: WorkerState) -> None:
     """Drain and clean up; safe to call on a partly started state and more than once."""
     state.ready = False
@@ -318,8 +347,36 @@ def run_worker(cfg: WorkerConfig, *, log_level: str = "info") -> None:
     sock = bind_socket(cfg.host, cfg.port)
     port = sock.getsockname()[1]
     advertise = advertised_host(cfg.host, cfg.advertise_host)
-    app = create_worker_app(cfg, http_url=f"http://{advertise}:{port}")
-    server = uvicorn.Server(
+    app = create_worker_app(cfg, http_url=f"http://{url_host(advertise)}:{port}")
+
+    class DrainingServer(uvicorn.Server):
+        """The first SIGTERM/SIGINT drains (:func:`drain`, at most the lease + 5 s) before
+        uvicorn's own shutdown; a second signal stops at once. Orchestrators' grace periods
+        must exceed ``lease_s + 10`` s (drain, then 5 s for open connections)."""
+
+        draining: object | None = None
+        loop: asyncio.AbstractEventLoop | None = None
+
+        async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+            self.loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if self.draining is not None or self.loop is None or not app.state.worker.ready:
+                super().handle_exit(sig, frame)
+                return
+            log.info("signal %d: draining before shutdown (a second signal stops at once)", sig)
+            self.draining = asyncio.run_coroutine_threadsafe(  # type: ignore[assignment]
+                self._drain_then_exit(sig, frame), self.loop
+            )
+
+        async def _drain_then_exit(self, sig: int, frame: FrameType | None) -> None:
+            try:
+                await drain(app.state.worker, timeout_s=cfg.lease_s + 5.0)
+            finally:
+                super().handle_exit(sig, frame)
+
+    server = DrainingServer(
         uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, access_log=False)
     )
     server.run(sockets=[sock])
