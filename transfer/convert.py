@@ -77,7 +77,8 @@ def reblock(
     differ: rows are gathered into it a chunk at a time (a few MiB, so they are converted from
     cache, not re-read from memory) and converted into ``out``. Slots of ``out`` beyond
     ``len(src_ids) * p`` tokens are zeroed; source slots beyond ``n_dst * d`` are not read.
-    Runs on the calling thread with torch's intra-op threads; allocates only index tensors.
+    Runs on the calling thread with torch's intra-op threads; allocates only index tensors. On
+    CUDA it returns once the kernels completed (``out`` is read next by a backend).
     Raises TransferError for buffers that do not fit; torch raises for ids outside the pool.
     """
     L, nb, _, p, kvh, hd = pool.shape
@@ -95,7 +96,7 @@ def reblock(
     base = (block * 2 * ks + q % ks).view(1, n_dst, 1, kd)
     layer = torch.arange(L).view(L, 1, 1, 1) * (nb * 2 * ks)
     kv = torch.arange(2).view(1, 1, 2, 1) * ks
-    rows = (layer + kv + base).view(-1)
+    rows = (layer + kv + base).view(-1).to(pool.device)
     width = g * kvh * hd
     src_rows, out_rows = pool.view(-1, width), out.view(-1, width)
     if pool.dtype == out.dtype:
@@ -115,6 +116,8 @@ def reblock(
         first = n_src * ks
         for j in range(first // kd, n_dst):
             chunks[:, j, :, max(first - j * kd, 0) :] = 0
+    if out.is_cuda:  # a backend reads ``out`` next (NIXL, or a D2H copy on another stream)
+        torch.cuda.current_stream(out.device).synchronize()
 
 
 class StagingPool:

@@ -44,6 +44,7 @@ import xxhash
 
 from pdserve.errors import IntegrityError, TransferError
 from pdserve.transfer.formatter import PoolGeometry, TransferPlan, pool_bytes
+from pdserve.transfer.hoststage import HostStage, byte_view, packed_offsets
 
 ALGORITHM = "xxh3_64"
 """Digest of every segment (python-xxhash ``xxh3_64``, seed 0)."""
@@ -90,25 +91,25 @@ class BlockDigester:
     """Digests over one worker's KV pool; one per transceiver.
 
     ``pool`` is the worker's contiguous pool tensor (any dtype); it is read, never written, and
-    must outlive the digester. Only CPU pools can be hashed here: for another device every
-    call raises TransferError (switch integrity off with ``TransferConfig.integrity=False``).
+    must outlive the digester. CPU memory is hashed in place. CUDA memory is first copied
+    segment by segment into pinned host memory (:mod:`pdserve.transfer.hoststage`; one D2H
+    copy per segment, a blocking wait of about ``nbytes / 20 GB/s``), then hashed: the same
+    digests as for the same bytes on CPU, so CPU and CUDA workers check each other. For a
+    pool on another device type every call raises TransferError (switch integrity off with
+    ``TransferConfig.integrity=False``).
     """
 
     def __init__(self, pool: torch.Tensor) -> None:
-        self._bytes: memoryview | None = pool_bytes(pool) if pool.device.type == "cpu" else None
-        self._device = str(pool.device)
+        self._pool = pool
+        self._stage = HostStage(pool.device) if pool.device.type == "cuda" else None
+        self._bytes = pool_bytes(pool) if pool.device.type == "cpu" else None
 
     def source(self, plan: TransferPlan) -> str:
         """Sender side, before any byte of ``plan`` moves: the wire form of the digests of its
         source segments (``plan.src_offsets``) in the memory the backend sends from: the pool,
         or ``plan.source`` (a converting formatter's staging buffer, already filled)."""
-        if plan.source is None:
-            buf = self._view()
-        elif plan.source.device.type == "cpu":
-            buf = pool_bytes(plan.source)
-        else:
-            raise _not_on_cpu(str(plan.source.device))
-        return encode(segment_digests(buf, plan.src_offsets, plan.lengths))
+        memory = self._pool if plan.source is None else plan.source
+        return encode(self._digests(memory, plan.src_offsets, plan.lengths))
 
     def check(
         self,
@@ -127,7 +128,7 @@ class BlockDigester:
         naming the request, the layer and the blocks of the first differing segment; raises
         TransferError for digests that do not fit the plan."""
         expected = decode(digests, len(plan))
-        actual = segment_digests(self._view(), plan.dst_offsets, plan.lengths)
+        actual = self._digests(self._pool, plan.dst_offsets, plan.lengths)
         bad = np.flatnonzero(actual != expected)
         if bad.size == 0:
             return
@@ -141,17 +142,21 @@ class BlockDigester:
             f"{int(expected[k]):#018x}); {bad.size} of {len(plan)} segments differ"
         )
 
-    def _view(self) -> memoryview:
-        if self._bytes is None:
-            raise _not_on_cpu(self._device)
-        return self._bytes
-
-
-def _not_on_cpu(device: str) -> TransferError:
-    return TransferError(
-        f"KV block digests need CPU memory, this KV data is on {device}; "
-        "switch transfer integrity off (--no-kv-integrity) for it"
-    )
+    def _digests(
+        self, memory: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray
+    ) -> np.ndarray:
+        """Digests of ``memory``'s segments; ``memory`` is the pool or a staging buffer."""
+        if memory.device.type == "cpu":
+            buf = self._bytes if memory is self._pool else pool_bytes(memory)
+            assert buf is not None
+            return segment_digests(buf, offsets, lengths)
+        if self._stage is None or memory.device != self._stage.device:
+            raise TransferError(
+                f"KV block digests need CPU or CUDA memory, this KV data is on {memory.device}; "
+                "switch transfer integrity off (--no-kv-integrity) for it"
+            )
+        host = self._stage.gather_now(byte_view(memory), offsets, lengths)
+        return segment_digests(pool_bytes(host), packed_offsets(lengths), lengths)
 
 
 def describe_segment(

@@ -121,13 +121,17 @@ class NixlAgent:
         if self._agent is not None:
             self._agent.deregister_memory(reg)
 
-    def write(self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes) -> NixlWrite:
-        """Post ONE WRITE of ``local`` rows into ``remote`` rows (Nx3 uint64: addr, bytes,
-        device id) with ``notif`` delivered to the peer after the data."""
+    def write(
+        self, peer: str, local: np.ndarray, remote: np.ndarray, remote_mem: str, notif: bytes
+    ) -> NixlWrite:
+        """Post ONE WRITE of ``local`` rows (this agent's memory, :attr:`mem_type`) into
+        ``remote`` rows (the peer's ``remote_mem``, ``"DRAM"`` or ``"VRAM"``: a CPU and a CUDA
+        worker pair freely) (Nx3 uint64: addr, bytes, device id) with ``notif`` delivered to
+        the peer after the data."""
         if self._agent is None:
             raise TransferError("NIXL agent is closed")
         descs_l = self._agent.get_xfer_descs(local, self.mem_type)
-        descs_r = self._agent.get_xfer_descs(remote, self.mem_type)
+        descs_r = self._agent.get_xfer_descs(remote, remote_mem)
         handle = self._agent.initialize_xfer("WRITE", descs_l, descs_r, peer, notif)
         return NixlWrite(self._agent, handle)
 
@@ -204,9 +208,10 @@ class NixlWrite(Outbound):
 
 
 class _NixlPeer(Peer):
-    def __init__(self, agent_name: str, info: wire.NixlPeerInfo):
+    def __init__(self, agent_name: str, info: wire.NixlPeerInfo, worker_id: str):
         self.agent_name = agent_name
         self.info = info
+        self.worker_id = worker_id
 
 
 class NixlBackend(Backend):
@@ -246,14 +251,19 @@ class NixlBackend(Backend):
             for name in stale:  # the same decode worker restarted: forget its old agent
                 self._agent.remove_peer(name)
                 del self._peers[name]
-            try:
-                loaded = self._agent.add_peer(base64.b64decode(info.metadata_b64))
-            except Exception as exc:
-                raise TransferError(
-                    f"cannot load NIXL metadata of {hello.worker_id}: {exc}"
-                ) from exc
-            self._peers[loaded] = hello.worker_id
-        return _NixlPeer(info.agent_name, info)
+        peer = _NixlPeer(info.agent_name, info, hello.worker_id)
+        self._load(peer)
+        return peer
+
+    def _load(self, peer: _NixlPeer) -> None:
+        """Load ``peer``'s agent metadata unless it is loaded; raises TransferError."""
+        if peer.agent_name in self._peers:
+            return
+        try:
+            loaded = self._agent.add_peer(base64.b64decode(peer.info.metadata_b64))
+        except Exception as exc:
+            raise TransferError(f"cannot load NIXL metadata of {peer.worker_id}: {exc}") from exc
+        self._peers[loaded] = peer.worker_id
 
     def start_send(
         self, conn: Connection, plan: TransferPlan, peer: Peer, transfer_id: str
@@ -270,8 +280,28 @@ class NixlBackend(Backend):
         remote[:, 0] = plan.dst_offsets + info.pool_addr
         remote[:, 1] = plan.lengths
         remote[:, 2] = info.device_id
+        tag = transfer_id.encode()
+        self._load(peer)  # again after a disconnect (below), whichever connection asks
         try:
-            return self._agent.write(peer.agent_name, local, remote, transfer_id.encode())
+            return self._agent.write(peer.agent_name, local, remote, info.mem_type, tag)
+        except Exception as exc:
+            if "REMOTE_DISCONNECT" not in f"{type(exc).__name__} {exc}".upper():
+                raise TransferError(
+                    f"NIXL WRITE to {peer.agent_name} failed to start: {exc}"
+                ) from exc
+            # NIXL keeps a loaded agent's failed UCX endpoint (e.g. once UCX's keepalive gave
+            # up during a network partition): every later WRITE to it would fail at once, even
+            # with the network back. Unload the agent, load it afresh (a new connection) and
+            # try once more.
+            log.warning("NIXL lost %s (%s); reconnecting", peer.agent_name, exc)
+            self._peers.pop(peer.agent_name, None)
+            try:
+                self._agent.remove_peer(peer.agent_name)
+            except Exception as rm_exc:
+                log.warning("NIXL could not unload %s: %s", peer.agent_name, rm_exc)
+        self._load(peer)
+        try:
+            return self._agent.write(peer.agent_name, local, remote, info.mem_type, tag)
         except Exception as exc:
             raise TransferError(f"NIXL WRITE to {peer.agent_name} failed to start: {exc}") from exc
 

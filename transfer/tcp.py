@@ -9,7 +9,9 @@ the KV bytes on it, straight from and into the pool memory::
     D: recv header       | recvmsg_into(pool[dst seg 0], pool[dst seg 1], ...) until nbytes
 
 The announced byte count is the completion (no TransferDone on this backend); a sender that
-fails mid-stream closes the connection, which the receiver sees as EOF -> TransferError.
+fails mid-stream closes the connection, which the receiver sees as EOF -> TransferError. A CUDA
+pool cannot be a socket buffer: its bytes go through one pinned host buffer per request
+(:mod:`pdserve.transfer.hoststage`), on the same stream format.
 
 Why raw non-blocking sockets and not asyncio streams: ``StreamReader`` has no ``readinto`` (every
 read allocates a ``bytes`` and the pool copy is a second pass) and ``StreamWriter.write`` copies
@@ -41,10 +43,11 @@ import numpy as np
 import torch
 
 from pdserve.config import TransferConfig
-from pdserve.errors import TransferError
+from pdserve.errors import ConfigError, TransferError
 from pdserve.transfer import wire
 from pdserve.transfer.backend import Backend, Outbound, Peer, TransferState
 from pdserve.transfer.formatter import PoolGeometry, TransferPlan, pool_bytes
+from pdserve.transfer.hoststage import HostStage, byte_view
 
 _IOV_MAX = 1024
 """Buffers per sendmsg/recvmsg_into call (Linux IOV_MAX)."""
@@ -112,6 +115,12 @@ class Connection:
             sock.close()
             why = "timed out" if isinstance(exc, TimeoutError) else str(exc)
             raise TransferError(f"transfer peer {endpoint} unreachable: {why}") from exc
+        except BaseException:
+            # Cancelled, e.g. by the caller's own deadline (the receiver's pull timeout always
+            # ends first): close now, or the kernel keeps retrying the SYN and the connection
+            # opens, unused, once a partition heals (then lingers in CLOSE_WAIT until GC).
+            sock.close()
+            raise
         return cls(sock, endpoint)
 
     async def send(self, msg: wire._Wire) -> None:
@@ -273,10 +282,14 @@ class _StreamSend(Outbound):
 
 
 class TcpBackend(Backend):
-    """KV bytes streamed on the control connection, zero-copy on both ends (CPU pools only).
+    """KV bytes streamed on the control connection, zero-copy on both ends for CPU pools.
 
     One request = one BlockData header + ``plan.nbytes`` raw bytes, the segments in plan order
-    (``num_layers * num_runs`` sendall/recv_into calls). Raises ConfigError for a CUDA pool.
+    (``num_layers * num_runs`` sendall/recv_into calls). A CUDA pool (or staging buffer) is
+    staged through one pinned host buffer per request (:mod:`pdserve.transfer.hoststage`):
+    the sender gathers the segments into it, then streams it; the receiver fills it from the
+    stream, then scatters it into the pool. The stream is the same either way, so CPU and CUDA
+    workers pair freely. Raises ConfigError for a pool on another device type.
     """
 
     name = "tcp"
@@ -285,15 +298,37 @@ class TcpBackend(Backend):
     def __init__(
         self, *, cfg: TransferConfig, pool: torch.Tensor, geometry: PoolGeometry, agent_name: str
     ):
-        self._bytes = pool_bytes(pool)
+        self._stage: HostStage | None = None
+        if pool.device.type == "cuda":
+            self._stage = HostStage(pool.device)
+            self._pool = byte_view(pool)
+        elif pool.device.type != "cpu":
+            raise ConfigError(
+                f"the tcp transfer backend moves KV from CPU or CUDA pools, not {pool.device}"
+            )
+        else:
+            self._bytes = pool_bytes(pool)
 
     def start_send(
         self, conn: Connection, plan: TransferPlan, peer: Peer, transfer_id: str
     ) -> Outbound:
         header = wire.BlockData(transfer_id=transfer_id, nbytes=plan.nbytes)
+        if self._stage is not None:
+            return _StreamSend(asyncio.ensure_future(self._send_staged(conn, plan, header)))
         src = self._bytes if plan.source is None else pool_bytes(plan.source)  # staged bytes
         stream = conn.send_segments(src, plan.src_offsets, plan.lengths, header)
         return _StreamSend(asyncio.ensure_future(stream))
+
+    async def _send_staged(
+        self, conn: Connection, plan: TransferPlan, header: wire.BlockData
+    ) -> None:
+        """CUDA source: gather the segments into pinned host memory, then stream it."""
+        assert self._stage is not None
+        src = self._pool if plan.source is None else byte_view(plan.source)
+        host, copied = self._stage.gather(src, plan.src_offsets, plan.lengths)
+        await self._stage.wait(copied)
+        whole = np.array([0, plan.nbytes], dtype=np.int64)
+        await conn.send_segments(pool_bytes(host), whole[:1], whole[1:], header)
 
     async def receive(self, conn: Connection, plan: TransferPlan, transfer_id: str) -> None:
         msg = await conn.recv()
@@ -306,4 +341,12 @@ class TcpBackend(Backend):
                 f"expected {plan.nbytes} for {transfer_id}"
             )
         # The announced byte count is the completion: a sender that fails mid-way closes.
-        await conn.recv_segments(self._bytes, plan.dst_offsets, plan.lengths)
+        if self._stage is None:
+            await conn.recv_segments(self._bytes, plan.dst_offsets, plan.lengths)
+            return
+        host = torch.empty(plan.nbytes, dtype=torch.uint8, pin_memory=True)
+        whole = np.array([0, plan.nbytes], dtype=np.int64)
+        await conn.recv_segments(pool_bytes(host), whole[:1], whole[1:])
+        await self._stage.wait(
+            self._stage.scatter(host, self._pool, plan.dst_offsets, plan.lengths)
+        )

@@ -356,6 +356,12 @@ class UcxBackend(Backend):
     def __init__(
         self, *, cfg: TransferConfig, pool: torch.Tensor, geometry: PoolGeometry, agent_name: str
     ):
+        if pool.device.type != "cpu":  # ucxx here is a CUDA 12 build; device memory untested
+            raise ConfigError(
+                f"the ucx transfer backend moves KV from CPU pools only, this pool is on "
+                f"{pool.device}: use transfer backend 'nixl' (registers GPU memory) or 'tcp' "
+                "(stages through pinned host memory)"
+            )
         self._bytes = pool_bytes(pool)
         self._worker = UcxWorker(cfg.ucx_devices)
         self._address_b64 = base64.b64encode(self._worker.address).decode()

@@ -65,10 +65,14 @@ class Sampler:
         ``positions[i]``."""
         n = logits.shape[0]
         assert len(params) == n and len(positions) == n, "one SamplingParams per logits row"
+        greedy = [i for i, p in enumerate(params) if p.temperature == 0.0 or p.top_k == 1]
+        if len(greedy) == n and not any(p.logprobs or p.top_logprobs > 0 for p in params):
+            # all greedy, no logprobs: argmax where the logits are (first maximum on ties, as
+            # on CPU) and move N token ids, not [N, vocab] floats, to the host
+            return SampleResult(logits.float().argmax(dim=-1).tolist(), [None] * n)
         # CPU: the per-request generators are CPU generators (and [N, vocab] is small to move)
         logits = logits.float().cpu()
         tokens = torch.empty(n, dtype=torch.long)
-        greedy = [i for i, p in enumerate(params) if p.temperature == 0.0 or p.top_k == 1]
         greedy_set = set(greedy)
         sampled = [i for i in range(n) if i not in greedy_set]
         if greedy:

@@ -1,0 +1,296 @@
+"""GPU figures for docs/benchmarks.md: engine step time (TPOT) and KV transfer GB/s.
+
+Run from the repository root (the CPU side of the comparison runs the same code with
+``--device cpu``)::
+
+    python -m tests.gpu.bench_gpu engine --device cuda --model smollm2-like --dtype float32 bfloat16
+    python -m tests.gpu.bench_gpu transfer --backends tcp nixl --devices cuda:cuda cpu:cpu
+
+``engine``: one Engine in this process; per concurrency level ``c``, ``c`` requests of
+``--prompt-tokens`` random token ids are submitted together and generate ``--max-tokens`` tokens
+each (``ignore_eos``), twice; the second pass is reported. TTFT = submit -> first token, TPOT = (last
+token - first token) / (tokens - 1) per request, as ``pdserve bench serve`` defines them; with
+every request decoding in lockstep, TPOT is the decode step time at batch ``c``.
+
+``transfer``: a spawned prefill peer (:class:`tests.gpu.cuda_peer.PatternPeer`) and a decode
+transceiver in this process, pools on the given devices, SmolLM2's KV layout (30 layers, 3 KV
+heads, head dim 64, 16 tokens per block, float32: 720 KiB per block). Each size is pulled once
+to warm up, then at least 5 times and for at least 0.5 s; GB/s at the median. The bytes are
+checked after the timed pulls.
+
+Prints one ``PDSERVE-GPU <json>`` line per result and a markdown table at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULT_PREFIX = "PDSERVE-GPU "
+SMOL_LAYOUT = {
+    "model": "smollm2-like",
+    "num_layers": 30,
+    "num_kv_heads": 3,
+    "head_dim": 64,
+    "tokens_per_block": 16,
+    "dtype": "float32",
+}
+
+
+def _emit(result: dict[str, Any]) -> None:
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"cpu ({torch.get_num_threads()} torch threads)"
+
+
+# --- engine ------------------------------------------------------------------------------------
+
+
+def _model_dir(name: str, root: Path) -> Path:
+    if name == "tiny":
+        from pdserve.models import build_tiny_model
+
+        return build_tiny_model(root / "tiny", seed=0)
+    from tests.gpu.models import build_smollm2_like
+
+    return build_smollm2_like(root / "smollm2-like", seed=0)
+
+
+def _run_level(engine: Any, prompts: list[list[int]], max_tokens: int) -> list[tuple[float, float]]:
+    """Submit ``prompts`` together; (TTFT, TPOT) seconds per request."""
+    from pdserve.protocol import SamplingParams
+    from pdserve.workers.engine import EngineRequest
+
+    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    stamps: dict[str, list[float]] = {f"b{i}": [] for i in range(len(prompts))}
+    left, done, lock = [len(prompts)], threading.Event(), threading.Lock()
+
+    def sink(out: Any) -> None:
+        now = time.perf_counter()
+        with lock:
+            stamps[out.request_id].extend([now] * len(out.token_ids))
+            if out.finish_reason is not None:
+                left[0] -= 1
+                if not left[0]:
+                    done.set()
+
+    t0 = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(EngineRequest(f"b{i}", prompt, sampling), sink)
+    if not done.wait(600):
+        raise RuntimeError("benchmark requests did not finish in 600 s")
+    return [(s[0] - t0, (s[-1] - s[0]) / (len(s) - 1)) for s in stamps.values()]
+
+
+def bench_engine(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from pdserve.config import EngineConfig
+    from pdserve.workers.engine import Engine
+
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = _model_dir(args.model, Path(tmp))
+        gen = torch.Generator().manual_seed(0)
+        for dtype in args.dtype:
+            top = max(args.concurrency)
+            tokens = top * (args.prompt_tokens + args.max_tokens)
+            engine = Engine(
+                EngineConfig(
+                    model_path=model_dir,
+                    device=args.device,
+                    dtype=dtype,
+                    tokens_per_block=16,
+                    num_blocks=tokens // 16 + 2 * top + 8,
+                    max_num_seqs=top,
+                    max_num_batched_tokens=max(2048, top * args.prompt_tokens),
+                )
+            )
+            engine.start()
+            try:
+                vocab = min(engine.runner.vocab_size, 256)
+                warm = torch.randint(3, vocab, (args.prompt_tokens,), generator=gen).tolist()
+                _run_level(engine, [warm], 8)
+                for c in args.concurrency:
+                    prompts = [
+                        torch.randint(3, vocab, (args.prompt_tokens,), generator=gen).tolist()
+                        for _ in range(c)
+                    ]
+                    # twice: the first pass meets new shapes (kernel choice and lazy loading
+                    # on CUDA), the second is reported
+                    _run_level(engine, prompts, args.max_tokens)
+                    samples = _run_level(engine, prompts, args.max_tokens)
+                    ttft = [s[0] for s in samples]
+                    tpot = [s[1] for s in samples]
+                    result = {
+                        "kind": "engine",
+                        "model": args.model,
+                        "device": _device_name(args.device),
+                        "dtype": dtype,
+                        "concurrency": c,
+                        "prompt_tokens": args.prompt_tokens,
+                        "max_tokens": args.max_tokens,
+                        "ttft_ms_p50": 1e3 * statistics.median(ttft),
+                        "tpot_ms_p50": 1e3 * statistics.median(tpot),
+                        "tpot_ms_mean": 1e3 * statistics.mean(tpot),
+                        "decode_tokens_per_s": c / statistics.median(tpot),
+                    }
+                    _emit(result)
+                    results.append(result)
+            finally:
+                engine.shutdown()
+    return results
+
+
+# --- transfer ----------------------------------------------------------------------------------
+
+
+async def _time_pulls(t: Any, handle: Any, ids: list[int], min_s: float) -> list[float]:
+    await t.pull(handle, ids)  # warm-up (connection, handshake, registrations)
+    times: list[float] = []
+    started = time.perf_counter()
+    while len(times) < 5 or (len(times) < 200 and time.perf_counter() - started < min_s):
+        t0 = time.perf_counter()
+        await t.pull(handle, ids)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+async def _pull_sizes(
+    backend: str, dst_device: str, peer: Any, sizes: list[int], integrity: bool
+) -> dict[int, list[float]]:
+    from pdserve.protocol import KVLayout
+    from pdserve.transfer import create_transceiver
+    from tests.gpu.cuda_peer import empty_pool, pattern, transfer_cfg
+
+    layout = KVLayout(**SMOL_LAYOUT)
+    pool = empty_pool(layout, max(sizes), dst_device)
+    t = create_transceiver(
+        transfer_cfg(backend, integrity=integrity),
+        pool=pool,
+        layout=layout,
+        worker_id="gpu-bench-decode",
+        epoch=1,
+        parked=None,
+    )
+    await t.start()
+    try:
+        out = {}
+        for n in sizes:
+            ids = list(range(n))
+            handle = peer.park(f"bench-{n}", ids)
+            out[n] = await _time_pulls(t, handle, ids, 0.5)
+            want = pattern(layout, max(sizes), dst_device)[:, :n]
+            if not torch.equal(pool[:, :n], want):
+                raise RuntimeError(f"{backend} {n}-block pulls delivered wrong bytes")
+            pool.zero_()
+    finally:
+        await t.close()
+    return out
+
+
+def bench_transfer(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from pdserve.protocol import KVLayout
+    from tests.gpu.cuda_peer import PatternPeer
+
+    layout = KVLayout(**SMOL_LAYOUT)
+    block = layout.block_bytes_per_layer * layout.num_layers
+    results = []
+    for backend in args.backends:
+        for pair in args.devices:
+            src, dst = pair.split(":")
+            peer = PatternPeer(backend, layout, max(args.blocks), src)
+            try:
+                for integrity in (False, True):
+                    times = asyncio.run(_pull_sizes(backend, dst, peer, args.blocks, integrity))
+                    for n, ts in times.items():
+                        p50 = statistics.median(ts)
+                        result = {
+                            "kind": "transfer",
+                            "backend": peer.backend,
+                            "src": src,
+                            "dst": dst,
+                            "device": _device_name("cuda" if "cuda" in pair else "cpu"),
+                            "integrity": integrity,
+                            "blocks": n,
+                            "mib": n * block / 2**20,
+                            "ms_p50": 1e3 * p50,
+                            "gbps_p50": n * block / p50 / 1e9,
+                            "reps": len(ts),
+                        }
+                        _emit(result)
+                        results.append(result)
+            finally:
+                peer.stop()
+    return results
+
+
+# --- report ------------------------------------------------------------------------------------
+
+
+def _table(results: list[dict[str, Any]]) -> str:
+    engine = [r for r in results if r["kind"] == "engine"]
+    transfer = [r for r in results if r["kind"] == "transfer"]
+    lines = []
+    if engine:
+        lines += [
+            "| model | device | dtype | concurrency | TTFT p50 (ms) | TPOT p50 (ms) | tokens/s |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in engine:
+            lines.append(
+                f"| {r['model']} | {r['device']} | {r['dtype']} | {r['concurrency']} | "
+                f"{r['ttft_ms_p50']:.1f} | {r['tpot_ms_p50']:.2f} | {r['decode_tokens_per_s']:.0f} |"
+            )
+    if transfer:
+        lines += [
+            "",
+            "| backend | pools | integrity | blocks | MiB | ms p50 | GB/s p50 |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in transfer:
+            lines.append(
+                f"| {r['backend']} | {r['src']} -> {r['dst']} | {'on' if r['integrity'] else 'off'}"
+                f" | {r['blocks']} | {r['mib']:.2f} | {r['ms_p50']:.2f} | {r['gbps_p50']:.2f} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tests.gpu.bench_gpu")
+    sub = parser.add_subparsers(dest="what", required=True)
+    eng = sub.add_parser("engine")
+    eng.add_argument("--device", default="cuda")
+    eng.add_argument("--model", choices=["tiny", "smollm2-like"], default="smollm2-like")
+    eng.add_argument("--dtype", nargs="+", default=["float32"])
+    eng.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    eng.add_argument("--prompt-tokens", type=int, default=256)
+    eng.add_argument("--max-tokens", type=int, default=32)
+    eng.add_argument("--threads", type=int, default=None, help="torch threads (CPU runs)")
+    tr = sub.add_parser("transfer")
+    tr.add_argument("--backends", nargs="+", default=["tcp", "nixl"])
+    tr.add_argument("--devices", nargs="+", default=["cuda:cuda"], help="SRC:DST pool devices")
+    tr.add_argument("--blocks", type=int, nargs="+", default=[1, 16, 64])
+    args = parser.parse_args(argv)
+    if args.what == "engine":
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        results = bench_engine(args)
+    else:
+        results = bench_transfer(args)
+    print(_table(results))
+
+
+if __name__ == "__main__":
+    main()
