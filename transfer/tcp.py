@@ -71,11 +71,27 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+KEEPALIVE_IDLE_S = 10
+KEEPALIVE_INTERVAL_S = 5
+KEEPALIVE_PROBES = 3
+"""A silent peer (partition, crashed host) is declared dead after about 10 + 3 * 5 = 25 s of
+silence, so neither side keeps a half-open transfer connection (an fd and a task) forever."""
+
+
 def tune(sock: socket.socket) -> None:
-    """Non-blocking, no Nagle delay on small control frames, larger kernel buffers."""
+    """Non-blocking, no Nagle delay on small control frames, TCP keepalive, larger kernel
+    buffers."""
     sock.setblocking(False)
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for opt, value in (
+            ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+            ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+            ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+        ):
+            if hasattr(socket, opt):  # Linux; other systems keep their defaults
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)

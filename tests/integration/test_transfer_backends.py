@@ -70,7 +70,8 @@ class _Parked:
         self.epoch = epoch
         self.blocks: dict[str, list[int]] = {}
         self.released: list[str] = []
-        self.die: dict[str, float | None] = {}  # request id -> exit delay (None: right now)
+        # request id -> exit delay (None: right now; "mid": after half of the KV bytes, tcp)
+        self.die: dict[str, float | str | None] = {}
         self.slow: dict[str, float] = {}  # request id -> seconds lookup blocks the prefill
 
     def lookup(self, request_id: str, epoch: int, lease_id: str) -> list[int]:
@@ -81,12 +82,30 @@ class _Parked:
             delay = self.die[request_id]
             if delay is None:
                 os._exit(3)
-            asyncio.get_running_loop().call_later(delay, os._exit, 3)
+            if delay == "mid":
+                _die_after_half_of_the_bytes()
+            else:
+                asyncio.get_running_loop().call_later(delay, os._exit, 3)
         return self.blocks[request_id]
 
     def release(self, request_id: str, lease_id: str | None = None) -> None:
         self.released.append(request_id)
         self.blocks.pop(request_id, None)
+
+
+def _die_after_half_of_the_bytes() -> None:
+    """Make this (prefill) process exit once the first half of a TCP KV stream is out: a
+    death mid-stream, whatever the speed of the machine."""
+    from pdserve.transfer import tcp
+
+    original = tcp.Connection.send_segments
+
+    async def half_then_exit(self, pool, offsets, lengths, header=None):  # type: ignore[no-untyped-def]
+        k = max(1, len(offsets) // 2)
+        await original(self, pool, offsets[:k], lengths[:k], header)
+        os._exit(3)
+
+    tcp.Connection.send_segments = half_then_exit  # type: ignore[method-assign]
 
 
 def _prefill_process(pipe: Pipe, backend: str, layout: KVLayout, num_blocks: int) -> None:
@@ -326,7 +345,7 @@ BIG_BLOCKS = 512  # 3 layers * 512 blocks * 32 KiB = 48 MiB
     ("backend", "delay"),
     [
         ("tcp", None),
-        ("tcp", 0.005),  # mid-stream: the 48 MiB take far longer than 5 ms
+        ("tcp", "mid"),  # mid-stream: exits after half of the 48 MiB went out
         pytest.param("nixl", None, marks=pytest.mark.skipif(not HAVE_NIXL, reason="no nixl")),
         # No mid-flight ucx case: over shared memory the 48 MiB land in about 10 ms, too close
         # to a 5 ms kill to fail reliably (the pull sometimes completes first).

@@ -10,7 +10,13 @@ import pytest
 
 from pdserve.errors import TransferError
 from pdserve.transfer import wire
-from pdserve.transfer.tcp import Connection, split_endpoint
+from pdserve.transfer.tcp import (
+    KEEPALIVE_IDLE_S,
+    KEEPALIVE_PROBES,
+    Connection,
+    split_endpoint,
+    tune,
+)
 
 
 async def _pair() -> tuple[Connection, Connection]:
@@ -97,3 +103,12 @@ def test_endpoints_split_into_host_and_port(endpoint, parsed):
 def test_endpoint_without_port_is_refused():
     with pytest.raises(TransferError, match="host:port"):
         split_endpoint("localhost")
+
+
+def test_transfer_sockets_detect_a_silent_peer_with_tcp_keepalive() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        tune(sock)
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == KEEPALIVE_IDLE_S
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == KEEPALIVE_PROBES
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
