@@ -48,7 +48,7 @@ examples:
   pdserve model prepare                        # convert SmolLM2 once into the cache
   pdserve bench serve                          # TTFT/TPOT: disaggregated vs colocated
   pdserve bench transfer                       # KV transfer GB/s per backend vs socket/memcpy
-  pdserve doctor --peer 10.0.0.6:7100          # transfer environment + bandwidth to a worker
+  pdserve doctor --peer 10.0.0.6:8200          # transfer environment + bandwidth to a worker
 """
 
 

@@ -159,7 +159,7 @@ def test_worker_runtime_config_follows_the_file(tmp_path: Path) -> None:
     w = worker_config(cfg, "prefill", MODEL)
     assert w.discovery == "etcd://etcd:2379"
     assert (w.host, w.port, w.lease_s) == ("0.0.0.0", 8100, cfg.kv_cache.lease_s)
-    assert (w.transfer.backend, w.transfer.host, w.transfer.port) == ("tcp", "0.0.0.0", 7100)
+    assert (w.transfer.backend, w.transfer.host, w.transfer.port) == ("tcp", "0.0.0.0", 8200)
     # A wildcard bind advertises the hostname (compose and Kubernetes DNS resolve it) ...
     assert w.transfer.advertise_host not in ("0.0.0.0", "", None)
     # ... unless told otherwise.

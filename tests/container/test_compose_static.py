@@ -1,0 +1,98 @@
+"""Static checks of the deployment files that need no container engine: the compose file passes
+docker-compose's validation and keeps the properties scaling and health checks rely on; the
+Dockerfile keeps its build-argument and runtime contract."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from tests.container.podman_stack import COMPOSE_FILE, ROOT
+
+PDSERVE_SERVICES = ("router", "prefill", "decode")
+
+
+def _compose() -> dict:
+    """The compose file as YAML (anchors and ``<<`` merges resolved, variables not)."""
+    return yaml.safe_load(COMPOSE_FILE.read_text())
+
+
+@pytest.mark.parametrize("profile", [None, "nats"])
+def test_compose_file_passes_docker_compose_validation(profile: str | None) -> None:
+    if shutil.which("docker-compose") is None:
+        pytest.skip("docker-compose is not installed (apt-get install docker-compose)")
+    cmd = ["docker-compose", "-f", str(COMPOSE_FILE)]
+    if profile:
+        cmd += ["--profile", profile]
+    proc = subprocess.run([*cmd, "config", "-q"], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_compose_topology_scales_and_checks_health() -> None:
+    doc = _compose()
+    assert "name" not in doc, "docker-compose 1.29 rejects a top-level name: (use -p)"
+    services = doc["services"]
+    assert set(services) == {"etcd", "nats", "prometheus", *PDSERVE_SERVICES}
+    for name, svc in services.items():
+        assert "container_name" not in svc, f"{name}: a fixed name breaks --scale"
+        assert svc.get("healthcheck", {}).get("test"), f"{name} has no health check"
+    assert services["nats"]["profiles"] == ["nats"]
+    assert services["prometheus"]["profiles"] == ["prometheus"]
+    for name in ("etcd", "nats", "prometheus"):
+        image = services[name]["image"]
+        assert re.fullmatch(r"\$\{PDSERVE_\w+_IMAGE:-[\w./-]+:v?\d+\.\d+\.\d+[\w.-]*\}", image), (
+            f"{name}: image must be pinned and overridable by env, got {image}"
+        )
+    for name in PDSERVE_SERVICES:
+        svc = services[name]
+        assert svc["command"] == [name], svc["command"]
+        assert svc["depends_on"]["etcd"]["condition"] == "service_healthy"
+        env = svc["environment"]
+        assert env["PDSERVE_CONFIG"] == "/etc/pdserve/config.yaml"
+        assert env["PDSERVE_DISCOVERY__URL"] == "${PDSERVE_DISCOVERY_URL:-etcd://etcd:2379}"
+        # The health check probes PDSERVE_HEALTH_PORT: it must be the port the role serves on.
+        assert env[f"PDSERVE_{name.upper()}__PORT"] == env["PDSERVE_HEALTH_PORT"], name
+        assert env[f"PDSERVE_{name.upper()}__HOST"] == "0.0.0.0", name
+    for name in ("prefill", "decode"):
+        assert "ports" not in services[name], f"{name}: host ports break --scale"
+    assert services["router"]["ports"] == ["${PDSERVE_ROUTER_PORT:-8000}:8000"]
+    mount = services["router"]["volumes"][0]
+    default_config = re.fullmatch(
+        r"\$\{PDSERVE_CONFIG_FILE:-([^}]+)\}:/etc/pdserve/config.yaml:ro", mount
+    )
+    assert default_config, mount
+    assert (COMPOSE_FILE.parent / default_config.group(1)).resolve().is_file()
+
+
+def test_prometheus_scrapes_every_pdserve_role_on_its_port() -> None:
+    services = _compose()["services"]
+    scrape = yaml.safe_load((COMPOSE_FILE.parent / "prometheus.yml").read_text())
+    targets = {
+        (sd["names"][0], sd["port"])
+        for job in scrape["scrape_configs"]
+        for sd in job["dns_sd_configs"]
+    }
+    expected = {
+        (name, int(services[name]["environment"][f"PDSERVE_{name.upper()}__PORT"]))
+        for name in PDSERVE_SERVICES
+    }
+    assert targets == expected
+
+
+def test_dockerfile_contract() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    first_from = text.index("\nFROM ")
+    assert "ARG BASE_IMAGE=debian:bookworm-slim" in text[:first_from]
+    runtime = text[text.rindex("\nFROM ") :]
+    assert runtime.startswith("\nFROM ${BASE_IMAGE} AS runtime")
+    user = re.search(r"^USER (\S+)", runtime, re.M)
+    assert user and user.group(1) not in ("root", "0"), "the runtime stage must drop root"
+    assert re.search(r"^HEALTHCHECK .*\n?.*pdserve-healthcheck /health", runtime, re.M)
+    assert 'ENTRYPOINT ["pdserve"]' in runtime
+    for arg in ("VARIANT=cpu", "TORCH_INDEX_URL=", "PIP_FIND_LINKS=", "PIP_CERT="):
+        assert f"ARG {arg}" in text, arg
+    assert "download.pytorch.org/whl/cpu" in text, "CPU torch must come from the CPU index"
