@@ -127,6 +127,14 @@ class Backend(ABC):
     name: ClassVar[str]
     inline_bytes: ClassVar[bool]
 
+    @property
+    def late_writes(self) -> bool:
+        """Receiver side: whether bytes of a pull may still land in the pool after
+        :meth:`receive` failed or was cancelled (a remote WRITE, a posted receive, a copy still
+        queued on a GPU stream). Then the destination blocks must be quarantined before reuse;
+        otherwise they can go back at once. Default: True (the safe answer)."""
+        return True
+
     def hello_info(self) -> wire.NixlPeerInfo | wire.UcxPeerInfo | None:
         """What the receiving side advertises in its Hello (None: nothing needed)."""
         return None

@@ -311,6 +311,12 @@ class TcpBackend(Backend):
     name = "tcp"
     inline_bytes = True
 
+    @property
+    def late_writes(self) -> bool:
+        """CPU pool: ``recvmsg_into`` runs only inside :meth:`receive`, so nothing lands once it
+        ended. CUDA pool: the host-to-pool scatter runs on a side stream and may be queued."""
+        return self._stage is not None
+
     def __init__(
         self, *, cfg: TransferConfig, pool: torch.Tensor, geometry: PoolGeometry, agent_name: str
     ):

@@ -75,6 +75,12 @@ class Transceiver:
         self.endpoint: str = ""
         self.recent_errors: deque[TransferError] = deque(maxlen=_RECENT_ERRORS)
 
+    @property
+    def late_writes(self) -> bool:
+        """Whether a failed pull's destination blocks may still be written (then quarantine
+        them; see :attr:`pdserve.transfer.backend.Backend.late_writes`)."""
+        return self._local.backend.late_writes
+
     async def start(self) -> None:
         """Listen for peers on ``cfg.host:cfg.port`` (port 0 picks one) and set ``endpoint``.
         Raises ConfigError if the address cannot be bound."""

@@ -176,14 +176,16 @@ class DecodeRole:
         """Dispose of a failed pull's destination blocks and return the error to raise.
 
         Refused before any byte was written, or (IntegrityError) checked after every byte had
-        landed: nothing more can land, so the blocks go back at once, never used. Anything
-        else (deadline, peer gone, cancellation) may leave a WRITE in flight: quarantine them.
-        A deadline becomes DeadlineExceededError.
+        landed, or a backend that writes nothing once the pull ended (TCP into a CPU pool):
+        nothing more can land, so the blocks go back at once, never used. Anything else
+        (deadline, peer gone, cancellation with NIXL/UCX/CUDA staging) may leave a write in
+        flight: quarantine them. A deadline becomes DeadlineExceededError.
         """
-        if isinstance(exc, HandleError | LayoutMismatchError | IntegrityError):
+        settled = isinstance(exc, HandleError | LayoutMismatchError | IntegrityError)
+        if settled or (self.transceiver is not None and not self.transceiver.late_writes):
             self.engine.unreserve(request_id)
-            return exc
-        self._quarantine(request_id)
+        else:
+            self._quarantine(request_id)
         if isinstance(exc, TimeoutError):
             return DeadlineExceededError(
                 f"KV transfer for request {request_id} did not finish before its deadline"

@@ -12,7 +12,8 @@ What must hold (issue 4):
    connection attempt behind (one would open, unused, when the link returns).
 3. The KV blocks of those requests are freed on both sides while the link is still cut: the
    prefill worker's parked count returns to 0 (the router's release), the decode worker's free
-   blocks to its total (after its quarantine of a failed pull's blocks, = the transfer timeout).
+   blocks to its total (at once on tcp; nixl quarantines a failed pull's blocks for the transfer
+   timeout, since a remote WRITE may still land).
 4. When the link returns, requests succeed again within ``RESUME_MAX_S`` and keep succeeding (no
    stale transfer connection is reused). A request in the first seconds after ``link`` comes
    back may still fail fast with "unreachable": the kernel fails packets queued on an ARP
@@ -248,7 +249,7 @@ def test_kv_link_partition_fails_requests_explicitly_and_service_resumes(
         freed_s = wait_for(
             lambda: _decode_free(stack),
             TRANSFER_TIMEOUT_S + SLACK_S,
-            "D's quarantined blocks (is PDSERVE_TRANSFER__TIMEOUT_S read?)",
+            "D's blocks (nixl: quarantined for the transfer timeout; is it read?)",
         )
         print(f"{tag} P parked 0 after {parked_s:.1f} s, D all free after {freed_s:.1f} s")
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
-from pdserve.errors import HandleError, IntegrityError, LayoutMismatchError
+from pdserve.errors import HandleError, IntegrityError, LayoutMismatchError, TransferError
 from pdserve.protocol import GenerationRequest, KVLayout, SamplingParams, TransferHandle
 from pdserve.workers.decode import DecodeRole, check_handle
 
@@ -117,3 +117,29 @@ async def test_blocks_that_fail_the_digest_check_are_unreserved_at_once_and_neve
         await role.admit(_req())
     assert engine.calls == ["reserve", "unreserve"], "freed now, not quarantined, not resumed"
     assert role.quarantined == 0
+
+
+class _FailingTransceiver:
+    def __init__(self, late_writes: bool) -> None:
+        self.late_writes = late_writes
+
+    async def pull(self, handle: TransferHandle, dst_block_ids: list[int]) -> None:
+        raise TransferError("transfer peer p:1 lost while receiving: Connection reset by peer")
+
+
+@pytest.mark.parametrize("late_writes", [False, True])
+async def test_a_failed_pull_frees_its_blocks_at_once_unless_a_write_may_still_land(
+    late_writes: bool,
+) -> None:
+    engine = _Engine()
+    role = DecodeRole(
+        engine=engine,  # type: ignore[arg-type]
+        transceiver=_FailingTransceiver(late_writes),  # type: ignore[arg-type]
+        quarantine_s=30.0,
+    )
+    with pytest.raises(TransferError, match="lost while receiving"):
+        await role.admit(_req())
+    if late_writes:  # NIXL, UCX, CUDA staging: held until no write can land
+        assert engine.calls == ["reserve"] and role.quarantined == 1
+    else:  # TCP into a CPU pool: nothing writes once the pull ended
+        assert engine.calls == ["reserve", "unreserve"] and role.quarantined == 0
