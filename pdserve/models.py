@@ -16,6 +16,7 @@ import importlib.util
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 from pdserve.config import DEFAULT_MODEL, default_cache_dir
 from pdserve.errors import ConfigError
@@ -214,7 +215,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
 
 
-def build_tiny_model(path: Path, *, seed: int = 0) -> Path:
+def build_tiny_model(path: Path, *, seed: int = 0, arch: dict[str, Any] | None = None) -> Path:
     """Write a tiny randomly initialised ``LlamaForCausalLM`` (2 layers, hidden 64, 4 heads,
     2 KV heads, head_dim 16, vocab 260, 512 positions, float32, tied embeddings) plus its
     byte-level tokenizer and chat template into ``path``; return ``path``.
@@ -222,6 +223,8 @@ def build_tiny_model(path: Path, *, seed: int = 0) -> Path:
     Deterministic for a given ``seed`` (the global torch RNG is left untouched). The weights use
     a wider init than Llama's default (std 0.25) so that greedy decoding rarely meets near-ties,
     which keeps token-for-token comparisons between attention implementations stable.
+    ``arch`` overrides ``LlamaConfig`` fields (another size with the same tokenizer, e.g. the
+    GPU tests' SmolLM2-shaped stand-in).
     """
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -230,17 +233,20 @@ def build_tiny_model(path: Path, *, seed: int = 0) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     tok = tiny_tokenizer()
     ids = {t: tok.convert_tokens_to_ids(t) for t in TINY_SPECIAL_TOKENS}
+    fields: dict[str, Any] = {
+        "vocab_size": len(tok),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 512,
+        "initializer_range": 0.25,
+        "tie_word_embeddings": True,
+    }
     config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        initializer_range=0.25,
-        tie_word_embeddings=True,
+        **{**fields, **(arch or {})},
         bos_token_id=ids["<|bos|>"],
         eos_token_id=ids["<|eos|>"],
         pad_token_id=ids["<|pad|>"],

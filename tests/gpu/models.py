@@ -31,30 +31,6 @@ SMOLLM2_ARCH = {
 def build_smollm2_like(path: Path, *, seed: int = 0, init_std: float = 0.02) -> Path:
     """Write the stand-in model (float32, seed ``seed``, weights ~ N(0, ``init_std``)) and the
     tiny tokenizer into ``path``; return ``path``. Leaves the global torch RNG untouched."""
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from pdserve.models import build_tiny_model
 
-    from pdserve.models import TINY_SPECIAL_TOKENS, tiny_tokenizer
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tok = tiny_tokenizer()
-    ids = {t: tok.convert_tokens_to_ids(t) for t in TINY_SPECIAL_TOKENS}
-    config = LlamaConfig(
-        **SMOLLM2_ARCH,
-        initializer_range=init_std,
-        bos_token_id=ids["<|bos|>"],
-        eos_token_id=ids["<|eos|>"],
-        pad_token_id=ids["<|pad|>"],
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(torch.float32).eval()
-    model.generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
-    )
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return build_tiny_model(path, seed=seed, arch={**SMOLLM2_ARCH, "initializer_range": init_std})
