@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import yaml
@@ -80,6 +81,12 @@ def child_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not (k.startswith(ENV_PREFIX) and "__" in k)}
 
 
+def all_registered(ready: dict[str, Any], expected: tuple[int, int]) -> bool:
+    """Whether the router's ``/ready`` body lists at least ``expected`` (prefill, decode)
+    workers, each role on its own."""
+    return len(ready["prefill"]) >= expected[0] and len(ready["decode"]) >= expected[1]
+
+
 def _wait_ready(
     url: str,
     expected: tuple[int, int],
@@ -101,8 +108,7 @@ def _wait_ready(
                     )
             try:
                 r = client.get(f"{url}/ready")
-                body = r.json()
-                if r.status_code == 200 and (len(body["prefill"]), len(body["decode"])) >= expected:
+                if r.status_code == 200 and all_registered(r.json(), expected):
                     return True
             except (httpx.HTTPError, ValueError, KeyError):
                 pass

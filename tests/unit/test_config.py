@@ -18,7 +18,7 @@ from pdserve.config import (
     router_config,
     worker_config,
 )
-from pdserve.launcher import child_config, child_env, worker_commands
+from pdserve.launcher import all_registered, child_config, child_env, worker_commands
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
 MODEL = Path("/models/m")
@@ -210,3 +210,8 @@ def test_help_shows_the_schema_defaults(capsys: pytest.CaptureFixture[str]) -> N
         main(["decode", "--help"])
     out = capsys.readouterr().out
     assert "(default: 30.0; config kv_cache.lease_s)" in " ".join(out.split())
+
+
+def test_up_waits_for_every_worker_of_each_role() -> None:
+    assert all_registered({"prefill": ["p0"], "decode": ["d0", "d1"]}, (1, 2))
+    assert not all_registered({"prefill": ["p0", "p1"], "decode": ["d0"]}, (1, 2))
