@@ -125,7 +125,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     dtypes = ["float32", "bfloat16", "float16"]
-    p.add_argument("--dtype", choices=dtypes, default=None, help=_d("model.dtype"))
+    p.add_argument(
+        "--dtype", choices=dtypes, default=None, help="weights and activations " + _d("model.dtype")
+    )
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N " + _d("model.device"))
     p.add_argument(
         "--kv-dtype",
@@ -137,7 +139,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--kv-cache-mb", type=int, default=None, help="KV pool MiB " + _d("kv_cache.budget_mb")
     )
     p.add_argument(
-        "--tokens-per-block", type=int, default=None, help=_d("kv_cache.tokens_per_block")
+        "--tokens-per-block",
+        type=int,
+        default=None,
+        help="tokens per KV block " + _d("kv_cache.tokens_per_block"),
     )
     p.add_argument(
         "--max-num-seqs",
