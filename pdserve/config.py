@@ -52,6 +52,12 @@ class EngineConfig(_Cfg):
     max_num_batched_tokens: int = Field(default=2048, gt=0, description="tokens per forward")
     max_model_len: int | None = Field(default=None, gt=0, description="default: model's limit")
     num_threads: int | None = Field(default=None, gt=0, description="torch intra-op threads")
+    cuda_graphs: bool = Field(
+        default=False,
+        description="experimental, not yet run on a GPU: on CUDA, replay decode-only steps "
+        "from CUDA graphs (batch padded to 1, 2, 4, ... sequences); prefill and mixed steps "
+        "run eagerly; no effect on CPU",
+    )
 
     @property
     def cache_dtype(self) -> str:
@@ -179,6 +185,11 @@ class SchedulerSettings(_Section):
     max_num_batched_tokens: int = Field(default=2048, gt=0, description="tokens per forward")
     threads: int | None = Field(
         default=None, gt=0, description="torch intra-op threads per worker; default: torch's"
+    )
+    cuda_graphs: bool = Field(
+        default=False,
+        description="experimental (not yet run on a GPU): on CUDA, decode steps replay CUDA "
+        "graphs; no effect on CPU",
     )
 
 
@@ -485,6 +496,7 @@ def worker_config(cfg: PdserveConfig, role: str, model_path: Path) -> WorkerConf
             max_num_batched_tokens=sched.max_num_batched_tokens,
             max_model_len=cfg.model.max_model_len,
             num_threads=sched.threads,
+            cuda_graphs=sched.cuda_graphs,
         ),
         transfer=TransferConfig(
             backend=tx.backend,

@@ -66,6 +66,9 @@ class PagedAttentionMetadata:
     - ``decode_mask``: ``[num_decode, 1, 1, max_blocks * tpb]`` bool (True = attend), or None when
       there is a single decode sequence (its gathered K/V is cut to ``decode_ctx_len`` instead).
     - ``prefill``: the prefill chunks, in token order after the decode tokens.
+    - ``write_rows``: ``[T]`` long or None; when set, token ``i`` writes the K/V of token
+      ``write_rows[i]`` (CUDA-graph padding: padded rows repeat row 0's slot and write row 0's
+      K/V, so duplicate slots receive identical bytes).
     """
 
     pool: torch.Tensor
@@ -76,6 +79,7 @@ class PagedAttentionMetadata:
     decode_mask: torch.Tensor | None
     decode_ctx_len: int
     prefill: tuple[PrefillChunk, ...]
+    write_rows: torch.Tensor | None = None
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, kv: int) -> torch.Tensor:
@@ -112,6 +116,9 @@ def paged_attention_forward(
     flat_cache = cache.view(-1, cache.shape[-2], cache.shape[-1])
     k_tok = key[0].transpose(0, 1)  # [T, kvh, hd]
     v_tok = value[0].transpose(0, 1)
+    if meta.write_rows is not None:
+        k_tok = k_tok.index_select(0, meta.write_rows)
+        v_tok = v_tok.index_select(0, meta.write_rows)
     flat_cache.index_copy_(0, meta.k_slots, k_tok.to(cache.dtype))
     flat_cache.index_copy_(0, meta.v_slots, v_tok.to(cache.dtype))
 

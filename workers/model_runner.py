@@ -4,7 +4,9 @@ It turns a :class:`ScheduledBatch` into flattened (varlen, batch 1) model inputs
 ``position_ids`` and the :class:`PagedAttentionMetadata` of the step, runs one forward pass, and
 projects only the rows that sample through the LM head (transformers' ``logits_to_keep`` with an
 index tensor), as vLLM's Transformers backend does. Any decoder whose attention goes through
-transformers' ``AttentionInterface`` and passes ``**kwargs`` down to it runs here.
+transformers' ``AttentionInterface`` and passes ``**kwargs`` down to it runs here. On CUDA (with
+``EngineConfig.cuda_graphs``) decode-only steps replay CUDA graphs instead
+(:mod:`pdserve.workers.cuda_graphs`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pdserve.workers.attention import (
     bottom_right_causal_mask,
     register_paged_attention,
 )
+from pdserve.workers.cuda_graphs import DecodeGraphs
 from pdserve.workers.kv_cache import KVCacheManager
 from pdserve.workers.scheduler import ScheduledBatch
 
@@ -65,12 +68,21 @@ class ModelRunner:
         )
         self.vocab_size: int = text.vocab_size
         self.max_position_embeddings: int = text.max_position_embeddings
+        self.graphs: DecodeGraphs | None = None
+        if cfg.cuda_graphs and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(self.model, self.device, max_num_seqs=cfg.max_num_seqs)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, kv_cache: KVCacheManager) -> torch.Tensor:
         """Run ``batch`` (its blocks already allocated by ``prepare_resources``): writes the
         step's K/V into the pool and returns float32 logits ``[len(batch.sampling), vocab]``, one
-        row per sampling sequence in ``batch.sampling`` order."""
+        row per sampling sequence in ``batch.sampling`` order. Decode-only steps go through
+        :attr:`graphs` when set (CUDA graphs); other steps, and shapes that cannot be captured,
+        run eagerly."""
+        if self.graphs is not None:
+            logits = self.graphs.run(batch, kv_cache)
+            if logits is not None:
+                return logits
         ids, positions, meta, keep = self.prepare_inputs(batch, kv_cache)
         out = self.model(
             input_ids=ids.unsqueeze(0),

@@ -3,14 +3,17 @@
 Run from the repository root (the CPU side of the comparison runs the same code with
 ``--device cpu``)::
 
-    python -m tests.gpu.bench_gpu engine --device cuda --model smollm2-like --dtype float32 bfloat16
+    python -m tests.gpu.bench_gpu engine --device cuda --model smollm2-like --dtype float32 bfloat16 \
+        --cuda-graphs on off
     python -m tests.gpu.bench_gpu transfer --backends tcp nixl --devices cuda:cuda cpu:cpu
 
 ``engine``: one Engine in this process; per concurrency level ``c``, ``c`` requests of
 ``--prompt-tokens`` random token ids are submitted together and generate ``--max-tokens`` tokens
 each (``ignore_eos``), twice; the second pass is reported. TTFT = submit -> first token, TPOT = (last
 token - first token) / (tokens - 1) per request, as ``pdserve bench serve`` defines them; with
-every request decoding in lockstep, TPOT is the decode step time at batch ``c``.
+every request decoding in lockstep, TPOT is the decode step time at batch ``c``. ``--cuda-graphs on
+off`` runs each dtype twice, with and without CUDA graphs of decode steps (``EngineConfig.
+cuda_graphs``; no effect on CPU); graphs are captured in the first pass of a level.
 
 ``transfer``: a spawned prefill peer (:class:`tests.gpu.cuda_peer.PatternPeer`) and a decode
 transceiver in this process, pools on the given devices, SmolLM2's KV layout (30 layers, 3 KV
@@ -96,60 +99,74 @@ def _run_level(engine: Any, prompts: list[list[int]], max_tokens: int) -> list[t
 
 
 def bench_engine(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from pdserve.config import EngineConfig
-    from pdserve.workers.engine import Engine
-
-    results = []
+    results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = _model_dir(args.model, Path(tmp))
         gen = torch.Generator().manual_seed(0)
         for dtype in args.dtype:
-            top = max(args.concurrency)
-            tokens = top * (args.prompt_tokens + args.max_tokens)
-            engine = Engine(
-                EngineConfig(
-                    model_path=model_dir,
-                    device=args.device,
-                    dtype=dtype,
-                    tokens_per_block=16,
-                    num_blocks=tokens // 16 + 2 * top + 8,
-                    max_num_seqs=top,
-                    max_num_batched_tokens=max(2048, top * args.prompt_tokens),
-                )
-            )
-            engine.start()
-            try:
-                vocab = min(engine.runner.vocab_size, 256)
-                warm = torch.randint(3, vocab, (args.prompt_tokens,), generator=gen).tolist()
-                _run_level(engine, [warm], 8)
-                for c in args.concurrency:
-                    prompts = [
-                        torch.randint(3, vocab, (args.prompt_tokens,), generator=gen).tolist()
-                        for _ in range(c)
-                    ]
-                    # twice: the first pass meets new shapes (kernel choice and lazy loading
-                    # on CUDA), the second is reported
-                    _run_level(engine, prompts, args.max_tokens)
-                    samples = _run_level(engine, prompts, args.max_tokens)
-                    ttft = [s[0] for s in samples]
-                    tpot = [s[1] for s in samples]
-                    result = {
-                        "kind": "engine",
-                        "model": args.model,
-                        "device": _device_name(args.device),
-                        "dtype": dtype,
-                        "concurrency": c,
-                        "prompt_tokens": args.prompt_tokens,
-                        "max_tokens": args.max_tokens,
-                        "ttft_ms_p50": 1e3 * statistics.median(ttft),
-                        "tpot_ms_p50": 1e3 * statistics.median(tpot),
-                        "tpot_ms_mean": 1e3 * statistics.mean(tpot),
-                        "decode_tokens_per_s": c / statistics.median(tpot),
-                    }
-                    _emit(result)
-                    results.append(result)
-            finally:
-                engine.shutdown()
+            for graphs in args.cuda_graphs:
+                results += _bench_engine_config(args, model_dir, gen, dtype, graphs == "on")
+    return results
+
+
+def _bench_engine_config(
+    args: argparse.Namespace, model_dir: Path, gen: torch.Generator, dtype: str, graphs: bool
+) -> list[dict[str, Any]]:
+    """One engine (``dtype``, CUDA graphs on or off), every concurrency level."""
+    from pdserve.config import EngineConfig
+    from pdserve.workers.engine import Engine
+
+    results = []
+    top = max(args.concurrency)
+    tokens = top * (args.prompt_tokens + args.max_tokens)
+    engine = Engine(
+        EngineConfig(
+            model_path=model_dir,
+            device=args.device,
+            dtype=dtype,
+            tokens_per_block=16,
+            num_blocks=tokens // 16 + 2 * top + 8,
+            max_num_seqs=top,
+            max_num_batched_tokens=max(2048, top * args.prompt_tokens),
+            cuda_graphs=graphs,
+        )
+    )
+    engine.start()
+    try:
+        vocab = min(engine.runner.vocab_size, 256)
+        warm = torch.randint(3, vocab, (args.prompt_tokens,), generator=gen).tolist()
+        _run_level(engine, [warm], 8)
+        for c in args.concurrency:
+            prompts = [
+                torch.randint(3, vocab, (args.prompt_tokens,), generator=gen).tolist()
+                for _ in range(c)
+            ]
+            # twice: the first pass meets new shapes (kernel choice, lazy loading and graph
+            # capture on CUDA), the second is reported
+            _run_level(engine, prompts, args.max_tokens)
+            samples = _run_level(engine, prompts, args.max_tokens)
+            ttft = [s[0] for s in samples]
+            tpot = [s[1] for s in samples]
+            runner_graphs = engine.runner.graphs
+            result = {
+                "kind": "engine",
+                "model": args.model,
+                "device": _device_name(args.device),
+                "dtype": dtype,
+                "cuda_graphs": runner_graphs is not None,
+                "graphs_captured": runner_graphs.captures if runner_graphs else 0,
+                "concurrency": c,
+                "prompt_tokens": args.prompt_tokens,
+                "max_tokens": args.max_tokens,
+                "ttft_ms_p50": 1e3 * statistics.median(ttft),
+                "tpot_ms_p50": 1e3 * statistics.median(tpot),
+                "tpot_ms_mean": 1e3 * statistics.mean(tpot),
+                "decode_tokens_per_s": c / statistics.median(tpot),
+            }
+            _emit(result)
+            results.append(result)
+    finally:
+        engine.shutdown()
     return results
 
 
@@ -245,12 +262,14 @@ def _table(results: list[dict[str, Any]]) -> str:
     lines = []
     if engine:
         lines += [
-            "| model | device | dtype | concurrency | TTFT p50 (ms) | TPOT p50 (ms) | tokens/s |",
-            "|---|---|---|---|---|---|---|",
+            "| model | device | dtype | CUDA graphs | concurrency | TTFT p50 (ms) | TPOT p50 (ms)"
+            " | tokens/s |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for r in engine:
             lines.append(
-                f"| {r['model']} | {r['device']} | {r['dtype']} | {r['concurrency']} | "
+                f"| {r['model']} | {r['device']} | {r['dtype']} | "
+                f"{'on' if r['cuda_graphs'] else 'off'} | {r['concurrency']} | "
                 f"{r['ttft_ms_p50']:.1f} | {r['tpot_ms_p50']:.2f} | {r['decode_tokens_per_s']:.0f} |"
             )
     if transfer:
@@ -278,6 +297,13 @@ def main(argv: list[str] | None = None) -> None:
     eng.add_argument("--prompt-tokens", type=int, default=256)
     eng.add_argument("--max-tokens", type=int, default=32)
     eng.add_argument("--threads", type=int, default=None, help="torch threads (CPU runs)")
+    eng.add_argument(
+        "--cuda-graphs",
+        nargs="+",
+        choices=["on", "off"],
+        default=["on"],
+        help="engines to run: with CUDA graphs for decode steps (CUDA only), without, or both",
+    )
     tr = sub.add_parser("transfer")
     tr.add_argument("--backends", nargs="+", default=["tcp", "nixl"])
     tr.add_argument("--devices", nargs="+", default=["cuda:cuda"], help="SRC:DST pool devices")
