@@ -205,6 +205,15 @@ class GenerationChunk(_Msg):
     error: str | None = None
 
 
+WORKER_KEEPALIVE_S = 30.0
+"""How long a worker keeps an idle request-plane HTTP connection open (uvicorn's
+``timeout_keep_alive``). The router's client drops idle connections well before
+(:data:`ROUTER_KEEPALIVE_S`), so it never sends a request on a connection the worker is closing
+(which fails as a ReadError: with equal timeouts, a release sent ~5 s after the connection's
+last use lost that race)."""
+ROUTER_KEEPALIVE_S = WORKER_KEEPALIVE_S / 2
+
+
 class WorkerLoad(_Msg):
     running: int = 0
     waiting: int = 0

@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.config import RouterConfig
 from pdserve.errors import PdserveError
 from pdserve.metrics import CONTENT_TYPE, RouterMetrics
+from pdserve.protocol import ROUTER_KEEPALIVE_S
 from pdserve.router.client import WorkerClient
 from pdserve.router.transaction import Router, Transaction
 from pdserve.router.view import WorkerSource, WorkerView
@@ -152,7 +153,11 @@ async def _start(
     if http_client is None:
         http_client = httpx.AsyncClient(
             timeout=httpx.Timeout(cfg.request_timeout_s, connect=5.0),
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=128),
+            limits=httpx.Limits(
+                max_connections=1024,
+                max_keepalive_connections=128,
+                keepalive_expiry=ROUTER_KEEPALIVE_S,  # < the workers' keep-alive
+            ),
             trust_env=False,  # the request plane never goes through an HTTP proxy
         )
         stack.push_async_callback(http_client.aclose)

@@ -39,6 +39,7 @@ from pdserve.metrics import CONTENT_TYPE, WorkerMetrics
 from pdserve.protocol import (
     PROTOCOL_HEADER,
     PROTOCOL_VERSION,
+    WORKER_KEEPALIVE_S,
     ContextRequest,
     ContextResponse,
     GenerationRequest,
@@ -377,6 +378,12 @@ def run_worker(cfg: WorkerConfig, *, log_level: str = "info") -> None:
                 super().handle_exit(sig, frame)
 
     server = DrainingServer(
-        uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, access_log=False)
+        uvicorn.Config(
+            app,
+            log_level=log_level,
+            timeout_graceful_shutdown=5,
+            timeout_keep_alive=int(WORKER_KEEPALIVE_S),  # > the router's keep-alive
+            access_log=False,
+        )
     )
     server.run(sockets=[sock])
