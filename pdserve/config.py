@@ -33,8 +33,8 @@ class EngineConfig(_Cfg):
     """Engine (model runner + KV cache manager + scheduler) settings.
 
     ``model_path`` is a local Hugging Face model folder (config.json, safetensors, tokenizer).
-    The KV pool gets ``kv_cache_bytes`` (or exactly ``num_blocks`` blocks when set), of
-    ``cache_dtype`` elements (attention computes in the model dtype and casts K/V on write and
+    The KV pool gets exactly ``num_blocks`` blocks when set, else ``kv_cache_bytes``, else a
+    share of the machine (:mod:`pdserve.workers.kv_sizing`), of ``cache_dtype`` elements (attention computes in the model dtype and casts K/V on write and
     read, so a narrower KV dtype halves the pool and the transfer at some precision).
     """
 
@@ -46,8 +46,14 @@ class EngineConfig(_Cfg):
     )
     device: str = "cpu"
     tokens_per_block: int = Field(default=16, gt=0)
-    kv_cache_bytes: int = Field(default=256 * 1024 * 1024, gt=0)
+    kv_cache_bytes: int | None = Field(default=None, gt=0, description="None: from the machine")
     num_blocks: int | None = Field(default=None, gt=0)
+    kv_memory_fraction: float = Field(
+        default=0.25, gt=0, le=0.95, description="CPU: share of available host memory"
+    )
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1.0)
+    capacity_policy: Literal["max_utilization", "guaranteed_no_evict"] = "max_utilization"
+    max_queued_requests: int = Field(default=256, gt=0, description="waiting queue bound")
     max_num_seqs: int = Field(default=32, gt=0, description="running sequences per step")
     max_num_batched_tokens: int = Field(default=2048, gt=0, description="tokens per forward")
     max_model_len: int | None = Field(default=None, gt=0, description="default: model's limit")
@@ -165,9 +171,28 @@ class ModelSettings(_Section):
 class KVCacheSettings(_Section):
     """The KV cache pool of each worker and the lease on parked (prefilled) blocks."""
 
-    budget_mb: int = Field(default=256, gt=0, description="KV pool size per worker, MiB")
+    budget_mb: int | None = Field(
+        default=None,
+        gt=0,
+        description="KV pool size per worker, MiB; null: memory_fraction of the host memory "
+        "available (CPU) or gpu_memory_utilization of the GPU (CUDA)",
+    )
     num_blocks: int | None = Field(
         default=None, gt=0, description="exact KV block count; overrides budget_mb"
+    )
+    memory_fraction: float = Field(
+        default=0.25,
+        gt=0,
+        le=0.95,
+        description="CPU, budget_mb null: share of the available host memory for KV pools "
+        "(`pdserve up` splits it between its workers)",
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.9,
+        gt=0,
+        le=1.0,
+        description="CUDA, budget_mb null: share of GPU memory for weights, activations and "
+        "the KV pool (split between the workers `pdserve up` puts on one GPU)",
     )
     tokens_per_block: int = Field(default=16, gt=0, le=4096, description="tokens per KV block")
     dtype: Dtype | None = Field(
@@ -183,6 +208,16 @@ class SchedulerSettings(_Section):
 
     max_num_seqs: int = Field(default=32, gt=0, description="running sequences per step")
     max_num_batched_tokens: int = Field(default=2048, gt=0, description="tokens per forward")
+    capacity_policy: Literal["max_utilization", "guaranteed_no_evict"] = Field(
+        default="max_utilization",
+        description="max_utilization: admit by current need, preempt (recompute) when the "
+        "pool runs short; guaranteed_no_evict: admit only when prompt + max_tokens fit",
+    )
+    max_queued_requests: int = Field(
+        default=256,
+        gt=0,
+        description="waiting requests per worker; beyond it requests get HTTP 429",
+    )
     threads: int | None = Field(
         default=None, gt=0, description="torch intra-op threads per worker; default: torch's"
     )
@@ -490,8 +525,12 @@ def worker_config(cfg: PdserveConfig, role: str, model_path: Path) -> WorkerConf
             kv_dtype=kv.dtype,
             device=cfg.model.device,
             tokens_per_block=kv.tokens_per_block,
-            kv_cache_bytes=kv.budget_mb * 2**20,
+            kv_cache_bytes=kv.budget_mb * 2**20 if kv.budget_mb else None,
             num_blocks=kv.num_blocks,
+            kv_memory_fraction=kv.memory_fraction,
+            gpu_memory_utilization=kv.gpu_memory_utilization,
+            capacity_policy=sched.capacity_policy,
+            max_queued_requests=sched.max_queued_requests,
             max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
             max_model_len=cfg.model.max_model_len,

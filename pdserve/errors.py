@@ -61,6 +61,17 @@ class NoWorkerError(CapacityError):
     code = "no_worker"
 
 
+class QueueFullError(PdserveError):
+    """A worker's waiting queue is at its bound (``scheduler.max_queued_requests``), or a
+    decode worker found no free KV blocks for a transferred prompt before its lease ran out:
+    the request is refused now and may be retried (HTTP 429 with ``Retry-After``)."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "queue_full"
+    retry_after_s = 1
+
+
 class DeadlineExceededError(PdserveError):
     status = 504
     type = "server_error"

@@ -26,7 +26,8 @@ from typing import Any
 import httpx
 import yaml
 
-from pdserve.config import ENV_PREFIX, PdserveConfig, served_model_name
+from pdserve.config import ENV_PREFIX, KVCacheSettings, PdserveConfig, served_model_name
+from pdserve.workers.kv_sizing import available_host_memory
 
 GRACE_S = 10.0
 
@@ -41,9 +42,25 @@ def _cli(*args: str, log_level: str) -> list[str]:
     return [sys.executable, "-m", "pdserve.cli", "--log-level", log_level, *args]
 
 
+def split_kv_cache(cfg: PdserveConfig, n_workers: int) -> KVCacheSettings:
+    """``kv_cache`` for each of ``n_workers`` workers on this machine: with no explicit size,
+    the machine's share is measured once here and split evenly (a worker sizing itself would
+    not see the pools of the workers started before it); on CUDA the GPU utilization is."""
+    kv = cfg.kv_cache
+    if kv.budget_mb is not None or kv.num_blocks is not None:
+        return kv
+    if cfg.model.device != "cpu":
+        return kv.model_copy(
+            update={"gpu_memory_utilization": kv.gpu_memory_utilization / n_workers}
+        )
+    share = available_host_memory() * kv.memory_fraction / n_workers
+    return kv.model_copy(update={"budget_mb": max(1, int(share) // 2**20)})
+
+
 def child_config(cfg: PdserveConfig, model_path: Path) -> PdserveConfig:
     """The fully resolved config the children read: the model path and name pinned,
-    ``scheduler.threads`` split evenly across the workers and UCX on loopback when unset."""
+    ``scheduler.threads`` split evenly across the workers, the KV memory share split too
+    (:func:`split_kv_cache`), and UCX on loopback when unset."""
     n_workers = max(1, cfg.prefill.replicas + cfg.decode.replicas)
     threads = cfg.scheduler.threads or max(1, (os.cpu_count() or 1) // n_workers)
     return cfg.model_copy(
@@ -51,6 +68,7 @@ def child_config(cfg: PdserveConfig, model_path: Path) -> PdserveConfig:
             "model": cfg.model.model_copy(
                 update={"path": model_path, "served_name": served_model_name(cfg, model_path)}
             ),
+            "kv_cache": split_kv_cache(cfg, n_workers),
             "scheduler": cfg.scheduler.model_copy(update={"threads": threads}),
             # One host: UCX (nixl, ucx backends) stays on loopback unless told otherwise.
             "transfer": cfg.transfer.model_copy(

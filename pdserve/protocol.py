@@ -10,6 +10,9 @@ Protocol history:
     2: fencing and integrity: ``TransferHandle.lease_id`` (and optional ``lease_id`` on
        releases); transfer ``SendBlocks`` carries the lease id and asks for block digests,
        answered by ``BlockDigests`` after the bytes.
+    3: ``n`` choices per request: ``SamplingParams.n``, ``GenerationChunk.index``; with ``n > 1``
+       a ``ContextResponse`` may carry both ``finish_reason`` (choice 0 ended at its first token)
+       and ``handle`` (the blocks stay parked for choices 1..n-1).
 
 Clocks: deadlines on the wire are wall-clock UNIX seconds (``time.time()``), never monotonic
 readings, because a monotonic clock does not cross processes.
@@ -24,7 +27,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 PROTOCOL_HEADER = "x-pdserve-protocol"
 
 
@@ -100,14 +103,23 @@ class KVLayout(_Msg):
         return not self.describe_unmappable(dst)
 
 
+MAX_CHOICES = 16
+"""Upper bound of ``SamplingParams.n`` (choices per request)."""
+
+
 class SamplingParams(_Msg):
     """Per-request sampling settings.
 
     ``temperature == 0`` means greedy. ``seed`` makes sampling reproducible: the random draw for
     output position ``i`` depends only on ``(seed, i)``, so it is identical whether the token is
     sampled by the prefill worker (position 0) or the decode worker (positions >= 1).
+
+    ``n`` choices share the prompt's KV blocks; choice ``i`` of a seeded request samples as if
+    its seed were ``seed + i`` (vLLM's convention), so the choices differ and each repeats.
+    ``max_tokens`` bounds each choice.
     """
 
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES, description="choices per request")
     max_tokens: int = Field(default=16, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -170,8 +182,13 @@ class ContextRequest(_Msg):
 
 
 class ContextResponse(_Msg):
-    """Prefill worker -> router: the first token and, unless the request already finished, the
-    handle of its parked KV blocks."""
+    """Prefill worker -> router: choice 0's first token and, unless the request already
+    finished, the handle of its parked KV blocks.
+
+    With ``sampling.n == 1`` exactly one of ``finish_reason`` and ``handle`` is set. With
+    ``n > 1`` the prefill worker always parks (choices 1..n-1 still need the blocks), so
+    ``handle`` is always set and ``finish_reason`` is set too when the first token already ended
+    choice 0."""
 
     request_id: str
     first_token: int
@@ -182,8 +199,9 @@ class ContextResponse(_Msg):
 
 
 class GenerationRequest(_Msg):
-    """Router -> decode worker. With ``handle``: resume after the prefill worker's first token.
-    Without it (colocated baseline), the worker runs prefill itself."""
+    """Router -> decode worker. With ``handle``: resume after the prefill worker's first token
+    (``first_token`` is choice 0's; the decode worker samples the first token of choices
+    1..n-1). Without it (colocated baseline), the worker runs prefill itself."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...] = Field(min_length=1)
@@ -194,10 +212,14 @@ class GenerationRequest(_Msg):
 
 
 class GenerationChunk(_Msg):
-    """One line of the decode worker's NDJSON stream. The last chunk has ``finish_reason`` set;
-    an error chunk has ``finish_reason == 'error'`` and ``error`` set."""
+    """One line of the decode worker's NDJSON stream, for choice ``index`` (``0..n-1``; the
+    choices' chunks interleave). Each choice's last chunk has ``finish_reason`` set; the stream
+    ends after every choice's. An error chunk has ``finish_reason == 'error'`` and ``error`` set.
+    A choice that ended at the prefill leg (``ContextResponse.finish_reason``) may get one more
+    final chunk without tokens, which the router drops."""
 
     request_id: str
+    index: int = Field(default=0, ge=0, lt=MAX_CHOICES, description="choice")
     token_ids: tuple[int, ...] = ()
     text: str = ""
     logprobs: tuple[TokenLogprob, ...] = ()
@@ -215,11 +237,15 @@ ROUTER_KEEPALIVE_S = WORKER_KEEPALIVE_S / 2
 
 
 class WorkerLoad(_Msg):
+    """A worker's load: sequences running and waiting, requests parked, KV blocks, and the
+    recompute preemptions since start (a counter)."""
+
     running: int = 0
     waiting: int = 0
     parked: int = 0
     free_blocks: int = 0
     total_blocks: int = 0
+    preemptions: int = 0
 
 
 class WorkerRecord(_Msg):

@@ -30,6 +30,7 @@ from pdserve.errors import (
     DeadlineExceededError,
     InvalidRequestError,
     PdserveError,
+    QueueFullError,
     TransferError,
     WorkerError,
 )
@@ -69,7 +70,8 @@ def error_from_envelope(leg: str, status: int, body: bytes) -> PdserveError:
     """Map a worker's non-200 answer to a typed error, keeping its message and code.
 
     ``leg`` names the worker in the message, e.g. ``"prefill worker p0"``. 400 stays 400 (the
-    worker refused the request itself), 503 -> :class:`CapacityError`, 504 ->
+    worker refused the request itself), 429 -> :class:`QueueFullError` (the worker's queue is
+    full: the client may retry), 503 -> :class:`CapacityError`, 504 ->
     :class:`DeadlineExceededError`, a ``kv_*`` code -> :class:`TransferError`, anything else ->
     :class:`WorkerError` (502).
     """
@@ -82,6 +84,8 @@ def error_from_envelope(leg: str, status: int, body: bytes) -> PdserveError:
     cls: type[PdserveError]
     if status == 400:
         cls = InvalidRequestError
+    elif status == 429:
+        cls = QueueFullError
     elif status == 503:
         cls = CapacityError
     elif status == 504:
@@ -163,7 +167,9 @@ class WorkerClient:
         self.release_timeout_s = release_timeout_s
 
     async def context(self, worker: WorkerRecord, req: ContextRequest) -> ContextResponse:
-        """Run the context phase on prefill ``worker``. Raises a typed error on failure."""
+        """Run the context phase on prefill ``worker``. Raises a typed error on failure, also
+        when the answer has no handle though the request still needs its blocks (a choice
+        unfinished)."""
         leg = f"prefill worker {worker.worker_id}"
         try:
             async with asyncio.timeout(max(_remaining(req.deadline), 0.0)):
@@ -187,6 +193,10 @@ class WorkerClient:
             )
         if out.finish_reason is None and out.handle is None:
             raise WorkerError(f"{leg} answered neither a finish reason nor a transfer handle")
+        if req.sampling.n > 1 and out.handle is None:
+            raise WorkerError(
+                f"{leg} answered no transfer handle for a request of n={req.sampling.n} choices"
+            )
         return out
 
     async def generate(self, worker: WorkerRecord, req: GenerationRequest) -> GenerationStream:

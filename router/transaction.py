@@ -10,16 +10,24 @@ Lifecycle of one request (``Transaction.state``)::
     4 DECODING    Transaction.events(): the first token is yielded at once (TTFT does not wait
                   for D), then POST GenerationRequest (first token + handle) to D
                   /internal/generate and relay its NDJSON chunks
-    5 FINISHED    the last event carries finish_reason stop/length; D released P's blocks
+    5 FINISHED    every choice's last event carried finish_reason stop/length; D released P's
+                  blocks (or, when the first token finished the request, P never parked them)
       FAILED      a typed error was raised (WorkerError, TransferError, CapacityError,
                   DeadlineExceededError)
       ABANDONED   the consumer stopped before the end (client disconnected)
 
+Choices (``sampling.n``): every event names its choice (``TokenEvent.index``, 0..n-1). P's
+first token is choice 0's. With ``n > 1`` P always parks the blocks, so the decode leg runs
+whenever a choice is unfinished, even when the first token already finished choice 0; D samples
+the first tokens of choices 1..n-1 and streams the choices' chunks interleaved. A finish-only
+chunk for a choice that already finished (choice 0's, echoed by D) is dropped. The request
+ends when all n choices finished; an error or abort chunk of any choice fails the request.
+
 Cleanup (:meth:`Transaction.aclose`, idempotent, also run when ``events()`` ends for any
-reason): close the D stream (the decode worker aborts and frees its blocks) and, unless the
-request FINISHED, POST ReleaseRequest to P (best effort, logged) so its parked blocks are freed
-now instead of at lease expiry. Cleanup is shielded from cancellation and bounded in time, so a
-client disconnect cannot skip it and cannot hang it.
+reason): close the D stream (the decode worker aborts and frees its blocks) and, unless D
+finished the request (and so released them), POST ReleaseRequest to P (best effort, logged) so
+its parked blocks are freed now instead of at lease expiry. Cleanup is shielded from
+cancellation and bounded in time, so a client disconnect cannot skip it and cannot hang it.
 
 Ownership: the transaction owns the D stream and the router-side in-flight counts it took; P's
 parked blocks are P's, released by D (success) or by this transaction's release (failure).
@@ -43,6 +51,7 @@ from pdserve.protocol import (
     ContextRequest,
     ContextResponse,
     FinishReason,
+    GenerationChunk,
     GenerationRequest,
     ReleaseRequest,
     SamplingParams,
@@ -60,13 +69,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """One step of output: new token ids, their text and (if asked) logprobs. The last event
-    of a successful transaction has ``finish_reason`` STOP or LENGTH."""
+    """One step of output of choice ``index``: new token ids, their text and (if asked)
+    logprobs. Each choice's last event in a successful transaction has ``finish_reason`` STOP
+    or LENGTH."""
 
     token_ids: tuple[int, ...]
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: FinishReason | None = None
+    index: int = 0
 
 
 @dataclass(frozen=True)
@@ -216,17 +227,21 @@ class Transaction:
         self._holds = holds
         self._stream: GenerationStream | None = None
         self._closed = False
-        self.state = TxnState.FINISHED if context.finish_reason else TxnState.PREFILLED
-        self.num_tokens = 1
+        n = spec.sampling.n
+        self._unfinished = set(range(1 if context.finish_reason else 0, n))
+        self.state = TxnState.PREFILLED if self._unfinished else TxnState.FINISHED
+        self.num_tokens = 1  # over all choices
+        self.choice_tokens = [1] + [0] * (n - 1)
         self.t_in = self.t_first = self.t_last = time.monotonic()
+        self._t_choice = [self.t_first] * n  # each choice's last token (inter-token latency)
 
     @property
     def request_id(self) -> str:
         return self.spec.request_id
 
     async def events(self) -> AsyncGenerator[TokenEvent, None]:
-        """Yield the first token (from P), then D's tokens. Raises a typed error on failure;
-        always cleans up (``aclose``) when it ends, however it ends."""
+        """Yield the first token (from P, choice 0), then D's tokens of every choice. Raises a
+        typed error on failure; always cleans up (``aclose``) when it ends, however it ends."""
         ctx = self.context
         try:
             yield TokenEvent(
@@ -234,8 +249,9 @@ class Transaction:
                 ctx.text,
                 (ctx.logprob,) if ctx.logprob is not None else (),
                 ctx.finish_reason,
+                index=0,
             )
-            if ctx.finish_reason is not None:
+            if not self._unfinished:
                 return
             async for event in self._decode():
                 yield event
@@ -268,28 +284,54 @@ class Transaction:
                 raise WorkerError(f"{leg} failed the request: {chunk.error or chunk.finish_reason}")
             if chunk.request_id != self.request_id:
                 raise WorkerError(f"{leg} streamed a chunk for request {chunk.request_id!r}")
+            if not self._accept(chunk, leg):
+                continue
+            i = chunk.index
             self.num_tokens += len(chunk.token_ids)
+            self.choice_tokens[i] += len(chunk.token_ids)
             now = time.monotonic()
             if self._router.metrics is not None:
-                self._router.metrics.itl.observe(now - self.t_last)
-            self.t_last = now
+                self._router.metrics.itl.observe(now - self._t_choice[i])
+            self.t_last = self._t_choice[i] = now
             if chunk.finish_reason is not None:
+                self._unfinished.discard(i)
+            if not self._unfinished:  # before the yield: a consumer may stop at this event
                 self.state = TxnState.FINISHED
                 log.info(
-                    "req %s finished (%s): %d tokens, decode leg %.1f ms",
+                    "req %s finished (%s): %d tokens in %d choice(s), decode leg %.1f ms",
                     self.request_id,
                     chunk.finish_reason,
                     self.num_tokens,
+                    len(self.choice_tokens),
                     (time.monotonic() - t0) * 1e3,
                 )
-            yield TokenEvent(chunk.token_ids, chunk.text, chunk.logprobs, chunk.finish_reason)
-            if chunk.finish_reason is not None:
+            yield TokenEvent(
+                chunk.token_ids, chunk.text, chunk.logprobs, chunk.finish_reason, index=i
+            )
+            if not self._unfinished:
                 return
-        raise WorkerError(f"{leg} ended its stream without a finish reason")
+        raise WorkerError(
+            f"{leg} ended its stream before choice(s) {sorted(self._unfinished)} finished"
+        )
+
+    def _accept(self, chunk: GenerationChunk, leg: str) -> bool:
+        """Whether ``chunk`` is news for its choice. A finish-only chunk of a choice that has
+        already finished (choice 0's when its first token ended it on P, echoed by D) is not;
+        anything else for a finished or unknown choice is a protocol error (WorkerError)."""
+        if chunk.index in self._unfinished:
+            return True
+        n = len(self.choice_tokens)
+        if chunk.index < n and not chunk.token_ids and not chunk.text:
+            return False
+        raise WorkerError(
+            f"{leg} streamed tokens for choice {chunk.index} of a request with n={n}, "
+            "which had already finished or does not exist"
+        )
 
     async def aclose(self) -> None:
-        """Close the D stream and, unless FINISHED, release P's parked blocks. Idempotent,
-        shielded from cancellation, bounded by the client's release timeout."""
+        """Close the D stream and, unless D finished the request (D released them), release P's
+        parked blocks. Idempotent, shielded from cancellation, bounded by the client's release
+        timeout."""
         if self._closed:
             return
         self._closed = True
@@ -300,7 +342,8 @@ class Transaction:
                 if self._stream is not None:
                     await self._stream.aclose()
                 handle = self.context.handle
-                if self.state is not TxnState.FINISHED and handle is not None:
+                decoded = self.state is TxnState.FINISHED and self._stream is not None
+                if handle is not None and not decoded:
                     log.info(
                         "req %s: %s; releasing its blocks on %s",
                         self.request_id,
@@ -329,5 +372,6 @@ class Transaction:
         m.generation_tokens.inc(self.num_tokens)
         if self.state is TxnState.FINISHED:
             m.e2e.observe(self.t_last - self.t_in)
-            if self.num_tokens > 1:
-                m.tpot.observe((self.t_last - self.t_first) / (self.num_tokens - 1))
+            longest = max(self.choice_tokens)  # per choice: the choices decode side by side
+            if longest > 1:
+                m.tpot.observe((self.t_last - self.t_first) / (longest - 1))

@@ -11,7 +11,9 @@ Lifecycle (the lifespan)::
 
 Request path: validate + tokenize (:mod:`pdserve.server.preprocess`), run the prefill leg
 (``Router.start``; its failure is an HTTP error status), then relay the decode leg as one JSON
-body or as SSE (a failure after the first byte is an in-band error event, :mod:`.sse`).
+body or as SSE (a failure after the first byte is an in-band error event, :mod:`.sse`). A
+request for ``n`` choices is one transaction whose events name their choice; the formatter
+(:mod:`.output`) sorts them into the ``n`` choices.
 
 All state lives in :class:`ServerState` on ``app.state.pdserve``, created by the lifespan; the
 module holds none.
@@ -255,6 +257,7 @@ def _info(
         model=st.cfg.served_model_name,
         prompt_tokens=len(prepared.prompt_token_ids),
         logprobs=logprobs,
+        n=prepared.sampling.n,
         include_usage=bool(
             body.stream and body.stream_options and body.stream_options.include_usage
         ),
@@ -313,8 +316,7 @@ async def _sse(txn: Transaction, fmt: Formatter) -> AsyncIterator[bytes]:
     """The SSE body: chunks, the usage chunk if asked, ``[DONE]``; a failure becomes an error
     event followed by ``[DONE]``. The transaction is closed however this ends."""
     try:
-        start = fmt.start()
-        if start is not None:
+        for start in fmt.start():
             yield encode_event(start)
         async with aclosing(txn.events()) as events:
             async for event in events:

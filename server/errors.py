@@ -18,14 +18,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from pdserve.errors import InvalidRequestError, PdserveError
+from pdserve.errors import InvalidRequestError, PdserveError, QueueFullError
 from pdserve.protocol import ErrorBody, ErrorEnvelope
 
 log = logging.getLogger(__name__)
 
 
 def error_response(exc: PdserveError) -> JSONResponse:
-    return JSONResponse(exc.to_json(), status_code=exc.status)
+    """``exc`` as its status and OpenAI envelope; a 429 carries ``Retry-After`` (seconds)."""
+    headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, QueueFullError) else None
+    return JSONResponse(exc.to_json(), status_code=exc.status, headers=headers)
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "bytes", "none", "dict", "list"}

@@ -1,15 +1,21 @@
 """Router events -> OpenAI responses and stream chunks, for chat and for completions.
 
-One formatter object per request. Streaming: ``start()`` (chat only: the role chunk), one
-``chunk(event)`` per :class:`~pdserve.router.transaction.TokenEvent`, then ``usage_chunk()``
-when ``stream_options.include_usage`` asked for it. Not streaming: ``add(event)`` for every
-event, then ``response()``. Both paths count completion tokens for ``usage``.
+One formatter object per request. Streaming: ``start()`` (chat only: one role chunk per
+choice), one ``chunk(event)`` per :class:`~pdserve.router.transaction.TokenEvent`, then
+``usage_chunk()`` when ``stream_options.include_usage`` asked for it. Not streaming:
+``add(event)`` for every event, then ``response()``. Both paths count completion tokens for
+``usage``, summed over all choices.
+
+Choices: a request asks for ``RequestInfo.n`` of them. Every event names its choice
+(``TokenEvent.index``); a stream chunk carries that one choice (``choices[0].index``), and a
+whole response lists every choice in index order, each with its own text, logprobs and finish
+reason.
 
 Logprobs: natural-log probabilities from the workers' :class:`TokenLogprob`, token strings and
 bytes from :class:`~pdserve.server.tokens.TokenFormatter`. Chat reports
 ``choices[].logprobs.content[]`` (token, logprob, bytes, top_logprobs); completions report
 ``tokens``, ``token_logprobs``, ``top_logprobs`` (token -> logprob) and ``text_offset`` (the
-character offset of each token in the completion text).
+character offset of each token in its choice's completion text).
 """
 
 from __future__ import annotations
@@ -42,14 +48,29 @@ from pdserve.server.tokens import TokenFormatter
 
 @dataclass
 class RequestInfo:
-    """What every response of one request repeats."""
+    """What every response of one request repeats. ``n``: choices asked for."""
 
     response_id: str
     model: str
     prompt_tokens: int
     logprobs: bool = False
     include_usage: bool = False
+    n: int = 1
     created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass
+class _Choice:
+    """What one choice has produced so far."""
+
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    offset: int = 0  # characters of text reported so far (completions' text_offset)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
 
 
 class _Formatter:
@@ -57,18 +78,17 @@ class _Formatter:
         self.info = info
         self.tokens = tokens
         self.completion_tokens = 0
-        self.finish_reason: str | None = None
-        self._texts: list[str] = []
-        self._collected: list[TokenLogprob] = []
+        self.choices = [_Choice() for _ in range(info.n)]
 
     def add(self, event: TokenEvent) -> None:
         """Account for one event (both paths call this)."""
+        choice = self.choices[event.index]
         self.completion_tokens += len(event.token_ids)
-        self._texts.append(event.text)
+        choice.texts.append(event.text)
         if self.info.logprobs:
-            self._collected.extend(event.logprobs)
+            choice.logprobs.extend(event.logprobs)
         if event.finish_reason is not None:
-            self.finish_reason = str(event.finish_reason)
+            choice.finish_reason = str(event.finish_reason)
 
     def usage(self) -> Usage:
         return Usage(
@@ -104,15 +124,18 @@ class ChatFormatter(_Formatter):
             ]
         )
 
-    def start(self) -> dict[str, Any]:
-        """The first stream chunk: the assistant role, no content yet."""
-        return self._chunk(DeltaMessage(role="assistant", content=""), None, None)
+    def start(self) -> list[dict[str, Any]]:
+        """The first stream chunks: per choice, the assistant role and no content yet."""
+        return [
+            self._chunk(i, DeltaMessage(role="assistant", content=""), None, None)
+            for i in range(self.info.n)
+        ]
 
     def chunk(self, event: TokenEvent) -> dict[str, Any]:
         self.add(event)
         logprobs = self._chat_logprobs(list(event.logprobs))
         finish = str(event.finish_reason) if event.finish_reason is not None else None
-        return self._chunk(DeltaMessage(content=event.text), logprobs, finish)
+        return self._chunk(event.index, DeltaMessage(content=event.text), logprobs, finish)
 
     def usage_chunk(self) -> dict[str, Any]:
         chunk = ChatCompletionChunk(
@@ -125,9 +148,9 @@ class ChatFormatter(_Formatter):
         return chunk.model_dump(mode="json")
 
     def _chunk(
-        self, delta: DeltaMessage, logprobs: ChatLogprobs | None, finish: str | None
+        self, index: int, delta: DeltaMessage, logprobs: ChatLogprobs | None, finish: str | None
     ) -> dict[str, Any]:
-        choice = ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish)
+        choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)
         chunk = ChatCompletionChunk(
             id=self.info.response_id,
             created=self.info.created,
@@ -140,27 +163,30 @@ class ChatFormatter(_Formatter):
         return out
 
     def response(self) -> dict[str, Any]:
-        choice = ChatChoice(
-            message=AssistantMessage(content="".join(self._texts)),
-            logprobs=self._chat_logprobs(self._collected),
-            finish_reason=self.finish_reason,
-        )
+        choices = [
+            ChatChoice(
+                index=i,
+                message=AssistantMessage(content=c.text),
+                logprobs=self._chat_logprobs(c.logprobs),
+                finish_reason=c.finish_reason,
+            )
+            for i, c in enumerate(self.choices)
+        ]
         resp = ChatCompletionResponse(
             id=self.info.response_id,
             created=self.info.created,
             model=self.info.model,
-            choices=[choice],
+            choices=choices,
             usage=self.usage(),
         )
         return resp.model_dump(mode="json")
 
 
 class CompletionFormatter(_Formatter):
-    def __init__(self, info: RequestInfo, tokens: TokenFormatter) -> None:
-        super().__init__(info, tokens)
-        self._offset = 0  # characters of completion text reported so far (text_offset)
-
-    def _logprobs_for(self, items: list[TokenLogprob]) -> CompletionLogprobs | None:
+    def _logprobs_for(
+        self, choice: _Choice, items: list[TokenLogprob]
+    ) -> CompletionLogprobs | None:
+        """Logprobs of ``items``, the next tokens of ``choice`` (advances its text offset)."""
         if not self.info.logprobs:
             return None
         t = self.tokens
@@ -170,40 +196,46 @@ class CompletionFormatter(_Formatter):
             out.tokens.append(text)
             out.token_logprobs.append(lp.logprob)
             out.top_logprobs.append({t.text(tid): v for tid, v in lp.top})
-            out.text_offset.append(self._offset)
-            self._offset += len(text)
+            out.text_offset.append(choice.offset)
+            choice.offset += len(text)
         return out
 
-    def start(self) -> None:
+    def start(self) -> list[dict[str, Any]]:
         """Completions streams have no role chunk."""
-        return None
+        return []
 
     def chunk(self, event: TokenEvent) -> dict[str, Any]:
         self.add(event)
         choice = CompletionChoice(
+            index=event.index,
             text=event.text,
-            logprobs=self._logprobs_for(list(event.logprobs)),
+            logprobs=self._logprobs_for(self.choices[event.index], list(event.logprobs)),
             finish_reason=str(event.finish_reason) if event.finish_reason is not None else None,
         )
-        return self._dump_chunk(self._wrap(choice, None))
+        return self._dump_chunk(self._wrap([choice], None))
 
     def usage_chunk(self) -> dict[str, Any]:
-        return self._wrap(None, self.usage()).model_dump(mode="json")
+        return self._wrap([], self.usage()).model_dump(mode="json")
 
     def response(self) -> dict[str, Any]:
-        self._offset = 0
-        choice = CompletionChoice(
-            text="".join(self._texts),
-            logprobs=self._logprobs_for(self._collected),
-            finish_reason=self.finish_reason,
-        )
-        return self._wrap(choice, self.usage()).model_dump(mode="json")
+        choices = []
+        for i, c in enumerate(self.choices):
+            c.offset = 0
+            choices.append(
+                CompletionChoice(
+                    index=i,
+                    text=c.text,
+                    logprobs=self._logprobs_for(c, c.logprobs),
+                    finish_reason=c.finish_reason,
+                )
+            )
+        return self._wrap(choices, self.usage()).model_dump(mode="json")
 
-    def _wrap(self, choice: CompletionChoice | None, usage: Usage | None) -> CompletionResponse:
+    def _wrap(self, choices: list[CompletionChoice], usage: Usage | None) -> CompletionResponse:
         return CompletionResponse(
             id=self.info.response_id,
             created=self.info.created,
             model=self.info.model,
-            choices=[choice] if choice is not None else [],
+            choices=choices,
             usage=usage,
         )

@@ -3,9 +3,10 @@
 Steps, in order (the first failure raises a typed error, nothing is sent to a worker):
 
 1. model name: must be the served model, else :class:`ModelNotFoundError` (404).
-2. refuse unsupported features that would change the output: ``n > 1``, non-zero presence or
-   frequency penalty, ``echo``, ``best_of > 1``, ``suffix``, ``top_logprobs`` without
-   ``logprobs``, a batch of several prompts (400).
+2. ``n`` (choices, default 1) must lie in ``[1, MAX_CHOICES]``; refuse unsupported features
+   that would change the output: non-zero presence or frequency penalty, ``echo``, ``best_of``
+   other than ``n`` (best-of selection), ``suffix``, ``top_logprobs`` without ``logprobs``, a
+   batch of several prompts (400).
 3. prompt -> token ids: chat messages through the tokenizer's chat template
    (``add_generation_prompt=True``, the template supplies any BOS), a completion prompt string
    through ``encode`` with the tokenizer's special tokens, or the client's own token ids
@@ -28,7 +29,7 @@ from jinja2 import TemplateError
 
 from pdserve.config import RouterConfig
 from pdserve.errors import ConfigError, InvalidRequestError, ModelNotFoundError
-from pdserve.protocol import SamplingParams
+from pdserve.protocol import MAX_CHOICES, SamplingParams
 from pdserve.server.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
 
 log = logging.getLogger(__name__)
@@ -117,8 +118,12 @@ class Preprocessor:
         self._check_common(req)
         if req.echo:
             raise InvalidRequestError("echo is not supported", param="echo")
-        if req.best_of not in (None, 1):
-            raise InvalidRequestError("only best_of=1 is supported", param="best_of")
+        if req.best_of not in (None, _choices(req)):
+            raise InvalidRequestError(
+                f"best_of must equal n (got best_of={req.best_of}, n={_choices(req)}): "
+                "best-of selection is not supported",
+                param="best_of",
+            )
         if req.suffix:
             raise InvalidRequestError("suffix is not supported", param="suffix")
         ids = self._prompt_ids(req.prompt)
@@ -142,8 +147,8 @@ class Preprocessor:
                 f"{self.served_model_name!r}",
                 param="model",
             )
-        if req.n not in (None, 1):
-            raise InvalidRequestError(f"only n=1 is supported, got n={req.n}", param="n")
+        if not 1 <= _choices(req) <= MAX_CHOICES:
+            raise InvalidRequestError(f"n must lie in [1, {MAX_CHOICES}], got n={req.n}", param="n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(req, name) not in (None, 0):
                 raise InvalidRequestError(f"{name} is not supported (only 0)", param=name)
@@ -198,6 +203,7 @@ def _sampling(
 ) -> SamplingParams:
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     return SamplingParams(
+        n=_choices(req),
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
@@ -208,6 +214,11 @@ def _sampling(
         logprobs=logprobs,
         top_logprobs=top_logprobs if logprobs else 0,
     )
+
+
+def _choices(req: _SamplingFields) -> int:
+    """The number of choices asked for (``n``, default 1)."""
+    return 1 if req.n is None else req.n
 
 
 def _content_text(content: Any, index: int) -> str:

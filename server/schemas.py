@@ -4,9 +4,12 @@
 Requests ignore unknown fields (OpenAI clients send extras such as ``user`` or ``tools``).
 Field constraints here check types and ranges, so a wrong value is a 400 naming the field; the
 checks that need the tokenizer or the served model (model name, context window, token ids) are
-in :mod:`pdserve.server.preprocess`. Unsupported features that would change the output if
-ignored (``n > 1``, non-zero penalties, ``echo``, ``best_of > 1``, ``suffix``) are refused
-there with a clear 400 rather than silently ignored.
+in :mod:`pdserve.server.preprocess`, and so is ``n``'s range. Unsupported features that would
+change the output if ignored (non-zero penalties, ``echo``, ``best_of`` other than ``n``,
+``suffix``) are refused there with a clear 400 rather than silently ignored.
+
+With ``n`` choices a response lists ``n`` choices (``index`` 0..n-1); a stream's chunks carry
+one choice each, the choices' chunks interleaved, each choice's ``index`` set.
 
 Responses are plain pydantic models; the server dumps them with ``model_dump(mode="json")``.
 """
@@ -51,7 +54,7 @@ class _SamplingFields(_Req):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = None
+    n: int | None = Field(default=None, description="choices; 1 to MAX_CHOICES")
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     ignore_eos: bool = Field(default=False, description="extension (benchmarks)")

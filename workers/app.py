@@ -48,6 +48,7 @@ from pdserve.protocol import (
     WorkerLoad,
     WorkerRecord,
 )
+from pdserve.server.errors import error_response
 
 if TYPE_CHECKING:
     from pdserve.discovery import Registration
@@ -234,10 +235,6 @@ async def _stop(state: WorkerState) -> None:
     log.info("%s %s stopped", state.cfg.role, state.worker_id)
 
 
-def _error_response(exc: PdserveError) -> JSONResponse:
-    return JSONResponse(exc.to_json(), status_code=exc.status)
-
-
 def create_worker_app(cfg: WorkerConfig, *, http_url: str) -> FastAPI:
     """Build a worker app. ``http_url`` is the request-plane base URL other processes use to
     reach this worker (it goes into the discovery record)."""
@@ -262,11 +259,11 @@ def create_worker_app(cfg: WorkerConfig, *, http_url: str) -> FastAPI:
 
     @app.exception_handler(PdserveError)
     async def _pdserve_error(_: Request, exc: PdserveError) -> JSONResponse:
-        return _error_response(exc)
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error_response(InvalidRequestError(f"malformed worker request: {exc.errors()}"))
+        return error_response(InvalidRequestError(f"malformed worker request: {exc.errors()}"))
 
     @app.middleware("http")
     async def _protocol_header(request: Request, call_next: Any) -> Any:

@@ -16,17 +16,27 @@ if TYPE_CHECKING:
 
 
 class OutputStream:
-    """Async iterator over one request's :class:`EngineOutput` objects, ending after the output
-    that carries a ``finish_reason`` (or, in prefill mode, the single output).
+    """Async iterator over one request's :class:`EngineOutput` objects.
 
-    Create it on the event loop; pass :meth:`sink` to ``Engine.add_request``.
+    A request runs ``choices`` choices (``SamplingParams.n``); their outputs interleave, each
+    naming its choice (``EngineOutput.index``). The stream is :attr:`done` after every choice's
+    final output (one carrying ``finish_reason`` or ``error``), or, with ``single`` (prefill
+    mode: one output for the whole request), after the first output.
+
+    Create it on the event loop; pass :meth:`sink` to ``Engine.add_request``. Only the event
+    loop reads it (:meth:`next` or ``async for``).
     """
 
-    def __init__(self, *, single: bool = False) -> None:
+    def __init__(self, *, single: bool = False, choices: int = 1) -> None:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[EngineOutput] = asyncio.Queue()
         self._single = single
-        self._done = False
+        self._unfinished = set(range(choices))
+
+    @property
+    def done(self) -> bool:
+        """True once every choice's final output has been read."""
+        return not self._unfinished
 
     def sink(self, output: EngineOutput) -> None:
         """Called on the engine thread; never blocks."""
@@ -34,10 +44,13 @@ class OutputStream:
 
     async def next(self, timeout: float | None) -> EngineOutput:
         """The next output; raises ``TimeoutError`` after ``timeout`` seconds."""
-        return await asyncio.wait_for(self._queue.get(), timeout)
+        out = await asyncio.wait_for(self._queue.get(), timeout)
+        if self._single:
+            self._unfinished.clear()
+        elif out.finish_reason is not None or out.error is not None:
+            self._unfinished.discard(out.index)
+        return out
 
     async def __aiter__(self) -> AsyncIterator[EngineOutput]:
-        while not self._done:
-            out = await self._queue.get()
-            self._done = self._single or out.finish_reason is not None or out.error is not None
-            yield out
+        while not self.done:
+            yield await self.next(None)

@@ -8,7 +8,13 @@ Request lifecycle on a decode worker::
     2 RESERVED     engine.reserve(): capacity for the whole completion + blocks for the prompt
     3 TRANSFERRING the transceiver pulls the prefill worker's blocks into the reserved blocks
     4 RUNNING      engine resumes at the first token in its continuous batch; chunks streamed
-    5 FINISHED     stop / length / abort (client gone) / error; the engine frees the blocks
+    5 FINISHED     every choice stopped (stop / length), or abort (client gone) / error; the
+                   engine frees the blocks
+
+A request for ``n`` choices (``sampling.n``) runs them on one copy of the prompt's blocks: the
+handle's blocks are pulled once, choice 0 resumes at the prefill worker's first token and the
+engine samples the first token of choices 1..n-1 here. Each chunk names its choice (``index``);
+the stream ends after every choice's final chunk.
 
 A failure in 3 ends the stream with an error. Blocks refused before any byte moved (bad handle,
 layout mismatch) are unreserved at once, and so are blocks whose bytes all landed but failed the
@@ -119,7 +125,7 @@ class DecodeRole:
 
         if req.deadline <= time.time():
             raise DeadlineExceededError(f"request {req.request_id} arrived after its deadline")
-        stream = OutputStream()
+        stream = OutputStream(choices=req.sampling.n)
         if req.handle is None:
             self.engine.add_request(
                 EngineRequest(
@@ -195,12 +201,12 @@ class DecodeRole:
     async def chunks(
         self, req: GenerationRequest, stream: OutputStream
     ) -> AsyncIterator[GenerationChunk]:
-        """State 4-5: the request's chunks until it finishes. Aborts the request in the engine if
-        the consumer goes away (client disconnect) or the deadline passes."""
+        """State 4-5: the request's chunks until every choice finished. Aborts the request in
+        the engine if the consumer goes away (client disconnect) or the deadline passes."""
         finished = False
         try:
             async for out in _until(stream, req.deadline):
-                finished = out.finish_reason is not None or out.error is not None
+                finished = stream.done
                 yield _chunk(req.request_id, out)
         except TimeoutError:
             finished = True
@@ -216,11 +222,9 @@ class DecodeRole:
 
 
 async def _until(stream: OutputStream, deadline: float) -> AsyncIterator[EngineOutput]:
-    while True:
-        out = await stream.next(timeout=max(0.0, deadline - time.time()))
-        yield out
-        if out.finish_reason is not None or out.error is not None:
-            return
+    """``stream``'s outputs until every choice's final one; TimeoutError past ``deadline``."""
+    while not stream.done:
+        yield await stream.next(timeout=max(0.0, deadline - time.time()))
 
 
 def _chunk(request_id: str, out: EngineOutput) -> GenerationChunk:
@@ -229,6 +233,7 @@ def _chunk(request_id: str, out: EngineOutput) -> GenerationChunk:
         finish = FinishReason.ERROR
     return GenerationChunk(
         request_id=request_id,
+        index=out.index,
         token_ids=tuple(out.token_ids),
         text=out.text,
         logprobs=tuple(out.logprobs),

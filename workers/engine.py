@@ -3,29 +3,41 @@
 Request lifecycle (the numbered states of :class:`SequenceStatus`; the queues are named after
 them)::
 
-    1. RESERVED  resume only: reserve() admitted the whole completion and allocated the prompt's
-                 blocks, which the caller fills (KV transfer).        queue: scheduler.reserved
-    2. WAITING   add_request() validated it; waits for admission (KV headroom for
-                 prompt + max_tokens - 1 tokens, a running slot).      queue: scheduler.waiting
-    3. PREFILL   admitted; the prompt's K/V is computed, in chunks.   queue: scheduler.running
+    1. RESERVED  resume only: reserve() allocated the prompt's blocks, which the caller fills
+                 (KV transfer).                                       queue: scheduler.reserved
+    2. WAITING   add_request() validated it; waits for admission (KV blocks for what it must
+                 compute now, or for its whole completion under guaranteed_no_evict; a running
+                 slot); a preempted sequence comes back here.         queue: scheduler.waiting
+    3. PREFILL   admitted; the prompt's K/V is computed, in chunks (after a preemption: the
+                 prompt's and the already produced tokens').          queue: scheduler.running
     4. DECODE    one token per step.                                  queue: scheduler.running
     5. PARKED    prefill mode only: its one token went out; the prompt's blocks belong to the
                  caller until free_parked().                          queue: Engine.parked
     6. FINISHED  the last output (finish_reason set) went to the sink; blocks freed.
 
     full: 2 -> 3 -> 4 -> 6     prefill: 2 -> 3 -> 5 (or 6)     resume: 1 -> 2 -> 4 -> 6
+    preemption (max_utilization): 3 or 4 -> 2, blocks freed, recomputed when readmitted
     abort(): 1..5 -> 6 (the sink gets finish_reason ABORT in 2..4)
 
+Choices (``n > 1``, vLLM's parallel sampling): choice 0 runs as above; choices ``1..n-1`` are
+forked from it once its prompt's K/V exists (mode ``full``: after its first token; mode
+``resume``: at once, from the transferred blocks). A fork shares the prompt's full blocks
+(reference counted, :meth:`KVCacheManager.fork`), copies the block holding the last prompt
+token, and recomputes only that token to sample its own first token (seed ``seed + i``). Mode
+``prefill`` samples choice 0 only, and with ``n > 1`` parks the blocks even when that token ended
+choice 0, since the decode worker's other choices still need them.
+
 Each step (nano-vllm's ``LLMEngine.step``): the scheduler picks every running decode sequence
-plus prefill chunks and allocates their blocks, the model runner runs one forward, the sampler
-picks one token per sequence that reached its last known token, and the engine appends it,
-checks the stop conditions, emits an :class:`EngineOutput` to the request's sink, and frees,
-parks or keeps the sequence. A failing step ends the sequences of that step with an error output
-and frees their blocks; the loop carries on.
+plus prefill chunks and allocates their blocks (preempting if the pool runs short), the model
+runner runs one forward, the sampler picks one token per sequence that reached its last known
+token, and the engine appends it, checks the stop conditions, emits an :class:`EngineOutput` to
+the request's sink, and frees, parks or keeps the sequence. A failing step ends the sequences of
+that step with an error output and frees their blocks; the loop carries on.
 
 Thread-safety: every public method may be called from any thread. Sinks run on the engine thread
-and must not block. Aborts of queued or running requests are applied by the engine thread
-between steps, so blocks are never freed under a running forward.
+(a resumed choice 0 that its first token already finished: on the caller's) and must not block.
+Aborts of queued or running requests are applied by the engine thread between steps, so blocks
+are never freed under a running forward.
 """
 
 from __future__ import annotations
@@ -40,13 +52,14 @@ from pathlib import Path
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.errors import ConfigError, InvalidRequestError
+from pdserve.errors import ConfigError, InvalidRequestError, QueueFullError
 from pdserve.protocol import FinishReason, KVLayout, SamplingParams, TokenLogprob, WorkerLoad
-from pdserve.workers.kv_cache import KVCacheManager, num_blocks_for_budget
+from pdserve.workers.kv_cache import KVCacheManager
+from pdserve.workers.kv_sizing import cuda_kv_budget, log_pool, pool_size
 from pdserve.workers.model_runner import ModelRunner
 from pdserve.workers.requests import EngineOutput, EngineRequest, RequestLimits, Sink
 from pdserve.workers.sampler import Sampler
-from pdserve.workers.scheduler import ScheduledBatch, Scheduler
+from pdserve.workers.scheduler import ScheduledBatch, ScheduledSequence, Scheduler
 from pdserve.workers.sequence import IncrementalDetokenizer, Sequence, SequenceStatus
 
 __all__ = ["Engine", "EngineOutput", "EngineRequest", "Sink"]
@@ -66,13 +79,27 @@ def _model_digest(model_path: Path) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
 
 
+def choice_id(request_id: str, index: int) -> str:
+    """The sequence id of choice ``index`` of ``request_id`` (its block table's key)."""
+    return request_id if index == 0 else f"{request_id}#{index}"
+
+
+def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index``'s sampling: seed ``seed + index`` (vLLM's parallel sampling), so seeded
+    choices are reproducible and differ from each other."""
+    if sampling.seed is None or index == 0:
+        return sampling
+    return sampling.model_copy(update={"seed": sampling.seed + index})
+
+
 class Engine:
     """The engine of ``docs/architecture.md``. Loads model and tokenizer, allocates the pool.
 
     Attributes: ``layout`` (:class:`KVLayout`, ``model`` = served name + config digest),
     ``tokenizer``, ``kv_cache`` (:class:`KVCacheManager`, ``.pool`` is the tensor),
     ``max_model_len``, ``eos_token_ids``, ``parked`` (request id -> block ids).
-    Raises :class:`ConfigError` for an unusable model folder or ``max_model_len``.
+    Raises :class:`ConfigError` for an unusable model folder or ``max_model_len``, or a KV
+    budget that holds no block.
     """
 
     def __init__(self, cfg: EngineConfig):
@@ -99,23 +126,70 @@ class Engine:
             tokens_per_block=cfg.tokens_per_block,
             dtype=cfg.cache_dtype,
         )
-        num_blocks = cfg.num_blocks or num_blocks_for_budget(self.layout, cfg.kv_cache_bytes)
-        self.kv_cache = KVCacheManager(self.layout, num_blocks, cfg.device)
+        size = pool_size(
+            self.layout,
+            num_blocks=cfg.num_blocks,
+            kv_cache_bytes=cfg.kv_cache_bytes,
+            device=cfg.device,
+            memory_fraction=cfg.kv_memory_fraction,
+            auto_bytes=self._profile_cuda_budget() if cfg.device.startswith("cuda") else None,
+        )
+        self.kv_cache = KVCacheManager(self.layout, size.num_blocks, cfg.device)
+        log_pool(size, self.layout, self.max_model_len)
         self.scheduler = Scheduler(
             self.kv_cache,
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
+            policy=cfg.capacity_policy,
         )
-        self.limits = RequestLimits(self.runner.vocab_size, self.max_model_len, self.kv_cache)
+        self.limits = RequestLimits(
+            self.runner.vocab_size, self.max_model_len, self.kv_cache, cfg.capacity_policy
+        )
         self.sampler = Sampler()
         self.parked: dict[str, list[int]] = {}
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, _Live] = {}  # sequence id -> live sequence
+        self._groups: dict[str, list[str]] = {}  # request id -> its live sequence ids
         self._aborts: set[str] = set()
         self._lock = threading.RLock()
         self._wakeup = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._shut_down = False
+
+    @torch.inference_mode()
+    def _profile_cuda_budget(self) -> int:
+        """CUDA: run the largest step (``max_num_batched_tokens`` prompt tokens) on a scratch
+        pool, then apply :func:`cuda_kv_budget` to the device's memory (bytes)."""
+        cfg, dev = self.cfg, torch.device(self.cfg.device)
+        num_tokens = min(cfg.max_num_batched_tokens, self.max_model_len - 1)
+        scratch_layout = replace(self.layout, tokens_per_block=cfg.tokens_per_block)
+        scratch = KVCacheManager(scratch_layout, -(-num_tokens // cfg.tokens_per_block), cfg.device)
+        seq = Sequence("profile", [0] * num_tokens, SamplingParams(max_tokens=1), "prefill", 0)
+        scratch.allocate(seq.request_id, num_tokens)
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        self.runner.execute(
+            ScheduledBatch(prefill=[ScheduledSequence.of(seq, num_tokens)]), scratch
+        )
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base
+        del scratch
+        torch.cuda.empty_cache()
+        _, total = torch.cuda.mem_get_info(dev)
+        in_use = torch.cuda.memory_reserved(dev)
+        budget = cuda_kv_budget(total, in_use, peak, cfg.gpu_memory_utilization)
+        log.info(
+            "CUDA memory: %.2f GiB total, %.2f GiB held (weights), %.2f GiB peak step of %d "
+            "tokens; KV budget at utilization %.2f: %.2f GiB",
+            total / 2**30,
+            in_use / 2**30,
+            peak / 2**30,
+            num_tokens,
+            cfg.gpu_memory_utilization,
+            budget / 2**30,
+        )
+        return budget
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -147,28 +221,43 @@ class Engine:
     # --- requests ------------------------------------------------------------------------------
 
     def add_request(self, req: EngineRequest, sink: Sink) -> None:
-        """Queue ``req``; its outputs go to ``sink`` (on the engine thread). Raises
-        :class:`InvalidRequestError` (bad tokens, too long for ``max_model_len``, duplicate id,
-        resume without :meth:`reserve`, engine shut down) or :class:`CapacityError` (can never
-        fit the pool). A refused ``resume`` request frees its reservation."""
+        """Queue ``req``; its outputs go to ``sink`` (on the engine thread), one per step and
+        choice (``EngineOutput.index``). Raises :class:`InvalidRequestError` (bad tokens, too
+        long for ``max_model_len``, duplicate id, resume without :meth:`reserve`, engine shut
+        down), :class:`QueueFullError` (``max_queued_requests`` waiting already) or
+        :class:`CapacityError` (can never fit the pool). A refused ``resume`` request frees its
+        reservation."""
         prompt = list(req.prompt_token_ids)
         try:
             self.limits.check(req.request_id, prompt, req.sampling, req.mode, req.first_token)
             with self._lock:
                 if self._shut_down:
                     raise InvalidRequestError("the engine is shut down")
-                if req.request_id in self._live or req.request_id in self.parked:
+                if req.request_id in self._groups or req.request_id in self.parked:
                     raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
+                waiting = len(self.scheduler.waiting)
+                if req.mode != "resume" and waiting >= self.cfg.max_queued_requests:
+                    raise QueueFullError(
+                        f"{waiting} requests are waiting on this worker (max_queued_requests); "
+                        "retry later"
+                    )
                 detok = IncrementalDetokenizer(self.tokenizer, req.sampling.stop)
                 if req.mode == "resume":
                     seq = self._resume_from_reservation(req, prompt, detok)
                 else:
                     seq = Sequence(req.request_id, prompt, req.sampling, req.mode, self._need(req))
-                self._live[req.request_id] = _Live(seq, sink, detok)  # before the engine sees it
+                self._live[seq.request_id] = _Live(seq, sink, detok)  # before the engine sees it
+                self._groups[req.request_id] = [seq.request_id]
                 try:
-                    self.scheduler.add(seq)
+                    if req.mode == "resume":
+                        self._start_resumed(seq)
+                    else:
+                        self.scheduler.add(seq)
                 except Exception:
-                    del self._live[req.request_id]
+                    for sid in self._groups.pop(req.request_id, []):
+                        self._live.pop(sid, None)
+                        if sid != seq.request_id:  # a forked choice: holds shared blocks
+                            self.scheduler.remove(sid)
                     raise
         except Exception:
             if req.mode == "resume":  # a refused resume gives its reservation back
@@ -197,32 +286,69 @@ class Engine:
         detok.delta()
         return seq
 
+    def _start_resumed(self, seq: Sequence) -> None:
+        """Queue a resumed choice 0 and fork its siblings from the transferred blocks. A
+        choice 0 that its first token already finished (``n > 1`` only: the prefill leg parked
+        anyway) ends at once with an empty final output; its siblings keep the shared blocks.
+        Lock held."""
+        live = self._live[seq.request_id]
+        self._fork_choices(seq, live.sink)
+        reason = self._stop_reason(seq, seq.output_token_ids[0], live.detok)
+        if reason is None:
+            self.scheduler.add(seq)
+            return
+        self.scheduler.unreserve(seq.request_id)
+        seq.status = SequenceStatus.FINISHED
+        self._forget(seq)
+        self._emit(live.sink, EngineOutput(seq.group_id, [], "", [], reason, index=0))
+
+    def _fork_choices(self, parent: Sequence, sink: Sink) -> None:
+        """Add choices ``1..n-1`` of ``parent``'s request (``parent`` is choice 0 and holds its
+        prompt's K/V), sharing its prompt blocks (see the module docstring). A choice that
+        finds no free block for its copy recomputes its prompt when admitted. Lock held."""
+        n, tail = parent.sampling.n, parent.num_prompt_tokens - 1
+        for index in range(n - 1, 0, -1):  # queued at the front: choice 1 ends up first
+            sid = choice_id(parent.group_id, index)
+            sampling = choice_sampling(parent.sampling, index)
+            seq = Sequence(
+                sid, parent.prompt_token_ids, sampling, "full", parent.need_blocks,
+                index=index, group_id=parent.group_id,
+            )  # fmt: skip
+            if self.kv_cache.fork(parent.request_id, sid, tail) is not None:
+                seq.num_computed_tokens = tail
+            self._live[sid] = _Live(
+                seq, sink, IncrementalDetokenizer(self.tokenizer, sampling.stop)
+            )
+            self._groups[parent.group_id].append(sid)
+            self.scheduler.add(seq, front=True)
+
     def abort(self, request_id: str) -> None:
-        """End ``request_id`` wherever it is: a reservation or parked blocks are freed now; a
-        queued or running request is removed by the engine thread before its next step (its
-        sink then gets ``finish_reason=ABORT``). Unknown ids are ignored. The caller must not
-        abort while a KV transfer into the request's reserved blocks may still land."""
+        """End ``request_id`` (every choice) wherever it is: a reservation or parked blocks are
+        freed now; a queued or running request is removed by the engine thread before its next
+        step (its sink then gets ``finish_reason=ABORT`` per unfinished choice). Unknown ids are
+        ignored. The caller must not abort while a KV transfer into the request's reserved
+        blocks may still land."""
         self.free_parked(request_id)
         self.unreserve(request_id)
         with self._lock:
-            if request_id in self._live:
+            if request_id in self._groups:
                 self._aborts.add(request_id)
         self._wakeup.set()
 
     def reserve(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
     ) -> list[int]:
-        """Capacity check for the whole completion (prompt + ``max_tokens`` - 1 tokens) and
-        allocation of the prompt's blocks, in token order (``ceil(len(prompt) / tpb)`` ids).
-        The caller writes the prompt's K/V into them, then submits the ``resume`` request with
-        the same id, or calls :meth:`unreserve`. Raises :class:`CapacityError` when the headroom
-        is short, :class:`InvalidRequestError` as :meth:`add_request` does."""
+        """Allocate the prompt's blocks, in token order (``ceil(len(prompt) / tpb)`` ids; under
+        ``guaranteed_no_evict`` the whole completion is admitted too). The caller writes the
+        prompt's K/V into them, then submits the ``resume`` request with the same id, or calls
+        :meth:`unreserve`. Raises :class:`CapacityError` when the blocks are not free now (the
+        caller may retry), :class:`InvalidRequestError` as :meth:`add_request` does."""
         prompt = list(prompt_token_ids)
         self.limits.check(request_id, prompt, sampling, "resume", 0)
         with self._lock:
             if self._shut_down:
                 raise InvalidRequestError("the engine is shut down")
-            in_use = request_id in self._live or request_id in self.parked
+            in_use = request_id in self._groups or request_id in self.parked
             if in_use or request_id in self.scheduler.reserved:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             need = self.kv_cache.get_needed_resource_to_completion(len(prompt), sampling.max_tokens)
@@ -243,7 +369,7 @@ class Engine:
             self._wakeup.set()
 
     def load(self) -> WorkerLoad:
-        """Snapshot of queue lengths and KV blocks."""
+        """Snapshot of queue lengths (sequences), KV blocks and preemptions so far."""
         with self._lock:
             parked = len(self.parked)
         return WorkerLoad(
@@ -252,6 +378,7 @@ class Engine:
             parked=parked,
             free_blocks=self.kv_cache.get_num_free_blocks(),
             total_blocks=self.kv_cache.get_max_resource_count(),
+            preemptions=self.scheduler.num_preemptions,
         )
 
     # --- the step loop (engine thread) -----------------------------------------------------------
@@ -298,20 +425,26 @@ class Engine:
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> None:
         live = self._live[seq.request_id]
+        first = not seq.output_token_ids
         seq.output_token_ids.append(token)
         seq.status = SequenceStatus.DECODE
         live.detok.append(token)
         reason = self._stop_reason(seq, token, live.detok)
         out = EngineOutput(
-            seq.request_id,
+            seq.group_id,
             [token],
             live.detok.delta(final=reason is not None),
             [lp] if lp is not None else [],
             reason,
+            index=seq.index,
         )
         if seq.mode == "prefill":
             self._end_prefill_leg(seq, out)
-        elif reason is not None:
+            return
+        if first and seq.mode == "full" and seq.index == 0 and seq.sampling.n > 1:
+            with self._lock:
+                self._fork_choices(seq, live.sink)
+        if reason is not None:
             self._retire(seq, out)
         else:
             self._emit(live.sink, out)
@@ -327,31 +460,44 @@ class Engine:
             return FinishReason.LENGTH
         if seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
+        if self.kv_cache.blocks_for_tokens(seq.num_tokens) > self.kv_cache.num_blocks:
+            return FinishReason.LENGTH  # the next token's K/V would not fit the whole pool
         return None
 
     def _end_prefill_leg(self, seq: Sequence, out: EngineOutput) -> None:
         """Prefill produces exactly one token: the only exit of a prefill-mode sequence. Right
-        after its first token it leaves ``running``; unless that token finished the request, its
-        prompt blocks are PARKED for the caller and listed in the output."""
+        after its first token it leaves ``running``; unless that token finished the request
+        (and ``n == 1``: other choices still need the prompt), its prompt blocks are PARKED for
+        the caller and listed in the output."""
         assert seq.mode == "prefill" and len(seq.output_token_ids) == 1
-        if out.finish_reason is not None:
+        if out.finish_reason is not None and seq.sampling.n == 1:
             self._retire(seq, out)
             return
         self.scheduler.finish(seq, free_blocks=False)
         blocks = self.kv_cache.block_table(seq.request_id)
         with self._lock:
-            live = self._live.pop(seq.request_id)
             self.parked[seq.request_id] = blocks
+        live = self._forget(seq)
         seq.status = SequenceStatus.PARKED
         self._emit(live.sink, replace(out, parked_block_ids=list(blocks)))
 
-    def _retire(self, seq: Sequence, out: EngineOutput) -> None:
-        """FINISHED: free the blocks, drop the request, send its last output."""
-        self.scheduler.finish(seq)
-        seq.status = SequenceStatus.FINISHED
+    def _forget(self, seq: Sequence) -> _Live:
+        """Drop a finished (or parked) sequence from the live tables; the request leaves them
+        with its last sequence."""
         with self._lock:
             live = self._live.pop(seq.request_id)
-        self._emit(live.sink, out)
+            group = self._groups.get(seq.group_id)
+            if group is not None:
+                group.remove(seq.request_id)
+                if not group:
+                    del self._groups[seq.group_id]
+        return live
+
+    def _retire(self, seq: Sequence, out: EngineOutput) -> None:
+        """FINISHED: free the blocks, drop the sequence, send its last output."""
+        self.scheduler.finish(seq)
+        seq.status = SequenceStatus.FINISHED
+        self._emit(self._forget(seq).sink, out)
 
     def _end(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         """End a queued or running sequence early (abort, error): free its blocks, tell the
@@ -359,14 +505,17 @@ class Engine:
         self.scheduler.remove(seq.request_id)
         seq.status = SequenceStatus.FINISHED
         with self._lock:
-            live = self._live.pop(seq.request_id, None)
+            known = seq.request_id in self._live
+            live = self._forget(seq) if known else None
         if live is not None:
-            self._emit(live.sink, EngineOutput(seq.request_id, [], "", [], reason, error))
+            out = EngineOutput(seq.group_id, [], "", [], reason, error, index=seq.index)
+            self._emit(live.sink, out)
 
     def _apply_aborts(self) -> None:
         with self._lock:
             aborts, self._aborts = self._aborts, set()
-            seqs = [self._live[rid].seq for rid in aborts if rid in self._live]
+            sids = [sid for rid in aborts for sid in self._groups.get(rid, ())]
+            seqs = [self._live[sid].seq for sid in sids]
         for seq in seqs:
             self._end(seq, FinishReason.ABORT)
 

@@ -17,10 +17,16 @@ A request owns an ordered list of block ids, its *block table*: token at positio
 block ``table[p // tokens_per_block]`` at offset ``p % tokens_per_block``. Blocks are handed out
 from a FIFO free list, so a freed block is reused only after every block freed before it.
 
-Every block has a *generation*, bumped each time it is allocated and each time it is freed, so
-``(block id, generation)`` names one allocation: the prefill worker records the generations of
-parked blocks and refuses to send a block whose generation moved (freed, maybe reallocated)
-before its transfer starts (``pdserve.workers.parking``, fencing).
+A block may sit in several block tables at once (:meth:`KVCacheManager.fork`: the ``n`` choices
+of one request share their prompt's full blocks, as vLLM's parallel sampling does). Each block
+has a reference count; :meth:`KVCacheManager.free` drops one reference per table entry and a
+block returns to the free list when its count reaches zero. Shared blocks are read-only by
+contract: a sequence only ever writes positions past its shared prefix.
+
+Every block has a *generation*, bumped each time it is allocated and each time it returns to the
+free list, so ``(block id, generation)`` names one allocation: the prefill worker records the
+generations of parked blocks and refuses to send a block whose generation moved (freed, maybe
+reallocated) before its transfer starts (``pdserve.workers.parking``, fencing).
 """
 
 from __future__ import annotations
@@ -99,6 +105,7 @@ class KVCacheManager:
         self._lock = threading.Lock()
         self._free: deque[int] = deque(range(num_blocks))
         self._tables: dict[str, list[int]] = {}
+        self._refs: list[int] = [0] * num_blocks
         self._generation: list[int] = [0] * num_blocks
 
     # --- allocation ----------------------------------------------------------------------------
@@ -121,22 +128,69 @@ class KVCacheManager:
                     f"KV cache exhausted: request {request_id} needs {missing} more blocks, "
                     f"{len(self._free)} of {self.num_blocks} free"
                 )
-            for _ in range(missing):
-                block = self._free.popleft()
-                self._generation[block] += 1
-                table.append(block)
+            table.extend(self._take(missing))
             return list(table)
 
-    def free(self, request_id: str) -> list[int]:
-        """Return ``request_id``'s blocks to the free list; returns the freed ids. Idempotent:
-        an unknown request frees nothing. The caller must know that nothing still reads or writes
-        those blocks (no forward in flight, no transfer landing)."""
+    def _take(self, count: int) -> list[int]:
+        """Pop ``count`` free blocks (the caller checked there are enough; lock held)."""
+        blocks = [self._free.popleft() for _ in range(count)]
+        for block in blocks:
+            self._generation[block] += 1
+            self._refs[block] = 1
+        return blocks
+
+    def can_allocate(self, num_blocks: int, watermark: int = 0) -> bool:
+        """True when ``num_blocks`` more blocks can be allocated leaving ``watermark`` free."""
         with self._lock:
-            table = self._tables.pop(request_id, [])
+            return num_blocks + watermark <= len(self._free)
+
+    def free(self, request_id: str) -> list[int]:
+        """Drop ``request_id``'s block table: one reference per block; returns the ids that went
+        back to the free list (those no other table shares). Idempotent: an unknown request frees
+        nothing. The caller must know that nothing still reads or writes those blocks (no forward
+        in flight, no transfer landing)."""
+        with self._lock:
+            released = []
+            for block in self._tables.pop(request_id, []):
+                self._refs[block] -= 1
+                if self._refs[block] == 0:
+                    self._generation[block] += 1
+                    released.append(block)
+            self._free.extend(released)
+            return released
+
+    def fork(self, src_id: str, dst_id: str, num_shared_tokens: int) -> list[int] | None:
+        """Give ``dst_id`` a block table that shares ``src_id``'s blocks up to the last full
+        block before position ``num_shared_tokens`` and holds a private copy of the block that
+        contains that position (so ``dst_id`` may write position ``num_shared_tokens`` on)::
+
+            src: | b0 | b1 | b2 (partial) |        num_shared_tokens = 2 * tpb + 3
+            dst: | b0 | b1 | b2' = copy of b2 |    b0, b1 shared (refcount 2)
+
+        ``src_id`` must hold at least ``num_shared_tokens`` tokens. Returns ``dst_id``'s table,
+        or None (nothing allocated) when no free block is left for the copy. The copy runs on
+        the pool's device; the caller must know that no forward writes ``src_id``'s blocks
+        meanwhile. Raises ValueError when ``dst_id`` already holds blocks or ``src_id`` holds too
+        few."""
+        tpb = self.tokens_per_block
+        shared, private = divmod(num_shared_tokens, tpb)
+        with self._lock:
+            src = self._tables.get(src_id, [])
+            if dst_id in self._tables:
+                raise ValueError(f"{dst_id} already holds KV blocks")
+            if len(src) < shared + (1 if private else 0):
+                raise ValueError(f"{src_id} holds fewer than {num_shared_tokens} tokens")
+            if private and not self._free:
+                return None
+            table = src[:shared]
             for block in table:
-                self._generation[block] += 1
-            self._free.extend(table)
-            return table
+                self._refs[block] += 1
+            if private:
+                (copy,) = self._take(1)
+                self.pool[:, copy] = self.pool[:, src[shared]]
+                table = table + [copy]
+            self._tables[dst_id] = table
+            return list(table)
 
     def generations(self, block_ids: Iterable[int]) -> tuple[int, ...]:
         """Current generation of each block (bumped at every allocation and every free): equal
@@ -174,7 +228,7 @@ class KVCacheManager:
             self.allocate(demand.request_id, demand.num_kv_tokens_after_step)
 
     def update_resources(self, demands: Iterable[KVDemand]) -> None:
-        """After a step's forward. Nothing to do without prefix reuse; a radix/hash index of full
+        """After a step's forward. Nothing to do without prefix caching; a hash index of full
         blocks would be updated here."""
         del demands
 
@@ -206,7 +260,7 @@ class KVCacheManager:
         return self.pool[layer]
 
     def get_num_free_blocks(self) -> int:
-        """Blocks on the free list now."""
+        """Blocks on the free list now (shared blocks count once, as used)."""
         with self._lock:
             return len(self._free)
 

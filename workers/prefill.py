@@ -10,7 +10,10 @@ Request lifecycle on a prefill worker::
     5 RELEASED   the decode worker (or the router, on failure) releases them, or the lease expires
 
 If the first token already ends the request (EOS, stop string, ``max_tokens == 1``) the engine
-frees the blocks itself and the response carries ``finish_reason`` and no handle.
+frees the blocks itself and the response carries ``finish_reason`` and no handle. A request for
+``n > 1`` choices samples choice 0's first token only, and the engine always parks its blocks
+(choices 1..n-1 still need them): the response carries the handle, and ``finish_reason`` too
+when that token already ended choice 0.
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ class PrefillRole:
         if out.error is not None:
             raise WorkerError(f"prefill failed for request {req.request_id}: {out.error}")
         logprob = out.logprobs[0] if out.logprobs else None
-        if out.finish_reason is not None or out.parked_block_ids is None:
+        if out.parked_block_ids is None:
             return ContextResponse(
                 request_id=req.request_id,
                 first_token=out.token_ids[0],
@@ -106,6 +109,7 @@ class PrefillRole:
             first_token=out.token_ids[0],
             text=out.text,
             logprob=logprob,
+            finish_reason=out.finish_reason,
             handle=handle,
         )
 

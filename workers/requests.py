@@ -42,7 +42,8 @@ class EngineOutput:
     output). ``logprobs`` has one entry per token when the request asked for logprobs.
     ``parked_block_ids`` is set only on a prefill-mode output without ``finish_reason``:
     ownership of those blocks passes to the caller, who must call ``Engine.free_parked``.
-    ``error`` is set with ``finish_reason == ERROR``.
+    ``error`` is set with ``finish_reason == ERROR``. ``index`` is the choice (``n > 1``);
+    each choice ends with its own output carrying ``finish_reason``.
     """
 
     request_id: str
@@ -52,6 +53,7 @@ class EngineOutput:
     finish_reason: FinishReason | None = None
     error: str | None = None
     parked_block_ids: list[int] | None = None
+    index: int = 0
 
 
 Sink = Callable[[EngineOutput], None]
@@ -65,6 +67,7 @@ class RequestLimits:
     vocab_size: int
     max_model_len: int
     kv_cache: KVCacheManager
+    policy: str = "max_utilization"
 
     def check(
         self,
@@ -77,9 +80,10 @@ class RequestLimits:
         """Raise :class:`InvalidRequestError` for a malformed request (unknown mode, empty
         prompt, token ids outside the vocabulary, prompt + ``max_tokens`` beyond
         ``max_model_len``, ``first_token`` missing in resume mode or present elsewhere) and
-        :class:`CapacityError` for one whose part on this engine (the prompt alone in prefill
-        mode, the whole completion otherwise) needs more KV blocks than the whole pool (it could
-        never be admitted)."""
+        :class:`CapacityError` for one that could never be admitted: its prompt (plus the
+        first token it feeds) needs more KV blocks than the whole pool, or, under
+        ``guaranteed_no_evict``, its part on this engine (the prompt alone in prefill mode, the
+        whole completion otherwise) does."""
         vocab, limit = self.vocab_size, self.max_model_len
         if mode not in ("prefill", "full", "resume"):
             raise InvalidRequestError(f"unknown engine mode {mode!r}")
@@ -101,12 +105,16 @@ class RequestLimits:
             raise InvalidRequestError("first_token is required in resume mode and only there")
         if first_token is not None and not 0 <= first_token < vocab:
             raise InvalidRequestError(f"first_token must lie in [0, {vocab})")
-        if mode == "resume" and sampling.max_tokens < 2:
+        if mode == "resume" and sampling.max_tokens < 2 and sampling.n == 1:
             raise InvalidRequestError("resume needs max_tokens >= 2 (the first token counts)")
         total = self.kv_cache.get_max_resource_count()
-        max_new = 1 if mode == "prefill" else sampling.max_tokens  # this engine's share
+        if self.policy == "guaranteed_no_evict":
+            max_new = 1 if mode == "prefill" else sampling.max_tokens  # this engine's share
+            what = "to complete"
+        else:
+            max_new, what = 2, "for its prompt"
         need = self.kv_cache.get_needed_resource_to_completion(len(prompt), max_new)
         if need > total:
             raise CapacityError(
-                f"request {request_id} needs {need} KV blocks to complete; the pool has {total}"
+                f"request {request_id} needs {need} KV blocks {what}; the pool has {total}"
             )

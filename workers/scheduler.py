@@ -1,23 +1,42 @@
-"""Capacity scheduler with continuous batching.
+"""Capacity scheduler with continuous batching and recompute preemption.
 
-Admission (TensorRT-LLM's ``GUARANTEED_NO_EVICT`` capacity policy over the seed's
-``get_max_resource_count`` / ``get_needed_resource_to_completion``): a request is admitted only
-when the blocks it needs to run to completion fit in the pool's *headroom*::
+Two capacity policies (TensorRT-LLM's ``capacity_scheduler_policy`` names):
 
-    headroom = free blocks - sum over admitted requests of (need_blocks - blocks held)
+``max_utilization`` (the default; vLLM's scheduler): admission by *current* need. A waiting
+sequence is admitted when the blocks of the tokens it must compute now (its prompt, or prompt +
+output for a preempted one) fit in the free blocks with ``watermark`` blocks to spare; blocks are
+then allocated step by step as the sequence grows. When a step cannot get a block, the most
+recently admitted running sequence is *preempted*: it gives all its blocks back and returns to
+the front of the waiting queue with ``num_computed_tokens = 0``; once readmitted it recomputes
+the K/V of its prompt and of the tokens it already produced in one context phase (vLLM's
+recompute preemption), and its next sampled token continues the stream exactly where it stopped
+(position-keyed sampling makes seeded draws independent of the preemption)::
 
-so every admitted request (and every reservation made by :meth:`Scheduler.reserve`) can always
-finish without preemption, and a step's allocation can never fail. Blocks held outside the
-scheduler (parked prefill results) are simply not free.
+    running (admission order):  [ a  b  c  d ]      step needs a block for b, none free
+    preempt from the tail:      [ a  b  c ]  d -> waiting[0], d's blocks freed
+    still short: preempt c      [ a  b ]     c -> waiting[0]  (no new admission this step)
+
+``guaranteed_no_evict``: a sequence is admitted only when the blocks it needs to run to
+completion fit in the pool's *headroom*::
+
+    headroom = free blocks - sum over admitted sequences of (need_blocks - blocks held)
+
+so an admitted sequence never waits for a block and never is preempted, at the price of
+reserving ``prompt + max_tokens`` up front (a request without ``max_tokens`` reserves the whole
+context window).
+
+Both policies: blocks held outside the scheduler (parked prefill results) are simply not free.
+:meth:`Scheduler.reserve` (decode worker: blocks for a transferred prompt) allocates the prompt's
+blocks at once (and, under ``guaranteed_no_evict``, reserves the whole completion); reserved
+blocks are never preempted until their sequence runs.
 
 Batching (nano-vllm / vLLM v1 style): each step is every running generation-phase sequence (one
-token each) plus context-phase chunks, first of partially prefilled sequences, then of newly
+token each) plus context-phase chunks, first of partially computed sequences, then of newly
 admitted ones (reserved first, then FCFS), within ``max_num_batched_tokens`` tokens and
-``max_num_seqs`` running sequences. Waiting requests join between steps.
+``max_num_seqs`` running sequences.
 
 Thread-safety: all public methods take one lock; :meth:`schedule` allocates the step's blocks
-(``prepare_resources``) under it, so capacity decisions on other threads (``reserve``) always see
-a consistent pool.
+under it, so capacity decisions on other threads (``reserve``) always see a consistent pool.
 """
 
 from __future__ import annotations
@@ -25,10 +44,14 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Literal
 
 from pdserve.errors import CapacityError, InvalidRequestError
 from pdserve.workers.kv_cache import KVCacheManager
 from pdserve.workers.sequence import Sequence, SequenceStatus
+
+CapacityPolicy = Literal["max_utilization", "guaranteed_no_evict"]
+CAPACITY_POLICIES: tuple[CapacityPolicy, ...] = ("max_utilization", "guaranteed_no_evict")
 
 
 @dataclass(frozen=True, eq=False)
@@ -56,11 +79,9 @@ class ScheduledSequence:
         return self.start_position + self.num_new_tokens
 
     def token_ids(self) -> list[int]:
-        """The tokens this step feeds (a prompt chunk, or the last output token)."""
-        seq, start = self.seq, self.start_position
-        if start >= seq.num_prompt_tokens:
-            return [seq.output_token_ids[start - seq.num_prompt_tokens]]
-        return seq.prompt_token_ids[start : start + self.num_new_tokens]
+        """The tokens this step feeds: a prompt chunk, the last output token, or (recompute
+        after preemption) a chunk that may span prompt and output tokens."""
+        return self.seq.token_slice(self.start_position, self.num_new_tokens)
 
 
 @dataclass(eq=False)
@@ -88,41 +109,74 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """Queues ``waiting`` (not admitted), ``running`` (admitted: context or generation phase)
-    and ``reserved`` (capacity held by :meth:`reserve` until the resume request arrives)."""
+    """Queues ``waiting`` (not admitted, or preempted), ``running`` (admitted: context or
+    generation phase) and ``reserved`` (prompt blocks held by :meth:`reserve` until the resume
+    request arrives).
 
-    def __init__(self, kv_cache: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int):
+    ``policy``: ``max_utilization`` (admission by current need, recompute preemption) or
+    ``guaranteed_no_evict`` (admission by the whole completion, never preempts); see the module
+    docstring. ``watermark_blocks``: free blocks a ``max_utilization`` admission leaves for the
+    running sequences to grow into (default: 1 % of the pool, at least 1, as vLLM's watermark).
+    ``num_preemptions`` counts preemptions since start.
+    """
+
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        policy: CapacityPolicy = "max_utilization",
+        watermark_blocks: int | None = None,
+    ):
+        if policy not in CAPACITY_POLICIES:
+            raise ValueError(f"unknown capacity policy {policy!r}; one of {CAPACITY_POLICIES}")
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy: CapacityPolicy = policy
+        self.watermark = (
+            max(1, kv_cache.num_blocks // 100) if watermark_blocks is None else watermark_blocks
+        )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.reserved: dict[str, Sequence] = {}
+        self.num_preemptions = 0
         self._lock = threading.RLock()
 
     # --- capacity ------------------------------------------------------------------------------
 
+    def _outstanding(self, seq: Sequence) -> int:
+        """Blocks ``seq`` may still allocate under ``guaranteed_no_evict``."""
+        return seq.need_blocks - self.kv_cache.num_allocated(seq.request_id)
+
     def headroom(self) -> int:
-        """Free blocks not promised to an admitted request or a reservation."""
+        """``guaranteed_no_evict``: free blocks not promised to an admitted sequence or a
+        reservation. ``max_utilization`` promises nothing: the free blocks."""
         with self._lock:
+            free = self.kv_cache.get_num_free_blocks()
+            if self.policy == "max_utilization":
+                return free
             holders = [*self.running, *self.reserved.values()]
             holders += [seq for seq in self.waiting if seq.reserved]  # resumed, not yet running
-            outstanding = sum(
-                seq.need_blocks - self.kv_cache.num_allocated(seq.request_id) for seq in holders
-            )
-            return self.kv_cache.get_num_free_blocks() - outstanding
+            return free - sum(self._outstanding(seq) for seq in holders)
 
     def reserve(self, seq: Sequence) -> list[int]:
-        """Admit ``seq``'s whole completion now and allocate blocks for its prompt; returns the
-        prompt's block table (the caller fills those blocks, then submits the resume request,
-        which passes the same object to :meth:`add`). Raises :class:`CapacityError` when
-        ``seq.need_blocks`` exceeds the headroom."""
+        """Allocate blocks for ``seq``'s prompt now (and, under ``guaranteed_no_evict``, admit
+        its whole completion); returns the prompt's block table (the caller fills those blocks,
+        then submits the resume request, which passes the same object to :meth:`add`). Raises
+        :class:`CapacityError` when the blocks (plus the watermark) are not free now, or, under
+        ``guaranteed_no_evict``, when ``seq.need_blocks`` exceeds the headroom."""
         with self._lock:
-            room = self.headroom()
-            if seq.need_blocks > room:
+            prompt_blocks = self.kv_cache.blocks_for_tokens(seq.num_prompt_tokens)
+            if self.policy == "guaranteed_no_evict":
+                room, need = self.headroom(), seq.need_blocks
+            else:
+                room, need = self.kv_cache.get_num_free_blocks() - self.watermark, prompt_blocks
+            if need > room:
                 raise CapacityError(
-                    f"cannot reserve {seq.need_blocks} KV blocks for {seq.request_id}: "
-                    f"{room} of {self.kv_cache.num_blocks} available"
+                    f"cannot reserve {need} KV blocks for {seq.request_id}: "
+                    f"{max(room, 0)} of {self.kv_cache.num_blocks} available"
                 )
             seq.status = SequenceStatus.RESERVED
             seq.reserved = True
@@ -139,17 +193,21 @@ class Scheduler:
 
     # --- queues --------------------------------------------------------------------------------
 
-    def add(self, seq: Sequence) -> None:
-        """Queue ``seq`` as WAITING. A reserved sequence (the same object :meth:`reserve` took)
-        leaves ``reserved`` atomically and is admitted ahead of the FCFS queue; raises
+    def add(self, seq: Sequence, *, front: bool = False) -> None:
+        """Queue ``seq`` as WAITING (at the front with ``front``: a forked choice that already
+        holds blocks). A reserved sequence (the same object :meth:`reserve` took) leaves
+        ``reserved`` atomically and is admitted ahead of the FCFS queue; raises
         :class:`InvalidRequestError` if its reservation was released meanwhile."""
         with self._lock:
-            if seq.reserved:  # its capacity moves along with it
+            if seq.reserved:  # its blocks move along with it
                 if self.reserved.get(seq.request_id) is not seq:
                     raise InvalidRequestError(f"the reservation of {seq.request_id} was released")
                 del self.reserved[seq.request_id]
             seq.status = SequenceStatus.WAITING
-            self.waiting.append(seq)
+            if front:
+                self.waiting.appendleft(seq)
+            else:
+                self.waiting.append(seq)
 
     def remove(self, request_id: str) -> Sequence | None:
         """Take a waiting or running sequence out of the scheduler (abort, error) and free its
@@ -174,48 +232,100 @@ class Scheduler:
     # --- the step ------------------------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch:
-        """Pick this step's work, admit what fits, and allocate the step's KV blocks."""
+        """Pick this step's work, preempt what does not fit, admit what fits, and allocate the
+        step's KV blocks (``prepare_resources`` happens here, one sequence at a time, so a
+        shortage preempts instead of failing the step)."""
         with self._lock:
-            batch = ScheduledBatch()
+            plan: dict[int, int] = {}  # id(seq) -> tokens to feed
             budget = self.max_num_batched_tokens
-            for seq in self.running:
+            for seq in self.running:  # generation phase first: one token each
                 if not seq.in_context_phase and budget > 0:
-                    batch.decode.append(ScheduledSequence.of(seq, 1))
+                    plan[id(seq)] = 1
                     budget -= 1
             for seq in self.running:  # context phase continues in chunks
                 if seq.in_context_phase and budget > 0:
-                    n = min(seq.num_prompt_tokens - seq.num_computed_tokens, budget)
-                    batch.prefill.append(ScheduledSequence.of(seq, n))
+                    n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                    plan[id(seq)] = n
                     budget -= n
-            for seq in self._admit(budget):
-                if seq.in_context_phase:
-                    n = min(seq.num_prompt_tokens - seq.num_computed_tokens, budget)
-                    batch.prefill.append(ScheduledSequence.of(seq, n))
-                else:  # resumed: prompt K/V already in place, feed the first token
-                    n = 1
-                    batch.decode.append(ScheduledSequence.of(seq, 1))
-                budget -= n
-            self.kv_cache.prepare_resources(batch.items)
+            scheduled: list[ScheduledSequence] = []
+            preemptions = self.num_preemptions
+            index = 0
+            while index < len(self.running):  # allocate in admission order, preempt the tail
+                seq = self.running[index]
+                n = plan.get(id(seq), 0)
+                if n and not self._allocate(seq, seq.num_computed_tokens + n):
+                    break  # seq itself was preempted: it was the tail
+                if n:
+                    scheduled.append(ScheduledSequence.of(seq, n))
+                index += 1
+            if self.num_preemptions == preemptions:  # vLLM: no admission in a preempting step
+                budget = self.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
+                scheduled += self._admit(budget)
+            batch = ScheduledBatch()
+            for s in scheduled:
+                (batch.prefill if s.seq.in_context_phase else batch.decode).append(s)
             return batch
 
-    def _admit(self, budget: int) -> list[Sequence]:
+    def _allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow ``seq``'s blocks to ``num_tokens`` tokens, preempting running sequences from the
+        tail of ``running`` until they fit. False when ``seq`` itself had to be preempted."""
+        missing = self.kv_cache.blocks_for_tokens(num_tokens)
+        missing -= self.kv_cache.num_allocated(seq.request_id)
+        while not self.kv_cache.can_allocate(missing):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self.kv_cache.allocate(seq.request_id, num_tokens)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: free all of ``seq``'s blocks and requeue it at the front of
+        ``waiting``; it recomputes prompt + output K/V when readmitted."""
+        self.running.remove(seq)
+        self.kv_cache.free(seq.request_id)
+        seq.num_computed_tokens = 0
+        seq.reserved = False
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _fits(self, seq: Sequence, room: int) -> bool:
+        """Admission test of a waiting, not reserved ``seq`` against ``room``."""
+        if self.policy == "guaranteed_no_evict":
+            return self._outstanding(seq) <= room
+        need = self.kv_cache.blocks_for_tokens(seq.num_tokens)
+        need -= self.kv_cache.num_allocated(seq.request_id)
+        # The watermark keeps room for running sequences to grow; an idle engine admits the
+        # head of the queue whenever it fits at all, so a request as large as the pool runs.
+        return need + self.watermark <= room or (not self.running and need <= room)
+
+    def _admit(self, budget: int) -> list[ScheduledSequence]:
         """Move waiting sequences into ``running`` while token budget, ``max_num_seqs`` and KV
-        headroom allow. Reserved ones first; the FCFS rest stops at the first that does not fit
-        (no overtaking, so a large request is not starved)."""
-        admitted: list[Sequence] = []
-        if not self.waiting:
-            return admitted
+        capacity allow, and allocate their first step. Reserved ones first; the FCFS rest stops
+        at the first that does not fit (no overtaking, so a large request is not starved)."""
+        admitted: list[ScheduledSequence] = []
         room = self.headroom()
         for seq in sorted(self.waiting, key=lambda s: not s.reserved):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if not seq.reserved:
-                if seq.need_blocks > room:
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            step_blocks = self.kv_cache.blocks_for_tokens(seq.num_computed_tokens + n)
+            step_blocks -= self.kv_cache.num_allocated(seq.request_id)
+            if seq.reserved:
+                if not self.kv_cache.can_allocate(step_blocks):
                     break
-                room -= seq.need_blocks
+            elif not self._fits(seq, room):
+                break
+            elif self.policy == "guaranteed_no_evict":
+                room -= self._outstanding(seq)
             self.waiting.remove(seq)
+            self.kv_cache.allocate(seq.request_id, seq.num_computed_tokens + n)
+            if self.policy == "max_utilization":
+                room = self.kv_cache.get_num_free_blocks()
             seq.status = SequenceStatus.PREFILL if seq.in_context_phase else SequenceStatus.DECODE
             self.running.append(seq)
-            admitted.append(seq)
-            budget -= min(seq.num_prompt_tokens - seq.num_computed_tokens, budget) or 1
+            admitted.append(ScheduledSequence.of(seq, n))
+            budget -= n
         return admitted

@@ -32,11 +32,16 @@ class SequenceStatus(IntEnum):
 class Sequence:
     """One request inside the engine.
 
-    ``num_computed_tokens`` counts the tokens whose K/V is in the request's KV blocks; the
-    context phase feeds ``prompt_token_ids[num_computed_tokens:]`` (in chunks), the generation
-    phase feeds ``output_token_ids[-1]`` at position ``num_tokens - 1``. ``need_blocks`` is what
-    the request may hold at most (prompt + max_tokens - 1 tokens), counted against capacity from
-    admission (or :meth:`Engine.reserve`) until it finishes.
+    ``num_computed_tokens`` counts the tokens whose K/V is in the sequence's KV blocks. The
+    context phase feeds ``tokens[num_computed_tokens:]`` in chunks (the prompt; after a
+    recompute preemption the prompt and the tokens already produced), the generation phase feeds
+    ``output_token_ids[-1]`` at position ``num_tokens - 1``. ``need_blocks`` is what the sequence
+    may hold at most (prompt + max_tokens - 1 tokens), counted against capacity from admission
+    (or :meth:`Engine.reserve`) under the ``guaranteed_no_evict`` policy.
+
+    ``request_id`` is the sequence's own id (its block table's key); ``group_id`` is the client
+    request it answers and ``index`` its choice number (``n > 1``: choice ``i`` of request ``r``
+    has id ``r`` for ``i == 0``, else ``f"{r}#{i}"``).
     """
 
     request_id: str
@@ -48,7 +53,14 @@ class Sequence:
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     reserved: bool = False
+    num_preemptions: int = 0
+    index: int = 0
+    group_id: str = ""
     arrival_s: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        if not self.group_id:
+            self.group_id = self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -61,8 +73,18 @@ class Sequence:
 
     @property
     def in_context_phase(self) -> bool:
-        """True while part of the prompt's K/V is still to be computed."""
-        return self.num_computed_tokens < len(self.prompt_token_ids)
+        """True while more than the last known token's K/V is still to be computed (the prompt,
+        or prompt + output after a preemption); False in the generation phase."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    def token_slice(self, start: int, count: int) -> list[int]:
+        """Tokens ``[start, start + count)`` of prompt + output."""
+        prompt = self.prompt_token_ids
+        if start + count <= len(prompt):
+            return prompt[start : start + count]
+        out = self.output_token_ids
+        head = prompt[start:] if start < len(prompt) else []
+        return head + out[max(0, start - len(prompt)) : start + count - len(prompt)]
 
     @property
     def next_output_position(self) -> int:

@@ -99,10 +99,17 @@ def test_refused_resume_gives_its_reservation_back(engine: Engine) -> None:
     assert "rr" not in engine.scheduler.reserved
 
 
-def test_request_larger_than_the_pool_is_refused(engine: Engine) -> None:
-    too_big = SamplingParams(max_tokens=100)  # 12 + 99 tokens = 28 blocks > 24
-    with pytest.raises(CapacityError):
-        engine.add_request(EngineRequest("huge", PROMPT, too_big), lambda out: None)
+def test_request_whose_prompt_exceeds_the_pool_is_refused(engine: Engine) -> None:
+    huge = PROMPT * 9  # 108 tokens = 27 blocks > 24
+    with pytest.raises(CapacityError, match="for its prompt"):
+        engine.add_request(EngineRequest("huge", huge, SamplingParams(max_tokens=4)), print)
+
+
+def test_completion_longer_than_the_pool_runs_until_the_pool_is_full(engine: Engine) -> None:
+    long = SamplingParams(max_tokens=100, ignore_eos=True)  # 12 + 99 tokens = 28 blocks > 24
+    got = complete(engine, "long", PROMPT, long)
+    assert got.finish_reason is FinishReason.LENGTH
+    assert len(got.token_ids) == 24 * 4 - len(PROMPT) + 1  # the last one is never fed
 
 
 def test_prefill_mode_emits_one_token_and_parks_the_prompt_blocks(engine: Engine) -> None:
@@ -130,13 +137,14 @@ def test_abort_of_parked_blocks_frees_them(engine: Engine) -> None:
 
 
 def test_reserve_refuses_what_does_not_fit_and_unreserve_gives_it_back(engine: Engine) -> None:
-    blocks = engine.reserve("r1", PROMPT, SamplingParams(max_tokens=60))  # 71 tokens: 18 blocks
-    assert len(blocks) == 3
+    sampling = SamplingParams(max_tokens=60)  # reserves the prompt's 3 blocks, not 18
+    for i in range(7):  # 21 of 24 blocks; 3 + the 1-block watermark do not fit any more
+        assert len(engine.reserve(f"r{i}", PROMPT, sampling)) == 3
     with pytest.raises(CapacityError):
-        engine.reserve("r2", PROMPT, SamplingParams(max_tokens=60))
-    engine.unreserve("r1")
-    engine.unreserve("r1")
-    engine.unreserve("r2")
+        engine.reserve("r7", PROMPT, sampling)
+    for i in range(8):
+        engine.unreserve(f"r{i}")
+    engine.unreserve("r0")
     assert engine.kv_cache.get_num_free_blocks() == 24
 
 

@@ -1,4 +1,5 @@
-"""Capacity scheduler: admission never over-commits the KV pool; continuous batching."""
+"""Capacity scheduler under guaranteed_no_evict: admission never over-commits the KV pool;
+continuous batching. (max_utilization and preemption: test_scheduler_preemption.py.)"""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from pdserve.errors import CapacityError
 from pdserve.protocol import KVLayout, SamplingParams
 from pdserve.workers.kv_cache import KVCacheManager
-from pdserve.workers.scheduler import ScheduledBatch, Scheduler
+from pdserve.workers.scheduler import CapacityPolicy, ScheduledBatch, Scheduler
 from pdserve.workers.sequence import Sequence, SequenceStatus
 
 TPB = 4
@@ -18,9 +19,22 @@ LAYOUT = KVLayout(
 )
 
 
-def make(num_blocks: int, *, max_num_seqs: int = 8, max_tokens_per_step: int = 64) -> Scheduler:
+def make(
+    num_blocks: int,
+    *,
+    max_num_seqs: int = 8,
+    max_tokens_per_step: int = 64,
+    policy: CapacityPolicy = "guaranteed_no_evict",
+    watermark_blocks: int | None = None,
+) -> Scheduler:
     kv = KVCacheManager(LAYOUT, num_blocks)
-    return Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens_per_step)
+    return Scheduler(
+        kv,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_tokens_per_step,
+        policy=policy,
+        watermark_blocks=watermark_blocks,
+    )
 
 
 def seq(sched: Scheduler, rid: str, prompt_len: int, max_tokens: int) -> Sequence:

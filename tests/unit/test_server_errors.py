@@ -54,7 +54,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", b'{"model": "tiny-test", "messages": [', 400, "invalid_request",
      None, "not valid JSON"),
     ("/v1/chat/completions", b"[1, 2]", 400, "invalid_request", None, ""),
-    ("/v1/chat/completions", {**CHAT, "n": 2}, 400, "invalid_request", "n", "only n=1"),
+    ("/v1/chat/completions", {**CHAT, "n": 17}, 400, "invalid_request", "n", "n must lie in"),
     ("/v1/chat/completions", {**CHAT, "presence_penalty": 0.5}, 400, "invalid_request",
      "presence_penalty", "not supported"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "invalid_request",
