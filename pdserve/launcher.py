@@ -53,8 +53,15 @@ def split_kv_cache(cfg: PdserveConfig, n_workers: int) -> KVCacheSettings:
         return kv.model_copy(
             update={"gpu_memory_utilization": kv.gpu_memory_utilization / n_workers}
         )
-    share = available_host_memory() * kv.memory_fraction / n_workers
-    return kv.model_copy(update={"budget_mb": max(1, int(share) // 2**20)})
+    available = available_host_memory()
+    budget_mb = max(1, int(available * kv.memory_fraction / n_workers) // 2**20)
+    print(
+        f"pdserve: KV cache: {kv.memory_fraction:.0%} of {available / 2**30:.1f} GiB available "
+        f"host memory, {budget_mb} MiB for each of {n_workers} workers "
+        "(set kv_cache.budget_mb / --kv-cache-mb to choose)",
+        file=sys.stderr,
+    )
+    return kv.model_copy(update={"budget_mb": budget_mb})
 
 
 def child_config(cfg: PdserveConfig, model_path: Path) -> PdserveConfig:

@@ -175,6 +175,11 @@ class _LoadCollector(Collector):
                 "Sequences waiting for admission",
                 value=load.waiting,
             )
+            yield CounterMetricFamily(
+                "pdserve_num_preemptions",
+                "Sequences preempted (blocks freed, recomputed later) because the KV pool ran short",
+                value=load.preemptions,
+            )
         yield CounterMetricFamily(
             "pdserve_kv_lease_expired",
             "Parked KV leases that expired unclaimed",

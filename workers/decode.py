@@ -5,7 +5,11 @@ Request lifecycle on a decode worker::
     1 RECEIVED     GenerationRequest checked against the handle: token count, blocks at the
                    handle's tokens per block, layout mappable (the formatter converts tokens per
                    block and dtype), lease, epoch
-    2 RESERVED     engine.reserve(): capacity for the whole completion + blocks for the prompt
+    2 RESERVED     engine.reserve(): blocks for the prompt (under guaranteed_no_evict, capacity
+                   for the whole completion too); while the pool is full the request waits for
+                   blocks, at most until the prefill worker's lease (or the deadline) runs out,
+                   then gets 429 (QueueFullError), as it does when ``max_queued_requests``
+                   requests already wait
     3 TRANSFERRING the transceiver pulls the prefill worker's blocks into the reserved blocks
     4 RUNNING      engine resumes at the first token in its continuous batch; chunks streamed
     5 FINISHED     every choice stopped (stop / length), or abort (client gone) / error; the
@@ -32,10 +36,12 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from pdserve.errors import (
+    CapacityError,
     DeadlineExceededError,
     HandleError,
     IntegrityError,
     LayoutMismatchError,
+    QueueFullError,
 )
 from pdserve.protocol import FinishReason, GenerationChunk, GenerationRequest, TransferHandle
 from pdserve.workers.bridge import OutputStream
@@ -97,6 +103,7 @@ class DecodeRole:
         self.quarantine_s = quarantine_s
         self.quarantined = 0
         self.metrics = metrics
+        self.waiting_for_blocks = 0
 
     def _quarantine(self, request_id: str) -> None:
         """Free a failed transfer's destination blocks only after ``quarantine_s``: a remote
@@ -140,7 +147,7 @@ class DecodeRole:
         check_handle(req, req.handle, self.engine)
         if self.transceiver is None:
             raise HandleError("this worker has no transceiver; it cannot accept a handle")
-        dst = self.engine.reserve(req.request_id, list(req.prompt_token_ids), req.sampling)
+        dst = await self._reserve(req, req.handle)
         try:
             t0 = time.perf_counter()
             await asyncio.wait_for(
@@ -177,6 +184,37 @@ class DecodeRole:
             stream.sink,
         )
         return stream
+
+    async def _reserve(self, req: GenerationRequest, handle: TransferHandle) -> list[int]:
+        """State 2: the prompt's blocks, waiting while the pool is full (running sequences free
+        blocks as they finish) until the lease or the deadline is 1 s from running out. Raises
+        QueueFullError (429) then, or at once when ``max_queued_requests`` requests already
+        wait; InvalidRequestError / CapacityError (can never fit) from the engine."""
+        prompt = list(req.prompt_token_ids)
+        try:
+            return self.engine.reserve(req.request_id, prompt, req.sampling)
+        except CapacityError:
+            if self.engine.limits.policy == "guaranteed_no_evict":
+                raise
+        if self.waiting_for_blocks >= self.engine.cfg.max_queued_requests:
+            raise QueueFullError(f"{self.waiting_for_blocks} requests wait for KV blocks here")
+        give_up = min(handle.lease_deadline, req.deadline) - 1.0
+        self.waiting_for_blocks += 1
+        try:
+            delay = 0.005
+            while time.time() + delay < give_up:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.05)
+                try:
+                    return self.engine.reserve(req.request_id, prompt, req.sampling)
+                except CapacityError:
+                    continue
+        finally:
+            self.waiting_for_blocks -= 1
+        raise QueueFullError(
+            f"no free KV blocks for request {req.request_id} on this decode worker before its "
+            "prefill lease ran out; retry later"
+        )
 
     def _pull_failed(self, request_id: str, exc: BaseException) -> BaseException:
         """Dispose of a failed pull's destination blocks and return the error to raise.

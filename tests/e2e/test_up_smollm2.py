@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -17,21 +19,37 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.fixtures.stack import free_port
-
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
+README = Path(__file__).resolve().parents[2] / "README.md"
+README_PORT = 8000  # README's example talks to http://127.0.0.1:8000/v1
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 @pytest.fixture(scope="module")
-def up(
-    smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[str, subprocess.Popen[str]]]:
-    """``pdserve up`` with no model flag: it must find the prepared SmolLM2 in the cache."""
-    port = free_port()
+def up_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("up") / "up.log"
+
+
+@pytest.fixture(scope="module")
+def up(smollm2_dir: Path, up_log: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """README's command as written, ``pdserve up`` (port 8000, no model flag: it must find the
+    prepared SmolLM2 in the cache), so README's Python example runs against it unchanged."""
+    port = README_PORT
+    assert _port_is_free(port), f"port {port} is taken: README's example needs it"
     env = dict(os.environ, PYTHONUNBUFFERED="1", PDSERVE_CACHE_DIR=str(smollm2_dir.parent))
-    log = tmp_path_factory.mktemp("up") / "up.log"
+    log = up_log
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port)],
+        [sys.executable, "-m", "pdserve.cli", "up"],
         stdout=subprocess.PIPE,
         stderr=open(log, "w"),  # noqa: SIM115
         text=True,
@@ -64,6 +82,27 @@ def test_chat_says_capital_of_france_is_paris(up: tuple[str, subprocess.Popen[st
         temperature=0,
     )
     assert "Paris" in resp.choices[0].message.content
+
+
+def test_readme_python_example_runs_as_written(up: tuple[str, subprocess.Popen[str]]) -> None:
+    """README's Python example (a chat request with no max_tokens) answers without error."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    assert len(blocks) == 1, "README holds one Python example"
+    done = subprocess.run(
+        [sys.executable, "-c", blocks[0]], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip(), "the example printed no answer"
+
+
+def test_kv_pools_are_sized_from_available_memory_and_logged(
+    up: tuple[str, subprocess.Popen[str]], up_log: Path
+) -> None:
+    text = up_log.read_text()
+    assert re.search(r"KV cache: 25% of [\d.]+ GiB available host memory, \d+ MiB for each", text)
+    pools = re.findall(r"KV pool: (\d+) blocks .* holds ([\d.]+) requests at the full", text)
+    assert len(pools) == 2, text[-3000:]  # one line per worker
+    assert all(int(blocks) > 0 and float(full) > 0 for blocks, full in pools)
 
 
 def test_greedy_tokens_equal_transformers_generate(
