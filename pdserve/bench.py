@@ -1,13 +1,18 @@
 """Benchmarks that print numbers: ``pdserve bench serve`` and ``pdserve bench transfer``.
 
-``serve`` measures TTFT and TPOT of (a) the disaggregated stack (router -> prefill worker -> KV
-transfer -> decode worker) and (b) the same model colocated in one worker process (prefill and
-decode in one engine, requests sent straight to its ``/internal/generate``), at each concurrency
-level, on the same prompts, in one run. Both get the same CPU budget: the disaggregated stack
+``serve --url http://HOST:PORT/v1`` drives an already running OpenAI-compatible server (pdserve,
+vLLM, ...) with a fixed-seed synthetic chat workload (:mod:`pdserve.bench_serve`).
+
+``serve`` without ``--url`` starts pdserve itself and compares (a) the disaggregated stack
+(router -> prefill worker -> KV transfer -> decode worker, requests through the router's
+``/v1/completions``) with (b) the same model colocated in one worker process (prefill and decode
+in one engine, requests sent straight to its ``/internal/generate``), at each concurrency level,
+on the same token-id prompts, in one run. Both get the same CPU budget: the disaggregated stack
 runs each worker on half the cores, the colocated worker on all of them.
 
-TTFT = time from sending the request to the first token arriving at the client.
-TPOT = (time of last token - time of first token) / (tokens - 1), per request.
+Both modes report, per level, TTFT, ITL, TPOT and e2e latency (mean, p50, p90, p99 in ms),
+output tokens/s and request errors; the definitions are in :mod:`pdserve.bench_serve`.
+Importing this module is light (no httpx, no torch); the CLI builds its options from here.
 """
 
 from __future__ import annotations
@@ -16,26 +21,215 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
-import httpx
+SERVE_DESCRIPTION = """\
+With --url: drive an already running OpenAI-compatible server (pdserve, vLLM, ...) with a
+fixed-seed synthetic chat workload: prompts of --input-len tokens (random words, chat template
+applied, counted with --tokenizer), --output-len tokens per request (streaming, greedy,
+ignore_eos), a closed loop of N requests in flight for each --concurrency level, one warm-up
+request first (not counted). Without --url: start pdserve itself (router + 1 prefill + 1 decode,
+then one colocated worker) and compare the two on token-id prompts.
 
-from pdserve.config import DEFAULT_MODEL
+Reported per level (ms): TTFT (send -> first content delta), ITL (gaps between content deltas),
+TPOT ((e2e - TTFT) / (output tokens - 1)), e2e (send -> end of stream), each as mean, p50, p90,
+p99; output tokens/s over the level's wall time; request errors (count and first message).
+"""
 
 
-@dataclass
-class Sample:
-    ttft_s: float
-    tpot_s: float | None
-    tokens: int
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``pdserve bench serve``."""
+    p.add_argument(
+        "--url",
+        default=None,
+        help="OpenAI-compatible base URL of a running server, e.g. http://127.0.0.1:8100/v1 "
+        "(default: start pdserve itself and compare disaggregated vs colocated)",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="with --url: the model name sent in requests (default: the first id of GET "
+        "/v1/models); without --url: the local model folder pdserve starts (default: SmolLM2)",
+    )
+    p.add_argument("--served-model-name", default=None, help="without --url: name to serve under")
+    p.add_argument(
+        "--cache-dir", type=Path, default=None, help="converted models (~/.cache/pdserve)"
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="tokenizer folder used to build prompts of exactly --input-len tokens (default: "
+        "--model when it is a folder, else the converted SmolLM2 folder in the cache)",
+    )
+    p.add_argument(
+        "--input-len", "--prompt-tokens", dest="input_len", type=int, default=256,
+        help="prompt tokens per request, chat template included (default: 256)",
+    )  # fmt: skip
+    p.add_argument(
+        "--output-len", "--max-tokens", dest="output_len", type=int, default=64,
+        help="output tokens per request, sent as max_tokens (default: 64)",
+    )  # fmt: skip
+    p.add_argument(
+        "--concurrency", type=int, nargs="+", default=[1, 8],
+        help="requests in flight; several levels run one after another (default: 1 8)",
+    )  # fmt: skip
+    p.add_argument(
+        "--num-requests", "--requests", dest="num_requests", type=int, default=None,
+        help="requests per concurrency level (default: max(16, 4 x concurrency))",
+    )  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    p.add_argument(
+        "--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+        help="send ignore_eos so every request produces exactly --output-len tokens (default: on)",
+    )  # fmt: skip
+    p.add_argument(
+        "--warmup", type=int, default=1, help="warm-up requests, not counted (default: 1)"
+    )
+    p.add_argument(
+        "--request-timeout-s", type=float, default=600.0, help="per-request timeout, seconds"
+    )
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--label", default=None, help="name of this run in the tables and the JSON")
+    p.add_argument(
+        "--transfer-backend", choices=["auto", "nixl", "ucx", "tcp"], default="auto",
+        help="without --url: KV transfer backend of the started stack (default: auto)",
+    )  # fmt: skip
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """``pdserve bench serve``: the ``--url`` mode, or start pdserve and compare."""
+    if args.url:
+        return url_main(args)
+    from pdserve.models import resolve_model
+
+    return compare_main(args, resolve_model(args.model, cache_dir=args.cache_dir))
+
+
+def _workload(args: argparse.Namespace, api: str) -> dict[str, Any]:
+    return {
+        "api": api,
+        "stream": True,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "ignore_eos": args.ignore_eos,
+        "seed": args.seed,
+        "temperature": 0,
+        "warmup": args.warmup,
+        "concurrency": list(args.concurrency),
+        "num_requests": args.num_requests,
+    }
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def _report(args: argparse.Namespace, api: str, runs: list[dict[str, Any]],
+            started: str) -> dict[str, Any]:  # fmt: skip
+    return {
+        "tool": "pdserve bench serve",
+        "label": args.label,
+        "started": started,
+        "finished": _now(),
+        "host": {"cpus": os.cpu_count()},
+        "workload": _workload(args, api),
+        "runs": runs,
+    }
+
+
+def _counts(args: argparse.Namespace) -> list[int]:
+    from pdserve.bench_serve import default_num_requests
+
+    return [args.num_requests or default_num_requests(c) for c in args.concurrency]
+
+
+def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    import httpx
+
+    n = max(args.concurrency) + 4
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(args.request_timeout_s, connect=30),
+        limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
+    )
+
+
+async def _levels(args: argparse.Namespace, one: Callable[[Any], Awaitable[Any]], warm: list[Any],
+                  prompts: list[list[Any]], label: str | None) -> list[dict[str, Any]]:  # fmt: skip
+    """Warm-up, then each concurrency level; prints each level as it ends."""
+    from pdserve.bench_serve import format_level, run_level, summarize
+
+    for item in warm:
+        w = await one(item)
+        if not w.ok:
+            raise RuntimeError(f"warm-up request failed: {w.error}")
+    out = []
+    expect = args.output_len if args.ignore_eos else None
+    for c, items in zip(args.concurrency, prompts, strict=True):
+        results, wall = await run_level(one, items, c)
+        out.append(summarize(results, wall, c, expect_output=expect))
+        print(format_level(out[-1], label), flush=True)
+    return out
+
+
+def url_main(args: argparse.Namespace) -> int:
+    """``--url`` mode: print each level, a summary table, write ``--json``. Returns 0, or 1 when
+    the warm-up or every request of some level failed."""
+    import httpx
+
+    from pdserve import bench_serve as bs
+
+    base = bs.base_url(args.url)
+    tok_path = Path(args.tokenizer).expanduser() if args.tokenizer else bs.default_tokenizer(
+        args.model, args.cache_dir
+    )  # fmt: skip
+    if not (tok_path / "tokenizer_config.json").is_file():
+        print(f"bench serve: no tokenizer in {tok_path}: pass --tokenizer PATH (a Hugging Face "
+              "model folder) or run `pdserve model prepare`", file=sys.stderr)  # fmt: skip
+        return 2
+    started = _now()
+    maker = bs.PromptMaker(bs.load_tokenizer(tok_path), args.seed)
+    warm = [maker.make(args.input_len) for _ in range(args.warmup)]
+    prompts = [[maker.make(args.input_len) for _ in range(n)] for n in _counts(args)]
+    print(f"bench serve{' ' + args.label if args.label else ''}: {base}, chat, input {args.input_len} tokens, output "
+          f"{args.output_len} tokens, ignore_eos {args.ignore_eos}, seed {args.seed}", flush=True)  # fmt: skip
+
+    async def main() -> tuple[str, list[dict[str, Any]]]:
+        async with _client(args) as client:
+            model = args.model or await bs.served_model(client, base)
+            url = f"{base}/chat/completions"
+
+            def one(prompt: str) -> Awaitable[bs.RequestResult]:
+                body = bs.chat_body(model, prompt, args.output_len, args.ignore_eos)
+                return bs.stream_openai(client, url, body)
+
+            return model, await _levels(args, one, warm, prompts, args.label)
+
+    try:
+        model, levels = asyncio.run(main())
+    except (RuntimeError, httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        print(f"bench serve: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(bs.format_summary(levels, args.label))
+    if args.json:
+        run = {"label": args.label, "url": base, "model": model, "levels": levels}
+        bs.write_json(
+            Path(args.json), {**_report(args, "chat", [run], started), "tokenizer": str(tok_path)}
+        )
+        print(f"wrote {args.json}")
+    return 1 if any(lv["completed"] == 0 for lv in levels) else 0
+
+
+# --- without --url: start pdserve, disaggregated vs colocated ------------------------------------
 
 
 def _free_port() -> int:
@@ -55,6 +249,8 @@ def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
 
 
 def _wait(url: str, procs: list[subprocess.Popen[bytes]], timeout_s: float = 300) -> None:
+    import httpx
+
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if any(p.poll() is not None for p in procs):
@@ -79,89 +275,77 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
             p.kill()
 
 
-async def _one_openai(client: httpx.AsyncClient, url: str, name: str, ids: list[int],
-                      max_tokens: int) -> Sample:  # fmt: skip
-    body = {"model": name, "prompt": ids, "max_tokens": max_tokens, "stream": True,
-            "temperature": 0, "ignore_eos": True}  # fmt: skip
-    t0 = time.perf_counter()
-    stamps: list[float] = []
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                if chunk.get("error"):
-                    raise RuntimeError(chunk["error"])
-                if chunk["choices"] and chunk["choices"][0].get("text") is not None:
-                    stamps.append(time.perf_counter())
-    return _sample(t0, stamps)
+async def _one_colocated(client, url: str, ids: list[int], args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """One request to a colocated worker's NDJSON ``/internal/generate``; a stamp per chunk."""
+    import httpx
 
+    from pdserve.bench_serve import failed, from_stamps
 
-async def _one_colocated(client: httpx.AsyncClient, url: str, ids: list[int],
-                         max_tokens: int) -> Sample:  # fmt: skip
     body = {
         "request_id": uuid.uuid4().hex,
         "prompt_token_ids": ids,
-        "sampling": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
-        "deadline": time.time() + 600,
+        "sampling": {
+            "max_tokens": args.output_len,
+            "temperature": 0,
+            "ignore_eos": args.ignore_eos,
+        },
+        "deadline": time.time() + args.request_timeout_s,
     }
     t0 = time.perf_counter()
     stamps: list[float] = []
-    async with client.stream("POST", f"{url}/internal/generate", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line:
-                chunk = json.loads(line)
-                if chunk.get("error"):
-                    raise RuntimeError(chunk["error"])
-                stamps.extend(time.perf_counter() for _ in chunk["token_ids"])
-    return _sample(t0, stamps)
+    tokens = 0
+    try:
+        async with client.stream("POST", f"{url}/internal/generate", json=body) as r:
+            if r.status_code != 200:
+                return failed(t0, f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+            async for line in r.aiter_lines():
+                if line:
+                    chunk = json.loads(line)
+                    if chunk.get("error"):
+                        return failed(t0, str(chunk["error"]))
+                    if chunk.get("token_ids"):
+                        stamps.append(time.perf_counter())
+                        tokens += len(chunk["token_ids"])
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
+        return failed(t0, f"{type(exc).__name__}: {exc}")
+    return from_stamps(t0, stamps, time.perf_counter(), tokens, len(ids))
 
 
-def _sample(t0: float, stamps: list[float]) -> Sample:
-    if not stamps:
-        raise RuntimeError("no tokens received")
-    tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
-    return Sample(stamps[0] - t0, tpot, len(stamps))
+def _token_prompts(rng: random.Random, n: int, length: int) -> list[list[int]]:
+    # Random token-id prompts (ids 100..10099 are ordinary tokens in SmolLM2's vocabulary).
+    return [[rng.randrange(100, 10100) for _ in range(length)] for _ in range(n)]
 
 
-async def _load(one, prompts: list[list[int]], concurrency: int) -> list[Sample]:  # type: ignore[no-untyped-def]
-    sem = asyncio.Semaphore(concurrency)
-
-    async def run(ids: list[int]) -> Sample:
-        async with sem:
-            return await one(ids)
-
-    return await asyncio.gather(*(run(p) for p in prompts))
-
-
-def _summary(samples: list[Sample]) -> dict[str, float]:
-    ttft = [s.ttft_s * 1e3 for s in samples]
-    tpot = [s.tpot_s * 1e3 for s in samples if s.tpot_s is not None]
-    return {
-        "ttft_p50_ms": statistics.median(ttft),
-        "ttft_mean_ms": statistics.fmean(ttft),
-        "tpot_p50_ms": statistics.median(tpot),
-        "tpot_mean_ms": statistics.fmean(tpot),
-    }
-
-
-def _prompts(n: int, length: int) -> list[list[int]]:
-    # Distinct token-id prompts (ids 100..10099 are ordinary tokens in SmolLM2's vocabulary).
-    return [[100 + ((i * 7919 + j * 31) % 10000) for j in range(length)] for i in range(n)]
-
-
-def serve_main(args: argparse.Namespace, model_path: Path) -> int:
-    """Run both configurations and print a table; returns 0."""
+def compare_main(args: argparse.Namespace, model_path: Path) -> int:
+    """Start the disaggregated stack, then a colocated worker; the same prompts through both."""
     import tempfile
+
+    from pdserve import bench_serve as bs
+    from pdserve.config import DEFAULT_MODEL
 
     name = args.served_model_name or DEFAULT_MODEL
     cores = os.cpu_count() or 2
     half = str(max(1, cores // 2))
     logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
     common = ["--model", str(model_path), "--served-model-name", name]
-    results: dict[tuple[str, int], dict[str, float]] = {}
-    prompts = _prompts(args.requests, args.prompt_tokens)
+    rng = random.Random(args.seed)
+    warm = _token_prompts(rng, args.warmup, args.input_len)
+    prompts = [_token_prompts(rng, n, args.input_len) for n in _counts(args)]
+    runs: list[dict[str, Any]] = []
+    started = _now()
+
+    def measure(label: str, url: str, one_fn) -> None:  # type: ignore[no-untyped-def]
+        async def main() -> list[dict[str, Any]]:
+            async with _client(args) as client:
+                return await _levels(args, lambda ids: one_fn(client, ids), warm, prompts, label)
+
+        runs.append({"label": label, "url": url, "model": name, "levels": asyncio.run(main())})
+
+    def openai_one(client, ids: list[int]):  # type: ignore[no-untyped-def]
+        body = {"model": name, "prompt": ids, "max_tokens": args.output_len, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True},
+                "ignore_eos": args.ignore_eos}  # fmt: skip
+        return bs.stream_openai(client, f"{url}/v1/completions", body, kind="completions")
 
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -172,52 +356,37 @@ def serve_main(args: argparse.Namespace, model_path: Path) -> int:
                             logs / f"{role}.log"))  # fmt: skip
     try:
         _wait(url, procs)
-        for c in args.concurrency:
-            results[("disaggregated", c)] = _run_level(
-                lambda client, ids: _one_openai(client, url, name, ids, args.max_tokens), prompts, c
-            )
+        measure("disaggregated", url, openai_one)
     finally:
         _stop(procs)
 
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    reg = _free_port()
+    port, reg = _free_port(), _free_port()
+    coloc = f"http://127.0.0.1:{port}"
     procs = [
         _spawn(["router", *common, "--port", str(reg)], logs / "router2.log"),
         _spawn(["colocated", *common, "--port", str(port), "--discovery",
                 f"http://127.0.0.1:{reg}", "--threads", str(cores)], logs / "colocated.log"),
     ]  # fmt: skip
     try:
-        _wait(url, procs)
-        for c in args.concurrency:
-            results[("colocated", c)] = _run_level(
-                lambda client, ids: _one_colocated(client, url, ids, args.max_tokens), prompts, c
-            )
+        _wait(coloc, procs)
+        measure("colocated", coloc, lambda client, ids: _one_colocated(client, coloc, ids, args))
     finally:
         _stop(procs)
 
-    print(f"\nmodel {name}, {args.prompt_tokens}-token prompts, {args.max_tokens} output tokens, "
-          f"{args.requests} requests per level, {cores} cores")  # fmt: skip
-    print(f"{'setup':<14} {'conc':>4} {'TTFT p50 ms':>12} {'TTFT mean':>10} "
-          f"{'TPOT p50 ms':>12} {'TPOT mean':>10}")  # fmt: skip
-    for (setup, c), r in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        print(f"{setup:<14} {c:>4} {r['ttft_p50_ms']:>12.1f} {r['ttft_mean_ms']:>10.1f} "
-              f"{r['tpot_p50_ms']:>12.1f} {r['tpot_mean_ms']:>10.1f}")  # fmt: skip
-    for c in args.concurrency:
-        d, o = results[("disaggregated", c)], results[("colocated", c)]
-        print(f"concurrency {c}: disaggregated/colocated TTFT x{d['ttft_p50_ms'] / o['ttft_p50_ms']:.2f}, "
-              f"TPOT x{d['tpot_p50_ms'] / o['tpot_p50_ms']:.2f}")  # fmt: skip
+    print(f"\nmodel {name}, {args.input_len}-token prompts, {args.output_len} output tokens, "
+          f"{cores} cores")  # fmt: skip
+    for i, run in enumerate(runs):
+        print(bs.format_summary(run["levels"], run["label"], header=i == 0))
+    for d, o in zip(runs[0]["levels"], runs[1]["levels"], strict=True):
+        t = [d[k]["p50"] / o[k]["p50"] if d[k]["p50"] and o[k]["p50"] else float("nan")
+             for k in ("ttft_ms", "tpot_ms")]  # fmt: skip
+        print(f"concurrency {d['concurrency']}: disaggregated/colocated TTFT p50 x{t[0]:.2f}, "
+              f"TPOT p50 x{t[1]:.2f}")  # fmt: skip
+    if args.json:
+        bs.write_json(Path(args.json), _report(args, "completions token ids", runs, started))
+        print(f"wrote {args.json}")
     print(f"logs: {logs}")
     return 0
-
-
-def _run_level(one, prompts: list[list[int]], concurrency: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
-    async def main() -> list[Sample]:
-        async with httpx.AsyncClient(timeout=600) as client:
-            await one(client, prompts[0][:16])  # warm-up
-            return await _load(lambda ids: one(client, ids), prompts, concurrency)
-
-    return _summary(asyncio.run(main()))
 
 
 def transfer_main(args: argparse.Namespace) -> int:

@@ -47,6 +47,7 @@ examples:
   pdserve config validate configs/*.yaml       # check config files; every error with its path
   pdserve model prepare                        # convert SmolLM2 once into the cache
   pdserve bench serve                          # TTFT/TPOT: disaggregated vs colocated
+  pdserve bench serve --url http://127.0.0.1:8100/v1 --concurrency 1 8 32   # any OpenAI server
   pdserve bench transfer                       # KV transfer GB/s per backend vs socket/memcpy
   pdserve doctor --peer 10.0.0.6:8200          # transfer environment + bandwidth to a worker
 """
@@ -73,9 +74,13 @@ FLAG_PATHS: dict[str, str] = {
     "max_model_len": "model.max_model_len",
     "kv_dtype": "kv_cache.dtype",
     "kv_cache_mb": "kv_cache.budget_mb",
+    "kv_memory_fraction": "kv_cache.memory_fraction",
+    "capacity_policy": "scheduler.capacity_policy",
+    "max_queued_requests": "scheduler.max_queued_requests",
     "tokens_per_block": "kv_cache.tokens_per_block",
     "lease_s": "kv_cache.lease_s",
     "max_num_seqs": "scheduler.max_num_seqs",
+    "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
     "threads": "scheduler.threads",
     "transfer_backend": "transfer.backend",
     "transfer_host": "transfer.host",
@@ -136,7 +141,32 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="KV cache dtype; prefill and decode workers may differ (default: --dtype)",
     )
     p.add_argument(
-        "--kv-cache-mb", type=int, default=None, help="KV pool MiB " + _d("kv_cache.budget_mb")
+        "--kv-cache-mb",
+        type=int,
+        default=None,
+        help="KV pool MiB per worker; default: --kv-memory-fraction of the available host "
+        "memory (CPU) or kv_cache.gpu_memory_utilization of the GPU (config kv_cache.budget_mb)",
+    )
+    p.add_argument(
+        "--kv-memory-fraction",
+        type=float,
+        default=None,
+        help="CPU, no --kv-cache-mb: share of available host memory for the KV pools; `up` "
+        "splits it between its workers " + _d("kv_cache.memory_fraction"),
+    )
+    p.add_argument(
+        "--capacity-policy",
+        choices=["max_utilization", "guaranteed_no_evict"],
+        default=None,
+        help="admission: max_utilization admits by current need and preempts (recomputes) "
+        "the newest sequence when blocks run short; guaranteed_no_evict admits only requests "
+        "whose prompt + max_tokens fit " + _d("scheduler.capacity_policy"),
+    )
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="waiting requests per worker before HTTP 429 " + _d("scheduler.max_queued_requests"),
     )
     p.add_argument(
         "--tokens-per-block",
@@ -149,6 +179,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="running sequences per step " + _d("scheduler.max_num_seqs"),
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens per forward; longer prompts are prefilled in chunks "
+        + _d("scheduler.max_num_batched_tokens"),
     )
     p.add_argument("--max-model-len", type=int, default=None, help="context window cap (tokens)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker")
@@ -311,15 +348,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that print numbers")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
-    bserve = bsub.add_parser("serve", help="TTFT/TPOT: disaggregated vs colocated")
-    _add_model_args(bserve)
-    bserve.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    bserve.add_argument("--prompt-tokens", type=int, default=256)
-    bserve.add_argument("--max-tokens", type=int, default=32)
-    bserve.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
-    bserve.add_argument(
-        "--transfer-backend", choices=["auto", "nixl", "ucx", "tcp"], default="auto"
+    from pdserve.bench import SERVE_DESCRIPTION, add_serve_arguments  # light: no httpx
+
+    bserve = bsub.add_parser(
+        "serve",
+        help="TTFT/ITL/TPOT of an OpenAI server (--url), or pdserve disaggregated vs colocated",
+        description=SERVE_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    add_serve_arguments(bserve)
     btx = bsub.add_parser("transfer", help="KV transfer GB/s per backend vs socket/memcpy")
     btx.add_argument(
         "--sizes-mib", type=float, nargs="+", default=None,
@@ -447,10 +484,9 @@ def _dispatch(args: argparse.Namespace) -> int:
             return 0
         if args.command == "bench":
             from pdserve import bench
-            from pdserve.models import resolve_model
 
             if args.bench_command == "serve":
-                return bench.serve_main(args, resolve_model(args.model, cache_dir=args.cache_dir))
+                return bench.serve_main(args)
             return bench.transfer_main(args)
         if args.command == "doctor":
             from pdserve.doctor import run as run_doctor

@@ -1,0 +1,356 @@
+"""Serving benchmark client: drive an OpenAI-compatible server with a fixed-seed workload.
+
+``pdserve bench serve --url http://HOST:PORT/v1`` loads an already running server (pdserve, vLLM,
+anything that speaks the OpenAI API with the ``ignore_eos`` extension) with synthetic chat
+requests: each prompt is fixed-seed random words that the chat template and tokenizer turn into
+``input_len`` tokens, each request asks for ``output_len`` tokens (streaming, greedy,
+``ignore_eos`` by default so that every request produces exactly that many). A closed loop keeps
+``concurrency`` requests in flight until ``num_requests`` have finished, for each level in turn;
+one warm-up request goes first and is not counted.
+
+Per request (all client-side, ``time.perf_counter``):
+
+- TTFT: seconds from sending the request to the first non-empty content delta.
+- ITL: seconds between consecutive non-empty content deltas (all gaps of all requests pooled).
+- TPOT: ``(e2e - TTFT) / (output_tokens - 1)`` seconds, output tokens from the final ``usage``.
+- e2e: seconds from sending the request to the end of its stream.
+
+Per level: output tokens/s = output tokens of the successful requests / the level's wall time
+(first request sent to last stream ended); errors = failed requests (HTTP status, an error event
+in the stream, a transport error, no content) with the first message. Reports print milliseconds.
+
+This module is benchmark code only: the router and the workers never import it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import re
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class RequestResult:
+    """One request. Times are seconds; ``itl_s`` holds the gaps between content deltas."""
+
+    ok: bool
+    error: str | None = None
+    ttft_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    e2e_s: float | None = None
+    output_tokens: int = 0
+    prompt_tokens: int | None = None
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Seconds per output token after the first: ``(e2e - TTFT) / (output_tokens - 1)``."""
+        if not self.ok or self.output_tokens < 2 or self.e2e_s is None or self.ttft_s is None:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+def failed(t0: float, message: str) -> RequestResult:
+    return RequestResult(ok=False, error=message, e2e_s=time.perf_counter() - t0)
+
+
+def from_stamps(t0: float, stamps: Sequence[float], end: float, output_tokens: int | None = None,
+                prompt_tokens: int | None = None) -> RequestResult:  # fmt: skip
+    """A result from the send time ``t0``, the arrival time of each content delta and the end of
+    the stream (``perf_counter`` seconds). ``output_tokens`` defaults to the number of deltas."""
+    if not stamps:
+        return RequestResult(ok=False, error="no content received", e2e_s=end - t0)
+    return RequestResult(
+        ok=True,
+        ttft_s=stamps[0] - t0,
+        itl_s=[b - a for a, b in zip(stamps, stamps[1:], strict=False)],
+        e2e_s=end - t0,
+        output_tokens=output_tokens if output_tokens is not None else len(stamps),
+        prompt_tokens=prompt_tokens,
+    )
+
+
+def _error_text(err: Any) -> str:
+    if isinstance(err, dict):
+        return str(err.get("message") or err)
+    return str(err)
+
+
+def _body_error(raw: bytes) -> str:
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")[:300]
+    if isinstance(data, dict) and "error" in data:
+        return _error_text(data["error"])
+    if isinstance(data, dict) and "detail" in data:
+        return str(data["detail"])
+    return str(data)[:300]
+
+
+async def stream_openai(client: httpx.AsyncClient, url: str, body: dict[str, Any],
+                        kind: str = "chat") -> RequestResult:  # fmt: skip
+    """POST one streaming request to ``url`` (``.../chat/completions`` for ``kind="chat"``,
+    ``.../completions`` for ``"completions"``) and time its SSE content deltas. Never raises:
+    a failure is a result with ``ok=False``."""
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    usage: dict[str, Any] | None = None
+    try:
+        async with client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                return failed(t0, f"HTTP {r.status_code}: {_body_error(await r.aread())}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("error"):
+                    return failed(t0, _error_text(chunk["error"]))
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                for choice in chunk.get("choices") or []:
+                    text = (
+                        (choice.get("delta") or {}).get("content")
+                        if kind == "chat"
+                        else choice.get("text")
+                    )
+                    if text:
+                        stamps.append(time.perf_counter())
+    except (httpx.HTTPError, ValueError, AttributeError, TypeError) as exc:
+        return failed(t0, f"{type(exc).__name__}: {exc}")
+    end = time.perf_counter()
+    usage = usage or {}
+    return from_stamps(t0, stamps, end, usage.get("completion_tokens"), usage.get("prompt_tokens"))
+
+
+async def run_level(one: Callable[[Any], Awaitable[RequestResult]], items: Sequence[Any],
+                    concurrency: int) -> tuple[list[RequestResult], float]:  # fmt: skip
+    """Closed loop: ``concurrency`` workers each send the next item until all are done. Returns
+    the results (in completion order) and the wall time in seconds."""
+    todo = iter(items)
+    results: list[RequestResult] = []
+
+    async def worker() -> None:
+        for item in todo:
+            results.append(await one(item))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(max(1, min(concurrency, len(items))))))
+    return results, time.perf_counter() - t0
+
+
+# --- synthetic prompts ---------------------------------------------------------------------------
+
+_WORD = re.compile(r"^ ?[A-Za-z]+$")
+
+
+class PromptMaker:
+    """Fixed-seed random prompts whose chat-templated form has ``input_len`` tokens.
+
+    Prompts are random words drawn from the tokenizer's own single-token words, so that the
+    text re-tokenizes (almost always) to the drawn tokens; a few passes trim or pad to the exact
+    count. Each prompt starts differently, so a prefix cache shares only the template's prefix.
+    """
+
+    def __init__(self, tokenizer: Any, seed: int = 0) -> None:
+        self.tok = tokenizer
+        self.rng = random.Random(seed)
+        special = set(getattr(tokenizer, "all_special_ids", []) or [])
+        ids = [i for i in range(len(tokenizer)) if i not in special]
+        texts = tokenizer.batch_decode([[i] for i in ids])
+        words = [i for i, t in zip(ids, texts, strict=True) if _WORD.match(t)]
+        spaced = [
+            i for i, t in zip(ids, texts, strict=True) if _WORD.match(t) and t.startswith(" ")
+        ]
+        self.pool = spaced if len(spaced) >= 1000 else (words or ids)
+
+    def count(self, content: str) -> int:
+        """Tokens of ``content`` as one user message, chat template applied."""
+        text = self.tok.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+        )
+        return len(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    def make(self, input_len: int) -> str:
+        """One prompt; its templated length is ``input_len`` when reachable (at least the
+        template's own length)."""
+        need = max(1, input_len - self.count(""))
+        ids = [self.rng.choice(self.pool) for _ in range(need)]
+        text = self.tok.decode(ids)
+        for _ in range(10):
+            diff = self.count(text) - input_len
+            if diff == 0:
+                break
+            ids = self.tok(text, add_special_tokens=False)["input_ids"]
+            if diff > 0:
+                ids = ids[: max(1, len(ids) - diff)]
+            else:
+                ids = ids + [self.rng.choice(self.pool) for _ in range(-diff)]
+            text = self.tok.decode(ids)
+        return text
+
+
+def load_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+# --- metrics and reports -------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100) with linear interpolation (numpy's default)."""
+    xs = sorted(values)
+    if not xs:
+        return None
+    k = (len(xs) - 1) * q / 100
+    lo = math.floor(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def _stats_ms(values_s: Sequence[float]) -> dict[str, float | None]:
+    """mean and p50/p90/p99 of seconds, in milliseconds (None when empty)."""
+    ms = [v * 1e3 for v in values_s]
+    out: dict[str, float | None] = {"mean": sum(ms) / len(ms) if ms else None}
+    out.update({f"p{q}": percentile(ms, q) for q in PERCENTILES})
+    return out
+
+
+def summarize(results: Sequence[RequestResult], wall_s: float, concurrency: int,
+              expect_output: int | None = None) -> dict[str, Any]:  # fmt: skip
+    """One level's numbers (JSON-ready): counts, ``wall_s`` seconds, output tokens/s, and
+    ``ttft_ms``/``itl_ms``/``tpot_ms``/``e2e_ms`` as mean, p50, p90, p99 in milliseconds.
+    ``expect_output``: count successful requests whose output token count differs from it."""
+    ok = [r for r in results if r.ok]
+    errors = [r for r in results if not r.ok]
+    prompts = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
+    out_tokens = sum(r.output_tokens for r in ok)
+    return {
+        "concurrency": concurrency,
+        "num_requests": len(results),
+        "completed": len(ok),
+        "errors": len(errors),
+        "first_error": errors[0].error if errors else None,
+        "wall_s": wall_s,
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / wall_s if wall_s > 0 else None,
+        "requests_per_s": len(ok) / wall_s if wall_s > 0 else None,
+        "prompt_tokens_mean": sum(prompts) / len(prompts) if prompts else None,
+        "prompt_tokens_min": min(prompts) if prompts else None,
+        "prompt_tokens_max": max(prompts) if prompts else None,
+        "output_tokens_mean": out_tokens / len(ok) if ok else None,
+        "output_len_mismatch": (
+            sum(r.output_tokens != expect_output for r in ok) if expect_output is not None else None
+        ),
+        "ttft_ms": _stats_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "itl_ms": _stats_ms([g for r in ok for g in r.itl_s]),
+        "tpot_ms": _stats_ms([t for r in ok if (t := r.tpot_s) is not None]),
+        "e2e_ms": _stats_ms([r.e2e_s for r in ok if r.e2e_s is not None]),
+    }
+
+
+def _f(v: float | None, width: int = 9, digits: int = 1) -> str:
+    return f"{'-':>{width}}" if v is None else f"{v:>{width}.{digits}f}"
+
+
+def format_level(lv: dict[str, Any], label: str | None = None) -> str:
+    """A readable block for one level: counts, throughput, then one row per metric (ms)."""
+    head = (f"{label + ': ' if label else ''}concurrency {lv['concurrency']}: "
+            f"{lv['completed']}/{lv['num_requests']} ok, {lv['errors']} errors, "
+            f"wall {lv['wall_s']:.1f} s, {_f(lv['output_tokens_per_s'], 0)} output tok/s, "
+            f"{_f(lv['requests_per_s'], 0, 2)} req/s")  # fmt: skip
+    lines = [head]
+    if lv["prompt_tokens_mean"] is not None:
+        lines.append(f"  prompt tokens: mean {lv['prompt_tokens_mean']:.1f}, "
+                     f"min {lv['prompt_tokens_min']}, max {lv['prompt_tokens_max']}; "
+                     f"output tokens mean {_f(lv['output_tokens_mean'], 0)}")  # fmt: skip
+    if lv.get("output_len_mismatch"):
+        lines.append(
+            f"  WARNING: {lv['output_len_mismatch']} requests did not produce output-len tokens"
+        )
+    if lv["first_error"]:
+        lines.append(f"  first error: {lv['first_error']}")
+    lines.append(f"  {'ms':<6}" + "".join(f"{h:>9}" for h in ("mean", "p50", "p90", "p99")))
+    for name in ("ttft", "itl", "tpot", "e2e"):
+        s = lv[f"{name}_ms"]
+        lines.append(
+            f"  {name.upper():<6}" + "".join(_f(s[k]) for k in ("mean", "p50", "p90", "p99"))
+        )
+    return "\n".join(lines)
+
+
+def format_summary(levels: Sequence[dict[str, Any]], label: str | None = None,
+                   header: bool = True) -> str:  # fmt: skip
+    """One row per level: concurrency, requests, errors, output tok/s, TTFT/ITL/TPOT p50/p90/p99."""
+    cols = [f"{m} {p}" for m in ("TTFT", "ITL", "TPOT") for p in ("p50", "p90", "p99")]
+    lines = [f"{'label':<14} {'conc':>4} {'reqs':>5} {'err':>4} {'tok/s':>7} "
+             + " ".join(f"{c:>9}" for c in cols) + "   (ms)"][: int(header)]  # fmt: skip
+    for lv in levels:
+        vals = [lv[f"{m}_ms"][f"p{p}"] for m in ("ttft", "itl", "tpot") for p in PERCENTILES]
+        lines.append(f"{(label or '-')[:14]:<14} {lv['concurrency']:>4} {lv['num_requests']:>5} "
+                     f"{lv['errors']:>4} {_f(lv['output_tokens_per_s'], 7)} "
+                     + " ".join(_f(v) for v in vals))  # fmt: skip
+    return "\n".join(lines)
+
+
+def write_json(path: Path, report: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+# --- the chat workload ----------------------------------------------------------------------------
+
+
+def base_url(url: str) -> str:
+    """``http://host:port`` or ``http://host:port/v1`` -> ``http://host:port/v1``."""
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def default_num_requests(concurrency: int) -> int:
+    return max(16, 4 * concurrency)
+
+
+def chat_body(model: str, prompt: str, output_len: int, ignore_eos: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": output_len,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+async def served_model(client: httpx.AsyncClient, base: str) -> str:
+    """The first model id of ``GET {base}/models``."""
+    r = await client.get(f"{base}/models")
+    r.raise_for_status()
+    return str(r.json()["data"][0]["id"])
+
+
+def default_tokenizer(model: str | None, cache_dir: Path | None = None) -> Path:
+    """``model`` when it is a local folder, else the converted SmolLM2 folder in the cache."""
+    from pdserve.config import DEFAULT_MODEL, default_cache_dir
+
+    if model and Path(model).expanduser().is_dir():
+        return Path(model).expanduser()
+    return Path(cache_dir or default_cache_dir()) / DEFAULT_MODEL

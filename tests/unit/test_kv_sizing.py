@@ -1,0 +1,87 @@
+"""KV pool sizing: explicit sizes win; otherwise a share of the machine, split by `pdserve up`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pdserve import launcher
+from pdserve.config import PdserveConfig
+from pdserve.protocol import KVLayout
+from pdserve.workers import kv_sizing
+from pdserve.workers.kv_sizing import cuda_kv_budget, pool_size
+
+# SmolLM2's shape: 30 layers x 2 x 16 tokens x 3 heads x 64 x 4 bytes = 737,280 bytes a block
+LAYOUT = KVLayout(
+    model="m", num_layers=30, num_kv_heads=3, head_dim=64, tokens_per_block=16, dtype="float32"
+)
+BLOCK = 737_280
+GIB = 2**30
+
+
+def test_explicit_block_count_then_bytes_win_over_the_machine() -> None:
+    size = pool_size(
+        LAYOUT, num_blocks=7, kv_cache_bytes=10 * BLOCK, device="cpu", memory_fraction=0.5
+    )
+    assert size.num_blocks == 7
+    size = pool_size(
+        LAYOUT, num_blocks=None, kv_cache_bytes=10 * BLOCK + 5, device="cpu", memory_fraction=0.5
+    )
+    assert size.num_blocks == 10
+
+
+def test_cpu_default_is_a_share_of_available_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kv_sizing, "available_host_memory", lambda: 8 * GIB)
+    size = pool_size(
+        LAYOUT, num_blocks=None, kv_cache_bytes=None, device="cpu", memory_fraction=0.25
+    )
+    assert size.num_blocks == 2 * GIB // BLOCK
+    assert "25% of 8.0 GiB available host memory" in size.source
+
+
+def test_cuda_default_uses_the_profiled_budget() -> None:
+    assert cuda_kv_budget(total=80 * GIB, in_use=2 * GIB, peak_step=GIB, utilization=0.9) == int(
+        72 * GIB - 3 * GIB
+    )
+    assert cuda_kv_budget(total=GIB, in_use=GIB, peak_step=GIB, utilization=0.5) == 0
+    size = pool_size(
+        LAYOUT,
+        num_blocks=None,
+        kv_cache_bytes=None,
+        device="cuda:0",
+        memory_fraction=0.25,
+        auto_bytes=100 * BLOCK,
+    )
+    assert size.num_blocks == 100 and size.source == "gpu_memory_utilization"
+
+
+def test_available_memory_is_capped_by_the_cgroup_limit(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    (tmp_path / "memory.max").write_text(f"{3 * GIB}\n")
+    (tmp_path / "memory.current").write_text(f"{GIB}\n")
+    monkeypatch.setattr(kv_sizing, "_CGROUP_LIMITS", (tmp_path / "memory.max",))
+    monkeypatch.setattr(kv_sizing, "_CGROUP_USAGE", (tmp_path / "memory.current",))
+    assert kv_sizing.available_host_memory() <= 2 * GIB
+    (tmp_path / "memory.max").write_text("max\n")  # no limit: the host's MemAvailable
+    assert kv_sizing.available_host_memory() > 0
+
+
+def test_up_splits_the_measured_share_between_its_workers(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(launcher, "available_host_memory", lambda: 16 * GIB)
+    cfg = PdserveConfig()
+    kv = launcher.split_kv_cache(cfg, n_workers=2)
+    assert kv.budget_mb == 16 * 1024 // 4 // 2
+    assert "25% of 16.0 GiB available host memory, 2048 MiB for each of 2 workers" in (
+        capsys.readouterr().err
+    )
+    explicit = cfg.model_copy(
+        update={"kv_cache": cfg.kv_cache.model_copy(update={"budget_mb": 64})}
+    )
+    assert launcher.split_kv_cache(explicit, n_workers=2).budget_mb == 64
+    cuda = cfg.model_copy(update={"model": cfg.model.model_copy(update={"device": "cuda"})})
+    split = launcher.split_kv_cache(cuda, n_workers=2)
+    assert split.budget_mb is None and split.gpu_memory_utilization == pytest.approx(0.45)
