@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -112,6 +113,18 @@ def all_registered(ready: dict[str, Any], expected: tuple[int, int]) -> bool:
     return len(ready["prefill"]) >= expected[0] and len(ready["decode"]) >= expected[1]
 
 
+def _port_taken(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound now (the OS error text), or None when it can."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
+
+
 def _wait_ready(
     url: str,
     expected: tuple[int, int],
@@ -176,6 +189,16 @@ def run_up(
         nonlocal stopping
         stopping = True
 
+    taken = _port_taken(cfg.router.host, cfg.router.port)
+    if taken:
+        # Checked first: the stack holding the port would answer our /ready and we would
+        # report "ready" for a router that could not start.
+        print(
+            f"pdserve: cannot serve on {cfg.router.host}:{cfg.router.port}: {taken} (another "
+            "pdserve up?). Stop it or pick another port with --port.",
+            file=sys.stderr,
+        )
+        return 1
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
     with tempfile.TemporaryDirectory(prefix="pdserve-up-") as tmp:

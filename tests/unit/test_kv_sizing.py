@@ -1,4 +1,4 @@
-"""KV pool sizing: explicit sizes win; otherwise a share of the machine, split by `pdserve up`."""
+"""KV pool sizing: explicit sizes win; otherwise a share of the machine."""
 
 from __future__ import annotations
 
@@ -6,8 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from pdserve import launcher
-from pdserve.config import PdserveConfig
 from pdserve.protocol import KVLayout
 from pdserve.workers import kv_sizing
 from pdserve.workers.kv_sizing import cuda_kv_budget, pool_size
@@ -66,22 +64,3 @@ def test_available_memory_is_capped_by_the_cgroup_limit(
     assert kv_sizing.available_host_memory() <= 2 * GIB
     (tmp_path / "memory.max").write_text("max\n")  # no limit: the host's MemAvailable
     assert kv_sizing.available_host_memory() > 0
-
-
-def test_up_splits_the_measured_share_between_its_workers(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.setattr(launcher, "available_host_memory", lambda: 16 * GIB)
-    cfg = PdserveConfig()
-    kv = launcher.split_kv_cache(cfg, n_workers=2)
-    assert kv.budget_mb == 16 * 1024 // 4 // 2
-    assert "25% of 16.0 GiB available host memory, 2048 MiB for each of 2 workers" in (
-        capsys.readouterr().err
-    )
-    explicit = cfg.model_copy(
-        update={"kv_cache": cfg.kv_cache.model_copy(update={"budget_mb": 64})}
-    )
-    assert launcher.split_kv_cache(explicit, n_workers=2).budget_mb == 64
-    cuda = cfg.model_copy(update={"model": cfg.model.model_copy(update={"device": "cuda"})})
-    split = launcher.split_kv_cache(cuda, n_workers=2)
-    assert split.budget_mb is None and split.gpu_memory_utilization == pytest.approx(0.45)
