@@ -77,7 +77,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument(
         "--output-len", "--max-tokens", dest="output_len", type=int, default=64,
-        help="output tokens per request, sent as max_tokens (default: 64)",
+        help="output tokens per request, sent as max_tokens (default: 64); 0 sends no "
+        "max_tokens, as a plain chat client does (give --no-ignore-eos with it)",
     )  # fmt: skip
     p.add_argument(
         "--concurrency", type=int, nargs="+", default=[1, 8],
@@ -173,7 +174,7 @@ async def _levels(args: argparse.Namespace, one: Callable[[Any], Awaitable[Any]]
         if not w.ok:
             raise RuntimeError(f"warm-up request failed: {w.error}")
     out = []
-    expect = args.output_len if args.ignore_eos else None
+    expect = args.output_len if args.ignore_eos and args.output_len > 0 else None
     for c, items in zip(args.concurrency, prompts, strict=True):
         results, wall = await run_level(one, items, c)
         out.append(summarize(results, wall, c, expect_output=expect))

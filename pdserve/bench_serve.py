@@ -327,14 +327,16 @@ def default_num_requests(concurrency: int) -> int:
 
 
 def chat_body(model: str, prompt: str, output_len: int, ignore_eos: bool) -> dict[str, Any]:
+    """A streaming greedy chat request; ``output_len <= 0`` sends no ``max_tokens``."""
     body: dict[str, Any] = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": output_len,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if output_len > 0:
+        body["max_tokens"] = output_len
     if ignore_eos:
         body["ignore_eos"] = True
     return body

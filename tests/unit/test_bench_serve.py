@@ -346,3 +346,9 @@ def test_defaults_and_old_option_names() -> None:
     )  # fmt: skip
     assert (old.input_len, old.output_len, old.num_requests) == (128, 16, 4)
     assert old.concurrency == [1, 8, 32] and old.url is None
+
+
+def test_output_len_zero_sends_no_max_tokens_like_a_plain_chat_client() -> None:
+    body = bs.chat_body("m", "hi", 0, ignore_eos=False)
+    assert "max_tokens" not in body and "ignore_eos" not in body
+    assert bs.chat_body("m", "hi", 8, ignore_eos=True)["max_tokens"] == 8
