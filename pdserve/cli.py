@@ -72,6 +72,7 @@ FLAG_PATHS: dict[str, str] = {
     "dtype": "model.dtype",
     "device": "model.device",
     "max_model_len": "model.max_model_len",
+    "compile": "model.compile",
     "kv_dtype": "kv_cache.dtype",
     "kv_cache_mb": "kv_cache.budget_mb",
     "kv_memory_fraction": "kv_cache.memory_fraction",
@@ -189,6 +190,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-model-len", type=int, default=None, help="context window cap (tokens)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="CPU: oneDNN-prepacked weights and a torch.compile'd forward, compiled at start-up; "
+        "--no-compile runs transformers' eager forward " + _d("model.compile"),
+    )
 
 
 def _add_lease_arg(p: argparse.ArgumentParser) -> None:

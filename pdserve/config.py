@@ -64,6 +64,12 @@ class EngineConfig(_Cfg):
         "from CUDA graphs (batch padded to 1, 2, 4, ... sequences); prefill and mixed steps "
         "run eagerly; no effect on CPU",
     )
+    compile: bool = Field(
+        default=True,
+        description="CPU: prepack linear weights for oneDNN and run the forward through "
+        "torch.compile, compiled at start-up (pdserve.workers.compile); False: transformers' "
+        "eager forward; no effect on CUDA",
+    )
 
     @property
     def cache_dtype(self) -> str:
@@ -158,6 +164,12 @@ class ModelSettings(_Section):
     device: str = Field(default="cpu", description="'cpu', 'cuda' or 'cuda:N'")
     max_model_len: int | None = Field(
         default=None, gt=0, description="context window cap in tokens; default: the model's"
+    )
+    compile: bool = Field(
+        default=True,
+        description="CPU: oneDNN-prepacked weights + torch.compile'd forward, compiled at "
+        "start-up (tens of seconds the first time, seconds from inductor's disk cache); "
+        "false: eager transformers forward. No effect on CUDA",
     )
 
     @field_validator("device")
@@ -536,6 +548,7 @@ def worker_config(cfg: PdserveConfig, role: str, model_path: Path) -> WorkerConf
             max_model_len=cfg.model.max_model_len,
             num_threads=sched.threads,
             cuda_graphs=sched.cuda_graphs,
+            compile=cfg.model.compile,
         ),
         transfer=TransferConfig(
             backend=tx.backend,

@@ -22,7 +22,14 @@ the attention function). Per layer the function
 2. computes causal attention of each sequence's queries over its cached K/V: one batched SDPA for
    all decode tokens (block tables gathered, padded, masked), one SDPA per prefill chunk (on the
    fresh K/V when the chunk is the whole prompt, else on the gathered cache with a bottom-right
-   aligned causal mask). GQA uses SDPA's ``enable_gqa``.
+   aligned causal mask). GQA uses SDPA's ``enable_gqa``. Gathered K/V land in the step's
+   ``workspace`` when the runner provides one (no fresh multi-MiB tensor per layer).
+
+The compiled forward (:mod:`pdserve.workers.compile`) cannot pass the metadata through a traced
+graph, so it binds it to the thread with :func:`bind_metadata` and calls the forward without the
+kwarg; the attention function then calls the same computation as the opaque custom op
+``torch.ops.pdserve.paged_attention`` (vLLM's ``unified_attention`` pattern), which inductor
+leaves as an extern call between the compiled pieces of each layer.
 
 Requirements on the model: attention modules carry ``layer_idx`` (the pool layer they use) and
 pass ``**kwargs`` to the attention function, as transformers' Llama-family models do; all layers
@@ -31,6 +38,9 @@ are full causal attention (the model runner refuses sliding-window layer types).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +79,11 @@ class PagedAttentionMetadata:
     - ``write_rows``: ``[T]`` long or None; when set, token ``i`` writes the K/V of token
       ``write_rows[i]`` (CUDA-graph padding: padded rows repeat row 0's slot and write row 0's
       K/V, so duplicate slots receive identical bytes).
+    - ``workspace``: flat, pool dtype and device, or None; when set, the K/V gathered from the
+      pool (decode rows, continued chunks) are copied into it instead of into fresh tensors, and
+      it must hold :func:`workspace_numel` elements. On CPU a fresh multi-MiB tensor per layer
+      is mapped and page-faulted anew by the allocator, which costs more than the copy itself
+      (decode at batch 32 and 300 tokens of context: ~2.5x slower step without it).
     """
 
     pool: torch.Tensor
@@ -80,15 +95,38 @@ class PagedAttentionMetadata:
     decode_ctx_len: int
     prefill: tuple[PrefillChunk, ...]
     write_rows: torch.Tensor | None = None
+    workspace: torch.Tensor | None = None
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor, kv: int) -> torch.Tensor:
+def workspace_numel(
+    decode_blocks: int, chunk_blocks: int, tokens_per_block: int, kv_heads: int, head_dim: int
+) -> int:
+    """Elements :attr:`PagedAttentionMetadata.workspace` needs: K and V of the larger of the
+    decode gather (``decode_blocks`` = rows x table width) and the largest continued chunk's
+    table (``chunk_blocks``). One layer's gathers are consumed before the next one's, so one
+    workspace serves every layer of the step::
+
+        workspace: | K of n blocks | V of n blocks | (rest unused)
+    """
+    return 2 * max(decode_blocks, chunk_blocks) * tokens_per_block * kv_heads * head_dim
+
+
+def _gather(
+    cache: torch.Tensor, block_ids: torch.Tensor, kv: int, workspace: torch.Tensor | None
+) -> torch.Tensor:
     """K (``kv=0``) or V (``kv=1``) of ``block_ids`` (``[nb]`` or ``[B, nb]``) from one layer's
     cache ``[num_blocks, 2, tpb, kvh, hd]`` -> ``[(B,) kvh, nb * tpb, hd]`` (head-major view for
-    SDPA). ``index_select`` rather than advanced indexing: the latter is an order of magnitude
-    slower on CPU for these small gathers when torch runs more than one thread."""
+    SDPA), copied into ``workspace`` (K in its first half, V after it) when given, else into a
+    fresh tensor. ``index_select`` rather than advanced indexing: the latter is an order of
+    magnitude slower on CPU for these small gathers when torch runs more than one thread."""
     tpb, kvh, hd = cache.shape[2:]
-    blocks = cache[:, kv].index_select(0, block_ids.reshape(-1))  # [B * nb, tpb, kvh, hd], a copy
+    ids = block_ids.reshape(-1)
+    if workspace is None:
+        blocks = cache[:, kv].index_select(0, ids)  # [B * nb, tpb, kvh, hd], a copy
+    else:
+        n = ids.numel() * tpb * kvh * hd
+        blocks = workspace[kv * n : (kv + 1) * n].view(ids.numel(), tpb, kvh, hd)
+        torch.index_select(cache[:, kv], 0, ids, out=blocks)
     flat = blocks.view(*block_ids.shape[:-1], block_ids.shape[-1] * tpb, kvh, hd)
     return flat.transpose(-3, -2)
 
@@ -107,12 +145,31 @@ def paged_attention_forward(
 
     ``query`` ``[1, H, T, hd]``, ``key``/``value`` ``[1, kvh, T, hd]`` (batch 1, ``T`` flattened
     step tokens, keys after RoPE). Returns ``([1, T, H, hd], None)``. ``attention_mask`` is
-    ignored (the mask function returns None); the metadata comes from
-    ``kwargs["paged_attention_metadata"]``. Raises ``KeyError`` when a forward runs without it.
+    ignored (the mask function returns None). The metadata comes from
+    ``kwargs["paged_attention_metadata"]`` (eager forwards, CUDA graphs) or, when that kwarg is
+    absent, from :func:`bind_metadata` through the opaque op ``torch.ops.pdserve.paged_attention``
+    (the compiled forward of :mod:`pdserve.workers.compile`). Raises ``KeyError`` when a forward
+    runs with neither.
     """
-    meta = kwargs[METADATA_KWARG]
+    meta = kwargs.get(METADATA_KWARG)
+    if meta is None:  # compiled forward: one opaque op per layer, metadata bound to the step
+        layer = torch.ops.pdserve.paged_attention(query, key, value, module.layer_idx, scaling)
+        return layer, None
     assert isinstance(meta, PagedAttentionMetadata)
-    cache = meta.pool[module.layer_idx]  # [num_blocks, 2, tpb, kvh, hd]
+    return paged_attention(meta, module.layer_idx, query, key, value, scaling), None
+
+
+def paged_attention(
+    meta: PagedAttentionMetadata,
+    layer_idx: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+) -> torch.Tensor:
+    """The paged attention of one layer (steps 1 and 2 of the module docstring): writes the
+    step's K/V into ``meta.pool[layer_idx]`` and returns ``[1, T, H, hd]`` (a view)."""
+    cache = meta.pool[layer_idx]  # [num_blocks, 2, tpb, kvh, hd]
     flat_cache = cache.view(-1, cache.shape[-2], cache.shape[-1])
     k_tok = key[0].transpose(0, 1)  # [T, kvh, hd]
     v_tok = value[0].transpose(0, 1)
@@ -128,8 +185,8 @@ def paged_attention_forward(
     if nd:
         assert meta.decode_block_tables is not None
         q = query[0, :, :nd].transpose(0, 1).unsqueeze(2)  # [nd, H, 1, hd]
-        k = _gather(cache, meta.decode_block_tables, 0)  # [nd, kvh, L, hd]
-        v = _gather(cache, meta.decode_block_tables, 1)
+        k = _gather(cache, meta.decode_block_tables, 0, meta.workspace)  # [nd, kvh, L, hd]
+        v = _gather(cache, meta.decode_block_tables, 1, meta.workspace)
         if meta.decode_mask is None:
             k, v = k[:, :, : meta.decode_ctx_len], v[:, :, : meta.decode_ctx_len]
         out = F.scaled_dot_product_attention(
@@ -150,8 +207,10 @@ def paged_attention_forward(
                 q, k, v, is_causal=True, scale=scaling, enable_gqa=True
             )
         else:  # continued chunk: earlier chunks' K/V come from the cache
-            k = _gather(cache, chunk.block_ids, 0)[:, : chunk.ctx_len].unsqueeze(0)
-            v = _gather(cache, chunk.block_ids, 1)[:, : chunk.ctx_len].unsqueeze(0)
+            # (the workspace is free again: the decode rows' attention is computed)
+            k = _gather(cache, chunk.block_ids, 0, meta.workspace)[:, : chunk.ctx_len]
+            v = _gather(cache, chunk.block_ids, 1, meta.workspace)[:, : chunk.ctx_len]
+            k, v = k.unsqueeze(0), v.unsqueeze(0)
             out = F.scaled_dot_product_attention(
                 q,
                 k.to(q.dtype),
@@ -163,7 +222,61 @@ def paged_attention_forward(
         parts.append(out[0].transpose(0, 1))  # [q_len, H, hd]
     attn = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     assert attn.shape[0] == num_tokens
-    return attn.unsqueeze(0), None
+    return attn.unsqueeze(0)
+
+
+# The metadata of the step running on this thread, for the compiled forward: a traced graph takes
+# tensors, not the step's Python structure (chunk lists, block tables of varying width), so the
+# attention op reads it from here, as vLLM's attention op reads its forward context.
+_BOUND_METADATA: ContextVar[PagedAttentionMetadata | None] = ContextVar(
+    "pdserve_paged_attention_metadata", default=None
+)
+
+
+@contextmanager
+def bind_metadata(meta: PagedAttentionMetadata) -> Iterator[None]:
+    """Make ``meta`` the metadata of ``torch.ops.pdserve.paged_attention`` calls made in this
+    context (this thread or task) until the block exits; nests and restores."""
+    token = _BOUND_METADATA.set(meta)
+    try:
+        yield
+    finally:
+        _BOUND_METADATA.reset(token)
+
+
+@torch.library.custom_op(
+    "pdserve::paged_attention",
+    mutates_args=(),
+    schema="(Tensor query, Tensor key, Tensor value, int layer_idx, float? scaling) -> Tensor",
+)
+def _paged_attention_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer_idx: int,
+    scaling: float | None,
+) -> torch.Tensor:
+    """:func:`paged_attention` as one opaque op for ``torch.compile`` (after vLLM's
+    ``unified_attention`` op): the compiled graph keeps it as an extern call, so the Python
+    loops over chunks and the data-dependent metadata stay out of the graph. It writes the
+    bound pool in place (a side effect the schema does not name: the op's result is always
+    used, so it is never dropped or reordered past its consumers). Returns a contiguous
+    ``[1, T, H, hd]``. Raises ``KeyError`` outside :func:`bind_metadata`."""
+    meta = _BOUND_METADATA.get()
+    if meta is None:
+        raise KeyError(f"{METADATA_KWARG}: no metadata bound to this forward")
+    return paged_attention(meta, layer_idx, query, key, value, scaling).contiguous()
+
+
+@_paged_attention_op.register_fake
+def _paged_attention_fake(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer_idx: int,
+    scaling: float | None,
+) -> torch.Tensor:
+    return query.new_empty((1, query.shape[2], query.shape[1], query.shape[3]))
 
 
 def _no_mask(*args: object, **kwargs: object) -> None:

@@ -4,13 +4,17 @@ It turns a :class:`ScheduledBatch` into flattened (varlen, batch 1) model inputs
 ``position_ids`` and the :class:`PagedAttentionMetadata` of the step, runs one forward pass, and
 projects only the rows that sample through the LM head (transformers' ``logits_to_keep`` with an
 index tensor), as vLLM's Transformers backend does. Any decoder whose attention goes through
-transformers' ``AttentionInterface`` and passes ``**kwargs`` down to it runs here. On CUDA (with
+transformers' ``AttentionInterface`` and passes ``**kwargs`` down to it runs here. On CPU (with
+``EngineConfig.compile``, the default) the forward runs oneDNN-prepacked linears through one
+``torch.compile`` graph compiled at start-up (:mod:`pdserve.workers.compile`); with
+``compile=False``, and when compiling fails, transformers' eager forward. On CUDA (with
 ``EngineConfig.cuda_graphs``) decode-only steps replay CUDA graphs instead
 (:mod:`pdserve.workers.cuda_graphs`).
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -23,18 +27,23 @@ from pdserve.workers.attention import (
     PrefillChunk,
     bottom_right_causal_mask,
     register_paged_attention,
+    workspace_numel,
 )
+from pdserve.workers.compile import CompiledForward
 from pdserve.workers.cuda_graphs import DecodeGraphs
 from pdserve.workers.kv_cache import KVCacheManager
 from pdserve.workers.scheduler import ScheduledBatch
+
+log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class ModelRunner:
     """Owns the model. ``num_layers``, ``num_kv_heads``, ``head_dim``, ``vocab_size`` and
-    ``max_position_embeddings`` describe it for the KV layout. Not thread-safe: run steps from
-    one thread (the engine thread)."""
+    ``max_position_embeddings`` describe it for the KV layout. ``compiled`` is the compiled
+    forward (None: eager), compiled in the constructor (``compiled.compile_s`` seconds, logged).
+    Not thread-safe: run steps from one thread (the engine thread)."""
 
     def __init__(self, cfg: EngineConfig):
         from transformers import AutoModelForCausalLM
@@ -71,19 +80,40 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if cfg.cuda_graphs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(self.model, self.device, max_num_seqs=cfg.max_num_seqs)
+        self._workspace: torch.Tensor | None = None  # PagedAttentionMetadata.workspace
+        self.compiled: CompiledForward | None = None
+        if cfg.compile and self.device.type == "cpu":
+            self.compiled = self._compile()
+
+    def _compile(self) -> CompiledForward | None:
+        """Prepack and compile now (start-up), or None (eager) when that fails."""
+        try:
+            compiled = CompiledForward(self.model, self.device, self.dtype)
+            compiled.warm_up(self.num_layers, self.num_kv_heads, self.head_dim)
+        except Exception:
+            log.exception("compiling the model forward failed; running it eagerly")
+            return None
+        return compiled
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, kv_cache: KVCacheManager) -> torch.Tensor:
         """Run ``batch`` (its blocks already allocated by ``prepare_resources``): writes the
         step's K/V into the pool and returns float32 logits ``[len(batch.sampling), vocab]``, one
-        row per sampling sequence in ``batch.sampling`` order. Decode-only steps go through
-        :attr:`graphs` when set (CUDA graphs); other steps, and shapes that cannot be captured,
-        run eagerly."""
+        row per sampling sequence in ``batch.sampling`` order. Steps run through
+        :attr:`compiled` when set (CPU); decode-only steps through :attr:`graphs` when set (CUDA
+        graphs); other steps, and shapes that cannot be captured, run eagerly. A compiled step
+        that raises is logged and run eagerly, and the runner stays eager from then on."""
         if self.graphs is not None:
             logits = self.graphs.run(batch, kv_cache)
             if logits is not None:
                 return logits
         ids, positions, meta, keep = self.prepare_inputs(batch, kv_cache)
+        if self.compiled is not None:
+            try:
+                return self.compiled(ids, positions, keep, meta).float()
+            except Exception:
+                log.exception("compiled forward failed; running eagerly from now on")
+                self.compiled = None
         out = self.model(
             input_ids=ids.unsqueeze(0),
             position_ids=positions.unsqueeze(0),
@@ -169,6 +199,14 @@ class ModelRunner:
                 mask = torch.arange(width * tpb, device=dev)[None, :] < ctx[:, None]
                 mask = mask[:, None, None, :]
         k_slots = k_slots.to(dev)
+        chunk_blocks = max((len(c.block_ids) for c in chunks if c.mask is not None), default=0)
+        need = workspace_numel(
+            nd * (tables_t.shape[1] if tables_t is not None else 0),
+            chunk_blocks,
+            tpb,
+            self.num_kv_heads,
+            self.head_dim,
+        )
         return PagedAttentionMetadata(
             pool=kv_cache.pool,
             k_slots=k_slots,
@@ -187,4 +225,20 @@ class ModelRunner:
                 )
                 for c in chunks
             ),
+            workspace=self._workspace_for(kv_cache.pool, need) if need else None,
         )
+
+    def _workspace_for(self, pool: torch.Tensor, numel: int) -> torch.Tensor:
+        """The attention gather workspace (:attr:`PagedAttentionMetadata.workspace`): at least
+        ``numel`` elements of the pool's dtype. It grows by doubling (contexts grow a block at a
+        time, each growth is a fresh, page-faulting allocation) and keeps its largest size: at
+        most twice the largest step's K/V gathers, which eager attention used to allocate anew in
+        every layer."""
+        ws = self._workspace
+        if ws is None or ws.dtype != pool.dtype or ws.device != pool.device:
+            ws = None
+        if ws is None or ws.numel() < numel:
+            size = max(numel, 2 * ws.numel() if ws is not None else 0)
+            self._workspace = None  # release the old one first
+            ws = self._workspace = torch.empty(size, dtype=pool.dtype, device=pool.device)
+        return ws
