@@ -105,6 +105,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--transfer-backend", choices=["auto", "nixl", "ucx", "tcp"], default="auto",
         help="without --url: KV transfer backend of the started stack (default: auto)",
     )  # fmt: skip
+    p.add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, default=True,
+        help="without --url: run the started workers' forward compiled (default) or eager",
+    )  # fmt: skip
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -329,6 +333,7 @@ def compare_main(args: argparse.Namespace, model_path: Path) -> int:
     half = str(max(1, cores // 2))
     logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
     common = ["--model", str(model_path), "--served-model-name", name]
+    engine = ["--compile" if args.compile else "--no-compile"]
     rng = random.Random(args.seed)
     warm = _token_prompts(rng, args.warmup, args.input_len)
     prompts = [_token_prompts(rng, n, args.input_len) for n in _counts(args)]
@@ -352,7 +357,7 @@ def compare_main(args: argparse.Namespace, model_path: Path) -> int:
     url = f"http://127.0.0.1:{port}"
     procs = [_spawn(["router", *common, "--port", str(port)], logs / "router.log")]
     for role in ("prefill", "decode"):
-        procs.append(_spawn([role, *common, "--discovery", url, "--threads", half,
+        procs.append(_spawn([role, *common, *engine, "--discovery", url, "--threads", half,
                              "--transfer-backend", args.transfer_backend, "--ucx-devices", "lo"],
                             logs / f"{role}.log"))  # fmt: skip
     try:
@@ -365,7 +370,7 @@ def compare_main(args: argparse.Namespace, model_path: Path) -> int:
     coloc = f"http://127.0.0.1:{port}"
     procs = [
         _spawn(["router", *common, "--port", str(reg)], logs / "router2.log"),
-        _spawn(["colocated", *common, "--port", str(port), "--discovery",
+        _spawn(["colocated", *common, *engine, "--port", str(port), "--discovery",
                 f"http://127.0.0.1:{reg}", "--threads", str(cores)], logs / "colocated.log"),
     ]  # fmt: skip
     try:
