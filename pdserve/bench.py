@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -89,6 +90,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="requests per concurrency level (default: max(16, 4 x concurrency))",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    p.add_argument(
+        "--prompt-file", default=None, metavar="FILE",
+        help="with --url: user messages, one per line, used in turn instead of synthetic "
+        "prompts (--input-len is then ignored), e.g. docs/bench/chat-questions.txt",
+    )  # fmt: skip
     p.add_argument(
         "--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
         help="send ignore_eos so every request produces exactly --output-len tokens (default: on)",
@@ -202,9 +208,18 @@ def url_main(args: argparse.Namespace) -> int:
               "model folder) or run `pdserve model prepare`", file=sys.stderr)  # fmt: skip
         return 2
     started = _now()
-    maker = bs.PromptMaker(bs.load_tokenizer(tok_path), args.seed)
-    warm = [maker.make(args.input_len) for _ in range(args.warmup)]
-    prompts = [[maker.make(args.input_len) for _ in range(n)] for n in _counts(args)]
+    if args.prompt_file:
+        lines = [x.strip() for x in Path(args.prompt_file).read_text().splitlines() if x.strip()]
+        if not lines:
+            print(f"bench serve: {args.prompt_file} holds no prompt", file=sys.stderr)
+            return 2
+        pool = itertools.cycle(lines)
+        warm = [next(pool) for _ in range(args.warmup)]
+        prompts = [[next(pool) for _ in range(n)] for n in _counts(args)]
+    else:
+        maker = bs.PromptMaker(bs.load_tokenizer(tok_path), args.seed)
+        warm = [maker.make(args.input_len) for _ in range(args.warmup)]
+        prompts = [[maker.make(args.input_len) for _ in range(n)] for n in _counts(args)]
     print(f"bench serve{' ' + args.label if args.label else ''}: {base}, chat, input {args.input_len} tokens, output "
           f"{args.output_len} tokens, ignore_eos {args.ignore_eos}, seed {args.seed}", flush=True)  # fmt: skip
 

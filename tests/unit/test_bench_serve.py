@@ -352,3 +352,21 @@ def test_output_len_zero_sends_no_max_tokens_like_a_plain_chat_client() -> None:
     body = bs.chat_body("m", "hi", 0, ignore_eos=False)
     assert "max_tokens" not in body and "ignore_eos" not in body
     assert bs.chat_body("m", "hi", 8, ignore_eos=True)["max_tokens"] == 8
+
+
+def test_a_prompt_file_supplies_the_user_messages_in_turn(
+    tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    questions = tmp_path / "q.txt"
+    questions.write_text("What is 1 + 1?\n\nName a colour.\n")
+    app, seen = fake_app()
+    with ThreadServer(app) as url:
+        rc = _run_cli(url, tokenizer_dir, tmp_path / "r.json", "--concurrency", "1",
+                      "--num-requests", "3", "--warmup", "0",
+                      "--prompt-file", str(questions))  # fmt: skip
+    assert rc == 0
+    assert [body["messages"][0]["content"] for body in seen] == [
+        "What is 1 + 1?",
+        "Name a colour.",
+        "What is 1 + 1?",
+    ]
