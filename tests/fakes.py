@@ -86,6 +86,23 @@ def layout(
     )
 
 
+def fake_handle(worker_id: str, req: ContextRequest, kv_layout: KVLayout) -> TransferHandle:
+    """A transfer handle a fake prefill worker returns for ``req`` (epoch 7, block 0, a 30 s
+    lease, a TCP endpoint nobody listens on)."""
+    return TransferHandle(
+        worker_id=worker_id,
+        epoch=7,
+        request_id=req.request_id,
+        lease_id=f"lease-{req.request_id}",
+        block_ids=(0,),
+        num_tokens=len(req.prompt_token_ids),
+        lease_deadline=time.time() + 30,
+        layout=kv_layout,
+        backend="tcp",
+        transfer_endpoint="127.0.0.1:1",
+    )
+
+
 class FakeWatcher:
     """Discovery watcher over a dict; ``put``/``remove`` change what the router sees."""
 
@@ -189,18 +206,7 @@ class FakeWorker:
                 finish = FinishReason.LENGTH
             handle = None
             if finish is None:
-                handle = TransferHandle(
-                    worker_id=self.worker_id,
-                    epoch=7,
-                    request_id=req.request_id,
-                    lease_id=f"lease-{req.request_id}",
-                    block_ids=(0,),
-                    num_tokens=len(req.prompt_token_ids),
-                    lease_deadline=time.time() + 30,
-                    layout=self.kv_layout,
-                    backend="tcp",
-                    transfer_endpoint="127.0.0.1:1",
-                )
+                handle = fake_handle(self.worker_id, req, self.kv_layout)
             return ContextResponse(
                 request_id=req.request_id,
                 first_token=token,

@@ -4,7 +4,6 @@ scripted workers that answer every choice (in-process ASGI, no sockets)."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -28,12 +27,18 @@ from pdserve.protocol import (
     ReleaseRequest,
     Role,
     SamplingParams,
-    TransferHandle,
 )
 from pdserve.router.client import WorkerClient
 from pdserve.router.transaction import Router, TxnState
 from pdserve.router.view import WorkerView
-from tests.fakes import MODEL, FakeWatcher, FakeWorker, build_tokenizer_dir, router_harness
+from tests.fakes import (
+    MODEL,
+    FakeWatcher,
+    FakeWorker,
+    build_tokenizer_dir,
+    fake_handle,
+    router_harness,
+)
 
 Reply = list[tuple[int, str]]
 
@@ -75,18 +80,7 @@ class ChoicesWorker(FakeWorker):
             finish = _first_finish(self.replies[0], req.sampling)
             handle = None
             if (finish is None or req.sampling.n > 1) and not self.no_handle:
-                handle = TransferHandle(
-                    worker_id=self.worker_id,
-                    epoch=7,
-                    request_id=req.request_id,
-                    lease_id=f"lease-{req.request_id}",
-                    block_ids=(0,),
-                    num_tokens=len(req.prompt_token_ids),
-                    lease_deadline=time.time() + 30,
-                    layout=self.kv_layout,
-                    backend="tcp",
-                    transfer_endpoint="127.0.0.1:1",
-                )
+                handle = fake_handle(self.worker_id, req, self.kv_layout)
             return ContextResponse(
                 request_id=req.request_id,
                 first_token=token,
