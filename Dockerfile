@@ -100,10 +100,11 @@ LABEL org.opencontainers.image.title="pdserve" \
       org.opencontainers.image.licenses="Apache-2.0" \
       io.pdserve.variant="${VARIANT}"
 
-# g++ and the Python headers: torch.compile (inductor) builds the compiled CPU forward's kernels
-# at start-up (cached under $HOME/.cache / /tmp); without them workers fall back to eager.
+# g++, the Python headers and openssl (inductor hashes its precompiled header with it):
+# torch.compile builds the compiled CPU forward's kernels at start-up (cached under /tmp);
+# without them workers fall back to the eager forward.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 g++ python3-dev \
+ && apt-get install -y --no-install-recommends python3 g++ python3-dev openssl \
  && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin \
  && useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin pdserve
 
