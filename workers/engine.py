@@ -162,8 +162,7 @@ class Engine:
         pool, then apply :func:`cuda_kv_budget` to the device's memory (bytes)."""
         cfg, dev = self.cfg, torch.device(self.cfg.device)
         num_tokens = min(cfg.max_num_batched_tokens, self.max_model_len - 1)
-        scratch_layout = replace(self.layout, tokens_per_block=cfg.tokens_per_block)
-        scratch = KVCacheManager(scratch_layout, -(-num_tokens // cfg.tokens_per_block), cfg.device)
+        scratch = KVCacheManager(self.layout, -(-num_tokens // cfg.tokens_per_block), cfg.device)
         seq = Sequence("profile", [0] * num_tokens, SamplingParams(max_tokens=1), "prefill", 0)
         scratch.allocate(seq.request_id, num_tokens)
         torch.cuda.synchronize(dev)
