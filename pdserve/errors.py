@@ -1,8 +1,35 @@
-"""One exception hierarchy for pdserve.
+"""One exception hierarchy for pdserve (modelled on httpx's ``_exceptions.py``).
 
 Every error that user or peer input can cause is a :class:`PdserveError` subclass carrying the
-HTTP status and OpenAI error ``type``/``code`` it maps to; the HTTP layers turn it into an
-``{"error": {...}}`` JSON body. ``assert`` is reserved for internal invariants.
+HTTP status and the OpenAI error ``type``/``code`` it maps to; the HTTP layer
+(:func:`pdserve.server.errors.install_error_handlers`, shared by the router and the workers)
+turns it into an ``{"error": {...}}`` JSON body. ``assert`` is reserved for internal
+invariants; anything that is not a :class:`PdserveError` reaching the HTTP layer is a bug and
+becomes a generic 500 (logged with its traceback, never shown to the client).
+
+The tree (HTTP status in brackets)::
+
+    PdserveError [500]                      base; also what an unexpected failure maps to
+    ├── InvalidRequestError [400]           malformed or out-of-range request
+    ├── ModelNotFoundError [404]            the request names a model nobody serves
+    ├── ClientDisconnectedError [499]       the client left before its response was ready
+    ├── QueueFullError [429]                a worker's queue is full: retry after a while
+    ├── CapacityError [503]                 no capacity now (or ever) for the request
+    │   └── NoWorkerError [503]             no compatible prefill/decode worker is live
+    ├── DeadlineExceededError [504]         the request's deadline passed
+    ├── WorkerError [502]                   a worker leg failed
+    │   └── WorkerUnreachableError [502]    the request never reached the worker (retryable)
+    ├── TransferError [502]                 the KV transfer failed
+    │   ├── LayoutMismatchError [502]       the two KV layouts cannot be mapped
+    │   ├── HandleError [502]               unknown / fenced / expired transfer handle
+    │   └── IntegrityError [502]            the moved KV bytes failed the digest check
+    ├── DiscoveryError [503]                the discovery service is unusable
+    │   (subclasses in :mod:`pdserve.discovery`: InvalidDiscoveryURLError, SupersededError)
+    └── ConfigError [400]                   invalid configuration
+
+Catch the base to handle every pdserve failure; a subclass's ``code`` (e.g.
+``kv_handle_invalid``) travels in the error body, and :mod:`pdserve.router.client` maps a
+worker's answer back to the matching class.
 """
 
 from __future__ import annotations
@@ -13,7 +40,12 @@ from pdserve.protocol import ErrorBody, ErrorEnvelope
 
 
 class PdserveError(Exception):
-    """Base class. ``status`` is the HTTP status the error maps to."""
+    """Base class of every pdserve error. Raised as such for an unexpected server-side failure
+    (HTTP 500, ``internal_error``).
+
+    ``message`` is shown to the client; ``param`` names the offending request field (or None);
+    ``code`` overrides the class's machine-readable code for this instance.
+    """
 
     status: int = 500
     type: str = "internal_error"
@@ -26,17 +58,26 @@ class PdserveError(Exception):
         if code is not None:
             self.code = code
 
-    def envelope(self) -> ErrorEnvelope:
+    def envelope(self, request_id: str | None = None) -> ErrorEnvelope:
+        """The OpenAI error envelope; ``request_id`` names the request in the body."""
         return ErrorEnvelope(
-            error=ErrorBody(message=self.message, type=self.type, code=self.code, param=self.param)
+            error=ErrorBody(
+                message=self.message,
+                type=self.type,
+                code=self.code,
+                param=self.param,
+                request_id=request_id,
+            )
         )
 
-    def to_json(self) -> dict[str, Any]:
-        return self.envelope().model_dump()
+    def to_json(self, request_id: str | None = None) -> dict[str, Any]:
+        """:meth:`envelope` as a JSON-ready dict."""
+        return self.envelope(request_id).model_dump()
 
 
 class InvalidRequestError(PdserveError):
-    """The client's request is malformed or out of range (HTTP 400)."""
+    """The client's request is malformed or out of range: wrong types, missing fields, a prompt
+    beyond the context window, an unsupported parameter (HTTP 400)."""
 
     status = 400
     type = "invalid_request_error"
@@ -44,13 +85,25 @@ class InvalidRequestError(PdserveError):
 
 
 class ModelNotFoundError(PdserveError):
+    """The request names a model other than the one this deployment serves (HTTP 404)."""
+
     status = 404
     type = "invalid_request_error"
     code = "model_not_found"
 
 
+class ClientDisconnectedError(PdserveError):
+    """The client went away before its (non-streamed) response was ready; nobody reads the
+    answer, which exists for the logs and metrics (HTTP 499, nginx's "client closed request")."""
+
+    status = 499
+    type = "client_closed_request"
+    code = "client_disconnected"
+
+
 class CapacityError(PdserveError):
-    """No worker (or not enough KV blocks) to take the request now (HTTP 503)."""
+    """No worker (or not enough KV blocks) to take the request now, or a request that could
+    never fit this worker's KV pool (HTTP 503)."""
 
     status = 503
     type = "server_error"
@@ -58,6 +111,9 @@ class CapacityError(PdserveError):
 
 
 class NoWorkerError(CapacityError):
+    """No live, compatible prefill/decode worker serves the requested model; the message says
+    what is missing (HTTP 503)."""
+
     code = "no_worker"
 
 
@@ -73,22 +129,32 @@ class QueueFullError(PdserveError):
 
 
 class DeadlineExceededError(PdserveError):
+    """The request's deadline (``router.request_timeout_s`` after it arrived) passed before it
+    finished, on either leg or during the KV transfer (HTTP 504)."""
+
     status = 504
     type = "server_error"
     code = "deadline_exceeded"
 
 
 class WorkerError(PdserveError):
-    """A worker leg failed (peer died, returned an error, or broke its stream) (HTTP 502)."""
+    """A worker leg failed: the peer died, returned an error, or broke its stream (HTTP 502)."""
 
     status = 502
     type = "server_error"
     code = "worker_error"
 
 
+class WorkerUnreachableError(WorkerError):
+    """The connection to the worker could not be opened: the request was never delivered, so
+    the router may retry it on another worker (HTTP 502)."""
+
+    code = "worker_unreachable"
+
+
 class TransferError(PdserveError):
     """The KV transfer failed: peer unreachable, layout mismatch, unknown/expired handle,
-    wrong epoch, short or corrupt data."""
+    wrong epoch, short or corrupt data (HTTP 502; ``code`` starts with ``kv_``)."""
 
     status = 502
     type = "server_error"
@@ -96,30 +162,61 @@ class TransferError(PdserveError):
 
 
 class LayoutMismatchError(TransferError):
+    """The prefill and decode KV layouts differ in a field no formatter maps (layers, KV heads,
+    head size, model); the message names the field (HTTP 502)."""
+
     code = "kv_layout_mismatch"
 
 
 class HandleError(TransferError):
     """The handle names an unknown request, an old epoch, another lease, an expired lease, or
-    blocks that are not (or no longer) the ones parked."""
+    blocks that are not (or no longer) the ones parked: the fencing refused it (HTTP 502)."""
 
     code = "kv_handle_invalid"
 
 
 class IntegrityError(TransferError):
     """KV bytes arrived that differ from what the sender digested (corrupted on the way, or the
-    source changed under the transfer); the message names the request and the blocks."""
+    source changed under the transfer); the message names the request and the blocks
+    (HTTP 502)."""
 
     code = "kv_integrity_failed"
 
 
 class DiscoveryError(PdserveError):
+    """The discovery service (embedded registry, etcd, NATS) cannot be reached or refused the
+    operation (HTTP 503)."""
+
     status = 503
     type = "server_error"
     code = "discovery_unavailable"
 
 
 class ConfigError(PdserveError):
+    """Invalid configuration: a bad setting, an unusable model folder, an unavailable transfer
+    backend (HTTP 400 where it reaches the HTTP layer; the CLI prints it and exits 2).
+
+    ``problems`` lists ``"path: message  [source]"`` lines, every one found (not only the
+    first; :meth:`from_problems`); an error raised with a plain message has that one line.
+    """
+
     status = 400
     type = "config_error"
     code = "invalid_config"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        problems: list[str] | None = None,
+    ):
+        super().__init__(message, param=param, code=code)
+        self.problems = problems if problems is not None else [message]
+
+    @classmethod
+    def from_problems(cls, problems: list[str], origin: str = "configuration") -> ConfigError:
+        """One error listing every problem of ``origin`` (a file name or ``configuration``)."""
+        text = f"invalid {origin}:\n" + "\n".join(f"  {p}" for p in problems)
+        return cls(text, problems=problems)

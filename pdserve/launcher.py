@@ -1,6 +1,6 @@
 """``pdserve up``: a router and N prefill + M decode workers on one machine.
 
-Lifecycle::
+Lifecycle (the processes are a :class:`~pdserve.supervisor.ProcessSupervisor`'s)::
 
     1 START   spawn the router (embedded registry) and the workers as child processes, each in
               its own session so a terminal Ctrl-C reaches only this supervisor
@@ -15,32 +15,21 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
 
-from pdserve.config import ENV_PREFIX, KVCacheSettings, PdserveConfig, served_model_name
+from pdserve.config import served_model_name
+from pdserve.settings import ENV_PREFIX, KVCacheSettings, PdserveConfig
+from pdserve.supervisor import ProcessSpec, ProcessSupervisor, pdserve_argv
 from pdserve.workers.kv_sizing import available_host_memory
 
 GRACE_S = 10.0
-
-
-@dataclass
-class Child:
-    name: str
-    proc: subprocess.Popen[bytes]
-
-
-def _cli(*args: str, log_level: str) -> list[str]:
-    return [sys.executable, "-m", "pdserve.cli", "--log-level", log_level, *args]
+"""Seconds each stop tier (workers, then the router) gets after SIGTERM before SIGKILL."""
+_ROUTER_TIER, _WORKER_TIER = 0, 1
 
 
 def split_kv_cache(cfg: PdserveConfig, n_workers: int) -> KVCacheSettings:
@@ -94,8 +83,8 @@ def worker_commands(
     for role in ("prefill", "decode"):
         for i in range(cfg.worker(role).replicas):
             name = f"{role}-{i}"
-            argv = _cli(
-                role, "--config", str(config_file), "--worker-id", name, log_level=log_level
+            argv = pdserve_argv(
+                [role, "--config", str(config_file), "--worker-id", name], log_level=log_level
             )
             cmds.append((name, argv))
     return cmds
@@ -125,55 +114,6 @@ def _port_taken(host: str, port: int) -> str | None:
     return None
 
 
-def _wait_ready(
-    url: str,
-    expected: tuple[int, int],
-    children: list[Child],
-    timeout_s: float,
-    stopping: Callable[[], bool],
-) -> bool:
-    """Poll the router's /ready until every worker is registered (True) or asked to stop
-    (False); raises on a dead child or timeout."""
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=2.0) as client:
-        while time.monotonic() < deadline:
-            if stopping():
-                return False
-            for c in children:
-                if c.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"{c.name} exited with code {c.proc.returncode} while starting"
-                    )
-            try:
-                r = client.get(f"{url}/ready")
-                if r.status_code == 200 and all_registered(r.json(), expected):
-                    return True
-            except (httpx.HTTPError, ValueError, KeyError):
-                pass
-            time.sleep(0.5)
-    raise TimeoutError(f"the stack was not ready within {timeout_s:.0f} s")
-
-
-def _stop_all(children: list[Child]) -> None:
-    workers = [c for c in children if c.name != "router"]
-    routers = [c for c in children if c.name == "router"]
-    for group in (workers, routers):
-        for c in group:
-            if c.proc.poll() is None:
-                c.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + GRACE_S
-        for c in group:
-            try:
-                c.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                print(
-                    f"pdserve: {c.name} did not stop in {GRACE_S:.0f} s; killing it",
-                    file=sys.stderr,
-                )
-                c.proc.kill()
-                c.proc.wait()
-
-
 def run_up(
     cfg: PdserveConfig, model_path: Path, *, log_level: str = "info", ready_timeout_s: float = 300
 ) -> int:
@@ -181,8 +121,7 @@ def run_up(
     cfg = child_config(cfg, model_path)
     url = cfg.router_url
     name = cfg.model.served_name
-    n_prefill, n_decode = cfg.prefill.replicas, cfg.decode.replicas
-    children: list[Child] = []
+    expected = (cfg.prefill.replicas, cfg.decode.replicas)
     stopping = False
 
     def _on_signal(signum: int, _frame: object) -> None:
@@ -201,43 +140,47 @@ def run_up(
         return 1
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
-    with tempfile.TemporaryDirectory(prefix="pdserve-up-") as tmp:
+    supervisor = ProcessSupervisor(
+        grace_s=GRACE_S, poll_s=0.5, notify=lambda line: print(f"pdserve: {line}", file=sys.stderr)
+    )
+    with tempfile.TemporaryDirectory(prefix="pdserve-up-") as tmp, supervisor:
         config_file = Path(tmp) / "config.yaml"
         config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         env = child_env()
         try:
-            router_cmd = _cli("router", "--config", str(config_file), log_level=log_level)
-            children.append(
-                Child("router", subprocess.Popen(router_cmd, start_new_session=True, env=env))
+            router_argv = pdserve_argv(
+                ["router", "--config", str(config_file)], log_level=log_level
             )
-            for wname, cmd in worker_commands(cfg, config_file, log_level):
-                children.append(
-                    Child(wname, subprocess.Popen(cmd, start_new_session=True, env=env))
-                )
+            supervisor.spawn(
+                ProcessSpec("router", router_argv, env, new_session=True, tier=_ROUTER_TIER)
+            )
+            for wname, argv in worker_commands(cfg, config_file, log_level):
+                supervisor.spawn(ProcessSpec(wname, argv, env, new_session=True, tier=_WORKER_TIER))
             print(
-                f"pdserve: starting router + {n_prefill} prefill + {n_decode} decode "
+                f"pdserve: starting router + {expected[0]} prefill + {expected[1]} decode "
                 f"worker(s) for {name} ...",
                 file=sys.stderr,
             )
-            if _wait_ready(url, (n_prefill, n_decode), children, ready_timeout_s, lambda: stopping):
+            if supervisor.wait_ready(
+                url,
+                timeout_s=ready_timeout_s,
+                what="the stack",
+                accept=lambda r: all_registered(r.json(), expected),
+                stopping=lambda: stopping,
+            ):
                 print(
                     f"pdserve: ready. OpenAI-compatible endpoint: {url}/v1  "
                     f"(model {name!r}; Ctrl-C stops)"
                 )
             sys.stdout.flush()
-            while not stopping:
-                for c in children:
-                    if c.proc.poll() is not None:
-                        print(
-                            f"pdserve: {c.name} exited with code {c.proc.returncode}; stopping",
-                            file=sys.stderr,
-                        )
-                        return 1
-                time.sleep(0.5)
+            if (dead := supervisor.watch(lambda: stopping)) is not None:
+                print(
+                    f"pdserve: {dead.name} exited with code {dead.returncode}; stopping",
+                    file=sys.stderr,
+                )
+                return 1
             print("pdserve: stopping ...", file=sys.stderr)
             return 0
         except (RuntimeError, TimeoutError) as exc:
             print(f"pdserve: {exc}", file=sys.stderr)
             return 1
-        finally:
-            _stop_all(children)

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from pdserve.protocol import WorkerLoad
@@ -150,7 +151,7 @@ class _LoadCollector(Collector):
     ) -> None:
         self._role, self._load, self._expired = role, load, lease_expired
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         from prometheus_client.core import CounterMetricFamily
 
         load = self._load()

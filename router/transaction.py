@@ -46,7 +46,12 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from pdserve.errors import DeadlineExceededError, NoWorkerError, WorkerError
+from pdserve.errors import (
+    DeadlineExceededError,
+    NoWorkerError,
+    WorkerError,
+    WorkerUnreachableError,
+)
 from pdserve.protocol import (
     ContextRequest,
     ContextResponse,
@@ -57,7 +62,7 @@ from pdserve.protocol import (
     SamplingParams,
     TokenLogprob,
 )
-from pdserve.router.client import GenerationStream, WorkerClient, WorkerUnreachableError
+from pdserve.router.client import GenerationStream, WorkerClient
 from pdserve.router.policy import Pair, choose_pair
 from pdserve.router.view import WorkerView
 

@@ -36,13 +36,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve.config import RouterConfig
-from pdserve.errors import PdserveError
+from pdserve.errors import ClientDisconnectedError, PdserveError
 from pdserve.metrics import CONTENT_TYPE, RouterMetrics
 from pdserve.protocol import ROUTER_KEEPALIVE_S
 from pdserve.router.client import WorkerClient
 from pdserve.router.transaction import Router, Transaction
 from pdserve.router.view import WorkerSource, WorkerView
-from pdserve.server.errors import install_error_handlers
+from pdserve.server.errors import install_error_handlers, internal_error
 from pdserve.server.output import ChatFormatter, CompletionFormatter, RequestInfo
 from pdserve.server.preprocess import Prepared, Preprocessor, context_window, load_tokenizer
 from pdserve.server.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -54,15 +54,7 @@ log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.5
 """How often a non-streamed request checks whether its client is still connected (seconds)."""
 
-Formatter: TypeAlias = ChatFormatter | CompletionFormatter
-
-
-class ClientDisconnectedError(PdserveError):
-    """The client went away before its (non-streamed) response was ready; nobody reads it."""
-
-    status = 499
-    type = "client_closed_request"
-    code = "client_disconnected"
+ResponseFormatter: TypeAlias = ChatFormatter | CompletionFormatter
 
 
 @dataclass
@@ -90,20 +82,20 @@ def create_app(
 
     - ``watcher``: discovery watcher (``workers() -> dict[str, WorkerRecord]``; ``start()`` and
       ``close()`` are called only on a watcher this app opens itself with
-      ``pdserve.discovery.open_watcher(cfg.discovery, registry=registry)``).
+      ``pdserve.discovery.open_watcher(cfg.discovery.url, registry=registry)``).
     - ``registry``: an embedded registry to mount (``api_router()`` under ``/registry``). When
-      neither ``watcher`` nor ``registry`` is given and ``cfg.discovery == "embedded"``, the app
-      creates an ``EmbeddedRegistry(ttl_s=cfg.registration_ttl_s)`` and starts/closes it.
+      neither ``watcher`` nor ``registry`` is given and ``cfg.discovery.url == "embedded"``, the app
+      creates an ``EmbeddedRegistry(ttl_s=cfg.discovery.registration_ttl_s)`` and starts/closes it.
     - ``http_client``: the client for the worker request plane; created (and closed) by the
       lifespan when not given.
 
     Injected objects are used as they are: the caller starts and closes them.
     """
-    owned_registry = registry is None and watcher is None and cfg.discovery == "embedded"
+    owned_registry = registry is None and watcher is None and cfg.discovery.url == "embedded"
     if owned_registry:
         from pdserve.discovery import EmbeddedRegistry
 
-        registry = EmbeddedRegistry(ttl_s=cfg.registration_ttl_s)
+        registry = EmbeddedRegistry(ttl_s=cfg.discovery.registration_ttl_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -115,7 +107,7 @@ def create_app(
                 "router serving %s (context window %d tokens, discovery %s)",
                 cfg.served_model_name,
                 app.state.pdserve.max_model_len,
-                cfg.discovery,
+                cfg.discovery.url,
             )
             try:
                 yield
@@ -149,12 +141,12 @@ async def _start(
     if watcher is None:
         from pdserve.discovery import open_watcher
 
-        watcher = open_watcher(cfg.discovery, registry=registry)
+        watcher = open_watcher(cfg.discovery.url, registry=registry)
         await watcher.start()
         stack.push_async_callback(watcher.close)
     if http_client is None:
         http_client = httpx.AsyncClient(
-            timeout=httpx.Timeout(cfg.request_timeout_s, connect=5.0),
+            timeout=httpx.Timeout(cfg.router.request_timeout_s, connect=5.0),
             limits=httpx.Limits(
                 max_connections=1024,
                 max_keepalive_connections=128,
@@ -181,7 +173,7 @@ async def _start(
         router=Router(
             view,
             WorkerClient(http_client),
-            request_timeout_s=cfg.request_timeout_s,
+            request_timeout_s=cfg.router.request_timeout_s,
             metrics=metrics,
         ),
         max_model_len=max_model_len,
@@ -265,7 +257,7 @@ def _info(
 
 
 async def _serve(
-    request: Request, st: ServerState, prepared: Prepared, fmt: Formatter, *, stream: bool
+    request: Request, st: ServerState, prepared: Prepared, fmt: ResponseFormatter, *, stream: bool
 ) -> Response:
     """Run the transaction; errors before the first byte raise (-> HTTP status)."""
     request_id = fmt.info.response_id
@@ -288,7 +280,7 @@ async def _serve(
     return JSONResponse(fmt.response(), headers={"x-request-id": request_id})
 
 
-async def _collect(request: Request, txn: Transaction, fmt: Formatter) -> None:
+async def _collect(request: Request, txn: Transaction, fmt: ResponseFormatter) -> None:
     """Feed every event to ``fmt``. A client that disconnects (checked every
     ``DISCONNECT_POLL_S``) abandons the transaction, so the workers stop generating for nobody."""
 
@@ -312,7 +304,7 @@ async def _collect(request: Request, txn: Transaction, fmt: Formatter) -> None:
     task.result()  # raises the transaction's typed error, if any
 
 
-async def _sse(txn: Transaction, fmt: Formatter) -> AsyncIterator[bytes]:
+async def _sse(txn: Transaction, fmt: ResponseFormatter) -> AsyncIterator[bytes]:
     """The SSE body: chunks, the usage chunk if asked, ``[DONE]``; a failure becomes an error
     event followed by ``[DONE]``. The transaction is closed however this ends."""
     try:
@@ -326,9 +318,9 @@ async def _sse(txn: Transaction, fmt: Formatter) -> AsyncIterator[bytes]:
     except PdserveError as exc:
         log.warning("req %s failed mid-stream: %s", txn.request_id, exc.message)
         yield encode_error(exc)
-    except Exception as exc:
+    except Exception:
         log.exception("req %s: unexpected error mid-stream", txn.request_id)
-        yield encode_error(PdserveError(f"internal error: {exc!r}"))
+        yield encode_error(internal_error(txn.request_id))
     finally:
         await txn.aclose()
     yield DONE

@@ -4,12 +4,20 @@
 - FastAPI's ``RequestValidationError`` (wrong types, missing fields, invalid JSON) -> 400 (not
   FastAPI's 422) with ``param`` naming the first offending field, e.g. ``messages[0].content``.
 - Starlette ``HTTPException`` (unknown route 404, wrong method 405) -> its status, enveloped.
-- Anything else -> 500 ``internal_error``, logged with its traceback; the server keeps serving.
+- Anything else -> 500 ``internal_error`` with a generic message naming the request id; the
+  exception (and its traceback) goes to the log under that id, never to the client. The server
+  keeps serving.
+
+Every error body carries the request id (``error.request_id``) and every error response the
+``X-Request-Id`` header: the client's own ``X-Request-Id`` when it sent one, else one generated
+here (:func:`request_id`). The router and the workers install the same handlers
+(:func:`install_error_handlers`); nothing else registers exception handlers.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,10 +32,39 @@ from pdserve.protocol import ErrorBody, ErrorEnvelope
 log = logging.getLogger(__name__)
 
 
-def error_response(exc: PdserveError) -> JSONResponse:
-    """``exc`` as its status and OpenAI envelope; a 429 carries ``Retry-After`` (seconds)."""
-    headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, QueueFullError) else None
-    return JSONResponse(exc.to_json(), status_code=exc.status, headers=headers)
+REQUEST_ID_HEADER = "X-Request-Id"
+_MAX_CLIENT_ID = 128  # a longer client id is replaced (it is echoed into logs and bodies)
+
+
+def request_id(request: Request) -> str:
+    """The request's id: the client's ``X-Request-Id`` (when printable and at most 128
+    characters), else a generated ``req-<hex>``. Computed once per request (cached on
+    ``request.state``), so every log line and the error body agree."""
+    cached = getattr(request.state, "request_id", None)
+    if isinstance(cached, str):
+        return cached
+    given = request.headers.get(REQUEST_ID_HEADER, "").strip()
+    rid = given if given and len(given) <= _MAX_CLIENT_ID and given.isprintable() else None
+    rid = rid or f"req-{uuid.uuid4().hex}"
+    request.state.request_id = rid
+    return rid
+
+
+def error_response(exc: PdserveError, rid: str | None = None) -> JSONResponse:
+    """``exc`` as its status and OpenAI envelope naming request ``rid`` (also sent as the
+    ``X-Request-Id`` header); a 429 carries ``Retry-After`` (seconds)."""
+    headers: dict[str, str] = {}
+    if isinstance(exc, QueueFullError):
+        headers["Retry-After"] = str(exc.retry_after_s)
+    if rid is not None:
+        headers[REQUEST_ID_HEADER] = rid
+    return JSONResponse(exc.to_json(rid), status_code=exc.status, headers=headers or None)
+
+
+def internal_error(rid: str) -> PdserveError:
+    """The generic 500 a client gets for an unexpected failure: it names the request id and
+    nothing of the exception (which the caller logs with its traceback under ``rid``)."""
+    return PdserveError(f"internal error (request id {rid})")
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "bytes", "none", "dict", "list"}
@@ -77,30 +114,32 @@ def install_error_handlers(app: FastAPI) -> None:
     """Register the handlers described in the module docstring on ``app``."""
 
     @app.exception_handler(PdserveError)
-    async def _pdserve(_: Request, exc: PdserveError) -> JSONResponse:
+    async def _pdserve(request: Request, exc: PdserveError) -> JSONResponse:
+        rid = request_id(request)
         if exc.status >= 500:
-            log.warning("request failed: %s (%s)", exc.message, exc.code)
-        return error_response(exc)
+            log.warning("request %s failed: %s (%s)", rid, exc.message, exc.code)
+        return error_response(exc, rid)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(validation_error(exc.errors()))
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc.errors()), request_id(request))
 
     @app.exception_handler(HTTPException)
-    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        rid = request_id(request)
         body = ErrorEnvelope(
             error=ErrorBody(
                 message=str(exc.detail),
                 type="invalid_request_error",
                 code="not_found" if exc.status_code == 404 else None,
+                request_id=rid,
             )
         )
-        return JSONResponse(body.model_dump(), status_code=exc.status_code, headers=exc.headers)
+        headers = {**(exc.headers or {}), REQUEST_ID_HEADER: rid}
+        return JSONResponse(body.model_dump(), status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error while serving a request")
-        body = ErrorEnvelope(
-            error=ErrorBody(message=f"internal error: {exc!r}", type="internal_error")
-        )
-        return JSONResponse(body.model_dump(), status_code=500)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        rid = request_id(request)
+        log.exception("request %s: unexpected error while serving it", rid)
+        return error_response(internal_error(rid), rid)

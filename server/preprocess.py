@@ -57,11 +57,11 @@ def load_tokenizer(model_path: Path) -> Any:
 
 
 def context_window(cfg: RouterConfig, tokenizer: Any) -> int:
-    """Tokens a request may span (prompt + completion): ``cfg.max_model_len``, else the model
+    """Tokens a request may span (prompt + completion): ``cfg.model.max_model_len``, else the model
     config's ``max_position_embeddings`` (or ``n_positions`` / ``max_seq_len``), else the
     tokenizer's ``model_max_length``. Raises ConfigError when none is known."""
-    if cfg.max_model_len:
-        return cfg.max_model_len
+    if cfg.model.max_model_len:
+        return cfg.model.max_model_len
     config_file = Path(cfg.model_path) / "config.json"
     if config_file.is_file():
         config = json.loads(config_file.read_text())

@@ -19,8 +19,10 @@ _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 @cache
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, inverted: printable stand-in character -> byte value."""
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte-level alphabet: byte value (0-255) -> the printable character that
+    stands for it in byte-level BPE vocabularies (the ``ByteLevel`` pre-tokenizer's alphabet).
+    The one definition of the table in pdserve (the tests' tiny tokenizer builds on it)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
     chars = list(printable)
     extra = 0
@@ -29,7 +31,13 @@ def _byte_decoder() -> dict[str, int]:
             printable.append(b)
             chars.append(256 + extra)
             extra += 1
-    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
+
+
+@cache
+def _byte_decoder() -> dict[str, int]:
+    """:func:`bytes_to_unicode` inverted: printable stand-in character -> byte value."""
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 def _is_byte_level(tokenizer: Any) -> bool:

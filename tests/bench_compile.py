@@ -4,10 +4,10 @@ Prints, for each thread count: the prefill time of one 286-token prompt and the 
 time at batch 1, 8 and 32 (each sequence at a 300-token context) for three runners built from
 the same model folder:
 
-- ``eager``: transformers' forward, ``EngineConfig(compile=False)``;
+- ``eager``: transformers' forward, ``model.compile: false``;
 - ``prepacked``: the same eager forward with oneDNN-prepacked linears only
   (:func:`pdserve.workers.compile.prepack_linears`), to show what the packing alone buys;
-- ``compiled``: ``EngineConfig(compile=True)`` (prepacked + ``torch.compile``).
+- ``compiled``: ``model.compile: true`` (prepacked + ``torch.compile``).
 
 Calls alternate between the runners (``--rounds`` rounds, median of each), so load from other
 processes hits all three alike; the ratios are the figures to quote. Start-up compile time is
@@ -30,14 +30,15 @@ from pathlib import Path
 
 import torch
 
-from pdserve.config import EngineConfig, default_cache_dir
 from pdserve.models import prepare_default_model
 from pdserve.protocol import KVLayout, SamplingParams
+from pdserve.settings import default_cache_dir
 from pdserve.workers.compile import prepack_linears
 from pdserve.workers.kv_cache import KVCacheManager
 from pdserve.workers.model_runner import ModelRunner
 from pdserve.workers.scheduler import ScheduledBatch, ScheduledSequence
 from pdserve.workers.sequence import Sequence
+from tests.integration.engine_helpers import engine_config
 
 PREFILL_TOKENS = 286
 DECODE_CONTEXT = 300
@@ -48,10 +49,10 @@ SAMPLING = SamplingParams(temperature=0.0, max_tokens=64)
 STARTUP_CHILD = """
 import sys, time, torch
 from pathlib import Path
-from pdserve.config import EngineConfig
 from pdserve.workers.model_runner import ModelRunner
+from tests.integration.engine_helpers import engine_config
 torch.set_num_threads(int(sys.argv[2]))
-r = ModelRunner(EngineConfig(model_path=Path(sys.argv[1]), compile=True))
+r = ModelRunner(engine_config(Path(sys.argv[1]), compile=True))
 print(f"{r.compiled.compile_s:.2f}")
 """
 
@@ -137,9 +138,9 @@ def main() -> None:
                 )
 
     runners = {
-        "eager": ModelRunner(EngineConfig(model_path=model, compile=False)),
-        "prepacked": ModelRunner(EngineConfig(model_path=model, compile=False)),
-        "compiled": ModelRunner(EngineConfig(model_path=model, compile=True)),
+        "eager": ModelRunner(engine_config(model, compile=False)),
+        "prepacked": ModelRunner(engine_config(model, compile=False)),
+        "compiled": ModelRunner(engine_config(model, compile=True)),
     }
     prepack_linears(runners["prepacked"].model)
     steps = Steps(runners["eager"])

@@ -1,7 +1,45 @@
-"""Shared fixtures. Fixture modules live in tests/fixtures/ (one per area)."""
+"""Shared fixtures and the folder markers. Fixture modules live in tests/fixtures/ (one per area).
+
+Every test is marked after its folder, so a marker expression selects folders:
+
+==============  ===========================================================================
+marker          folder: what its tests need
+==============  ===========================================================================
+``unit``        tests/unit: in-process, CPU only, fakes; seconds each (the fast selection)
+``integration`` tests/integration: real servers (etcd, NATS) or worker / peer processes
+``e2e``         tests/e2e: the whole stack (router + workers) as processes
+``container``   tests/container: images built and run with podman (skips without it)
+``deploy``      tests/deploy: Kubernetes manifests (skips without a cluster)
+``gpu``         tests/gpu: CUDA (skips without a GPU)
+==============  ===========================================================================
+
+``slow`` is orthogonal to the folders: a test that loads the SmolLM2 weights (minutes of CPU).
+
+Fast selection: ``pytest -m unit``. A plain ``pytest`` runs everything.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
 
 pytest_plugins = [
     "tests.fixtures.models",
     "tests.fixtures.servers",
     "tests.fixtures.stack",
 ]
+
+FOLDER_MARKERS = ("unit", "integration", "e2e", "container", "deploy", "gpu")
+_TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test with its folder's marker (``tests/<folder>/...``)."""
+    for item in items:
+        try:
+            folder = item.path.resolve().relative_to(_TESTS).parts[0]
+        except (ValueError, IndexError):
+            continue
+        if folder in FOLDER_MARKERS:
+            item.add_marker(folder)

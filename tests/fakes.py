@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -30,6 +29,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pdserve.config import RouterConfig
+from pdserve.discovery import EmbeddedRegistry
 from pdserve.errors import PdserveError
 from pdserve.protocol import (
     ContextRequest,
@@ -46,6 +46,7 @@ from pdserve.protocol import (
     WorkerLoad,
     WorkerRecord,
 )
+from tests.fixtures.servers import bound_socket
 
 MODEL = "tiny-test"
 CHAT_TEMPLATE = (
@@ -74,16 +75,38 @@ def build_tokenizer_dir(path: Path, *, max_position_embeddings: int = 128) -> Pa
 
 
 def layout(
-    *, tokens_per_block: int = 16, dtype: str = "float32", num_kv_heads: int = 2
+    *,
+    tokens_per_block: int = 16,
+    dtype: str = "float32",
+    num_kv_heads: int = 2,
+    num_layers: int = 2,
+    head_dim: int = 8,
+    model: str = MODEL,
 ) -> KVLayout:
+    """The tiny KV layout of the tests (2 layers, 2 KV heads of 8, 16-token float32 blocks);
+    every field can be overridden."""
     return KVLayout(
-        model=MODEL,
-        num_layers=2,
+        model=model,
+        num_layers=num_layers,
         num_kv_heads=num_kv_heads,
-        head_dim=8,
+        head_dim=head_dim,
         tokens_per_block=tokens_per_block,
         dtype=dtype,
     )
+
+
+def registry_app(registry: EmbeddedRegistry) -> FastAPI:
+    """A stand-in for the router app: mounts ``registry`` and runs its sweep in the lifespan."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await registry.start()
+        yield
+        await registry.close()
+
+    app = FastAPI(lifespan=lifespan)
+    app.include_router(registry.api_router())
+    return app
 
 
 def fake_handle(worker_id: str, req: ContextRequest, kv_layout: KVLayout) -> TransferHandle:
@@ -139,11 +162,13 @@ def record(
     kv_layout: KVLayout | None = None,
     model: str = MODEL,
     protocol_version: int | None = None,
+    epoch: int = 7,
 ) -> WorkerRecord:
+    """A worker record of the test layout; ``load`` defaults to 100 free of 100 blocks."""
     rec = WorkerRecord(
         role=Role(role),
         worker_id=worker_id,
-        epoch=7,
+        epoch=epoch,
         model=model,
         http_url=http_url or f"http://{worker_id}",
         layout=kv_layout or layout(),
@@ -266,18 +291,11 @@ class FakeWorker:
                 self.aborted.append(req.request_id)
 
 
-def free_port_socket() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    return sock
-
-
 @asynccontextmanager
 async def serve_app(app: Any) -> AsyncIterator[str]:
     """Serve ``app`` with uvicorn on a free port of 127.0.0.1 (lifespan included) in this
     event loop; yields the base URL and stops the server on exit."""
-    sock = free_port_socket()
+    sock = bound_socket()
     port = sock.getsockname()[1]
     config = uvicorn.Config(
         app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1, access_log=False

@@ -10,13 +10,13 @@ Modules (the TensorRT-LLM "KV cache transmission" components):
 ``transceiver`` (Transceiver), ``sender`` / ``receiver`` (control plane, prefill / decode side),
 ``handshake`` (version/backend/layout checks), ``formatter`` (layout mapping, block runs),
 ``convert`` (re-block/dtype kernel and staging buffers for mixed layouts),
-``wire`` (typed control messages and framing), ``integrity`` (xxh3 digests of the moved
-bytes), ``tcp`` (Connection and the TCP backend),
+``wire`` (typed control messages and framing), ``control`` (the control Connection: framed
+messages and raw byte streams over TCP), ``integrity`` (xxh3 digests of the moved bytes),
+``tcp`` (the TCP backend: KV bytes on the control connection),
 ``nixl_agent`` (TransferAgent over NIXL, the NIXL backend), ``ucx`` (Connection over ucxx, the
 UCX backend), ``backend`` (data-plane interface and lazy registry), ``probe`` (bandwidth probe
-served in place of a handshake, for ``pdserve doctor``), ``bench`` / ``bench_peers`` /
-``bench_report`` (GB/s between two processes, references, fit, targets), ``bench_formatter``
-(what layout conversion costs).
+served in place of a handshake, for ``pdserve doctor``). The benchmarks and the doctor live in
+:mod:`pdserve.tools`; nothing here imports them.
 
 Importing this package imports neither NIXL nor ucxx: each backend loads on first use.
 """

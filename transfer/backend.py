@@ -30,13 +30,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from pdserve.config import TransferConfig
 from pdserve.errors import ConfigError, TransferError
+from pdserve.settings import TransferSettings
 from pdserve.transfer import wire
 from pdserve.transfer.formatter import PoolGeometry, TransferPlan
 
 if TYPE_CHECKING:
-    from pdserve.transfer.tcp import Connection
+    from pdserve.transfer.control import Connection
 
 log = logging.getLogger(__name__)
 
@@ -177,16 +177,20 @@ _REGISTRY: dict[str, str] = {
     "tcp": "pdserve.transfer.tcp:TcpBackend",
     "nixl": "pdserve.transfer.nixl_agent:NixlBackend",
     "ucx": "pdserve.transfer.ucx:UcxBackend",
+    # Peers in one process (unit tests): not a deployment choice, so not offered by the config.
+    "inproc": "pdserve.transfer.inproc:InprocBackend",
 }
+"""Backend name -> ``module:class``; a backend's module is imported only when it is chosen."""
 
 
 def _load(name: str) -> type[Backend]:
-    module, _, cls = _REGISTRY[name].partition(":")
-    return getattr(importlib.import_module(module), cls)
+    module, _, attr = _REGISTRY[name].partition(":")
+    cls: type[Backend] = getattr(importlib.import_module(module), attr)
+    return cls
 
 
 def open_backend(
-    cfg: TransferConfig, *, pool: torch.Tensor, geometry: PoolGeometry, agent_name: str
+    cfg: TransferSettings, *, pool: torch.Tensor, geometry: PoolGeometry, agent_name: str
 ) -> Backend:
     """Create the backend ``cfg.backend`` names; ``"auto"`` = NIXL if it imports and
     initialises, else TCP (logged). An explicit choice that fails raises ConfigError."""

@@ -1,6 +1,6 @@
 """Plan segments between CUDA memory and pinned host memory (the TCP backend and the digests).
 
-Design origin: issue 4's GPU path. A socket cannot ``sendmsg`` from or ``recvmsg_into`` device
+Design origin: the GPU path of the TCP backend. A socket cannot ``sendmsg`` from or ``recvmsg_into`` device
 memory and xxhash reads host bytes, so for a CUDA pool the bytes of a
 :class:`~pdserve.transfer.formatter.TransferPlan` pass through one pinned host buffer packed in
 plan order (segment ``k`` at ``sum(lengths[:k])``)::

@@ -1,7 +1,7 @@
 """Block digests: the sender's record of the KV bytes it moved, checked where they landed.
 
-Design origin: issue 3 ("each transferred block carries a digest checked on arrival; a mismatch
-fails the request"), and the end-to-end argument: whatever the backend (TCP stream, NIXL/UCX
+Design origin: the requirement that each transferred block carry a digest checked on arrival (a
+mismatch fails the request), and the end-to-end argument: whatever the backend (TCP stream, NIXL/UCX
 one-sided WRITE, ucxx send/recv), the only check that covers the whole path is one computed over
 the source memory before the bytes leave and over the destination memory after they landed.
 
@@ -96,7 +96,7 @@ class BlockDigester:
     copy per segment, a blocking wait of about ``nbytes / 20 GB/s``), then hashed: the same
     digests as for the same bytes on CPU, so CPU and CUDA workers check each other. For a
     pool on another device type every call raises TransferError (switch integrity off with
-    ``TransferConfig.integrity=False``).
+    ``TransferSettings.integrity=False``).
     """
 
     def __init__(self, pool: torch.Tensor) -> None:

@@ -42,12 +42,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdserve.config import TransferConfig
 from pdserve.errors import TransferError
+from pdserve.settings import TransferSettings
 from pdserve.transfer import wire
 from pdserve.transfer.backend import Backend, Outbound, Peer, Poller, TransferState
+from pdserve.transfer.control import Connection
 from pdserve.transfer.formatter import PoolGeometry, TransferPlan
-from pdserve.transfer.tcp import Connection
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +221,7 @@ class NixlBackend(Backend):
     inline_bytes = False
 
     def __init__(
-        self, *, cfg: TransferConfig, pool: torch.Tensor, geometry: PoolGeometry, agent_name: str
+        self, *, cfg: TransferSettings, pool: torch.Tensor, geometry: PoolGeometry, agent_name: str
     ):
         self._agent = NixlAgent(agent_name, pool, cfg.ucx_devices)
         self._geometry = geometry
@@ -235,7 +235,7 @@ class NixlBackend(Backend):
             metadata_b64=self._metadata_b64,
             pool_addr=self._geometry.base_addr,
             pool_bytes=self._geometry.nbytes,
-            mem_type=self._agent.mem_type,  # type: ignore[arg-type]
+            mem_type=self._agent.mem_type,
             device_id=self._agent.device_id,
         )
 

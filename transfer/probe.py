@@ -1,7 +1,7 @@
 """Bandwidth probe between this host and a worker's transceiver (``pdserve doctor --peer``).
 
 Design origin: issue 3 point 7 ("measures bandwidth between this host and a named worker") and
-the raw-socket reference of :mod:`pdserve.transfer.bench`: what the network path between two
+the raw-socket reference of :mod:`pdserve.tools.bench_transfer`: what the network path between two
 hosts carries, measured through the worker's own transfer listener, so it needs no extra port,
 no model and no peer configuration.
 
@@ -19,7 +19,7 @@ closes the connection), no parked block, lease or handshake state is touched, an
 connection is served like any other (one task; closing the transceiver ends it).
 
 What it measures: TCP between the two hosts, with the transfer connection's socket options
-(:func:`pdserve.transfer.tcp.tune`): the path of the TCP backend and of UCX's TCP transport,
+(:func:`pdserve.transfer.control.tune`): the path of the TCP backend and of UCX's TCP transport,
 not a NIXL/UCX transfer itself (that needs a registered pool on both sides).
 """
 
@@ -36,7 +36,7 @@ import numpy as np
 from pdserve.errors import TransferError
 from pdserve.protocol import KVLayout
 from pdserve.transfer import wire
-from pdserve.transfer.tcp import Connection
+from pdserve.transfer.control import Connection
 
 if TYPE_CHECKING:
     from pdserve.transfer.handshake import LocalSide

@@ -49,10 +49,10 @@ from dataclasses import dataclass, field
 from pdserve.errors import HandleError, TransferError
 from pdserve.protocol import TransferHandle
 from pdserve.transfer import wire
+from pdserve.transfer.control import Connection
 from pdserve.transfer.formatter import Formatter, TransferPlan
 from pdserve.transfer.handshake import LocalSide
 from pdserve.transfer.integrity import BlockDigester
-from pdserve.transfer.tcp import Connection
 
 log = logging.getLogger(__name__)
 

@@ -40,11 +40,11 @@ from typing import Protocol
 from pdserve.errors import HandleError, TransferError
 from pdserve.transfer import wire
 from pdserve.transfer.backend import Outbound, Peer
+from pdserve.transfer.control import Connection
 from pdserve.transfer.formatter import Formatter, TransferPlan
 from pdserve.transfer.handshake import LocalSide
 from pdserve.transfer.integrity import BlockDigester
 from pdserve.transfer.probe import serve_probes
-from pdserve.transfer.tcp import Connection
 
 log = logging.getLogger(__name__)
 

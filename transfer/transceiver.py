@@ -7,7 +7,7 @@ cache for its executor), with the seed's outlook applied: the control plane is P
 (NIXL WRITE of registered memory, or bytes streamed on the TCP connection).
 
 Lifecycle: ``create_transceiver`` (validates the pool, picks and initialises the backend) ->
-``await start()`` (listens on ``cfg.host:cfg.port``; ``endpoint`` is then set) -> serve
+``await start()`` (listens on ``cfg.bind_host:cfg.port``; ``endpoint`` is then set) -> serve
 (``pull`` on decode workers; connections accepted on prefill workers) -> ``await close()``
 (idempotent: stops accepting, ends connection handlers, closes idle connections, releases the
 backend's agent and memory registration).
@@ -28,17 +28,17 @@ from collections import deque
 
 import torch
 
-from pdserve.config import TransferConfig, advertised_host
 from pdserve.errors import ConfigError, TransferError
 from pdserve.protocol import KVLayout, TransferHandle
+from pdserve.settings import TransferSettings, advertised_host
 from pdserve.transfer.backend import Backend, open_backend
+from pdserve.transfer.control import Connection
 from pdserve.transfer.convert import StagingPool
 from pdserve.transfer.formatter import PoolGeometry
 from pdserve.transfer.handshake import LocalSide
 from pdserve.transfer.integrity import BlockDigester
 from pdserve.transfer.receiver import Receiver
 from pdserve.transfer.sender import ParkedLookup, Sender
-from pdserve.transfer.tcp import Connection
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +55,14 @@ class Transceiver:
 
     def __init__(
         self,
-        cfg: TransferConfig,
+        cfg: TransferSettings,
         local: LocalSide,
         parked: ParkedLookup | None,
         digester: BlockDigester,
+        advertise_host: str | None = None,
     ):
         self._cfg = cfg
+        self._advertise_host = advertise_host
         self._local = local
         self._parked = parked
         self._digester = digester
@@ -82,11 +84,12 @@ class Transceiver:
         return self._local.backend.late_writes
 
     async def start(self) -> None:
-        """Listen for peers on ``cfg.host:cfg.port`` (port 0 picks one) and set ``endpoint``.
+        """Listen for peers on ``cfg.bind_host:cfg.port`` (port 0 picks one) and set ``endpoint``
+        (the advertised host, :func:`pdserve.settings.advertised_host`, and the bound port).
         Raises ConfigError if the address cannot be bound."""
         if self._listener is not None:
             return
-        host, port = self._cfg.host, self._cfg.port
+        host, port = self._cfg.bind_host, self._cfg.port
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -99,7 +102,7 @@ class Transceiver:
         sock.setblocking(False)
         self._listener = sock
         bound = sock.getsockname()[1]
-        shown = advertised_host(host, self._cfg.advertise_host)
+        shown = advertised_host(host, self._advertise_host)
         self.endpoint = f"[{shown}]:{bound}" if ":" in shown else f"{shown}:{bound}"
         self._accept_task = asyncio.create_task(self._accept_loop(sock))
         log.info("KV transceiver (%s) listening on %s", self.backend, self.endpoint)
@@ -172,13 +175,14 @@ class Transceiver:
 
 
 def create_transceiver(
-    cfg: TransferConfig,
+    cfg: TransferSettings,
     *,
     pool: torch.Tensor,
     layout: KVLayout,
     worker_id: str,
     epoch: int,
     parked: ParkedLookup | None,
+    advertise_host: str | None = None,
 ) -> Transceiver:
     """Build a worker's transceiver over its KV pool.
 
@@ -186,7 +190,8 @@ def create_transceiver(
     of ``layout.dtype`` (CPU or CUDA: NIXL registers either, TCP stages CUDA bytes through
     pinned host memory, ucx refuses CUDA with ConfigError). It is registered with NIXL and must
     outlive the transceiver. ``parked``: the prefill worker's parked blocks (None on a pure decode
-    worker: its SendBlocks are refused). Picks the backend (``cfg.backend``; ``"auto"`` = NIXL
+    worker: its SendBlocks are refused). ``advertise_host``: the address peers dial (default:
+    the bind host; a wildcard bind: this machine's hostname). Picks the backend (``cfg.backend``; ``"auto"`` = NIXL
     if it imports and initialises, else TCP). Raises ConfigError for a pool that does not match
     ``layout`` or an unavailable explicit backend. Call from the event loop's thread.
     """
@@ -196,4 +201,4 @@ def create_transceiver(
     backend: Backend = open_backend(cfg, pool=pool, geometry=geometry, agent_name=agent_name)
     staging = StagingPool(pool, backend)  # used only by peers whose layout differs
     local = LocalSide(worker_id, epoch, layout, geometry, backend, staging=staging)
-    return Transceiver(cfg, local, parked, BlockDigester(pool))
+    return Transceiver(cfg, local, parked, BlockDigester(pool), advertise_host)

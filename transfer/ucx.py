@@ -84,12 +84,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdserve.config import TransferConfig
 from pdserve.errors import ConfigError, TransferError
+from pdserve.settings import TransferSettings
 from pdserve.transfer import wire
 from pdserve.transfer.backend import Backend, Outbound, Peer, Poller, TransferState
+from pdserve.transfer.control import Connection
 from pdserve.transfer.formatter import PoolGeometry, TransferPlan, pool_bytes
-from pdserve.transfer.tcp import Connection
 
 log = logging.getLogger(__name__)
 
@@ -354,7 +354,7 @@ class UcxBackend(Backend):
     inline_bytes = False
 
     def __init__(
-        self, *, cfg: TransferConfig, pool: torch.Tensor, geometry: PoolGeometry, agent_name: str
+        self, *, cfg: TransferSettings, pool: torch.Tensor, geometry: PoolGeometry, agent_name: str
     ):
         if pool.device.type != "cpu":  # ucxx here is a CUDA 12 build; device memory untested
             raise ConfigError(

@@ -241,7 +241,7 @@ def encode(msg: _Wire) -> bytes:
 
 def frame_length(header: bytes) -> int:
     """Payload length from a 4-byte header; raises TransferError past :data:`MAX_FRAME_BYTES`."""
-    (length,) = HEADER.unpack(header)
+    length: int = HEADER.unpack(header)[0]
     if length > MAX_FRAME_BYTES:
         raise TransferError(f"control frame of {length} bytes exceeds {MAX_FRAME_BYTES}")
     return length

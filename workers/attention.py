@@ -156,7 +156,8 @@ def paged_attention_forward(
         layer = torch.ops.pdserve.paged_attention(query, key, value, module.layer_idx, scaling)
         return layer, None
     assert isinstance(meta, PagedAttentionMetadata)
-    return paged_attention(meta, module.layer_idx, query, key, value, scaling), None
+    layer_idx: int = module.layer_idx  # type: ignore[assignment]  # set by transformers
+    return paged_attention(meta, layer_idx, query, key, value, scaling), None
 
 
 def paged_attention(

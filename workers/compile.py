@@ -60,7 +60,8 @@ def _onednn_linear_op(
     x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
     """``x @ W.T + bias`` for ``x`` ``[M, K]`` with ``W`` prepacked by oneDNN -> ``[M, N]``."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    return out
 
 
 @_onednn_linear_op.register_fake
@@ -90,7 +91,7 @@ class OneDNNLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        out = torch.ops.pdserve.onednn_linear(
+        out: torch.Tensor = torch.ops.pdserve.onednn_linear(
             flat, self.packed_weight, self.bias, self.out_features
         )
         return out.view(*x.shape[:-1], self.out_features)
@@ -167,7 +168,8 @@ class CompiledForward:
             use_cache=False,
             logits_to_keep=keep,
         )
-        return out.logits[0]
+        logits: torch.Tensor = out.logits[0]
+        return logits
 
     def __call__(
         self,

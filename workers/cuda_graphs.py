@@ -224,7 +224,8 @@ class DecodeGraphs:
             use_cache=False,
             **{METADATA_KWARG: meta},
         )
-        return out.logits[0]
+        logits: torch.Tensor = out.logits[0]
+        return logits
 
     def _record(self, shape: _Shape, kv_cache: KVCacheManager, key: tuple[int, int]) -> bool:
         """Warm up and capture ``shape``'s graph, then replay it for the current step. False

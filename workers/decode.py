@@ -45,16 +45,18 @@ from pdserve.errors import (
 )
 from pdserve.protocol import FinishReason, GenerationChunk, GenerationRequest, TransferHandle
 from pdserve.workers.bridge import OutputStream
+from pdserve.workers.requests import EngineRequest
 
 if TYPE_CHECKING:
     from pdserve.metrics import WorkerMetrics
     from pdserve.transfer import Transceiver
-    from pdserve.workers.engine import Engine, EngineOutput
+    from pdserve.workers.engine_api import WorkerEngine
+    from pdserve.workers.requests import EngineOutput
 
 log = logging.getLogger(__name__)
 
 
-def check_handle(req: GenerationRequest, handle: TransferHandle, engine: Engine) -> None:
+def check_handle(req: GenerationRequest, handle: TransferHandle, engine: WorkerEngine) -> None:
     """Refuse a handle that cannot fill this request's blocks. Raises HandleError or
     LayoutMismatchError."""
     if handle.request_id != req.request_id:
@@ -88,21 +90,32 @@ def check_handle(req: GenerationRequest, handle: TransferHandle, engine: Engine)
 
 
 class DecodeRole:
-    """Serves ``/internal/generate`` for a decode (or colocated) worker."""
+    """Serves ``/internal/generate`` for a decode (or colocated) worker.
+
+    ``transceiver``: None on a colocated worker (a request with a handle is then refused).
+    ``quarantine_s``: how long a failed pull's blocks are held back (the transfer timeout).
+    ``max_queued_requests``: how many requests may wait for free KV blocks at once (more get
+    429 at once). ``evicts``: False under ``guaranteed_no_evict`` (a reservation that does not
+    fit now is refused at once: nothing running will free blocks for it).
+    """
 
     def __init__(
         self,
         *,
-        engine: Engine,
+        engine: WorkerEngine,
         transceiver: Transceiver | None,
         quarantine_s: float = 30.0,
         metrics: WorkerMetrics | None = None,
+        max_queued_requests: int = 256,
+        evicts: bool = True,
     ) -> None:
         self.engine = engine
         self.transceiver = transceiver
         self.quarantine_s = quarantine_s
         self.quarantined = 0
         self.metrics = metrics
+        self.max_queued_requests = max_queued_requests
+        self.evicts = evicts
         self.waiting_for_blocks = 0
 
     def _quarantine(self, request_id: str) -> None:
@@ -128,21 +141,11 @@ class DecodeRole:
         Raises (before anything is streamed): DeadlineExceededError, HandleError,
         LayoutMismatchError, CapacityError, InvalidRequestError, TransferError.
         """
-        from pdserve.workers.engine import EngineRequest
-
         if req.deadline <= time.time():
             raise DeadlineExceededError(f"request {req.request_id} arrived after its deadline")
         stream = OutputStream(choices=req.sampling.n)
         if req.handle is None:
-            self.engine.add_request(
-                EngineRequest(
-                    request_id=req.request_id,
-                    prompt_token_ids=list(req.prompt_token_ids),
-                    sampling=req.sampling,
-                    mode="full",
-                ),
-                stream.sink,
-            )
+            self.engine.add_request(EngineRequest.for_leg(req, "full"), stream.sink)
             return stream
         check_handle(req, req.handle, self.engine)
         if self.transceiver is None:
@@ -173,16 +176,7 @@ class DecodeRole:
             if error is exc:
                 raise
             raise error from None
-        self.engine.add_request(
-            EngineRequest(
-                request_id=req.request_id,
-                prompt_token_ids=list(req.prompt_token_ids),
-                sampling=req.sampling,
-                mode="resume",
-                first_token=req.first_token,
-            ),
-            stream.sink,
-        )
+        self.engine.add_request(EngineRequest.for_leg(req, "resume"), stream.sink)
         return stream
 
     async def _reserve(self, req: GenerationRequest, handle: TransferHandle) -> list[int]:
@@ -194,9 +188,9 @@ class DecodeRole:
         try:
             return self.engine.reserve(req.request_id, prompt, req.sampling)
         except CapacityError:
-            if self.engine.limits.policy == "guaranteed_no_evict":
+            if not self.evicts:
                 raise
-        if self.waiting_for_blocks >= self.engine.cfg.max_queued_requests:
+        if self.waiting_for_blocks >= self.max_queued_requests:
             raise QueueFullError(f"{self.waiting_for_blocks} requests wait for KV blocks here")
         give_up = min(handle.lease_deadline, req.deadline) - 1.0
         self.waiting_for_blocks += 1

@@ -110,9 +110,11 @@ class Engine:
         self.runner = ModelRunner(cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         limit = self.runner.max_position_embeddings
-        if cfg.max_model_len is not None and cfg.max_model_len > limit:
-            raise ConfigError(f"max_model_len {cfg.max_model_len} exceeds the model's {limit}")
-        self.max_model_len: int = cfg.max_model_len or limit
+        if cfg.model.max_model_len is not None and cfg.model.max_model_len > limit:
+            raise ConfigError(
+                f"max_model_len {cfg.model.max_model_len} exceeds the model's {limit}"
+            )
+        self.max_model_len: int = cfg.model.max_model_len or limit
         eos = self.runner.model.generation_config.eos_token_id
         eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
         if self.tokenizer.eos_token_id is not None:
@@ -123,27 +125,27 @@ class Engine:
             num_layers=self.runner.num_layers,
             num_kv_heads=self.runner.num_kv_heads,
             head_dim=self.runner.head_dim,
-            tokens_per_block=cfg.tokens_per_block,
+            tokens_per_block=cfg.kv_cache.tokens_per_block,
             dtype=cfg.cache_dtype,
         )
         size = pool_size(
             self.layout,
-            num_blocks=cfg.num_blocks,
-            kv_cache_bytes=cfg.kv_cache_bytes,
-            device=cfg.device,
-            memory_fraction=cfg.kv_memory_fraction,
-            auto_bytes=self._profile_cuda_budget() if cfg.device.startswith("cuda") else None,
+            num_blocks=cfg.kv_cache.num_blocks,
+            kv_cache_bytes=cfg.kv_cache.budget_bytes,
+            device=cfg.model.device,
+            memory_fraction=cfg.kv_cache.memory_fraction,
+            auto_bytes=self._profile_cuda_budget() if cfg.model.device.startswith("cuda") else None,
         )
-        self.kv_cache = KVCacheManager(self.layout, size.num_blocks, cfg.device)
+        self.kv_cache = KVCacheManager(self.layout, size.num_blocks, cfg.model.device)
         log_pool(size, self.layout, self.max_model_len)
         self.scheduler = Scheduler(
             self.kv_cache,
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            policy=cfg.capacity_policy,
+            max_num_seqs=cfg.scheduler.max_num_seqs,
+            max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
+            policy=cfg.scheduler.capacity_policy,
         )
         self.limits = RequestLimits(
-            self.runner.vocab_size, self.max_model_len, self.kv_cache, cfg.capacity_policy
+            self.runner.vocab_size, self.max_model_len, self.kv_cache, cfg.scheduler.capacity_policy
         )
         self.sampler = Sampler()
         self.parked: dict[str, list[int]] = {}
@@ -160,9 +162,11 @@ class Engine:
     def _profile_cuda_budget(self) -> int:
         """CUDA: run the largest step (``max_num_batched_tokens`` prompt tokens) on a scratch
         pool, then apply :func:`cuda_kv_budget` to the device's memory (bytes)."""
-        cfg, dev = self.cfg, torch.device(self.cfg.device)
-        num_tokens = min(cfg.max_num_batched_tokens, self.max_model_len - 1)
-        scratch = KVCacheManager(self.layout, -(-num_tokens // cfg.tokens_per_block), cfg.device)
+        cfg, dev = self.cfg, torch.device(self.cfg.model.device)
+        num_tokens = min(cfg.scheduler.max_num_batched_tokens, self.max_model_len - 1)
+        scratch = KVCacheManager(
+            self.layout, -(-num_tokens // cfg.kv_cache.tokens_per_block), cfg.model.device
+        )
         seq = Sequence("profile", [0] * num_tokens, SamplingParams(max_tokens=1), "prefill", 0)
         scratch.allocate(seq.request_id, num_tokens)
         torch.cuda.synchronize(dev)
@@ -177,7 +181,7 @@ class Engine:
         torch.cuda.empty_cache()
         _, total = torch.cuda.mem_get_info(dev)
         in_use = torch.cuda.memory_reserved(dev)
-        budget = cuda_kv_budget(total, in_use, peak, cfg.gpu_memory_utilization)
+        budget = cuda_kv_budget(total, in_use, peak, cfg.kv_cache.gpu_memory_utilization)
         log.info(
             "CUDA memory: %.2f GiB total, %.2f GiB held (weights), %.2f GiB peak step of %d "
             "tokens; KV budget at utilization %.2f: %.2f GiB",
@@ -185,7 +189,7 @@ class Engine:
             in_use / 2**30,
             peak / 2**30,
             num_tokens,
-            cfg.gpu_memory_utilization,
+            cfg.kv_cache.gpu_memory_utilization,
             budget / 2**30,
         )
         return budget
@@ -235,7 +239,7 @@ class Engine:
                 if req.request_id in self._groups or req.request_id in self.parked:
                     raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
                 waiting = len(self.scheduler.waiting)
-                if req.mode != "resume" and waiting >= self.cfg.max_queued_requests:
+                if req.mode != "resume" and waiting >= self.cfg.scheduler.max_queued_requests:
                     raise QueueFullError(
                         f"{waiting} requests are waiting on this worker (max_queued_requests); "
                         "retry later"

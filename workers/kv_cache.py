@@ -1,7 +1,7 @@
 """KV cache manager: fixed-size KV blocks carved out of one contiguous pool tensor.
 
-The interface is the seed's (TensorRT-LLM PyTorch backend ``KVCacheManager``, see
-``/work/shared/seeds/kv-cache-manager.md``): ``prepare_resources`` / ``update_resources`` /
+The interface is TensorRT-LLM's (PyTorch backend ``KVCacheManager``, its KV cache manager
+documentation): ``prepare_resources`` / ``update_resources`` /
 ``free_resources`` for the step loop, ``get_max_resource_count`` /
 ``get_needed_resource_to_completion`` for the capacity scheduler, ``get_batch_cache_indices`` /
 ``get_buffers`` / ``get_num_free_blocks`` for the attention backend and the transfer path.

@@ -48,10 +48,10 @@ class ModelRunner:
     def __init__(self, cfg: EngineConfig):
         from transformers import AutoModelForCausalLM
 
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)  # process-wide intra-op pool
-        self.device = torch.device(cfg.device)
-        self.dtype = TORCH_DTYPES[cfg.dtype]
+        if cfg.scheduler.threads:
+            torch.set_num_threads(cfg.scheduler.threads)  # process-wide intra-op pool
+        self.device = torch.device(cfg.model.device)
+        self.dtype = TORCH_DTYPES[cfg.model.dtype]
         path = Path(cfg.model_path)
         if not (path / "config.json").is_file():
             raise ConfigError(f"model folder {path} has no config.json")
@@ -61,7 +61,7 @@ class ModelRunner:
             attn_implementation=register_paged_attention(),
             local_files_only=True,
         )
-        self.model.to(self.device).eval()
+        torch.nn.Module.to(self.model, self.device).train(False)  # eval mode
         text = self.model.config.get_text_config()
         if any(kind != "full_attention" for kind in getattr(text, "layer_types", None) or ()):
             raise ConfigError(
@@ -78,11 +78,13 @@ class ModelRunner:
         self.vocab_size: int = text.vocab_size
         self.max_position_embeddings: int = text.max_position_embeddings
         self.graphs: DecodeGraphs | None = None
-        if cfg.cuda_graphs and self.device.type == "cuda":
-            self.graphs = DecodeGraphs(self.model, self.device, max_num_seqs=cfg.max_num_seqs)
+        if cfg.scheduler.cuda_graphs and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(
+                self.model, self.device, max_num_seqs=cfg.scheduler.max_num_seqs
+            )
         self._workspace: torch.Tensor | None = None  # PagedAttentionMetadata.workspace
         self.compiled: CompiledForward | None = None
-        if cfg.compile and self.device.type == "cpu":
+        if cfg.model.compile and self.device.type == "cpu":
             self.compiled = self._compile()
 
     def _compile(self) -> CompiledForward | None:
@@ -104,9 +106,9 @@ class ModelRunner:
         graphs); other steps, and shapes that cannot be captured, run eagerly. A compiled step
         that raises is logged and run eagerly, and the runner stays eager from then on."""
         if self.graphs is not None:
-            logits = self.graphs.run(batch, kv_cache)
-            if logits is not None:
-                return logits
+            replayed = self.graphs.run(batch, kv_cache)
+            if replayed is not None:
+                return replayed
         ids, positions, meta, keep = self.prepare_inputs(batch, kv_cache)
         if self.compiled is not None:
             try:
@@ -121,7 +123,8 @@ class ModelRunner:
             logits_to_keep=keep,
             **{METADATA_KWARG: meta},
         )
-        return out.logits[0].float()
+        logits: torch.Tensor = out.logits[0].float()
+        return logits
 
     def prepare_inputs(
         self, batch: ScheduledBatch, kv_cache: KVCacheManager
@@ -142,12 +145,12 @@ class ModelRunner:
         dec_slot: list[int] = []
         for s in batch.decode:
             table = tables[s.request_id]
-            pos = s.start_position
+            p = s.start_position
             ids.extend(s.token_ids())
-            dec_pos.append(pos)
-            dec_slot.append(table[pos // tpb] * 2 * tpb + pos % tpb)
-            decode_tables.append(table[: pos // tpb + 1])
-            decode_ctx.append(pos + 1)
+            dec_pos.append(p)
+            dec_slot.append(table[p // tpb] * 2 * tpb + p % tpb)
+            decode_tables.append(table[: p // tpb + 1])
+            decode_ctx.append(p + 1)
         keep.extend(range(len(batch.decode)))
         positions.append(torch.tensor(dec_pos, dtype=torch.long))
         k_slots.append(torch.tensor(dec_slot, dtype=torch.long))

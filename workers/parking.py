@@ -4,7 +4,7 @@ After prefill, a request's KV blocks stay allocated in the prefill worker's pool
 worker that pulls them releases them, or until the lease runs out, whichever comes first
 (TensorRT-LLM's "context releases KV cache" step; Dynamo's deferred free).
 
-Fencing (issue 3): a decode worker names the parked blocks by ``(request_id, epoch, lease_id)``
+Fencing: a decode worker names the parked blocks by ``(request_id, epoch, lease_id)``
 and the block ids of its :class:`~pdserve.protocol.TransferHandle`. :meth:`ParkedBlocks.lookup`
 refuses, with :class:`~pdserve.errors.HandleError` naming the reason:
 

@@ -26,10 +26,11 @@ from pdserve.errors import DeadlineExceededError, WorkerError
 from pdserve.protocol import ContextRequest, ContextResponse, TransferHandle
 from pdserve.workers.bridge import OutputStream
 from pdserve.workers.parking import ParkedBlocks
+from pdserve.workers.requests import EngineRequest
 
 if TYPE_CHECKING:
     from pdserve.transfer import Transceiver
-    from pdserve.workers.engine import Engine
+    from pdserve.workers.engine_api import WorkerEngine
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,12 @@ class PrefillRole:
     """
 
     def __init__(
-        self, *, engine: Engine, transceiver: Transceiver, parked: ParkedBlocks, worker_id: str
+        self,
+        *,
+        engine: WorkerEngine,
+        transceiver: Transceiver,
+        parked: ParkedBlocks,
+        worker_id: str,
     ) -> None:
         self.engine = engine
         self.transceiver = transceiver
@@ -52,21 +58,11 @@ class PrefillRole:
     async def context(self, req: ContextRequest) -> ContextResponse:
         """Run prefill for ``req``. Raises DeadlineExceededError, InvalidRequestError (from the
         engine's validation), CapacityError, or WorkerError when the engine fails the request."""
-        from pdserve.workers.engine import EngineRequest
-
         remaining = req.deadline - time.time()
         if remaining <= 0:
             raise DeadlineExceededError(f"request {req.request_id} arrived after its deadline")
         stream = OutputStream(single=True)
-        self.engine.add_request(
-            EngineRequest(
-                request_id=req.request_id,
-                prompt_token_ids=list(req.prompt_token_ids),
-                sampling=req.sampling,
-                mode="prefill",
-            ),
-            stream.sink,
-        )
+        self.engine.add_request(EngineRequest.for_leg(req, "prefill"), stream.sink)
         try:
             out = await stream.next(timeout=remaining)
         except TimeoutError:

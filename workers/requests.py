@@ -11,7 +11,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.errors import CapacityError, InvalidRequestError
-from pdserve.protocol import FinishReason, SamplingParams, TokenLogprob
+from pdserve.protocol import (
+    ContextRequest,
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+    TokenLogprob,
+)
 from pdserve.workers.kv_cache import KVCacheManager
 from pdserve.workers.sequence import EngineMode
 
@@ -31,6 +37,21 @@ class EngineRequest:
     sampling: SamplingParams
     mode: EngineMode = "full"
     first_token: int | None = None
+
+    @classmethod
+    def for_leg(cls, req: ContextRequest | GenerationRequest, mode: EngineMode) -> EngineRequest:
+        """The one place a worker turns a wire request into an engine request: ``prefill``
+        for a :class:`ContextRequest`, ``full`` for a :class:`GenerationRequest` without a
+        handle (prefill and decode here), ``resume`` for one whose blocks were pulled (its
+        ``first_token`` is the prefill leg's token)."""
+        first = req.first_token if isinstance(req, GenerationRequest) else None
+        return cls(
+            request_id=req.request_id,
+            prompt_token_ids=list(req.prompt_token_ids),
+            sampling=req.sampling,
+            mode=mode,
+            first_token=first if mode == "resume" else None,
+        )
 
 
 @dataclass(frozen=True)

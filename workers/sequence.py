@@ -116,7 +116,10 @@ class IncrementalDetokenizer:
         self.stopped: str | None = None
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        text: str = self._tok.decode(
+            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+        return text
 
     def append(self, token_id: int) -> None:
         """Add one output token; decodes what became decodable and checks stop strings."""

@@ -29,11 +29,11 @@ from __future__ import annotations
 from pdserve.discovery.base import (
     DiscoveryURL,
     InvalidDiscoveryURLError,
+    RecordTable,
     Registration,
     RegistrationState,
     Subscriber,
     Watcher,
-    WorkerView,
     parse_discovery_url,
 )
 from pdserve.discovery.registry import EmbeddedRegistry, EmbeddedWatcher
@@ -47,7 +47,7 @@ __all__ = [
     "RegistrationState",
     "Subscriber",
     "Watcher",
-    "WorkerView",
+    "RecordTable",
     "open_registration",
     "open_watcher",
     "parse_discovery_url",

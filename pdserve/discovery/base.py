@@ -11,7 +11,7 @@ Two roles, one per side of the control plane:
         \\--------------------------------close()------------------------> CLOSED
 
 - router side, :class:`Watcher`: a live ``worker_id -> WorkerRecord`` view plus put/delete
-  callbacks, kept in a :class:`WorkerView`.
+  callbacks, kept in a :class:`RecordTable`.
 
 Async-safety: every object here belongs to one asyncio event loop and is not thread-safe;
 call its methods from that loop's thread.
@@ -29,13 +29,15 @@ import random
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Generic, Literal, TypeVar
 from urllib.parse import urlsplit
 
 from pdserve.errors import DiscoveryError
 from pdserve.protocol import WorkerRecord
 
 logger = logging.getLogger(__name__)
+
+_F = TypeVar("_F")
 
 Subscriber = Callable[[str, WorkerRecord | None], None]
 """Called with ``(worker_id, record)`` on a put and ``(worker_id, None)`` on a delete."""
@@ -157,8 +159,34 @@ class RegistrationState(enum.StrEnum):
     CLOSED = "closed"  # close() called; nothing more is sent
 
 
+class SupersededError(DiscoveryError):
+    """The registry holds a record of a newer epoch: this worker id restarted elsewhere. Raised
+    by a backend's :meth:`Registration._write`; the registration then stops writing."""
+
+    code = "registration_superseded"
+
+
+async def cancel_task(task: asyncio.Task[None] | None) -> None:
+    """Cancel ``task`` (if any) and wait for it to finish; its cancellation is swallowed."""
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 class Registration(abc.ABC):
     """Worker side: keeps one :class:`WorkerRecord` registered under a TTL.
+
+    The lifecycle is written once, here (a template method); a backend supplies the primitives:
+
+    - :meth:`_write` ``(refresh_due)``: put the newest record if it changed (``_wake`` is set)
+      or nothing is registered yet, and keep the TTL alive when ``refresh_due``; raise on any
+      failure (:class:`SupersededError` when a newer epoch holds the record);
+    - :meth:`_delete`: remove the record, best effort and bounded (never raises);
+    - :meth:`_close_client`: release the connection (never raises);
+    - optional hooks: :meth:`_connect` (before the first write), :meth:`_needs_write`,
+      :meth:`_wait_backoff`, :meth:`_failure_detail`, and ``_write_refreshes`` (False when a
+      put does not renew the TTL, as with an etcd lease).
 
     Ownership: the registration owns its background task and its client connection; both end
     in :meth:`close`. Errors: none of the methods raise on registry outages (they log a warning
@@ -166,12 +194,19 @@ class Registration(abc.ABC):
     different ``worker_id``) raise ``RuntimeError`` / ``ValueError``.
     """
 
+    _task_prefix = "register"
+    _write_refreshes = True  # a put also renews the TTL (HTTP registry, NATS per-message TTL)
+
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s = check_ttl(ttl_s)
         self.state = RegistrationState.IDLE
         self._record: WorkerRecord | None = None
         self._task: asyncio.Task[None] | None = None  # the refresh / keepalive task
         self._backoff = Backoff(0.1, self.refresh_interval_s)
+        self._wake = asyncio.Event()  # set by update(): write the newest record soon
+        self._gave_up = False  # superseded: the refresh task stops writing
+        self._ever_registered = False  # a later creation is logged as a re-registration
+        self.renewals = 0  # successful TTL renewals since start (writes or lease refreshes)
 
     @property
     def record(self) -> WorkerRecord | None:
@@ -182,6 +217,91 @@ class Registration(abc.ABC):
     def refresh_interval_s(self) -> float:
         """Seconds between refreshes: a third of the TTL, so two may fail before expiry."""
         return self.ttl_s / 3
+
+    @property
+    def _worker_id(self) -> str:
+        return self._record.worker_id if self._record else "?"
+
+    @property
+    @abc.abstractmethod
+    def _where(self) -> str:
+        """The registry, for log lines (``"etcd 127.0.0.1:2379"``)."""
+
+    # -- lifecycle (template) ----------------------------------------------------------------
+
+    async def start(self, record: WorkerRecord) -> None:
+        """Register ``record`` and start the refresh task. Tries once inline (bounded by the
+        backend's request timeout, at most 5 s); if the registry is unreachable it logs a
+        warning, leaves state RETRYING and the task keeps trying. Raises ``RuntimeError`` if
+        already started, ``ValueError`` for a worker_id that is not URL/key safe."""
+        self._accept(record, starting=True)
+        self.state = RegistrationState.RETRYING
+        if await self._connect(record):
+            await self._attempt(refresh_due=False)
+        name = f"{self._task_prefix}-{record.worker_id}"
+        self._task = asyncio.create_task(self._refresh_loop(), name=name)
+
+    async def update(self, record: WorkerRecord) -> None:
+        """Replace the record (same ``worker_id``), e.g. on load changes. Cheap and
+        non-blocking: the refresh task writes the newest record soon (coalescing bursts)."""
+        self._accept(record, starting=False)
+        if self._needs_write(record):
+            self._wake.set()
+
+    async def close(self) -> None:
+        """Stop refreshing and remove the record from the registry (best effort, bounded by a
+        short timeout). Idempotent."""
+        if self.state is RegistrationState.CLOSED:
+            return
+        was_started = self.state is not RegistrationState.IDLE
+        self.state = RegistrationState.CLOSED
+        await self._cancel_task()
+        if was_started:
+            await self._delete()
+        await self._close_client()
+
+    async def abandon(self) -> None:
+        """Stop refreshing *without* deregistering, as if the process had died: the record
+        lapses after its TTL. For crash tests and exit paths that must not wait on the
+        registry. Idempotent; ``close()`` afterwards is a no-op."""
+        if self.state is RegistrationState.CLOSED:
+            return
+        self.state = RegistrationState.CLOSED
+        await self._cancel_task()
+        await self._close_client()
+
+    # -- backend primitives ------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def _write(self, refresh_due: bool) -> None:
+        """Put the newest record when it changed or is not registered, renew the TTL when
+        ``refresh_due``. Raises on failure (any exception: the caller retries)."""
+
+    @abc.abstractmethod
+    async def _delete(self) -> None:
+        """Remove the record (only if this registration wrote it); bounded; never raises."""
+
+    @abc.abstractmethod
+    async def _close_client(self) -> None:
+        """Release the client connection; bounded; never raises."""
+
+    async def _connect(self, record: WorkerRecord) -> bool:
+        """Before the first write: return whether the inline attempt should be made."""
+        return True
+
+    def _needs_write(self, record: WorkerRecord) -> bool:
+        """Whether ``update(record)`` should wake the task for a write before the refresh."""
+        return True
+
+    async def _wait_backoff(self) -> None:
+        """After a failed attempt: wait before the next one (updates do not shorten it)."""
+        await asyncio.sleep(self._backoff.next_delay())
+
+    def _failure_detail(self, exc: Exception) -> str:
+        """Extra text for the failure warning (e.g. the start of an HTTP error body)."""
+        return ""
+
+    # -- shared machinery --------------------------------------------------------------------
 
     def _accept(self, record: WorkerRecord, *, starting: bool) -> None:
         if starting:
@@ -198,28 +318,48 @@ class Registration(abc.ABC):
                 )
         self._record = record
 
-    @abc.abstractmethod
-    async def start(self, record: WorkerRecord) -> None:
-        """Register ``record`` and start the refresh task. Tries once inline (bounded by the
-        backend's request timeout, at most 5 s); if the registry is unreachable it logs a
-        warning, leaves state RETRYING and the task keeps trying. Raises ``RuntimeError`` if
-        already started, ``ValueError`` for a worker_id that is not URL/key safe."""
+    def _log_created(self, record: WorkerRecord, detail: str) -> None:
+        """Log a (re-)registration of ``record`` at ``detail`` (where, TTL)."""
+        logger.info(
+            "%s worker %s (epoch %d) %s",
+            "re-registered" if self._ever_registered else "registered",
+            record.worker_id,
+            record.epoch,
+            detail,
+        )
 
-    @abc.abstractmethod
-    async def update(self, record: WorkerRecord) -> None:
-        """Replace the record (same ``worker_id``), e.g. on load changes. Cheap and
-        non-blocking: the refresh task writes the newest record soon (coalescing bursts)."""
+    async def _attempt(self, refresh_due: bool) -> bool:
+        """One :meth:`_write`; update state and backoff; never raise."""
+        try:
+            await self._write(refresh_due)
+        except SupersededError as exc:
+            logger.error("%s; this incarnation stops registering", exc.message)
+            self._gave_up = True
+            self.state = RegistrationState.RETRYING
+            return False
+        except Exception as exc:  # registry down, timeout, bad reply: retry, never crash
+            self._note_failure(self._where, exc, self._failure_detail(exc))
+            return False
+        self._ever_registered = True
+        self._note_success(self._where)
+        return True
 
-    @abc.abstractmethod
-    async def close(self) -> None:
-        """Stop refreshing and remove the record from the registry (best effort, bounded by a
-        short timeout). Idempotent."""
-
-    @abc.abstractmethod
-    async def abandon(self) -> None:
-        """Stop refreshing *without* deregistering, as if the process had died: the record
-        lapses after its TTL. For crash tests and exit paths that must not wait on the
-        registry. Idempotent; ``close()`` afterwards is a no-op."""
+    async def _refresh_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        ok = self.state is RegistrationState.REGISTERED  # outcome of start()'s inline attempt
+        next_refresh = loop.time() + self.refresh_interval_s
+        while not self._gave_up:
+            if ok:  # refresh on schedule; write sooner after update()
+                timeout = max(0.0, next_refresh - loop.time())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=timeout)
+            else:
+                await self._wait_backoff()
+            refresh_due = not ok or loop.time() >= next_refresh
+            ok = await self._attempt(refresh_due)
+            if ok and (refresh_due or self._write_refreshes):
+                next_refresh = loop.time() + self.refresh_interval_s
+                self.renewals += 1
 
     def _note_failure(self, where: str, exc: Exception, detail: str = "") -> None:
         """A write or refresh failed: state RETRYING (unless closed); a warning on the first
@@ -231,7 +371,7 @@ class Registration(abc.ABC):
             logger.warning(
                 "%s: keeping worker %s registered failed (%d in a row): %r %s",
                 where,
-                self._record.worker_id if self._record else "?",
+                self._worker_id,
                 failures,
                 exc,
                 detail,
@@ -247,17 +387,14 @@ class Registration(abc.ABC):
 
     async def _cancel_task(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_task(task)
 
 
 class Watcher(abc.ABC):
     """Router side: a live view of registered workers."""
 
     def __init__(self) -> None:
-        self.view = WorkerView()
+        self.view = RecordTable()
 
     @abc.abstractmethod
     async def start(self) -> None:
@@ -277,7 +414,47 @@ class Watcher(abc.ABC):
         """Stop following changes; idempotent. The last view stays readable."""
 
 
-class WorkerView:
+class BackgroundWatcher(Watcher, Generic[_F]):
+    """A :class:`Watcher` that follows its backend from one background task (template method).
+
+    A backend supplies :meth:`_sync` (the first listing, inline, never raising; returns what
+    :meth:`_follow` continues from, e.g. an open watch or None after a failure), :meth:`_follow`
+    (runs until cancelled; reconnects by itself) and :meth:`_release` (frees clients; never
+    raises). ``start`` is idempotent while running; ``close`` cancels the task, then releases.
+    """
+
+    _task_name = "discovery-watch"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """List inline (a failure is logged, not raised), then follow in the background."""
+        if self._task is not None:
+            return
+        first = await self._sync()
+        self._task = asyncio.create_task(self._follow(first), name=self._task_name)
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        await cancel_task(task)
+        await self._release()
+
+    @abc.abstractmethod
+    async def _sync(self) -> _F:
+        """The first listing into the view; never raises."""
+
+    @abc.abstractmethod
+    async def _follow(self, first: _F) -> None:
+        """Follow changes until cancelled."""
+
+    @abc.abstractmethod
+    async def _release(self) -> None:
+        """Release clients and timers after the task ended; never raises."""
+
+
+class RecordTable:
     """``worker_id -> WorkerRecord`` plus subscribers; logs arrivals, restarts and removals.
 
     Not thread-safe: mutate and read it from one event loop.

@@ -28,16 +28,13 @@ does not load gRPC. Async-safety: one event loop; not thread-safe.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import logging
 import math
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from pdserve.discovery.base import Backoff, Registration, RegistrationState, Watcher
+from pdserve.discovery.base import BackgroundWatcher, Backoff, Registration
 from pdserve.protocol import WorkerRecord
 
 if TYPE_CHECKING:
@@ -84,6 +81,9 @@ class LeaseLostError(Exception):
 class EtcdRegistration(Registration):
     """Holds one worker's record in etcd under a lease, refreshed by a background task."""
 
+    _task_prefix = "etcd"
+    _write_refreshes = False  # a put does not renew the lease
+
     def __init__(self, host: str, port: int, *, ttl_s: float) -> None:
         super().__init__(ttl_s)
         self.endpoint = f"{host}:{port}"
@@ -91,49 +91,47 @@ class EtcdRegistration(Registration):
         self.lease_id: int | None = None
         op_timeout_s = max(0.5, min(5.0, self.refresh_interval_s))
         self._client = _new_client(host, port, op_timeout_s)
-        self._wake = asyncio.Event()
-        self._ever_registered = False
-
-    async def start(self, record: WorkerRecord) -> None:
-        self._accept(record, starting=True)
-        self.state = RegistrationState.RETRYING
-        await self._attempt(self._register)
-        self._task = asyncio.create_task(self._keepalive_loop(), name=f"etcd-{record.worker_id}")
-
-    async def update(self, record: WorkerRecord) -> None:
-        self._accept(record, starting=False)
-        self._wake.set()
-
-    async def close(self) -> None:
-        if self.state is RegistrationState.CLOSED:
-            return
-        self.state = RegistrationState.CLOSED
-        await self._cancel_task()
-        lease_id, self.lease_id = self.lease_id, None
-        if lease_id is not None:
-            try:
-                await asyncio.wait_for(self._client.revoke_lease(lease_id), CLOSE_TIMEOUT_S)
-                logger.info("deregistered worker %s (lease revoked)", self._worker_id)
-            except Exception as exc:
-                logger.warning(
-                    "could not revoke lease of worker %s at %s (%r); record lapses in %d s",
-                    self._worker_id,
-                    self.endpoint,
-                    exc,
-                    self.lease_ttl_s,
-                )
-        await _close_client(self._client)
-
-    async def abandon(self) -> None:
-        if self.state is RegistrationState.CLOSED:
-            return
-        self.state = RegistrationState.CLOSED
-        await self._cancel_task()
-        await _close_client(self._client)
 
     @property
-    def _worker_id(self) -> str:
-        return self._record.worker_id if self._record else "?"
+    def _where(self) -> str:
+        return f"etcd {self.endpoint}"
+
+    async def _write(self, refresh_due: bool) -> None:
+        """Register when there is no lease; put after update(); refresh the lease when due.
+        A lost lease (etcd forgot it) leads to a fresh lease and put."""
+        try:
+            if self.lease_id is None:
+                await self._register()
+                return
+            if self._wake.is_set():
+                self._wake.clear()
+                await self._put_record()
+            if refresh_due:
+                await self._refresh()
+        except LeaseLostError:
+            logger.info("lease of worker %s is gone; registering again", self._worker_id)
+            self.lease_id = None
+            await self._register()
+
+    async def _delete(self) -> None:
+        """Revoke the lease, which deletes the record at once."""
+        lease_id, self.lease_id = self.lease_id, None
+        if lease_id is None:
+            return
+        try:
+            await asyncio.wait_for(self._client.revoke_lease(lease_id), CLOSE_TIMEOUT_S)
+            logger.info("deregistered worker %s (lease revoked)", self._worker_id)
+        except Exception as exc:
+            logger.warning(
+                "could not revoke lease of worker %s at %s (%r); record lapses in %d s",
+                self._worker_id,
+                self.endpoint,
+                exc,
+                self.lease_ttl_s,
+            )
+
+    async def _close_client(self) -> None:
+        await _close_client(self._client)
 
     async def _register(self) -> None:
         """Grant a fresh lease and put the record under it. ``lease_id`` is set only once the
@@ -148,16 +146,9 @@ class EtcdRegistration(Registration):
             worker_key(record.worker_id), record.model_dump_json().encode(), lease
         )
         self.lease_id = lease.id
-        logger.info(
-            "%s worker %s (epoch %d) in etcd %s, lease %x ttl %d s",
-            "re-registered" if self._ever_registered else "registered",
-            record.worker_id,
-            record.epoch,
-            self.endpoint,
-            lease.id,
-            self.lease_ttl_s,
+        self._log_created(
+            record, f"in etcd {self.endpoint}, lease {lease.id:x} ttl {self.lease_ttl_s} s"
         )
-        self._ever_registered = True
 
     async def _put_record(self) -> None:
         import aetcd
@@ -179,50 +170,11 @@ class EtcdRegistration(Registration):
         if reply is None or reply.TTL <= 0:
             raise LeaseLostError
 
-    async def _attempt(self, step: Callable[[], Awaitable[None]]) -> bool:
-        """Run one keepalive step; re-register on a lost lease; update state; never raise."""
-        try:
-            try:
-                await step()
-            except LeaseLostError:
-                logger.info("lease of worker %s is gone; registering again", self._worker_id)
-                self.lease_id = None
-                await self._register()
-        except Exception as exc:  # etcd down, timeout, gRPC error: retry, never crash the worker
-            self._note_failure(f"etcd {self.endpoint}", exc)
-            return False
-        self._note_success(f"etcd {self.endpoint}")
-        return True
 
-    async def _step(self, refresh_due: bool) -> None:
-        if self.lease_id is None:
-            await self._register()
-            return
-        if self._wake.is_set():
-            self._wake.clear()
-            await self._put_record()
-        if refresh_due:
-            await self._refresh()
-
-    async def _keepalive_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        ok = self.state is RegistrationState.REGISTERED  # outcome of start()'s inline attempt
-        next_refresh = loop.time() + self.refresh_interval_s
-        while True:
-            if ok:  # refresh on schedule; put sooner after update()
-                timeout = max(0.0, next_refresh - loop.time())
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout=timeout)
-            else:  # updates do not shorten the backoff
-                await asyncio.sleep(self._backoff.next_delay())
-            refresh_due = not ok or loop.time() >= next_refresh
-            ok = await self._attempt(functools.partial(self._step, refresh_due))
-            if ok and refresh_due:
-                next_refresh = loop.time() + self.refresh_interval_s
-
-
-class EtcdWatcher(Watcher):
+class EtcdWatcher(BackgroundWatcher[Any]):
     """Follows ``/pdserve/workers/`` in etcd: list, then watch; re-list after reconnecting."""
+
+    _task_name = "etcd-watch"
 
     def __init__(self, host: str, port: int, *, op_timeout_s: float = 5.0) -> None:
         super().__init__()
@@ -231,23 +183,14 @@ class EtcdWatcher(Watcher):
         self.op_timeout_s = op_timeout_s
         self.connected = False
         self._client: aetcd.Client | None = None
-        self._task: asyncio.Task[None] | None = None
         self._backoff = Backoff(0.1, 5.0)
 
-    async def start(self) -> None:
-        """List and begin watching inline; if etcd is unreachable, log a warning and keep
-        retrying in the background (the view starts empty)."""
-        if self._task is not None:
-            return
-        watch = await self._connect()
-        self._task = asyncio.create_task(self._run(watch), name="etcd-watch")
+    async def _sync(self) -> Any | None:
+        """List and open the watch inline; if etcd is unreachable, log a warning (the view
+        starts empty) and the task keeps retrying."""
+        return await self._connect()
 
-    async def close(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    async def _release(self) -> None:
         await self._drop_client()
 
     async def _drop_client(self) -> None:
@@ -284,7 +227,7 @@ class EtcdWatcher(Watcher):
         self.connected = True
         return watch
 
-    async def _run(self, watch: Any | None) -> None:
+    async def _follow(self, watch: Any | None) -> None:
         while True:
             if watch is not None:
                 try:

@@ -4,7 +4,7 @@ With ``--discovery nats://HOST:PORT`` a worker's record lives in the JetStream k
 (:mod:`pdserve.discovery.nats`), written every ``ttl_s / 3``. Load changes every step, and a
 JetStream write is a persisted stream message, so load does not go there: each worker publishes
 two fire-and-forget messages per second on core NATS subjects instead, and the router's
-:class:`~pdserve.discovery.nats.NatsWatcher` overlays them on the records it serves to the
+:class:`~pdserve.discovery.nats_watcher.NatsWatcher` overlays them on the records it serves to the
 pairing policy (fresher load between record refreshes, no disk writes).
 
 Subjects (``<key>`` is the worker id escaped by :func:`subject_token`, see there)::
@@ -233,9 +233,10 @@ class EventConsumer:
 
 def event_publisher(registration: Registration | None) -> EventPublisher | None:
     """The registration's event publisher when it is a started NATS registration, else None
-    (etcd and the embedded registry have no event bus: load travels in the record)."""
-    from pdserve.discovery.nats import NatsRegistration
+    (etcd and the embedded registry have no event bus: load travels in the record).
 
-    if isinstance(registration, NatsRegistration):
-        return registration.events
-    return None
+    Duck-typed on an ``events`` attribute holding an :class:`EventPublisher` (only
+    ``NatsRegistration`` has one), so this module does not import the NATS backend.
+    """
+    events = getattr(registration, "events", None)
+    return events if isinstance(events, EventPublisher) else None

@@ -21,14 +21,13 @@ Async-safety: one event loop; not thread-safe.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 import httpx
 
-from pdserve.discovery.base import Backoff, Registration, RegistrationState, Watcher
+from pdserve.discovery.base import BackgroundWatcher, Backoff, Registration
 from pdserve.discovery.registry import RegisterBody, RegisterReply, WorkerList
-from pdserve.protocol import PROTOCOL_HEADER, PROTOCOL_VERSION, WorkerRecord
+from pdserve.protocol import PROTOCOL_HEADER, PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)
 
@@ -39,48 +38,44 @@ CLOSE_TIMEOUT_S = 2.0
 class HttpRegistration(Registration):
     """Registers one worker with the router's embedded registry at ``base_url``."""
 
+    _task_prefix = "register"
+
     def __init__(self, base_url: str, *, ttl_s: float) -> None:
         super().__init__(ttl_s)
         self.base_url = base_url
         # A request must finish well inside the refresh interval, or one slow call eats the TTL.
         timeout = httpx.Timeout(max(0.5, min(5.0, self.refresh_interval_s)))
         self._client = httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=_HEADERS)
-        self._wake = asyncio.Event()
-        self._ever_registered = False
+
+    @property
+    def _where(self) -> str:
+        return f"registry {self.base_url}"
 
     @property
     def _path(self) -> str:
         assert self._record is not None
         return f"/registry/workers/{self._record.worker_id}"
 
-    async def start(self, record: WorkerRecord) -> None:
-        self._accept(record, starting=True)
-        self.state = RegistrationState.RETRYING
-        await self._put_once()
-        self._task = asyncio.create_task(self._refresh_loop(), name=f"register-{record.worker_id}")
+    async def _write(self, refresh_due: bool) -> None:
+        """PUT the current record (the PUT is also the refresh); raise on failure."""
+        record = self._record
+        assert record is not None
+        self._wake.clear()  # the PUT below carries the newest record
+        body = RegisterBody(record=record, ttl_s=self.ttl_s)
+        resp = await self._client.put(
+            self._path,
+            content=body.model_dump_json(),
+            headers={"content-type": "application/json"},
+        )
+        resp.raise_for_status()
+        reply = RegisterReply.model_validate_json(resp.content)
+        if reply.created:
+            self._log_created(record, f"with {self.base_url}, ttl {self.ttl_s:.1f} s")
 
-    async def update(self, record: WorkerRecord) -> None:
-        self._accept(record, starting=False)
-        self._wake.set()
+    def _failure_detail(self, exc: Exception) -> str:
+        return exc.response.text[:200] if isinstance(exc, httpx.HTTPStatusError) else ""
 
-    async def close(self) -> None:
-        if self.state is RegistrationState.CLOSED:
-            return
-        was_started = self.state is not RegistrationState.IDLE
-        self.state = RegistrationState.CLOSED
-        await self._cancel_task()
-        if was_started:
-            await self._deregister()
-        await self._client.aclose()
-
-    async def abandon(self) -> None:
-        if self.state is RegistrationState.CLOSED:
-            return
-        self.state = RegistrationState.CLOSED
-        await self._cancel_task()
-        await self._client.aclose()
-
-    async def _deregister(self) -> None:
+    async def _delete(self) -> None:
         assert self._record is not None
         try:
             resp = await self._client.delete(self._path, timeout=CLOSE_TIMEOUT_S)
@@ -95,58 +90,14 @@ class HttpRegistration(Registration):
                 self.ttl_s,
             )
 
-    async def _put_once(self) -> bool:
-        """PUT the current record; update ``state``; return whether it succeeded."""
-        record = self._record
-        assert record is not None
-        body = RegisterBody(record=record, ttl_s=self.ttl_s)
-        try:
-            resp = await self._client.put(
-                self._path,
-                content=body.model_dump_json(),
-                headers={"content-type": "application/json"},
-            )
-            resp.raise_for_status()
-            reply = RegisterReply.model_validate_json(resp.content)
-        except (httpx.HTTPError, ValueError) as exc:
-            self._on_failure(exc)
-            return False
-        if reply.created:
-            verb = "re-registered" if self._ever_registered else "registered"
-            logger.info(
-                "%s worker %s (epoch %d) with %s, ttl %.1f s",
-                verb,
-                record.worker_id,
-                record.epoch,
-                self.base_url,
-                self.ttl_s,
-            )
-        elif self._backoff.failures:
-            logger.info("registry %s reachable again", self.base_url)
-        self._ever_registered = True
-        self._backoff.reset()
-        if self.state is not RegistrationState.CLOSED:
-            self.state = RegistrationState.REGISTERED
-        return True
-
-    def _on_failure(self, exc: Exception) -> None:
-        detail = exc.response.text[:200] if isinstance(exc, httpx.HTTPStatusError) else ""
-        self._note_failure(f"registry {self.base_url}", exc, detail)
-
-    async def _refresh_loop(self) -> None:
-        ok = self.state is RegistrationState.REGISTERED  # outcome of start()'s inline PUT
-        while True:
-            if ok:  # refresh on schedule, or sooner after update()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout=self.refresh_interval_s)
-            else:  # updates do not shorten the backoff
-                await asyncio.sleep(self._backoff.next_delay())
-            self._wake.clear()
-            ok = await self._put_once()
+    async def _close_client(self) -> None:
+        await self._client.aclose()
 
 
-class HttpWatcher(Watcher):
+class HttpWatcher(BackgroundWatcher[bool]):
     """Polls a remote embedded registry's ``GET /registry/workers``."""
+
+    _task_name = "registry-poll"
 
     def __init__(self, base_url: str, *, poll_interval_s: float = 1.0) -> None:
         super().__init__()
@@ -155,22 +106,12 @@ class HttpWatcher(Watcher):
         self._client = httpx.AsyncClient(
             base_url=base_url, timeout=httpx.Timeout(5.0), headers=_HEADERS
         )
-        self._task: asyncio.Task[None] | None = None
         self._backoff = Backoff(0.1, max(poll_interval_s, 5.0))
 
-    async def start(self) -> None:
-        """One inline poll (a failure is logged, not raised), then the polling task."""
-        if self._task is not None:
-            return
-        await self._poll_once()
-        self._task = asyncio.create_task(self._poll_loop(), name="registry-poll")
+    async def _sync(self) -> bool:
+        return await self._poll_once()
 
-    async def close(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    async def _release(self) -> None:
         await self._client.aclose()
 
     async def _poll_once(self) -> bool:
@@ -188,7 +129,7 @@ class HttpWatcher(Watcher):
         self._backoff.reset()
         return True
 
-    async def _poll_loop(self) -> None:
+    async def _follow(self, first: bool) -> None:
         while True:
             ok = await self._poll_once()
             await asyncio.sleep(self.poll_interval_s if ok else self._backoff.next_delay())

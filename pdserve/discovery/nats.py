@@ -42,9 +42,8 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
-from pdserve.discovery.base import Registration, RegistrationState
+from pdserve.discovery.base import Registration, SupersededError
 from pdserve.discovery.events import EventPublisher, subject_token
-from pdserve.errors import DiscoveryError
 from pdserve.protocol import WorkerLoad, WorkerRecord
 
 if TYPE_CHECKING:
@@ -62,12 +61,6 @@ CONNECT_WAIT_S = 2.0
 _WRONG_LAST_SEQUENCE = (10071, 10164)  # JetStream error codes of a failed compare-and-set
 _TTL_HEADER = "Nats-TTL"
 _EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
-
-
-class SupersededError(DiscoveryError):
-    """The key holds a record of a newer epoch: this worker id restarted elsewhere."""
-
-    code = "registration_superseded"
 
 
 class NatsSession:
@@ -211,6 +204,8 @@ def _is_cas_conflict(exc: Exception) -> bool:
 class NatsRegistration(Registration):
     """Holds one worker's record in the NATS bucket under a per-message TTL."""
 
+    _task_prefix = "nats"
+
     def __init__(self, host: str, port: int, *, ttl_s: float) -> None:
         super().__init__(ttl_s)
         self.server_url = f"nats://{host}:{port}"
@@ -221,56 +216,43 @@ class NatsRegistration(Registration):
         self._session = NatsSession(
             self.server_url, op_timeout_s=self.op_timeout_s, on_connect=self._on_connect
         )
-        self._wake = asyncio.Event()  # put soon: update() changed the identity, or reconnected
+        # _wake (base): put soon: update() changed the identity, or reconnected
         self._reconnected = asyncio.Event()  # cuts the backoff short
         self._written: WorkerRecord | None = None
-        self._ever_registered = False
-        self._superseded = False
 
     @property
-    def _worker_id(self) -> str:
-        return self._record.worker_id if self._record else "?"
+    def _where(self) -> str:
+        return f"NATS {self.server_url}"
 
     @property
     def _subject(self) -> str:
         return f"$KV.{BUCKET}.{subject_token(self._worker_id)}"
 
-    async def start(self, record: WorkerRecord) -> None:
-        self._accept(record, starting=True)
-        self.state = RegistrationState.RETRYING
+    async def _connect(self, record: WorkerRecord) -> bool:
+        """Create the event publisher, connect in the background, wait for it (bounded)."""
         self.events = EventPublisher(
             self._session.client, worker_id=record.worker_id, epoch=record.epoch
         )
         await self._session.start()
         if await self._session.wait_connected(min(CONNECT_WAIT_S, self.op_timeout_s)):
-            await self._attempt()
-        else:
-            logger.warning(
-                "NATS %s unreachable: worker %s not registered yet; retrying",
-                self.server_url,
-                record.worker_id,
-            )
-        self._task = asyncio.create_task(self._refresh_loop(), name=f"nats-{record.worker_id}")
+            return True
+        logger.warning(
+            "NATS %s unreachable: worker %s not registered yet; retrying",
+            self.server_url,
+            record.worker_id,
+        )
+        return False
 
-    async def update(self, record: WorkerRecord) -> None:
-        self._accept(record, starting=False)
-        if self._written is None or _identity(record) != _identity(self._written):
-            self._wake.set()
+    def _needs_write(self, record: WorkerRecord) -> bool:
+        """Only identity changes are written early; load goes on events."""
+        return self._written is None or _identity(record) != _identity(self._written)
 
-    async def close(self) -> None:
-        if self.state is RegistrationState.CLOSED:
-            return
-        self.state = RegistrationState.CLOSED
-        await self._cancel_task()
-        if self.revision is not None:
-            await self._delete()
-        await self._session.close()
+    async def _wait_backoff(self) -> None:
+        """Back off, unless the client reconnects first."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._reconnected.wait(), timeout=self._backoff.next_delay())
 
-    async def abandon(self) -> None:
-        if self.state is RegistrationState.CLOSED:
-            return
-        self.state = RegistrationState.CLOSED
-        await self._cancel_task()
+    async def _close_client(self) -> None:
         await self._session.close()
 
     def _on_connect(self) -> None:
@@ -279,6 +261,8 @@ class NatsRegistration(Registration):
 
     async def _delete(self) -> None:
         """DEL marker, only over our own revision (never a successor's record)."""
+        if self.revision is None:
+            return
         if not self._session.client.is_connected:
             logger.warning(
                 "NATS %s unreachable: record of worker %s lapses in %d s",
@@ -308,6 +292,18 @@ class NatsRegistration(Registration):
                 exc,
                 self.lease_ttl_s,
             )
+
+    async def _write(self, refresh_due: bool) -> None:
+        """Put the newest record (the put is also the refresh, its TTL renewed); a vanished
+        stream (e.g. a wiped store) makes the bucket bound again on the next try."""
+        import nats.js.errors
+
+        self._reconnected.clear()
+        try:
+            await self._put()
+        except (nats.js.errors.NoStreamResponseError, nats.js.errors.NotFoundError):
+            self._session.forget_bucket()
+            raise
 
     async def _put(self) -> None:
         """Put the newest record (compare-and-set on ``revision``); on a conflict, take the
@@ -347,43 +343,4 @@ class NatsRegistration(Registration):
         self.revision = ack.seq
         self._written = record
         if created:
-            logger.info(
-                "%s worker %s (epoch %d) in NATS %s, ttl %d s",
-                "re-registered" if self._ever_registered else "registered",
-                record.worker_id,
-                record.epoch,
-                self.server_url,
-                self.lease_ttl_s,
-            )
-        self._ever_registered = True
-
-    async def _attempt(self) -> bool:
-        """One put; update state and backoff; never raise."""
-        import nats.js.errors
-
-        try:
-            await self._put()
-        except SupersededError as exc:
-            logger.error("%s; this incarnation stops registering", exc.message)
-            self._superseded = True
-            self.state = RegistrationState.RETRYING
-            return False
-        except Exception as exc:  # NATS down, timeout, JetStream not ready: retry
-            if isinstance(exc, nats.js.errors.NoStreamResponseError | nats.js.errors.NotFoundError):
-                self._session.forget_bucket()  # the stream is gone (e.g. a wiped store)
-            self._note_failure(f"NATS {self.server_url}", exc)
-            return False
-        self._note_success(f"NATS {self.server_url}")
-        return True
-
-    async def _refresh_loop(self) -> None:
-        ok = self.state is RegistrationState.REGISTERED  # outcome of start()'s inline attempt
-        while not self._superseded:
-            if ok:  # refresh on schedule; put sooner after an identity change or a reconnect
-                wait, timeout = self._wake, self.refresh_interval_s
-            else:  # back off, unless the client reconnects first
-                wait, timeout = self._reconnected, self._backoff.next_delay()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wait.wait(), timeout=timeout)
-            self._reconnected.clear()
-            ok = await self._attempt()
+            self._log_created(record, f"in NATS {self.server_url}, ttl {self.lease_ttl_s} s")

@@ -32,7 +32,7 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING
 
-from pdserve.discovery.base import Backoff, Watcher
+from pdserve.discovery.base import BackgroundWatcher, Backoff
 from pdserve.discovery.events import EventConsumer, KVBlockEvent, LoadEvent, worker_id_of
 from pdserve.discovery.nats import CLOSE_TIMEOUT_S, CONNECT_WAIT_S, NatsSession, record_of
 from pdserve.protocol import WorkerRecord
@@ -46,8 +46,10 @@ RESYNC_GRACE_S = 5.0
 """Seconds after a re-list during which expiries wait for the worker's own re-put."""
 
 
-class NatsWatcher(Watcher):
+class NatsWatcher(BackgroundWatcher["KeyValue.KeyWatcher | None"]):
     """Follows the ``pdserve_workers`` bucket and the worker event subjects."""
+
+    _task_name = "nats-watch"
 
     def __init__(
         self,
@@ -69,7 +71,6 @@ class NatsWatcher(Watcher):
             on_disconnect=self._on_disconnect,
         )
         self._resync = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
         self._backoff = Backoff(0.1, 5.0)
         self._events = EventConsumer(self._on_load, self._on_kv)
         self._loads: dict[str, LoadEvent] = {}
@@ -81,25 +82,16 @@ class NatsWatcher(Watcher):
         """The newest KV block event per live worker (a new dict)."""
         return dict(self._kv_events)
 
-    async def start(self) -> None:
+    async def _sync(self) -> KeyValue.KeyWatcher | None:
         """List and begin watching inline (2 s at most to connect); if NATS is unreachable,
         log a warning and keep retrying in the background (the view starts empty)."""
-        if self._task is not None:
-            return
         await self._session.start()
-        watch = None
         if await self._session.wait_connected(CONNECT_WAIT_S):
-            watch = await self._open()
-        else:
-            logger.warning("NATS %s unreachable; watching workers once it is up", self.server_url)
-        self._task = asyncio.create_task(self._run(watch), name="nats-watch")
+            return await self._open()
+        logger.warning("NATS %s unreachable; watching workers once it is up", self.server_url)
+        return None
 
-    async def close(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    async def _release(self) -> None:
         for handle in self._expiring.values():
             handle.cancel()
         self._expiring.clear()
@@ -166,20 +158,20 @@ class NatsWatcher(Watcher):
         for record in listed.values():
             self._put(record)
 
-    async def _run(self, watch: KeyValue.KeyWatcher | None) -> None:
+    async def _follow(self, watch: KeyValue.KeyWatcher | None) -> None:
         while True:
             if watch is None:  # wait for the backoff or a reconnect, whichever comes first
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._resync.wait(), self._backoff.next_delay())
             else:
-                resync = await self._follow(watch)
+                resync = await self._follow_watch(watch)
                 self.connected = False
                 await _stop(watch)
                 if not resync:  # the watch ended by itself: do not spin on a broken one
                     await asyncio.sleep(self._backoff.next_delay())
             watch = await self._open()
 
-    async def _follow(self, watch: KeyValue.KeyWatcher) -> bool:
+    async def _follow_watch(self, watch: KeyValue.KeyWatcher) -> bool:
         """Apply updates until a reconnect asks for a re-list (return True) or the watch ends
         (False)."""
 

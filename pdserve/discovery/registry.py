@@ -23,14 +23,13 @@ which is fine because the TTL never leaves this process (the wire carries durati
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
 import fastapi
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdserve.discovery.base import Subscriber, Watcher, WorkerView, check_ttl
+from pdserve.discovery.base import RecordTable, Subscriber, Watcher, cancel_task, check_ttl
 from pdserve.protocol import WorkerRecord
 
 logger = logging.getLogger(__name__)
@@ -74,7 +73,7 @@ class EmbeddedRegistry:
     def __init__(self, *, ttl_s: float = 10.0, sweep_interval_s: float | None = None) -> None:
         self.ttl_s = check_ttl(ttl_s)
         self.sweep_interval_s = check_ttl(sweep_interval_s or min(1.0, self.ttl_s / 4))
-        self.view = WorkerView()
+        self.view = RecordTable()
         self._expires_at: dict[str, float] = {}  # worker_id -> monotonic deadline
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -88,10 +87,7 @@ class EmbeddedRegistry:
     async def close(self) -> None:
         """Stop the sweep task; idempotent. Records stay readable."""
         task, self._sweeper = self._sweeper, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_task(task)
 
     async def _sweep_loop(self) -> None:
         while True:

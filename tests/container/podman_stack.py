@@ -35,6 +35,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.fixtures.servers import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "deploy" / "compose" / "docker-compose.yml"
 STANDINS = Path(__file__).resolve().parent / "standins"
@@ -183,15 +185,6 @@ def build_standin_images(log_dir: Path) -> dict[str, str]:
     return tags
 
 
-def free_port() -> int:
-    """A TCP port that was free on all interfaces a moment ago (the usual small race applies)."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
-
-
 class HealthPump:
     """Runs ``podman healthcheck run`` on every container of a compose project every
     ``interval_s`` from a background thread, standing in for the systemd timers podman uses
@@ -243,7 +236,7 @@ class ComposeStack:
         compose = podman_compose_cmd()
         assert compose is not None, "missing_tools() should have skipped"
         self.project = f"pdct{uuid.uuid4().hex[:8]}"
-        self.router_port = free_port()
+        self.router_port = free_port("")  # published on all interfaces
         self.base_url = f"http://127.0.0.1:{self.router_port}"
         self.env = {
             **os.environ,

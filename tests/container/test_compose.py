@@ -22,7 +22,7 @@ import pytest
 
 from tests.container.podman_stack import MODEL, ComposeStack
 
-pytestmark = [pytest.mark.container, pytest.mark.timeout(1800)]
+pytestmark = pytest.mark.timeout(1800)
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_IMAGE_BYTES = 3.5e9  # CPU image: ~3.0 GB (g++ included); a CUDA torch makes it 6+ GB

@@ -11,7 +11,7 @@ import pytest
 
 from tests.container.podman_stack import MODEL, ComposeStack
 
-pytestmark = [pytest.mark.container, pytest.mark.timeout(1800)]
+pytestmark = pytest.mark.timeout(1800)
 
 
 def test_nats_profile_serves_through_nats_discovery(container_images: dict[str, str]) -> None:

@@ -23,8 +23,6 @@ from pdserve.protocol import WorkerRecord
 from tests.fixtures.servers import EtcdServer, NatsServer, wait_until
 from tests.fixtures.stack import Stack, start_stack
 
-pytestmark = pytest.mark.integration
-
 OUTAGE_S = 10.0
 TTL_S = 3
 PROMPT = [1, 72, 101, 108, 108, 111]

@@ -53,8 +53,6 @@ from tests.fixtures.netns import (
     wait_for,
 )
 
-pytestmark = pytest.mark.integration
-
 MODEL = "tiny-llama"
 REQUEST_TIMEOUT_S = 15.0
 TRANSFER_TIMEOUT_S = 5.0

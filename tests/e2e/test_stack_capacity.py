@@ -14,8 +14,6 @@ import pytest
 
 from tests.fixtures.stack import Stack
 
-pytestmark = pytest.mark.integration
-
 # 8 prompts of 40-47 tokens, 300 tokens each: ~2,700 tokens of K/V together; the decode pool of
 # 1 MiB holds 2,048 (tiny model: 512 bytes per token).
 PROMPTS = [[1, *range(40 + i, 80 + 2 * i)] for i in range(8)]

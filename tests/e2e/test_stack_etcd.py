@@ -5,11 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import openai
-import pytest
 
 from tests.fixtures.stack import start_stack
-
-pytestmark = pytest.mark.integration
 
 
 def test_requests_flow_with_etcd_discovery(

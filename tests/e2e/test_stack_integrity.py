@@ -19,8 +19,6 @@ import pytest
 
 from tests.fixtures.stack import Stack, start_stack
 
-pytestmark = pytest.mark.integration
-
 HOOK = """
 import os, sys
 

@@ -28,8 +28,6 @@ import pytest
 
 from tests.fixtures.stack import Stack
 
-pytestmark = pytest.mark.integration
-
 PROMPTS = [
     [1, 72, 101, 108, 108, 111],  # one block on either side
     list(range(40, 90)),  # 50 tokens: 4 blocks of 16 into 2 blocks of 32

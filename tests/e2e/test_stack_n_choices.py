@@ -11,11 +11,8 @@ from typing import Any
 
 import httpx
 import openai
-import pytest
 
 from tests.fixtures.stack import Stack
-
-pytestmark = pytest.mark.integration
 
 PROMPT = [1, 84, 104, 101, 32, 113, 117, 105, 99, 107, 32, 98, 114, 111, 119, 110]
 N = 3

@@ -17,8 +17,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.fixtures.stack import Stack
 
-pytestmark = pytest.mark.integration
-
 PROMPTS = [
     [1, 72, 101, 108, 108, 111],
     [1, 84, 104, 101, 32, 113, 117, 105, 99, 107, 32, 98, 114, 111, 119, 110],

@@ -15,8 +15,6 @@ import pytest
 
 from tests.fixtures.stack import start_stack
 
-pytestmark = pytest.mark.integration
-
 
 def test_sigterm_deregisters_first_and_lets_the_stream_in_flight_finish(
     tiny_model_dir: Path, tmp_path: Path

@@ -64,7 +64,7 @@ def _device_name(device: str) -> str:
 
 def _model_dir(name: str, root: Path) -> Path:
     if name == "tiny":
-        from pdserve.models import build_tiny_model
+        from tests.fixtures.models import build_tiny_model
 
         return build_tiny_model(root / "tiny", seed=0)
     from tests.gpu.models import build_smollm2_like
@@ -113,15 +113,15 @@ def _bench_engine_config(
     args: argparse.Namespace, model_dir: Path, gen: torch.Generator, dtype: str, graphs: bool
 ) -> list[dict[str, Any]]:
     """One engine (``dtype``, CUDA graphs on or off), every concurrency level."""
-    from pdserve.config import EngineConfig
     from pdserve.workers.engine import Engine
+    from tests.integration.engine_helpers import engine_config
 
     results = []
     top = max(args.concurrency)
     tokens = top * (args.prompt_tokens + args.max_tokens)
     engine = Engine(
-        EngineConfig(
-            model_path=model_dir,
+        engine_config(
+            model_dir,
             device=args.device,
             dtype=dtype,
             tokens_per_block=16,

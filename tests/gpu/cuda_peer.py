@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from pdserve.config import TransferConfig
 from pdserve.errors import HandleError
 from pdserve.protocol import KVLayout, TransferHandle
+from pdserve.settings import TransferSettings
 
 PREFILL_ID = "gpu-prefill"
 EPOCH = 11
@@ -27,7 +27,7 @@ EPOCH = 11
 
 def transfer_cfg(backend: str, *, integrity: bool = True, timeout_s: float = 30.0) -> Any:
     """Loopback transfer settings (``ucx_devices="lo"``)."""
-    return TransferConfig.model_validate(
+    return TransferSettings.model_validate(
         {"backend": backend, "ucx_devices": "lo", "integrity": integrity, "timeout_s": timeout_s}
     )
 

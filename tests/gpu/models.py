@@ -4,7 +4,7 @@ The GPU machine has no network and the converted SmolLM2 folder (about 520 MB of
 weights) is too large to carry there, so GPU tests and benchmarks build this stand-in on the
 spot: LlamaForCausalLM with SmolLM2-135M-Instruct's config (30 layers, hidden 576, 9 heads,
 3 KV heads, head_dim 64, vocab 49152, tied embeddings) and the tiny byte-level tokenizer of
-:func:`pdserve.models.build_tiny_model` (ids >= 260 decode to nothing). Compute, KV layout
+:func:`tests.fixtures.models.build_tiny_model` (ids >= 260 decode to nothing). Compute, KV layout
 (720 KiB per 16-token float32 block) and step times are SmolLM2's; the text is not.
 """
 
@@ -31,6 +31,6 @@ SMOLLM2_ARCH = {
 def build_smollm2_like(path: Path, *, seed: int = 0, init_std: float = 0.02) -> Path:
     """Write the stand-in model (float32, seed ``seed``, weights ~ N(0, ``init_std``)) and the
     tiny tokenizer into ``path``; return ``path``. Leaves the global torch RNG untouched."""
-    from pdserve.models import build_tiny_model
+    from tests.fixtures.models import build_tiny_model
 
     return build_tiny_model(path, seed=seed, arch={**SMOLLM2_ARCH, "initializer_range": init_std})

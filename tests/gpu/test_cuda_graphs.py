@@ -22,7 +22,6 @@ from tests.integration.engine_helpers import make_engine
 from tests.integration.test_decode_graphs import check_batched_equals_solo, mixed_cases
 
 pytestmark = [
-    pytest.mark.integration,
     pytest.mark.skipif(
         not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available())"
     ),

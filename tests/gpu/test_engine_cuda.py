@@ -24,7 +24,6 @@ from tests.integration.engine_helpers import complete, joined, make_engine, run,
 from tests.integration.test_engine_fidelity import tiny_prompts
 
 pytestmark = [
-    pytest.mark.integration,
     pytest.mark.skipif(
         not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available())"
     ),

@@ -28,7 +28,6 @@ from pdserve.transfer.integrity import BlockDigester
 from tests.gpu.cuda_peer import PatternPeer, empty_pool, pattern, transfer_cfg
 
 pytestmark = [
-    pytest.mark.integration,
     pytest.mark.timeout(180),
     pytest.mark.skipif(
         not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available())"

@@ -11,13 +11,32 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.protocol import FinishReason, SamplingParams
+from pdserve.settings import KVCacheSettings, ModelSettings, SchedulerSettings
 from pdserve.workers.engine import Engine, EngineOutput, EngineRequest
+
+_SECTIONS = {"model": ModelSettings, "kv_cache": KVCacheSettings, "scheduler": SchedulerSettings}
+
+
+def engine_config(model_dir: Path, *, kv_dtype: str | None = None, **flat: object) -> EngineConfig:
+    """An EngineConfig from flat setting names (``num_blocks=64, max_num_seqs=8``): each goes
+    to the one section that declares it; ``dtype`` is the model's, ``kv_dtype`` the KV pool's.
+    Raises KeyError for a name no engine section declares."""
+    parts: dict[str, dict[str, object]] = {name: {} for name in _SECTIONS}
+    for key, value in flat.items():
+        owners = [n for n, m in _SECTIONS.items() if key in m.model_fields]
+        if not owners:
+            raise KeyError(f"no engine setting named {key!r}")
+        parts[owners[0]][key] = value  # "dtype": model comes first
+    if kv_dtype is not None:
+        parts["kv_cache"]["dtype"] = kv_dtype
+    sections = {name: _SECTIONS[name].model_validate(v) for name, v in parts.items()}
+    return EngineConfig(model_path=model_dir, **sections)  # type: ignore[arg-type]
 
 
 def make_engine(model_dir: Path, **overrides: object) -> Engine:
     settings: dict[str, object] = {"tokens_per_block": 4, "num_blocks": 512, "max_num_seqs": 8}
     settings.update(overrides)
-    engine = Engine(EngineConfig(model_path=model_dir, **settings))  # type: ignore[arg-type]
+    engine = Engine(engine_config(model_dir, **settings))  # type: ignore[arg-type]
     engine.start()
     return engine
 

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from pdserve.config import TransferConfig
 from pdserve.protocol import KVLayout, TransferHandle
+from pdserve.settings import TransferSettings
 
 LAYOUT = KVLayout(
     model="tiny-test", num_layers=3, num_kv_heads=2, head_dim=8, tokens_per_block=4, dtype="float32"
@@ -36,7 +36,7 @@ PREFILL_ID = "prefill-fenced"
 
 
 def cfg(backend: str, *, integrity: bool = True, port: int = 0, timeout_s: float = 10.0) -> Any:
-    return TransferConfig.model_validate(
+    return TransferSettings.model_validate(
         {
             "backend": backend,
             "ucx_devices": "lo",

@@ -1,4 +1,4 @@
-"""The compiled CPU forward (``EngineConfig.compile``) computes what the eager forward computes:
+"""The compiled CPU forward (``model.compile``) computes what the eager forward computes:
 same logits and same K/V written into the pool for decode rows, whole prompts and continued
 chunks in one step; every step shape runs on the one graph compiled at start-up; greedy tokens
 equal transformers' ``generate()`` (tiny model, SmolLM2 with decode + chunked prefill in the
@@ -16,7 +16,7 @@ from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM
 
 from pdserve.cli import build_parser, resolve_config
-from pdserve.config import EngineConfig, worker_config
+from pdserve.config import worker_config
 from pdserve.protocol import KVLayout, SamplingParams
 from pdserve.workers.compile import CompiledForward, OneDNNLinear
 from pdserve.workers.engine import Engine, EngineRequest
@@ -24,9 +24,14 @@ from pdserve.workers.kv_cache import KVCacheManager
 from pdserve.workers.model_runner import ModelRunner
 from pdserve.workers.scheduler import ScheduledBatch, ScheduledSequence
 from pdserve.workers.sequence import Sequence
-from tests.integration.engine_helpers import complete, hf_greedy, joined, make_engine, run
-
-pytestmark = pytest.mark.integration
+from tests.integration.engine_helpers import (
+    complete,
+    engine_config,
+    hf_greedy,
+    joined,
+    make_engine,
+    run,
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 TPB = 4
@@ -84,8 +89,8 @@ def steps(pool: Pool, max_rows: int) -> list[ScheduledBatch]:
 
 @pytest.fixture(scope="module")
 def tiny_runners(tiny_model_dir: Path) -> tuple[ModelRunner, ModelRunner]:
-    eager = ModelRunner(EngineConfig(model_path=tiny_model_dir, compile=False))
-    compiled = ModelRunner(EngineConfig(model_path=tiny_model_dir, compile=True))
+    eager = ModelRunner(engine_config(tiny_model_dir, compile=False))
+    compiled = ModelRunner(engine_config(tiny_model_dir, compile=True))
     assert eager.compiled is None and compiled.compiled is not None
     return eager, compiled
 
@@ -115,7 +120,7 @@ def test_a_failing_compiled_step_runs_eagerly_and_stays_eager(
     tiny_runners, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     eager, _ = tiny_runners
-    runner = ModelRunner(EngineConfig(model_path=tiny_model_dir, compile=True))
+    runner = ModelRunner(engine_config(tiny_model_dir, compile=True))
     assert runner.compiled is not None
 
     def broken(*args: object, **kwargs: object) -> torch.Tensor:
@@ -137,7 +142,7 @@ def test_a_failing_warm_up_leaves_the_runner_eager(
         raise RuntimeError("no compiler")
 
     monkeypatch.setattr(CompiledForward, "warm_up", broken)
-    assert ModelRunner(EngineConfig(model_path=tiny_model_dir, compile=True)).compiled is None
+    assert ModelRunner(engine_config(tiny_model_dir, compile=True)).compiled is None
 
 
 @pytest.fixture(scope="module", params=["eager", "compiled"])
@@ -172,11 +177,11 @@ def test_no_compile_flag_reaches_the_engine_config() -> None:
     for argv, want in ((["decode"], True), (["decode", "--no-compile"], False)):
         cfg, _ = resolve_config(build_parser().parse_args(argv), "decode", env={})
         assert cfg.model.compile is want
-        assert worker_config(cfg, "decode", model).engine.compile is want
+        assert worker_config(cfg, "decode", model).engine.model.compile is want
     cfg, _ = resolve_config(
         build_parser().parse_args(["decode"]), "decode", env={"PDSERVE_MODEL__COMPILE": "false"}
     )
-    assert worker_config(cfg, "decode", model).engine.compile is False
+    assert worker_config(cfg, "decode", model).engine.model.compile is False
 
 
 # --- SmolLM2 -----------------------------------------------------------------------------------

@@ -25,8 +25,6 @@ from pdserve.workers.cuda_graphs import DecodeGraphs
 from pdserve.workers.engine import Engine, EngineRequest
 from tests.integration.engine_helpers import complete, hf_greedy, joined, make_engine, run
 
-pytestmark = pytest.mark.integration
-
 PROMPT_LENGTHS = (3, 17, 30, 45, 61)
 
 

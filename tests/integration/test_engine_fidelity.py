@@ -22,8 +22,6 @@ from tests.integration.engine_helpers import (
     split_complete,
 )
 
-pytestmark = pytest.mark.integration
-
 TINY_TEXTS = [
     "Hello",
     "The quick brown fox jumps over the lazy dog.",

@@ -22,8 +22,6 @@ from pdserve.transfer.formatter import Formatter, PoolGeometry, pool_bytes
 from pdserve.workers.engine import Engine, EngineRequest
 from tests.integration.engine_helpers import joined, make_engine, run
 
-pytestmark = pytest.mark.integration
-
 PROMPTS = [
     [1, 72, 101, 108, 108, 111],
     list(range(40, 90)),  # several blocks on either side

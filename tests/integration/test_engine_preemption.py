@@ -12,13 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.config import EngineConfig
 from pdserve.errors import CapacityError, QueueFullError
 from pdserve.protocol import SamplingParams
 from pdserve.workers.engine import Engine, EngineOutput, EngineRequest
-from tests.integration.engine_helpers import copy_blocks_bytewise, make_engine, run
-
-pytestmark = pytest.mark.integration
+from tests.integration.engine_helpers import copy_blocks_bytewise, engine_config, make_engine, run
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -142,7 +139,7 @@ def test_a_request_without_max_tokens_runs_on_a_small_pool(tiny_model_dir: Path)
 
 def test_the_waiting_queue_is_bounded(tiny_model_dir: Path) -> None:
     # not started: no step runs, so every request stays in the waiting queue
-    engine = Engine(EngineConfig(model_path=tiny_model_dir, num_blocks=64, max_queued_requests=2))
+    engine = Engine(engine_config(tiny_model_dir, num_blocks=64, max_queued_requests=2))
     try:
         sampling = SamplingParams(temperature=0.0, max_tokens=8)
         prompt = prompts(engine)[1]

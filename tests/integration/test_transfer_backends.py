@@ -22,12 +22,12 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.config import TransferConfig
 from pdserve.errors import HandleError, LayoutMismatchError, TransferError
 from pdserve.protocol import KVLayout, TransferHandle
+from pdserve.settings import TransferSettings
 from pdserve.transfer import Transceiver, create_transceiver
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 HAVE_NIXL = importlib.util.find_spec("nixl") is not None
 HAVE_UCXX = importlib.util.find_spec("ucxx") is not None
@@ -45,8 +45,8 @@ PREFILL_ID = "prefill-0"
 EPOCH = 7
 
 
-def _cfg(backend: str, timeout_s: float = 10.0) -> TransferConfig:
-    return TransferConfig.model_validate(
+def _cfg(backend: str, timeout_s: float = 10.0) -> TransferSettings:
+    return TransferSettings.model_validate(
         {"backend": backend, "ucx_devices": "lo", "timeout_s": timeout_s}
     )
 

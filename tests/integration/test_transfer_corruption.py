@@ -29,7 +29,7 @@ from pdserve.transfer import Transceiver, create_transceiver, wire
 from tests.integration.kv_peer import LAYOUT, PrefillProcess, cfg, empty_pool, pattern
 from tests.integration.test_transfer_backends import BACKENDS
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture(scope="module", params=BACKENDS)

@@ -21,13 +21,13 @@ from pdserve.errors import HandleError
 from pdserve.protocol import TransferHandle
 from pdserve.transfer import Transceiver, create_transceiver, wire
 from pdserve.transfer.backend import open_backend
+from pdserve.transfer.control import Connection
 from pdserve.transfer.formatter import PoolGeometry
 from pdserve.transfer.handshake import LocalSide
-from pdserve.transfer.tcp import Connection
 from tests.integration.kv_peer import LAYOUT, PrefillProcess, cfg, empty_pool, pattern
 from tests.integration.test_transfer_backends import BACKENDS
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture(scope="module", params=BACKENDS)

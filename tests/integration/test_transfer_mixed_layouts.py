@@ -19,14 +19,14 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.config import TransferConfig
 from pdserve.errors import LayoutMismatchError
 from pdserve.protocol import KVLayout, TransferHandle
+from pdserve.settings import TransferSettings
 from pdserve.transfer import Transceiver, create_transceiver
 from pdserve.workers.parking import ParkedBlocks
 from tests.integration.test_transfer_backends import BACKENDS
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+pytestmark = pytest.mark.timeout(90)
 
 F32_16 = KVLayout(
     model="tiny-test", num_layers=3, num_kv_heads=2, head_dim=64, tokens_per_block=16,
@@ -39,8 +39,10 @@ NUM_BLOCKS = 96
 EPOCH = 11
 
 
-def _cfg(backend: str) -> TransferConfig:
-    return TransferConfig.model_validate({"backend": backend, "ucx_devices": "lo", "timeout_s": 20})
+def _cfg(backend: str) -> TransferSettings:
+    return TransferSettings.model_validate(
+        {"backend": backend, "ucx_devices": "lo", "timeout_s": 20}
+    )
 
 
 def _pool(layout: KVLayout, *, seed: int | None = None) -> torch.Tensor:

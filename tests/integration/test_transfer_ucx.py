@@ -31,7 +31,6 @@ from tests.integration.test_transfer_backends import (
 )
 
 pytestmark = [
-    pytest.mark.integration,
     pytest.mark.timeout(120),
     pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="no ucxx"),
 ]

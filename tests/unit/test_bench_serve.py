@@ -17,9 +17,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pdserve import bench_serve as bs
 from pdserve.cli import build_parser, main
-from pdserve.models import tiny_tokenizer
+from pdserve.tools import bench_serve as bs
+from tests.fixtures.models import tiny_tokenizer
 
 TTFT_S = 0.08  # the fake server's delay before the first content delta
 ITL_S = 0.03  # and between content deltas

@@ -4,6 +4,7 @@ layers resolve as flag > environment > file > default."""
 from __future__ import annotations
 
 import json
+import typing
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from pdserve.config import (
     worker_config,
 )
 from pdserve.launcher import all_registered, child_config, child_env, worker_commands
+from pdserve.settings import ROLES, Setting, settings
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
 MODEL = Path("/models/m")
@@ -133,7 +135,7 @@ def test_pdserve_config_names_the_file_when_no_flag_does(tmp_path: Path) -> None
     f.write_text("discovery:\n  url: nats://nats:4222\n")
     args = build_parser().parse_args(["router"])
     cfg, _ = resolve_config(args, env={"PDSERVE_CONFIG": str(f)})
-    assert router_config(cfg, MODEL).discovery == "nats://nats:4222"
+    assert router_config(cfg, MODEL).discovery.url == "nats://nats:4222"
 
 
 def test_bad_environment_values_and_unknown_variables_name_the_variable() -> None:
@@ -157,26 +159,28 @@ def test_an_empty_environment_value_means_null_and_plain_pdserve_variables_are_i
 def test_worker_runtime_config_follows_the_file(tmp_path: Path) -> None:
     cfg = load_file(Path(__file__).parents[2] / "configs" / "1p1d-etcd.yaml")
     w = worker_config(cfg, "prefill", MODEL)
-    assert w.discovery == "etcd://etcd:2379"
-    assert (w.host, w.port, w.lease_s) == ("0.0.0.0", 8100, cfg.kv_cache.lease_s)
+    assert w.control_plane == "etcd://etcd:2379"
+    assert (w.worker.host, w.worker.port) == ("0.0.0.0", 8100)
+    assert w.engine.kv_cache.lease_s == cfg.kv_cache.lease_s
     assert (w.transfer.backend, w.transfer.host, w.transfer.port) == ("tcp", "0.0.0.0", 8200)
     # A wildcard bind advertises the hostname (compose and Kubernetes DNS resolve it) ...
-    assert w.transfer.advertise_host not in ("0.0.0.0", "", None)
+    assert w.transfer_advertised_host not in ("0.0.0.0", "", None)
     # ... unless told otherwise.
     args = build_parser().parse_args(["prefill", "--advertise-host", "10.0.0.6"])
     cfg2, _ = resolve_config(args, "prefill", env={"PDSERVE_CONFIG": str(CONFIGS[0])})
-    assert worker_config(cfg2, "prefill", MODEL).transfer.advertise_host == "10.0.0.6"
-    assert w.engine.kv_cache_bytes == cfg.kv_cache.budget_mb * 2**20
+    assert worker_config(cfg2, "prefill", MODEL).transfer_advertised_host == "10.0.0.6"
+    assert cfg.kv_cache.budget_mb is not None
+    assert w.engine.kv_cache.budget_bytes == cfg.kv_cache.budget_mb * 2**20
 
 
 def test_a_worker_given_a_router_url_uses_the_embedded_registry_there() -> None:
     args = build_parser().parse_args(["decode", "--discovery", "http://10.0.0.5:8000"])
     cfg, _ = resolve_config(args, "decode", env={})
     assert cfg.discovery.url == "embedded"
-    assert worker_config(cfg, "decode", MODEL).discovery == "http://10.0.0.5:8000"
+    assert worker_config(cfg, "decode", MODEL).control_plane == "http://10.0.0.5:8000"
     # The default worker dials the default router.
     cfg, _ = resolve_config(build_parser().parse_args(["decode"]), "decode", env={})
-    assert worker_config(cfg, "decode", MODEL).discovery == "http://127.0.0.1:8000"
+    assert worker_config(cfg, "decode", MODEL).control_plane == "http://127.0.0.1:8000"
 
 
 def test_up_children_read_one_resolved_file(
@@ -209,7 +213,53 @@ def test_help_shows_the_schema_defaults(capsys: pytest.CaptureFixture[str]) -> N
     with pytest.raises(SystemExit):
         main(["decode", "--help"])
     out = capsys.readouterr().out
-    assert "(default: 30.0; config kv_cache.lease_s)" in " ".join(out.split())
+    text = " ".join(out.split())
+    assert "(default: 30.0; config kv_cache.lease_s; env PDSERVE_KV_CACHE__LEASE_S)" in text
+
+
+def _example(setting: Setting) -> tuple[list[str], object]:
+    """Command-line words that set ``setting`` to a non-default value, and that value."""
+    name = setting.flag_name()
+    assert name is not None
+    if setting.info.annotation is bool:
+        value = not setting.default
+        return [name if value else "--no-" + name[2:]], value
+    if setting.path == "discovery.url":
+        return [name, "etcd://e:2379"], "etcd://e:2379"
+    choices = [a for a in typing.get_args(setting.info.annotation) if isinstance(a, str)]
+    literal = [
+        c for a in typing.get_args(setting.info.annotation) for c in typing.get_args(a)
+    ] or choices
+    if literal:
+        value = next(c for c in literal if c != setting.default)
+        return [name, str(value)], value
+    if setting.path.endswith("device"):
+        return [name, "cuda:1"], "cuda:1"
+    if setting.info.annotation in (float, float | None):
+        return [name, "0.5"], 0.5
+    if setting.info.annotation in (int, int | None):
+        return [name, "7"], 7
+    return [
+        name,
+        "x-7",
+    ], "x-7" if "path" not in setting.path and "dir" not in setting.path else Path("x-7")
+
+
+@pytest.mark.parametrize("command", ["up", "router", "prefill", "decode", "colocated"])
+def test_every_declared_flag_sets_its_setting(command: str) -> None:
+    """The flags come from the declarations: each one a command takes lands in its own
+    config path (and nothing else changes)."""
+    checked = 0
+    for setting in settings():
+        if command not in setting.flag_commands():
+            continue
+        words, value = _example(setting)
+        args = build_parser().parse_args([command, *words])
+        cfg, sources = resolve_config(args, command if command in ROLES else None, env={})
+        assert getattr(getattr(cfg, setting.section), setting.field) == value, setting.path
+        assert sources == {(setting.section, setting.field): "command line"}, setting.path
+        checked += 1
+    assert checked >= 5
 
 
 def test_up_waits_for_every_worker_of_each_role() -> None:

@@ -4,7 +4,7 @@ answers 429; it refuses at once beyond its queue bound or under guaranteed_no_ev
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 
@@ -15,23 +15,11 @@ from tests.fakes import layout
 
 
 @dataclass
-class Limits:
-    policy: str = "max_utilization"
-
-
-@dataclass
-class Cfg:
-    max_queued_requests: int = 4
-
-
-@dataclass
 class FullPool:
     """``reserve`` fails ``full_for`` times (the pool is full), then hands out blocks."""
 
     full_for: int
     calls: int = 0
-    limits: Limits = field(default_factory=Limits)
-    cfg: Cfg = field(default_factory=Cfg)
 
     def reserve(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> list[int]:
         self.calls += 1
@@ -83,13 +71,17 @@ async def test_a_pool_that_stays_full_answers_429_before_the_lease_ends() -> Non
 
 
 async def test_beyond_the_queue_bound_or_under_guaranteed_no_evict_it_refuses_at_once() -> None:
-    busy = DecodeRole(engine=FullPool(full_for=10**9), transceiver=None)  # type: ignore[arg-type]
+    busy = DecodeRole(
+        engine=FullPool(full_for=10**9),  # type: ignore[arg-type]
+        transceiver=None,
+        max_queued_requests=4,
+    )
     busy.waiting_for_blocks = 4
     req, handle = request(lease_s=30)
     with pytest.raises(QueueFullError, match="wait for KV blocks"):
         await busy._reserve(req, handle)
-    strict = FullPool(full_for=10**9, limits=Limits("guaranteed_no_evict"))
-    role = DecodeRole(engine=strict, transceiver=None)  # type: ignore[arg-type]
+    strict = FullPool(full_for=10**9)
+    role = DecodeRole(engine=strict, transceiver=None, evicts=False)  # type: ignore[arg-type]
     with pytest.raises(CapacityError):
         await role._reserve(req, handle)
     assert strict.calls == 1

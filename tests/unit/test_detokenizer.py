@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.models import tiny_tokenizer
 from pdserve.workers.sequence import IncrementalDetokenizer
+from tests.fixtures.models import tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

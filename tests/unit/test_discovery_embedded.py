@@ -1,14 +1,14 @@
-"""Embedded registry: records hosted by the router, registered by workers over real HTTP."""
+"""Embedded-registry-only behaviour: the registry's HTTP API, epoch checks, a worker that starts
+before its router, the HTTP watcher, lazy expiry, URL forms. In process (uvicorn in the test's
+event loop). The behaviour every backend shares is in
+``tests/integration/test_discovery_contract.py``."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
-import fastapi
 import httpx
 import pytest
 
@@ -22,53 +22,27 @@ from pdserve.discovery import (
 )
 from pdserve.discovery.http import HttpRegistration, HttpWatcher
 from pdserve.errors import DiscoveryError
-from pdserve.protocol import KVLayout, Role, WorkerLoad, WorkerRecord
+from pdserve.protocol import Role, WorkerRecord
+from tests.fakes import record, registry_app
 from tests.fixtures.servers import UvicornHandle, free_port, serve_app, wait_until
 
 Router = tuple[EmbeddedRegistry, UvicornHandle]
 
 TTL_S = 1.0
-SLACK_S = 0.6
-
-LAYOUT = KVLayout(
-    model="tiny", num_layers=2, num_kv_heads=2, head_dim=8, tokens_per_block=16, dtype="float32"
-)
 
 
-def make_record(worker_id: str = "prefill-0", epoch: int = 1, running: int = 0) -> WorkerRecord:
-    return WorkerRecord(
-        role=Role.PREFILL,
-        worker_id=worker_id,
-        epoch=epoch,
-        model="tiny",
-        http_url="http://127.0.0.1:9",
-        layout=LAYOUT,
-        load=WorkerLoad(running=running),
-    )
-
-
-def router_app(registry: EmbeddedRegistry) -> fastapi.FastAPI:
-    """A stand-in for the router app: mounts the registry and runs its sweep in the lifespan."""
-
-    @asynccontextmanager
-    async def lifespan(app: fastapi.FastAPI) -> AsyncIterator[None]:
-        await registry.start()
-        yield
-        await registry.close()
-
-    app = fastapi.FastAPI(lifespan=lifespan)
-    app.include_router(registry.api_router())
-    return app
+def make_record(worker_id: str = "prefill-0", epoch: int = 1) -> WorkerRecord:
+    return record(worker_id, Role.PREFILL, "http://127.0.0.1:9", epoch=epoch)
 
 
 @pytest.fixture
 async def router() -> AsyncIterator[Router]:
     registry = EmbeddedRegistry(ttl_s=TTL_S)
-    async with serve_app(router_app(registry)) as handle:
+    async with serve_app(registry_app(registry)) as handle:
         yield registry, handle
 
 
-async def test_registered_worker_is_visible_to_the_router(router: Router) -> None:
+async def test_registered_worker_is_visible_at_once_and_over_http(router: Router) -> None:
     registry, server = router
     watcher = open_watcher("embedded", registry=registry)
     events: list[tuple[str, WorkerRecord | None]] = []
@@ -91,47 +65,7 @@ async def test_registered_worker_is_visible_to_the_router(router: Router) -> Non
         await watcher.close()
 
 
-async def test_update_publishes_new_load(router: Router) -> None:
-    registry, server = router
-    reg = open_registration(server.base_url, ttl_s=TTL_S)
-    await reg.start(make_record(running=0))
-    try:
-        await reg.update(make_record(running=7))
-        await wait_until(lambda: registry.workers()["prefill-0"].load.running == 7, 1.0)
-        # Refreshes every ttl/3 keep it alive past several TTLs.
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 2.5 * TTL_S:
-            assert "prefill-0" in registry.workers()
-            await asyncio.sleep(0.1)
-    finally:
-        await reg.close()
-
-
-async def test_close_deregisters_at_once_and_is_idempotent(router: Router) -> None:
-    registry, server = router
-    reg = open_registration(server.base_url, ttl_s=TTL_S)
-    await reg.start(make_record())
-    await reg.close()
-    assert "prefill-0" not in registry.workers()
-    assert reg.state is RegistrationState.CLOSED
-    await reg.close()
-
-
-async def test_registration_that_stops_refreshing_lapses_within_ttl(router: Router) -> None:
-    registry, server = router
-    removed: list[float] = []
-    registry.subscribe(lambda wid, rec: removed.append(time.monotonic()) if rec is None else None)
-    reg = open_registration(server.base_url, ttl_s=TTL_S)
-    await reg.start(make_record())
-    stopped = time.monotonic()
-    await reg.abandon()  # a crash: no DELETE
-    assert "prefill-0" in registry.workers()
-    await wait_until(lambda: removed, TTL_S + SLACK_S, what="sweep to expire the record")
-    assert removed[0] - stopped <= TTL_S + SLACK_S
-    assert registry.workers() == {}
-
-
-async def test_new_epoch_replaces_record_and_stale_epoch_is_refused(router: Router) -> None:
+async def test_stale_epoch_and_mismatched_path_are_refused_over_http(router: Router) -> None:
     registry, server = router
     old = open_registration(server.base_url, ttl_s=TTL_S)
     await old.start(make_record(epoch=1))
@@ -161,7 +95,7 @@ async def test_registration_retries_until_router_is_reachable(
     assert reg.state is RegistrationState.RETRYING
     assert any("failed" in r.message for r in caplog.records if r.levelno == logging.WARNING)
     registry = EmbeddedRegistry(ttl_s=TTL_S)
-    handle = UvicornHandle(router_app(registry), port)
+    handle = UvicornHandle(registry_app(registry), port)
     try:
         await handle.start()
         await wait_until(lambda: "prefill-0" in registry.workers(), TTL_S, what="registration")
@@ -169,7 +103,7 @@ async def test_registration_retries_until_router_is_reachable(
         # The router restarts with an empty registry: the worker re-registers by itself.
         await handle.stop()
         registry = EmbeddedRegistry(ttl_s=TTL_S)
-        await handle.start(router_app(registry))
+        await handle.start(registry_app(registry))
         await wait_until(lambda: "prefill-0" in registry.workers(), 2 * TTL_S, what="re-reg")
         # The worker logs after it has processed the registry's reply, a moment later.
         await wait_until(

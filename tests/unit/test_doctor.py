@@ -15,9 +15,10 @@ import pydantic
 import pytest
 import torch
 
-from pdserve.config import TransferConfig
 from pdserve.discovery import EmbeddedRegistry, open_registration
-from pdserve.doctor import (
+from pdserve.protocol import KVLayout, Role, WorkerRecord
+from pdserve.settings import TransferSettings
+from pdserve.tools.doctor import (
     Finding,
     Level,
     check_backends,
@@ -31,8 +32,7 @@ from pdserve.doctor import (
     exit_code,
     format_report,
 )
-from pdserve.doctor_facts import BackendFacts, Facts, parse_ucx_info
-from pdserve.protocol import KVLayout, Role, WorkerRecord
+from pdserve.tools.doctor_facts import BackendFacts, Facts, parse_ucx_info
 from pdserve.transfer import wire
 from pdserve.transfer.transceiver import Transceiver, create_transceiver
 from tests.fixtures.servers import free_port, serve_app
@@ -177,7 +177,7 @@ async def transceiver(fill: float = 1.0) -> AsyncIterator[Transceiver]:
     """A real TCP-backend transceiver over a pool full of ``fill`` (standing for KV data)."""
     shape = (LAYOUT.num_layers, 4, 2, LAYOUT.tokens_per_block, LAYOUT.num_kv_heads, LAYOUT.head_dim)
     t = create_transceiver(
-        TransferConfig(backend="tcp"),
+        TransferSettings(backend="tcp"),
         pool=torch.full(shape, fill),
         layout=LAYOUT,
         worker_id="prefill-doc",

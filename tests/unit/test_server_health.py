@@ -7,6 +7,7 @@ import pytest
 
 from pdserve.config import RouterConfig
 from pdserve.protocol import Role
+from pdserve.settings import ModelSettings
 from tests.fakes import MODEL, FakeWorker, build_tokenizer_dir, layout, record, router_harness
 
 REPLY = [(72, "H"), (105, "i")]
@@ -67,7 +68,9 @@ async def test_models_lists_the_served_model_and_its_context_window(cfg):
 
 
 async def test_max_model_len_in_the_config_overrides_the_model_config(model_dir):
-    cfg = RouterConfig(model_path=model_dir, served_model_name=MODEL, max_model_len=32)
+    cfg = RouterConfig(
+        model_path=model_dir, served_model_name=MODEL, model=ModelSettings(max_model_len=32)
+    )
     async with router_harness(cfg, []) as h:
         assert (await h.client.get("/v1/models")).json()["data"][0]["max_model_len"] == 32
 

@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 
 from pdserve.config import RouterConfig
 from pdserve.protocol import Role
+from pdserve.settings import RouterSettings
 from tests.fakes import MODEL, FakeWorker, build_tokenizer_dir, router_harness
 
 REPLY_TEXT = "Hello from pdserve"
@@ -30,7 +31,11 @@ def reply(model_dir):
 
 @pytest.fixture
 def cfg(model_dir):
-    return RouterConfig(model_path=model_dir, served_model_name=MODEL, request_timeout_s=30)
+    return RouterConfig(
+        model_path=model_dir,
+        served_model_name=MODEL,
+        router=RouterSettings(request_timeout_s=30),
+    )
 
 
 def openai_client(url: str, http: httpx.AsyncClient) -> openai.AsyncOpenAI:

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from pdserve.transfer.bench import (
+from pdserve.tools.bench_transfer import (
     CASES,
     SMOLLM2_LAYOUT,
     Case,
@@ -17,8 +17,8 @@ from pdserve.transfer.bench import (
     run_transfer_benchmark,
     unavailable,
 )
-from pdserve.transfer.bench_peers import block_bytes
-from pdserve.transfer.bench_report import check_targets, format_fits, format_table
+from pdserve.tools.bench_transfer_peers import block_bytes
+from pdserve.tools.bench_transfer_report import check_targets, format_fits, format_table
 
 BB = block_bytes(SMOLLM2_LAYOUT)
 
@@ -109,7 +109,7 @@ def test_tiny_run_moves_real_bytes_between_processes_and_fits_them() -> None:
 
 
 def test_rounds_pool_the_repetitions_of_each_series() -> None:
-    from pdserve.transfer.bench import _add
+    from pdserve.tools.bench_transfer import _add
 
     result = Result(SMOLLM2_LAYOUT, [1], [], {})
     _add(result, Series("tcp", "tcp", {"1": [1e-3]}))  # type: ignore[dict-item]  # JSON keys

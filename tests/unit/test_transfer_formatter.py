@@ -7,6 +7,8 @@ decode pool is then read back token by token.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -21,15 +23,11 @@ from pdserve.transfer.formatter import (
     TransferPlan,
     pool_bytes,
 )
+from tests.fakes import layout
 
-BASE = KVLayout(
-    model="m", num_layers=3, num_kv_heads=2, head_dim=4, tokens_per_block=16, dtype="float32"
-)
+shaped = functools.partial(layout, model="m", num_layers=3, head_dim=4)  # the shared factory
+BASE = shaped()  # 2 KV heads, 16-token float32 blocks
 SRC_BLOCKS, DST_BLOCKS = 24, 20
-
-
-def _layout(tpb: int, dtype: str = "float32") -> KVLayout:
-    return BASE.model_copy(update={"tokens_per_block": tpb, "dtype": dtype})
 
 
 def _pool(layout: KVLayout, num_blocks: int, *, seed: int | None = None) -> torch.Tensor:
@@ -97,7 +95,7 @@ def _blocks(num_tokens: int, tpb: int) -> int:
     ],
 )
 def test_reblocking_reproduces_every_token_in_the_destination_blocks(src_tpb, dst_tpb, num_tokens):
-    src, dst = _layout(src_tpb), _layout(dst_tpb)
+    src, dst = shaped(tokens_per_block=src_tpb), shaped(tokens_per_block=dst_tpb)
     src_pool = _pool(src, SRC_BLOCKS, seed=1)
     src_ids = [7, 2, 19, 3, 4, 11, 0][: _blocks(num_tokens, src_tpb)]
     dst_ids = [9, 10, 4, 15, 1][: _blocks(num_tokens, dst_tpb)]
@@ -112,7 +110,7 @@ def test_reblocking_reproduces_every_token_in_the_destination_blocks(src_tpb, ds
 
 
 def test_destination_slots_past_the_source_blocks_are_zeroed():
-    src, dst = _layout(16), _layout(32)
+    src, dst = shaped(tokens_per_block=16), shaped(tokens_per_block=32)
     src_pool = _pool(src, SRC_BLOCKS, seed=2)
     dst_pool, _ = _send(_formatter(src, dst, src_pool), src_pool, [5, 6, 7], [3, 8])
     # 3 source blocks = 48 slots; destination block 8 holds tokens 32..63, 48..63 have no source
@@ -127,7 +125,10 @@ def test_destination_slots_past_the_source_blocks_are_zeroed():
 )  # fmt: skip
 @pytest.mark.parametrize(("src_tpb", "dst_tpb"), [(16, 16), (16, 32), (32, 16)])
 def test_dtype_conversion_equals_tensor_to_for_every_token(src_dtype, dst_dtype, src_tpb, dst_tpb):
-    src, dst = _layout(src_tpb, src_dtype), _layout(dst_tpb, dst_dtype)
+    src, dst = (
+        shaped(tokens_per_block=src_tpb, dtype=src_dtype),
+        shaped(tokens_per_block=dst_tpb, dtype=dst_dtype),
+    )
     src_pool = _pool(src, SRC_BLOCKS, seed=3)
     num_tokens = 45
     src_ids = [12, 13, 14, 1][: _blocks(num_tokens, src_tpb)]
@@ -139,14 +140,20 @@ def test_dtype_conversion_equals_tensor_to_for_every_token(src_dtype, dst_dtype,
 
 
 def test_bfloat16_into_float32_keeps_every_bit():
-    src, dst = _layout(16, "bfloat16"), _layout(32, "float32")
+    src, dst = (
+        shaped(tokens_per_block=16, dtype="bfloat16"),
+        shaped(tokens_per_block=32, dtype="float32"),
+    )
     src_pool = _pool(src, SRC_BLOCKS, seed=4)
     dst_pool, _ = _send(_formatter(src, dst, src_pool), src_pool, [1, 2], [3])
     assert torch.equal(_tokens(dst_pool, [3], 32).to(torch.bfloat16), _tokens(src_pool, [1, 2], 32))
 
 
 def test_converting_plan_is_one_segment_per_layer_per_destination_run():
-    src, dst = _layout(16), _layout(32, "bfloat16")
+    src, dst = (
+        shaped(tokens_per_block=16),
+        shaped(tokens_per_block=32, dtype="bfloat16"),
+    )
     f = _formatter(src, dst, _pool(src, SRC_BLOCKS))
     plan = f.plan([0, 9, 4, 5, 6, 2], [10, 11, 3])  # destination runs (10, 11) and (3,)
     bb = dst.block_bytes_per_layer  # staging blocks are destination blocks
@@ -187,7 +194,7 @@ def test_unmappable_layouts_are_refused_at_negotiation_naming_only_those_fields(
 
 
 def test_layouts_differing_in_block_size_and_dtype_can_be_mapped_both_ways():
-    other = _layout(32, "bfloat16")
+    other = shaped(tokens_per_block=32, dtype="bfloat16")
     assert BASE.can_map_to(other) and other.can_map_to(BASE)
     assert BASE.describe_unmappable(other) == ""
 
@@ -206,14 +213,17 @@ def test_layouts_differing_in_block_size_and_dtype_can_be_mapped_both_ways():
 def test_converting_plan_refuses_block_counts_and_ids_that_cannot_be_a_request(
     src_ids, dst_ids, match
 ):
-    src, dst = _layout(16), _layout(32)
+    src, dst = shaped(tokens_per_block=16), shaped(tokens_per_block=32)
     with pytest.raises(TransferError, match=match):
         _formatter(src, dst, _pool(src, SRC_BLOCKS)).plan(src_ids, dst_ids)
 
 
 @pytest.mark.parametrize("scratch_rows", [1, 3, 7])
 def test_conversion_in_scratch_sized_chunks_reproduces_every_token(monkeypatch, scratch_rows):
-    src, dst = _layout(16, "float32"), _layout(32, "bfloat16")
+    src, dst = (
+        shaped(tokens_per_block=16, dtype="float32"),
+        shaped(tokens_per_block=32, dtype="bfloat16"),
+    )
     row_bytes = 16 * src.num_kv_heads * src.head_dim * 4  # gcd(16, 32) tokens of float32
     monkeypatch.setattr(convert, "SCRATCH_BYTES", scratch_rows * row_bytes)
     src_pool = _pool(src, SRC_BLOCKS, seed=5)

@@ -15,9 +15,10 @@ import torch
 import xxhash
 
 from pdserve.cli import build_parser, resolve_config
-from pdserve.config import TransferConfig, worker_config
+from pdserve.config import worker_config
 from pdserve.errors import IntegrityError, TransferError
 from pdserve.protocol import KVLayout
+from pdserve.settings import TransferSettings
 from pdserve.transfer import integrity
 from pdserve.transfer.formatter import Formatter, PoolGeometry, TransferPlan, pool_bytes
 from pdserve.transfer.integrity import BlockDigester
@@ -175,7 +176,7 @@ def test_integrity_is_on_by_default_and_the_cli_switch_turns_it_off_through_up()
         cfg, _ = resolve_config(parser.parse_args(argv), role, env={})
         return worker_config(cfg, "decode", model).transfer.integrity
 
-    assert TransferConfig().integrity is True
+    assert TransferSettings().integrity is True
     assert integrity(["decode"], "decode") is True
     assert integrity(["decode", "--no-kv-integrity"], "decode") is False
     # `up` writes one resolved config file that every child reads.

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.config import TransferConfig
 from pdserve.errors import TransferError
 from pdserve.protocol import KVLayout
+from pdserve.settings import TransferSettings
 from pdserve.transfer import wire
 from pdserve.transfer.backend import TransferState
 from pdserve.transfer.formatter import PoolGeometry
@@ -189,7 +189,7 @@ LAYOUT = KVLayout(
 def backend() -> Iterator[UcxBackend]:
     pool = torch.zeros(2, 4, 2, 2, 1, 4)
     b = UcxBackend(
-        cfg=TransferConfig(backend="ucx", ucx_devices="lo"),
+        cfg=TransferSettings(backend="ucx", ucx_devices="lo"),
         pool=pool,
         geometry=PoolGeometry.from_pool(pool, LAYOUT),
         agent_name="unused",

@@ -189,7 +189,7 @@ class PromptMaker:
         template's own length)."""
         need = max(1, input_len - self.count(""))
         ids = [self.rng.choice(self.pool) for _ in range(need)]
-        text = self.tok.decode(ids)
+        text: str = self.tok.decode(ids)
         for _ in range(10):
             diff = self.count(text) - input_len
             if diff == 0:
@@ -351,7 +351,7 @@ async def served_model(client: httpx.AsyncClient, base: str) -> str:
 
 def default_tokenizer(model: str | None, cache_dir: Path | None = None) -> Path:
     """``model`` when it is a local folder, else the converted SmolLM2 folder in the cache."""
-    from pdserve.config import DEFAULT_MODEL, default_cache_dir
+    from pdserve.settings import DEFAULT_MODEL, default_cache_dir
 
     if model and Path(model).expanduser().is_dir():
         return Path(model).expanduser()

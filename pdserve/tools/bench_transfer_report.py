@@ -14,7 +14,7 @@ import argparse
 import math
 from dataclasses import dataclass
 
-from pdserve.transfer.bench import (
+from pdserve.tools.bench_transfer import (
     DEFAULT_BLOCKS,
     SMOLLM2_LAYOUT,
     Result,
@@ -22,7 +22,7 @@ from pdserve.transfer.bench import (
     resolve_cases,
     run_transfer_benchmark,
 )
-from pdserve.transfer.bench_peers import block_bytes
+from pdserve.tools.bench_transfer_peers import block_bytes
 
 TCP_RATIO = 0.9
 SAME_HOST_RATIO = 0.8
@@ -159,8 +159,9 @@ def print_results(result: Result) -> None:
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Run with the parsed flags of ``pdserve bench transfer`` (``sizes_mib``, ``backends``,
-    ``integrity``, ``min_seconds``, ``rounds``; see :mod:`pdserve.cli`) and print. Returns 0 when it ran
-    (targets met or missed: they are reported, not an error), 2 for an unknown case name."""
+    ``integrity``, ``min_seconds``, ``rounds``; see :mod:`pdserve.cli`) and print. Returns 0
+    when it ran (targets met or missed: they are reported, not an error), 2 for an unknown case
+    name."""
     layout = SMOLLM2_LAYOUT
     if args.sizes_mib:
         blocks = [max(1, math.ceil(m * _MIB / block_bytes(layout))) for m in args.sizes_mib]

@@ -1,9 +1,9 @@
-"""The processes of the transfer benchmark (:mod:`pdserve.transfer.bench`), one role each.
+"""The processes of the transfer benchmark (:mod:`pdserve.tools.bench_transfer`), one role each.
 
 Each measurement runs in fresh child processes started by the benchmark with an environment of
 its own (e.g. ``UCX_TLS=tcp`` for "NIXL over TCP"), because UCX reads its transports from the
 environment when a context is created and the benchmark's own process must not be configured
-through ``os.environ``. Roles (``python -m pdserve.transfer.bench_peers ROLE SPEC``)::
+through ``os.environ``. Roles (``python -m pdserve.tools.bench_transfer_peers ROLE SPEC``)::
 
     serve    a prefill-side transceiver over a pool of ``max(blocks)`` blocks that all count as
              parked (:class:`AllParked`); prints {"endpoint", "backend"}; runs until stdin closes
@@ -34,14 +34,14 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from pdserve.config import TransferConfig
 from pdserve.errors import HandleError
 from pdserve.protocol import KVLayout, TransferHandle
+from pdserve.settings import TransferSettings
+from pdserve.transfer.control import SOCKET_BUFFER_BYTES
 from pdserve.transfer.transceiver import create_transceiver
 
 RESULT_PREFIX = "PDSERVE-BENCH "
 _EPOCH = 1
-_SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 
 
 class PeerSpec(BaseModel):
@@ -49,7 +49,7 @@ class PeerSpec(BaseModel):
 
     ``blocks``: request sizes in KV blocks of ``layout`` (one block = all layers); ``backend``:
     a transfer backend name (serve/pull); ``integrity``: the settings to pull with (only when
-    ``TransferConfig`` has the field); ``ucx_devices``: ``TransferConfig.ucx_devices``.
+    ``TransferSettings`` has the field); ``ucx_devices``: ``TransferSettings.ucx_devices``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -80,11 +80,11 @@ def _pool(layout: KVLayout, num_blocks: int, fill: float) -> torch.Tensor:
     return torch.full((*shape, layout.head_dim), fill, dtype=getattr(torch, layout.dtype))
 
 
-def _config(spec: PeerSpec, integrity: bool | None = None) -> TransferConfig:
+def _config(spec: PeerSpec, integrity: bool | None = None) -> TransferSettings:
     fields: dict[str, Any] = {"backend": spec.backend, "ucx_devices": spec.ucx_devices}
     if integrity is not None:
         fields["integrity"] = integrity
-    return TransferConfig.model_validate(fields)
+    return TransferSettings.model_validate(fields)
 
 
 class AllParked:
@@ -185,11 +185,11 @@ def _puller(t: Any, spec: PeerSpec, n: int) -> Callable[[], Awaitable[None]]:
 
 
 def _tune(sock: socket.socket) -> None:
-    """The same socket options the TCP backend uses (:func:`pdserve.transfer.tcp.tune`), so
+    """The same socket options the TCP backend uses (:func:`pdserve.transfer.control.tune`), so
     the reference and the backend differ only in what runs above the socket."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        sock.setsockopt(socket.SOL_SOCKET, opt, _SOCKET_BUFFER_BYTES)
+        sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
 
 
 def source(spec: PeerSpec) -> None:
@@ -246,7 +246,7 @@ async def memcpy(spec: PeerSpec) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m pdserve.transfer.bench_peers ROLE SPEC_JSON``."""
+    """``python -m pdserve.tools.bench_transfer_peers ROLE SPEC_JSON``."""
     role, raw = (argv if argv is not None else sys.argv[1:])[:2]
     spec = PeerSpec.model_validate_json(raw)
     if role == "source":

@@ -1,7 +1,7 @@
 """Benchmarks that print numbers: ``pdserve bench serve`` and ``pdserve bench transfer``.
 
 ``serve --url http://HOST:PORT/v1`` drives an already running OpenAI-compatible server (pdserve,
-vLLM, ...) with a fixed-seed synthetic chat workload (:mod:`pdserve.bench_serve`).
+vLLM, ...) with a fixed-seed synthetic chat workload (:mod:`pdserve.tools.bench_serve`).
 
 ``serve`` without ``--url`` starts pdserve itself and compares (a) the disaggregated stack
 (router -> prefill worker -> KV transfer -> decode worker, requests through the router's
@@ -11,7 +11,7 @@ on the same token-id prompts, in one run. Both get the same CPU budget: the disa
 runs each worker on half the cores, the colocated worker on all of them.
 
 Both modes report, per level, TTFT, ITL, TPOT and e2e latency (mean, p50, p90, p99 in ms),
-output tokens/s and request errors; the definitions are in :mod:`pdserve.bench_serve`.
+output tokens/s and request errors; the definitions are in :mod:`pdserve.tools.bench_serve`.
 Importing this module is light (no httpx, no torch); the CLI builds its options from here.
 """
 
@@ -23,15 +23,16 @@ import itertools
 import json
 import os
 import random
-import signal
 import socket
-import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pdserve.supervisor import ProcessSpec
 
 SERVE_DESCRIPTION = """\
 With --url: drive an already running OpenAI-compatible server (pdserve, vLLM, ...) with a
@@ -159,7 +160,7 @@ def _report(args: argparse.Namespace, api: str, runs: list[dict[str, Any]],
 
 
 def _counts(args: argparse.Namespace) -> list[int]:
-    from pdserve.bench_serve import default_num_requests
+    from pdserve.tools.bench_serve import default_num_requests
 
     return [args.num_requests or default_num_requests(c) for c in args.concurrency]
 
@@ -177,7 +178,7 @@ def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 async def _levels(args: argparse.Namespace, one: Callable[[Any], Awaitable[Any]], warm: list[Any],
                   prompts: list[list[Any]], label: str | None) -> list[dict[str, Any]]:  # fmt: skip
     """Warm-up, then each concurrency level; prints each level as it ends."""
-    from pdserve.bench_serve import format_level, run_level, summarize
+    from pdserve.tools.bench_serve import format_level, run_level, summarize
 
     for item in warm:
         w = await one(item)
@@ -197,7 +198,7 @@ def url_main(args: argparse.Namespace) -> int:
     the warm-up or every request of some level failed."""
     import httpx
 
-    from pdserve import bench_serve as bs
+    from pdserve.tools import bench_serve as bs
 
     base = bs.base_url(args.url)
     tok_path = Path(args.tokenizer).expanduser() if args.tokenizer else bs.default_tokenizer(
@@ -251,6 +252,10 @@ def url_main(args: argparse.Namespace) -> int:
 
 # --- without --url: start pdserve, disaggregated vs colocated ------------------------------------
 
+_GRACE_S = 15.0
+"""Seconds a stopping benchmark process gets after SIGTERM before SIGKILL."""
+_READY_TIMEOUT_S = 300.0
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -258,48 +263,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "wb") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", "--log-level", "warning", *args],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+def _spec(name: str, args: list[str], log: Path, tier: int) -> ProcessSpec:
+    """A pdserve process of the comparison, in its own session, logging into ``log``; the
+    router is tier 0, the workers tier 1 (stopped first)."""
+    from pdserve.supervisor import ProcessSpec, pdserve_argv
 
-
-def _wait(url: str, procs: list[subprocess.Popen[bytes]], timeout_s: float = 300) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
-            raise RuntimeError("a benchmark process exited while starting")
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"{url} not ready in {timeout_s} s")
-
-
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(15)
-        except subprocess.TimeoutExpired:
-            p.kill()
+    argv = pdserve_argv(args, log_level="warning")
+    return ProcessSpec(name, argv, log_path=log, new_session=True, tier=tier)
 
 
 async def _one_colocated(client, url: str, ids: list[int], args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """One request to a colocated worker's NDJSON ``/internal/generate``; a stamp per chunk."""
     import httpx
 
-    from pdserve.bench_serve import failed, from_stamps
+    from pdserve.tools.bench_serve import failed, from_stamps
 
     body = {
         "request_id": uuid.uuid4().hex,
@@ -340,8 +317,9 @@ def compare_main(args: argparse.Namespace, model_path: Path) -> int:
     """Start the disaggregated stack, then a colocated worker; the same prompts through both."""
     import tempfile
 
-    from pdserve import bench_serve as bs
-    from pdserve.config import DEFAULT_MODEL
+    from pdserve.settings import DEFAULT_MODEL
+    from pdserve.supervisor import ProcessSupervisor
+    from pdserve.tools import bench_serve as bs
 
     name = args.served_model_name or DEFAULT_MODEL
     cores = os.cpu_count() or 2
@@ -370,29 +348,28 @@ def compare_main(args: argparse.Namespace, model_path: Path) -> int:
 
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    procs = [_spawn(["router", *common, "--port", str(port)], logs / "router.log")]
-    for role in ("prefill", "decode"):
-        procs.append(_spawn([role, *common, *engine, "--discovery", url, "--threads", half,
-                             "--transfer-backend", args.transfer_backend, "--ucx-devices", "lo"],
-                            logs / f"{role}.log"))  # fmt: skip
-    try:
-        _wait(url, procs)
+    worker = [*common, *engine, "--discovery", url, "--threads", half,
+              "--transfer-backend", args.transfer_backend, "--ucx-devices", "lo"]  # fmt: skip
+    with ProcessSupervisor(grace_s=_GRACE_S) as stack:
+        stack.spawn(
+            _spec("router", ["router", *common, "--port", str(port)], logs / "router.log", 0)
+        )
+        for role in ("prefill", "decode"):
+            stack.spawn(_spec(role, [role, *worker], logs / f"{role}.log", 1))
+        stack.wait_ready(url, timeout_s=_READY_TIMEOUT_S, what="the disaggregated stack")
         measure("disaggregated", url, openai_one)
-    finally:
-        _stop(procs)
 
     port, reg = _free_port(), _free_port()
     coloc = f"http://127.0.0.1:{port}"
-    procs = [
-        _spawn(["router", *common, "--port", str(reg)], logs / "router2.log"),
-        _spawn(["colocated", *common, *engine, "--port", str(port), "--discovery",
-                f"http://127.0.0.1:{reg}", "--threads", str(cores)], logs / "colocated.log"),
-    ]  # fmt: skip
-    try:
-        _wait(coloc, procs)
+    worker = ["colocated", *common, *engine, "--port", str(port),
+              "--discovery", f"http://127.0.0.1:{reg}", "--threads", str(cores)]  # fmt: skip
+    with ProcessSupervisor(grace_s=_GRACE_S) as stack:
+        stack.spawn(
+            _spec("router", ["router", *common, "--port", str(reg)], logs / "router2.log", 0)
+        )
+        stack.spawn(_spec("colocated", worker, logs / "colocated.log", 1))
+        stack.wait_ready(coloc, timeout_s=_READY_TIMEOUT_S, what="the colocated worker")
         measure("colocated", coloc, lambda client, ids: _one_colocated(client, coloc, ids, args))
-    finally:
-        _stop(procs)
 
     print(f"\nmodel {name}, {args.input_len}-token prompts, {args.output_len} output tokens, "
           f"{cores} cores")  # fmt: skip
@@ -412,7 +389,8 @@ def compare_main(args: argparse.Namespace, model_path: Path) -> int:
 
 def transfer_main(args: argparse.Namespace) -> int:
     """KV transfer per backend beside raw-socket and memcpy references, with fits and the
-    issue's targets (:mod:`pdserve.transfer.bench`, :mod:`pdserve.transfer.bench_report`)."""
-    from pdserve.transfer.bench_report import run_from_args
+    issue's targets (:mod:`pdserve.tools.bench_transfer`,
+    :mod:`pdserve.tools.bench_transfer_report`)."""
+    from pdserve.tools.bench_transfer_report import run_from_args
 
     return run_from_args(args)

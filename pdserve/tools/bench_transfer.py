@@ -3,7 +3,7 @@
 Issue 3's benchmark. Each *case* moves KV blocks of a real layout (default SmolLM2-135M: 30
 layers, 3 KV heads, head dim 64, 16 tokens per block, float32 = 720 KiB per block) from a
 prefill-side transceiver to a decode-side transceiver, in two fresh processes started with the
-case's environment (:mod:`pdserve.transfer.bench_peers`), exactly as workers do: handshake
+case's environment (:mod:`pdserve.tools.bench_transfer_peers`), exactly as workers do: handshake
 once, then per request SendBlocks -> bytes -> Release. Cases::
 
     tcp        the TCP backend (bytes on the control connection)
@@ -18,7 +18,7 @@ counts (request 8 bytes, ``recv_into`` a preallocated buffer; same socket option
 backend), and ``memcpy``, ``numpy.copyto`` of the same byte counts in one process (the
 benchmark's own, while no peer runs).
 
-Every case is measured with integrity digests off and on when ``TransferConfig`` has the
+Every case is measured with integrity digests off and on when ``TransferSettings`` has the
 ``integrity`` field. Per case a fit ``t = c + bytes / B`` (least squares on the p50 times,
 weighted by 1/t^2 so every size counts by its relative error) gives the fixed cost per
 transfer ``c`` in microseconds and the bandwidth ``B``. GB/s are 1e9 bytes per second.
@@ -38,10 +38,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pdserve.config import TransferConfig
 from pdserve.protocol import KVLayout
+from pdserve.settings import TransferSettings
+from pdserve.tools.bench_transfer_peers import RESULT_PREFIX, PeerSpec, block_bytes, memcpy_times
 from pdserve.transfer import backend as backend_registry
-from pdserve.transfer.bench_peers import RESULT_PREFIX, PeerSpec, block_bytes, memcpy_times
 
 SMOLLM2_LAYOUT = KVLayout(
     model="SmolLM2-135M-Instruct",
@@ -169,15 +169,15 @@ def unavailable(case: Case) -> str | None:
     if case.backend not in backend_registry._REGISTRY:
         return f"no {case.backend!r} transfer backend is registered in this build"
     try:
-        TransferConfig.model_validate({"backend": case.backend})
+        TransferSettings.model_validate({"backend": case.backend})
     except ValueError:
-        return f"TransferConfig does not accept backend {case.backend!r} yet"
+        return f"TransferSettings does not accept backend {case.backend!r} yet"
     return None
 
 
 def integrity_settings(mode: Literal["off", "on", "both"]) -> list[bool]:
-    """The integrity values to measure ([] when TransferConfig has no ``integrity`` field)."""
-    if "integrity" not in TransferConfig.model_fields:
+    """The integrity values to measure ([] when TransferSettings has no ``integrity`` field)."""
+    if "integrity" not in TransferSettings.model_fields:
         return []
     return {"off": [False], "on": [True], "both": [False, True]}[mode]
 
@@ -250,7 +250,13 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
 
 
 def _command(role: str, spec: PeerSpec) -> list[str]:
-    return [sys.executable, "-m", "pdserve.transfer.bench_peers", role, spec.model_dump_json()]
+    return [
+        sys.executable,
+        "-m",
+        "pdserve.tools.bench_transfer_peers",
+        role,
+        spec.model_dump_json(),
+    ]
 
 
 def _results(stdout: str) -> list[dict[str, Any]]:
@@ -315,9 +321,3 @@ class _Server:
             time.sleep(0.05)
         self._err.seek(0)
         raise RuntimeError(f"benchmark role {self.role} did not start:\n{self._err.read()[-4000:]}")
-
-
-if __name__ == "__main__":  # python -m pdserve.transfer.bench [flags of `pdserve bench transfer`]
-    from pdserve.cli import main
-
-    raise SystemExit(main(["bench", "transfer", *sys.argv[1:]]))

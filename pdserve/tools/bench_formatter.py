@@ -1,6 +1,6 @@
 """What layout conversion costs: the staging kernel alone, and a whole pull between processes.
 
-``python -m pdserve.transfer.bench_formatter [--tokens 512 2048] [--backends tcp nixl]
+``python -m pdserve.tools.bench_formatter [--tokens 512 2048] [--backends tcp nixl]
 [--threads 1]``
 
 Two measurements on SmolLM2's KV layout (30 layers, 3 KV heads, head dim 64), one request of
@@ -13,7 +13,7 @@ Two measurements on SmolLM2's KV layout (30 layers, 3 KV heads, head dim 64), on
    as a decode worker does (handshake once, then SendBlocks -> bytes -> Release per request),
    for matched layouts (the zero-copy path) and each mixed pair, per backend. The difference to
    the matched row of the same prefill dtype is what the formatter adds end to end. Integrity
-   digests are off here, so the figures isolate the conversion (``pdserve.transfer.bench``
+   digests are off here, so the figures isolate the conversion (``pdserve.tools.bench_transfer``
    measures the backends themselves).
 """
 
@@ -21,18 +21,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import multiprocessing as mp
 import statistics
 import time
 import uuid
 from collections.abc import Callable
 from multiprocessing.connection import Connection as Pipe
+from typing import Any
 
 import torch
 
-from pdserve.config import TransferConfig
 from pdserve.errors import HandleError
 from pdserve.protocol import KVLayout, TransferHandle
+from pdserve.settings import TransferSettings
 from pdserve.transfer.formatter import Formatter, PoolGeometry
 from pdserve.transfer.transceiver import create_transceiver
 
@@ -62,7 +64,7 @@ def _pool(layout: KVLayout, tokens: int) -> torch.Tensor:
     return torch.randn((*shape, layout.head_dim)).to(getattr(torch, layout.dtype))
 
 
-def _median(run: Callable[[], None]) -> tuple[float, int]:
+def _median(run: Callable[[], object]) -> tuple[float, int]:
     """Median seconds of ``run`` (after one warm-up) and the repetitions taken."""
     run()
     times: list[float] = []
@@ -76,7 +78,7 @@ def _median(run: Callable[[], None]) -> tuple[float, int]:
     return statistics.median(times), len(times)
 
 
-def bench_stage(tokens: int) -> list[dict]:
+def bench_stage(tokens: int) -> list[dict[str, Any]]:
     """Staging kernel per mixed pair: ms, GB/s of output written, and a ``copy_`` reference."""
     rows = []
     for src_name, dst_name in PAIRS:
@@ -89,10 +91,10 @@ def bench_stage(tokens: int) -> list[dict]:
         f = Formatter.negotiate(src, dst, PoolGeometry.from_pool(pool, src), dst_geometry)
         buf = torch.empty(f.staging_nbytes(n_dst), dtype=torch.uint8)
         ids = list(range(n_src))
-        seconds, reps = _median(lambda f=f, p=pool, i=ids, n=n_dst, b=buf: f.stage(p, i, n, b))
+        seconds, reps = _median(functools.partial(f.stage, pool, ids, n_dst, buf))
         out = n_dst * dst.num_layers * dst.block_bytes_per_layer
         a, b = torch.empty(out, dtype=torch.uint8), torch.ones(out, dtype=torch.uint8)
-        copy_s, _ = _median(lambda a=a, b=b: a.copy_(b))
+        copy_s, _ = _median(functools.partial(a.copy_, b))
         rows.append(
             {"pair": f"{src_name} -> {dst_name}", "tokens": tokens, "out_mib": out / 2**20,
              "reps": reps, "ms": seconds * 1e3, "gbps": out / seconds / 1e9,
@@ -113,8 +115,8 @@ class _AllParked:
         pass
 
 
-def _cfg(backend: str) -> TransferConfig:
-    return TransferConfig.model_validate(
+def _cfg(backend: str) -> TransferSettings:
+    return TransferSettings.model_validate(
         {"backend": backend, "ucx_devices": "lo", "integrity": False}
     )
 
@@ -141,7 +143,9 @@ def _prefill_peer(pipe: Pipe, backend: str, tokens: int, threads: int) -> None:
     asyncio.run(serve())
 
 
-async def _pull_pairs(backend: str, tokens: int, endpoints: dict) -> list[dict]:
+async def _pull_pairs(
+    backend: str, tokens: int, endpoints: dict[str, tuple[str, str]]
+) -> list[dict[str, Any]]:
     rows = []
     for src_name, dst_name in PAIRS:
         src, dst = PREFILL[src_name], DECODE[dst_name]
@@ -181,7 +185,7 @@ async def _pull_pairs(backend: str, tokens: int, endpoints: dict) -> list[dict]:
     return rows
 
 
-def bench_pull(backend: str, tokens: int, threads: int = 1) -> list[dict]:
+def bench_pull(backend: str, tokens: int, threads: int = 1) -> list[dict[str, Any]]:
     """Median pull time per layout pair over ``backend`` between two processes (the prefill
     process runs torch on ``threads`` threads)."""
     ctx = mp.get_context("spawn")

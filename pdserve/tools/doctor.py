@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from pdserve.doctor_facts import Facts, gather_facts
 from pdserve.errors import ConfigError, DiscoveryError, PdserveError, TransferError
+from pdserve.tools.doctor_facts import Facts, gather_facts
 
 _SHM_TLS = {"shm", "sm", "cma", "posix", "sysv", "all"}
 SLOW_GBPS = 0.5
@@ -386,7 +386,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pdserve.doctor``, same as ``pdserve doctor``."""
+    """``python -m pdserve.tools.doctor``, same as ``pdserve doctor``."""
     parser = argparse.ArgumentParser(prog="pdserve doctor", description=__doc__.splitlines()[0])
     add_arguments(parser)
     try:

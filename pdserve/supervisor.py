@@ -1,0 +1,292 @@
+"""Child processes started, waited for, watched and stopped in one way: the supervisor behind
+``pdserve up`` (:mod:`pdserve.launcher`), ``pdserve bench serve`` (:mod:`pdserve.tools.bench`)
+and the tests' stack (``tests/fixtures/stack.py``).
+
+Lifecycle of the processes of one :class:`ProcessSupervisor`::
+
+    1 SPAWN   spawn(ProcessSpec): argv, environment, stdout + stderr into a log file (or the
+              supervisor's own streams), optionally in a session of its own (a terminal's
+              Ctrl-C then reaches only the supervisor, which stops the children in order)
+    2 READY   wait_ready(url): poll GET {url}/ready until it answers 200 (and ``accept`` holds);
+              a process that exits meanwhile raises ProcessExitedError with the end of its
+              log, the deadline raises ReadyTimeoutError with the last answer and the logs
+    3 WATCH   watch(stopping): until a process exits unexpectedly (returned) or the caller
+              asks to stop (None)
+    4 STOP    stop(): by tier, highest first (workers before the router they deregister
+              from); within a tier SIGTERM in reverse start order, one shared grace period,
+              then SIGKILL for what is left. Idempotent; also run on leaving the ``with`` block
+
+Restart on crash is not implemented. It belongs to WATCH: every spawned
+:class:`ManagedProcess` keeps the :class:`ProcessSpec` it came from, so a restart policy can
+spawn the spec again in its place (an adopted process has no spec and cannot be restarted).
+
+Thread-safety: none; drive a supervisor from one thread. A signal handler should only set the
+flag that ``stopping`` reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+LOG_TAIL_CHARS = 4000
+"""How much of a process's log an error message quotes."""
+
+
+def pdserve_argv(args: Sequence[str], *, log_level: str) -> list[str]:
+    """The argv that runs the ``pdserve`` command line with this interpreter."""
+    return [sys.executable, "-m", "pdserve.cli", "--log-level", log_level, *args]
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """How to start one child. ``env`` None inherits this process's environment;
+    ``log_path`` None inherits its stdout and stderr, else both go to that file (truncated).
+    ``tier``: processes stop in tiers, highest first (see the module docstring)."""
+
+    name: str
+    argv: Sequence[str]
+    env: Mapping[str, str] | None = None
+    log_path: Path | None = None
+    new_session: bool = False
+    tier: int = 0
+    popen_kwargs: Mapping[str, object] = field(default_factory=dict)
+    """More keyword arguments for :class:`subprocess.Popen` (e.g. ``stdin``, ``preexec_fn``)."""
+
+
+class ManagedProcess:
+    """One child process. Owns nothing but the ``popen`` handle; the log file belongs to the
+    caller. ``stopped`` is set once it was asked to stop on purpose (:meth:`kill`, the
+    supervisor's stop): its exit is then expected, not a crash."""
+
+    def __init__(
+        self,
+        name: str,
+        popen: subprocess.Popen[bytes],
+        log_path: Path | None = None,
+        *,
+        spec: ProcessSpec | None = None,
+        tier: int = 0,
+    ) -> None:
+        self.name = name
+        self.popen = popen
+        self.log_path = log_path
+        self.spec = spec
+        self.tier = tier
+        self.stopped = False
+
+    @classmethod
+    def start(cls, spec: ProcessSpec) -> ManagedProcess:
+        """Start ``spec``; raises OSError when its executable cannot be run."""
+        kwargs: dict[str, object] = {"env": spec.env, "start_new_session": spec.new_session}
+        kwargs.update(spec.popen_kwargs)
+        if spec.log_path is None:
+            popen = subprocess.Popen(list(spec.argv), **kwargs)  # type: ignore[call-overload]
+        else:
+            with open(spec.log_path, "wb") as out:  # the child holds its own descriptor
+                popen = subprocess.Popen(  # type: ignore[call-overload]
+                    list(spec.argv), stdout=out, stderr=subprocess.STDOUT, **kwargs
+                )
+        return cls(spec.name, popen, spec.log_path, spec=spec, tier=spec.tier)
+
+    def __repr__(self) -> str:
+        return f"ManagedProcess({self.name!r}, pid={self.pid}, returncode={self.returncode})"
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status (negative: killed by that signal), None while it runs."""
+        return self.popen.poll()
+
+    @property
+    def running(self) -> bool:
+        return self.returncode is None
+
+    @property
+    def crashed(self) -> bool:
+        """It exited without being asked to stop."""
+        return not self.stopped and not self.running
+
+    def log(self) -> str:
+        """The whole log file ("" without one, or before the file exists)."""
+        if self.log_path is None or not self.log_path.is_file():
+            return ""
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, n_chars: int = LOG_TAIL_CHARS) -> str:
+        return self.log()[-n_chars:]
+
+    def kill(self, sig: int = signal.SIGKILL, timeout_s: float = 15.0) -> None:
+        """Send ``sig`` (default SIGKILL) on purpose and wait for the exit; raises
+        subprocess.TimeoutExpired when it outlives ``timeout_s``."""
+        self.stopped = True
+        if self.running:
+            self.popen.send_signal(sig)
+            self.popen.wait(timeout_s)
+
+
+class ProcessExitedError(RuntimeError):
+    """A supervised process exited while it was expected to run ``during`` something (e.g.
+    "while starting"); the message quotes the end of its log."""
+
+    def __init__(self, process: ManagedProcess, during: str) -> None:
+        self.process = process
+        message = f"{process.name} exited with code {process.returncode} {during}"
+        if tail := process.log_tail():
+            message += f"; the end of {process.log_path}:\n{tail}"
+        super().__init__(message)
+
+
+class ReadyTimeoutError(TimeoutError):
+    """The processes did not become ready before the deadline."""
+
+
+class ProcessSupervisor:
+    """Starts, waits for, watches and stops a set of child processes (module docstring).
+
+    ``grace_s``: how long a SIGTERM'd tier may take before SIGKILL; ``poll_s``: the interval
+    of every wait; ``notify`` receives one line per process that had to be killed (default:
+    this module's logger).
+    """
+
+    def __init__(
+        self,
+        *,
+        grace_s: float = 10.0,
+        poll_s: float = 0.3,
+        notify: Callable[[str], None] | None = None,
+    ) -> None:
+        self.grace_s = grace_s
+        self.poll_s = poll_s
+        self._notify = notify or logger.warning
+        self.processes: list[ManagedProcess] = []
+        """In start order."""
+
+    def __enter__(self) -> ProcessSupervisor:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def spawn(self, spec: ProcessSpec) -> ManagedProcess:
+        """Start ``spec`` and supervise it; raises OSError when it cannot be started."""
+        return self.adopt(ManagedProcess.start(spec))
+
+    def adopt(self, process: ManagedProcess) -> ManagedProcess:
+        """Supervise a process started elsewhere (e.g. inside a network namespace); adopting
+        one twice is a no-op."""
+        if all(p is not process for p in self.processes):
+            self.processes.append(process)
+        return process
+
+    def crashed(self) -> ManagedProcess | None:
+        """The first process, in start order, that exited without being asked to."""
+        return next((p for p in self.processes if p.crashed), None)
+
+    def wait_until(
+        self,
+        ready: Callable[[], bool],
+        *,
+        timeout_s: float,
+        what: str,
+        stopping: Callable[[], bool] | None = None,
+        detail: Callable[[], str] | None = None,
+    ) -> bool:
+        """Poll ``ready()`` every ``poll_s`` until it holds (True) or ``stopping()`` does
+        (False). Raises ProcessExitedError when a process crashes first, ReadyTimeoutError
+        naming ``what``, ``detail()`` and the end of every log after ``timeout_s`` seconds."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if stopping is not None and stopping():
+                return False
+            if (dead := self.crashed()) is not None:
+                raise ProcessExitedError(dead, "while starting")
+            if ready():
+                return True
+            if time.monotonic() >= deadline:
+                message = f"{what} was not ready within {timeout_s:g} s"
+                if detail is not None:
+                    message += f" ({detail()})"
+                logs = [f"--- {p.name}\n{t}" for p in self.processes if (t := p.log_tail(3000))]
+                raise ReadyTimeoutError("\n".join([message, *logs]))
+            time.sleep(self.poll_s)
+
+    def wait_ready(
+        self,
+        url: str,
+        *,
+        timeout_s: float,
+        what: str | None = None,
+        accept: Callable[[httpx.Response], bool] | None = None,
+        stopping: Callable[[], bool] | None = None,
+    ) -> bool:
+        """:meth:`wait_until` ``GET {url}/ready`` answers 200 and ``accept(response)`` holds
+        (it may make requests of its own; an httpx error, ValueError or KeyError in it counts
+        as not ready). True when ready, False when ``stopping()`` came first."""
+        last = "no answer"
+
+        def answered() -> bool:
+            nonlocal last
+            try:
+                r = client.get(f"{url}/ready")
+                last = f"HTTP {r.status_code} {r.text[:300]}"
+                return r.status_code == 200 and (accept is None or accept(r))
+            except (httpx.HTTPError, ValueError, KeyError) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+                return False
+
+        with httpx.Client(timeout=2.0) as client:
+            return self.wait_until(
+                answered,
+                timeout_s=timeout_s,
+                what=what or url,
+                stopping=stopping,
+                detail=lambda: f"last answer of {url}/ready: {last}",
+            )
+
+    def watch(self, stopping: Callable[[], bool]) -> ManagedProcess | None:
+        """Block until a process crashes (returned) or ``stopping()`` holds (None)."""
+        while not stopping():
+            if (dead := self.crashed()) is not None:
+                return dead
+            time.sleep(self.poll_s)
+        return None
+
+    def stop(self) -> None:
+        """Stop every process: by tier, highest first; SIGTERM in reverse start order, one
+        grace period per tier, then SIGKILL. Idempotent."""
+        for tier in sorted({p.tier for p in self.processes}, reverse=True):
+            self._stop_tier([p for p in reversed(self.processes) if p.tier == tier])
+
+    def _stop_tier(self, tier: list[ManagedProcess]) -> None:
+        for p in tier:
+            p.stopped = True
+            if p.running:
+                p.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        for p in tier:
+            try:
+                p.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self._notify(f"{p.name} did not stop in {self.grace_s:g} s; killing it")
+                p.popen.kill()
+                p.popen.wait()

@@ -1,0 +1,83 @@
+"""What the worker roles use of an engine: the :class:`WorkerEngine` protocol.
+
+The roles (:mod:`pdserve.workers.roles`, :mod:`~pdserve.workers.prefill`,
+:mod:`~pdserve.workers.decode`) depend on this protocol, never on the concrete
+:class:`pdserve.workers.engine.Engine`, so a deterministic fake without a model
+(``tests/fake_engine.py``) can stand in for it. Everything listed here is used by a role; add
+a member only when a role starts using it.
+
+Threading: the engine runs its own step thread; every method here may be called from the
+worker's event loop thread and must not block on a forward pass. Sinks are called on the
+engine thread (see :class:`pdserve.workers.bridge.OutputStream`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from pdserve.config import EngineConfig
+    from pdserve.protocol import KVLayout, SamplingParams, WorkerLoad
+    from pdserve.workers.kv_cache import KVCacheManager
+    from pdserve.workers.requests import EngineRequest, Sink
+
+
+class WorkerEngine(Protocol):
+    """The engine as the worker roles see it.
+
+    ``layout``: the KV layout of :attr:`kv_cache`'s pool (what goes into handles and the
+    discovery record). ``kv_cache``: owns the pool tensor
+    ``[num_layers, num_blocks, 2, tokens_per_block, num_kv_heads, head_dim]`` and the block
+    generations the prefill side's fencing checks.
+    """
+
+    layout: KVLayout
+    kv_cache: KVCacheManager
+
+    def start(self) -> None:
+        """Start the step thread; idempotent."""
+        ...
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the step thread (waits at most ``timeout`` seconds); idempotent."""
+        ...
+
+    def add_request(self, req: EngineRequest, sink: Sink) -> None:
+        """Queue ``req``; its outputs go to ``sink``. Raises InvalidRequestError,
+        CapacityError (never fits), QueueFullError (queue at its bound)."""
+        ...
+
+    def abort(self, request_id: str) -> None:
+        """End ``request_id`` wherever it is (parked and reserved blocks are freed now)."""
+        ...
+
+    def reserve(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+    ) -> list[int]:
+        """Allocate the prompt's blocks for a pull (token order). Raises CapacityError when
+        they are not free now, InvalidRequestError as :meth:`add_request` does."""
+        ...
+
+    def unreserve(self, request_id: str) -> None:
+        """Drop a reservation not yet submitted, freeing its blocks; idempotent."""
+        ...
+
+    def free_parked(self, request_id: str) -> None:
+        """Free the blocks a prefill-mode request parked; idempotent."""
+        ...
+
+    def load(self) -> WorkerLoad:
+        """Queue lengths and KV block counts now."""
+        ...
+
+
+EngineFactory = Callable[["EngineConfig"], WorkerEngine]
+"""Builds a worker's engine from its config (blocking: loads the model); run in a thread."""
+
+
+def default_engine_factory(cfg: EngineConfig) -> WorkerEngine:
+    """The real engine (imports torch and transformers on first use)."""
+    from pdserve.workers.engine import Engine
+
+    return Engine(cfg)

@@ -1,0 +1,290 @@
+"""One class per worker role, each with the parts it needs (no optional fields) and its own
+routes; the shared parts are :class:`~pdserve.workers.service.WorkerService`.
+
+========== ======================================== =============================================
+role       parts                                    routes (besides the common ones)
+========== ======================================== =============================================
+prefill    engine, parked-block table, transceiver  ``POST /internal/context``,
+                                                    ``POST /internal/release``
+decode     engine, transceiver                      ``POST /internal/generate`` (with a handle)
+colocated  engine                                   ``POST /internal/generate`` (no handle)
+========== ======================================== =============================================
+
+A route of another role is not registered: it answers 404. The request logic lives in
+:class:`~pdserve.workers.prefill.PrefillRole` and :class:`~pdserve.workers.decode.DecodeRole`
+(their module docstrings give the request lifecycles); the classes here wire them to HTTP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from pdserve.protocol import (
+    ContextRequest,
+    ContextResponse,
+    GenerationRequest,
+    ReleaseRequest,
+    Role,
+)
+from pdserve.workers.decode import DecodeRole
+from pdserve.workers.parking import ParkedBlocks
+from pdserve.workers.prefill import PrefillRole
+from pdserve.workers.service import (
+    RegistrationFactory,
+    RoleSettings,
+    WorkerIdentity,
+    WorkerService,
+    default_registration,
+    load_engine,
+    service_of,
+)
+
+if TYPE_CHECKING:
+    from pdserve.discovery import Registration
+    from pdserve.discovery.events import ParkedCounts
+    from pdserve.transfer import Transceiver
+    from pdserve.workers.engine_api import EngineFactory, WorkerEngine
+
+log = logging.getLogger(__name__)
+
+
+async def open_transceiver(
+    settings: RoleSettings,
+    identity: WorkerIdentity,
+    engine: WorkerEngine,
+    parked: ParkedBlocks | None,
+    stack: AsyncExitStack,
+) -> Transceiver:
+    """Create and start the worker's transceiver over the engine's pool; its close goes onto
+    ``stack``. Raises ConfigError (unavailable backend, address in use)."""
+    from pdserve.transfer import create_transceiver
+
+    transceiver = create_transceiver(
+        settings.transfer,
+        pool=engine.kv_cache.pool,
+        layout=engine.layout,
+        worker_id=identity.worker_id,
+        epoch=identity.epoch,
+        parked=parked,
+        advertise_host=settings.advertise_host,
+    )
+    stack.push_async_callback(_close_quietly, transceiver)
+    await transceiver.start()
+    log.info("transceiver: %s on %s", transceiver.backend, transceiver.endpoint)
+    return transceiver
+
+
+async def _close_quietly(transceiver: Transceiver) -> None:
+    with contextlib.suppress(Exception):
+        await transceiver.close()
+
+
+class _TransferRole(WorkerService):
+    """A role with a transceiver (prefill, decode): built by :meth:`open` with its parts."""
+
+    transceiver: Transceiver
+
+    def communicator(self) -> dict[str, str]:
+        return self.transceiver.communicator()
+
+    @classmethod
+    async def open_parts(
+        cls,
+        settings: RoleSettings,
+        identity: WorkerIdentity,
+        engine: WorkerEngine,
+        stack: AsyncExitStack,
+    ) -> dict[str, Any]:
+        """The role's parts beyond the engine, as constructor keywords (cleanups on
+        ``stack``)."""
+        raise NotImplementedError
+
+    @classmethod
+    async def open(
+        cls,
+        settings: RoleSettings,
+        identity: WorkerIdentity,
+        stack: AsyncExitStack,
+        *,
+        engine_factory: EngineFactory,
+        registration_factory: RegistrationFactory = default_registration,
+    ) -> WorkerService:
+        engine = await load_engine(settings, identity, stack, engine_factory)
+        parts = await cls.open_parts(settings, identity, engine, stack)
+        registration = registration_factory(settings.discovery_url, settings.registration_ttl_s)
+        service = cls(
+            settings=settings,
+            identity=identity,
+            engine=engine,
+            registration=registration,
+            **parts,
+        )
+        await service.serve(stack)
+        return service
+
+
+class PrefillWorker(_TransferRole):
+    """Prefill role: runs the context phase, parks the blocks under a lease, serves pulls."""
+
+    role: ClassVar[Role] = Role.PREFILL
+
+    def __init__(
+        self,
+        *,
+        settings: RoleSettings,
+        identity: WorkerIdentity,
+        engine: WorkerEngine,
+        registration: Registration,
+        parked: ParkedBlocks,
+        transceiver: Transceiver,
+    ) -> None:
+        self.parked = parked
+        self.transceiver = transceiver
+        super().__init__(
+            settings=settings, identity=identity, engine=engine, registration=registration
+        )
+        self.handler = PrefillRole(
+            engine=engine, transceiver=transceiver, parked=parked, worker_id=identity.worker_id
+        )
+
+    @classmethod
+    async def open_parts(
+        cls,
+        settings: RoleSettings,
+        identity: WorkerIdentity,
+        engine: WorkerEngine,
+        stack: AsyncExitStack,
+    ) -> dict[str, Any]:
+        parked = ParkedBlocks(
+            epoch=identity.epoch,
+            lease_s=settings.lease_s,
+            free_blocks=engine.free_parked,
+            generations=engine.kv_cache.generations,  # fencing: no reused block is ever sent
+            send_grace_s=settings.transfer_timeout_s + 5.0,  # a send outlives no lease by more
+        )
+        parked.start()
+        stack.push_async_callback(parked.close)
+        transceiver = await open_transceiver(settings, identity, engine, parked, stack)
+        return {"parked": parked, "transceiver": transceiver}
+
+    def parked_count(self) -> int:
+        return len(self.parked)
+
+    def leases_expired(self) -> int:
+        return self.parked.expired_total
+
+    def kv_counts(self) -> ParkedCounts | None:
+        return self.parked
+
+    @classmethod
+    def add_role_routes(cls, app: FastAPI) -> None:
+        @app.post("/internal/context")
+        async def context(req: ContextRequest, request: Request) -> ContextResponse:
+            worker: PrefillWorker = service_of(request)
+            return await worker.handler.context(req)
+
+        @app.post("/internal/release")
+        async def release(req: ReleaseRequest, request: Request) -> dict[str, bool]:
+            worker: PrefillWorker = service_of(request)
+            return {"released": worker.handler.release(req.request_id, req.epoch, req.lease_id)}
+
+
+def _add_generate_route(app: FastAPI) -> None:
+    """``POST /internal/generate``: NDJSON :class:`GenerationChunk` lines (decode, colocated)."""
+
+    @app.post("/internal/generate")
+    async def generate(req: GenerationRequest, request: Request) -> StreamingResponse:
+        decode: DecodeRole = service_of(request).handler
+        stream = await decode.admit(req)
+
+        async def body() -> AsyncIterator[bytes]:
+            async for chunk in decode.chunks(req, stream):
+                yield chunk.model_dump_json().encode() + b"\n"
+
+        return StreamingResponse(body(), media_type="application/x-ndjson")
+
+
+def _decode_role(
+    settings: RoleSettings, engine: WorkerEngine, transceiver: Transceiver | None, metrics: Any
+) -> DecodeRole:
+    return DecodeRole(
+        engine=engine,
+        transceiver=transceiver,
+        quarantine_s=settings.transfer_timeout_s,
+        metrics=metrics,
+        max_queued_requests=settings.max_queued_requests,
+        evicts=settings.evicts,
+    )
+
+
+class DecodeWorker(_TransferRole):
+    """Decode role: pulls the prefill worker's blocks into reserved blocks, streams tokens."""
+
+    role: ClassVar[Role] = Role.DECODE
+
+    def __init__(
+        self,
+        *,
+        settings: RoleSettings,
+        identity: WorkerIdentity,
+        engine: WorkerEngine,
+        registration: Registration,
+        transceiver: Transceiver,
+    ) -> None:
+        self.transceiver = transceiver
+        super().__init__(
+            settings=settings, identity=identity, engine=engine, registration=registration
+        )
+        self.handler = _decode_role(settings, engine, transceiver, self.metrics)
+
+    @classmethod
+    async def open_parts(
+        cls,
+        settings: RoleSettings,
+        identity: WorkerIdentity,
+        engine: WorkerEngine,
+        stack: AsyncExitStack,
+    ) -> dict[str, Any]:
+        return {"transceiver": await open_transceiver(settings, identity, engine, None, stack)}
+
+    @classmethod
+    def add_role_routes(cls, app: FastAPI) -> None:
+        _add_generate_route(app)
+
+
+class ColocatedWorker(WorkerService):
+    """Colocated baseline: prefill and decode in one engine, no KV transfer."""
+
+    role: ClassVar[Role] = Role.COLOCATED
+
+    def __init__(
+        self,
+        *,
+        settings: RoleSettings,
+        identity: WorkerIdentity,
+        engine: WorkerEngine,
+        registration: Registration,
+    ) -> None:
+        super().__init__(
+            settings=settings, identity=identity, engine=engine, registration=registration
+        )
+        self.handler = _decode_role(settings, engine, None, self.metrics)
+
+    @classmethod
+    def add_role_routes(cls, app: FastAPI) -> None:
+        _add_generate_route(app)
+
+
+WORKER_CLASSES: dict[Role, type[WorkerService]] = {
+    Role.PREFILL: PrefillWorker,
+    Role.DECODE: DecodeWorker,
+    Role.COLOCATED: ColocatedWorker,
+}
+"""The service class of each role."""

@@ -1,0 +1,341 @@
+"""What every worker role shares: its settings, identity, lifecycle, registration and the common
+routes (``/health``, ``/ready``, ``/load``, ``/metrics``).
+
+The roles themselves (:mod:`pdserve.workers.roles`) subclass :class:`WorkerService`, build
+their parts in :meth:`WorkerService.open` and add their own ``/internal/*`` routes; a route that
+does not belong to a role is not registered at all (404).
+
+Lifecycle of one service (start -> serve -> drain -> cleanup; cleanup is idempotent)::
+
+    1 START    load the engine (in a thread), build the role's parts (parked-block table,
+               transceiver), register the worker record under a lease, start the load refresh;
+               every part pushes its cleanup onto the lifespan's exit stack as it is built
+    2 SERVE    ready: ``/ready`` is 200; the record's load is refreshed every second
+    3 DRAIN    :meth:`WorkerService.drain`: deregister, ``/ready`` 503, wait until idle
+    4 CLEANUP  the exit stack unwinds in reverse: refresh task, registration, transceiver,
+               parked blocks, engine
+
+Config: :meth:`RoleSettings.from_config` is the one place that reads a
+:class:`~pdserve.config.WorkerConfig`; everything below gets plain values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from pdserve.metrics import CONTENT_TYPE, WorkerMetrics
+from pdserve.protocol import Role, WorkerLoad, WorkerRecord
+
+if TYPE_CHECKING:
+    from pdserve.config import EngineConfig, WorkerConfig
+    from pdserve.discovery import Registration
+    from pdserve.discovery.events import EventPublisher, ParkedCounts
+    from pdserve.settings import TransferSettings
+    from pdserve.workers.engine_api import EngineFactory, WorkerEngine
+
+log = logging.getLogger(__name__)
+
+RegistrationFactory = Callable[[str, float], "Registration"]
+"""``(discovery URL, ttl_s) -> Registration``; the default opens the URL's backend."""
+
+
+@dataclass(frozen=True)
+class RoleSettings:
+    """The values a worker role runs on, read once from its config.
+
+    ``host``/``port``: the request plane's bind address (port 0 picks one);
+    ``advertise_host``: the address peers dial (None: the bind host, or the hostname for a
+    wildcard). ``lease_s``: how long parked KV blocks wait for their decode worker (seconds).
+    ``evicts``: False under the ``guaranteed_no_evict`` capacity policy.
+    """
+
+    role: Role
+    worker_id: str
+    served_model_name: str
+    model_path: str
+    engine: EngineConfig
+    transfer: TransferSettings
+    host: str
+    port: int
+    advertise_host: str | None
+    discovery_url: str
+    registration_ttl_s: float
+    lease_s: float
+    max_queued_requests: int
+    evicts: bool
+
+    @property
+    def transfer_timeout_s(self) -> float:
+        """How long a KV transfer may take (seconds); also the quarantine of a failed pull."""
+        return self.transfer.timeout_s
+
+    @classmethod
+    def from_config(cls, cfg: WorkerConfig) -> RoleSettings:
+        """The one place that reads a worker's config (a missing ``worker_id`` becomes
+        ``<role>-<8 hex digits>``)."""
+        role = Role(cfg.role)
+        sched = cfg.engine.scheduler
+        return cls(
+            role=role,
+            worker_id=cfg.worker.worker_id or f"{role.value}-{uuid.uuid4().hex[:8]}",
+            served_model_name=cfg.engine.served_model_name,
+            model_path=str(cfg.engine.model_path),
+            engine=cfg.engine,
+            transfer=cfg.transfer,
+            host=cfg.worker.host,
+            port=cfg.worker.port,
+            advertise_host=cfg.worker.advertise_host,
+            discovery_url=cfg.control_plane,
+            registration_ttl_s=cfg.discovery.registration_ttl_s,
+            lease_s=cfg.engine.kv_cache.lease_s,
+            max_queued_requests=sched.max_queued_requests,
+            evicts=sched.capacity_policy != "guaranteed_no_evict",
+        )
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    """Who this worker is to the rest of the system. ``epoch`` (nanoseconds since the UNIX
+    epoch at start) tells incarnations of one ``worker_id`` apart (fencing)."""
+
+    worker_id: str
+    http_url: str
+    epoch: int = field(default_factory=time.time_ns)
+
+
+def default_registration(url: str, ttl_s: float) -> Registration:
+    """The discovery backend ``url`` names (imported on first use)."""
+    from pdserve.discovery import open_registration
+
+    return open_registration(url, ttl_s=ttl_s)
+
+
+class WorkerService:
+    """One running worker: engine, registration, load refresh and the common routes.
+
+    Subclasses set :attr:`role`, build their parts in :meth:`open` (a classmethod: every
+    field is set when the instance exists, none is optional) and add their routes in
+    :meth:`add_role_routes`. Thread-safety: the event loop's thread only.
+    """
+
+    role: ClassVar[Role]
+
+    def __init__(
+        self,
+        *,
+        settings: RoleSettings,
+        identity: WorkerIdentity,
+        engine: WorkerEngine,
+        registration: Registration,
+    ) -> None:
+        self.settings = settings
+        self.identity = identity
+        self.engine = engine
+        self.registration = registration
+        self.events: EventPublisher | None = None  # load / KV events: NATS discovery only
+        self.ready = False
+        self.metrics = WorkerMetrics(
+            self.role.value, load=self.load, lease_expired=self.leases_expired
+        )
+
+    # -- what a role adds --------------------------------------------------------------------
+
+    @classmethod
+    async def open(
+        cls,
+        settings: RoleSettings,
+        identity: WorkerIdentity,
+        stack: AsyncExitStack,
+        *,
+        engine_factory: EngineFactory,
+        registration_factory: RegistrationFactory = default_registration,
+    ) -> WorkerService:
+        """Lifecycle step 1 for this role; cleanups go onto ``stack``. Returns the service,
+        registered and ready. Raises ConfigError & co. (the stack then undoes what was built)."""
+        engine = await load_engine(settings, identity, stack, engine_factory)
+        registration = registration_factory(settings.discovery_url, settings.registration_ttl_s)
+        service = cls(
+            settings=settings, identity=identity, engine=engine, registration=registration
+        )
+        await service.serve(stack)
+        return service
+
+    @classmethod
+    def add_role_routes(cls, app: FastAPI) -> None:
+        """Register this role's ``/internal/*`` routes on ``app`` (none here)."""
+
+    def communicator(self) -> dict[str, str]:
+        """The record's communicator handle (transfer roles: backend and endpoint)."""
+        return {}
+
+    def parked_count(self) -> int:
+        """Requests whose KV blocks wait here for a decode worker (prefill only)."""
+        return 0
+
+    def leases_expired(self) -> int:
+        """Parked leases expired so far (prefill only)."""
+        return 0
+
+    def kv_counts(self) -> ParkedCounts | None:
+        """The parked-block counters for KV events (prefill only)."""
+        return None
+
+    # -- common parts ------------------------------------------------------------------------
+
+    def load(self) -> WorkerLoad:
+        """The engine's load with this worker's parked count."""
+        return self.engine.load().model_copy(update={"parked": self.parked_count()})
+
+    def record(self) -> WorkerRecord:
+        """The discovery record for the current load."""
+        return WorkerRecord(
+            role=self.role,
+            worker_id=self.identity.worker_id,
+            epoch=self.identity.epoch,
+            model=self.settings.served_model_name,
+            http_url=self.identity.http_url,
+            communicator=self.communicator(),
+            layout=self.engine.layout,
+            load=self.load(),
+        )
+
+    async def serve(self, stack: AsyncExitStack) -> None:
+        """Register, start the load refresh, turn ready (the end of lifecycle step 1)."""
+        from pdserve.discovery.events import event_publisher
+
+        stack.push_async_callback(self.deregister)
+        await self.registration.start(self.record())
+        self.events = event_publisher(self.registration)
+        task = asyncio.create_task(self._refresh_load(), name="load-refresh")
+        stack.push_async_callback(_cancel, task)
+        self.ready = True
+        log.info("%s %s ready at %s", self.role, self.identity.worker_id, self.identity.http_url)
+
+    async def deregister(self) -> None:
+        """Remove the record (the router stops routing here); idempotent."""
+        self.ready = False
+        with contextlib.suppress(Exception):
+            await self.registration.close()
+
+    def busy(self) -> int:
+        """Requests that run, wait or are parked here."""
+        load = self.load()
+        return load.running + load.waiting + load.parked
+
+    async def drain(self, timeout_s: float) -> None:
+        """Lifecycle step 3: deregister, turn ``/ready`` 503, then wait until nothing runs,
+        waits or is parked here, at most ``timeout_s`` seconds (parked blocks are pulled by
+        their decode worker or expire within the lease). The HTTP server keeps serving
+        meanwhile, so in-flight streams finish and pulls of parked blocks succeed."""
+        await self.deregister()
+        deadline = time.monotonic() + timeout_s
+        busy = self.busy()
+        while busy and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            busy = self.busy()
+        log.info(
+            "%s %s drained%s",
+            self.role,
+            self.identity.worker_id,
+            f"; {busy} request(s) still in flight after {timeout_s:.0f} s" if busy else "",
+        )
+
+    async def _refresh_load(self, interval_s: float = 1.0) -> None:
+        last: WorkerLoad | None = None
+        while True:
+            await asyncio.sleep(interval_s)
+            load = self.load()
+            if load != last and self.ready:
+                with contextlib.suppress(Exception):
+                    await self.registration.update(self.record())
+                last = load
+            if self.events is not None:  # every tick: fresher than the record's refresh
+                await self.events.publish(load, self.kv_counts())
+
+    @staticmethod
+    def add_common_routes(app: FastAPI, current: Callable[[], WorkerService]) -> None:
+        """``/health``, ``/ready``, ``/load``, ``/metrics`` on ``app``; ``current()`` is the
+        running service."""
+
+        @app.get("/health")
+        async def health() -> dict[str, Any]:
+            s = current()
+            return {
+                "status": "ok",
+                "role": s.role.value,
+                "worker_id": s.identity.worker_id,
+                "epoch": s.identity.epoch,
+            }
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            """Prometheus text format: KV blocks, batch, leases, KV transfers."""
+            return Response(current().metrics.render(), media_type=CONTENT_TYPE)
+
+        @app.get("/ready")
+        async def ready() -> JSONResponse:
+            from pdserve.discovery import RegistrationState
+
+            s = current()
+            registered = s.registration.state is RegistrationState.REGISTERED
+            if not (s.ready and registered):
+                body = {"ready": False, "loaded": s.ready, "registered": registered}
+                return JSONResponse(body, status_code=503)
+            return JSONResponse({"ready": True, "worker_id": s.identity.worker_id})
+
+        @app.get("/load")
+        async def load() -> WorkerLoad:
+            return current().load()
+
+
+def service_of(request: Request) -> Any:
+    """The running service of the app serving ``request`` (set by the lifespan)."""
+    return request.app.state.worker
+
+
+async def load_engine(
+    settings: RoleSettings,
+    identity: WorkerIdentity,
+    stack: AsyncExitStack,
+    engine_factory: EngineFactory,
+) -> WorkerEngine:
+    """Build (in a thread: it loads the model) and start the engine; its shutdown goes onto
+    ``stack``."""
+    log.info(
+        "%s %s (epoch %d): loading %s",
+        settings.role,
+        identity.worker_id,
+        identity.epoch,
+        settings.model_path,
+    )
+    t0 = time.perf_counter()
+    engine = await asyncio.to_thread(engine_factory, settings.engine)
+    stack.push_async_callback(asyncio.to_thread, engine.shutdown)
+    engine.start()
+    pool = engine.kv_cache.pool
+    log.info(
+        "model loaded in %.1f s; KV pool %d blocks x %d tokens (%.1f MiB, %s)",
+        time.perf_counter() - t0,
+        engine.kv_cache.get_max_resource_count(),
+        engine.layout.tokens_per_block,
+        pool.numel() * pool.element_size() / 2**20,
+        engine.layout.dtype,
+    )
+    return engine
+
+
+async def _cancel(task: asyncio.Task[Any]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
