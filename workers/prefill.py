@@ -72,22 +72,25 @@ class PrefillRole:
             ) from None
         if out.error is not None:
             raise WorkerError(f"prefill failed for request {req.request_id}: {out.error}")
-        logprob = out.logprobs[0] if out.logprobs else None
-        if out.parked_block_ids is None:
-            return ContextResponse(
-                request_id=req.request_id,
-                first_token=out.token_ids[0],
-                text=out.text,
-                logprob=logprob,
-                finish_reason=out.finish_reason,
-            )
-        lease = self.parked.park(req.request_id, out.parked_block_ids, len(req.prompt_token_ids))
+        handle = None if out.parked_block_ids is None else self._park(req, out.parked_block_ids)
+        return ContextResponse(
+            request_id=req.request_id,
+            first_token=out.token_ids[0],
+            text=out.text,
+            logprob=out.logprobs[0] if out.logprobs else None,
+            finish_reason=out.finish_reason,
+            handle=handle,
+        )
+
+    def _park(self, req: ContextRequest, block_ids: list[int]) -> TransferHandle:
+        """Park ``block_ids`` under a new lease; the handle a decode worker pulls them with."""
+        lease = self.parked.park(req.request_id, block_ids, len(req.prompt_token_ids))
         handle = TransferHandle(
             worker_id=self.worker_id,
             epoch=self.parked.epoch,
             request_id=req.request_id,
             lease_id=lease.lease_id,
-            block_ids=tuple(out.parked_block_ids),
+            block_ids=tuple(block_ids),
             num_tokens=len(req.prompt_token_ids),
             lease_deadline=lease.deadline,
             layout=self.engine.layout,
@@ -100,14 +103,7 @@ class PrefillRole:
             len(handle.block_ids),
             lease.deadline,
         )
-        return ContextResponse(
-            request_id=req.request_id,
-            first_token=out.token_ids[0],
-            text=out.text,
-            logprob=logprob,
-            finish_reason=out.finish_reason,
-            handle=handle,
-        )
+        return handle
 
     def release(self, request_id: str, epoch: int, lease_id: str | None = None) -> bool:
         """Free a parked request (router-side abort); with ``lease_id`` only that park. Returns

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pdserve.settings import PdserveConfig
     from pdserve.supervisor import ProcessSpec
 
 SERVE_DESCRIPTION = """\
@@ -61,10 +62,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="with --url: the model name sent in requests (default: the first id of GET "
         "/v1/models); without --url: the local model folder pdserve starts (default: SmolLM2)",
-    )
-    p.add_argument("--served-model-name", default=None, help="without --url: name to serve under")
-    p.add_argument(
-        "--cache-dir", type=Path, default=None, help="converted models (~/.cache/pdserve)"
     )
     p.add_argument(
         "--tokenizer",
@@ -108,23 +105,37 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     p.add_argument("--label", default=None, help="name of this run in the tables and the JSON")
-    p.add_argument(
-        "--transfer-backend", choices=["auto", "nixl", "ucx", "tcp"], default="auto",
-        help="without --url: KV transfer backend of the started stack (default: auto)",
-    )  # fmt: skip
-    p.add_argument(
-        "--compile", action=argparse.BooleanOptionalAction, default=True,
-        help="without --url: run the started workers' forward compiled (default) or eager",
-    )  # fmt: skip
+    # Without --url, the started stack takes the settings: --config, PDSERVE_* variables and
+    # the setting flags pdserve.cli adds to this command (--transfer-backend, --compile, ...).
 
 
-def serve_main(args: argparse.Namespace) -> int:
-    """``pdserve bench serve``: the ``--url`` mode, or start pdserve and compare."""
+def add_transfer_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``pdserve bench transfer``."""
+    p.add_argument(
+        "--sizes-mib", type=float, nargs="+", default=None,
+        help="request sizes in MiB, rounded up to whole KV blocks (default: 1 block .. 64 MiB)",
+    )  # fmt: skip
+    p.add_argument(
+        "--backends", nargs="+", default=["tcp", "nixl", "ucx"],
+        help="cases: tcp nixl-tcp nixl-shm ucx-tcp ucx-shm (nixl, ucx: both of theirs)",
+    )  # fmt: skip
+    p.add_argument(
+        "--integrity", choices=["off", "on", "both"], default="both",
+        help="KV digests during the backend runs (default: both, side by side)",
+    )  # fmt: skip
+    p.add_argument("--min-seconds", type=float, default=0.3, help="measuring time per size")
+    p.add_argument("--rounds", type=int, default=1, help="measure everything N times, pooled")
+
+
+def serve_main(args: argparse.Namespace, cfg: PdserveConfig) -> int:
+    """``pdserve bench serve``: the ``--url`` mode, or start pdserve with ``cfg`` (the resolved
+    settings: ``--config``, ``PDSERVE_*`` variables, setting flags) and compare."""
     if args.url:
         return url_main(args)
     from pdserve.models import resolve_model
 
-    return compare_main(args, resolve_model(args.model, cache_dir=args.cache_dir))
+    path = args.model or (str(cfg.model.path) if cfg.model.path is not None else None)
+    return compare_main(args, cfg, resolve_model(path, cache_dir=cfg.model.cache_dir))
 
 
 def _workload(args: argparse.Namespace, api: str) -> dict[str, Any]:
@@ -202,7 +213,7 @@ def url_main(args: argparse.Namespace) -> int:
 
     base = bs.base_url(args.url)
     tok_path = Path(args.tokenizer).expanduser() if args.tokenizer else bs.default_tokenizer(
-        args.model, args.cache_dir
+        args.model, getattr(args, "model.cache_dir", None)
     )  # fmt: skip
     if not (tok_path / "tokenizer_config.json").is_file():
         print(f"bench serve: no tokenizer in {tok_path}: pass --tokenizer PATH (a Hugging Face "
@@ -263,13 +274,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _spec(name: str, args: list[str], log: Path, tier: int) -> ProcessSpec:
+def _spec(name: str, args: list[str], log: Path, tier: int, env: dict[str, str]) -> ProcessSpec:
     """A pdserve process of the comparison, in its own session, logging into ``log``; the
     router is tier 0, the workers tier 1 (stopped first)."""
     from pdserve.supervisor import ProcessSpec, pdserve_argv
 
     argv = pdserve_argv(args, log_level="warning")
-    return ProcessSpec(name, argv, log_path=log, new_session=True, tier=tier)
+    return ProcessSpec(name, argv, env=env, log_path=log, new_session=True, tier=tier)
 
 
 async def _one_colocated(client, url: str, ids: list[int], args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -313,20 +324,39 @@ def _token_prompts(rng: random.Random, n: int, length: int) -> list[list[int]]:
     return [[rng.randrange(100, 10100) for _ in range(length)] for _ in range(n)]
 
 
-def compare_main(args: argparse.Namespace, model_path: Path) -> int:
-    """Start the disaggregated stack, then a colocated worker; the same prompts through both."""
+def _stack_config(cfg: PdserveConfig, model_path: Path, workers: dict[str, int], file: Path) -> str:
+    """Write the children's resolved config for a stack of ``workers`` (replicas per role) into
+    ``file`` (:func:`pdserve.launcher.child_config`: threads and KV memory split between the
+    workers, model pinned, UCX on loopback) and return the served model name."""
+    import yaml
+
+    from pdserve.launcher import child_config
+
+    sized = cfg.model_copy(
+        update={
+            role: cfg.worker(role).model_copy(update={"replicas": n}) for role, n in workers.items()
+        }
+    )
+    child = child_config(sized, model_path)
+    file.write_text(yaml.safe_dump(child.model_dump(mode="json"), sort_keys=False))
+    return str(child.model.served_name)
+
+
+def compare_main(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path) -> int:
+    """Start the disaggregated stack, then a colocated worker (each on its share of this
+    machine, every other setting from ``cfg``); the same prompts through both."""
     import tempfile
 
-    from pdserve.settings import DEFAULT_MODEL
+    from pdserve.launcher import child_env
     from pdserve.supervisor import ProcessSupervisor
     from pdserve.tools import bench_serve as bs
 
-    name = args.served_model_name or DEFAULT_MODEL
     cores = os.cpu_count() or 2
-    half = str(max(1, cores // 2))
     logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
-    common = ["--model", str(model_path), "--served-model-name", name]
-    engine = ["--compile" if args.compile else "--no-compile"]
+    disagg_cfg, coloc_cfg = logs / "disaggregated.yaml", logs / "colocated.yaml"
+    name = _stack_config(cfg, model_path, {"prefill": 1, "decode": 1}, disagg_cfg)
+    _stack_config(cfg, model_path, {"prefill": 0, "decode": 0}, coloc_cfg)
+    env = child_env()
     rng = random.Random(args.seed)
     warm = _token_prompts(rng, args.warmup, args.input_len)
     prompts = [_token_prompts(rng, n, args.input_len) for n in _counts(args)]
@@ -348,26 +378,24 @@ def compare_main(args: argparse.Namespace, model_path: Path) -> int:
 
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    worker = [*common, *engine, "--discovery", url, "--threads", half,
-              "--transfer-backend", args.transfer_backend, "--ucx-devices", "lo"]  # fmt: skip
+    config = ["--config", str(disagg_cfg)]
     with ProcessSupervisor(grace_s=_GRACE_S) as stack:
-        stack.spawn(
-            _spec("router", ["router", *common, "--port", str(port)], logs / "router.log", 0)
-        )
+        router = ["router", *config, "--port", str(port)]
+        stack.spawn(_spec("router", router, logs / "router.log", 0, env))
         for role in ("prefill", "decode"):
-            stack.spawn(_spec(role, [role, *worker], logs / f"{role}.log", 1))
+            worker = [role, *config, "--discovery", url]
+            stack.spawn(_spec(role, worker, logs / f"{role}.log", 1, env))
         stack.wait_ready(url, timeout_s=_READY_TIMEOUT_S, what="the disaggregated stack")
         measure("disaggregated", url, openai_one)
 
     port, reg = _free_port(), _free_port()
     coloc = f"http://127.0.0.1:{port}"
-    worker = ["colocated", *common, *engine, "--port", str(port),
-              "--discovery", f"http://127.0.0.1:{reg}", "--threads", str(cores)]  # fmt: skip
+    config = ["--config", str(coloc_cfg)]
+    worker = ["colocated", *config, "--port", str(port), "--discovery", f"http://127.0.0.1:{reg}"]
     with ProcessSupervisor(grace_s=_GRACE_S) as stack:
-        stack.spawn(
-            _spec("router", ["router", *common, "--port", str(reg)], logs / "router2.log", 0)
-        )
-        stack.spawn(_spec("colocated", worker, logs / "colocated.log", 1))
+        router = ["router", *config, "--port", str(reg)]
+        stack.spawn(_spec("router", router, logs / "router2.log", 0, env))
+        stack.spawn(_spec("colocated", worker, logs / "colocated.log", 1, env))
         stack.wait_ready(coloc, timeout_s=_READY_TIMEOUT_S, what="the colocated worker")
         measure("colocated", coloc, lambda client, ids: _one_colocated(client, coloc, ids, args))
 

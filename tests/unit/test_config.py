@@ -245,7 +245,9 @@ def _example(setting: Setting) -> tuple[list[str], object]:
     ], "x-7" if "path" not in setting.path and "dir" not in setting.path else Path("x-7")
 
 
-@pytest.mark.parametrize("command", ["up", "router", "prefill", "decode", "colocated"])
+@pytest.mark.parametrize(
+    "command", ["up", "router", "prefill", "decode", "colocated", "bench serve"]
+)
 def test_every_declared_flag_sets_its_setting(command: str) -> None:
     """The flags come from the declarations: each one a command takes lands in its own
     config path (and nothing else changes)."""
@@ -254,7 +256,7 @@ def test_every_declared_flag_sets_its_setting(command: str) -> None:
         if command not in setting.flag_commands():
             continue
         words, value = _example(setting)
-        args = build_parser().parse_args([command, *words])
+        args = build_parser().parse_args([*command.split(), *words])
         cfg, sources = resolve_config(args, command if command in ROLES else None, env={})
         assert getattr(getattr(cfg, setting.section), setting.field) == value, setting.path
         assert sources == {(setting.section, setting.field): "command line"}, setting.path
