@@ -12,7 +12,7 @@ Per request (prefill P initiates, decode D is passive)::
     P: state DONE -> TransferDone over the control connection
     D: poll get_new_notifs until transfer_id arrives AND TransferDone arrived -> bytes landed
 
-Settings (see the machine notes in the shared ENV.md): the progress thread is OFF and both sides
+Settings (measured on the development machines): the progress thread is OFF and both sides
 poll from the event loop (with it on, UCX over TCP drops to ~0.3 GB/s on 2 cores; the passive
 side must keep polling or transfers stall; :class:`~pdserve.transfer.backend.Poller` yields the
 CPU while it polls); ``cfg.ucx_devices`` (e.g. ``"lo"``) limits UCX's *network* devices only:

@@ -1,6 +1,6 @@
 """Bandwidth probe between this host and a worker's transceiver (``pdserve doctor --peer``).
 
-Design origin: issue 3 point 7 ("measures bandwidth between this host and a named worker") and
+Design origin: the doctor's need to measure the bandwidth between this host and a named worker, and
 the raw-socket reference of :mod:`pdserve.tools.bench_transfer`: what the network path between two
 hosts carries, measured through the worker's own transfer listener, so it needs no extra port,
 no model and no peer configuration.

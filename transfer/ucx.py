@@ -30,7 +30,7 @@ message (two extra copies) showed no clear gain in measurements on this (loaded)
 Progress: no progress thread and no ucxx asyncio progress task. The worker is progressed from
 the owning event loop (``UCXWorker.progress``), and only while a request of this backend is in
 flight (:class:`~pdserve.transfer.backend.Poller`: spin with ``sched_yield``, then 1 ms sleeps).
-This is ucxx's "polling" mode (ENV.md: several times faster than its default thread mode on 2
+This is ucxx's "polling" mode (measured several times faster than its default thread mode on 2
 cores) without its permanent spin task, which would burn a core on an idle worker; the
 ``sched_yield`` roughly tripled GB/s with more runnable processes than cores. So the ucxx
 asyncio API (``create_listener``/``create_endpoint``, whose progress mode comes from

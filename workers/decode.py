@@ -44,6 +44,7 @@ from pdserve.errors import (
     QueueFullError,
 )
 from pdserve.protocol import FinishReason, GenerationChunk, GenerationRequest, TransferHandle
+from pdserve.settings import SchedulerSettings, TransferSettings
 from pdserve.workers.bridge import OutputStream
 from pdserve.workers.requests import EngineRequest
 
@@ -89,6 +90,10 @@ def check_handle(req: GenerationRequest, handle: TransferHandle, engine: WorkerE
         raise HandleError("a generation request with a handle needs first_token")
 
 
+# Defaults of the settings these arguments come from (declared once, in pdserve.settings).
+_DEFAULT_TRANSFER, _DEFAULT_SCHEDULER = TransferSettings(), SchedulerSettings()
+
+
 class DecodeRole:
     """Serves ``/internal/generate`` for a decode (or colocated) worker.
 
@@ -104,9 +109,9 @@ class DecodeRole:
         *,
         engine: WorkerEngine,
         transceiver: Transceiver | None,
-        quarantine_s: float = 30.0,
+        quarantine_s: float = _DEFAULT_TRANSFER.timeout_s,
         metrics: WorkerMetrics | None = None,
-        max_queued_requests: int = 256,
+        max_queued_requests: int = _DEFAULT_SCHEDULER.max_queued_requests,
         evicts: bool = True,
     ) -> None:
         self.engine = engine

@@ -18,9 +18,9 @@ Worker side::
 
 Router side::
 
-    registry = EmbeddedRegistry(ttl_s=cfg.registration_ttl_s)
+    registry = EmbeddedRegistry(ttl_s=cfg.discovery.registration_ttl_s)
     app.include_router(registry.api_router())
-    watcher = open_watcher(cfg.discovery, registry=registry)   # 'embedded' or 'etcd://...'
+    watcher = open_watcher(cfg.discovery.url, registry=registry)   # 'embedded' or 'etcd://...'
     await watcher.start(); watcher.subscribe(cb); watcher.workers(); await watcher.close()
 """
 

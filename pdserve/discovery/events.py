@@ -18,7 +18,7 @@ Delivery is at most once (core NATS), so KV events carry *cumulative* counters, 
 a lost message costs freshness, never correctness. A consumer drops messages whose version it
 does not know (one warning per worker and version) and keeps the newest per worker.
 
-Version history: 1 (issue 3) load + KV lease counters.
+Version history: 1: load + KV lease counters.
 
 Async-safety: one event loop; not thread-safe. Nothing here raises on a NATS outage.
 """

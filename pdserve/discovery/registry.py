@@ -70,7 +70,7 @@ class EmbeddedRegistry:
     ``min(1, ttl_s / 4)``) is how often the sweep task drops lapsed records.
     """
 
-    def __init__(self, *, ttl_s: float = 10.0, sweep_interval_s: float | None = None) -> None:
+    def __init__(self, *, ttl_s: float, sweep_interval_s: float | None = None) -> None:
         self.ttl_s = check_ttl(ttl_s)
         self.sweep_interval_s = check_ttl(sweep_interval_s or min(1.0, self.ttl_s / 4))
         self.view = RecordTable()

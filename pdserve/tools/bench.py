@@ -417,7 +417,7 @@ def compare_main(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path)
 
 def transfer_main(args: argparse.Namespace) -> int:
     """KV transfer per backend beside raw-socket and memcpy references, with fits and the
-    issue's targets (:mod:`pdserve.tools.bench_transfer`,
+    the targets (:mod:`pdserve.tools.bench_transfer`,
     :mod:`pdserve.tools.bench_transfer_report`)."""
     from pdserve.tools.bench_transfer_report import run_from_args
 

@@ -1,6 +1,6 @@
 """KV transfer benchmark: every backend beside a raw-socket and a memcpy reference, in one run.
 
-Issue 3's benchmark. Each *case* moves KV blocks of a real layout (default SmolLM2-135M: 30
+The KV transfer benchmark. Each *case* moves KV blocks of a real layout (default SmolLM2-135M: 30
 layers, 3 KV heads, head dim 64, 16 tokens per block, float32 = 720 KiB per block) from a
 prefill-side transceiver to a decode-side transceiver, in two fresh processes started with the
 case's environment (:mod:`pdserve.tools.bench_transfer_peers`), exactly as workers do: handshake

@@ -1,6 +1,6 @@
 """Tables, fits and target checks of the transfer benchmark, and its command line.
 
-The targets are issue 3's, checked on the series measured with integrity digests off (the
+The targets, checked on the series measured with integrity digests off (the
 digest cost is shown beside them, not counted against the transport)::
 
     tcp path     the best TCP-path case reaches >= 0.9x the raw socket at every size >= 1 MiB

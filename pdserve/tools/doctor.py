@@ -1,7 +1,7 @@
 """``pdserve doctor``: what the KV transfer path can use on this host, what hurts it, and how
 fast this host reaches a worker.
 
-Design origin: issue 3 point 7 and the machine notes behind :mod:`pdserve.transfer` (ENV.md):
+Design origin: the machine notes behind :mod:`pdserve.transfer` (UCX and NIXL settings):
 every check stands for a setting that was measured to matter. The checks are pure functions of
 one :class:`Facts` record gathered once at the start (:func:`gather_facts`), so tests inject
 facts instead of changing the machine; only :func:`gather_facts` reads the environment, files
