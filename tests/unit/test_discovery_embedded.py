@@ -167,7 +167,7 @@ def test_url_forms_and_watcher_arguments() -> None:
     with pytest.raises(InvalidDiscoveryURLError, match="registry"):
         open_watcher("embedded")
     with pytest.raises(InvalidDiscoveryURLError, match="registry"):
-        open_watcher("etcd://127.0.0.1:2379", registry=EmbeddedRegistry())
+        open_watcher("etcd://127.0.0.1:2379", registry=EmbeddedRegistry(ttl_s=TTL_S))
     with pytest.raises(ValueError, match="ttl_s"):
         open_registration("http://127.0.0.1:1", ttl_s=0)
 
