@@ -25,12 +25,6 @@ def _modules() -> dict[str, Path]:
             rel = file.relative_to(base).with_suffix("")
             parts = [p for p in rel.parts if p != "__init__"]
             name = ".".join([package, *parts])
-            if (
-                package == "pdserve"
-                and parts
-                and parts[0] in ("server", "router", "workers", "transfer")
-            ):
-                continue  # never on disk there; listed for completeness
             out[name] = file
     return out
 
