@@ -46,7 +46,7 @@ from pdserve.protocol import (
     WorkerLoad,
     WorkerRecord,
 )
-from tests.fixtures.servers import bound_socket
+from tests.fixtures.servers import bound_socket, uvicorn_started
 
 MODEL = "tiny-test"
 CHAT_TEMPLATE = (
@@ -303,11 +303,7 @@ async def serve_app(app: Any) -> AsyncIterator[str]:
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
-        while not server.started:
-            if task.done():
-                task.result()
-                raise RuntimeError("uvicorn exited before starting")
-            await asyncio.sleep(0.01)
+        await uvicorn_started(server, task)
         yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.fixtures.servers import free_port
+from tests.fixtures.servers import free_port, wait_until_sync
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "deploy" / "compose" / "docker-compose.yml"
@@ -324,21 +324,25 @@ class ComposeStack:
     def wait_ready(self, status: int = 200, timeout_s: float = 240) -> httpx.Response:
         """Poll ``/ready`` until it answers ``status``; AssertionError (with every service's
         logs) on timeout or when a pdserve container exits meanwhile."""
-        deadline = time.monotonic() + timeout_s
         last: httpx.Response | None = None
-        while time.monotonic() < deadline:
+
+        def answered() -> bool:
+            nonlocal last
             last = self.ready()
             if last is not None and last.status_code == status:
-                return last
+                return True
             for service in ("router", "prefill", "decode"):
                 if status == 200 and self.state(service) == "exited":
                     raise AssertionError(f"{service} exited:\n{self.all_logs()}")
-            time.sleep(0.5)
-        seen = "no answer" if last is None else f"{last.status_code} {last.text}"
-        raise AssertionError(
-            f"router /ready never answered {status} in {timeout_s} s (last: {seen}):\n"
-            f"{self.all_logs()}"
-        )
+            return False
+
+        def seen() -> str:
+            answer = "no answer" if last is None else f"{last.status_code} {last.text}"
+            return f"router /ready to answer {status} (last: {answer}):\n{self.all_logs()}"
+
+        wait_until_sync(answered, timeout_s, interval_s=0.5, what=seen)
+        assert last is not None
+        return last
 
     def healthcheck(self, service: str) -> subprocess.CompletedProcess[str]:
         """Run ``service``'s health check once (``podman healthcheck run``)."""

@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from tests.container.podman_stack import MODEL, ComposeStack
+from tests.fixtures.servers import wait_until_sync
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -86,13 +87,25 @@ def test_image_is_lean_non_root_and_starts_offline(container_images: dict[str, s
 
 def test_every_service_passes_its_health_check(stack: ComposeStack) -> None:
     for service in ("etcd", "nats", "router", "prefill", "decode"):
-        deadline = time.monotonic() + 60
-        while (check := stack.healthcheck(service)).returncode != 0:
-            assert time.monotonic() < deadline, (
-                f"{service} health check keeps failing: {check.stdout}{check.stderr}\n"
-                f"{stack.logs(service)}"
-            )
-            time.sleep(1)
+        _wait_healthy(stack, service, timeout_s=60)
+
+
+def _wait_healthy(stack: ComposeStack, service: str, timeout_s: float) -> None:
+    checks: list[subprocess.CompletedProcess[str]] = []
+
+    def passes() -> bool:
+        checks.append(stack.healthcheck(service))
+        return checks[-1].returncode == 0
+
+    wait_until_sync(
+        passes,
+        timeout_s,
+        interval_s=1,
+        what=lambda: (
+            f"{service} to pass its health check (last: {checks[-1].stdout}{checks[-1].stderr})"
+            f"\n{stack.logs(service)}"
+        ),
+    )
 
 
 def test_workers_run_the_compiled_forward(stack: ComposeStack) -> None:

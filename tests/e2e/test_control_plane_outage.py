@@ -68,7 +68,7 @@ class Traffic:
                 except httpx.HTTPError as exc:
                     error = repr(exc)
                 self.outcomes.append((start, time.monotonic(), error))
-                time.sleep(0.05)
+                time.sleep(0.05)  # the traffic's pace (a request every 50 ms), not a wait
 
 
 class LongStream:
@@ -144,16 +144,19 @@ async def wait_for_records(
     kind: str, server: EtcdServer | NatsServer, epochs: dict[str, int], timeout_s: float
 ) -> None:
     """Wait until the store holds exactly these workers with these epochs."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    found: dict[str, int] = {}
+
+    async def holds() -> bool:
+        nonlocal found
         try:
             found = {w: r.epoch for w, r in (await records_in(kind, server)).items()}
         except Exception:  # the server may still be recovering its store
             found = {}
-        if found == epochs:
-            return
-        assert time.monotonic() < deadline, f"{kind} holds {found}, not {epochs}"
-        await asyncio.sleep(0.3)
+        return found == epochs
+
+    await wait_until(
+        holds, timeout_s, interval_s=0.3, what=lambda: f"{kind} to hold {epochs}, not {found}"
+    )
 
 
 def worker_ready(record: WorkerRecord) -> bool:
@@ -195,7 +198,7 @@ async def test_requests_flow_through_a_control_plane_outage(
         server.stop()
         router_ready: list[int] = []
         decode_ready: list[bool] = []
-        while time.monotonic() - down < OUTAGE_S:
+        while time.monotonic() - down < OUTAGE_S:  # the outage lasts OUTAGE_S: sampled, no wait
             router_ready.append(httpx.get(f"{stack.url}/ready", timeout=5.0).status_code)
             decode_ready.append(worker_ready(before["decode-0"]))
             await asyncio.sleep(0.5)

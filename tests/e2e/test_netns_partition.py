@@ -50,8 +50,8 @@ from tests.fixtures.netns import (
     iptables_unavailable_reason,
     netns_cluster,
     netns_etcd,
-    wait_for,
 )
+from tests.fixtures.servers import wait_until_sync
 
 MODEL = "tiny-llama"
 REQUEST_TIMEOUT_S = 15.0
@@ -229,7 +229,9 @@ def test_kv_link_partition_fails_requests_explicitly_and_service_resumes(
             healthy = _chat(client, stream)
             assert healthy.ok, f"request failed before the cut: {healthy}"
         assert net.established("decode", p_kv) >= 1, "no transfer connection on the KV link"
-        wait_for(lambda: _all_free(stack), 10, "blocks to be free after the healthy requests")
+        wait_until_sync(
+            lambda: _all_free(stack), 10, what="blocks to be free after the healthy requests"
+        )
 
         # 2. Cut: every request ends with an explicit error, long before its deadline.
         net.cut_kv(cut)
@@ -243,11 +245,13 @@ def test_kv_link_partition_fails_requests_explicitly_and_service_resumes(
         assert httpx.get(f"{stack.url}/ready", timeout=5, trust_env=False).status_code == 200
 
         # 3. The blocks are freed on both sides while the link is still down.
-        parked_s = wait_for(lambda: _load(stack, "prefill")["parked"] == 0, SLACK_S, "P release")
-        freed_s = wait_for(
+        parked_s = wait_until_sync(
+            lambda: _load(stack, "prefill")["parked"] == 0, SLACK_S, what="P release"
+        )
+        freed_s = wait_until_sync(
             lambda: _decode_free(stack),
             TRANSFER_TIMEOUT_S + SLACK_S,
-            "D's blocks (nixl: quarantined for the transfer timeout; is it read?)",
+            what="D's blocks (nixl: quarantined for the transfer timeout; is it read?)",
         )
         print(f"{tag} P parked 0 after {parked_s:.1f} s, D all free after {freed_s:.1f} s")
 
@@ -256,20 +260,26 @@ def test_kv_link_partition_fails_requests_explicitly_and_service_resumes(
         restored_at = time.monotonic()
         cut_s = restored_at - cut_at
         early: list[Outcome] = []
-        while not (first := _chat(client, stream=False)).ok:
-            early.append(first)
-            assert first.error and first.status in (502, 504), f"not explicit: {first}"
-            since = time.monotonic() - restored_at
-            assert since < RESUME_MAX_S, (
-                f"not served {since:.1f} s after the restore: {[str(o) for o in early]}"
-            )
-            time.sleep(0.2)
+
+        def served() -> bool:
+            outcome = _chat(client, stream=False)
+            if not outcome.ok:
+                early.append(outcome)
+                assert outcome.error and outcome.status in (502, 504), f"not explicit: {outcome}"
+            return outcome.ok
+
+        try:
+            wait_until_sync(served, RESUME_MAX_S, interval_s=0.2, what="serving after the restore")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; failures meanwhile: {[str(o) for o in early]}") from None
         resumed_s = time.monotonic() - restored_at
         print(f"{tag} cut {cut_s:.1f} s; served again {resumed_s:.2f} s after the restore",
               *early, sep="\n  ")  # fmt: skip
         later = _concurrently(client, (False, True, False, True))
         assert all(o.ok for o in later), [str(o) for o in later]
         assert _connecting(net) == 0, "connection attempts from the cut are still pending"
-        wait_for(lambda: _all_free(stack), 10, "blocks to be free after the restored requests")
+        wait_until_sync(
+            lambda: _all_free(stack), 10, what="blocks to be free after the restored requests"
+        )
     finally:
         net.restore_kv()

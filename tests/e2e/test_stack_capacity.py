@@ -5,13 +5,13 @@ waiting queue answers 429 with Retry-After and the stack keeps serving."""
 from __future__ import annotations
 
 import concurrent.futures
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.fixtures.servers import wait_until_sync
 from tests.fixtures.stack import Stack
 
 # 8 prompts of 40-47 tokens, 300 tokens each: ~2,700 tokens of K/V together; the decode pool of
@@ -80,10 +80,12 @@ def test_a_decode_pool_too_small_preempts_and_every_output_equals_its_solo_run(
     assert [r.json()["choices"][0]["text"] for r in responses] == solo
     assert all(r.json()["usage"]["completion_tokens"] == MAX_TOKENS for r in responses)
     assert _metric(decode_url, "pdserve_num_preemptions_total") > 0
-    deadline = time.monotonic() + 5
-    while _metric(decode_url, 'pdserve_kv_blocks{state="used"}') and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _metric(decode_url, 'pdserve_kv_blocks{state="used"}') == 0
+    wait_until_sync(
+        lambda: _metric(decode_url, 'pdserve_kv_blocks{state="used"}') == 0,
+        5,
+        interval_s=0.1,
+        what="the decode worker to free every block",
+    )
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,13 @@ production code knows about it.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.fixtures.servers import wait_until_sync
 from tests.fixtures.stack import Stack, start_stack
 
 HOOK = """
@@ -104,10 +104,12 @@ def test_after_a_corrupted_request_the_blocks_are_freed_and_the_next_request_suc
         assert r.status_code == 502
     finally:
         flag.unlink()
-    deadline = time.monotonic() + 10
-    while _parked_on_prefill(stack) and time.monotonic() < deadline:
-        time.sleep(0.1)  # the router's release reaches the prefill worker
-    assert _parked_on_prefill(stack) == 0
+    wait_until_sync(
+        lambda: _parked_on_prefill(stack) == 0,
+        10,
+        interval_s=0.1,
+        what="the router's release to reach the prefill worker",
+    )
     r = httpx.post(f"{stack.url}/v1/completions", json=_body(False), timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"]

@@ -18,7 +18,6 @@ cache never holds, and greedy tokens then legitimately differ at near-ties.)
 from __future__ import annotations
 
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import httpx
 import openai
 import pytest
 
+from tests.fixtures.servers import wait_until_sync
 from tests.fixtures.stack import Stack
 
 PROMPTS = [
@@ -65,11 +65,12 @@ def _layouts(stack: Stack) -> dict[str, tuple[int, str]]:
 
 
 def _wait_for_workers(stack: Stack, names: set[str], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while set(_layouts(stack)) != names:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"registry holds {sorted(_layouts(stack))}, not {sorted(names)}")
-        time.sleep(0.2)
+    wait_until_sync(
+        lambda: set(_layouts(stack)) == names,
+        timeout_s,
+        interval_s=0.2,
+        what=f"the registry to hold exactly {sorted(names)}",
+    )
     stack.wait_ready(len(names))
 
 

@@ -6,12 +6,12 @@ the choices shared."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import httpx
 import openai
 
+from tests.fixtures.servers import wait_until_sync
 from tests.fixtures.stack import Stack
 
 PROMPT = [1, 84, 104, 101, 32, 113, 117, 105, 99, 107, 32, 98, 114, 111, 119, 110]
@@ -124,7 +124,6 @@ def _idle(worker: dict[str, Any]) -> bool:
 def test_shared_prompt_blocks_are_all_freed(tiny_stack: Stack) -> None:
     _client(tiny_stack).completions.create(prompt=PROMPT, **SAMPLED)
     workers = httpx.get(f"{tiny_stack.url}/registry/workers", timeout=5).json()["workers"]
-    deadline = time.monotonic() + 5
-    while not all(_idle(w) for w in workers) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert all(_idle(w) for w in workers), [w["worker_id"] for w in workers if not _idle(w)]
+    wait_until_sync(
+        lambda: all(_idle(w) for w in workers), 5, interval_s=0.1, what="every worker to be idle"
+    )

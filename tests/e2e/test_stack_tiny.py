@@ -6,7 +6,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import signal
-import time
 from pathlib import Path
 
 import httpx
@@ -15,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.fixtures.servers import wait_until_sync
 from tests.fixtures.stack import Stack
 
 PROMPTS = [
@@ -242,10 +242,9 @@ def test_killed_decode_worker_ends_stream_with_error_and_frees_parked_blocks(
         assert events[-1] == "[DONE]"
         errors = [json.loads(e) for e in events[:-1] if "error" in json.loads(e)]
         assert errors, f"no error event in {events[-3:]}"
-        deadline = time.monotonic() + lease_s + 3
-        while _parked(stack) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _parked(stack) == 0
+        wait_until_sync(
+            lambda: _parked(stack) == 0, lease_s + 3, interval_s=0.2, what="the lease to expire"
+        )
 
         # A decode worker that hangs before pulling: the prefill worker's lease frees the blocks.
         _wait_until_gone(stack, "decode-0")
@@ -259,14 +258,10 @@ def test_killed_decode_worker_ends_stream_with_error_and_frees_parked_blocks(
                 json={"model": "tiny-llama", "prompt": PROMPTS[2], "max_tokens": 4},
                 timeout=90,
             )
-            deadline = time.monotonic() + 20
-            while _parked(stack) == 0 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert _parked(stack) > 0, "the request never parked its blocks"
-            deadline = time.monotonic() + lease_s + 3
-            while _parked(stack) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert _parked(stack) == 0
+            wait_until_sync(lambda: _parked(stack) > 0, 20, what="the request to park its blocks")
+            wait_until_sync(
+                lambda: _parked(stack) == 0, lease_s + 3, interval_s=0.2, what="the lease to expire"
+            )
             frozen.kill()
             resp = pending.result(timeout=90)
         assert resp.status_code >= 500
@@ -276,11 +271,8 @@ def test_killed_decode_worker_ends_stream_with_error_and_frees_parked_blocks(
 
 
 def _wait_until_gone(stack: Stack, worker_id: str, timeout_s: float = 20) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def gone() -> bool:
         workers = httpx.get(f"{stack.url}/registry/workers", timeout=5).json()["workers"]
-        ids = [w["worker_id"] for w in workers]
-        if worker_id not in ids:
-            return
-        time.sleep(0.3)
-    raise AssertionError(f"{worker_id} still registered after {timeout_s} s")
+        return worker_id not in [w["worker_id"] for w in workers]
+
+    wait_until_sync(gone, timeout_s, interval_s=0.3, what=f"{worker_id} to deregister")

@@ -27,6 +27,7 @@ import torch
 
 from pdserve.protocol import KVLayout, TransferHandle
 from pdserve.settings import TransferSettings
+from tests.fixtures.servers import wait_until_sync
 
 LAYOUT = KVLayout(
     model="tiny-test", num_layers=3, num_kv_heads=2, head_dim=8, tokens_per_block=4, dtype="float32"
@@ -186,11 +187,16 @@ class PrefillProcess:
         return answer
 
     def wait_state(self, done: Callable[[PeerState], bool], timeout: float = 5.0) -> PeerState:
-        """Poll :meth:`state` until ``done`` (Release travels asynchronously after a pull)."""
-        deadline = time.monotonic() + timeout
-        while not done(state := self.state()) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return state
+        """Poll :meth:`state` until ``done`` (Release travels asynchronously after a pull) and
+        return that state; AssertionError after ``timeout`` seconds."""
+        seen: list[PeerState] = []
+
+        def reached() -> bool:
+            seen.append(self.state())
+            return done(seen[-1])
+
+        wait_until_sync(reached, timeout, interval_s=0.01, what="the prefill peer's state")
+        return seen[-1]
 
     def park(self, request_id: str, num_tokens: int) -> TransferHandle:
         """Allocate and park blocks for ``num_tokens`` tokens; the handle a prefill worker

@@ -26,6 +26,7 @@ from pdserve.errors import HandleError, LayoutMismatchError, TransferError
 from pdserve.protocol import KVLayout, TransferHandle
 from pdserve.settings import TransferSettings
 from pdserve.transfer import Transceiver, create_transceiver
+from tests.fixtures.servers import wait_until, wait_until_sync
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -77,7 +78,7 @@ class _Parked:
     def lookup(self, request_id: str, epoch: int, lease_id: str) -> list[int]:
         if epoch != self.epoch or request_id not in self.blocks:
             raise HandleError(f"no parked request {request_id} at epoch {epoch}")
-        time.sleep(self.slow.get(request_id, 0.0))
+        time.sleep(self.slow.get(request_id, 0.0))  # a slow peer: blocks its loop on purpose
         if request_id in self.die:
             delay = self.die[request_id]
             if delay is None:
@@ -178,12 +179,16 @@ class PrefillPeer:
         return self.call("state")
 
     def wait_released(self, request_id: str, timeout: float = 5.0) -> list[str]:
-        deadline = time.monotonic() + timeout
-        while True:
-            released = self.state()[0]
-            if request_id in released or time.monotonic() > deadline:
-                return released
-            time.sleep(0.02)
+        """The released request ids once ``request_id`` is among them (AssertionError after
+        ``timeout`` seconds)."""
+        released: list[str] = []
+
+        def arrived() -> bool:
+            released[:] = self.state()[0]
+            return request_id in released
+
+        wait_until_sync(arrived, timeout, interval_s=0.02, what=f"the Release of {request_id}")
+        return released
 
     def stop(self) -> None:
         with contextlib.suppress(OSError):  # it may have just died on purpose
@@ -312,16 +317,29 @@ async def test_unresponsive_peer_times_out_with_transfer_error(prefill):
         await t.close()
 
 
+def _gave_up_count(prefill: PrefillPeer) -> int:
+    """How many sends the prefill side dropped because the decode side had given up."""
+    return sum("gave up on" in message for _, message in prefill.state()[1])
+
+
 async def test_pull_that_gives_up_gets_nothing_written_into_its_blocks(prefill):
     t, pool = await _decode(prefill.backend, timeout_s=0.5)
     try:
         handle = prefill.park("g1", [1, 2])
         prefill.call("slow", "g1", 1.0)  # the answer comes after the decode gave up
+        gave_up = _gave_up_count(prefill)
         with pytest.raises(TransferError, match="timed out"):
             await t.pull(handle, [3, 4])
-        await asyncio.sleep(1.0)  # the prefill side is awake again and had its chance
-        assert not pool.any()
+        # The prefill side is awake again once it answers g2 (its loop slept through g1's
+        # lookup); a WRITE backend then also reports g1 as given up, its chance to write gone.
         await t.pull(prefill.park("g2", [5]), [6])  # the transceiver still works
+        if prefill.backend != "tcp":  # TCP bytes land only while a pull reads them
+            await wait_until(
+                lambda: _gave_up_count(prefill) > gave_up,
+                5.0,
+                what="the prefill side to see that the decode side gave up on g1",
+            )
+        assert not pool[:, [3, 4]].any()
         _assert_landed(pool, [5], [6], LAYOUT)
     finally:
         await t.close()

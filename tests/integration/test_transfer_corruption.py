@@ -26,7 +26,14 @@ import torch
 
 from pdserve.errors import IntegrityError
 from pdserve.transfer import Transceiver, create_transceiver, wire
-from tests.integration.kv_peer import LAYOUT, PrefillProcess, cfg, empty_pool, pattern
+from tests.integration.kv_peer import (
+    LAYOUT,
+    NUM_BLOCKS,
+    PrefillProcess,
+    cfg,
+    empty_pool,
+    pattern,
+)
 from tests.integration.test_transfer_backends import BACKENDS
 
 pytestmark = pytest.mark.timeout(60)
@@ -70,8 +77,21 @@ def _rid() -> str:
     return f"req-{uuid.uuid4().hex[:8]}"
 
 
+async def _later_release_arrives(prefill: PrefillProcess, t: Transceiver) -> None:
+    """Proof that a Release the decode side sent earlier would have arrived by now: pull one
+    more request directly and wait until its own Release reached the prefill side (and freed
+    its park), so the earlier one is not merely in flight when the test asserts its absence."""
+    before = prefill.state()
+    handle = prefill.park(_rid(), num_tokens=4)
+    await t.pull(handle, [NUM_BLOCKS - 1])
+    prefill.wait_state(
+        lambda s: s.released_total == before.released_total + 1 and s.parked == before.parked
+    )
+
+
 async def test_byte_flipped_after_the_digest_fails_the_pull_naming_the_block(prefill, decode):
     t, _ = decode
+    released = prefill.state().released_total
     handle = prefill.park(_rid(), num_tokens=4)  # one block: 3 layers, the flip hits layer 0
     prefill.call("corrupt_next")
     with pytest.raises(
@@ -81,9 +101,10 @@ async def test_byte_flipped_after_the_digest_fails_the_pull_naming_the_block(pre
     ) as caught:
         await t.pull(handle, [5])
     assert caught.value.code == "kv_integrity_failed"
-    await asyncio.sleep(0.2)  # a Release, had one been sent, would have arrived by now
+    await _later_release_arrives(prefill, t)  # a Release of the failed pull would be ahead of it
     state = prefill.state()
-    assert state.parked == 1 and state.released_total == 0, "no Release after a failed check"
+    assert state.parked == 1, "no Release after a failed check"
+    assert state.released_total == released + 1, "only the later pull's Release arrived"
     prefill.call("skew", 61.0)
     assert prefill.call("reap") == 1, "the lease still frees the blocks"
 
@@ -186,7 +207,7 @@ async def test_byte_flipped_on_the_tcp_wire_fails_the_pull_naming_the_block() ->
         ):
             await t.pull(bad.model_copy(update={"transfer_endpoint": via_proxy}), [2])
         assert proxy.flipped == 1
-        await asyncio.sleep(0.2)
+        await _later_release_arrives(prefill, t)
         assert prefill.state().parked == 1, "the corrupted request stays parked (no Release)"
     finally:
         await t.close()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
-import time
 from collections.abc import AsyncIterator, Iterator
 from multiprocessing.connection import Connection as Pipe
 from typing import Any
@@ -24,6 +23,7 @@ from pdserve.protocol import KVLayout, TransferHandle
 from pdserve.settings import TransferSettings
 from pdserve.transfer import Transceiver, create_transceiver
 from pdserve.workers.parking import ParkedBlocks
+from tests.fixtures.servers import wait_until_sync
 from tests.integration.test_transfer_backends import BACKENDS
 
 pytestmark = pytest.mark.timeout(90)
@@ -145,10 +145,15 @@ class Prefill:
         return _tokens(_pool(PREFILL_LAYOUTS[name], seed=seed), block_ids, num_tokens)
 
     def wait_released(self, name: str, timeout: float = 5.0) -> int:
-        deadline = time.monotonic() + timeout
-        while (left := self.call("state", name)[0]) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return int(left)
+        """How many requests stay parked in pool ``name`` once none does (AssertionError after
+        ``timeout`` seconds)."""
+        wait_until_sync(
+            lambda: not self.call("state", name)[0],
+            timeout,
+            interval_s=0.02,
+            what=f"every Release of pool {name}",
+        )
+        return int(self.call("state", name)[0])
 
     def stop(self) -> None:
         self._pipe.send(("stop",))

@@ -7,7 +7,6 @@ import asyncio
 import json
 import socket
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pdserve.cli import build_parser, main
 from pdserve.tools import bench_serve as bs
 from tests.fixtures.models import tiny_tokenizer
+from tests.fixtures.servers import wait_until_sync
 
 TTFT_S = 0.08  # the fake server's delay before the first content delta
 ITL_S = 0.03  # and between content deltas
@@ -88,10 +88,7 @@ class ThreadServer:
 
     def __enter__(self) -> str:
         self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline, "fake server did not start"
-            time.sleep(0.02)
+        wait_until_sync(lambda: self.server.started, 10, interval_s=0.02, what="the fake server")
         port = self.server.servers[0].sockets[0].getsockname()[1]
         return f"http://127.0.0.1:{port}/v1"
 
@@ -298,7 +295,7 @@ def test_closed_loop_keeps_concurrency_requests_in_flight() -> None:
         nonlocal active, peak
         active += 1
         peak = max(peak, active)
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # the request's duration: concurrent ones overlap
         active -= 1
         return bs.RequestResult(ok=True, output_tokens=item)
 

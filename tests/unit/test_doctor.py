@@ -1,22 +1,18 @@
-"""``pdserve doctor``: the environment checks on injected facts, the probe protocol against a
-real transceiver, and the command itself run as a subprocess against a worker found through a
-real (embedded, HTTP) registry."""
+"""``pdserve doctor``: the environment checks on injected facts and the probe protocol against a
+real transceiver (the command itself, run as a subprocess: tests/integration/test_doctor_probe.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import fastapi
 import pydantic
 import pytest
 import torch
 
-from pdserve.discovery import EmbeddedRegistry, open_registration
-from pdserve.protocol import KVLayout, Role, WorkerRecord
+from pdserve.protocol import KVLayout
 from pdserve.settings import TransferSettings
 from pdserve.tools.doctor import (
     Finding,
@@ -35,7 +31,6 @@ from pdserve.tools.doctor import (
 from pdserve.tools.doctor_facts import BackendFacts, Facts, parse_ucx_info
 from pdserve.transfer import wire
 from pdserve.transfer.transceiver import Transceiver, create_transceiver
-from tests.fixtures.servers import free_port, serve_app
 
 LAYOUT = KVLayout(
     model="tiny", num_layers=2, num_kv_heads=2, head_dim=8, tokens_per_block=4, dtype="float32"
@@ -225,53 +220,3 @@ async def test_probe_bytes_are_zeros_never_the_kv_pool() -> None:
 def test_probe_larger_than_the_bound_is_refused_by_the_schema() -> None:
     with pytest.raises(pydantic.ValidationError):
         wire.Probe(nbytes=wire.PROBE_MAX_BYTES + 1)
-
-
-# ------------------------------------------------------------------ the command
-
-
-def registry_app(registry: EmbeddedRegistry) -> fastapi.FastAPI:
-    """The router's registry endpoints alone (what `--discovery http://router` reads)."""
-
-    @asynccontextmanager
-    async def lifespan(app: fastapi.FastAPI) -> AsyncIterator[None]:
-        await registry.start()
-        yield
-        await registry.close()
-
-    app = fastapi.FastAPI(lifespan=lifespan)
-    app.include_router(registry.api_router())
-    return app
-
-
-@pytest.mark.integration
-async def test_doctor_command_finds_worker_through_discovery_and_measures_it() -> None:
-    async with (
-        transceiver() as t,
-        serve_app(registry_app(EmbeddedRegistry(ttl_s=30)), free_port()) as router,
-    ):
-        reg = open_registration(router.base_url, ttl_s=30)
-        await reg.start(
-            WorkerRecord(
-                role=Role.PREFILL,
-                worker_id="prefill-doc",
-                epoch=42,
-                model="tiny",
-                http_url="http://127.0.0.1:9",
-                communicator=t.communicator(),
-                layout=LAYOUT,
-            )
-        )
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "pdserve.cli", "--log-level", "warning", "doctor",
-                "--discovery", router.base_url, "--worker", "prefill-doc", "--probe-mib", "4",
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-            )  # fmt: skip
-            out, _ = await asyncio.wait_for(proc.communicate(), timeout=120)
-        finally:
-            await reg.close()
-    text = out.decode()
-    assert proc.returncode == 0, text
-    assert f"peer: {t.endpoint}: worker prefill-doc (epoch 42)" in text
-    assert "peer bandwidth:" in text and "GB/s p50" in text

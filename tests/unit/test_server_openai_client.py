@@ -3,8 +3,6 @@ a client that disconnects mid-stream makes the router abort the decode leg and f
 
 from __future__ import annotations
 
-import asyncio
-
 import httpx
 import openai
 import pytest
@@ -14,6 +12,7 @@ from pdserve.config import RouterConfig
 from pdserve.protocol import Role
 from pdserve.settings import RouterSettings
 from tests.fakes import MODEL, FakeWorker, build_tokenizer_dir, router_harness
+from tests.fixtures.servers import wait_until
 
 REPLY_TEXT = "Hello from pdserve"
 
@@ -101,10 +100,7 @@ async def test_client_disconnect_mid_stream_aborts_decode_and_releases_prefill(c
                 got += line.startswith("data: ")
                 if got == 3:
                     break  # leaving the block closes the connection mid-stream
-        for _ in range(100):
-            if d.aborted and p.releases:
-                break
-            await asyncio.sleep(0.05)
+        await wait_until(lambda: d.aborted and p.releases, 5.0, what="the abort and the release")
         request_id = p.contexts[0].request_id
         assert d.aborted == [request_id]
         assert [r.request_id for r in p.releases] == [request_id]
@@ -125,9 +121,6 @@ async def test_client_giving_up_on_a_non_streamed_request_aborts_decode(cfg, rep
         body = {"model": MODEL, "prompt": "go", "max_tokens": 200}
         with pytest.raises(httpx.ReadTimeout):
             await h.client.post("/v1/completions", json=body, timeout=0.5)
-        for _ in range(100):
-            if d.aborted and p.releases:
-                break
-            await asyncio.sleep(0.05)
+        await wait_until(lambda: d.aborted and p.releases, 5.0, what="the abort and the release")
         assert d.aborted == [p.contexts[0].request_id]
         assert [r.request_id for r in p.releases] == [p.contexts[0].request_id]

@@ -16,7 +16,7 @@ from pdserve.supervisor import (
     ProcessSupervisor,
     ReadyTimeoutError,
 )
-from tests.fixtures.servers import free_port
+from tests.fixtures.servers import free_port, wait_until_sync
 
 
 def python(name: str, code: str, log: Path | None = None, tier: int = 0) -> ProcessSpec:
@@ -83,8 +83,7 @@ def test_stop_signals_higher_tiers_first_and_kills_after_the_grace_period(
     sup = ProcessSupervisor(grace_s=0.5, poll_s=0.05, notify=notes.append)
     router = sup.spawn(python("router", SLEEPER, tier=0))
     worker = sup.spawn(python("worker", STUBBORN, tmp_path / "w", tier=1))
-    while "up" not in worker.log():  # its SIGTERM handler is installed
-        time.sleep(0.02)
+    wait_until_sync(lambda: "up" in worker.log(), 10, interval_s=0.02, what="its SIGTERM handler")
     start = time.monotonic()
     sup.stop()
     assert time.monotonic() - start >= 0.5

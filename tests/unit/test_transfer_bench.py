@@ -1,4 +1,5 @@
-"""The transfer benchmark's arithmetic (fit, targets, case names) and one real, tiny run."""
+"""The transfer benchmark's arithmetic (fit, targets, case names); its real, tiny run between
+processes is tests/integration/test_transfer_bench_processes.py."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from pdserve.tools.bench_transfer import (
     Series,
     fit_cost,
     resolve_cases,
-    run_transfer_benchmark,
     unavailable,
 )
 from pdserve.tools.bench_transfer_peers import block_bytes
@@ -92,20 +92,6 @@ def test_targets_compare_each_path_with_its_reference() -> None:
     assert targets["same-hostpath"].met  # 9 / 10 at the largest size
     assert any(t.name.startswith("fixed cost") for t in check_targets(result))
     assert "nixl-shm" in format_table(result) and "memcpy" in format_fits(result)
-
-
-@pytest.mark.integration
-def test_tiny_run_moves_real_bytes_between_processes_and_fits_them() -> None:
-    result = run_transfer_benchmark(
-        SMOLLM2_LAYOUT, [1, 2], [CASES["tcp"], Case("rdma", "rdma", "tcp")],
-        integrity="both", min_seconds=0.01,
-    )  # fmt: skip
-    names = [s.name for s in result.series]
-    assert names[:3] == ["memcpy", "raw-socket", "tcp"]
-    assert "rdma" in result.skipped
-    for s in result.series:
-        assert sorted(s.times) == [1, 2] and all(t > 0 for t in s.times[1])
-    assert "fixed cost" in "\n".join(t.name for t in check_targets(result))
 
 
 def test_rounds_pool_the_repetitions_of_each_series() -> None:

@@ -28,6 +28,7 @@ from pdserve.transfer.formatter import TransferPlan
 from pdserve.transfer.inproc import FABRIC, InprocBackend
 from pdserve.workers.kv_cache import KVCacheManager
 from pdserve.workers.parking import ParkedBlocks
+from tests.fixtures.servers import wait_until
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -210,21 +211,13 @@ async def test_a_stalled_copy_times_out_and_nothing_lands_afterwards(prefill) ->
             await t.pull(handle, [5])
         assert t.late_writes is False
         FABRIC.paused = False
-        await _sleep(0.3)  # the sender notices the closed connection and gives up
+        # The sender notices the closed connection and gives up (its transceiver says so).
+        await _until(lambda: prefill.transceiver.recent_errors)
         assert not pool.any(), "the decode side's blocks are free to reuse at once"
         assert len(prefill.parked) == 1, "the park waits for its lease"
     finally:
         await t.close()
 
 
-async def _sleep(s: float) -> None:
-    import asyncio
-
-    await asyncio.sleep(s)
-
-
 async def _until(cond, timeout: float = 2.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await _sleep(0.01)
+    await wait_until(cond, timeout, interval_s=0.01)

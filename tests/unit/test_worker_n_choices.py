@@ -17,8 +17,8 @@ from pdserve.protocol import (
 )
 from pdserve.workers.bridge import OutputStream
 from pdserve.workers.decode import DecodeRole
-from pdserve.workers.engine import EngineOutput
 from pdserve.workers.parking import ParkedBlocks
+from tests.fake_engine import FakeEngine, token_at
 from tests.fakes import layout
 
 
@@ -34,22 +34,6 @@ class Out:
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     parked_block_ids: list[int] | None = None
-
-
-@dataclass
-class FakeEngine:
-    """Records aborts; ``add_request`` answers each request with ``outputs`` at once."""
-
-    outputs: list[EngineOutput] = field(default_factory=list)
-    aborted: list[str] = field(default_factory=list)
-    layout = layout()
-
-    def add_request(self, req, sink) -> None:  # type: ignore[no-untyped-def]
-        for out in self.outputs:
-            sink(out)
-
-    def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
 
 
 def feed(stream: OutputStream, outs: list[Out]) -> None:
@@ -96,7 +80,7 @@ def generation(n: int) -> GenerationRequest:
 
 
 async def test_decode_chunks_carry_the_choice_index_until_every_choice_finished():
-    engine = FakeEngine()
+    engine = FakeEngine(layout())
     role = DecodeRole(engine=engine, transceiver=None)  # type: ignore[arg-type]
     stream = OutputStream(choices=3)
     feed(stream, INTERLEAVED)
@@ -112,7 +96,7 @@ async def test_decode_chunks_carry_the_choice_index_until_every_choice_finished(
 
 
 async def test_decode_consumer_leaving_before_every_choice_finished_aborts_the_request():
-    engine = FakeEngine()
+    engine = FakeEngine(layout())
     role = DecodeRole(engine=engine, transceiver=None)  # type: ignore[arg-type]
     stream = OutputStream(choices=3)
     feed(stream, INTERLEAVED)
@@ -124,7 +108,7 @@ async def test_decode_consumer_leaving_before_every_choice_finished_aborts_the_r
 
 
 async def test_decode_deadline_ends_an_unfinished_stream_with_an_error_chunk():
-    engine = FakeEngine()
+    engine = FakeEngine(layout())
     role = DecodeRole(engine=engine, transceiver=None)  # type: ignore[arg-type]
     stream = OutputStream(choices=2)
     feed(stream, [Out(0, [7], FinishReason.STOP)])
@@ -152,29 +136,33 @@ def context(n: int) -> ContextRequest:
     )
 
 
-async def prefill_answer(out: EngineOutput, n: int):  # type: ignore[no-untyped-def]
+async def prefill_answer(n: int):  # type: ignore[no-untyped-def]
+    """The prefill role's answer to a one-token context of ``n`` choices on the shared fake
+    engine (which parks the blocks for ``n > 1`` and finishes choice 0 with LENGTH), with the
+    engine and the parked-block table."""
     from pdserve.workers.prefill import PrefillRole
 
-    parked = ParkedBlocks(epoch=7, lease_s=30.0, free_blocks=lambda _: None)
+    engine = FakeEngine(layout())
+    parked = ParkedBlocks(epoch=7, lease_s=30.0, free_blocks=engine.free_parked)
     role = PrefillRole(
-        engine=FakeEngine([out]),  # type: ignore[arg-type]
+        engine=engine,
         transceiver=FakeTransceiver(),  # type: ignore[arg-type]
         parked=parked,
         worker_id="p0",
     )
-    return await asyncio.wait_for(role.context(context(n)), 5), parked
+    return await asyncio.wait_for(role.context(context(n)), 5), engine, parked
 
 
 async def test_prefill_of_n_choices_hands_out_a_handle_even_when_choice_0_finished():
-    out = EngineOutput("r1", [42], "x", [], FinishReason.LENGTH, parked_block_ids=[3])
-    resp, parked = await prefill_answer(out, n=3)
-    assert resp.finish_reason is FinishReason.LENGTH and resp.first_token == 42
-    assert resp.handle is not None and resp.handle.block_ids == (3,)
+    resp, engine, parked = await prefill_answer(n=3)
+    assert resp.finish_reason is FinishReason.LENGTH
+    assert resp.first_token == token_at(context(3).prompt_token_ids, 0)
+    assert resp.handle is not None
+    assert list(resp.handle.block_ids) == engine.kv_cache.block_table("r1")
     assert len(parked) == 1
 
 
 async def test_prefill_that_finished_without_parking_answers_no_handle():
-    out = EngineOutput("r1", [42], "x", [], FinishReason.STOP)
-    resp, parked = await prefill_answer(out, n=1)
-    assert resp.finish_reason is FinishReason.STOP and resp.handle is None
-    assert len(parked) == 0
+    resp, engine, parked = await prefill_answer(n=1)
+    assert resp.finish_reason is FinishReason.LENGTH and resp.handle is None
+    assert len(parked) == 0 and engine.parked_ids == set()

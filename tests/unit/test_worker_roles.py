@@ -7,7 +7,6 @@ failed pull's blocks are quarantined only while a write may still land."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -37,6 +36,7 @@ from pdserve.workers.decode import DecodeRole
 from pdserve.workers.service import RoleSettings
 from tests.fake_engine import FakeEngine, token_at
 from tests.fakes import layout
+from tests.fixtures.servers import wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -298,7 +298,4 @@ async def test_a_failed_pull_that_may_still_land_is_quarantined_then_freed() -> 
 
 
 async def _until(cond, timeout: float = 2.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
+    await wait_until(cond, timeout, interval_s=0.01)
