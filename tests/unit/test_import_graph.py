@@ -101,3 +101,22 @@ def test_roles_and_the_data_plane_never_import_the_tools() -> None:
             ("pdserve.transfer", "pdserve.workers", "pdserve.server", "pdserve.router")
         ):
             assert not {d for d in deps if d.startswith(("pdserve.tools", "pdserve.cli"))}, name
+
+
+def test_the_image_model_stage_copies_every_module_the_conversion_imports() -> None:
+    """The Dockerfile's ``model`` stage copies only the modules ``pdserve.models`` needs (so
+    source edits rarely redo the conversion): exactly its module-level closure."""
+    graph = _graph()
+    needed, todo = {"pdserve", "pdserve.models"}, ["pdserve.models"]
+    while todo:
+        for dep in graph[todo.pop()] - needed:
+            needed.add(dep)
+            todo.append(dep)
+    text = (ROOT / "Dockerfile").read_text()
+    stage = text[text.index("AS model") :].split("\nFROM ", 1)[0]
+    copy = stage[stage.index("\nCOPY ") : stage.index("/src/pdserve/")].replace("\\\n", " ")
+    copied = {
+        "pdserve" if w == "pdserve/__init__.py" else w.removesuffix(".py").replace("/", ".")
+        for w in copy.split()[1:]
+    }
+    assert copied == needed
