@@ -18,7 +18,7 @@ Lifecycle of the processes of one :class:`ProcessSupervisor`::
 
 Restart on crash is not implemented. It belongs to WATCH: every spawned
 :class:`ManagedProcess` keeps the :class:`ProcessSpec` it came from, so a restart policy can
-spawn the spec again in its place (an adopted process has no spec and cannot be restarted).
+spawn the spec again in its place.
 
 Thread-safety: none; drive a supervisor from one thread. A signal handler should only set the
 flag that ``stopping`` reads.
@@ -70,20 +70,12 @@ class ManagedProcess:
     caller. ``stopped`` is set once it was asked to stop on purpose (:meth:`kill`, the
     supervisor's stop): its exit is then expected, not a crash."""
 
-    def __init__(
-        self,
-        name: str,
-        popen: subprocess.Popen[bytes],
-        log_path: Path | None = None,
-        *,
-        spec: ProcessSpec | None = None,
-        tier: int = 0,
-    ) -> None:
-        self.name = name
-        self.popen = popen
-        self.log_path = log_path
+    def __init__(self, spec: ProcessSpec, popen: subprocess.Popen[bytes]) -> None:
         self.spec = spec
-        self.tier = tier
+        self.popen = popen
+        self.name = spec.name
+        self.log_path = spec.log_path
+        self.tier = spec.tier
         self.stopped = False
 
     @classmethod
@@ -98,7 +90,7 @@ class ManagedProcess:
                 popen = subprocess.Popen(  # type: ignore[call-overload]
                     list(spec.argv), stdout=out, stderr=subprocess.STDOUT, **kwargs
                 )
-        return cls(spec.name, popen, spec.log_path, spec=spec, tier=spec.tier)
+        return cls(spec, popen)
 
     def __repr__(self) -> str:
         return f"ManagedProcess({self.name!r}, pid={self.pid}, returncode={self.returncode})"
@@ -189,13 +181,8 @@ class ProcessSupervisor:
 
     def spawn(self, spec: ProcessSpec) -> ManagedProcess:
         """Start ``spec`` and supervise it; raises OSError when it cannot be started."""
-        return self.adopt(ManagedProcess.start(spec))
-
-    def adopt(self, process: ManagedProcess) -> ManagedProcess:
-        """Supervise a process started elsewhere (e.g. inside a network namespace); adopting
-        one twice is a no-op."""
-        if all(p is not process for p in self.processes):
-            self.processes.append(process)
+        process = ManagedProcess.start(spec)
+        self.processes.append(process)
         return process
 
     def crashed(self) -> ManagedProcess | None:
