@@ -37,12 +37,9 @@ from pdserve.workers.decode import DecodeRole
 from pdserve.workers.parking import ParkedBlocks
 from pdserve.workers.prefill import PrefillRole
 from pdserve.workers.service import (
-    RegistrationFactory,
     RoleSettings,
     WorkerIdentity,
     WorkerService,
-    default_registration,
-    load_engine,
     service_of,
 )
 
@@ -50,7 +47,7 @@ if TYPE_CHECKING:
     from pdserve.discovery import Registration
     from pdserve.discovery.events import ParkedCounts
     from pdserve.transfer import Transceiver
-    from pdserve.workers.engine_api import EngineFactory, WorkerEngine
+    from pdserve.workers.engine_api import WorkerEngine
 
 log = logging.getLogger(__name__)
 
@@ -93,41 +90,6 @@ class _TransferRole(WorkerService):
 
     def communicator(self) -> dict[str, str]:
         return self.transceiver.communicator()
-
-    @classmethod
-    async def open_parts(
-        cls,
-        settings: RoleSettings,
-        identity: WorkerIdentity,
-        engine: WorkerEngine,
-        stack: AsyncExitStack,
-    ) -> dict[str, Any]:
-        """The role's parts beyond the engine, as constructor keywords (cleanups on
-        ``stack``)."""
-        raise NotImplementedError
-
-    @classmethod
-    async def open(
-        cls,
-        settings: RoleSettings,
-        identity: WorkerIdentity,
-        stack: AsyncExitStack,
-        *,
-        engine_factory: EngineFactory,
-        registration_factory: RegistrationFactory = default_registration,
-    ) -> WorkerService:
-        engine = await load_engine(settings, identity, stack, engine_factory)
-        parts = await cls.open_parts(settings, identity, engine, stack)
-        registration = registration_factory(settings.discovery_url, settings.registration_ttl_s)
-        service = cls(
-            settings=settings,
-            identity=identity,
-            engine=engine,
-            registration=registration,
-            **parts,
-        )
-        await service.serve(stack)
-        return service
 
 
 class PrefillWorker(_TransferRole):

@@ -164,12 +164,25 @@ class WorkerService:
         """Lifecycle step 1 for this role; cleanups go onto ``stack``. Returns the service,
         registered and ready. Raises ConfigError & co. (the stack then undoes what was built)."""
         engine = await load_engine(settings, identity, stack, engine_factory)
+        parts = await cls.open_parts(settings, identity, engine, stack)
         registration = registration_factory(settings.discovery_url, settings.registration_ttl_s)
         service = cls(
-            settings=settings, identity=identity, engine=engine, registration=registration
+            settings=settings, identity=identity, engine=engine, registration=registration, **parts
         )
         await service.serve(stack)
         return service
+
+    @classmethod
+    async def open_parts(
+        cls,
+        settings: RoleSettings,
+        identity: WorkerIdentity,
+        engine: WorkerEngine,
+        stack: AsyncExitStack,
+    ) -> dict[str, Any]:
+        """The role's parts beyond the engine, as constructor keywords (cleanups on
+        ``stack``); none here."""
+        return {}
 
     @classmethod
     def add_role_routes(cls, app: FastAPI) -> None:
