@@ -95,8 +95,9 @@ def _flag_help(setting: Setting) -> str:
         if isinstance(default, bool)
         else default
     )
+    env = setting.env + (f" or {setting.env_alias.name}" if setting.env_alias else "")
     return (
-        f"{setting.info.description} (default: {shown}; config {setting.path}; env {setting.env})"
+        f"{setting.info.description} (default: {shown}; config {setting.path}; env {env})"
     ).replace("%", "%%")
 
 
@@ -125,9 +126,11 @@ def add_setting_flags(parser: argparse.ArgumentParser, command: str) -> None:
             )
             continue
         value_type, choices = _value_type(setting)
+        many = typing.get_origin(setting.info.annotation) is list
         group.add_argument(
             name,
             dest=setting.path,
+            action="append" if many else "store",
             type=value_type,
             choices=choices,
             default=None,
@@ -315,11 +318,13 @@ def _dispatch(args: argparse.Namespace) -> int:
             )  # fmt: skip
         if args.command == "router":
             cfg, _ = resolve_config(args)
+            _check_secrets(cfg)
             return _run_router(router_config(cfg, _resolve_model(cfg)), args.log_level)
         if args.command in ("prefill", "decode", "colocated"):
             from pdserve.workers.app import run_worker
 
             cfg, _ = resolve_config(args, args.command)
+            _check_secrets(cfg)
             role = typing.cast(Role, args.command)
             wcfg = worker_config(cfg, role, _resolve_model(cfg))
             run_worker(wcfg, log_level=args.log_level)
@@ -340,6 +345,15 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(f"pdserve: {exc.message}", file=sys.stderr)
         return 1
     raise AssertionError(f"unhandled command {args.command}")
+
+
+def _check_secrets(cfg: PdserveConfig) -> None:
+    """Fail fast (exit 2, before the model loads) when the cluster secret or the API key file
+    cannot be read; raises :class:`ConfigError` saying how to make a secret."""
+    from pdserve.security import load_api_keys, load_cluster_secret
+
+    load_cluster_secret(cfg.security)
+    load_api_keys(cfg.security)
 
 
 def _run_config(args: argparse.Namespace) -> int:

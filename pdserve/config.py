@@ -29,9 +29,11 @@ from pdserve.settings import (
     Role,
     RouterSettings,
     SchedulerSettings,
+    SecuritySettings,
     TransferSettings,
     WorkerSettings,
     advertised_host,
+    settings,
 )
 
 # --------------------------------------------------------------------------------------------
@@ -69,13 +71,15 @@ class WorkerConfig(_Runtime):
     """What a worker process runs on: its ``role``, its engine, the transfer section with the
     bind host resolved (the worker's host when unset), its own worker section, the discovery
     section and ``control_plane``, the URL it registers at (the router's embedded registry, or
-    the etcd/NATS URL)."""
+    the etcd/NATS URL), and the security section (the cluster secret:
+    :class:`pdserve.security.ClusterKey`)."""
 
     role: Role
     engine: EngineConfig
     transfer: TransferSettings = TransferSettings()
     worker: WorkerSettings = WorkerSettings()
     discovery: DiscoverySettings = DiscoverySettings()
+    security: SecuritySettings = SecuritySettings()
     control_plane: str
 
     @property
@@ -87,13 +91,14 @@ class WorkerConfig(_Runtime):
 
 class RouterConfig(_Runtime):
     """What the router runs on: the resolved model folder (for its tokenizer), the served
-    name, and the router, discovery and model sections."""
+    name, and the router, discovery, model and security sections."""
 
     model_path: Path
     served_model_name: str = DEFAULT_MODEL
     router: RouterSettings = RouterSettings()
     discovery: DiscoverySettings = DiscoverySettings()
     model: ModelSettings = ModelSettings()
+    security: SecuritySettings = SecuritySettings()
 
 
 Sources = dict[tuple[str, ...], str]
@@ -133,11 +138,18 @@ def _yaml_with_lines(text: str, name: str) -> tuple[dict[str, Any], Sources]:
 def _env_layer(env: Mapping[str, str]) -> tuple[dict[str, Any], Sources]:
     """``PDSERVE_KV_CACHE__TOKENS_PER_BLOCK=32`` -> ``{"kv_cache": {"tokens_per_block": "32"}}``.
 
-    Only names with ``__`` are settings (``PDSERVE_CONFIG`` and ``PDSERVE_CACHE_DIR`` are not);
-    an empty value means null. Strings are converted by the schema's types.
+    Only names with ``__`` are settings (``PDSERVE_CONFIG`` and ``PDSERVE_CACHE_DIR`` are not),
+    plus the aliases a setting declares (:class:`~pdserve.settings.EnvAlias`, e.g.
+    ``PDSERVE_API_KEY``); an empty value means null. Strings are converted by the schema's
+    types.
     """
     data: dict[str, Any] = {}
     sources: Sources = {}
+    for setting in settings():  # aliases first: PDSERVE_<SECTION>__<FIELD> outranks them
+        alias = setting.env_alias
+        if alias is not None and env.get(alias.name):
+            data.setdefault(setting.section, {})[setting.field] = env[alias.name]
+            sources[(setting.section, setting.field)] = f"env {alias.name}"
     for name, value in sorted(env.items()):
         if not name.startswith(ENV_PREFIX) or "__" not in name:
             continue
@@ -246,6 +258,7 @@ def router_config(cfg: PdserveConfig, model_path: Path) -> RouterConfig:
         router=cfg.router,
         discovery=cfg.discovery,
         model=cfg.model,
+        security=cfg.security,
     )
 
 
@@ -271,6 +284,7 @@ def worker_config(cfg: PdserveConfig, role: Role, model_path: Path) -> WorkerCon
         transfer=cfg.transfer.model_copy(update={"host": cfg.transfer.host or w.host}),
         worker=w,
         discovery=cfg.discovery,
+        security=cfg.security,
         control_plane=cfg.worker_discovery(),
     )
 

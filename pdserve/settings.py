@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic.fields import FieldInfo
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -65,6 +65,15 @@ class Flag:
     name: str
     commands: tuple[str, ...]
     sections: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class EnvAlias:
+    """A second environment variable for a setting, attached with ``Annotated[type,
+    EnvAlias("PDSERVE_API_KEY")]``: a short name where a deployment convention expects one.
+    ``PDSERVE_<SECTION>__<FIELD>`` outranks it when both are set."""
+
+    name: str
 
 
 class _Section(BaseModel):
@@ -241,6 +250,26 @@ class DiscoverySettings(_Section):
     registration_ttl_s: Annotated[float, Flag("--registration-ttl-s", ("router", *ROLES))] = Field(
         default=10.0, gt=0, description="a silent worker's record expires after this long"
     )
+    ca_file: Annotated[Path | None, Flag("--discovery-ca-file", ("router", *ROLES))] = Field(
+        default=None,
+        description="etcd/NATS: PEM CA bundle that signed the server's certificate; setting "
+        "it (or cert_file) turns TLS on toward the control plane",
+    )
+    cert_file: Annotated[Path | None, Flag("--discovery-cert-file", ("router", *ROLES))] = Field(
+        default=None, description="etcd/NATS: PEM client certificate (mutual TLS)"
+    )
+    key_file: Annotated[Path | None, Flag("--discovery-key-file", ("router", *ROLES))] = Field(
+        default=None, description="etcd/NATS: PEM private key of cert_file"
+    )
+    nats_credentials_file: Annotated[
+        Path | None, Flag("--nats-credentials-file", ("router", *ROLES))
+    ] = Field(default=None, description="NATS: user credentials (.creds: JWT + NKey seed)")
+    etcd_username: Annotated[str | None, Flag("--etcd-username", ("router", *ROLES))] = Field(
+        default=None, description="etcd: user for role-based access control"
+    )
+    etcd_password_file: Annotated[Path | None, Flag("--etcd-password-file", ("router", *ROLES))] = (
+        Field(default=None, description="etcd: file holding etcd_username's password")
+    )
 
     @field_validator("url")
     @classmethod
@@ -271,6 +300,15 @@ class RouterSettings(_Section):
         description="deadline of a request, prefill and decode legs together (a request "
         "without max_tokens may decode to the end of the context window)",
     )
+    max_request_bytes: Annotated[int, Flag("--max-request-bytes", ("up", "router"))] = Field(
+        default=8 * 2**20, gt=0, description="largest request body, bytes (larger: HTTP 413)"
+    )
+    max_messages: Annotated[int, Flag("--max-messages", ("up", "router"))] = Field(
+        default=2048, gt=0, description="most messages in one chat request"
+    )
+    max_n: Annotated[int, Flag("--max-n", ("up", "router"))] = Field(
+        default=16, gt=0, le=128, description="most choices (n) in one request"
+    )
 
 
 class WorkerSettings(_Section):
@@ -300,6 +338,69 @@ class WorkerSettings(_Section):
         return advertised_host(self.host, self.advertise_host)
 
 
+def _split_keys(v: Any) -> Any:
+    """An environment variable holds several API keys separated by commas."""
+    return [k.strip() for k in v.split(",") if k.strip()] if isinstance(v, str) else v
+
+
+class SecuritySettings(_Section):
+    """Who may talk to pdserve: client API keys (public plane), the cluster secret (internal).
+
+    Public plane: the router's ``/v1/*`` routes take a client API key (``Authorization: Bearer
+    KEY``) when any is set. Internal plane: the registry, the
+    workers' ``/internal/*`` routes and the KV transceivers need the cluster secret, which the
+    router and every worker share (docs/deploy.md, trust model). Secrets are never logged;
+    ``pdserve config show`` prints them as ``**********``."""
+
+    api_keys: Annotated[
+        list[SecretStr], Flag("--api-key", ("up", "router")), EnvAlias("PDSERVE_API_KEY")
+    ] = Field(
+        default_factory=list,
+        description="client API keys for /v1/* (repeat the flag for several; environment: "
+        "comma-separated); none: /v1 is open",
+    )
+    api_key_file: Annotated[Path | None, Flag("--api-key-file", ("up", "router"))] = Field(
+        default=None, description="file with client API keys, one per line (added to api_keys)"
+    )
+    cluster_secret_file: Annotated[
+        Path | None, Flag("--cluster-secret-file", (*EVERY, "bench serve"))
+    ] = Field(
+        default=None,
+        description="file holding the cluster secret (at least 32 characters) that the router "
+        "and every worker share; `pdserve up` makes a fresh one for its processes",
+    )
+    cluster_secret: SecretStr | None = Field(
+        default=None,
+        description="the cluster secret itself (environment or file only; prefer "
+        "cluster_secret_file, a flag would show in ps)",
+    )
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_env(cls, v: Any) -> Any:
+        return _split_keys(v)
+
+
+class SupervisorSettings(_Section):
+    """How `pdserve up` restarts a process that exits.
+
+    A process that exits is restarted after a backoff (doubling from restart_backoff_s up to restart_backoff_max_s); more than
+    restart_limit restarts of one process within restart_window_s stops the stack."""
+
+    restart_limit: Annotated[int, Flag("--restart-limit", ("up",))] = Field(
+        default=5, ge=0, description="restarts of one process within restart_window_s; 0: never"
+    )
+    restart_window_s: Annotated[float, Flag("--restart-window-s", ("up",))] = Field(
+        default=300.0, gt=0, description="the window restart_limit counts in, seconds"
+    )
+    restart_backoff_s: Annotated[float, Flag("--restart-backoff-s", ("up",))] = Field(
+        default=0.5, gt=0, description="delay before the first restart, seconds"
+    )
+    restart_backoff_max_s: Annotated[float, Flag("--restart-backoff-max-s", ("up",))] = Field(
+        default=15.0, gt=0, description="longest delay between restarts, seconds"
+    )
+
+
 class PdserveConfig(_Section):
     """The whole deployment's configuration: one YAML file shared by every role.
 
@@ -316,6 +417,8 @@ class PdserveConfig(_Section):
     prefill: WorkerSettings = WorkerSettings()
     decode: WorkerSettings = WorkerSettings()
     colocated: WorkerSettings = WorkerSettings(replicas=0)
+    security: SecuritySettings = SecuritySettings()
+    supervisor: SupervisorSettings = SupervisorSettings()
 
     @property
     def router_url(self) -> str:
@@ -344,6 +447,7 @@ class Setting:
     field: str
     info: FieldInfo
     flag: Flag | None
+    env_alias: EnvAlias | None = None
 
     @property
     def path(self) -> str:
@@ -380,7 +484,8 @@ def settings() -> Iterator[Setting]:
         assert isinstance(model, type) and issubclass(model, _Section)
         for name, info in model.model_fields.items():
             flag = next((m for m in info.metadata if isinstance(m, Flag)), None)
-            yield Setting(section, name, info, flag)
+            alias = next((m for m in info.metadata if isinstance(m, EnvAlias)), None)
+            yield Setting(section, name, info, flag, alias)
 
 
 def url_host(host: str) -> str:

@@ -8,6 +8,7 @@ import typing
 from pathlib import Path
 
 import pytest
+from pydantic import SecretStr
 
 from pdserve.cli import build_parser, main, resolve_config
 from pdserve.config import (
@@ -239,10 +240,17 @@ def _example(setting: Setting) -> tuple[list[str], object]:
         return [name, "0.5"], 0.5
     if setting.info.annotation in (int, int | None):
         return [name, "7"], 7
-    return [
-        name,
-        "x-7",
-    ], "x-7" if "path" not in setting.path and "dir" not in setting.path else Path("x-7")
+    if setting.info.annotation == list[SecretStr]:
+        return [name, "x-7", name, "x-8"], ["x-7", "x-8"]
+    paths = Path in typing.get_args(setting.info.annotation)
+    return [name, "x-7"], Path("x-7") if paths else "x-7"
+
+
+def _plain(value: object) -> object:
+    """A setting's value with secrets revealed, to compare with what the flag was given."""
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value.get_secret_value() if isinstance(value, SecretStr) else value
 
 
 @pytest.mark.parametrize(
@@ -258,7 +266,7 @@ def test_every_declared_flag_sets_its_setting(command: str) -> None:
         words, value = _example(setting)
         args = build_parser().parse_args([*command.split(), *words])
         cfg, sources = resolve_config(args, command if command in ROLES else None, env={})
-        assert getattr(getattr(cfg, setting.section), setting.field) == value, setting.path
+        assert _plain(getattr(getattr(cfg, setting.section), setting.field)) == value, setting.path
         assert sources == {(setting.section, setting.field): "command line"}, setting.path
         checked += 1
     assert checked >= 5

@@ -1,0 +1,204 @@
+"""Authentication primitives: client API keys and the cluster secret.
+
+Trust model (docs/deploy.md has the whole of it):
+
+- **Public plane**: the router's ``/v1/*`` routes. With API keys configured, a request carries
+  ``Authorization: Bearer KEY``; :class:`APIKeys` checks it. ``/health``, ``/ready`` and
+  ``/metrics`` stay open (probes and scrapers carry no key).
+- **Internal plane**: the embedded registry (``/registry/*``), the workers' ``/internal/*``
+  routes and the KV transceivers. Every process of one deployment shares one cluster secret;
+  :class:`ClusterKey` derives from it, by HMAC-SHA256 with a fixed label per use (an HKDF-expand
+  step), a bearer token for internal HTTP and a key for challenge-response proofs, so the
+  secret itself never crosses the network and a token seen on the wire proves nothing on the
+  transfer plane.
+
+Every comparison is constant-time (``hmac.compare_digest``); no key, secret or token is ever
+logged, and the classes' ``repr`` shows none.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from collections.abc import Iterable
+from pathlib import Path
+
+from pdserve.errors import ConfigError
+from pdserve.settings import SecuritySettings
+
+MIN_SECRET_CHARS = 32
+"""A cluster secret shorter than this is refused (``pdserve up`` makes 64 hex characters)."""
+
+SECRET_HELP = (
+    "the router and every worker need the same cluster secret (it authenticates the registry, "
+    "the workers' internal routes and the KV transceivers): create one with `python3 -c "
+    "'import secrets; print(secrets.token_hex(32))' > secret && chmod 600 secret` and pass "
+    "--cluster-secret-file secret (or set PDSERVE_SECURITY__CLUSTER_SECRET_FILE, or "
+    "security.cluster_secret_file in the config file); `pdserve up` makes one for its own "
+    "processes"
+)
+
+
+def generate_secret() -> str:
+    """A fresh cluster secret: 64 hex characters (256 bits) from :mod:`secrets`."""
+    return secrets.token_hex(32)
+
+
+def write_secret_file(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` readable by this user only (mode 0600); returns ``path``."""
+    path.touch(mode=0o600, exist_ok=True)
+    path.chmod(0o600)
+    path.write_text(text + "\n")
+    return path
+
+
+def _read(path: Path, what: str) -> str:
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise ConfigError.from_problems(
+            [f"{what}: cannot read {path}: {exc.strerror or exc}"]
+        ) from exc
+
+
+def load_cluster_secret(sec: SecuritySettings) -> bytes:
+    """The cluster secret: ``sec.cluster_secret``, else the contents of
+    ``sec.cluster_secret_file`` (surrounding whitespace stripped), as UTF-8 bytes.
+
+    Raises :class:`ConfigError` when neither is set, the file cannot be read, or the secret is
+    shorter than :data:`MIN_SECRET_CHARS` characters.
+    """
+    if sec.cluster_secret is not None:
+        text, where = sec.cluster_secret.get_secret_value().strip(), "security.cluster_secret"
+    elif sec.cluster_secret_file is not None:
+        where = "security.cluster_secret_file"
+        text = _read(sec.cluster_secret_file, where).strip()
+    else:
+        raise ConfigError.from_problems([f"security.cluster_secret_file: not set; {SECRET_HELP}"])
+    if len(text) < MIN_SECRET_CHARS:
+        raise ConfigError.from_problems(
+            [f"{where}: the cluster secret has {len(text)} characters, at least "
+             f"{MIN_SECRET_CHARS} are needed; {SECRET_HELP}"]
+        )  # fmt: skip
+    return text.encode()
+
+
+def load_api_keys(sec: SecuritySettings) -> tuple[str, ...]:
+    """Every client API key: ``sec.api_keys`` plus one per non-empty line of
+    ``sec.api_key_file``. Raises :class:`ConfigError` when the file cannot be read."""
+    keys = [k.get_secret_value() for k in sec.api_keys]
+    if sec.api_key_file is not None:
+        text = _read(sec.api_key_file, "security.api_key_file")
+        keys += [line.strip() for line in text.splitlines() if line.strip()]
+    return tuple(k for k in keys if k)
+
+
+def bearer(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer TOKEN`` header value, else None."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+class APIKeys:
+    """The client API keys of the public ``/v1/*`` routes (OpenAI's ``Authorization: Bearer``).
+
+    Empty: every request is allowed. :meth:`check` compares the presented token with every key
+    in constant time (no early exit, so timing shows neither which key nor how much matched).
+    """
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self._keys = tuple(k.encode() for k in keys if k)
+
+    @classmethod
+    def from_settings(cls, sec: SecuritySettings) -> APIKeys:
+        """See :func:`load_api_keys`; raises :class:`ConfigError`."""
+        return cls(load_api_keys(sec))
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __repr__(self) -> str:
+        return f"APIKeys({len(self._keys)} key(s))"
+
+    def check(self, authorization: str | None) -> bool:
+        """Whether an ``Authorization`` header value carries one of the keys (always True when
+        no key is configured)."""
+        if not self._keys:
+            return True
+        token = (bearer(authorization) or "").encode()
+        found = False
+        for key in self._keys:
+            found |= hmac.compare_digest(token, key)
+        return found
+
+
+class ClusterKey:
+    """Keys derived from the cluster secret, one per use (HMAC-SHA256 of a fixed label, the
+    HKDF-expand construction of RFC 5869 with a single block).
+
+    - :attr:`http_token`: the bearer token of internal HTTP calls (registry, ``/internal/*``);
+      check one with :meth:`check_http`.
+    - :meth:`proof` / :meth:`verify`: HMAC-SHA256 over a label and length-prefixed parts, for
+      challenge-response (the transceiver handshake) and signed records.
+
+    Holds the secret in memory for the life of the process; ``repr`` never shows it.
+    """
+
+    HTTP_LABEL = b"pdserve internal http v1"
+    PROOF_LABEL = b"pdserve proof v1"
+
+    def __init__(self, secret: bytes) -> None:
+        if len(secret) < MIN_SECRET_CHARS:
+            raise ConfigError.from_problems(
+                [f"cluster secret: at least {MIN_SECRET_CHARS} characters are needed"]
+            )
+        self._http = hmac.new(secret, self.HTTP_LABEL, hashlib.sha256).hexdigest()
+        self._proof_key = hmac.new(secret, self.PROOF_LABEL, hashlib.sha256).digest()
+
+    @classmethod
+    def from_settings(cls, sec: SecuritySettings) -> ClusterKey:
+        """See :func:`load_cluster_secret`; raises :class:`ConfigError`."""
+        return cls(load_cluster_secret(sec))
+
+    def __repr__(self) -> str:
+        return "ClusterKey(<hidden>)"
+
+    @property
+    def http_token(self) -> str:
+        """64 hex characters; send as ``Authorization: Bearer <token>``."""
+        return self._http
+
+    def http_headers(self) -> dict[str, str]:
+        """``{"Authorization": "Bearer <token>"}`` for an internal HTTP client."""
+        return {"Authorization": f"Bearer {self._http}"}
+
+    def check_http(self, authorization: str | None) -> bool:
+        """Whether an ``Authorization`` header value carries the internal token (constant
+        time)."""
+        return hmac.compare_digest((bearer(authorization) or "").encode(), self._http.encode())
+
+    def proof(self, label: str, *parts: bytes | str) -> bytes:
+        """32-byte HMAC-SHA256 of ``label`` and ``parts``, each length-prefixed so that no two
+        different part lists give the same input."""
+        mac = hmac.new(self._proof_key, digestmod=hashlib.sha256)
+        for part in (label, *parts):
+            data = part.encode() if isinstance(part, str) else part
+            mac.update(len(data).to_bytes(4, "big"))
+            mac.update(data)
+        return mac.digest()
+
+    def verify(self, proof: bytes, label: str, *parts: bytes | str) -> bool:
+        """Whether ``proof`` is :meth:`proof` of the same label and parts (constant time)."""
+        return hmac.compare_digest(proof, self.proof(label, *parts))
+
+
+def nonce() -> bytes:
+    """16 random bytes for one challenge."""
+    return secrets.token_bytes(16)
