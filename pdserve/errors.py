@@ -11,6 +11,11 @@ The tree (HTTP status in brackets)::
 
     PdserveError [500]                      base; also what an unexpected failure maps to
     ├── InvalidRequestError [400]           malformed or out-of-range request
+    │   ├── UnsupportedFieldError [400]     a field pdserve does not implement (``unsupported``)
+    │   └── RequestTooLargeError [413]      the request body exceeds ``router.max_request_bytes``
+    ├── AuthenticationError [401]           no valid credentials: an internal route without the
+    │   │                                   cluster token (``unauthorized``)
+    │   └── InvalidAPIKeyError [401]        /v1 request without a valid client API key
     ├── ModelNotFoundError [404]            the request names a model nobody serves
     ├── ClientDisconnectedError [499]       the client left before its response was ready
     ├── QueueFullError [429]                a worker's queue is full: retry after a while
@@ -82,6 +87,41 @@ class InvalidRequestError(PdserveError):
     status = 400
     type = "invalid_request_error"
     code = "invalid_request"
+
+
+class UnsupportedFieldError(InvalidRequestError):
+    """The request uses a field pdserve does not implement (tools, a JSON response format, a
+    logit bias, penalties, ...) with a value that would change the output: refused rather than
+    ignored (HTTP 400, ``unsupported``, ``param`` names the field)."""
+
+    code = "unsupported"
+
+
+class RequestTooLargeError(InvalidRequestError):
+    """The request body is larger than ``router.max_request_bytes`` (HTTP 413)."""
+
+    status = 413
+    code = "request_too_large"
+
+
+class AuthenticationError(PdserveError):
+    """The request carries no valid credentials: an internal route (the registry's
+    ``/registry/*``, a worker's ``/internal/*``) without ``Authorization: Bearer`` and the token
+    derived from the cluster secret, or a worker record whose signature does not verify
+    (HTTP 401 with ``WWW-Authenticate: Bearer``, ``unauthorized``)."""
+
+    status = 401
+    type = "authentication_error"
+    code = "unauthorized"
+
+
+class InvalidAPIKeyError(AuthenticationError):
+    """A ``/v1`` request without ``Authorization: Bearer KEY`` naming a configured client API
+    key (HTTP 401 with ``WWW-Authenticate: Bearer``; OpenAI's type and code)."""
+
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
 
 
 class ModelNotFoundError(PdserveError):

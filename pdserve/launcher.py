@@ -5,9 +5,17 @@ Lifecycle (the processes are a :class:`~pdserve.supervisor.ProcessSupervisor`'s)
     1 START   spawn the router (embedded registry) and the workers as child processes, each in
               its own session so a terminal Ctrl-C reaches only this supervisor
     2 READY   poll the router until every worker is registered and /ready is 200; print the URL
-    3 SERVE   watch the children; if one dies, say which and stop the rest
+    3 SERVE   watch the children; one that exits is restarted after a backoff (the same
+              argv: a worker keeps its worker id, with a new epoch), up to ``restart_limit``
+              restarts within ``restart_window_s`` (section ``supervisor``); past that, say
+              which and stop the rest (:class:`~pdserve.supervisor.RestartPolicy`)
     4 STOP    on Ctrl-C / SIGTERM: SIGTERM workers first (they deregister and free parked
               blocks), then the router; SIGKILL whatever is left after the grace period
+
+Secrets: the children share a cluster secret (the user's, else a fresh one,
+:func:`pdserve.security.generate_secret`) and the client API keys given to ``up``, each in a
+0600 file of up's private temporary folder (:func:`write_child_secrets`); the children's config
+file names those files and holds no secret itself.
 """
 
 from __future__ import annotations
@@ -23,8 +31,9 @@ from typing import Any
 import yaml
 
 from pdserve.config import served_model_name
-from pdserve.settings import ENV_PREFIX, KVCacheSettings, PdserveConfig
-from pdserve.supervisor import ProcessSpec, ProcessSupervisor, pdserve_argv
+from pdserve.security import generate_secret, load_api_keys, write_secret_file
+from pdserve.settings import ENV_PREFIX, KVCacheSettings, PdserveConfig, settings
+from pdserve.supervisor import ProcessSpec, ProcessSupervisor, RestartPolicy, pdserve_argv
 from pdserve.workers.kv_sizing import available_host_memory
 
 GRACE_S = 10.0
@@ -91,15 +100,75 @@ def worker_commands(
 
 
 def child_env() -> dict[str, str]:
-    """This environment minus ``PDSERVE_<SECTION>__<FIELD>`` settings: the children's config
-    file is already resolved, and a variable would otherwise outrank a flag given to ``up``."""
-    return {k: v for k, v in os.environ.items() if not (k.startswith(ENV_PREFIX) and "__" in k)}
+    """This environment minus ``PDSERVE_<SECTION>__<FIELD>`` settings and their aliases
+    (``PDSERVE_API_KEY``): the children's config file is already resolved, and a variable would
+    otherwise outrank a flag given to ``up`` (or hand a child a secret the file left out)."""
+    aliases = {s.env_alias.name for s in settings() if s.env_alias is not None}
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if not (k.startswith(ENV_PREFIX) and "__" in k) and k not in aliases
+    }
+
+
+CLUSTER_SECRET_FILE = "cluster-secret"
+API_KEY_FILE = "api-keys"
+
+
+def write_child_secrets(cfg: PdserveConfig, folder: Path) -> PdserveConfig:
+    """``cfg`` with its secrets moved into 0600 files of ``folder`` (a private folder that
+    lives as long as the children), so the children's config file holds none.
+
+    - Cluster secret: ``security.cluster_secret`` when given, else a fresh
+      :func:`~pdserve.security.generate_secret`, is written to ``folder/cluster-secret`` and
+      named by ``security.cluster_secret_file``; a ``cluster_secret_file`` the user gave is
+      kept as it is (other processes may share that secret).
+    - Client API keys: when ``security.api_keys`` holds any (flags, environment, file; a
+      :class:`~pydantic.SecretStr` dumps as ``**********``), they and the lines of
+      ``security.api_key_file`` go to ``folder/api-keys``, named by ``security.api_key_file``,
+      and ``api_keys`` is emptied.
+
+    Raises :class:`~pdserve.errors.ConfigError` when the user's API key file cannot be read.
+    """
+    sec = cfg.security
+    update: dict[str, object] = {"cluster_secret": None}
+    if sec.cluster_secret is not None or sec.cluster_secret_file is None:
+        text = sec.cluster_secret.get_secret_value().strip() if sec.cluster_secret else None
+        path = write_secret_file(folder / CLUSTER_SECRET_FILE, text or generate_secret())
+        update["cluster_secret_file"] = path
+    if sec.api_keys:
+        keys = load_api_keys(sec)
+        update["api_key_file"] = write_secret_file(folder / API_KEY_FILE, "\n".join(keys))
+        update["api_keys"] = []
+    return cfg.model_copy(update={"security": sec.model_copy(update=update)})
+
+
+def write_child_config(cfg: PdserveConfig, folder: Path) -> Path:
+    """Move ``cfg``'s secrets into files (:func:`write_child_secrets`) and write the children's
+    config to ``folder/config.yaml``; returns its path. Raises ConfigError as that does."""
+    child = write_child_secrets(cfg, folder)
+    config_file = folder / "config.yaml"
+    config_file.write_text(yaml.safe_dump(child.model_dump(mode="json"), sort_keys=False))
+    return config_file
 
 
 def all_registered(ready: dict[str, Any], expected: tuple[int, int]) -> bool:
     """Whether the router's ``/ready`` body lists at least ``expected`` (prefill, decode)
     workers, each role on its own."""
     return len(ready["prefill"]) >= expected[0] and len(ready["decode"]) >= expected[1]
+
+
+def gave_up(name: str, returncode: int | None, policy: RestartPolicy) -> str:
+    """The line ``up`` prints when it stops the stack because ``name`` exited once too often."""
+    if policy.limit == 0:
+        return (
+            f"{name} exited with code {returncode}; restarts are off (--restart-limit 0); stopping"
+        )
+    return (
+        f"{name} exited with code {returncode} after {policy.limit} restart(s) within "
+        f"{policy.window_s:g} s, the limit (--restart-limit, --restart-window-s); stopping the "
+        "stack"
+    )
 
 
 def _port_taken(host: str, port: int) -> str | None:
@@ -144,8 +213,7 @@ def run_up(
         grace_s=GRACE_S, poll_s=0.5, notify=lambda line: print(f"pdserve: {line}", file=sys.stderr)
     )
     with tempfile.TemporaryDirectory(prefix="pdserve-up-") as tmp, supervisor:
-        config_file = Path(tmp) / "config.yaml"
-        config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        config_file = write_child_config(cfg, Path(tmp))
         env = child_env()
         try:
             router_argv = pdserve_argv(
@@ -173,11 +241,9 @@ def run_up(
                     f"(model {name!r}; Ctrl-C stops)"
                 )
             sys.stdout.flush()
-            if (dead := supervisor.watch(lambda: stopping)) is not None:
-                print(
-                    f"pdserve: {dead.name} exited with code {dead.returncode}; stopping",
-                    file=sys.stderr,
-                )
+            policy = RestartPolicy.from_settings(cfg.supervisor)
+            if (dead := supervisor.watch(lambda: stopping, policy)) is not None:
+                print(f"pdserve: {gave_up(dead.name, dead.returncode, policy)}", file=sys.stderr)
                 return 1
             print("pdserve: stopping ...", file=sys.stderr)
             return 0

@@ -14,6 +14,8 @@ Router (:class:`RouterMetrics`), per request:
   router relays), ``pdserve_e2e_request_latency_seconds``
 - ``pdserve_prompt_tokens_total``, ``pdserve_generation_tokens_total``,
   ``pdserve_requests_running``, ``pdserve_workers{role}`` (usable workers in the router's view)
+- ``pdserve_worker_restarts_total{role}``: a known worker id registered again with a higher
+  epoch (the worker restarted), as the router's view saw it
 
 Worker (:class:`WorkerMetrics`): the engine's load read at scrape time
 (``pdserve_kv_blocks{state=free|used|parked}``, ``pdserve_num_requests_running``,
@@ -21,12 +23,17 @@ Worker (:class:`WorkerMetrics`): the engine's load read at scrape time
 ``pdserve_kv_transfer_seconds`` / ``pdserve_kv_transfer_bytes_total`` /
 ``pdserve_kv_transfer_failures_total{error}`` for every pull.
 
+Every process (router and workers): ``pdserve_process_restarts``, how many times the
+supervisor (``pdserve up``) restarted this process, read from ``PDSERVE_RESTARTS`` (0 when
+unset: a process started by hand).
+
 Goodput (requests meeting a TTFT and TPOT target) is computed from these histograms by the
 query, e.g. ``histogram_quantile`` over ``pdserve_time_to_first_token_seconds_bucket``.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -37,6 +44,27 @@ from prometheus_client.registry import Collector
 from pdserve.protocol import WorkerLoad
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+RESTARTS_ENV = "PDSERVE_RESTARTS"
+"""Set by the supervisor (:data:`pdserve.supervisor.RESTARTS_ENV`) on every child it starts."""
+
+
+def process_restarts() -> int:
+    """This process's restart count from ``PDSERVE_RESTARTS`` (0 when unset or not a
+    non-negative integer)."""
+    try:
+        return max(0, int(os.environ.get(RESTARTS_ENV, "0")))
+    except ValueError:
+        return 0
+
+
+def _add_process_restarts(registry: CollectorRegistry) -> None:
+    Gauge(
+        "pdserve_process_restarts",
+        "Times the supervisor restarted this process (PDSERVE_RESTARTS)",
+        registry=registry,
+    ).set(process_restarts())
+
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
@@ -86,8 +114,17 @@ class RouterMetrics:
             "pdserve_generation_tokens", "Tokens generated", registry=r
         )
         self.running = Gauge("pdserve_requests_running", "Requests in flight", registry=r)
+        self.worker_restarts = Counter(
+            "pdserve_worker_restarts",
+            "Workers that registered again with a higher epoch (restarted), by role",
+            ["role"],
+            registry=r,
+        )
         for outcome in ("finished", "failed", "abandoned"):
             self.requests.labels(outcome)  # export zeros before the first request
+        for role in ("prefill", "decode"):
+            self.worker_restarts.labels(role)
+        _add_process_restarts(r)
         if workers is not None:
             r.register(_WorkersCollector(workers))
 
@@ -134,6 +171,7 @@ class WorkerMetrics:
             "pdserve_kv_transfer_failures", "Failed KV pulls by error", ["error"], registry=r
         )
         r.register(_LoadCollector(role, load, lease_expired))
+        _add_process_restarts(r)
 
     def render(self) -> bytes:
         """The text exposition format (``CONTENT_TYPE``)."""

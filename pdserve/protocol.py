@@ -15,6 +15,9 @@ Protocol history:
        and ``handle`` (the blocks stay parked for choices 1..n-1).
     4: error bodies carry ``request_id`` (``ErrorBody.request_id``), the id the failed request
        is logged under.
+    5: signed worker records: ``WorkerRecord.signature``, the hex HMAC (cluster secret) of
+       :meth:`WorkerRecord.signing_bytes`; watchers drop a record whose signature is missing or
+       wrong. Internal HTTP calls (registry, ``/internal/*``) carry the cluster token.
 
 Clocks: deadlines on the wire are wall-clock UNIX seconds (``time.time()``), never monotonic
 readings, because a monotonic clock does not cross processes.
@@ -23,13 +26,17 @@ readings, because a monotonic clock does not cross processes.
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from enum import StrEnum
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-PROTOCOL_VERSION = 4
+if TYPE_CHECKING:
+    from pdserve.security import ClusterKey
+
+PROTOCOL_VERSION = 5
 PROTOCOL_HEADER = "x-pdserve-protocol"
 
 
@@ -229,6 +236,9 @@ class GenerationChunk(_Msg):
     error: str | None = None
 
 
+_RECORD_PROOF_LABEL = "record"
+"""The :meth:`ClusterKey.proof` label of a worker record's signature."""
+
 WORKER_KEEPALIVE_S = 30.0
 """How long a worker keeps an idle request-plane HTTP connection open (uvicorn's
 ``timeout_keep_alive``). The router's client drops idle connections well before
@@ -255,6 +265,11 @@ class WorkerRecord(_Msg):
 
     ``communicator`` is the transfer communicator handle: backend name, transceiver endpoint and,
     for NIXL, the base64 agent metadata.
+
+    ``signature`` proves the record was written by a holder of the cluster secret: 64 hex
+    characters, ``ClusterKey.proof("record", signing_bytes()).hex()``, set by the worker's
+    registration (:meth:`signed`) and checked by every watcher (:meth:`signature_ok`); empty
+    on an unsigned record, which watchers drop.
     """
 
     role: Role
@@ -267,6 +282,28 @@ class WorkerRecord(_Msg):
     load: WorkerLoad = WorkerLoad()
     protocol_version: int = PROTOCOL_VERSION
     updated_at: float = Field(default_factory=time.time)
+    signature: str = Field(default="", max_length=128, description="hex HMAC of the record")
+
+    def signing_bytes(self) -> bytes:
+        """The canonical bytes the signature covers: every field but ``signature`` as compact
+        JSON with sorted keys (stable across a JSON round trip: floats print as the shortest
+        text that reads back the same)."""
+        data = self.model_dump(mode="json", exclude={"signature"})
+        return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+
+    def signed(self, key: ClusterKey) -> WorkerRecord:
+        """This record with ``signature`` set under the cluster ``key`` (64 hex characters)."""
+        proof = key.proof(_RECORD_PROOF_LABEL, self.signing_bytes())
+        return self.model_copy(update={"signature": proof.hex()})
+
+    def signature_ok(self, key: ClusterKey) -> bool:
+        """Whether ``signature`` verifies under ``key`` (constant time); False when it is
+        missing or not hex."""
+        try:
+            proof = bytes.fromhex(self.signature)
+        except ValueError:
+            return False
+        return bool(proof) and key.verify(proof, _RECORD_PROOF_LABEL, self.signing_bytes())
 
 
 class ErrorBody(_Msg):

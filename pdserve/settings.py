@@ -307,7 +307,7 @@ class RouterSettings(_Section):
         default=2048, gt=0, description="most messages in one chat request"
     )
     max_n: Annotated[int, Flag("--max-n", ("up", "router"))] = Field(
-        default=16, gt=0, le=128, description="most choices (n) in one request"
+        default=16, gt=0, le=16, description="most choices (n) in one request (at most 16)"
     )
 
 

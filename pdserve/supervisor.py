@@ -10,15 +10,20 @@ Lifecycle of the processes of one :class:`ProcessSupervisor`::
     2 READY   wait_ready(url): poll GET {url}/ready until it answers 200 (and ``accept`` holds);
               a process that exits meanwhile raises ProcessExitedError with the end of its
               log, the deadline raises ReadyTimeoutError with the last answer and the logs
-    3 WATCH   watch(stopping): until a process exits unexpectedly (returned) or the caller
-              asks to stop (None)
+    3 WATCH   watch(stopping, policy): until a process exits unexpectedly (returned) or the
+              caller asks to stop (None). With a :class:`RestartPolicy`, a process that exits
+              is started again from its :class:`ProcessSpec` after a backoff (doubling from
+              ``backoff_s`` to ``backoff_max_s``), in its place in the start order, each
+              restart announced through ``notify``; only a process past ``limit`` restarts
+              within ``window_s`` is returned. ``stopping`` is polled during a backoff too, so
+              Ctrl-C stops promptly
     4 STOP    stop(): by tier, highest first (workers before the router they deregister
               from); within a tier SIGTERM in reverse start order, one shared grace period,
               then SIGKILL for what is left. Idempotent; also run on leaving the ``with`` block
 
-Restart on crash is not implemented. It belongs to WATCH: every spawned
-:class:`ManagedProcess` keeps the :class:`ProcessSpec` it came from, so a restart policy can
-spawn the spec again in its place.
+Every child gets ``PDSERVE_RESTARTS=<n>`` in its environment (:data:`RESTARTS_ENV`): 0 at the
+first start, the process's restart count after that; :mod:`pdserve.metrics` exports it as
+``pdserve_process_restarts``.
 
 Thread-safety: none; drive a supervisor from one thread. A signal handler should only set the
 flag that ``stopping`` reads.
@@ -27,21 +32,30 @@ flag that ``stopping`` reads.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import httpx
+
+if TYPE_CHECKING:
+    from pdserve.settings import SupervisorSettings
 
 logger = logging.getLogger(__name__)
 
 LOG_TAIL_CHARS = 4000
 """How much of a process's log an error message quotes."""
+
+RESTARTS_ENV = "PDSERVE_RESTARTS"
+"""The environment variable that tells a child how many times it was restarted."""
 
 
 def pdserve_argv(args: Sequence[str], *, log_level: str) -> list[str]:
@@ -68,29 +82,38 @@ class ProcessSpec:
 class ManagedProcess:
     """One child process. Owns nothing but the ``popen`` handle; the log file belongs to the
     caller. ``stopped`` is set once it was asked to stop on purpose (:meth:`kill`, the
-    supervisor's stop): its exit is then expected, not a crash."""
+    supervisor's stop): its exit is then expected, not a crash. ``restarts``: how many times
+    its spec was started before this one."""
 
-    def __init__(self, spec: ProcessSpec, popen: subprocess.Popen[bytes]) -> None:
+    def __init__(
+        self, spec: ProcessSpec, popen: subprocess.Popen[bytes], restarts: int = 0
+    ) -> None:
         self.spec = spec
         self.popen = popen
         self.name = spec.name
         self.log_path = spec.log_path
         self.tier = spec.tier
+        self.restarts = restarts
         self.stopped = False
 
     @classmethod
-    def start(cls, spec: ProcessSpec) -> ManagedProcess:
-        """Start ``spec``; raises OSError when its executable cannot be run."""
-        kwargs: dict[str, object] = {"env": spec.env, "start_new_session": spec.new_session}
+    def start(cls, spec: ProcessSpec, restarts: int = 0) -> ManagedProcess:
+        """Start ``spec`` with ``PDSERVE_RESTARTS=<restarts>`` added to its environment; a
+        restart appends to the log file instead of truncating it. Raises OSError when its
+        executable cannot be run."""
+        env = dict(os.environ if spec.env is None else spec.env)
+        env[RESTARTS_ENV] = str(restarts)
+        kwargs: dict[str, object] = {"env": env, "start_new_session": spec.new_session}
         kwargs.update(spec.popen_kwargs)
         if spec.log_path is None:
             popen = subprocess.Popen(list(spec.argv), **kwargs)  # type: ignore[call-overload]
         else:
-            with open(spec.log_path, "wb") as out:  # the child holds its own descriptor
+            # The child holds its own descriptor; a restart keeps the earlier runs' lines.
+            with open(spec.log_path, "ab" if restarts else "wb") as out:
                 popen = subprocess.Popen(  # type: ignore[call-overload]
                     list(spec.argv), stdout=out, stderr=subprocess.STDOUT, **kwargs
                 )
-        return cls(spec, popen)
+        return cls(spec, popen, restarts)
 
     def __repr__(self) -> str:
         return f"ManagedProcess({self.name!r}, pid={self.pid}, returncode={self.returncode})"
@@ -147,6 +170,49 @@ class ReadyTimeoutError(TimeoutError):
     """The processes did not become ready before the deadline."""
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When :meth:`ProcessSupervisor.watch` starts an exited process again.
+
+    A process may be restarted ``limit`` times within any ``window_s`` seconds (0: never);
+    the n-th restart within the window waits ``backoff_s * 2**(n-1)`` seconds, at most
+    ``backoff_max_s``. Raises ValueError on a negative limit or a non-positive duration.
+    """
+
+    limit: int = 5
+    window_s: float = 300.0
+    backoff_s: float = 0.5
+    backoff_max_s: float = 15.0
+
+    def __post_init__(self) -> None:
+        if self.limit < 0 or min(self.window_s, self.backoff_s, self.backoff_max_s) <= 0:
+            raise ValueError(f"invalid restart policy {self}")
+
+    @classmethod
+    def from_settings(cls, s: SupervisorSettings) -> RestartPolicy:
+        """The policy of the ``supervisor`` settings section."""
+        return cls(
+            s.restart_limit, s.restart_window_s, s.restart_backoff_s, s.restart_backoff_max_s
+        )
+
+    def delay_s(self, restart: int) -> float:
+        """Seconds before restart number ``restart`` (1-based) within the window."""
+        return float(min(self.backoff_max_s, self.backoff_s * 2 ** max(0, restart - 1)))
+
+
+class _RestartLedger:
+    """Restart times of one process name (monotonic seconds), pruned to the policy's window."""
+
+    def __init__(self, policy: RestartPolicy) -> None:
+        self.policy = policy
+        self.times: deque[float] = deque()
+
+    def recent(self, now: float) -> int:
+        while self.times and self.times[0] <= now - self.policy.window_s:
+            self.times.popleft()
+        return len(self.times)
+
+
 class ProcessSupervisor:
     """Starts, waits for, watches and stops a set of child processes (module docstring).
 
@@ -166,7 +232,8 @@ class ProcessSupervisor:
         self.poll_s = poll_s
         self._notify = notify or logger.warning
         self.processes: list[ManagedProcess] = []
-        """In start order."""
+        """In start order; a restarted process takes its predecessor's place."""
+        self._ledgers: dict[str, _RestartLedger] = {}
 
     def __enter__(self) -> ProcessSupervisor:
         return self
@@ -250,13 +317,45 @@ class ProcessSupervisor:
                 detail=lambda: f"last answer of {url}/ready: {last}",
             )
 
-    def watch(self, stopping: Callable[[], bool]) -> ManagedProcess | None:
-        """Block until a process crashes (returned) or ``stopping()`` holds (None)."""
+    def watch(
+        self, stopping: Callable[[], bool], policy: RestartPolicy | None = None
+    ) -> ManagedProcess | None:
+        """Block until ``stopping()`` holds (None) or a process exits without being asked to.
+        Without ``policy`` that process is returned at once. With one it is started again from
+        its spec after the policy's backoff, in its place in :attr:`processes` (``notify`` gets
+        ``"NAME exited with code C; restarting in D s (restart N of at most L in W s)"``), and
+        returned only when it exits once more than ``policy.limit`` restarts within
+        ``policy.window_s`` allow. Raises OSError when a restart cannot run the executable."""
+        due: dict[int, float] = {}  # id(exited process) -> monotonic time of its restart
         while not stopping():
-            if (dead := self.crashed()) is not None:
-                return dead
-            time.sleep(self.poll_s)
+            now = time.monotonic()
+            for dead in [p for p in self.processes if p.crashed and id(p) not in due]:
+                if policy is None:
+                    return dead
+                ledger = self._ledgers.setdefault(dead.name, _RestartLedger(policy))
+                n = ledger.recent(now) + 1
+                if n > policy.limit:
+                    return dead
+                ledger.times.append(now)
+                delay = policy.delay_s(n)
+                due[id(dead)] = now + delay
+                self._notify(
+                    f"{dead.name} exited with code {dead.returncode}; restarting in {delay:g} s "
+                    f"(restart {n} of at most {policy.limit} in {policy.window_s:g} s)"
+                )
+            for i, p in enumerate(self.processes):
+                if due.get(id(p), now + 1) <= now:
+                    del due[id(p)]
+                    self.processes[i] = ManagedProcess.start(p.spec, restarts=p.restarts + 1)
+                    logger.info("%s restarted (pid %d)", p.name, self.processes[i].pid)
+            wake = min(due.values(), default=now + self.poll_s)
+            time.sleep(max(0.01, min(self.poll_s, wake - time.monotonic())))
         return None
+
+    def recent_restarts(self, name: str) -> int:
+        """Restarts of process ``name`` within the last :meth:`watch` policy's window."""
+        ledger = self._ledgers.get(name)
+        return 0 if ledger is None else ledger.recent(time.monotonic())
 
     def stop(self) -> None:
         """Stop every process: by tier, highest first; SIGTERM in reverse start order, one

@@ -12,6 +12,10 @@ operation waits at most the time left, and a call that runs out of time raises
 (:func:`error_from_envelope`); a connection that could not be opened raises
 :class:`WorkerUnreachableError` (the request never reached the worker, so it is safe to retry
 elsewhere); any other transport failure raises :class:`WorkerError`.
+
+The ``/internal/*`` routes are internal: every call carries ``Authorization: Bearer`` with the
+cluster key's token (:class:`pdserve.security.ClusterKey`). A worker holding another secret
+answers 401, which surfaces as :class:`WorkerError` (502) naming the worker.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import httpx
 from pydantic import ValidationError
@@ -46,6 +51,9 @@ from pdserve.protocol import (
     ReleaseRequest,
     WorkerRecord,
 )
+
+if TYPE_CHECKING:
+    from pdserve.security import ClusterKey
 
 log = logging.getLogger(__name__)
 
@@ -146,18 +154,21 @@ class GenerationStream:
 class WorkerClient:
     """The router's side of the worker request plane, over one shared ``httpx.AsyncClient``.
 
-    Ownership: the caller owns ``http`` (opens and closes it). ``connect_timeout_s`` bounds
-    opening a connection; ``release_timeout_s`` bounds a best-effort release.
+    Ownership: the caller owns ``http`` (opens and closes it). ``key``: the cluster key whose
+    bearer token every call carries. ``connect_timeout_s`` bounds opening a connection;
+    ``release_timeout_s`` bounds a best-effort release (seconds).
     """
 
     def __init__(
         self,
         http: httpx.AsyncClient,
         *,
+        key: ClusterKey,
         connect_timeout_s: float = 5.0,
         release_timeout_s: float = 5.0,
     ) -> None:
         self._http = http
+        self._headers = {**HEADERS, **key.http_headers(), "content-type": "application/json"}
         self.connect_timeout_s = connect_timeout_s
         self.release_timeout_s = release_timeout_s
 
@@ -171,7 +182,7 @@ class WorkerClient:
                 resp = await self._http.post(
                     f"{worker.http_url}/internal/context",
                     content=req.model_dump_json(),
-                    headers={**HEADERS, "content-type": "application/json"},
+                    headers=self._headers,
                     timeout=_timeout(req.deadline, self.connect_timeout_s),
                 )
         except (httpx.HTTPError, TimeoutError) as exc:
@@ -202,7 +213,7 @@ class WorkerClient:
             "POST",
             f"{worker.http_url}/internal/generate",
             content=req.model_dump_json(),
-            headers={**HEADERS, "content-type": "application/json"},
+            headers=self._headers,
             timeout=_timeout(req.deadline, self.connect_timeout_s),
         )
         try:
@@ -228,7 +239,7 @@ class WorkerClient:
             resp = await self._http.post(
                 f"{worker.http_url}/internal/release",
                 content=req.model_dump_json(),
-                headers={**HEADERS, "content-type": "application/json"},
+                headers=self._headers,
                 timeout=self.release_timeout_s,
             )
             if resp.status_code != 200:

@@ -9,7 +9,9 @@ Lifecycle of one request (``Transaction.state``)::
                   it already finished the request, P holds the prompt's KV blocks under a lease
     4 DECODING    Transaction.events(): the first token is yielded at once (TTFT does not wait
                   for D), then POST GenerationRequest (first token + handle) to D
-                  /internal/generate and relay its NDJSON chunks
+                  /internal/generate and relay its NDJSON chunks; a connection error (the
+                  request never reached D, P still holds the blocks) retries once on another
+                  decode worker whose KV layout P's maps to
     5 FINISHED    every choice's last event carried finish_reason stop/length; D released P's
                   blocks (or, when the first token finished the request, P never parked them)
       FAILED      a typed error was raised (WorkerError, TransferError, CapacityError,
@@ -61,9 +63,10 @@ from pdserve.protocol import (
     ReleaseRequest,
     SamplingParams,
     TokenLogprob,
+    WorkerRecord,
 )
 from pdserve.router.client import GenerationStream, WorkerClient
-from pdserve.router.policy import Pair, choose_pair
+from pdserve.router.policy import Pair, choose_pair, load_key
 from pdserve.router.view import WorkerView
 
 if TYPE_CHECKING:
@@ -281,9 +284,21 @@ class Transaction:
         )
         try:
             self._stream = await self._router.client.generate(self.pair.decode, req)
-        except WorkerUnreachableError:
+        except WorkerUnreachableError as exc:
             self._router.view.mark_unreachable(self.pair.decode)
-            raise
+            other = self._other_decode()
+            if other is None:
+                raise
+            log.warning("req %s: %s; retrying on decode worker %s", self.request_id, exc,
+                        other.worker_id)  # fmt: skip
+            self.pair = Pair(self.pair.prefill, other)
+            self._holds.enter_context(self._router.view.track(other.worker_id))
+            leg = f"decode worker {other.worker_id}"
+            try:
+                self._stream = await self._router.client.generate(other, req)
+            except WorkerUnreachableError:
+                self._router.view.mark_unreachable(other)
+                raise
         async for chunk in self._stream.chunks():
             if chunk.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
                 raise WorkerError(f"{leg} failed the request: {chunk.error or chunk.finish_reason}")
@@ -318,6 +333,17 @@ class Transaction:
         raise WorkerError(
             f"{leg} ended its stream before choice(s) {sorted(self._unfinished)} finished"
         )
+
+    def _other_decode(self) -> WorkerRecord | None:
+        """The least loaded usable decode worker, other than the current one, that P's KV
+        layout maps to (None: no other)."""
+        p_layout = self.pair.prefill.layout
+        others = [
+            d
+            for d in self._router.view.candidates().decode
+            if d.worker_id != self.pair.decode.worker_id and p_layout.can_map_to(d.record.layout)
+        ]
+        return min(others, key=load_key).record if others else None
 
     def _accept(self, chunk: GenerationChunk, leg: str) -> bool:
         """Whether ``chunk`` is news for its choice. A finish-only chunk of a choice that has

@@ -16,6 +16,11 @@ A worker the router could not connect to is *suspect* for ``suspect_s`` seconds 
 may outlive a crash by up to the registration TTL): it is left out, unless it re-registers
 with a new epoch (a restart), so requests stop paying a failed connect each.
 
+Restarts: :meth:`WorkerView.observe` is a discovery subscriber (``watcher.subscribe``); it
+remembers the last epoch of every worker id it has seen (also after the record is gone, since a
+crashed worker's record may expire before its successor registers) and calls ``on_restart``
+with the new record when a known worker id comes back with a higher epoch.
+
 Whether a prefill and a decode worker can be paired (KV layouts the formatter maps,
 ``KVLayout.can_map_to``) is the policy's business (:mod:`pdserve.router.policy`); the view only
 reports what is there.
@@ -26,7 +31,7 @@ Thread-safety: none needed and none given. Every method runs on the router's eve
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
@@ -87,13 +92,46 @@ class WorkerView:
     """
 
     def __init__(
-        self, source: WorkerSource, *, served_model_name: str, suspect_s: float = 5.0
+        self,
+        source: WorkerSource,
+        *,
+        served_model_name: str,
+        suspect_s: float = 5.0,
+        on_restart: Callable[[WorkerRecord], None] | None = None,
     ) -> None:
         self._source = source
         self.served_model_name = served_model_name
         self.suspect_s = suspect_s
+        self._on_restart = on_restart
         self._in_flight: dict[str, int] = {}
         self._suspect: dict[tuple[str, int], float] = {}  # (id, epoch) -> monotonic expiry
+        self._epochs: dict[str, int] = {}  # worker id -> highest epoch seen
+        self.restarts = 0
+        """Restarts seen by :meth:`observe` (a known worker id with a higher epoch)."""
+
+    def follow(self, watcher: object) -> None:
+        """Subscribe :meth:`observe` to ``watcher`` (when it has ``subscribe``) after noting
+        the epochs of the workers it already lists, so they do not count as restarts."""
+        subscribe = getattr(watcher, "subscribe", None)
+        if subscribe is None:
+            return
+        for worker_id, record in self._source.workers().items():
+            self._epochs[worker_id] = max(record.epoch, self._epochs.get(worker_id, 0))
+        subscribe(self.observe)
+
+    def observe(self, worker_id: str, record: WorkerRecord | None) -> None:
+        """A discovery put (``record``) or delete (None); a known ``worker_id`` with a higher
+        epoch than seen before is a restart: counted, and passed to ``on_restart``."""
+        if record is None:
+            return
+        last = self._epochs.get(worker_id)
+        if last is not None and record.epoch <= last:
+            return
+        self._epochs[worker_id] = record.epoch
+        if last is not None:
+            self.restarts += 1
+            if self._on_restart is not None:
+                self._on_restart(record)
 
     def mark_unreachable(self, record: WorkerRecord) -> None:
         """Leave this incarnation of the worker out for ``suspect_s`` seconds."""

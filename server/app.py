@@ -9,11 +9,15 @@ Lifecycle (the lifespan)::
              (+ /registry/... when an embedded registry is mounted)
     3 STOP   close what step 1 opened, in reverse order; injected objects are left alone
 
-Request path: validate + tokenize (:mod:`pdserve.server.preprocess`), run the prefill leg
+Request path: the client API key and the body limit on ``/v1`` (:mod:`.guard`, before the body
+is read), validate + tokenize (:mod:`pdserve.server.preprocess`), run the prefill leg
 (``Router.start``; its failure is an HTTP error status), then relay the decode leg as one JSON
 body or as SSE (a failure after the first byte is an in-band error event, :mod:`.sse`). A
 request for ``n`` choices is one transaction whose events name their choice; the formatter
 (:mod:`.output`) sorts them into the ``n`` choices.
+
+The OpenAPI document declares every status each route returns and, with API keys, the bearer
+scheme on ``/v1`` (:mod:`.openapi`).
 
 All state lives in :class:`ServerState` on ``app.state.pdserve``, created by the lifespan; the
 module holds none.
@@ -42,10 +46,22 @@ from pdserve.protocol import ROUTER_KEEPALIVE_S
 from pdserve.router.client import WorkerClient
 from pdserve.router.transaction import Router, Transaction
 from pdserve.router.view import WorkerSource, WorkerView
+from pdserve.security import APIKeys, ClusterKey
 from pdserve.server.errors import install_error_handlers, internal_error
+from pdserve.server.guard import PublicPlaneGuard, log_auth_mode
+from pdserve.server.openapi import completion_responses, install_openapi, v1_errors
 from pdserve.server.output import ChatFormatter, CompletionFormatter, RequestInfo
 from pdserve.server.preprocess import Prepared, Preprocessor, context_window, load_tokenizer
-from pdserve.server.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from pdserve.server.schemas import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    Health,
+    ModelCard,
+    ModelList,
+    Readiness,
+)
 from pdserve.server.sse import DONE, SSEResponse, encode_error, encode_event
 from pdserve.server.tokens import TokenFormatter
 
@@ -77,31 +93,37 @@ def create_app(
     watcher: Any | None = None,
     registry: Any | None = None,
     http_client: httpx.AsyncClient | None = None,
+    cluster_key: ClusterKey | None = None,
 ) -> FastAPI:
     """Build the router app for ``cfg``.
 
     - ``watcher``: discovery watcher (``workers() -> dict[str, WorkerRecord]``; ``start()`` and
       ``close()`` are called only on a watcher this app opens itself with
-      ``pdserve.discovery.open_watcher(cfg.discovery.url, registry=registry)``).
+      ``pdserve.discovery.open_watcher(cfg.discovery.url, registry=registry, key=...)``).
     - ``registry``: an embedded registry to mount (``api_router()`` under ``/registry``). When
       neither ``watcher`` nor ``registry`` is given and ``cfg.discovery.url == "embedded"``, the app
-      creates an ``EmbeddedRegistry(ttl_s=cfg.discovery.registration_ttl_s)`` and starts/closes it.
+      creates an ``EmbeddedRegistry`` (its routes internal: bearer token, not in the OpenAPI
+      document) and starts/closes it.
     - ``http_client``: the client for the worker request plane; created (and closed) by the
       lifespan when not given.
+    - ``cluster_key``: the internal plane's key (registry routes, worker calls, record
+      signatures); default ``ClusterKey.from_settings(cfg.security)``, which raises
+      :class:`~pdserve.errors.ConfigError` when no cluster secret is configured.
 
     Injected objects are used as they are: the caller starts and closes them.
     """
+    key = cluster_key or ClusterKey.from_settings(cfg.security)  # ConfigError: no secret
     owned_registry = registry is None and watcher is None and cfg.discovery.url == "embedded"
     if owned_registry:
         from pdserve.discovery import EmbeddedRegistry
 
-        registry = EmbeddedRegistry(ttl_s=cfg.discovery.registration_ttl_s)
+        registry = EmbeddedRegistry(ttl_s=cfg.discovery.registration_ttl_s, key=key)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with AsyncExitStack() as stack:
             app.state.pdserve = await _start(
-                cfg, stack, watcher, registry, owned_registry, http_client
+                cfg, stack, watcher, registry, owned_registry, http_client, key
             )
             log.info(
                 "router serving %s (context window %d tokens, discovery %s)",
@@ -109,17 +131,23 @@ def create_app(
                 app.state.pdserve.max_model_len,
                 cfg.discovery.url,
             )
+            log_auth_mode(api_keys, cfg.router.host)
             try:
                 yield
             finally:
                 del app.state.pdserve
         log.info("router stopped")
 
+    api_keys = APIKeys.from_settings(cfg.security)  # ConfigError: unreadable key file
     app = FastAPI(title="pdserve", lifespan=lifespan)
     install_error_handlers(app)
+    app.add_middleware(
+        PublicPlaneGuard, api_keys=api_keys, max_body_bytes=cfg.router.max_request_bytes
+    )
+    install_openapi(app, secured=api_keys.enabled)
     if registry is not None:
         app.include_router(registry.api_router())
-    _add_routes(app)
+    _add_routes(app, secured=api_keys.enabled)
     return app
 
 
@@ -130,6 +158,7 @@ async def _start(
     registry: Any | None,
     owned_registry: bool,
     http_client: httpx.AsyncClient | None,
+    key: ClusterKey,
 ) -> ServerState:
     """Lifespan step 1. Everything opened here is pushed onto ``stack`` for step 3."""
     tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model_path)
@@ -141,7 +170,9 @@ async def _start(
     if watcher is None:
         from pdserve.discovery import open_watcher
 
-        watcher = open_watcher(cfg.discovery.url, registry=registry)
+        watcher = open_watcher(
+            cfg.discovery.url, registry=registry, key=key, discovery=cfg.discovery
+        )
         await watcher.start()
         stack.push_async_callback(watcher.close)
     if http_client is None:
@@ -156,23 +187,32 @@ async def _start(
         )
         stack.push_async_callback(http_client.aclose)
     source: WorkerSource = watcher
-    view = WorkerView(source, served_model_name=cfg.served_model_name)
 
     def usable_workers() -> dict[str, int]:
         c = view.candidates()
         return {"prefill": len(c.prefill), "decode": len(c.decode)}
 
     metrics = RouterMetrics(usable_workers)
+    view = WorkerView(
+        source,
+        served_model_name=cfg.served_model_name,
+        on_restart=lambda r: metrics.worker_restarts.labels(r.role.value).inc(),
+    )
+    view.follow(watcher)  # pdserve_worker_restarts_total{role}
     return ServerState(
         cfg=cfg,
         preprocessor=Preprocessor(
-            tokenizer, served_model_name=cfg.served_model_name, max_model_len=max_model_len
+            tokenizer,
+            served_model_name=cfg.served_model_name,
+            max_model_len=max_model_len,
+            max_n=cfg.router.max_n,
+            max_messages=cfg.router.max_messages,
         ),
         tokens=TokenFormatter(tokenizer),
         view=view,
         router=Router(
             view,
-            WorkerClient(http_client),
+            WorkerClient(http_client, key=key),
             request_timeout_s=cfg.router.request_timeout_s,
             metrics=metrics,
         ),
@@ -186,15 +226,23 @@ def _state(request: Request) -> ServerState:
     return request.app.state.pdserve  # type: ignore[no-any-return]
 
 
-def _add_routes(app: FastAPI) -> None:
-    @app.get("/health")
+def _add_routes(app: FastAPI, *, secured: bool) -> None:
+    """The probes (open) and the ``/v1`` routes; ``responses`` declares every status a route
+    returns (:mod:`.openapi`)."""
+
+    @app.get("/health", response_model=Health)
     async def health() -> dict[str, str]:
-        """200 while the process serves HTTP."""
+        """200 while the process serves HTTP (no API key needed)."""
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get(
+        "/ready",
+        response_model=Readiness,
+        responses={503: {"model": Readiness, "description": "not ready; missing says why"}},
+    )
     async def ready(request: Request) -> JSONResponse:
-        """200 when a compatible prefill + decode pair serves the model, else 503 + missing."""
+        """200 when a compatible prefill + decode pair serves the model, else 503 + missing
+        (no API key needed)."""
         st = _state(request)
         r = st.view.readiness()
         body = {
@@ -207,34 +255,50 @@ def _add_routes(app: FastAPI) -> None:
             body["missing"] = list(r.missing)
         return JSONResponse(body, status_code=200 if r.ready else 503)
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={200: {"content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}},
+    )
     async def metrics(request: Request) -> Response:
-        """Prometheus text format: request outcomes, TTFT, TPOT, ITL, tokens, workers."""
+        """Prometheus text format: request outcomes, TTFT, TPOT, ITL, tokens, workers (no API
+        key needed)."""
         return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses=v1_errors(secured=secured))
     async def models(request: Request) -> dict[str, Any]:
+        """The served model (one card)."""
         st = _state(request)
         card = ModelCard(
             id=st.cfg.served_model_name, created=st.started_at, max_model_len=st.max_model_len
         )
         return ModelList(data=[card]).model_dump(mode="json")
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        responses=completion_responses(ChatCompletionResponse, secured=secured),
+    )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """OpenAI chat completion, streamed (SSE) or not."""
         st = _state(request)
         prepared = st.preprocessor.chat(body)
-        info = _info(f"chatcmpl-{uuid.uuid4().hex}", st, prepared, body.logprobs, body)
+        info = _info(f"chatcmpl-{uuid.uuid4().hex}", st, prepared, bool(body.logprobs), body)
         fmt = ChatFormatter(info, st.tokens)
-        return await _serve(request, st, prepared, fmt, stream=body.stream)
+        return await _serve(request, st, prepared, fmt, stream=bool(body.stream))
 
-    @app.post("/v1/completions")
+    @app.post(
+        "/v1/completions",
+        response_model=None,
+        responses=completion_responses(CompletionResponse, secured=secured),
+    )
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        """OpenAI text completion, streamed (SSE) or not."""
         st = _state(request)
         prepared = st.preprocessor.completion(body)
         info = _info(f"cmpl-{uuid.uuid4().hex}", st, prepared, body.logprobs is not None, body)
         fmt = CompletionFormatter(info, st.tokens)
-        return await _serve(request, st, prepared, fmt, stream=body.stream)
+        return await _serve(request, st, prepared, fmt, stream=bool(body.stream))
 
 
 def _info(

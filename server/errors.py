@@ -26,7 +26,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from pdserve.errors import InvalidRequestError, PdserveError, QueueFullError
+from pdserve.errors import (
+    AuthenticationError,
+    InvalidRequestError,
+    PdserveError,
+    QueueFullError,
+)
 from pdserve.protocol import ErrorBody, ErrorEnvelope
 
 log = logging.getLogger(__name__)
@@ -52,10 +57,13 @@ def request_id(request: Request) -> str:
 
 def error_response(exc: PdserveError, rid: str | None = None) -> JSONResponse:
     """``exc`` as its status and OpenAI envelope naming request ``rid`` (also sent as the
-    ``X-Request-Id`` header); a 429 carries ``Retry-After`` (seconds)."""
+    ``X-Request-Id`` header); a 429 carries ``Retry-After`` (seconds), a 401
+    ``WWW-Authenticate: Bearer``."""
     headers: dict[str, str] = {}
     if isinstance(exc, QueueFullError):
         headers["Retry-After"] = str(exc.retry_after_s)
+    elif isinstance(exc, AuthenticationError):  # InvalidAPIKeyError too
+        headers["WWW-Authenticate"] = "Bearer"
     if rid is not None:
         headers[REQUEST_ID_HEADER] = rid
     return JSONResponse(exc.to_json(rid), status_code=exc.status, headers=headers or None)
@@ -88,6 +96,27 @@ def field_path(loc: Sequence[Any]) -> str:
     return out
 
 
+def _drop_other_union_members(errors: Sequence[Any]) -> Sequence[Any]:
+    """A union field (``stop: str | list[str]``) fails once per member; when a member got the
+    input's type right and failed on its value (too long, too many), the other members' "not
+    a valid <type>" errors say nothing: drop them."""
+
+    def is_type_error(e: Any) -> bool:
+        return str(e.get("type", "")).endswith("_type")
+
+    value_errors = [field_path(e.get("loc", ())) for e in errors if not is_type_error(e)]
+    kept = [
+        e
+        for e in errors
+        if not is_type_error(e)
+        or not any(
+            v == (path := field_path(e.get("loc", ()))) or v.startswith((path + ".", path + "["))
+            for v in value_errors
+        )
+    ]
+    return kept or errors
+
+
 def validation_error(errors: Sequence[Any]) -> InvalidRequestError:
     """The first validation error as a 400, naming the field and what was wrong."""
     if not errors:
@@ -98,6 +127,8 @@ def validation_error(errors: Sequence[Any]) -> InvalidRequestError:
         return InvalidRequestError(
             f"the request body is not valid JSON: {ctx.get('error', first.get('msg'))}"
         )
+    errors = _drop_other_union_members(errors)
+    first = errors[0]
     param = field_path(first.get("loc", ())) or None
     if param is None and first.get("type") == "missing":
         return InvalidRequestError("the request needs a JSON body")

@@ -3,10 +3,13 @@
 Steps, in order (the first failure raises a typed error, nothing is sent to a worker):
 
 1. model name: must be the served model, else :class:`ModelNotFoundError` (404).
-2. ``n`` (choices, default 1) must lie in ``[1, MAX_CHOICES]``; refuse unsupported features
-   that would change the output: non-zero presence or frequency penalty, ``echo``, ``best_of``
-   other than ``n`` (best-of selection), ``suffix``, ``top_logprobs`` without ``logprobs``, a
-   batch of several prompts (400).
+2. unsupported fields (:func:`check_unsupported`): a field pdserve does not implement with a
+   value that would change the output (``tools``, a ``response_format`` other than text, a
+   non-empty ``logit_bias``, non-zero penalties, ``echo``, ``suffix``, ``best_of`` other than
+   ``n``, ...) is a 400 ``unsupported`` naming it. Then the limits: ``n`` (choices, default 1)
+   in ``[1, max_n]`` (``router.max_n``, at most :data:`MAX_CHOICES`), ``top_logprobs`` only
+   with ``logprobs``, at most ``max_messages`` chat messages (``router.max_messages``), a single
+   prompt (400).
 3. prompt -> token ids: chat messages through the tokenizer's chat template
    (``add_generation_prompt=True``, the template supplies any BOS), a completion prompt string
    through ``encode`` with the tokenizer's special tokens, or the client's own token ids
@@ -28,9 +31,19 @@ from typing import Any
 from jinja2 import TemplateError
 
 from pdserve.config import RouterConfig
-from pdserve.errors import ConfigError, InvalidRequestError, ModelNotFoundError
+from pdserve.errors import (
+    ConfigError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    UnsupportedFieldError,
+)
 from pdserve.protocol import MAX_CHOICES, SamplingParams
-from pdserve.server.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from pdserve.server.schemas import (
+    EXTENSION_DEFAULTS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    _SamplingFields,
+)
 
 log = logging.getLogger(__name__)
 
@@ -78,18 +91,36 @@ def context_window(cfg: RouterConfig, tokenizer: Any) -> int:
 class Preprocessor:
     """Validates and tokenizes requests for one served model; see the module docstring."""
 
-    def __init__(self, tokenizer: Any, *, served_model_name: str, max_model_len: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        served_model_name: str,
+        max_model_len: int,
+        max_n: int = MAX_CHOICES,
+        max_messages: int = 2048,
+    ) -> None:
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
+        if not 1 <= max_n <= MAX_CHOICES:
+            raise ValueError(f"max_n must lie in [1, {MAX_CHOICES}] (what workers take)")
+        self.max_n = max_n
+        self.max_messages = max_messages
         self.vocab_size = len(tokenizer)
 
     def chat(self, req: ChatCompletionRequest) -> Prepared:
+        """Validate a chat request and apply the chat template; raises a typed error."""
         self._check_common(req)
-        if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
+        if req.top_logprobs is not None and not req.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs=true", param="top_logprobs")
         if not req.messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
+        if len(req.messages) > self.max_messages:
+            raise InvalidRequestError(
+                f"too many messages: {len(req.messages)}, at most {self.max_messages}",
+                param="messages",
+            )
         messages = [
             {"role": m.role, "content": _content_text(m.content, i)}
             for i, m in enumerate(req.messages)
@@ -110,22 +141,13 @@ class Preprocessor:
             prompt_param="messages",
         )
         sampling = _sampling(
-            req, max_tokens, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0
+            req, max_tokens, logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs or 0
         )
         return Prepared(ids, sampling)
 
     def completion(self, req: CompletionRequest) -> Prepared:
+        """Validate a completion request and tokenize its prompt; raises a typed error."""
         self._check_common(req)
-        if req.echo:
-            raise InvalidRequestError("echo is not supported", param="echo")
-        if req.best_of not in (None, _choices(req)):
-            raise InvalidRequestError(
-                f"best_of must equal n (got best_of={req.best_of}, n={_choices(req)}): "
-                "best-of selection is not supported",
-                param="best_of",
-            )
-        if req.suffix:
-            raise InvalidRequestError("suffix is not supported", param="suffix")
         ids = self._prompt_ids(req.prompt)
         max_tokens = self._max_tokens(
             len(ids),
@@ -147,11 +169,9 @@ class Preprocessor:
                 f"{self.served_model_name!r}",
                 param="model",
             )
-        if not 1 <= _choices(req) <= MAX_CHOICES:
-            raise InvalidRequestError(f"n must lie in [1, {MAX_CHOICES}], got n={req.n}", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name) not in (None, 0):
-                raise InvalidRequestError(f"{name} is not supported (only 0)", param=name)
+        check_unsupported(req)
+        if not 1 <= _choices(req) <= self.max_n:
+            raise InvalidRequestError(f"n must lie in [1, {self.max_n}], got n={req.n}", param="n")
 
     def _prompt_ids(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
@@ -198,6 +218,62 @@ class Preprocessor:
         return requested
 
 
+def _unsupported(param: str, what: str) -> UnsupportedFieldError:
+    return UnsupportedFieldError(f"{param} is not supported{what}", param=param)
+
+
+def _empty(value: Any) -> bool:
+    return value is None or value == [] or value == {}
+
+
+def check_unsupported(req: _SamplingFields) -> None:
+    """Refuse (400 ``unsupported``, ``param`` naming the field) every field pdserve does not
+    implement whose value would change the output; :mod:`pdserve.server.schemas` lists them
+    and the values accepted."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name) not in (None, 0):
+            raise _unsupported(name, " (only 0)")
+    if not _empty(req.logit_bias):
+        raise _unsupported("logit_bias", " (only an empty map)")
+    if isinstance(req, ChatCompletionRequest):
+        _check_chat_unsupported(req)
+    elif isinstance(req, CompletionRequest):
+        if req.echo:
+            raise _unsupported("echo", "")
+        if req.suffix:
+            raise _unsupported("suffix", "")
+        if req.best_of not in (None, _choices(req)):
+            raise UnsupportedFieldError(
+                f"best_of must equal n (got best_of={req.best_of}, n={_choices(req)}): "
+                "best-of selection is not supported",
+                param="best_of",
+            )
+    for name, value in (req.model_extra or {}).items():
+        if name in EXTENSION_DEFAULTS and value is not None and value != EXTENSION_DEFAULTS[name]:
+            raise _unsupported(name, f" (only {json.dumps(EXTENSION_DEFAULTS[name])})")
+
+
+def _check_chat_unsupported(req: ChatCompletionRequest) -> None:
+    for name in ("tools", "functions"):
+        if not _empty(getattr(req, name)):
+            raise _unsupported(name, ": tool and function calling are not implemented")
+    for name in ("tool_choice", "function_call"):
+        if getattr(req, name) not in (None, "none", "auto"):
+            raise _unsupported(name, ": tool and function calling are not implemented")
+    if req.response_format not in (None, {"type": "text"}):
+        raise _unsupported("response_format", ' (only {"type": "text"})')
+    if req.modalities not in (None, ["text"]):
+        raise _unsupported("modalities", ' (only ["text"])')
+    for name in ("audio", "reasoning_effort", "web_search_options"):
+        if getattr(req, name) is not None:
+            raise _unsupported(name, "")
+    for i, m in enumerate(req.messages):
+        if not _empty(m.tool_calls):
+            raise _unsupported(f"messages[{i}].tool_calls", ": tool calling is not implemented")
+        if m.function_call is not None:
+            raise _unsupported(f"messages[{i}].function_call", ": functions are not implemented")
+
+
 def _sampling(
     req: _SamplingFields, max_tokens: int, *, logprobs: bool, top_logprobs: int
 ) -> SamplingParams:
@@ -210,7 +286,7 @@ def _sampling(
         top_k=max(req.top_k or 0, 0),
         seed=req.seed,
         stop=tuple(s for s in stop if s),
-        ignore_eos=req.ignore_eos,
+        ignore_eos=bool(req.ignore_eos),
         logprobs=logprobs,
         top_logprobs=top_logprobs if logprobs else 0,
     )
@@ -227,10 +303,14 @@ def _content_text(content: Any, index: int) -> str:
         return content or ""
     texts = []
     for part in content:
-        if part.type != "text" or part.text is None:
-            raise InvalidRequestError(
-                f"only text content parts are supported, got type {part.type!r}",
+        if part.type != "text":
+            raise UnsupportedFieldError(
+                f"content part type {part.type!r} is not supported (only text)",
                 param=f"messages[{index}].content",
+            )
+        if part.text is None:
+            raise InvalidRequestError(
+                "a text content part needs its text", param=f"messages[{index}].content"
             )
         texts.append(part.text)
     return "\n".join(texts)

@@ -1,12 +1,29 @@
 """OpenAI-compatible request and response models for ``/v1/chat/completions``,
 ``/v1/completions`` and ``/v1/models``.
 
-Requests ignore unknown fields (OpenAI clients send extras such as ``user`` or ``tools``).
-Field constraints here check types and ranges, so a wrong value is a 400 naming the field; the
-checks that need the tokenizer or the served model (model name, context window, token ids) are
-in :mod:`pdserve.server.preprocess`, and so is ``n``'s range. Unsupported features that would
-change the output if ignored (non-zero penalties, ``echo``, ``best_of`` other than ``n``,
-``suffix``) are refused there with a clear 400 rather than silently ignored.
+Field constraints here check types and ranges, so a wrong value is a 400 naming the field
+(``param``); the checks that need the tokenizer, the served model or the router's settings
+(model name, context window, token ids, ``n`` against ``router.max_n``, the message count
+against ``router.max_messages``) are in :mod:`pdserve.server.preprocess`, and so are the
+refusals of unsupported fields.
+
+Bounds fixed here (module constants, documented in the OpenAPI schema): at most
+:data:`MAX_STOP_SEQUENCES` stop strings of at most :data:`MAX_STOP_CHARS` characters each
+(OpenAI's limit of 4), chat ``top_logprobs`` 0..20 and completions ``logprobs`` 0..5 (OpenAI's
+ranges), ``seed`` a signed 64-bit integer, ``temperature`` 0..2, ``top_p`` in (0, 1], finite
+numbers only (``NaN``/``Infinity`` are refused).
+
+OpenAI fields pdserve does not implement are declared (so they are documented, and refused
+rather than dropped): ``tools``, ``tool_choice``, ``functions``, ``function_call``,
+``logit_bias``, ``response_format``, ``audio``, ``modalities``, ``reasoning_effort``,
+``web_search_options``, ``echo``, ``suffix``, ``best_of``, the penalties. A value that does
+nothing (an empty list or map, ``"none"``, ``{"type": "text"}``, ``["text"]``, 0) is accepted;
+any other is a 400 ``unsupported`` (:func:`pdserve.server.preprocess.check_unsupported`).
+Fields without effect on the output (``user``, ``store``, ``metadata``, ``service_tier``,
+``parallel_tool_calls``, ``prediction``, ``stream_options`` without ``stream``) are accepted
+and ignored. Other unknown fields are kept in ``model_extra``; the known extensions of other
+servers that would change the output (:data:`EXTENSION_DEFAULTS`) are refused unless they
+carry their default, anything else unknown is ignored.
 
 With ``n`` choices a response lists ``n`` choices (``index`` 0..n-1); a stream's chunks carry
 one choice each, the choices' chunks interleaved, each choice's ``index`` set.
@@ -16,64 +33,224 @@ Responses are plain pydantic models; the server dumps them with ``model_dump(mod
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+
+from pdserve.protocol import MAX_CHOICES
+
+MAX_STOP_SEQUENCES = 4
+"""Most stop strings in one request (OpenAI's limit)."""
+
+MAX_STOP_CHARS = 1024
+"""Longest stop string, characters."""
+
+MAX_TOP_LOGPROBS_CHAT = 20
+"""Chat ``top_logprobs`` upper bound (OpenAI's)."""
+
+MAX_LOGPROBS_COMPLETIONS = 5
+"""Completions ``logprobs`` upper bound (OpenAI's)."""
+
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+"""``seed`` is a signed 64-bit integer."""
+
+EXTENSION_DEFAULTS: dict[str, Any] = {
+    "min_p": 0,
+    "repetition_penalty": 1,
+    "min_tokens": 0,
+    "length_penalty": 1,
+    "use_beam_search": False,
+    "stop_token_ids": [],
+    "bad_words": [],
+    "allowed_token_ids": None,
+    "prompt_logprobs": None,
+    "truncate_prompt_tokens": None,
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
+    "structured_outputs": None,
+    "chat_template": None,
+    "chat_template_kwargs": None,
+    "continue_final_message": False,
+    "add_generation_prompt": True,
+}
+"""Extension fields of other OpenAI-compatible servers (vLLM, SGLang) that change the output,
+with the one value pdserve's behaviour matches; any other value is refused (``unsupported``)."""
 
 
 class _Req(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: JSON types as JSON Schema has them ("5" is no integer, 1 no boolean), as OpenAI
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
+
+
+def _accepts(schema: dict[str, Any]) -> WithJsonSchema:
+    """Document only the values accepted (``schema`` or null); validation of the others is a
+    400 ``unsupported`` in :mod:`pdserve.server.preprocess`, not a type error."""
+    return WithJsonSchema({"anyOf": [schema, {"type": "null"}]})
+
+
+_EMPTY_LIST = _accepts({"type": "array", "maxItems": 0})
+_NULL_ONLY = WithJsonSchema({"type": "null"})
+_NONE_OR_AUTO = _accepts({"enum": ["none", "auto"]})
 
 
 class TextPart(_Req):
     """A content part. Only ``{"type": "text", "text": ...}`` is supported."""
 
-    type: str
+    type: Annotated[str, WithJsonSchema({"const": "text"})] = Field(
+        description="only text (another type is a 400 unsupported)"
+    )
     text: str | None = None
 
 
 class ChatMessage(_Req):
+    """One chat message. ``tool_calls`` / ``function_call`` (an assistant's earlier calls) are
+    refused when set: tools are not supported."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = Field(default=None, description="accepted, unused")
+    tool_calls: Annotated[Any, _EMPTY_LIST] = Field(
+        default=None, description="not supported: refused unless empty"
+    )
+    function_call: Annotated[Any, _NULL_ONLY] = Field(
+        default=None, description="not supported: refused unless null"
+    )
 
 
 class StreamOptions(_Req):
-    include_usage: bool = False
+    """``stream_options``: ``include_usage`` adds a last chunk with the usage."""
+
+    include_usage: bool | None = False
+
+
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+_UNSUPPORTED = "not supported: refused (400 unsupported) unless "
+_ZERO = _accepts({"type": "number", "minimum": 0, "maximum": 0})
 
 
 class _SamplingFields(_Req):
     """Fields shared by both endpoints."""
 
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1, description="extension; 0 or -1 disable it")
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
+    top_k: int | None = Field(
+        default=None, ge=-1, le=2**31 - 1, description="extension; 0 or -1 disable it"
+    )
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_SEQUENCES)] | None = (
+        Field(
+            default=None,
+            description=f"up to {MAX_STOP_SEQUENCES} strings of at most {MAX_STOP_CHARS} characters",
+        )
+    )
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(default=None, description="choices; 1 to MAX_CHOICES")
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    ignore_eos: bool = Field(default=False, description="extension (benchmarks)")
-    user: str | None = None
+    n: Annotated[
+        int | None, _accepts({"type": "integer", "minimum": 1, "maximum": MAX_CHOICES})
+    ] = Field(default=None, description="choices; 1 to router.max_n (default 16)")
+    presence_penalty: Annotated[float | None, _ZERO] = Field(
+        default=None, description=_UNSUPPORTED + "0"
+    )
+    frequency_penalty: Annotated[float | None, _ZERO] = Field(
+        default=None, description=_UNSUPPORTED + "0"
+    )
+    logit_bias: Annotated[Any, _accepts({"type": "object", "maxProperties": 0})] = Field(
+        default=None, description=_UNSUPPORTED + "empty"
+    )
+    ignore_eos: bool | None = Field(default=False, description="extension (benchmarks)")
+    user: str | None = Field(default=None, description="accepted, unused")
+
+
+_TEXT_FORMAT = {
+    "type": "object",
+    "properties": {"type": {"const": "text"}},
+    "required": ["type"],
+    "additionalProperties": False,
+}
+_TEXT_ONLY = {"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1}
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(
+        description="at least 1, at most router.max_messages (default 2048)",
+        json_schema_extra={"minItems": 1},
+    )
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS_CHAT,
+        description="only with logprobs=true",
+    )
+    tools: Annotated[Any, _EMPTY_LIST] = Field(default=None, description=_UNSUPPORTED + "empty")
+    tool_choice: Annotated[Any, _NONE_OR_AUTO] = Field(
+        default=None, description=_UNSUPPORTED + '"none" or "auto"'
+    )
+    parallel_tool_calls: bool | None = Field(default=None, description="accepted, no effect")
+    functions: Annotated[Any, _EMPTY_LIST] = Field(default=None, description=_UNSUPPORTED + "empty")
+    function_call: Annotated[Any, _NONE_OR_AUTO] = Field(
+        default=None, description=_UNSUPPORTED + '"none" or "auto"'
+    )
+    response_format: Annotated[Any, _accepts(_TEXT_FORMAT)] = Field(
+        default=None, description=_UNSUPPORTED + '{"type": "text"}'
+    )
+    audio: Annotated[Any, _NULL_ONLY] = Field(default=None, description=_UNSUPPORTED + "null")
+    modalities: Annotated[Any, _accepts(_TEXT_ONLY)] = Field(
+        default=None, description=_UNSUPPORTED + '["text"]'
+    )
+    reasoning_effort: Annotated[Any, _NULL_ONLY] = Field(
+        default=None, description=_UNSUPPORTED + "null"
+    )
+    web_search_options: Annotated[Any, _NULL_ONLY] = Field(
+        default=None, description=_UNSUPPORTED + "null"
+    )
+    prediction: Any = Field(default=None, description="accepted, ignored (latency hint only)")
+    store: bool | None = Field(default=None, description="accepted, unused")
+    metadata: dict[str, Any] | None = Field(default=None, description="accepted, unused")
+    service_tier: str | None = Field(default=None, description="accepted, unused")
+
+
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_PROMPT = WithJsonSchema(
+    {
+        "anyOf": [
+            {"type": "string", "minLength": 1},
+            _TOKEN_IDS,
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
+             "maxItems": 1},
+            {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 1},
+        ]
+    }
+)  # fmt: skip
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    """``POST /v1/completions``."""
+
+    prompt: Annotated[str | list[int] | list[str] | list[list[int]], _PROMPT] = Field(
+        description="a string, or token ids; a list of several prompts is refused (batches "
+        "are not supported)"
+    )
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS_COMPLETIONS)
+    echo: Annotated[bool | None, _accepts({"const": False})] = Field(
+        default=False, description=_UNSUPPORTED + "false"
+    )
+    best_of: Annotated[int | None, _accepts({"type": "integer", "minimum": 1})] = Field(
+        default=None, description=_UNSUPPORTED + "equal to n"
+    )
+    suffix: Annotated[str | None, _accepts({"type": "string", "maxLength": 0})] = Field(
+        default=None, description=_UNSUPPORTED + "empty"
+    )
 
 
 # --- responses ---------------------------------------------------------------------------------
@@ -180,3 +357,20 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class Health(BaseModel):
+    """``GET /health``."""
+
+    status: Literal["ok"] = "ok"
+
+
+class Readiness(BaseModel):
+    """``GET /ready``: the usable workers by role; ``missing`` (only when not ready) says what
+    is lacking."""
+
+    status: Literal["ready", "not_ready"]
+    model: str
+    prefill: list[str]
+    decode: list[str]
+    missing: list[str] | None = None

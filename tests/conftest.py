@@ -8,6 +8,8 @@ marker          folder: what its tests need
 ``unit``        tests/unit: in-process, CPU only, fakes; seconds each (the fast selection)
 ``integration`` tests/integration: real servers (etcd, NATS) or worker / peer processes
 ``e2e``         tests/e2e: the whole stack (router + workers) as processes
+``chaos``       tests/chaos: faults (kill -9, SIGSTOP, etcd/NATS restarts) under load against
+                ``pdserve up`` itself (docs/reliability.md)
 ``container``   tests/container: images built and run with podman (skips without it)
 ``deploy``      tests/deploy: Kubernetes manifests (skips without a cluster)
 ``gpu``         tests/gpu: CUDA (skips without a GPU)
@@ -30,7 +32,7 @@ pytest_plugins = [
     "tests.fixtures.stack",
 ]
 
-FOLDER_MARKERS = ("unit", "integration", "e2e", "container", "deploy", "gpu")
+FOLDER_MARKERS = ("unit", "integration", "e2e", "chaos", "container", "deploy", "gpu")
 _TESTS = Path(__file__).resolve().parent
 
 

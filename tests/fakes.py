@@ -10,6 +10,10 @@ byte-level tokenizer, and helpers that serve apps over real uvicorn or in-proces
   ChatML-style chat template and a ``config.json``, saved to a folder (no model weights).
 - :func:`serve_app`: run an ASGI app on a real uvicorn server on a free port.
 - :func:`router_harness`: a router app + fake workers, in-process or over real sockets.
+- The cluster secret of every test deployment: :data:`TEST_SECRET`, as settings
+  (:data:`SECURITY`, for a ``RouterConfig`` / ``WorkerConfig``), as a key (:data:`CLUSTER_KEY`)
+  and as the internal routes' header (:data:`INTERNAL_AUTH`). Fake workers require that header
+  on ``/internal/*`` and :func:`record` signs with that key, as real workers do.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from typing import Any
 
 import httpx
 import uvicorn
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import SecretStr
 
 from pdserve.config import RouterConfig
 from pdserve.discovery import EmbeddedRegistry
@@ -46,9 +51,23 @@ from pdserve.protocol import (
     WorkerLoad,
     WorkerRecord,
 )
+from pdserve.security import ClusterKey
+from pdserve.server.errors import install_error_handlers
+from pdserve.settings import SecuritySettings
 from tests.fixtures.servers import bound_socket, uvicorn_started
 
 MODEL = "tiny-test"
+
+TEST_SECRET = "pdserve-tests-cluster-secret-0123456789abcdef"
+"""The cluster secret of every in-process test deployment (at least 32 characters)."""
+SECURITY = SecuritySettings(cluster_secret=SecretStr(TEST_SECRET))
+"""``security`` settings holding :data:`TEST_SECRET` (``RouterConfig(security=SECURITY)``)."""
+CLUSTER_KEY = ClusterKey(TEST_SECRET.encode())
+"""The key every test process derives from :data:`TEST_SECRET`."""
+INTERNAL_AUTH = CLUSTER_KEY.http_headers()
+"""``{"Authorization": "Bearer <token>"}``: what the registry and ``/internal/*`` routes need."""
+
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -96,7 +115,8 @@ def layout(
 
 
 def registry_app(registry: EmbeddedRegistry) -> FastAPI:
-    """A stand-in for the router app: mounts ``registry`` and runs its sweep in the lifespan."""
+    """A stand-in for the router app: mounts ``registry`` (with the router's error handlers:
+    a 401 is the JSON error body) and runs its sweep in the lifespan."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -105,6 +125,7 @@ def registry_app(registry: EmbeddedRegistry) -> FastAPI:
         await registry.close()
 
     app = FastAPI(lifespan=lifespan)
+    install_error_handlers(app)
     app.include_router(registry.api_router())
     return app
 
@@ -164,7 +185,8 @@ def record(
     protocol_version: int | None = None,
     epoch: int = 7,
 ) -> WorkerRecord:
-    """A worker record of the test layout; ``load`` defaults to 100 free of 100 blocks."""
+    """A worker record of the test layout, signed with :data:`CLUSTER_KEY`; ``load`` defaults
+    to 100 free of 100 blocks."""
     rec = WorkerRecord(
         role=Role(role),
         worker_id=worker_id,
@@ -176,7 +198,7 @@ def record(
     )
     if protocol_version is not None:
         rec = rec.model_copy(update={"protocol_version": protocol_version})
-    return rec
+    return rec.signed(CLUSTER_KEY)
 
 
 @dataclass
@@ -194,6 +216,7 @@ class FakeWorker:
     token_delay_s: float = 0.0
     context_delay_s: float = 0.0
     http_url: str = ""
+    cluster_key: ClusterKey = CLUSTER_KEY  # whose token /internal/* requires
     contexts: list[ContextRequest] = field(default_factory=list)
     generations: list[GenerationRequest] = field(default_factory=list)
     releases: list[ReleaseRequest] = field(default_factory=list)
@@ -214,7 +237,14 @@ class FakeWorker:
         return TokenLogprob(token_id=token_id, logprob=-0.25, top=top)
 
     def app(self) -> FastAPI:
-        app = FastAPI()
+        """The worker's request plane; every route needs ``cluster_key``'s bearer token (the
+        router's :class:`WorkerClient` sends it), else 401."""
+
+        def require_cluster_token(request: Request) -> None:
+            if not self.cluster_key.check_http(request.headers.get("authorization")):
+                raise HTTPException(401, "fake worker: missing or wrong cluster token")
+
+        app = FastAPI(dependencies=[Depends(require_cluster_token)])
 
         @app.post("/internal/context")
         async def context(req: ContextRequest) -> Any:
@@ -331,8 +361,15 @@ async def router_harness(
     responses are buffered, so nothing streams incrementally). With ``real_sockets``: each app
     runs on its own uvicorn server, so streams, disconnects and aborts are real.
     """
+    from pdserve.security import ClusterKey
     from pdserve.server.app import create_app
 
+    sec = cfg.security
+    # The router derives its key from cfg.security; a cfg without a secret gets the tests'.
+    injected = None if sec.cluster_secret or sec.cluster_secret_file else CLUSTER_KEY
+    key = injected or ClusterKey.from_settings(sec)
+    for w in workers:
+        w.cluster_key = key
     async with AsyncExitStack() as stack:
         watcher = FakeWatcher()
         if real_sockets:
@@ -345,7 +382,7 @@ async def router_harness(
         await stack.enter_async_context(worker_http)
         for w in workers:
             watcher.put(w.record())
-        app = create_app(cfg, watcher=watcher, http_client=worker_http)
+        app = create_app(cfg, watcher=watcher, http_client=worker_http, cluster_key=injected)
         if real_sockets:
             url = await stack.enter_async_context(serve_app(app))
             client = httpx.AsyncClient(base_url=url, trust_env=False, timeout=30)

@@ -2,12 +2,13 @@
 
 Public API (docs/architecture.md, "Transfer")::
 
-    create_transceiver(cfg, *, pool, layout, worker_id, epoch, parked) -> Transceiver
+    create_transceiver(cfg, *, pool, layout, worker_id, epoch, parked, key) -> Transceiver
     Transceiver: backend, endpoint, start(), communicator(), pull(handle, dst_block_ids), close()
     ParkedLookup: lookup(request_id, epoch, lease_id) -> block ids; release(request_id, lease_id)
 
 Modules (the TensorRT-LLM "KV cache transmission" components):
 ``transceiver`` (Transceiver), ``sender`` / ``receiver`` (control plane, prefill / decode side),
+``auth`` (mutual challenge-response on the cluster secret, first on every connection),
 ``handshake`` (version/backend/layout checks), ``formatter`` (layout mapping, block runs),
 ``convert`` (re-block/dtype kernel and staging buffers for mixed layouts),
 ``wire`` (typed control messages and framing), ``control`` (the control Connection: framed
@@ -15,7 +16,7 @@ messages and raw byte streams over TCP), ``integrity`` (xxh3 digests of the move
 ``tcp`` (the TCP backend: KV bytes on the control connection),
 ``nixl_agent`` (TransferAgent over NIXL, the NIXL backend), ``ucx`` (Connection over ucxx, the
 UCX backend), ``backend`` (data-plane interface and lazy registry), ``probe`` (bandwidth probe
-served in place of a handshake, for ``pdserve doctor``). The benchmarks and the doctor live in
+served in place of a Hello, for ``pdserve doctor``). The benchmarks and the doctor live in
 :mod:`pdserve.tools`; nothing here imports them.
 
 Importing this package imports neither NIXL nor ucxx: each backend loads on first use.

@@ -130,10 +130,13 @@ class Connection:
         """Send one control frame."""
         await self._sendall(wire.encode(msg))
 
-    async def recv(self) -> wire.Message:
-        """Receive exactly one control frame (never reads past it)."""
+    async def recv(self, limit: int = wire.MAX_FRAME_BYTES) -> wire.Message:
+        """Receive exactly one control frame (never reads past it). A frame announcing more
+        than ``limit`` bytes raises TransferError before anything is allocated for it (pass
+        :data:`~pdserve.transfer.wire.PREAUTH_MAX_FRAME_BYTES` before the peer is
+        authenticated)."""
         await self._recv_into(memoryview(self._header))
-        payload = bytearray(wire.frame_length(bytes(self._header)))
+        payload = bytearray(wire.frame_length(bytes(self._header), limit))
         await self._recv_into(memoryview(payload))
         return wire.decode(payload)
 

@@ -4,7 +4,10 @@ Design origin: step 3 of the TensorRT-LLM seed's workflow ("if no prior connecti
 established now; the generation phase shares its cache layout with the context phase") and vLLM's
 NIXL handshake (compatibility checked before any byte moves, never silently reinterpreted).
 
-Both sides run the same checks, so a refusal raises on BOTH sides with the same message:
+It starts only once both sides proved that they hold the cluster secret
+(:mod:`pdserve.transfer.auth`; a failure raises TransferError ``kv_auth_failed``, and the
+prefill side has done nothing for that peer). Then both sides run the same checks, so a
+refusal raises on BOTH sides with the same message:
 
 1. protocol version equal        else TransferError code ``kv_protocol_mismatch``
 2. backend name equal            else TransferError code ``kv_backend_mismatch``
@@ -17,16 +20,18 @@ Both sides run the same checks, so a refusal raises on BOTH sides with the same 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pdserve.errors import TransferError
 from pdserve.protocol import PROTOCOL_VERSION, KVLayout
-from pdserve.transfer import wire
+from pdserve.security import ClusterKey
+from pdserve.transfer import auth, wire
 from pdserve.transfer.backend import Backend, Peer
 from pdserve.transfer.formatter import Formatter, PoolGeometry
 
 if TYPE_CHECKING:
+    from pdserve.transfer.control import Connection
     from pdserve.transfer.convert import StagingPool
 
 
@@ -35,7 +40,8 @@ class LocalSide:
     """This worker as its transceiver presents it to peers. Immutable for the process life.
 
     ``staging``: where a sender stages the bytes a converting formatter produces (layouts that
-    differ in tokens per block or dtype); None refuses such sends."""
+    differ in tokens per block or dtype); None refuses such sends. ``key``: the cluster
+    secret's keys, which every connection proves both ways before this side trusts it."""
 
     worker_id: str
     epoch: int
@@ -43,6 +49,27 @@ class LocalSide:
     geometry: PoolGeometry
     backend: Backend
     staging: StagingPool | None = None
+    key: ClusterKey = field(kw_only=True, repr=False)
+
+    async def connect(self, conn: Connection) -> tuple[wire.HelloAck, Formatter]:
+        """Decode side, on a fresh connection to a prefill worker: authenticate both ways
+        (:func:`pdserve.transfer.auth.dial`), Hello, then check the HelloAck
+        (:meth:`check_ack`) and that it comes from the incarnation whose proof was checked.
+        Returns the ack and the negotiated formatter. Raises TransferError (``kv_auth_failed``
+        among others), LayoutMismatchError; the caller closes ``conn`` on error."""
+        challenge = await auth.dial(conn, self.key, self.worker_id)
+        await conn.send(self.hello())  # P is proven: its Hello may carry NIXL/UCX addresses
+        ack = await conn.recv()
+        auth.check_refused(ack, conn.peer)
+        if not isinstance(ack, wire.HelloAck):
+            raise TransferError(f"expected hello_ack from {conn.peer}, got {ack.type!r}")
+        formatter = self.check_ack(ack)
+        if (ack.worker_id, ack.epoch) != (challenge.worker_id, challenge.epoch):
+            raise TransferError(
+                f"{conn.peer} authenticated as {challenge.worker_id} epoch {challenge.epoch} "
+                f"but acknowledged as {ack.worker_id} epoch {ack.epoch}"
+            )
+        return ack, formatter
 
     def hello(self) -> wire.Hello:
         """Decode side: the connection's first message."""
@@ -57,8 +84,14 @@ class LocalSide:
             ucx=info if isinstance(info, wire.UcxPeerInfo) else None,
         )
 
-    def accept(self, hello: wire.Hello) -> tuple[Formatter, Peer]:
-        """Prefill side: check a decode worker's Hello. Raises TransferError/LayoutMismatchError."""
+    def accept(self, hello: wire.Hello, peer_id: str) -> tuple[Formatter, Peer]:
+        """Prefill side: check the Hello of a decode worker that authenticated as ``peer_id``
+        (only then: this prepares the backend for the peer). Raises
+        TransferError/LayoutMismatchError."""
+        if hello.worker_id != peer_id:
+            raise TransferError(
+                f"decode worker authenticated as {peer_id!r} but says hello as {hello.worker_id!r}"
+            )
         self._check(hello.protocol_version, hello.backend, hello.worker_id, role="decode")
         formatter = Formatter.negotiate(
             self.layout, hello.layout, self.geometry, _geometry(hello.layout, hello.num_blocks)

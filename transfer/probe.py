@@ -8,12 +8,16 @@ no model and no peer configuration.
 Conversation on a fresh connection to the worker's transfer endpoint
 (:mod:`pdserve.transfer.wire`)::
 
+    doctor <-> worker AuthHello, AuthChallenge, AuthProof      challenge-response on the cluster
+                                                              secret, both ways, as for a decode
+                                                              worker (pdserve.transfer.auth)
     doctor -> worker  Probe(nbytes)                            instead of a Hello
     worker -> doctor  ProbeData(worker id, epoch, backend, layout, nbytes) + nbytes raw bytes
     ... any number of probes, one at a time; the doctor closes the connection
 
-Safety of the serving side: read-only and bounded. The bytes are zeros from a constant 1 MiB
-buffer (never the KV pool: it holds other users' K/V), at most
+Safety of the serving side: only for a peer that proved it holds the cluster secret (the
+doctor needs it: ``--cluster-secret-file``), read-only and bounded. The bytes are zeros from a
+constant 1 MiB buffer (never the KV pool: it holds other users' K/V), at most
 :data:`~pdserve.transfer.wire.PROBE_MAX_BYTES` per probe (a larger Probe fails validation and
 closes the connection), no parked block, lease or handshake state is touched, and the
 connection is served like any other (one task; closing the transceiver ends it).
@@ -35,10 +39,11 @@ import numpy as np
 
 from pdserve.errors import TransferError
 from pdserve.protocol import KVLayout
-from pdserve.transfer import wire
+from pdserve.transfer import auth, wire
 from pdserve.transfer.control import Connection
 
 if TYPE_CHECKING:
+    from pdserve.security import ClusterKey
     from pdserve.transfer.handshake import LocalSide
 
 CHUNK_BYTES = 1 << 20
@@ -108,6 +113,7 @@ class ProbeResult:
 async def probe(
     endpoint: str,
     *,
+    key: ClusterKey,
     nbytes: int = 64 * CHUNK_BYTES,
     reps: int = 5,
     rtt_reps: int = 20,
@@ -115,15 +121,17 @@ async def probe(
 ) -> ProbeResult:
     """Measure round trips (``rtt_reps`` zero-byte probes) and bandwidth (one warm-up and
     ``reps`` probes of ``nbytes``) to the transceiver at ``endpoint`` ("host:port"), all
-    within ``timeout_s``. Raises TransferError (unreachable, timeout, not a pdserve
-    transceiver that knows probes) and ValueError for ``nbytes`` outside 1 ..
-    PROBE_MAX_BYTES."""
+    within ``timeout_s``, after authenticating both ways with ``key`` (the deployment's
+    cluster secret). Raises TransferError (``kv_auth_failed``: the worker holds another
+    secret or cannot prove it holds ours; unreachable, timeout, not a pdserve transceiver that
+    knows probes) and ValueError for ``nbytes`` outside 1 .. PROBE_MAX_BYTES."""
     if not 0 < nbytes <= wire.PROBE_MAX_BYTES:
         raise ValueError(f"probe size must be 1 .. {wire.PROBE_MAX_BYTES} bytes, got {nbytes}")
     conn = await Connection.open(endpoint, timeout_s)
     buf = memoryview(bytearray(CHUNK_BYTES))
     try:
         async with asyncio.timeout(timeout_s):
+            await auth.dial(conn, key, auth.PROBE_PEER_ID)
             info, _ = await _one(conn, 0, buf)
             rtt = [(await _one(conn, 0, buf))[1] for _ in range(rtt_reps)]
             await _one(conn, nbytes, buf)  # warm-up: socket buffers, page faults
@@ -155,6 +163,7 @@ async def _one(conn: Connection, nbytes: int, buf: memoryview) -> tuple[wire.Pro
             f"{conn.peer} closed the probe ({exc.message}); is it a pdserve transfer endpoint "
             "of this version?"
         ) from exc
+    auth.check_refused(msg, conn.peer)  # the answer to the first probe carries the verdict
     if not isinstance(msg, wire.ProbeData) or msg.nbytes != nbytes:
         raise TransferError(f"{conn.peer} answered a probe with {msg.type!r}")
     offsets, lengths = chunks(nbytes)

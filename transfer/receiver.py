@@ -9,7 +9,10 @@ Lifecycle of one :meth:`Receiver.pull`, all within ``timeout_s``::
                    handle (the layouts are the handshake's and the Formatter's business),
                    lease deadline not passed (fencing: refused before asking)
     2. CONNECT     reuse an idle handshaken connection to ``handle.transfer_endpoint`` or open
-                   one and handshake (:meth:`LocalSide.check_ack`); the cached session is
+                   one, authenticate both ways on the cluster secret (a prefill side that
+                   cannot prove it holds it gets nothing, not even the Hello: TransferError
+                   ``kv_auth_failed``) and handshake (:meth:`LocalSide.connect`; once per
+                   connection, never per request); the cached session is
                    dropped when the handle names another epoch (the prefill worker restarted),
                    and a handle whose epoch is not the one the handshake found is refused;
                    so are source block ids outside the prefill pool (its Hello geometry)
@@ -222,11 +225,7 @@ class Receiver:
             conn.close()
         conn = await Connection.open(endpoint, self._timeout_s)
         try:
-            await conn.send(self._local.hello())
-            ack = await conn.recv()
-            if not isinstance(ack, wire.HelloAck):
-                raise TransferError(f"expected hello_ack from {endpoint}, got {ack.type!r}")
-            formatter = self._local.check_ack(ack)
+            ack, formatter = await self._local.connect(conn)  # authenticates both ways first
         except BaseException:
             conn.close()
             raise

@@ -5,8 +5,14 @@ control messages by sending the KV cache it asks for).
 
 Lifecycle of a connection and of each request on it::
 
+    0. AUTH        mutual challenge-response on the cluster secret
+                   (:func:`pdserve.transfer.auth.accept`, frames <= 64 KiB); a peer that fails
+                   is answered AuthRefused (wrong proof) or nothing (garbage, oversized frame,
+                   silence past the timeout), counted and logged (rate-limited) with its
+                   address, and disconnected; nothing below happens for it
     1. HANDSHAKE   receive Hello, check it (:class:`LocalSide.accept`), answer HelloAck;
                    a refusal is recorded, answered with ok=False, and closes the connection
+                   (a Probe instead of Hello: :func:`pdserve.transfer.probe.serve_probes`)
     2. IDLE        wait for the next message (a connection serves many requests, one at a time)
     3. LOOKUP      SendBlocks: ``parked.lookup(request_id, epoch, lease_id)`` -> the parked
                    block ids (fencing: epoch, lease id, lease deadline, block generations; then
@@ -38,7 +44,7 @@ from collections import deque
 from typing import Protocol
 
 from pdserve.errors import HandleError, TransferError
-from pdserve.transfer import wire
+from pdserve.transfer import auth, wire
 from pdserve.transfer.backend import Outbound, Peer
 from pdserve.transfer.control import Connection
 from pdserve.transfer.formatter import Formatter, TransferPlan
@@ -68,7 +74,9 @@ class Sender:
 
     ``errors`` collects the TransferErrors this side raised (bounded, newest last), for logs and
     tests: a refused handshake raises on the serving side too, and this is where it lands.
-    ``digester`` computes the block digests a receiver asks for (over this worker's pool).
+    Peers that fail authentication go to ``auth_failures`` instead (an unauthenticated peer
+    cannot push the real errors out of ``errors``). ``digester`` computes the block digests a
+    receiver asks for (over this worker's pool).
     """
 
     def __init__(
@@ -79,6 +87,7 @@ class Sender:
         timeout_s: float,
         errors: deque[TransferError],
         digester: BlockDigester,
+        auth_failures: auth.AuthFailures,
     ):
         self._local = local
         self._conn = conn
@@ -86,11 +95,16 @@ class Sender:
         self._timeout_s = timeout_s
         self._errors = errors
         self._digester = digester
+        self._auth_failures = auth_failures
+        self._peer_id: str | None = None  # set once the peer proved it holds the secret
 
     async def serve(self) -> None:
         """Run the connection to its end; never raises for peer failures (they are logged)."""
         try:
-            formatter, peer = await self._handshake()
+            first = await self._authenticate()
+            if isinstance(first, wire.Probe):  # `pdserve doctor`: zeros, no Hello, no KV block
+                await serve_probes(self._conn, first, self._local)  # raises once it closes
+            formatter, peer = await self._handshake(first)
             while True:
                 msg = await self._conn.recv()
                 if isinstance(msg, wire.SendBlocks):
@@ -103,25 +117,39 @@ class Sender:
                 else:
                     raise TransferError(f"unexpected {msg.type!r} from {self._conn.peer}")
         except TransferError as exc:
-            if not self._conn.closed:  # else the peer closed or died: its side reports it
+            if self._peer_id is None:  # raised by auth.accept: counted, logged (rate-limited)
+                self._auth_failures.record(self._conn.peer, exc.message)
+            elif not self._conn.closed:  # else the peer closed or died: its side reports it
                 self._record(exc)
             log.debug("transfer connection from %s ended: %s", self._conn.peer, exc.message)
         except TimeoutError:
-            log.warning("no hello from %s within %.1f s", self._conn.peer, self._timeout_s)
+            if self._peer_id is None:
+                why = f"no authentication within {self._timeout_s:.1f} s"
+                self._auth_failures.record(self._conn.peer, why)
+            else:
+                log.warning("no hello from %s within %.1f s", self._conn.peer, self._timeout_s)
         except Exception:  # a bug (e.g. in ParkedLookup) must not kill the accept loop
             log.exception("transfer connection from %s crashed", self._conn.peer)
         finally:
             self._conn.close()
 
-    async def _handshake(self) -> tuple[Formatter, Peer]:
+    async def _authenticate(self) -> wire.Message:
+        """Step 0, then the first message of the proven peer (Hello or Probe), all within the
+        transfer timeout. Raises TransferError (``kv_auth_failed`` while ``_peer_id`` is
+        None), TimeoutError."""
+        local = self._local
         async with asyncio.timeout(self._timeout_s):
-            hello = await self._conn.recv()
-        if isinstance(hello, wire.Probe):  # `pdserve doctor`: zeros, no handshake, no KV block
-            await serve_probes(self._conn, hello, self._local)  # raises once the doctor closes
+            self._peer_id = await auth.accept(
+                self._conn, local.key, worker_id=local.worker_id, epoch=local.epoch
+            )
+            return await self._conn.recv()
+
+    async def _handshake(self, hello: wire.Message) -> tuple[Formatter, Peer]:
         if not isinstance(hello, wire.Hello):
             raise TransferError(f"expected hello from {self._conn.peer}, got {hello.type!r}")
+        assert self._peer_id is not None  # _authenticate returned
         try:
-            accepted = self._local.accept(hello)
+            accepted = self._local.accept(hello, self._peer_id)
         except TransferError as exc:
             self._record(exc)
             await self._conn.send(self._local.ack(exc))

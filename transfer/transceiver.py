@@ -30,7 +30,9 @@ import torch
 
 from pdserve.errors import ConfigError, TransferError
 from pdserve.protocol import KVLayout, TransferHandle
+from pdserve.security import ClusterKey
 from pdserve.settings import TransferSettings, advertised_host
+from pdserve.transfer.auth import AuthFailures
 from pdserve.transfer.backend import Backend, open_backend
 from pdserve.transfer.control import Connection
 from pdserve.transfer.convert import StagingPool
@@ -50,7 +52,9 @@ class Transceiver:
 
     ``backend`` is ``"nixl"``, ``"ucx"`` or ``"tcp"``; ``endpoint`` is ``"host:port"`` once started.
     ``recent_errors`` holds the last TransferErrors the serving side raised (newest last),
-    e.g. the LayoutMismatchError of a refused handshake.
+    e.g. the LayoutMismatchError of a refused handshake. ``auth_failures.total`` counts the
+    connections refused because the peer did not prove it holds the cluster secret
+    (:mod:`pdserve.transfer.auth`).
     """
 
     def __init__(
@@ -76,6 +80,7 @@ class Transceiver:
         self.backend: str = local.backend.name
         self.endpoint: str = ""
         self.recent_errors: deque[TransferError] = deque(maxlen=_RECENT_ERRORS)
+        self.auth_failures = AuthFailures()
 
     @property
     def late_writes(self) -> bool:
@@ -168,6 +173,7 @@ class Transceiver:
                 self._cfg.timeout_s,
                 self.recent_errors,
                 self._digester,
+                self.auth_failures,
             )
             task = asyncio.create_task(sender.serve())
             self._handlers.add(task)
@@ -182,6 +188,7 @@ def create_transceiver(
     worker_id: str,
     epoch: int,
     parked: ParkedLookup | None,
+    key: ClusterKey,
     advertise_host: str | None = None,
 ) -> Transceiver:
     """Build a worker's transceiver over its KV pool.
@@ -189,10 +196,13 @@ def create_transceiver(
     ``pool``: the worker's one contiguous pool ``[num_layers, num_blocks, 2, tpb, kvh, hd]``
     of ``layout.dtype`` (CPU or CUDA: NIXL registers either, TCP stages CUDA bytes through
     pinned host memory, ucx refuses CUDA with ConfigError). It is registered with NIXL and must
-    outlive the transceiver. ``parked``: the prefill worker's parked blocks (None on a pure decode
-    worker: its SendBlocks are refused). ``advertise_host``: the address peers dial (default:
-    the bind host; a wildcard bind: this machine's hostname). Picks the backend (``cfg.backend``; ``"auto"`` = NIXL
-    if it imports and initialises, else TCP). Raises ConfigError for a pool that does not match
+    outlive the transceiver. ``parked``: the prefill worker's parked blocks (None on a pure
+    decode worker: its SendBlocks are refused). ``key``: the deployment's cluster secret
+    (:class:`~pdserve.security.ClusterKey`); every connection, served or dialled, proves it
+    both ways before anything else (:mod:`pdserve.transfer.auth`). ``advertise_host``: the
+    address peers dial (default: the bind host; a wildcard bind: this machine's hostname).
+    Picks the backend (``cfg.backend``; ``"auto"`` = NIXL if it imports and initialises, else
+    TCP). Raises ConfigError for a pool that does not match
     ``layout`` or an unavailable explicit backend. Call from the event loop's thread.
     """
     geometry = PoolGeometry.from_pool(pool, layout)
@@ -200,5 +210,5 @@ def create_transceiver(
     agent_name = f"pdserve-{worker_id}-{epoch}-{uuid.uuid4().hex[:8]}"
     backend: Backend = open_backend(cfg, pool=pool, geometry=geometry, agent_name=agent_name)
     staging = StagingPool(pool, backend)  # used only by peers whose layout differs
-    local = LocalSide(worker_id, epoch, layout, geometry, backend, staging=staging)
+    local = LocalSide(worker_id, epoch, layout, geometry, backend, staging=staging, key=key)
     return Transceiver(cfg, local, parked, BlockDigester(pool), advertise_host)

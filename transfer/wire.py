@@ -9,10 +9,17 @@ Every message carries a ``type`` tag; the handshake carries ``protocol_version``
 (:data:`pdserve.protocol.PROTOCOL_VERSION`), so a peer speaking another version is refused in
 :class:`Hello`/:class:`HelloAck` before anything else is exchanged. On the TCP backend the
 :class:`BlockData` header is followed, on the same stream, by exactly ``nbytes`` raw KV bytes
-(no framing inside).
+(no framing inside). Until the peer is authenticated a frame may hold at most
+:data:`PREAUTH_MAX_FRAME_BYTES` (64 KiB), afterwards :data:`MAX_FRAME_BYTES`.
 
-Conversation on one connection (decode D connects to prefill P)::
+Conversation on one connection (decode D connects to prefill P; :mod:`pdserve.transfer.auth`
+has the proofs)::
 
+    D -> P  AuthHello       (D's worker id, nonce n_d)                 | challenge-response
+    P -> D  AuthChallenge   (P's worker id, epoch, nonce n_p, proof_p) | on the cluster
+            D checks proof_p, else closes (kv_auth_failed)             | secret, both ways;
+    D -> P  AuthProof       (proof_d)                                  | frames <= 64 KiB
+            P checks proof_d, else answers AuthRefused and closes      |
     D -> P  Hello           (version, worker id, epoch, layout, backend, pool geometry,
                              NIXL agent info / UCX worker address)
     P -> D  HelloAck        (ok, or the refusal's error code + message)
@@ -31,9 +38,13 @@ Conversation on one connection (decode D connects to prefill P)::
     D -> P  Release         (after D has the bytes and they passed the digest check; P then
                              releases the parked blocks. A failed check sends no Release.)
 
+D sends Hello right behind AuthProof (it has verified P by then); P reads it only once proof_d
+checked out, so nothing of the peer is used before it is proven.
+
 A bandwidth probe (``pdserve doctor``, :mod:`pdserve.transfer.probe`) opens a connection to any
-transceiver and sends Probe instead of Hello, any number of times; each is answered with
-ProbeData + ``nbytes`` zero bytes. No handshake, no KV block is involved.
+transceiver, authenticates the same way (the doctor needs the cluster secret), then sends Probe
+instead of Hello, any number of times; each is answered with ProbeData + ``nbytes`` zero
+bytes. No Hello, no KV block is involved.
 """
 
 from __future__ import annotations
@@ -52,8 +63,17 @@ HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 """Upper bound on one control frame (the largest is a Hello with NIXL metadata, a few KiB)."""
 
+PREAUTH_MAX_FRAME_BYTES = 64 * 1024
+"""Upper bound on one control frame before the peer is authenticated (the auth frames are
+about 200 bytes): what a peer without the cluster secret can make a transceiver allocate."""
+
 BACKEND_MISMATCH = "kv_backend_mismatch"
 PROTOCOL_MISMATCH = "kv_protocol_mismatch"
+AUTH_FAILED = "kv_auth_failed"
+"""TransferError code: the peer could not prove it holds the cluster secret (or refused ours)."""
+
+_NONCE = r"^[0-9a-f]{32}$"  # 16 bytes (pdserve.security.nonce), hex
+_PROOF = r"^[0-9a-f]{64}$"  # 32 bytes (ClusterKey.proof, HMAC-SHA256), hex
 
 
 class _Wire(BaseModel):
@@ -81,6 +101,46 @@ class UcxPeerInfo(_Wire):
     (``UCXWorker.address``, a few hundred bytes) in base64, for the sender's endpoint."""
 
     address_b64: str = Field(min_length=1)
+
+
+class AuthHello(_Wire):
+    """First frame of every connection, dialer -> listener: who dials (``peer_id``: its worker
+    id, or ``pdserve-doctor`` for a probe) and a fresh 16-byte ``nonce`` (hex)."""
+
+    type: Literal["auth_hello"] = "auth_hello"
+    protocol_version: int = PROTOCOL_VERSION
+    peer_id: str = Field(min_length=1, max_length=256)
+    nonce: str = Field(pattern=_NONCE)
+
+
+class AuthChallenge(_Wire):
+    """Listener -> dialer: the listener's incarnation, its own fresh ``nonce`` and ``proof``
+    (hex HMAC-SHA256) that it holds the cluster secret, over both nonces and both identities
+    (:func:`pdserve.transfer.auth.listener_proof`)."""
+
+    type: Literal["auth_challenge"] = "auth_challenge"
+    protocol_version: int = PROTOCOL_VERSION
+    worker_id: str = Field(min_length=1, max_length=256)
+    epoch: int
+    nonce: str = Field(pattern=_NONCE)
+    proof: str = Field(pattern=_PROOF)
+
+
+class AuthProof(_Wire):
+    """Dialer -> listener, after it verified the challenge: its own ``proof`` (hex), over the
+    nonces in the other order and the other label (:func:`pdserve.transfer.auth.dialer_proof`)."""
+
+    type: Literal["auth_proof"] = "auth_proof"
+    proof: str = Field(pattern=_PROOF)
+
+
+class AuthRefused(_Wire):
+    """Listener -> dialer: the dialer's proof did not verify; the connection closes. Carries
+    nothing beyond the fact (no identity, no reason)."""
+
+    type: Literal["auth_refused"] = "auth_refused"
+    code: Literal["kv_auth_failed"] = "kv_auth_failed"
+    message: Literal["authentication failed"] = "authentication failed"
 
 
 class _PeerIdentity(_Wire):
@@ -219,7 +279,11 @@ class ProbeData(_Wire):
 
 
 Message = Annotated[
-    Hello
+    AuthHello
+    | AuthChallenge
+    | AuthProof
+    | AuthRefused
+    | Hello
     | HelloAck
     | SendBlocks
     | BlockData
@@ -241,11 +305,12 @@ def encode(msg: _Wire) -> bytes:
     return HEADER.pack(len(payload)) + payload
 
 
-def frame_length(header: bytes) -> int:
-    """Payload length from a 4-byte header; raises TransferError past :data:`MAX_FRAME_BYTES`."""
+def frame_length(header: bytes, limit: int = MAX_FRAME_BYTES) -> int:
+    """Payload length from a 4-byte header; raises TransferError past ``limit`` bytes
+    (:data:`MAX_FRAME_BYTES`, or :data:`PREAUTH_MAX_FRAME_BYTES` before authentication)."""
     length: int = HEADER.unpack(header)[0]
-    if length > MAX_FRAME_BYTES:
-        raise TransferError(f"control frame of {length} bytes exceeds {MAX_FRAME_BYTES}")
+    if length > limit:
+        raise TransferError(f"control frame of {length} bytes exceeds {limit}")
     return length
 
 

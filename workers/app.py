@@ -15,7 +15,9 @@ The role's service class (:mod:`pdserve.workers.roles`) builds its parts and reg
 routes: ``POST /internal/context`` and ``/internal/release`` (prefill), ``POST
 /internal/generate`` (decode, colocated); every role serves ``GET /health``, ``GET /ready``,
 ``GET /load`` and ``GET /metrics`` (:mod:`pdserve.workers.service`). A route of another role
-answers 404. Errors are mapped by the handlers the router uses too
+answers 404. The ``/internal/*`` routes need ``Authorization: Bearer`` with the cluster key's
+token (401 ``unauthorized`` otherwise, checked before the body is read); the others stay open
+for probes and scrapers. Errors are mapped by the handlers the router uses too
 (:func:`pdserve.server.errors.install_error_handlers`).
 """
 
@@ -30,8 +32,9 @@ from contextlib import AsyncExitStack
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 
+from pdserve.discovery.registry import internal_route_class
 from pdserve.protocol import PROTOCOL_HEADER, PROTOCOL_VERSION, WORKER_KEEPALIVE_S
 from pdserve.server.errors import install_error_handlers
 from pdserve.settings import advertised_host, url_host
@@ -68,7 +71,8 @@ def create_worker_app(
     processes use to reach this worker (it goes into the discovery record).
     ``engine_factory`` (default: the real engine) and ``registration_factory`` (default: the
     discovery URL's backend) let tests run a worker on fakes. The running service is
-    ``app.state.worker`` while the lifespan runs."""
+    ``app.state.worker`` while the lifespan runs. Raises :class:`~pdserve.errors.ConfigError`
+    when ``cfg`` is a config without a readable cluster secret."""
     settings = cfg if isinstance(cfg, RoleSettings) else RoleSettings.from_config(cfg)
     identity = WorkerIdentity(worker_id=settings.worker_id, http_url=http_url)
     service_cls = WORKER_CLASSES[settings.role]
@@ -96,7 +100,9 @@ def create_worker_app(
         return response
 
     WorkerService.add_common_routes(app, lambda: app.state.worker)
-    service_cls.add_role_routes(app)
+    internal = APIRouter(route_class=internal_route_class(settings.cluster_key))
+    service_cls.add_role_routes(internal)
+    app.include_router(internal)
     return app
 
 

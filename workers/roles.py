@@ -10,7 +10,10 @@ decode     engine, transceiver                      ``POST /internal/generate`` 
 colocated  engine                                   ``POST /internal/generate`` (no handle)
 ========== ======================================== =============================================
 
-A route of another role is not registered: it answers 404. The request logic lives in
+A route of another role is not registered: it answers 404. Every ``/internal/*`` route needs the
+cluster key's bearer token (the router's :class:`~pdserve.router.client.WorkerClient` sends it;
+401 otherwise): the routes are added to the router :func:`~pdserve.workers.app.create_worker_app`
+guards with :func:`~pdserve.discovery.registry.internal_route_class`. The request logic lives in
 :class:`~pdserve.workers.prefill.PrefillRole` and :class:`~pdserve.workers.decode.DecodeRole`
 (their module docstrings give the request lifecycles); the classes here wire them to HTTP.
 """
@@ -23,7 +26,7 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from pdserve.protocol import (
@@ -70,6 +73,7 @@ async def open_transceiver(
         worker_id=identity.worker_id,
         epoch=identity.epoch,
         parked=parked,
+        key=settings.cluster_key,  # the transceivers' challenge-response (transfer/auth.py)
         advertise_host=settings.advertise_host,
     )
     stack.push_async_callback(_close_quietly, transceiver)
@@ -146,22 +150,22 @@ class PrefillWorker(_TransferRole):
         return self.parked
 
     @classmethod
-    def add_role_routes(cls, app: FastAPI) -> None:
-        @app.post("/internal/context")
+    def add_role_routes(cls, api: APIRouter) -> None:
+        @api.post("/internal/context")
         async def context(req: ContextRequest, request: Request) -> ContextResponse:
             worker: PrefillWorker = service_of(request)
             return await worker.handler.context(req)
 
-        @app.post("/internal/release")
+        @api.post("/internal/release")
         async def release(req: ReleaseRequest, request: Request) -> dict[str, bool]:
             worker: PrefillWorker = service_of(request)
             return {"released": worker.handler.release(req.request_id, req.epoch, req.lease_id)}
 
 
-def _add_generate_route(app: FastAPI) -> None:
+def _add_generate_route(api: APIRouter) -> None:
     """``POST /internal/generate``: NDJSON :class:`GenerationChunk` lines (decode, colocated)."""
 
-    @app.post("/internal/generate")
+    @api.post("/internal/generate")
     async def generate(req: GenerationRequest, request: Request) -> StreamingResponse:
         decode: DecodeRole = service_of(request).handler
         stream = await decode.admit(req)
@@ -217,8 +221,8 @@ class DecodeWorker(_TransferRole):
         return {"transceiver": await open_transceiver(settings, identity, engine, None, stack)}
 
     @classmethod
-    def add_role_routes(cls, app: FastAPI) -> None:
-        _add_generate_route(app)
+    def add_role_routes(cls, api: APIRouter) -> None:
+        _add_generate_route(api)
 
 
 class ColocatedWorker(WorkerService):
@@ -240,8 +244,8 @@ class ColocatedWorker(WorkerService):
         self.handler = _decode_role(settings, engine, None, self.metrics)
 
     @classmethod
-    def add_role_routes(cls, app: FastAPI) -> None:
-        _add_generate_route(app)
+    def add_role_routes(cls, api: APIRouter) -> None:
+        _add_generate_route(api)
 
 
 WORKER_CLASSES: dict[Role, type[WorkerService]] = {

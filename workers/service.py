@@ -3,7 +3,10 @@ routes (``/health``, ``/ready``, ``/load``, ``/metrics``).
 
 The roles themselves (:mod:`pdserve.workers.roles`) subclass :class:`WorkerService`, build
 their parts in :meth:`WorkerService.open` and add their own ``/internal/*`` routes; a route that
-does not belong to a role is not registered at all (404).
+does not belong to a role is not registered at all (404). The ``/internal/*`` routes are the
+internal plane: they answer only the router, which sends the cluster key's bearer token
+(401 otherwise); ``/health``, ``/ready``, ``/load`` and ``/metrics`` stay open for probes and
+scrapers.
 
 Lifecycle of one service (start -> serve -> drain -> cleanup; cleanup is idempotent)::
 
@@ -31,23 +34,26 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve.metrics import CONTENT_TYPE, WorkerMetrics
 from pdserve.protocol import Role, WorkerLoad, WorkerRecord
+from pdserve.settings import DiscoverySettings
 
 if TYPE_CHECKING:
     from pdserve.config import EngineConfig, WorkerConfig
     from pdserve.discovery import Registration
     from pdserve.discovery.events import EventPublisher, ParkedCounts
+    from pdserve.security import ClusterKey
     from pdserve.settings import TransferSettings
     from pdserve.workers.engine_api import EngineFactory, WorkerEngine
 
 log = logging.getLogger(__name__)
 
-RegistrationFactory = Callable[[str, float], "Registration"]
-"""``(discovery URL, ttl_s) -> Registration``; the default opens the URL's backend."""
+RegistrationFactory = Callable[["RoleSettings"], "Registration"]
+"""``settings -> Registration`` (``discovery_url``, ``registration_ttl_s``, ``cluster_key``,
+``discovery``); the default opens the URL's backend."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +63,9 @@ class RoleSettings:
     ``host``/``port``: the request plane's bind address (port 0 picks one);
     ``advertise_host``: the address peers dial (None: the bind host, or the hostname for a
     wildcard). ``lease_s``: how long parked KV blocks wait for their decode worker (seconds).
-    ``evicts``: False under the ``guaranteed_no_evict`` capacity policy.
+    ``evicts``: False under the ``guaranteed_no_evict`` capacity policy. ``cluster_key``: the
+    internal plane's key (guards ``/internal/*``, signs the discovery record); ``discovery``:
+    the discovery section (TLS and credentials toward etcd / NATS).
     """
 
     role: Role
@@ -74,6 +82,8 @@ class RoleSettings:
     lease_s: float
     max_queued_requests: int
     evicts: bool
+    cluster_key: ClusterKey
+    discovery: DiscoverySettings = field(default_factory=DiscoverySettings)
 
     @property
     def transfer_timeout_s(self) -> float:
@@ -83,7 +93,10 @@ class RoleSettings:
     @classmethod
     def from_config(cls, cfg: WorkerConfig) -> RoleSettings:
         """The one place that reads a worker's config (a missing ``worker_id`` becomes
-        ``<role>-<8 hex digits>``)."""
+        ``<role>-<8 hex digits>``). Raises :class:`~pdserve.errors.ConfigError` when the
+        cluster secret is not configured or cannot be read."""
+        from pdserve.security import ClusterKey
+
         role = Role(cfg.role)
         sched = cfg.engine.scheduler
         return cls(
@@ -101,6 +114,8 @@ class RoleSettings:
             lease_s=cfg.engine.kv_cache.lease_s,
             max_queued_requests=sched.max_queued_requests,
             evicts=sched.capacity_policy != "guaranteed_no_evict",
+            cluster_key=ClusterKey.from_settings(cfg.security),
+            discovery=cfg.discovery,
         )
 
 
@@ -114,11 +129,17 @@ class WorkerIdentity:
     epoch: int = field(default_factory=time.time_ns)
 
 
-def default_registration(url: str, ttl_s: float) -> Registration:
-    """The discovery backend ``url`` names (imported on first use)."""
+def default_registration(settings: RoleSettings) -> Registration:
+    """The discovery backend ``settings.discovery_url`` names (imported on first use), signing
+    with ``settings.cluster_key``, with the discovery section's TLS settings."""
     from pdserve.discovery import open_registration
 
-    return open_registration(url, ttl_s=ttl_s)
+    return open_registration(
+        settings.discovery_url,
+        ttl_s=settings.registration_ttl_s,
+        key=settings.cluster_key,
+        discovery=settings.discovery,
+    )
 
 
 class WorkerService:
@@ -165,7 +186,7 @@ class WorkerService:
         registered and ready. Raises ConfigError & co. (the stack then undoes what was built)."""
         engine = await load_engine(settings, identity, stack, engine_factory)
         parts = await cls.open_parts(settings, identity, engine, stack)
-        registration = registration_factory(settings.discovery_url, settings.registration_ttl_s)
+        registration = registration_factory(settings)
         service = cls(
             settings=settings, identity=identity, engine=engine, registration=registration, **parts
         )
@@ -185,8 +206,9 @@ class WorkerService:
         return {}
 
     @classmethod
-    def add_role_routes(cls, app: FastAPI) -> None:
-        """Register this role's ``/internal/*`` routes on ``app`` (none here)."""
+    def add_role_routes(cls, api: APIRouter) -> None:
+        """Register this role's ``/internal/*`` routes on ``api``, a router whose routes need
+        the cluster token (none here)."""
 
     def communicator(self) -> dict[str, str]:
         """The record's communicator handle (transfer roles: backend and endpoint)."""

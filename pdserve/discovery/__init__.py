@@ -9,22 +9,33 @@ Backends, chosen by URL (see :func:`pdserve.discovery.base.parse_discovery_url`)
   side :mod:`.nats_watcher`), plus load / KV block events on core NATS subjects
   (:mod:`.events`); imported only when used.
 
+etcd and NATS take TLS (CA, client certificate) and user credentials (etcd user + password
+file, NATS ``.creds`` file) from ``DiscoverySettings``, passed as ``discovery=`` to
+:func:`open_registration` / :func:`open_watcher` and checked there (:mod:`.tls`).
+
+Every process of a deployment holds the cluster key (:class:`pdserve.security.ClusterKey`, from
+the cluster secret): registrations sign their records and authenticate to the embedded
+registry with it, watchers authenticate with it and drop records it did not sign.
+
 Worker side::
 
-    reg = open_registration(cfg.discovery, ttl_s=cfg.registration_ttl_s)
+    key = ClusterKey.from_settings(cfg.security)
+    reg = open_registration(url, ttl_s=cfg.registration_ttl_s, key=key)
     await reg.start(record)        # registers, starts the refresh task (ttl_s / 3)
     await reg.update(record)       # ~1/s with fresh load
     await reg.close()              # deregisters; idempotent
 
 Router side::
 
-    registry = EmbeddedRegistry(ttl_s=cfg.discovery.registration_ttl_s)
-    app.include_router(registry.api_router())
-    watcher = open_watcher(cfg.discovery.url, registry=registry)   # 'embedded' or 'etcd://...'
+    registry = EmbeddedRegistry(ttl_s=cfg.discovery.registration_ttl_s, key=key)
+    app.include_router(registry.api_router())      # internal: bearer token, not in OpenAPI
+    watcher = open_watcher(cfg.discovery.url, registry=registry, key=key)  # or 'etcd://...'
     await watcher.start(); watcher.subscribe(cb); watcher.workers(); await watcher.close()
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from pdserve.discovery.base import (
     DiscoveryURL,
@@ -37,6 +48,11 @@ from pdserve.discovery.base import (
     parse_discovery_url,
 )
 from pdserve.discovery.registry import EmbeddedRegistry, EmbeddedWatcher
+
+if TYPE_CHECKING:
+    from pdserve.discovery.tls import ControlPlaneTLS
+    from pdserve.security import ClusterKey
+    from pdserve.settings import DiscoverySettings
 
 __all__ = [
     "DiscoveryURL",
@@ -54,29 +70,50 @@ __all__ = [
 ]
 
 
-def open_registration(url: str, *, ttl_s: float) -> Registration:
+def open_registration(
+    url: str,
+    *,
+    ttl_s: float,
+    key: ClusterKey,
+    discovery: DiscoverySettings | None = None,
+) -> Registration:
     """Worker-side registration for ``url`` (``http://HOST:PORT``, ``etcd://HOST:PORT`` or
-    ``nats://HOST:PORT``), holding the record under a TTL of ``ttl_s`` seconds.
+    ``nats://HOST:PORT``), holding the record under a TTL of ``ttl_s`` seconds, signed with
+    the cluster ``key`` (which also authenticates it to the embedded registry).
+
+    ``discovery``: the TLS and user credentials toward etcd / NATS (``ca_file``, ``cert_file``,
+    ``key_file``, ``etcd_username`` + ``etcd_password_file``, ``nats_credentials_file``; see
+    :mod:`pdserve.discovery.tls`); its files are read here. Ignored for ``http://``.
 
     Raises :class:`InvalidDiscoveryURLError` (a ``DiscoveryError`` and ``ValueError``) for a bad
-    URL and ``ValueError`` for a bad TTL. Nothing is contacted until ``start()``.
+    URL, ``ValueError`` for a bad TTL and :class:`~pdserve.errors.ConfigError` (naming the
+    setting) for a missing, unreadable or malformed credentials file or half a pair. Nothing
+    is contacted until ``start()``.
     """
     parsed = parse_discovery_url(url)
+    tls = _control_plane_tls(parsed, discovery)
     if parsed.scheme == "etcd":
         from pdserve.discovery.etcd import EtcdRegistration
 
-        return EtcdRegistration(parsed.host, parsed.port, ttl_s=ttl_s)
+        return EtcdRegistration(parsed.host, parsed.port, ttl_s=ttl_s, key=key, tls=tls)
     if parsed.scheme == "nats":
         from pdserve.discovery.nats import NatsRegistration
 
-        return NatsRegistration(parsed.host, parsed.port, ttl_s=ttl_s)
+        return NatsRegistration(parsed.host, parsed.port, ttl_s=ttl_s, key=key, tls=tls)
     from pdserve.discovery.http import HttpRegistration
 
-    return HttpRegistration(parsed.base_url, ttl_s=ttl_s)
+    return HttpRegistration(parsed.base_url, ttl_s=ttl_s, key=key)
 
 
-def open_watcher(url: str, *, registry: EmbeddedRegistry | None = None) -> Watcher:
-    """Router-side watcher for ``url``.
+def open_watcher(
+    url: str,
+    *,
+    registry: EmbeddedRegistry | None = None,
+    key: ClusterKey,
+    discovery: DiscoverySettings | None = None,
+) -> Watcher:
+    """Router-side watcher for ``url``; it keeps only records signed with the cluster ``key``
+    (and authenticates with it to a remote embedded registry).
 
     - ``embedded`` (or an ``http(s)://`` URL together with ``registry``): watches ``registry``
       in-process; its ``start()`` / ``close()`` also start and stop the registry's sweep task.
@@ -84,11 +121,16 @@ def open_watcher(url: str, *, registry: EmbeddedRegistry | None = None) -> Watch
     - ``etcd://HOST:PORT``: lists and watches etcd.
     - ``nats://HOST:PORT``: watches the NATS bucket and consumes the workers' load events.
 
+    ``discovery``: TLS and user credentials toward etcd / NATS, as for
+    :func:`open_registration`.
+
     Raises :class:`InvalidDiscoveryURLError` for a bad URL, for ``embedded`` without a
-    registry, and for ``etcd://`` or ``nats://`` with one (the two would disagree). Nothing is
-    contacted until ``start()``.
+    registry, and for ``etcd://`` or ``nats://`` with one (the two would disagree);
+    :class:`~pdserve.errors.ConfigError` for unusable credentials files. Nothing is contacted
+    until ``start()``.
     """
     parsed = parse_discovery_url(url, allow_embedded=True)
+    tls = _control_plane_tls(parsed, discovery)
     if parsed.scheme in ("etcd", "nats"):
         if registry is not None:
             raise InvalidDiscoveryURLError(
@@ -99,12 +141,12 @@ def open_watcher(url: str, *, registry: EmbeddedRegistry | None = None) -> Watch
         if parsed.scheme == "nats":
             from pdserve.discovery.nats_watcher import NatsWatcher
 
-            return NatsWatcher(parsed.host, parsed.port)
+            return NatsWatcher(parsed.host, parsed.port, key=key, tls=tls)
         from pdserve.discovery.etcd import EtcdWatcher
 
-        return EtcdWatcher(parsed.host, parsed.port)
+        return EtcdWatcher(parsed.host, parsed.port, key=key, tls=tls)
     if registry is not None:
-        return EmbeddedWatcher(registry)
+        return EmbeddedWatcher(registry)  # the registry holds its own key
     if parsed.scheme == "embedded":
         raise InvalidDiscoveryURLError(
             "discovery URL 'embedded' needs the router's EmbeddedRegistry (registry=...)",
@@ -112,4 +154,15 @@ def open_watcher(url: str, *, registry: EmbeddedRegistry | None = None) -> Watch
         )
     from pdserve.discovery.http import HttpWatcher
 
-    return HttpWatcher(parsed.base_url)
+    return HttpWatcher(parsed.base_url, key=key)
+
+
+def _control_plane_tls(
+    parsed: DiscoveryURL, discovery: DiscoverySettings | None
+) -> ControlPlaneTLS | None:
+    """The checked TLS / credentials settings for an etcd or NATS URL (None otherwise)."""
+    if parsed.scheme not in ("etcd", "nats"):
+        return None
+    from pdserve.discovery.tls import ControlPlaneTLS
+
+    return ControlPlaneTLS.from_settings(discovery)

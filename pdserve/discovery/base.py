@@ -13,6 +13,11 @@ Two roles, one per side of the control plane:
 - router side, :class:`Watcher`: a live ``worker_id -> WorkerRecord`` view plus put/delete
   callbacks, kept in a :class:`RecordTable`.
 
+Signed records (so that write access to etcd/NATS is not enough to register a worker): a
+:class:`Registration` signs every record it holds with the cluster key
+(:meth:`WorkerRecord.signed`); a :class:`RecordTable`, the one place records enter any watcher's
+view, drops one whose signature does not verify, with a rate-limited warning.
+
 Async-safety: every object here belongs to one asyncio event loop and is not thread-safe;
 call its methods from that loop's thread.
 """
@@ -27,13 +32,17 @@ import logging
 import math
 import random
 import re
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Generic, Literal, TypeVar
 from urllib.parse import urlsplit
 
 from pdserve.errors import DiscoveryError
-from pdserve.protocol import WorkerRecord
+from pdserve.protocol import WorkerLoad, WorkerRecord
+
+if TYPE_CHECKING:
+    from pdserve.security import ClusterKey
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +52,9 @@ Subscriber = Callable[[str, WorkerRecord | None], None]
 """Called with ``(worker_id, record)`` on a put and ``(worker_id, None)`` on a delete."""
 
 _WORKER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
+
+UNSIGNED_WARN_INTERVAL_S = 60.0
+"""At most one warning per worker id per this many seconds about a dropped unsigned record."""
 
 ACCEPTED_FORMS = (
     "'http://HOST:PORT' (the router's embedded registry), 'etcd://HOST:PORT' (etcd, port "
@@ -188,6 +200,9 @@ class Registration(abc.ABC):
       :meth:`_wait_backoff`, :meth:`_failure_detail`, and ``_write_refreshes`` (False when a
       put does not renew the TTL, as with an etcd lease).
 
+    ``key`` (the cluster key) signs every record :meth:`start` / :meth:`update` receive, so
+    what a backend writes (:attr:`record`) always carries its signature.
+
     Ownership: the registration owns its background task and its client connection; both end
     in :meth:`close`. Errors: none of the methods raise on registry outages (they log a warning
     and the task retries with backoff); programming errors (``update`` before ``start``, a
@@ -197,8 +212,9 @@ class Registration(abc.ABC):
     _task_prefix = "register"
     _write_refreshes = True  # a put also renews the TTL (HTTP registry, NATS per-message TTL)
 
-    def __init__(self, ttl_s: float) -> None:
+    def __init__(self, ttl_s: float, *, key: ClusterKey) -> None:
         self.ttl_s = check_ttl(ttl_s)
+        self._key = key
         self.state = RegistrationState.IDLE
         self._record: WorkerRecord | None = None
         self._task: asyncio.Task[None] | None = None  # the refresh / keepalive task
@@ -210,7 +226,7 @@ class Registration(abc.ABC):
 
     @property
     def record(self) -> WorkerRecord | None:
-        """The record most recently passed to :meth:`start` / :meth:`update`."""
+        """The record most recently passed to :meth:`start` / :meth:`update`, signed."""
         return self._record
 
     @property
@@ -316,7 +332,7 @@ class Registration(abc.ABC):
                     f"update() for worker {record.worker_id!r} on the registration of "
                     f"{self._record.worker_id!r}"
                 )
-        self._record = record
+        self._record = record.signed(self._key)
 
     def _log_created(self, record: WorkerRecord, detail: str) -> None:
         """Log a (re-)registration of ``record`` at ``detail`` (where, TTL)."""
@@ -391,10 +407,11 @@ class Registration(abc.ABC):
 
 
 class Watcher(abc.ABC):
-    """Router side: a live view of registered workers."""
+    """Router side: a live view of registered workers. ``key`` (the cluster key) checks every
+    record's signature as it enters the view (:class:`RecordTable`)."""
 
-    def __init__(self) -> None:
-        self.view = RecordTable()
+    def __init__(self, *, key: ClusterKey) -> None:
+        self.view = RecordTable(key=key)
 
     @abc.abstractmethod
     async def start(self) -> None:
@@ -425,8 +442,8 @@ class BackgroundWatcher(Watcher, Generic[_F]):
 
     _task_name = "discovery-watch"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, *, key: ClusterKey) -> None:
+        super().__init__(key=key)
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -457,12 +474,19 @@ class BackgroundWatcher(Watcher, Generic[_F]):
 class RecordTable:
     """``worker_id -> WorkerRecord`` plus subscribers; logs arrivals, restarts and removals.
 
+    Every record that enters (:meth:`put`, :meth:`replace_all`) must carry a signature that
+    verifies under ``key`` (:meth:`WorkerRecord.signature_ok`); any other is dropped with a warning naming
+    the worker id, at most once per id per :data:`UNSIGNED_WARN_INTERVAL_S` seconds.
+
     Not thread-safe: mutate and read it from one event loop.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, key: ClusterKey) -> None:
+        self._key = key
         self._records: dict[str, WorkerRecord] = {}
         self._subscribers: list[Subscriber] = []
+        self._warned_at: dict[str, float] = {}  # worker_id -> monotonic time of the warning
+        self.dropped = 0  # records refused for their signature, since creation
 
     def __len__(self) -> int:
         return len(self._records)
@@ -479,8 +503,41 @@ class RecordTable:
     def subscribe(self, callback: Subscriber) -> None:
         self._subscribers.append(callback)
 
-    def put(self, record: WorkerRecord) -> None:
-        """Insert or replace a record; a higher epoch for a known worker is a restart."""
+    def accepts(self, record: WorkerRecord) -> bool:
+        """Whether ``record``'s signature verifies; a refusal is counted and logged (rate
+        limited per worker id)."""
+        if record.signature_ok(self._key):
+            return True
+        self.dropped += 1
+        now = time.monotonic()
+        last = self._warned_at.get(record.worker_id)
+        if last is None or now - last >= UNSIGNED_WARN_INTERVAL_S:
+            if len(self._warned_at) >= 1024:  # bounded: ids come from whoever writes records
+                self._warned_at.clear()
+            self._warned_at[record.worker_id] = now
+            logger.warning(
+                "dropping the record of worker %r (%s at %r): its signature is %s; it was not "
+                "written by a process holding this cluster's secret",
+                record.worker_id,
+                record.role,
+                record.http_url,
+                "wrong" if record.signature else "missing",
+            )
+        return False
+
+    def put(self, record: WorkerRecord, *, load: WorkerLoad | None = None) -> bool:
+        """Insert or replace a record whose signature verifies (else drop it, see
+        :meth:`accepts`); a higher epoch for a known worker is a restart. ``load`` replaces
+        the record's load once it is verified (fresher load from an event bus). Returns
+        whether the record was taken."""
+        if not self.accepts(record):
+            return False
+        if load is not None:
+            record = record.model_copy(update={"load": load})
+        self._store(record)
+        return True
+
+    def _store(self, record: WorkerRecord) -> None:
         old = self._records.get(record.worker_id)
         self._records[record.worker_id] = record
         if old is None:
@@ -504,6 +561,16 @@ class RecordTable:
             )
         self._notify(record.worker_id, record)
 
+    def set_load(self, worker_id: str, load: WorkerLoad) -> None:
+        """Replace the load of a record already in the table (a load event about a verified
+        record; the signature still covers the identity it was verified with). No-op for an
+        unknown worker."""
+        old = self._records.get(worker_id)
+        if old is None or old.load == load:
+            return
+        self._records[worker_id] = record = old.model_copy(update={"load": load})
+        self._notify(worker_id, record)
+
     def delete(self, worker_id: str, reason: str) -> None:
         """Remove a record (no-op if absent); ``reason`` goes to the log ("expired", ...)."""
         old = self._records.pop(worker_id, None)
@@ -513,13 +580,14 @@ class RecordTable:
         self._notify(worker_id, None)
 
     def replace_all(self, records: Iterable[WorkerRecord], reason: str) -> None:
-        """Make the view equal ``records`` (after a re-list), emitting only the differences."""
-        fresh = {r.worker_id: r for r in records}
+        """Make the view equal ``records`` (after a re-list), emitting only the differences;
+        a record whose signature does not verify counts as absent."""
+        fresh = {r.worker_id: r for r in records if self.accepts(r)}
         for worker_id in [w for w in self._records if w not in fresh]:
             self.delete(worker_id, reason)
         for worker_id, record in fresh.items():
             if self._records.get(worker_id) != record:
-                self.put(record)
+                self._store(record)
 
     def _notify(self, worker_id: str, record: WorkerRecord | None) -> None:
         for callback in list(self._subscribers):

@@ -35,10 +35,13 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from pdserve.discovery.base import BackgroundWatcher, Backoff, Registration
+from pdserve.discovery.tls import ControlPlaneTLS
 from pdserve.protocol import WorkerRecord
 
 if TYPE_CHECKING:
     import aetcd
+
+    from pdserve.security import ClusterKey
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +63,18 @@ def worker_key(worker_id: str) -> bytes:
     return f"{PREFIX}{worker_id}".encode()
 
 
-def _new_client(host: str, port: int, timeout_s: float) -> aetcd.Client:
+def _new_client(
+    host: str, port: int, timeout_s: float, tls: ControlPlaneTLS | None = None
+) -> aetcd.Client:
+    """An aetcd client for ``host:port`` (operations bounded by ``timeout_s`` seconds); with
+    ``tls`` enabled over a TLS channel (CA, client certificate), with its etcd user if set."""
     import aetcd  # lazy: gRPC loads only when etcd is used
 
-    return aetcd.Client(host=host, port=port, timeout=timeout_s, options=dict(_GRPC_OPTIONS))
+    if tls is None or not (tls.enabled or tls.etcd_username):
+        return aetcd.Client(host=host, port=port, timeout=timeout_s, options=dict(_GRPC_OPTIONS))
+    from pdserve.discovery.etcd_client import SecureClient
+
+    return SecureClient(tls, host=host, port=port, timeout_s=timeout_s, options=dict(_GRPC_OPTIONS))
 
 
 async def _close_client(client: aetcd.Client) -> None:
@@ -72,6 +83,39 @@ async def _close_client(client: aetcd.Client) -> None:
         await asyncio.wait_for(client.close(), CLOSE_TIMEOUT_S)
     except Exception as exc:  # closing a broken channel must not fail the caller
         logger.debug("closing the etcd client failed: %r", exc)
+
+
+def etcd_hint(exc: Exception, tls: ControlPlaneTLS) -> str:
+    """A hint for a failure that TLS or credentials settings explain ("" otherwise)."""
+    text = str(exc).lower()
+    if "authentication failed" in text or "invalid user" in text:
+        return "(etcd refused the user: check discovery.etcd_username / etcd_password_file)"
+    if "permission denied" in text:
+        if tls.etcd_username is None:
+            return (
+                "(etcd has authentication on: set discovery.etcd_username / "
+                "etcd_password_file, or give the client certificate's CN a role)"
+            )
+        return f"(etcd user {tls.etcd_username} lacks read-write on {PREFIX})"
+    if "token" in text and "invalid" in text and tls.etcd_username:
+        return "(etcd forgot the login, e.g. it restarted: logging in again)"
+    if "user name is empty" in text or ("token" in text and "invalid" in text):
+        return "(etcd has authentication on: set discovery.etcd_username / etcd_password_file)"
+    if not tls.enabled and any(s in text for s in ("ssl", "tls", "socket closed")):
+        return "(does etcd serve TLS? set discovery.ca_file / cert_file / key_file)"
+    if tls.enabled and any(s in text for s in ("ssl", "handshake", "certificate", "tls")):
+        return (
+            "(TLS failed: is discovery.ca_file the CA of etcd's certificate, and does etcd "
+            "accept discovery.cert_file?)"
+        )
+    return ""
+
+
+def _token_expired(exc: Exception) -> bool:
+    """Whether etcd refused our auth token (it forgets tokens when it restarts)."""
+    from aetcd.exceptions import UnauthenticatedError
+
+    return isinstance(exc, UnauthenticatedError) and "token" in str(exc)
 
 
 class LeaseLostError(Exception):
@@ -84,17 +128,30 @@ class EtcdRegistration(Registration):
     _task_prefix = "etcd"
     _write_refreshes = False  # a put does not renew the lease
 
-    def __init__(self, host: str, port: int, *, ttl_s: float) -> None:
-        super().__init__(ttl_s)
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        ttl_s: float,
+        key: ClusterKey,
+        tls: ControlPlaneTLS | None = None,
+    ) -> None:
+        super().__init__(ttl_s, key=key)  # key: signs every record put
+        self.tls = tls or ControlPlaneTLS()
         self.endpoint = f"{host}:{port}"
         self.lease_ttl_s = max(1, math.ceil(self.ttl_s))
         self.lease_id: int | None = None
-        op_timeout_s = max(0.5, min(5.0, self.refresh_interval_s))
-        self._client = _new_client(host, port, op_timeout_s)
+        self._host, self._port = host, port
+        self._op_timeout_s = max(0.5, min(5.0, self.refresh_interval_s))
+        self._client = _new_client(host, port, self._op_timeout_s, self.tls)
 
     @property
     def _where(self) -> str:
         return f"etcd {self.endpoint}"
+
+    def _failure_detail(self, exc: Exception) -> str:
+        return etcd_hint(exc, self.tls)
 
     async def _write(self, refresh_due: bool) -> None:
         """Register when there is no lease; put after update(); refresh the lease when due.
@@ -105,13 +162,22 @@ class EtcdRegistration(Registration):
                 return
             if self._wake.is_set():
                 self._wake.clear()
-                await self._put_record()
+                try:
+                    await self._put_record()
+                except Exception:
+                    self._wake.set()  # the newest record is still to be put on the retry
+                    raise
             if refresh_due:
                 await self._refresh()
         except LeaseLostError:
             logger.info("lease of worker %s is gone; registering again", self._worker_id)
             self.lease_id = None
             await self._register()
+        except Exception as exc:
+            if _token_expired(exc):  # etcd restarted (tokens are in memory): log in again
+                await _close_client(self._client)
+                self._client = _new_client(self._host, self._port, self._op_timeout_s, self.tls)
+            raise
 
     async def _delete(self) -> None:
         """Revoke the lease, which deletes the record at once."""
@@ -176,8 +242,17 @@ class EtcdWatcher(BackgroundWatcher[Any]):
 
     _task_name = "etcd-watch"
 
-    def __init__(self, host: str, port: int, *, op_timeout_s: float = 5.0) -> None:
-        super().__init__()
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        key: ClusterKey,
+        op_timeout_s: float = 5.0,
+        tls: ControlPlaneTLS | None = None,
+    ) -> None:
+        super().__init__(key=key)  # key: the view drops records not signed with it
+        self.tls = tls or ControlPlaneTLS()
         self.host, self.port = host, port
         self.endpoint = f"{host}:{port}"
         self.op_timeout_s = op_timeout_s
@@ -203,7 +278,7 @@ class EtcdWatcher(BackgroundWatcher[Any]):
         """(Re)list the prefix into the view and open a watch from the next revision; return
         the watch, or None after logging a failure."""
         await self._drop_client()  # a fresh client: no state left over from a broken stream
-        self._client = client = _new_client(self.host, self.port, self.op_timeout_s)
+        self._client = client = _new_client(self.host, self.port, self.op_timeout_s, self.tls)
         try:
             listing = await client.get_prefix(PREFIX.encode())
             records = [r for r in (self._decode(kv.key, kv.value) for kv in listing) if r]
@@ -214,10 +289,11 @@ class EtcdWatcher(BackgroundWatcher[Any]):
         except Exception as exc:  # etcd down, timeout, compaction: keep the last view, retry
             if self._backoff.failures % 10 == 0:
                 logger.warning(
-                    "etcd %s: listing/watching workers failed (%r); keeping the last view "
+                    "etcd %s: listing/watching workers failed (%r%s); keeping the last view "
                     "(%d workers) and retrying",
                     self.endpoint,
                     exc,
+                    f" {hint}" if (hint := etcd_hint(exc, self.tls)) else "",
                     len(self.view),
                 )
             return None

@@ -15,6 +15,11 @@
 :class:`HttpWatcher` (for processes other than the router) polls ``GET /registry/workers``
 every ``poll_interval_s`` seconds; on failure it keeps its last view and retries with backoff.
 
+Both send ``Authorization: Bearer <ClusterKey.http_token>`` on every call (the registry's
+routes are internal); the records they write are signed and the records they list are checked
+(:class:`~pdserve.discovery.base.RecordTable`). A wrong secret shows as HTTP 401 in the
+registration's retry warnings.
+
 Async-safety: one event loop; not thread-safe.
 """
 
@@ -22,12 +27,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 import httpx
 
 from pdserve.discovery.base import BackgroundWatcher, Backoff, Registration
 from pdserve.discovery.registry import RegisterBody, RegisterReply, WorkerList
 from pdserve.protocol import PROTOCOL_HEADER, PROTOCOL_VERSION
+
+if TYPE_CHECKING:
+    from pdserve.security import ClusterKey
 
 logger = logging.getLogger(__name__)
 
@@ -36,16 +45,18 @@ CLOSE_TIMEOUT_S = 2.0
 
 
 class HttpRegistration(Registration):
-    """Registers one worker with the router's embedded registry at ``base_url``."""
+    """Registers one worker with the router's embedded registry at ``base_url``, authenticated
+    and signed with the cluster ``key``."""
 
     _task_prefix = "register"
 
-    def __init__(self, base_url: str, *, ttl_s: float) -> None:
-        super().__init__(ttl_s)
+    def __init__(self, base_url: str, *, ttl_s: float, key: ClusterKey) -> None:
+        super().__init__(ttl_s, key=key)
         self.base_url = base_url
         # A request must finish well inside the refresh interval, or one slow call eats the TTL.
         timeout = httpx.Timeout(max(0.5, min(5.0, self.refresh_interval_s)))
-        self._client = httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=_HEADERS)
+        headers = {**_HEADERS, **key.http_headers()}
+        self._client = httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=headers)
 
     @property
     def _where(self) -> str:
@@ -95,16 +106,19 @@ class HttpRegistration(Registration):
 
 
 class HttpWatcher(BackgroundWatcher[bool]):
-    """Polls a remote embedded registry's ``GET /registry/workers``."""
+    """Polls a remote embedded registry's ``GET /registry/workers`` (``poll_interval_s``
+    seconds apart), authenticated with the cluster ``key``, which also checks the records."""
 
     _task_name = "registry-poll"
 
-    def __init__(self, base_url: str, *, poll_interval_s: float = 1.0) -> None:
-        super().__init__()
+    def __init__(self, base_url: str, *, key: ClusterKey, poll_interval_s: float = 1.0) -> None:
+        super().__init__(key=key)
         self.base_url = base_url
         self.poll_interval_s = poll_interval_s
         self._client = httpx.AsyncClient(
-            base_url=base_url, timeout=httpx.Timeout(5.0), headers=_HEADERS
+            base_url=base_url,
+            timeout=httpx.Timeout(5.0),
+            headers={**_HEADERS, **key.http_headers()},
         )
         self._backoff = Backoff(0.1, max(poll_interval_s, 5.0))
 

@@ -37,19 +37,23 @@ import asyncio
 import contextlib
 import logging
 import math
+import ssl
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
 from pdserve.discovery.base import Registration, SupersededError
 from pdserve.discovery.events import EventPublisher, subject_token
+from pdserve.discovery.tls import ControlPlaneTLS
 from pdserve.protocol import WorkerLoad, WorkerRecord
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NatsClient
     from nats.js.client import JetStreamContext
     from nats.js.kv import KeyValue
+
+    from pdserve.security import ClusterKey
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +72,12 @@ class NatsSession:
     forever (0.5 s between attempts), plus the bound key-value bucket.
 
     ``on_connect`` runs (on the loop) after every connect and reconnect, ``on_disconnect`` after
-    every loss. Ownership: the session owns the client; :meth:`close` closes it (bounded).
+    every loss. ``tls`` (:class:`~pdserve.discovery.tls.ControlPlaneTLS`): TLS with its CA and
+    client certificate when enabled (``tls://``; a server that does not require TLS is
+    refused, never used in plaintext) and the user credentials file. Connection errors are
+    logged as warnings (the first, the first TLS / authorization error, then every 20th) and
+    kept in :attr:`last_error`. Ownership: the session owns the client; :meth:`close` closes it
+    (bounded).
     """
 
     def __init__(
@@ -78,11 +87,19 @@ class NatsSession:
         op_timeout_s: float,
         on_connect: Callable[[], None] = lambda: None,
         on_disconnect: Callable[[], None] = lambda: None,
+        tls: ControlPlaneTLS | None = None,
     ) -> None:
         from nats.aio.client import Client
 
         self.server_url = server_url
         self.op_timeout_s = op_timeout_s
+        self.tls = tls or ControlPlaneTLS()
+        self._ssl_context = self.tls.ssl_context()  # read once: no file access on reconnect
+        self.last_error: Exception | None = None
+        """The newest connection error since the last connect (a TLS or authorization error
+        is kept over the resets that follow it), or None."""
+        self._errors = 0
+        self._refusal: asyncio.Task[None] | None = None
         self.client: NatsClient = Client()
         self._on_connect = on_connect
         self._on_disconnect = on_disconnect
@@ -142,9 +159,17 @@ class NatsSession:
             logger.debug("closing the NATS client failed: %r", exc)
 
     async def _connect(self) -> None:
+        options: dict[str, Any] = {}
+        if self._ssl_context is not None:
+            options["tls"] = self._ssl_context
+        if self.tls.nats_credentials_file is not None:
+            options["user_credentials"] = str(self.tls.nats_credentials_file)
+        server = self.server_url
+        if self.tls.enabled:
+            server = "tls://" + server.removeprefix("nats://")
         try:
             await self.client.connect(
-                servers=[self.server_url],
+                servers=[server],
                 name="pdserve",
                 allow_reconnect=True,
                 max_reconnect_attempts=-1,  # also retries the first connect
@@ -155,6 +180,7 @@ class NatsSession:
                 error_cb=self._error,
                 disconnected_cb=self._disconnected,
                 reconnected_cb=self._connected,
+                **options,
             )
         except Exception as exc:  # e.g. a malformed URL; nothing more will be tried
             logger.error("NATS %s: giving up connecting: %r", self.server_url, exc)
@@ -162,7 +188,20 @@ class NatsSession:
         await self._connected()
 
     async def _connected(self) -> None:
-        logger.info("NATS %s connected", self.server_url)
+        if self.tls.enabled and not self._tls_in_use():
+            self.last_error = ConnectionError("the server does not require TLS")
+            logger.error(
+                "NATS %s does not require TLS, but TLS is configured (discovery.ca_file / "
+                "cert_file): refusing the plaintext connection; configure TLS on the server",
+                self.server_url,
+            )
+            self._closing = True  # no reconnect: the server stays refused until a restart
+            # Closed from a task of its own: this callback runs inside nats-py's connect or
+            # reconnect task, which close() cancels.
+            self._refusal = asyncio.create_task(self.client.close(), name="nats-refuse")
+            return
+        self.last_error, self._errors = None, 0
+        logger.info("NATS %s connected (%s)", self.server_url, self.tls.describe())
         self._kv = None  # bind again: the server may have restarted without its store
         self._up.set()
         self._on_connect()
@@ -173,13 +212,57 @@ class NatsSession:
             logger.warning("NATS %s disconnected; reconnecting", self.server_url)
             self._on_disconnect()
 
+    def _tls_in_use(self) -> bool:
+        """Whether the current connection runs over TLS (nats-py upgrades only when the
+        server's INFO asks for it, whatever the URL's scheme)."""
+        info = getattr(self.client, "_server_info", {})  # nats-py has no public accessor
+        return bool(isinstance(info, dict) and info.get("tls_required"))
+
     async def _error(self, exc: Exception) -> None:
-        logger.debug("NATS %s: %r", self.server_url, exc)
+        """nats-py's error callback: warn on the first error since the last connect, the
+        first telling one (TLS, authorization), then every 20th. :attr:`last_error` keeps a
+        telling error over the connection resets that follow it."""
+        telling = _telling(exc)
+        first_telling = telling and (self.last_error is None or not _telling(self.last_error))
+        if telling or self.last_error is None or not _telling(self.last_error):
+            self.last_error = exc
+        self._errors += 1
+        if self._closing:
+            return
+        if self._errors == 1 or first_telling or self._errors % 20 == 0:
+            logger.warning(
+                "NATS %s (%s): %s (%d errors since the last connect)",
+                self.server_url,
+                self.tls.describe(),
+                explain_error(exc),
+                self._errors,
+            )
+        else:
+            logger.debug("NATS %s: %r", self.server_url, exc)
+
+
+def _telling(exc: Exception) -> bool:
+    """Whether ``exc`` says why a connection is refused (TLS or authorization), unlike the
+    resets and broken pipes that follow."""
+    return isinstance(exc, ssl.SSLError) or "authoriz" in str(exc).lower()
+
+
+def explain_error(exc: Exception) -> str:
+    """``exc`` in words, with a hint for TLS and authorization failures."""
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"{text} (is discovery.ca_file the CA that signed the server's certificate?)"
+    if isinstance(exc, ssl.SSLError) and "certificate" in str(exc).lower():
+        return f"{text} (the server wants a client certificate: discovery.cert_file/key_file)"
+    if "authorization" in str(exc).lower():
+        return f"{text} (check discovery.nats_credentials_file)"
+    return text
 
 
 def _identity(record: WorkerRecord) -> WorkerRecord:
-    """The record without the fields that change every second (they go on events)."""
-    return record.model_copy(update={"load": WorkerLoad(), "updated_at": 0.0})
+    """The record without the fields that change every second (they go on events) and the
+    signature over them."""
+    return record.model_copy(update={"load": WorkerLoad(), "updated_at": 0.0, "signature": ""})
 
 
 def record_of(entry: KeyValue.Entry) -> WorkerRecord | None:
@@ -206,15 +289,23 @@ class NatsRegistration(Registration):
 
     _task_prefix = "nats"
 
-    def __init__(self, host: str, port: int, *, ttl_s: float) -> None:
-        super().__init__(ttl_s)
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        ttl_s: float,
+        key: ClusterKey,
+        tls: ControlPlaneTLS | None = None,
+    ) -> None:
+        super().__init__(ttl_s, key=key)  # key: signs every record put
         self.server_url = f"nats://{host}:{port}"
         self.lease_ttl_s = max(1, math.ceil(self.ttl_s))
         self.op_timeout_s = max(0.5, min(5.0, self.refresh_interval_s))
         self.revision: int | None = None  # stream sequence of our last put
         self.events: EventPublisher | None = None
         self._session = NatsSession(
-            self.server_url, op_timeout_s=self.op_timeout_s, on_connect=self._on_connect
+            self.server_url, op_timeout_s=self.op_timeout_s, on_connect=self._on_connect, tls=tls
         )
         # _wake (base): put soon: update() changed the identity, or reconnected
         self._reconnected = asyncio.Event()  # cuts the backoff short
@@ -236,9 +327,11 @@ class NatsRegistration(Registration):
         await self._session.start()
         if await self._session.wait_connected(min(CONNECT_WAIT_S, self.op_timeout_s)):
             return True
+        error = self._session.last_error
         logger.warning(
-            "NATS %s unreachable: worker %s not registered yet; retrying",
+            "NATS %s unreachable (%s): worker %s not registered yet; retrying",
             self.server_url,
+            explain_error(error) if error is not None else "no answer",
             record.worker_id,
         )
         return False

@@ -34,11 +34,20 @@ from typing import TYPE_CHECKING
 
 from pdserve.discovery.base import BackgroundWatcher, Backoff
 from pdserve.discovery.events import EventConsumer, KVBlockEvent, LoadEvent, worker_id_of
-from pdserve.discovery.nats import CLOSE_TIMEOUT_S, CONNECT_WAIT_S, NatsSession, record_of
+from pdserve.discovery.nats import (
+    CLOSE_TIMEOUT_S,
+    CONNECT_WAIT_S,
+    NatsSession,
+    explain_error,
+    record_of,
+)
+from pdserve.discovery.tls import ControlPlaneTLS
 from pdserve.protocol import WorkerRecord
 
 if TYPE_CHECKING:
     from nats.js.kv import KeyValue
+
+    from pdserve.security import ClusterKey
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +65,12 @@ class NatsWatcher(BackgroundWatcher["KeyValue.KeyWatcher | None"]):
         host: str,
         port: int,
         *,
+        key: ClusterKey,
         op_timeout_s: float = 5.0,
         resync_grace_s: float = RESYNC_GRACE_S,
+        tls: ControlPlaneTLS | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(key=key)  # key: the view drops records not signed with it
         self.server_url = f"nats://{host}:{port}"
         self.op_timeout_s = op_timeout_s
         self.resync_grace_s = resync_grace_s
@@ -69,6 +80,7 @@ class NatsWatcher(BackgroundWatcher["KeyValue.KeyWatcher | None"]):
             op_timeout_s=op_timeout_s,
             on_connect=self._on_connect,
             on_disconnect=self._on_disconnect,
+            tls=tls,
         )
         self._resync = asyncio.Event()
         self._backoff = Backoff(0.1, 5.0)
@@ -88,7 +100,12 @@ class NatsWatcher(BackgroundWatcher["KeyValue.KeyWatcher | None"]):
         await self._session.start()
         if await self._session.wait_connected(CONNECT_WAIT_S):
             return await self._open()
-        logger.warning("NATS %s unreachable; watching workers once it is up", self.server_url)
+        error = self._session.last_error
+        logger.warning(
+            "NATS %s unreachable (%s); watching workers once it is up",
+            self.server_url,
+            explain_error(error) if error is not None else "no answer",
+        )
         return None
 
     async def _release(self) -> None:
@@ -210,13 +227,14 @@ class NatsWatcher(BackgroundWatcher["KeyValue.KeyWatcher | None"]):
             self._remove(worker_id, "record expired in NATS (TTL)")
 
     def _put(self, record: WorkerRecord) -> None:
+        event = self._loads.get(record.worker_id)
+        if event is None or event.epoch != record.epoch or event.sent_at <= record.updated_at:
+            event = None  # the record's own load is the freshest
+        if not self.view.put(record, load=event.load if event is not None else None):
+            return  # not signed with the cluster key: dropped (logged), no expiry cancelled
         handle = self._expiring.pop(record.worker_id, None)
         if handle is not None:
             handle.cancel()
-        event = self._loads.get(record.worker_id)
-        if event is not None and event.epoch == record.epoch and event.sent_at > record.updated_at:
-            record = record.model_copy(update={"load": event.load})
-        self.view.put(record)
 
     def _remove(self, worker_id: str, reason: str) -> None:
         handle = self._expiring.pop(worker_id, None)
@@ -247,7 +265,7 @@ class NatsWatcher(BackgroundWatcher["KeyValue.KeyWatcher | None"]):
             return
         self._loads[event.worker_id] = event
         if event.sent_at > record.updated_at and event.load != record.load:
-            self.view.put(record.model_copy(update={"load": event.load}))
+            self.view.set_load(event.worker_id, event.load)  # the record was verified already
 
     def _on_kv(self, event: KVBlockEvent) -> None:
         record = self.view.get(event.worker_id)

@@ -11,6 +11,13 @@ lifespan. Workers register with :class:`pdserve.discovery.http.HttpRegistration`
 - ``GET /registry/workers`` -> :class:`WorkerList` (live records only)
 - ``GET /registry/workers/{worker_id}`` -> ``WorkerRecord`` or 404
 
+Every route is internal: it needs ``Authorization: Bearer <ClusterKey.http_token>`` (the token
+derived from the cluster secret), checked before anything else, including the body; without it
+the answer is 401 ``unauthorized`` and the registry is untouched (reads too: a worker's record
+holds its endpoints and NIXL agent metadata). A PUT's record must also carry a valid signature
+(:meth:`WorkerRecord.signed`), else 401. The routes stay out of the app's ``/openapi.json``.
+:func:`internal_route_class` guards the workers' ``/internal/*`` routes the same way.
+
 A record lapses ``ttl_s`` seconds after its last PUT. Lapsed records are dropped lazily on every
 read and by a sweep task every ``sweep_interval_s``; subscribers get a delete for each.
 
@@ -25,16 +32,48 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
 
 import fastapi
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import Request
+from starlette.responses import Response
 
 from pdserve.discovery.base import RecordTable, Subscriber, Watcher, cancel_task, check_ttl
+from pdserve.errors import AuthenticationError
 from pdserve.protocol import WorkerRecord
+
+if TYPE_CHECKING:
+    from pdserve.security import ClusterKey
 
 logger = logging.getLogger(__name__)
 
 MAX_TTL_S = 3600.0
+
+
+def internal_route_class(key: ClusterKey) -> type[APIRoute]:
+    """An ``APIRoute`` class (for ``APIRouter(route_class=...)``) whose routes answer only
+    requests with ``Authorization: Bearer <key.http_token>``; any other raises
+    :class:`AuthenticationError` (401 through the app's error handlers) before the body is
+    read or validated. The comparison is constant-time; the token is never logged."""
+
+    class InternalRoute(APIRoute):
+        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+            handler = super().get_route_handler()
+
+            async def checked(request: Request) -> Response:
+                if not key.check_http(request.headers.get("authorization")):
+                    raise AuthenticationError(
+                        f"{request.url.path} is internal: it needs 'Authorization: Bearer' "
+                        "with the token derived from the cluster secret"
+                    )
+                return await handler(request)
+
+            return checked
+
+    return InternalRoute
 
 
 class RegisterBody(BaseModel):
@@ -67,13 +106,17 @@ class EmbeddedRegistry:
     """Worker records with per-record TTLs, hosted by the router.
 
     ``ttl_s`` (seconds) applies to PUTs that carry none; ``sweep_interval_s`` (seconds, default
-    ``min(1, ttl_s / 4)``) is how often the sweep task drops lapsed records.
+    ``min(1, ttl_s / 4)``) is how often the sweep task drops lapsed records. ``key`` (the
+    cluster key) guards the HTTP routes and verifies every record's signature.
     """
 
-    def __init__(self, *, ttl_s: float, sweep_interval_s: float | None = None) -> None:
+    def __init__(
+        self, *, ttl_s: float, key: ClusterKey, sweep_interval_s: float | None = None
+    ) -> None:
         self.ttl_s = check_ttl(ttl_s)
         self.sweep_interval_s = check_ttl(sweep_interval_s or min(1.0, self.ttl_s / 4))
-        self.view = RecordTable()
+        self.key = key
+        self.view = RecordTable(key=key)
         self._expires_at: dict[str, float] = {}  # worker_id -> monotonic deadline
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -99,7 +142,8 @@ class EmbeddedRegistry:
     def put(self, record: WorkerRecord, ttl_s: float | None = None) -> bool:
         """Insert or refresh ``record`` for ``ttl_s`` seconds; return True if it was not live.
 
-        Raises ``ValueError`` if ``record.epoch`` is lower than the live record's epoch.
+        Raises ``ValueError`` if ``record.epoch`` is lower than the live record's epoch and
+        :class:`AuthenticationError` if its signature does not verify (nothing changes).
         """
         self.expire()
         ttl = check_ttl(ttl_s) if ttl_s is not None else self.ttl_s
@@ -109,8 +153,11 @@ class EmbeddedRegistry:
                 f"worker {record.worker_id!r}: epoch {record.epoch} is older than the "
                 f"registered epoch {old.epoch}"
             )
+        if not self.view.put(record):
+            raise AuthenticationError(
+                f"the record of worker {record.worker_id!r} is not signed with the cluster key"
+            )
         self._expires_at[record.worker_id] = time.monotonic() + ttl
-        self.view.put(record)
         return old is None
 
     def remove(self, worker_id: str) -> bool:
@@ -142,8 +189,14 @@ class EmbeddedRegistry:
     # -- HTTP --------------------------------------------------------------------------------
 
     def api_router(self) -> fastapi.APIRouter:
-        """Routes under ``/registry``; include it in the router app at the root."""
-        api = fastapi.APIRouter(prefix="/registry", tags=["registry"])
+        """Routes under ``/registry``, internal (bearer token, not in the OpenAPI document);
+        include it in the router app at the root."""
+        api = fastapi.APIRouter(
+            prefix="/registry",
+            tags=["registry"],
+            include_in_schema=False,
+            route_class=internal_route_class(self.key),
+        )
 
         @api.put("/workers/{worker_id}", response_model=RegisterReply)
         async def register(worker_id: str, body: RegisterBody) -> RegisterReply:
@@ -185,7 +238,7 @@ class EmbeddedWatcher(Watcher):
     """
 
     def __init__(self, registry: EmbeddedRegistry, *, manage_sweep: bool = True) -> None:
-        super().__init__()
+        super().__init__(key=registry.key)
         self.registry = registry
         self.view = registry.view  # shared: the registry is the source of truth
         self._manage_sweep = manage_sweep

@@ -176,13 +176,14 @@ def _counts(args: argparse.Namespace) -> list[int]:
     return [args.num_requests or default_num_requests(c) for c in args.concurrency]
 
 
-def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _client(args: argparse.Namespace, headers: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
     import httpx
 
     n = max(args.concurrency) + 4
     return httpx.AsyncClient(
         timeout=httpx.Timeout(args.request_timeout_s, connect=30),
         limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
+        headers=headers,
     )
 
 
@@ -324,38 +325,57 @@ def _token_prompts(rng: random.Random, n: int, length: int) -> list[list[int]]:
     return [[rng.randrange(100, 10100) for _ in range(length)] for _ in range(n)]
 
 
-def _stack_config(cfg: PdserveConfig, model_path: Path, workers: dict[str, int], file: Path) -> str:
+def _stack_config(cfg: PdserveConfig, model_path: Path, workers: dict[str, int], file: Path,
+                  secrets: Path) -> PdserveConfig:  # fmt: skip
     """Write the children's resolved config for a stack of ``workers`` (replicas per role) into
     ``file`` (:func:`pdserve.launcher.child_config`: threads and KV memory split between the
-    workers, model pinned, UCX on loopback) and return the served model name."""
+    workers, model pinned, UCX on loopback) and return that config. The cluster
+    secret (a fresh one unless ``cfg`` names one) and any API keys go to 0600 files in the
+    private folder ``secrets`` (:func:`pdserve.launcher.write_child_secrets`), never into
+    ``file``. Raises ConfigError when an API key file of ``cfg`` cannot be read."""
     import yaml
 
-    from pdserve.launcher import child_config
+    from pdserve.launcher import child_config, write_child_secrets
 
     sized = cfg.model_copy(
         update={
             role: cfg.worker(role).model_copy(update={"replicas": n}) for role, n in workers.items()
         }
     )
-    child = child_config(sized, model_path)
+    child = write_child_secrets(child_config(sized, model_path), secrets)
     file.write_text(yaml.safe_dump(child.model_dump(mode="json"), sort_keys=False))
-    return str(child.model.served_name)
+    return child
 
 
 def compare_main(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path) -> int:
     """Start the disaggregated stack, then a colocated worker (each on its share of this
-    machine, every other setting from ``cfg``); the same prompts through both."""
+    machine, every other setting from ``cfg``); the same prompts through both. The processes'
+    secrets live in a private temporary folder, deleted at the end."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-secrets-") as secrets:
+        return _compare(args, cfg, model_path, Path(secrets))
+
+
+def _compare(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path, secrets: Path) -> int:
     import tempfile
 
     from pdserve.launcher import child_env
+    from pdserve.security import ClusterKey, load_api_keys
     from pdserve.supervisor import ProcessSupervisor
     from pdserve.tools import bench_serve as bs
 
     cores = os.cpu_count() or 2
     logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
     disagg_cfg, coloc_cfg = logs / "disaggregated.yaml", logs / "colocated.yaml"
-    name = _stack_config(cfg, model_path, {"prefill": 1, "decode": 1}, disagg_cfg)
-    _stack_config(cfg, model_path, {"prefill": 0, "decode": 0}, coloc_cfg)
+    child = _stack_config(cfg, model_path, {"prefill": 1, "decode": 1}, disagg_cfg, secrets)
+    child = _stack_config(cfg, model_path, {"prefill": 0, "decode": 0}, coloc_cfg, secrets)
+    name = str(child.model.served_name)
+    # Requests to the router carry a client API key when any is set; to the colocated worker's
+    # /internal/generate, the internal token of the cluster secret (both files just written).
+    keys = load_api_keys(child.security)
+    router_headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+    internal_headers = ClusterKey.from_settings(child.security).http_headers()
     env = child_env()
     rng = random.Random(args.seed)
     warm = _token_prompts(rng, args.warmup, args.input_len)
@@ -363,9 +383,9 @@ def compare_main(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path)
     runs: list[dict[str, Any]] = []
     started = _now()
 
-    def measure(label: str, url: str, one_fn) -> None:  # type: ignore[no-untyped-def]
+    def measure(label: str, url: str, one_fn, headers: dict[str, str]) -> None:  # type: ignore[no-untyped-def]
         async def main() -> list[dict[str, Any]]:
-            async with _client(args) as client:
+            async with _client(args, headers) as client:
                 return await _levels(args, lambda ids: one_fn(client, ids), warm, prompts, label)
 
         runs.append({"label": label, "url": url, "model": name, "levels": asyncio.run(main())})
@@ -386,7 +406,7 @@ def compare_main(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path)
             worker = [role, *config, "--discovery", url]
             stack.spawn(_spec(role, worker, logs / f"{role}.log", 1, env))
         stack.wait_ready(url, timeout_s=_READY_TIMEOUT_S, what="the disaggregated stack")
-        measure("disaggregated", url, openai_one)
+        measure("disaggregated", url, openai_one, router_headers)
 
     port, reg = _free_port(), _free_port()
     coloc = f"http://127.0.0.1:{port}"
@@ -397,7 +417,12 @@ def compare_main(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path)
         stack.spawn(_spec("router", router, logs / "router2.log", 0, env))
         stack.spawn(_spec("colocated", worker, logs / "colocated.log", 1, env))
         stack.wait_ready(coloc, timeout_s=_READY_TIMEOUT_S, what="the colocated worker")
-        measure("colocated", coloc, lambda client, ids: _one_colocated(client, coloc, ids, args))
+        measure(
+            "colocated",
+            coloc,
+            lambda client, ids: _one_colocated(client, coloc, ids, args),
+            internal_headers,
+        )
 
     print(f"\nmodel {name}, {args.input_len}-token prompts, {args.output_len} output tokens, "
           f"{cores} cores")  # fmt: skip

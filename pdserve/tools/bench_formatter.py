@@ -34,6 +34,7 @@ import torch
 
 from pdserve.errors import HandleError
 from pdserve.protocol import KVLayout, TransferHandle
+from pdserve.security import ClusterKey, generate_secret
 from pdserve.settings import TransferSettings
 from pdserve.transfer.formatter import Formatter, PoolGeometry
 from pdserve.transfer.transceiver import create_transceiver
@@ -121,7 +122,7 @@ def _cfg(backend: str) -> TransferSettings:
     )
 
 
-def _prefill_peer(pipe: Pipe, backend: str, tokens: int, threads: int) -> None:
+def _prefill_peer(pipe: Pipe, backend: str, tokens: int, threads: int, secret: str) -> None:
     torch.set_num_threads(threads)  # a worker's --threads: the staging kernel runs on them
 
     async def serve() -> None:
@@ -131,6 +132,7 @@ def _prefill_peer(pipe: Pipe, backend: str, tokens: int, threads: int) -> None:
             t = create_transceiver(
                 _cfg(backend), pool=_pool(layout, tokens), layout=layout,
                 worker_id=f"fmt-prefill-{name}", epoch=_EPOCH, parked=_AllParked(),
+                key=ClusterKey(secret.encode()),
             )  # fmt: skip
             await t.start()
             transceivers.append(t)
@@ -144,7 +146,7 @@ def _prefill_peer(pipe: Pipe, backend: str, tokens: int, threads: int) -> None:
 
 
 async def _pull_pairs(
-    backend: str, tokens: int, endpoints: dict[str, tuple[str, str]]
+    backend: str, tokens: int, endpoints: dict[str, tuple[str, str]], key: ClusterKey
 ) -> list[dict[str, Any]]:
     rows = []
     for src_name, dst_name in PAIRS:
@@ -152,7 +154,7 @@ async def _pull_pairs(
         pool = _pool(dst, tokens).zero_()
         t = create_transceiver(
             _cfg(backend), pool=pool, layout=dst, worker_id="fmt-decode", epoch=_EPOCH,
-            parked=None,
+            parked=None, key=key,
         )  # fmt: skip
         await t.start()
         endpoint, served = endpoints[src_name]
@@ -190,10 +192,13 @@ def bench_pull(backend: str, tokens: int, threads: int = 1) -> list[dict[str, An
     process runs torch on ``threads`` threads)."""
     ctx = mp.get_context("spawn")
     pipe, child = ctx.Pipe()
-    proc = ctx.Process(target=_prefill_peer, args=(child, backend, tokens, threads), daemon=True)
+    secret = generate_secret()  # pickled to the child through its pipe, never on a command line
+    proc = ctx.Process(
+        target=_prefill_peer, args=(child, backend, tokens, threads, secret), daemon=True
+    )
     proc.start()
     try:
-        return asyncio.run(_pull_pairs(backend, tokens, pipe.recv()))
+        return asyncio.run(_pull_pairs(backend, tokens, pipe.recv(), ClusterKey(secret.encode())))
     finally:
         pipe.send("stop")
         proc.join(10)

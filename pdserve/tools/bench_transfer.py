@@ -3,8 +3,9 @@
 The KV transfer benchmark. Each *case* moves KV blocks of a real layout (default SmolLM2-135M: 30
 layers, 3 KV heads, head dim 64, 16 tokens per block, float32 = 720 KiB per block) from a
 prefill-side transceiver to a decode-side transceiver, in two fresh processes started with the
-case's environment (:mod:`pdserve.tools.bench_transfer_peers`), exactly as workers do: handshake
-once, then per request SendBlocks -> bytes -> Release. Cases::
+case's environment (:mod:`pdserve.tools.bench_transfer_peers`), exactly as workers do:
+authenticate and handshake once per connection (outside the timing), then per request
+SendBlocks -> bytes -> Release. Cases::
 
     tcp        the TCP backend (bytes on the control connection)
     nixl-tcp   NIXL WRITE with UCX_TLS=tcp on loopback      (the cross-host path, on one host)
@@ -39,8 +40,15 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pdserve.protocol import KVLayout
+from pdserve.security import generate_secret
 from pdserve.settings import TransferSettings
-from pdserve.tools.bench_transfer_peers import RESULT_PREFIX, PeerSpec, block_bytes, memcpy_times
+from pdserve.tools.bench_transfer_peers import (
+    RESULT_PREFIX,
+    SECRET_ENV,
+    PeerSpec,
+    block_bytes,
+    memcpy_times,
+)
 from pdserve.transfer import backend as backend_registry
 
 SMOLLM2_LAYOUT = KVLayout(
@@ -245,8 +253,10 @@ def _add(result: Result, series: Series) -> None:
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
+    """The children's environment: ours without the UCX variables the case decides, plus
+    ``extra`` and a fresh cluster secret (the serve and pull roles of a case share it)."""
     env = {k: v for k, v in os.environ.items() if k not in _UCX_ENV}
-    return {**env, **extra}
+    return {**env, **extra, SECRET_ENV: generate_secret()}
 
 
 def _command(role: str, spec: PeerSpec) -> list[str]:

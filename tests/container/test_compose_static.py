@@ -4,6 +4,7 @@ Dockerfile keeps its build-argument and runtime contract."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -21,15 +22,42 @@ def _compose() -> dict:
     return yaml.safe_load(COMPOSE_FILE.read_text())
 
 
-@pytest.mark.parametrize("profile", [None, "nats"])
-def test_compose_file_passes_docker_compose_validation(profile: str | None) -> None:
+SECRET_VAR = (
+    "${PDSERVE_CLUSTER_SECRET:?set the cluster secret, see deploy/compose/docker-compose.yml}"
+)
+
+
+def _docker_compose_config(profile: str | None, **env: str) -> subprocess.CompletedProcess[str]:
     if shutil.which("docker-compose") is None:
         pytest.skip("docker-compose is not installed (apt-get install docker-compose)")
     cmd = ["docker-compose", "-f", str(COMPOSE_FILE)]
     if profile:
         cmd += ["--profile", profile]
-    proc = subprocess.run([*cmd, "config", "-q"], capture_output=True, text=True, check=False)
+    environ = {k: v for k, v in os.environ.items() if k != "PDSERVE_CLUSTER_SECRET"} | env
+    return subprocess.run(
+        [*cmd, "config", "-q"], capture_output=True, text=True, check=False, env=environ
+    )
+
+
+@pytest.mark.parametrize("profile", [None, "nats"])
+def test_compose_file_passes_docker_compose_validation(profile: str | None) -> None:
+    proc = _docker_compose_config(profile, PDSERVE_CLUSTER_SECRET="0" * 64)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_compose_refuses_to_start_without_a_cluster_secret() -> None:
+    proc = _docker_compose_config(None)
+    assert proc.returncode != 0
+    assert "set the cluster secret" in proc.stdout + proc.stderr
+
+
+def test_every_pdserve_service_gets_the_cluster_secret_and_only_the_router_api_keys() -> None:
+    services = _compose()["services"]
+    for name in PDSERVE_SERVICES:
+        env = services[name]["environment"]
+        assert env["PDSERVE_SECURITY__CLUSTER_SECRET"] == SECRET_VAR, name
+        assert ("PDSERVE_API_KEY" in env) == (name == "router"), name
+    assert services["router"]["environment"]["PDSERVE_API_KEY"] == "${PDSERVE_API_KEY:-}"
 
 
 def test_compose_topology_scales_and_checks_health() -> None:

@@ -92,7 +92,8 @@ class Rendered:
 
     def pod_env(self, role: str) -> dict[str, str]:
         """The container's environment as the pod sees it: envFrom ConfigMaps, then env
-        (later wins, as in Kubernetes); ``status.podIP`` becomes :data:`POD_IP`."""
+        (later wins, as in Kubernetes); ``status.podIP`` becomes :data:`POD_IP`; an optional
+        Secret key is left out (the Secret does not exist until the user creates it)."""
         c = self.container(role)
         env: dict[str, str] = {}
         for src in c.get("envFrom", []):
@@ -102,6 +103,8 @@ class Rendered:
                 env[var["name"]] = var["value"]
             elif var.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.podIP":
                 env[var["name"]] = POD_IP
+            elif var.get("valueFrom", {}).get("secretKeyRef", {}).get("optional") is True:
+                continue
             else:
                 raise AssertionError(f"{self.target}: unexpected env source {var}")
         return env
@@ -449,3 +452,34 @@ def test_every_port_is_commented() -> None:
             if re.match(r"\s*-?\s*(containerPort|port|http_port):\s*\d+", line) and "#" not in line:
                 bare.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert not bare, "ports without a comment:\n" + "\n".join(bare)
+
+
+CLUSTER_SECRET = "pdserve-cluster-secret"  # created by the user (docs/deploy.md, trust model)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_role_reads_the_cluster_secret_from_the_mounted_secret(
+    target: str, cfg_root: Path
+) -> None:
+    r = render(target)
+    assert not r.all("Secret"), "secrets are created by the user, never shipped in manifests"
+    for role in ROLES:
+        pod = r.deployment(role)["spec"]["template"]["spec"]
+        c = r.container(role)
+        volume = next(v for v in pod["volumes"] if v.get("secret", {}).get("secretName"))
+        assert volume["secret"]["secretName"] == CLUSTER_SECRET
+        assert volume["secret"].get("optional") is not True, "no secret, no start"
+        mode = volume["secret"]["defaultMode"]
+        assert mode & 0o007 == 0 and mode & 0o040, f"{role}: mode {mode:o}"
+        (item,) = volume["secret"]["items"]
+        mount = next(m for m in c["volumeMounts"] if m["name"] == volume["name"])
+        assert mount["readOnly"] is True
+        path = effective_config(target, role, cfg_root).security.cluster_secret_file
+        assert str(path) == f"{mount['mountPath']}/{item['path']}", role
+        assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
+        api = [v for v in c.get("env", []) if v["name"] == "PDSERVE_API_KEY"]
+        if role == "router":  # optional client API keys from their own Secret
+            ref = api[0]["valueFrom"]["secretKeyRef"]
+            assert ref["optional"] is True and ref["name"] == "pdserve-api-keys"
+        else:
+            assert not api, f"{role} has no public routes"

@@ -56,7 +56,7 @@ def _complete(stack: Stack, prompt: list[int]) -> httpx.Response:
 
 
 def _worker(stack: Stack, role: str) -> dict:
-    workers = httpx.get(f"{stack.url}/registry/workers", timeout=5).json()["workers"]
+    workers = stack.registry_workers()
     return next(w for w in workers if w["role"] == role)
 
 

@@ -70,7 +70,7 @@ def _body(stream: bool) -> dict[str, object]:
 
 
 def _parked_on_prefill(stack: Stack) -> int:
-    workers = httpx.get(f"{stack.url}/registry/workers", timeout=5).json()["workers"]
+    workers = stack.registry_workers()
     (prefill,) = [w for w in workers if w["role"] == "prefill"]
     return int(httpx.get(f"{prefill['http_url']}/load", timeout=5).json()["parked"])
 

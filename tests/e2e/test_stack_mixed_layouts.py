@@ -21,7 +21,6 @@ import signal
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
@@ -58,7 +57,7 @@ def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 def _layouts(stack: Stack) -> dict[str, tuple[int, str]]:
-    records = httpx.get(f"{stack.url}/registry/workers", timeout=5).json()["workers"]
+    records = stack.registry_workers()
     return {
         r["worker_id"]: (r["layout"]["tokens_per_block"], r["layout"]["dtype"]) for r in records
     }

@@ -123,7 +123,7 @@ def _idle(worker: dict[str, Any]) -> bool:
 
 def test_shared_prompt_blocks_are_all_freed(tiny_stack: Stack) -> None:
     _client(tiny_stack).completions.create(prompt=PROMPT, **SAMPLED)
-    workers = httpx.get(f"{tiny_stack.url}/registry/workers", timeout=5).json()["workers"]
+    workers = tiny_stack.registry_workers()
     wait_until_sync(
         lambda: all(_idle(w) for w in workers), 5, interval_s=0.1, what="every worker to be idle"
     )

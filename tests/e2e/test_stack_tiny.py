@@ -149,7 +149,7 @@ def test_metrics_count_requests_ttft_and_kv_transfers(tiny_stack: Stack) -> None
     assert grew("pdserve_generation_tokens_total") == 16
     assert router['pdserve_workers{role="decode"}'] == 1
     assert router["pdserve_requests_running"] == 0
-    workers = httpx.get(f"{tiny_stack.url}/registry/workers").json()["workers"]
+    workers = tiny_stack.registry_workers()
     decode = next(w for w in workers if w["role"] == "decode")
     d = _samples(httpx.get(f"{decode['http_url']}/metrics").text)
     assert d["pdserve_kv_transfer_seconds_count"] >= 2
@@ -213,7 +213,7 @@ def test_invalid_json_gets_400(tiny_stack: Stack) -> None:
 
 
 def _parked(stack: Stack) -> int:
-    records = httpx.get(f"{stack.url}/registry/workers", timeout=5).json()["workers"]
+    records = stack.registry_workers()
     total = 0
     for rec in records:
         if rec["role"] == "prefill":
@@ -272,7 +272,7 @@ def test_killed_decode_worker_ends_stream_with_error_and_frees_parked_blocks(
 
 def _wait_until_gone(stack: Stack, worker_id: str, timeout_s: float = 20) -> None:
     def gone() -> bool:
-        workers = httpx.get(f"{stack.url}/registry/workers", timeout=5).json()["workers"]
+        workers = stack.registry_workers()
         return worker_id not in [w["worker_id"] for w in workers]
 
     wait_until_sync(gone, timeout_s, interval_s=0.3, what=f"{worker_id} to deregister")

@@ -190,6 +190,7 @@ async def _pull_sizes(
     from pdserve.protocol import KVLayout
     from pdserve.transfer import create_transceiver
     from tests.gpu.cuda_peer import empty_pool, pattern, transfer_cfg
+    from tests.integration.kv_peer import TEST_KEY
 
     layout = KVLayout(**SMOL_LAYOUT)
     pool = empty_pool(layout, max(sizes), dst_device)
@@ -200,6 +201,7 @@ async def _pull_sizes(
         worker_id="gpu-bench-decode",
         epoch=1,
         parked=None,
+        key=TEST_KEY,
     )
     await t.start()
     try:

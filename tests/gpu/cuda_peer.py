@@ -66,6 +66,7 @@ def _child(pipe: Pipe, backend: str, layout: KVLayout, num_blocks: int, device: 
 
 async def _serve(pipe: Pipe, backend: str, layout: KVLayout, num_blocks: int, device: str) -> None:
     from pdserve.transfer import create_transceiver
+    from tests.integration.kv_peer import TEST_KEY
 
     parked = _Parked()
     pool = pattern(layout, num_blocks, device)
@@ -76,6 +77,7 @@ async def _serve(pipe: Pipe, backend: str, layout: KVLayout, num_blocks: int, de
         worker_id=PREFILL_ID,
         epoch=EPOCH,
         parked=parked,
+        key=TEST_KEY,
     )
     await t.start()
     pipe.send((t.endpoint, t.backend))

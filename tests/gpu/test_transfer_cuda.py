@@ -26,6 +26,7 @@ from pdserve.transfer import create_transceiver
 from pdserve.transfer.formatter import Formatter, PoolGeometry
 from pdserve.transfer.integrity import BlockDigester
 from tests.gpu.cuda_peer import PatternPeer, empty_pool, pattern, transfer_cfg
+from tests.integration.kv_peer import TEST_KEY
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -68,6 +69,7 @@ async def _pull_into(pool: torch.Tensor, layout: KVLayout, backend: str, handle,
         worker_id="gpu-decode",
         epoch=1,
         parked=None,
+        key=TEST_KEY,
     )
     await t.start()
     try:
@@ -129,6 +131,7 @@ def test_the_ucx_backend_refuses_a_cuda_pool_naming_the_alternatives() -> None:
             worker_id="gpu-decode",
             epoch=1,
             parked=None,
+            key=TEST_KEY,
         )
 
     with pytest.raises(ConfigError, match="'nixl'.*'tcp'"):

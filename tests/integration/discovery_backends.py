@@ -3,7 +3,9 @@
 Each :class:`Backend` owns a real server (the router's embedded registry on uvicorn, etcd or
 nats-server from the venv), a started router-side watcher, and the operations the contract
 needs: read the stored record with a separate client, remove a record behind the worker's back,
-lose the server's state, and (etcd / NATS) stop and start the server for an outage.
+lose the server's state, (etcd / NATS) stop and start the server for an outage, and write a
+record straight into the store the way a peer with write access but without the cluster secret
+could (:meth:`Backend.write_forged`).
 
 Timing constants are per backend: etcd and NATS TTLs are whole seconds (``ceil(ttl_s)``) and
 their expiry is reported with a delay, so they get a longer TTL and slack than the embedded
@@ -28,7 +30,7 @@ from pdserve.discovery.http import HttpRegistration
 from pdserve.discovery.nats import BUCKET, NatsRegistration
 from pdserve.discovery.nats_watcher import NatsWatcher
 from pdserve.protocol import Role, WorkerLoad, WorkerRecord
-from tests.fakes import record, registry_app
+from tests.fakes import CLUSTER_KEY, INTERNAL_AUTH, record, registry_app
 from tests.fixtures.servers import EtcdServer, NatsServer, UvicornHandle, free_port
 
 WORKER_ID = "decode@host-1:8100.a"
@@ -88,6 +90,16 @@ class Backend(abc.ABC):
     async def lose_state(self) -> None:
         """Restart the server without its state (every record gone)."""
 
+    @abc.abstractmethod
+    async def write_forged(self, rec: WorkerRecord) -> None:
+        """Write ``rec`` as it is (no signing) with the most direct write access the backend
+        offers a peer: etcd / NATS clients, the registry's route with the cluster token."""
+
+    @abc.abstractmethod
+    async def erase(self, worker_id: str) -> None:
+        """Delete whatever the store holds under ``worker_id`` (cleanup after
+        :meth:`write_forged`)."""
+
 
 class EmbeddedBackend(Backend):
     """The router's embedded registry over real HTTP; the watcher is the router's own."""
@@ -99,7 +111,7 @@ class EmbeddedBackend(Backend):
     registration_type = HttpRegistration
 
     def __init__(self) -> None:
-        self.registry = EmbeddedRegistry(ttl_s=self.ttl_s)
+        self.registry = EmbeddedRegistry(ttl_s=self.ttl_s, key=CLUSTER_KEY)
         self.handle = UvicornHandle(registry_app(self.registry), free_port())
 
     @property
@@ -108,7 +120,7 @@ class EmbeddedBackend(Backend):
 
     async def open(self) -> None:
         await self.handle.start()
-        self.watcher = open_watcher("embedded", registry=self.registry)
+        self.watcher = open_watcher("embedded", registry=self.registry, key=CLUSTER_KEY)
         await self.watcher.start()
 
     async def aclose(self) -> None:
@@ -116,7 +128,7 @@ class EmbeddedBackend(Backend):
         await self.handle.stop()
 
     async def stored(self, worker_id: str) -> WorkerRecord | None:
-        async with httpx.AsyncClient(base_url=self.url) as client:
+        async with httpx.AsyncClient(base_url=self.url, headers=INTERNAL_AUTH) as client:
             resp = await client.get(f"/registry/workers/{worker_id}")
         if resp.status_code == 404:
             return None
@@ -126,13 +138,24 @@ class EmbeddedBackend(Backend):
     async def remove_behind_back(self, reg: Registration, worker_id: str) -> None:
         self.registry.remove(worker_id)
 
+    async def write_forged(self, rec: WorkerRecord) -> None:
+        """PUT with the cluster token (more than a peer without the secret has): the route
+        refuses the record (401) before it reaches the registry."""
+        body = {"record": rec.model_dump(mode="json")}
+        async with httpx.AsyncClient(base_url=self.url, headers=INTERNAL_AUTH) as client:
+            resp = await client.put(f"/registry/workers/{rec.worker_id}", json=body)
+        assert resp.status_code == 401, resp.text
+
+    async def erase(self, worker_id: str) -> None:
+        self.registry.remove(worker_id)
+
     async def lose_state(self) -> None:
         """The router restarts with an empty registry (and a new watcher over it)."""
         await self.watcher.close()
         await self.handle.stop()
-        self.registry = EmbeddedRegistry(ttl_s=self.ttl_s)
+        self.registry = EmbeddedRegistry(ttl_s=self.ttl_s, key=CLUSTER_KEY)
         await self.handle.start(registry_app(self.registry))
-        self.watcher = open_watcher("embedded", registry=self.registry)
+        self.watcher = open_watcher("embedded", registry=self.registry, key=CLUSTER_KEY)
         await self.watcher.start()
 
 
@@ -152,7 +175,7 @@ class EtcdBackend(Backend):
         return self.server.url
 
     async def open(self) -> None:
-        watcher = open_watcher(self.url)
+        watcher = open_watcher(self.url, key=CLUSTER_KEY)
         assert isinstance(watcher, EtcdWatcher)
         self.watcher = watcher
         await watcher.start()
@@ -178,6 +201,18 @@ class EtcdBackend(Backend):
     async def lose_state(self) -> None:
         self.server.restart(wipe=True)  # every key and lease is gone
 
+    async def write_forged(self, rec: WorkerRecord) -> None:
+        import aetcd
+
+        async with aetcd.Client(port=self.server.client_port) as client:
+            await client.put(worker_key(rec.worker_id), rec.model_dump_json().encode())
+
+    async def erase(self, worker_id: str) -> None:
+        import aetcd
+
+        async with aetcd.Client(port=self.server.client_port) as client:
+            await client.delete(worker_key(worker_id))
+
 
 class NatsBackend(Backend):
     name = "nats"
@@ -195,7 +230,7 @@ class NatsBackend(Backend):
         return self.server.url
 
     async def open(self) -> None:
-        watcher = open_watcher(self.url)
+        watcher = open_watcher(self.url, key=CLUSTER_KEY)
         assert isinstance(watcher, NatsWatcher)
         self.watcher = watcher
         await watcher.start()
@@ -221,6 +256,29 @@ class NatsBackend(Backend):
     async def lose_state(self) -> None:
         self.server.restart(wipe=True)  # the bucket and every record are gone
 
+    async def write_forged(self, rec: WorkerRecord) -> None:
+        import nats
+
+        from pdserve.discovery.events import subject_token
+
+        nc = await nats.connect(self.server.url)
+        try:
+            kv = await nc.jetstream().key_value(BUCKET)
+            await kv.put(subject_token(rec.worker_id), rec.model_dump_json().encode())
+        finally:
+            await nc.close()
+
+    async def erase(self, worker_id: str) -> None:
+        import nats
+
+        from pdserve.discovery.events import subject_token
+
+        nc = await nats.connect(self.server.url)
+        try:
+            await (await nc.jetstream().key_value(BUCKET)).delete(subject_token(worker_id))
+        finally:
+            await nc.close()
+
 
 async def nats_stored_record(server: NatsServer, worker_id: str) -> WorkerRecord | None:
     """The record in the bucket, read with a separate client (None when absent or deleted)."""
@@ -245,6 +303,6 @@ async def nats_stored_record(server: NatsServer, worker_id: str) -> WorkerRecord
 
 def open_registration_for(backend: Backend, *, ttl_s: float | None = None) -> Registration:
     """A registration against ``backend`` (its TTL unless ``ttl_s``), of the expected type."""
-    reg = open_registration(backend.url, ttl_s=ttl_s or backend.ttl_s)
+    reg = open_registration(backend.url, ttl_s=ttl_s or backend.ttl_s, key=CLUSTER_KEY)
     assert isinstance(reg, backend.registration_type)
     return reg

@@ -5,6 +5,11 @@ path, minus the model: a real :class:`~pdserve.workers.kv_cache.KVCacheManager` 
 filled with a known pattern), a real :class:`~pdserve.workers.parking.ParkedBlocks` wired to the
 manager's block generations, and a real transceiver. The test process plays the decode worker.
 
+The child's cluster secret is a constructor argument (default: the suite's; another one plays a
+prefill worker of another deployment, or an impostor). Its state reports what an authentication
+test must see untouched: backend peers added (``Backend.add_peer``, which is NIXL's
+``add_remote_agent`` / UCX's endpoint), lease lookups, and refused connections.
+
 Test-only levers, all applied inside the child by commands on a pipe (none is a production
 flag): a clock skew for the lease table (expire leases without waiting), an ownership bug that
 frees parked blocks and hands them to another request (``steal``), and a one-shot fault hook that
@@ -26,8 +31,17 @@ from typing import Any
 import torch
 
 from pdserve.protocol import KVLayout, TransferHandle
+from pdserve.security import ClusterKey
 from pdserve.settings import TransferSettings
+from tests.fakes import TEST_SECRET
 from tests.fixtures.servers import wait_until_sync
+
+TEST_KEY = ClusterKey(TEST_SECRET.encode())
+"""The key of every transceiver in the transfer tests (this module's spawned peers included),
+from the suite's cluster secret."""
+OTHER_SECRET = "another-deployment-secret-0123456789abcdef"
+OTHER_KEY = ClusterKey(OTHER_SECRET.encode())
+"""A different, equally valid secret: a peer of another deployment, or an attacker's guess."""
 
 LAYOUT = KVLayout(
     model="tiny-test", num_layers=3, num_kv_heads=2, head_dim=8, tokens_per_block=4, dtype="float32"
@@ -70,13 +84,16 @@ class PeerState:
     free_blocks: int
     digests_computed: int
     errors: list[tuple[str, str]]  # (error class, message), oldest first
+    peers_added: int = 0  # Backend.add_peer calls (a handshake accepted)
+    lookups: int = 0  # ParkedBlocks.lookup calls (a SendBlocks served or refused by the table)
+    auth_failures: int = 0  # connections refused: the peer did not prove the cluster secret
 
 
-def _child(pipe: Pipe, backend: str, epoch: int, port: int) -> None:
-    asyncio.run(_serve(pipe, backend, epoch, port))
+def _child(pipe: Pipe, backend: str, epoch: int, port: int, secret: str) -> None:
+    asyncio.run(_serve(pipe, backend, epoch, port, secret))
 
 
-async def _serve(pipe: Pipe, backend: str, epoch: int, port: int) -> None:
+async def _serve(pipe: Pipe, backend: str, epoch: int, port: int, secret: str) -> None:
     from pdserve.transfer import create_transceiver, integrity
     from pdserve.transfer.formatter import pool_bytes
     from pdserve.workers.kv_cache import KVCacheManager
@@ -100,7 +117,20 @@ async def _serve(pipe: Pipe, backend: str, epoch: int, port: int) -> None:
         worker_id=PREFILL_ID,
         epoch=epoch,
         parked=parked,
+        key=ClusterKey(secret.encode()),
     )
+    counts = {"add_peer": 0, "lookup": 0}
+
+    def counted(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return method(*args, **kwargs)
+
+        return call
+
+    backend_obj = t._local.backend  # the instance: NIXL add_remote_agent, UCX endpoint
+    backend_obj.add_peer = counted("add_peer", backend_obj.add_peer)  # type: ignore[method-assign]
+    parked.lookup = counted("lookup", parked.lookup)  # type: ignore[method-assign]
     digested = [0]
     corrupt = [False]
     original = integrity.BlockDigester.source
@@ -143,6 +173,9 @@ async def _serve(pipe: Pipe, backend: str, epoch: int, port: int) -> None:
                 kv.get_num_free_blocks(),
                 digested[0],
                 [(type(e).__name__, e.message) for e in t.recent_errors],
+                counts["add_peer"],
+                counts["lookup"],
+                t.auth_failures.total,
             )
         if cmd == "reset":  # between tests: nothing parked, pattern intact, true clock
             await parked.close()
@@ -151,6 +184,8 @@ async def _serve(pipe: Pipe, backend: str, epoch: int, port: int) -> None:
             kv.pool.copy_(pattern())
             skew[0], corrupt[0] = 0.0, False
             t.recent_errors.clear()
+            counts.update(add_peer=0, lookup=0)
+            t.auth_failures.total = 0
             return None
         raise ValueError(f"unknown command {cmd!r}")
 
@@ -168,11 +203,13 @@ async def _serve(pipe: Pipe, backend: str, epoch: int, port: int) -> None:
 class PrefillProcess:
     """Handle on a spawned prefill transfer peer (see the module docstring)."""
 
-    def __init__(self, backend: str, *, epoch: int = 7, port: int = 0):
+    def __init__(self, backend: str, *, epoch: int = 7, port: int = 0, secret: str = TEST_SECRET):
         self.epoch = epoch
         ctx = mp.get_context("spawn")
         self._pipe, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_child, args=(child, backend, epoch, port), daemon=True)
+        self.proc = ctx.Process(
+            target=_child, args=(child, backend, epoch, port, secret), daemon=True
+        )
         self.proc.start()
         if not self._pipe.poll(60):
             raise RuntimeError("prefill process did not start")

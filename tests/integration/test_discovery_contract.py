@@ -22,6 +22,9 @@ from collections.abc import AsyncIterator
 import pytest
 
 from pdserve.discovery import Registration, RegistrationState, open_registration, open_watcher
+from pdserve.protocol import WorkerRecord
+from pdserve.security import ClusterKey
+from tests.fakes import CLUSTER_KEY
 from tests.fixtures.servers import EtcdServer, NatsServer, wait_until
 from tests.integration.discovery_backends import (
     WORKER_ID,
@@ -210,11 +213,11 @@ async def test_registration_returns_after_the_server_loses_its_state(
 
 async def test_nothing_raises_while_the_server_is_unreachable(backend: Backend) -> None:
     url = backend.unreachable_url()
-    reg = open_registration(url, ttl_s=backend.ttl_s)
+    reg = open_registration(url, ttl_s=backend.ttl_s, key=CLUSTER_KEY)
     await reg.start(make_record())
     assert reg.state is RegistrationState.RETRYING
     await reg.update(make_record(running=1))
-    watcher = open_watcher(url)
+    watcher = open_watcher(url, key=CLUSTER_KEY)
     await watcher.start()
     assert watcher.workers() == {}
     await watcher.close()
@@ -250,3 +253,44 @@ async def test_outage_keeps_the_view_and_the_registration_returns(
         assert not any(f"worker {WORKER_ID} removed" in r.message for r in caplog.records)
     finally:
         await reg.close()
+
+
+async def test_records_not_signed_with_the_cluster_key_never_reach_the_view(
+    backend: Backend, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A peer that can write to the store but lacks the cluster secret can neither add a worker
+    nor replace a real one's record: the watcher drops it and names it in a warning."""
+    caplog.set_level(logging.WARNING, logger="pdserve.discovery")
+    events = record_events(backend)
+    other = ClusterKey(b"another-deployment-secret-0123456789abcdef")
+    genuine = make_record()
+    forged: list[WorkerRecord] = [
+        make_record("rogue-unsigned").model_copy(update={"signature": ""}),
+        make_record("rogue-foreign").model_copy(update={"signature": ""}).signed(other),
+        # A hijack: the real worker's id, its endpoint changed after signing.
+        genuine.model_copy(update={"http_url": "http://attacker:8100"}),
+    ]
+    reg = open_registration_for(backend)
+    try:
+        await reg.start(genuine)
+        await wait_until(lambda: WORKER_ID in backend.watcher.workers(), 2.0)
+        for rec in forged:
+            await backend.write_forged(rec)
+
+        def warned(worker_id: str) -> bool:
+            return any(repr(worker_id) in r.getMessage() for r in caplog.records)
+
+        if backend.name != "embedded":  # the embedded route refused them already (401)
+            await wait_until(
+                lambda: all(warned(r.worker_id) for r in forged),
+                5.0,
+                what="a warning naming each forged record",
+            )
+        view = backend.watcher.workers()
+        assert set(view) == {WORKER_ID}, view
+        assert view[WORKER_ID].http_url == genuine.http_url
+        assert [wid for wid, _ in events if wid != WORKER_ID] == []
+    finally:
+        await reg.close()
+        for rec in forged:
+            await backend.erase(rec.worker_id)

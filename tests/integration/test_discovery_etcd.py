@@ -11,6 +11,7 @@ import pytest
 from pdserve.discovery import RegistrationState, open_registration, open_watcher
 from pdserve.discovery.etcd import EtcdRegistration, EtcdWatcher, worker_key
 from pdserve.protocol import WorkerRecord
+from tests.fakes import CLUSTER_KEY
 from tests.fixtures.servers import EtcdServer, wait_until
 from tests.integration.discovery_backends import make_record
 
@@ -19,7 +20,7 @@ TTL_S = 2.0
 
 @pytest.fixture
 async def watcher(etcd_server: EtcdServer) -> AsyncIterator[EtcdWatcher]:
-    w = open_watcher(etcd_server.url)
+    w = open_watcher(etcd_server.url, key=CLUSTER_KEY)
     assert isinstance(w, EtcdWatcher)
     await w.start()
     yield w
@@ -29,7 +30,7 @@ async def watcher(etcd_server: EtcdServer) -> AsyncIterator[EtcdWatcher]:
 async def test_record_is_stored_under_the_registrations_lease(
     etcd_server: EtcdServer, watcher: EtcdWatcher
 ) -> None:
-    reg = open_registration(etcd_server.url, ttl_s=TTL_S)
+    reg = open_registration(etcd_server.url, ttl_s=TTL_S, key=CLUSTER_KEY)
     assert isinstance(reg, EtcdRegistration)
     await reg.start(make_record("decode-0"))
     try:
@@ -48,7 +49,7 @@ async def test_lost_lease_is_replaced_by_a_new_lease_while_etcd_stays_up(
     """As if the lease had expired while the worker was partitioned from etcd."""
     events: list[tuple[str, int | None]] = []
     watcher.subscribe(lambda wid, rec: events.append((wid, rec.epoch if rec else None)))
-    reg = open_registration(etcd_server.url, ttl_s=TTL_S)
+    reg = open_registration(etcd_server.url, ttl_s=TTL_S, key=CLUSTER_KEY)
     assert isinstance(reg, EtcdRegistration)
     await reg.start(make_record("decode-0"))
     try:

@@ -18,6 +18,7 @@ from pdserve.discovery.events import KVBlockEvent, LoadEvent, event_publisher
 from pdserve.discovery.nats import NatsRegistration
 from pdserve.discovery.nats_watcher import NatsWatcher
 from pdserve.protocol import Role, WorkerLoad, WorkerRecord
+from tests.fakes import CLUSTER_KEY
 from tests.fixtures.servers import NatsServer, free_port, wait_until
 from tests.integration.discovery_backends import WORKER_ID, make_record, nats_stored_record
 
@@ -38,7 +39,7 @@ class Parked:
 
 @pytest.fixture
 async def watcher(nats_server: NatsServer) -> AsyncIterator[NatsWatcher]:
-    w = open_watcher(nats_server.url)
+    w = open_watcher(nats_server.url, key=CLUSTER_KEY)
     assert isinstance(w, NatsWatcher)
     await w.start()
     assert w.connected
@@ -55,7 +56,7 @@ def record_events(watcher: NatsWatcher) -> list[WorkerRecord | None]:
 async def test_endpoint_changes_are_written_at_once_and_load_rides_the_refresh(
     nats_server: NatsServer, watcher: NatsWatcher
 ) -> None:
-    reg = open_registration(nats_server.url, ttl_s=TTL_S)
+    reg = open_registration(nats_server.url, ttl_s=TTL_S, key=CLUSTER_KEY)
     assert isinstance(reg, NatsRegistration)
     await reg.start(make_record())
     try:
@@ -74,10 +75,10 @@ async def test_superseded_incarnation_stops_writing_and_its_close_spares_the_suc
     nats_server: NatsServer, watcher: NatsWatcher, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="pdserve.discovery")
-    old = open_registration(nats_server.url, ttl_s=TTL_S)
+    old = open_registration(nats_server.url, ttl_s=TTL_S, key=CLUSTER_KEY)
     await old.start(make_record(epoch=1))
     await wait_until(lambda: WORKER_ID in watcher.workers(), 2.0)
-    new = open_registration(nats_server.url, ttl_s=TTL_S)
+    new = open_registration(nats_server.url, ttl_s=TTL_S, key=CLUSTER_KEY)
     await new.start(make_record(epoch=2))
     try:
         await wait_until(lambda: watcher.workers()[WORKER_ID].epoch == 2, 2.0)
@@ -104,7 +105,9 @@ async def test_superseded_incarnation_stops_writing_and_its_close_spares_the_suc
 async def test_load_and_kv_events_reach_the_watcher_between_refreshes(
     nats_server: NatsServer, watcher: NatsWatcher, caplog: pytest.LogCaptureFixture
 ) -> None:
-    reg = open_registration(nats_server.url, ttl_s=30.0)  # no refresh during the test
+    reg = open_registration(
+        nats_server.url, ttl_s=30.0, key=CLUSTER_KEY
+    )  # no refresh during the test
     await reg.start(make_record("prefill-0", role=Role.PREFILL))
     try:
         await wait_until(lambda: "prefill-0" in watcher.workers(), 2.0)
@@ -150,9 +153,9 @@ async def test_load_and_kv_events_reach_the_watcher_between_refreshes(
 async def test_expiry_after_an_outage_waits_for_the_grace_then_removes_the_dead(
     nats_server: NatsServer,
 ) -> None:
-    watcher = NatsWatcher("127.0.0.1", nats_server.port, resync_grace_s=1.0)
+    watcher = NatsWatcher("127.0.0.1", nats_server.port, key=CLUSTER_KEY, resync_grace_s=1.0)
     await watcher.start()
-    reg = open_registration(nats_server.url, ttl_s=1.0)
+    reg = open_registration(nats_server.url, ttl_s=1.0, key=CLUSTER_KEY)
     await reg.start(make_record())
     try:
         await wait_until(lambda: WORKER_ID in watcher.workers(), 2.0)
@@ -169,7 +172,7 @@ async def test_expiry_after_an_outage_waits_for_the_grace_then_removes_the_dead(
 
 
 async def test_event_publisher_sends_nothing_while_nats_is_unreachable() -> None:
-    reg = open_registration(f"nats://127.0.0.1:{free_port()}", ttl_s=TTL_S)
+    reg = open_registration(f"nats://127.0.0.1:{free_port()}", ttl_s=TTL_S, key=CLUSTER_KEY)
     await reg.start(make_record())
     assert reg.state is RegistrationState.RETRYING
     publisher = event_publisher(reg)

@@ -27,6 +27,7 @@ from pdserve.protocol import KVLayout, TransferHandle
 from pdserve.settings import TransferSettings
 from pdserve.transfer import Transceiver, create_transceiver
 from tests.fixtures.servers import wait_until, wait_until_sync
+from tests.integration.kv_peer import TEST_KEY
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -117,7 +118,13 @@ async def _prefill_main(pipe: Pipe, backend: str, layout: KVLayout, num_blocks: 
     parked = _Parked(EPOCH)
     pool = _pattern(layout, num_blocks)
     t = create_transceiver(
-        _cfg(backend), pool=pool, layout=layout, worker_id=PREFILL_ID, epoch=EPOCH, parked=parked
+        _cfg(backend),
+        pool=pool,
+        layout=layout,
+        worker_id=PREFILL_ID,
+        epoch=EPOCH,
+        parked=parked,
+        key=TEST_KEY,
     )
     await t.start()
     pipe.send((t.endpoint, t.backend))
@@ -217,6 +224,7 @@ async def _decode(
         worker_id="decode-0",
         epoch=1,
         parked=None,
+        key=TEST_KEY,
     )
     await t.start()
     return t, pool
@@ -374,7 +382,13 @@ async def test_peer_dying_mid_transfer_raises_transfer_error(backend, delay):
     peer = PrefillPeer(backend, layout=BIG, num_blocks=BIG_BLOCKS)
     pool = _pool(BIG, BIG_BLOCKS)
     t = create_transceiver(
-        _cfg(backend), pool=pool, layout=BIG, worker_id="decode-1", epoch=1, parked=None
+        _cfg(backend),
+        pool=pool,
+        layout=BIG,
+        worker_id="decode-1",
+        epoch=1,
+        parked=None,
+        key=TEST_KEY,
     )
     try:
         await t.start()

@@ -29,6 +29,7 @@ from pdserve.transfer import Transceiver, create_transceiver, wire
 from tests.integration.kv_peer import (
     LAYOUT,
     NUM_BLOCKS,
+    TEST_KEY,
     PrefillProcess,
     cfg,
     empty_pool,
@@ -61,6 +62,7 @@ async def _decode(backend: str, integrity: bool = True) -> tuple[Transceiver, to
         worker_id="decode-i",
         epoch=1,
         parked=None,
+        key=TEST_KEY,
     )
     await t.start()
     return t, pool

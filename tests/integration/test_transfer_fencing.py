@@ -24,7 +24,7 @@ from pdserve.transfer.backend import open_backend
 from pdserve.transfer.control import Connection
 from pdserve.transfer.formatter import PoolGeometry
 from pdserve.transfer.handshake import LocalSide
-from tests.integration.kv_peer import LAYOUT, PrefillProcess, cfg, empty_pool, pattern
+from tests.integration.kv_peer import LAYOUT, TEST_KEY, PrefillProcess, cfg, empty_pool, pattern
 from tests.integration.test_transfer_backends import BACKENDS
 
 pytestmark = pytest.mark.timeout(60)
@@ -46,7 +46,13 @@ def _fresh_prefill(prefill: PrefillProcess) -> None:
 async def decode(prefill: PrefillProcess) -> AsyncIterator[tuple[Transceiver, torch.Tensor]]:
     pool = empty_pool()
     t = create_transceiver(
-        cfg(prefill.backend), pool=pool, layout=LAYOUT, worker_id="decode-f", epoch=1, parked=None
+        cfg(prefill.backend),
+        pool=pool,
+        layout=LAYOUT,
+        worker_id="decode-f",
+        epoch=1,
+        parked=None,
+        key=TEST_KEY,
     )
     await t.start()
     yield t, pool
@@ -125,9 +131,8 @@ async def test_send_blocks_naming_an_old_epoch_is_refused_by_the_prefill_side(pr
     )
     conn = await Connection.open(prefill.endpoint, 10.0)
     try:
-        local = LocalSide("decode-raw", 1, LAYOUT, geometry, backend)
-        await conn.send(local.hello())
-        local.check_ack(await conn.recv())  # type: ignore[arg-type]
+        local = LocalSide("decode-raw", 1, LAYOUT, geometry, backend, key=TEST_KEY)
+        await local.connect(conn)  # authenticates both ways, then Hello / HelloAck
         await conn.send(
             wire.SendBlocks(
                 request_id=handle.request_id,
@@ -218,7 +223,13 @@ async def test_handle_from_before_a_prefill_restart_is_refused_after_re_handshak
     port = int(first.endpoint.rsplit(":", 1)[1])
     pool = empty_pool()
     t = create_transceiver(
-        cfg(prefill.backend), pool=pool, layout=LAYOUT, worker_id="decode-r", epoch=1, parked=None
+        cfg(prefill.backend),
+        pool=pool,
+        layout=LAYOUT,
+        worker_id="decode-r",
+        epoch=1,
+        parked=None,
+        key=TEST_KEY,
     )
     second: PrefillProcess | None = None
     try:

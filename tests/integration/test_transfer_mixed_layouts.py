@@ -24,6 +24,7 @@ from pdserve.settings import TransferSettings
 from pdserve.transfer import Transceiver, create_transceiver
 from pdserve.workers.parking import ParkedBlocks
 from tests.fixtures.servers import wait_until_sync
+from tests.integration.kv_peer import TEST_KEY
 from tests.integration.test_transfer_backends import BACKENDS
 
 pytestmark = pytest.mark.timeout(90)
@@ -86,6 +87,7 @@ async def _prefill_main(pipe: Pipe, backend: str) -> None:
             worker_id=f"prefill-{name}",
             epoch=EPOCH,
             parked=parked[name],
+            key=TEST_KEY,
         )
         await t.start()
     pipe.send({name: (t.endpoint, t.backend) for name, t in transceivers.items()})
@@ -186,7 +188,7 @@ async def decode_factory(prefill: Prefill) -> AsyncIterator[Any]:
         pool = _pool(layout)
         t = create_transceiver(
             _cfg(prefill.backend), pool=pool, layout=layout, worker_id="decode-0", epoch=1,
-            parked=None,
+            parked=None, key=TEST_KEY
         )  # fmt: skip
         made.append(t)
         await t.start()

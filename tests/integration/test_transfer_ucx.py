@@ -10,7 +10,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 import torch
@@ -19,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from pdserve.errors import TransferError
 from pdserve.transfer import create_transceiver
 from tests.fixtures.stack import Stack, start_stack
+from tests.integration.kv_peer import TEST_KEY
 from tests.integration.test_transfer_backends import (
     BIG,
     BIG_BLOCKS,
@@ -63,7 +63,7 @@ async def test_peer_dying_mid_transfer_over_tcp_raises_transfer_error(tcp_only):
     peer = PrefillPeer("ucx", layout=BIG, num_blocks=BIG_BLOCKS)
     pool = _pool(BIG, BIG_BLOCKS)
     t = create_transceiver(
-        _cfg("ucx"), pool=pool, layout=BIG, worker_id="decode-1", epoch=1, parked=None
+        _cfg("ucx"), pool=pool, layout=BIG, worker_id="decode-1", epoch=1, parked=None, key=TEST_KEY
     )
     try:
         await t.start()
@@ -90,7 +90,7 @@ def ucx_stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 def test_stack_on_ucx_gives_the_greedy_tokens_of_transformers(
     ucx_stack: Stack, tiny_model_dir: Path
 ) -> None:
-    workers = httpx.get(f"{ucx_stack.url}/registry/workers", timeout=5).json()["workers"]
+    workers = ucx_stack.registry_workers()
     assert {w["communicator"]["backend"] for w in workers} == {"ucx"}
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -23,7 +23,7 @@ from pdserve.discovery import (
 from pdserve.discovery.http import HttpRegistration, HttpWatcher
 from pdserve.errors import DiscoveryError
 from pdserve.protocol import Role, WorkerRecord
-from tests.fakes import record, registry_app
+from tests.fakes import CLUSTER_KEY, INTERNAL_AUTH, record, registry_app
 from tests.fixtures.servers import UvicornHandle, free_port, serve_app, wait_until
 
 Router = tuple[EmbeddedRegistry, UvicornHandle]
@@ -37,25 +37,25 @@ def make_record(worker_id: str = "prefill-0", epoch: int = 1) -> WorkerRecord:
 
 @pytest.fixture
 async def router() -> AsyncIterator[Router]:
-    registry = EmbeddedRegistry(ttl_s=TTL_S)
+    registry = EmbeddedRegistry(ttl_s=TTL_S, key=CLUSTER_KEY)
     async with serve_app(registry_app(registry)) as handle:
         yield registry, handle
 
 
 async def test_registered_worker_is_visible_at_once_and_over_http(router: Router) -> None:
     registry, server = router
-    watcher = open_watcher("embedded", registry=registry)
+    watcher = open_watcher("embedded", registry=registry, key=CLUSTER_KEY)
     events: list[tuple[str, WorkerRecord | None]] = []
     watcher.subscribe(lambda wid, rec: events.append((wid, rec)))
     await watcher.start()
-    reg = open_registration(server.base_url, ttl_s=TTL_S)
+    reg = open_registration(server.base_url, ttl_s=TTL_S, key=CLUSTER_KEY)
     assert isinstance(reg, HttpRegistration)
     try:
         await reg.start(make_record())
         assert reg.state is RegistrationState.REGISTERED
         assert watcher.workers()["prefill-0"].epoch == 1
         assert [(wid, rec.epoch if rec else None) for wid, rec in events] == [("prefill-0", 1)]
-        async with httpx.AsyncClient(base_url=server.base_url) as client:
+        async with httpx.AsyncClient(base_url=server.base_url, headers=INTERNAL_AUTH) as client:
             listing = (await client.get("/registry/workers")).json()
             assert [w["worker_id"] for w in listing["workers"]] == ["prefill-0"]
             assert (await client.get("/registry/workers/prefill-0")).status_code == 200
@@ -67,14 +67,14 @@ async def test_registered_worker_is_visible_at_once_and_over_http(router: Router
 
 async def test_stale_epoch_and_mismatched_path_are_refused_over_http(router: Router) -> None:
     registry, server = router
-    old = open_registration(server.base_url, ttl_s=TTL_S)
+    old = open_registration(server.base_url, ttl_s=TTL_S, key=CLUSTER_KEY)
     await old.start(make_record(epoch=1))
     await old.abandon()
-    new = open_registration(server.base_url, ttl_s=TTL_S)
+    new = open_registration(server.base_url, ttl_s=TTL_S, key=CLUSTER_KEY)
     await new.start(make_record(epoch=2))
     try:
         assert registry.workers()["prefill-0"].epoch == 2
-        async with httpx.AsyncClient(base_url=server.base_url) as client:
+        async with httpx.AsyncClient(base_url=server.base_url, headers=INTERNAL_AUTH) as client:
             body = {"record": make_record(epoch=1).model_dump(mode="json"), "ttl_s": TTL_S}
             resp = await client.put("/registry/workers/prefill-0", json=body)
             assert resp.status_code == 409
@@ -90,11 +90,11 @@ async def test_registration_retries_until_router_is_reachable(
 ) -> None:
     caplog.set_level(logging.INFO, logger="pdserve.discovery")
     port = free_port()
-    reg = open_registration(f"http://127.0.0.1:{port}", ttl_s=TTL_S)
+    reg = open_registration(f"http://127.0.0.1:{port}", ttl_s=TTL_S, key=CLUSTER_KEY)
     await reg.start(make_record())  # nobody listens: must not raise
     assert reg.state is RegistrationState.RETRYING
     assert any("failed" in r.message for r in caplog.records if r.levelno == logging.WARNING)
-    registry = EmbeddedRegistry(ttl_s=TTL_S)
+    registry = EmbeddedRegistry(ttl_s=TTL_S, key=CLUSTER_KEY)
     handle = UvicornHandle(registry_app(registry), port)
     try:
         await handle.start()
@@ -102,7 +102,7 @@ async def test_registration_retries_until_router_is_reachable(
         await wait_until(lambda: reg.state is RegistrationState.REGISTERED, 0.5)
         # The router restarts with an empty registry: the worker re-registers by itself.
         await handle.stop()
-        registry = EmbeddedRegistry(ttl_s=TTL_S)
+        registry = EmbeddedRegistry(ttl_s=TTL_S, key=CLUSTER_KEY)
         await handle.start(registry_app(registry))
         await wait_until(lambda: "prefill-0" in registry.workers(), 2 * TTL_S, what="re-reg")
         # The worker logs after it has processed the registry's reply, a moment later.
@@ -118,7 +118,7 @@ async def test_registration_retries_until_router_is_reachable(
 
 async def test_http_watcher_follows_a_remote_registry(router: Router) -> None:
     registry, server = router
-    watcher = open_watcher(server.base_url)
+    watcher = open_watcher(server.base_url, key=CLUSTER_KEY)
     assert isinstance(watcher, HttpWatcher)
     watcher.poll_interval_s = 0.1
     await watcher.start()
@@ -133,7 +133,7 @@ async def test_http_watcher_follows_a_remote_registry(router: Router) -> None:
 
 
 def test_registry_expires_lazily_on_read_without_sweep() -> None:
-    registry = EmbeddedRegistry(ttl_s=5.0)
+    registry = EmbeddedRegistry(ttl_s=5.0, key=CLUSTER_KEY)
     registry.put(make_record("a"))
     registry.put(make_record("b"), ttl_s=60.0)
     assert registry.expire(now=time.monotonic() + 10.0) == ["a"]
@@ -156,7 +156,7 @@ def test_registry_expires_lazily_on_read_without_sweep() -> None:
 )
 def test_bad_registration_urls_are_rejected_with_the_accepted_forms(url: str) -> None:
     with pytest.raises(InvalidDiscoveryURLError) as info:
-        open_registration(url, ttl_s=1.0)
+        open_registration(url, ttl_s=1.0, key=CLUSTER_KEY)
     assert isinstance(info.value, DiscoveryError) and isinstance(info.value, ValueError)
     assert repr(url) in str(info.value) and "etcd://HOST:PORT" in str(info.value)
 
@@ -165,15 +165,19 @@ def test_url_forms_and_watcher_arguments() -> None:
     assert parse_discovery_url("etcd://h").port == 2379
     assert parse_discovery_url("http://r:8000/").base_url == "http://r:8000"
     with pytest.raises(InvalidDiscoveryURLError, match="registry"):
-        open_watcher("embedded")
+        open_watcher("embedded", key=CLUSTER_KEY)
     with pytest.raises(InvalidDiscoveryURLError, match="registry"):
-        open_watcher("etcd://127.0.0.1:2379", registry=EmbeddedRegistry(ttl_s=TTL_S))
+        open_watcher(
+            "etcd://127.0.0.1:2379",
+            registry=EmbeddedRegistry(ttl_s=TTL_S, key=CLUSTER_KEY),
+            key=CLUSTER_KEY,
+        )
     with pytest.raises(ValueError, match="ttl_s"):
-        open_registration("http://127.0.0.1:1", ttl_s=0)
+        open_registration("http://127.0.0.1:1", ttl_s=0, key=CLUSTER_KEY)
 
 
 async def test_start_rejects_bad_worker_id_and_update_before_start() -> None:
-    reg = open_registration("http://127.0.0.1:1", ttl_s=1.0)
+    reg = open_registration("http://127.0.0.1:1", ttl_s=1.0, key=CLUSTER_KEY)
     with pytest.raises(RuntimeError, match="before start"):
         await reg.update(make_record())
     with pytest.raises(ValueError, match="worker_id"):

@@ -15,6 +15,7 @@ from pdserve.discovery.events import (
     worker_id_of,
 )
 from pdserve.protocol import WorkerLoad
+from tests.fakes import CLUSTER_KEY
 
 
 def test_nats_urls_default_to_port_4222_and_take_no_path() -> None:
@@ -51,7 +52,9 @@ def test_events_of_another_version_are_rejected_and_extra_fields_ignored() -> No
 
 
 def test_only_nats_registrations_have_an_event_publisher() -> None:
-    assert event_publisher(open_registration("http://127.0.0.1:1", ttl_s=1.0)) is None
+    assert (
+        event_publisher(open_registration("http://127.0.0.1:1", ttl_s=1.0, key=CLUSTER_KEY)) is None
+    )
     assert event_publisher(None) is None
-    nats_reg = open_registration("nats://127.0.0.1:1", ttl_s=1.0)
+    nats_reg = open_registration("nats://127.0.0.1:1", ttl_s=1.0, key=CLUSTER_KEY)
     assert event_publisher(nats_reg) is None  # created by start()

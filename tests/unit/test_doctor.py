@@ -4,6 +4,7 @@ real transceiver (the command itself, run as a subprocess: tests/integration/tes
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -28,9 +29,14 @@ from pdserve.tools.doctor import (
     exit_code,
     format_report,
 )
+from pdserve.tools.doctor import main as doctor_main
 from pdserve.tools.doctor_facts import BackendFacts, Facts, parse_ucx_info
-from pdserve.transfer import wire
+from pdserve.transfer import auth, wire
+from pdserve.transfer.control import Connection
+from pdserve.transfer.probe import chunks
 from pdserve.transfer.transceiver import Transceiver, create_transceiver
+from tests.fixtures.servers import wait_until
+from tests.integration.kv_peer import OTHER_KEY, TEST_KEY
 
 LAYOUT = KVLayout(
     model="tiny", num_layers=2, num_kv_heads=2, head_dim=8, tokens_per_block=4, dtype="float32"
@@ -178,6 +184,7 @@ async def transceiver(fill: float = 1.0) -> AsyncIterator[Transceiver]:
         worker_id="prefill-doc",
         epoch=42,
         parked=None,
+        key=TEST_KEY,
     )
     await t.start()
     try:
@@ -188,7 +195,7 @@ async def transceiver(fill: float = 1.0) -> AsyncIterator[Transceiver]:
 
 async def test_peer_probe_reports_worker_round_trip_and_bandwidth() -> None:
     async with transceiver() as t:
-        findings = await check_peer(t.endpoint, nbytes=2 << 20, timeout_s=20)
+        findings = await check_peer(t.endpoint, key=TEST_KEY, nbytes=2 << 20, timeout_s=20)
     assert exit_code(findings) == 0
     assert "worker prefill-doc (epoch 42), backend tcp" in findings[0].message
     (bandwidth,) = [f for f in findings if f.check == "peer bandwidth"]
@@ -199,22 +206,62 @@ async def test_peer_that_is_not_listening_fails() -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    findings = await check_peer(f"127.0.0.1:{port}", nbytes=1 << 20, timeout_s=5)
+    findings = await check_peer(f"127.0.0.1:{port}", key=TEST_KEY, nbytes=1 << 20, timeout_s=5)
     assert [f.level for f in findings] == [Level.FAIL]
     assert exit_code(findings) == 1
 
 
 async def test_probe_bytes_are_zeros_never_the_kv_pool() -> None:
     async with transceiver(fill=1.0) as t:
-        host, port = t.endpoint.rsplit(":", 1)
-        reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(wire.encode(wire.Probe(nbytes=3000)))
-        header = await reader.readexactly(wire.HEADER.size)
-        answer = wire.decode(await reader.readexactly(wire.frame_length(header)))
-        payload = await reader.readexactly(3000)
-        writer.close()
+        conn = await Connection.open(t.endpoint, 10.0)
+        try:
+            await auth.dial(conn, TEST_KEY, auth.PROBE_PEER_ID)
+            await conn.send(wire.Probe(nbytes=3000))
+            answer = await conn.recv()
+            payload = bytearray(3000)
+            await conn.recv_segments(memoryview(payload), *chunks(3000))
+        finally:
+            conn.close()
     assert isinstance(answer, wire.ProbeData) and answer.worker_id == "prefill-doc"
     assert payload == bytes(3000)
+
+
+async def _closed_without_answer(reader: asyncio.StreamReader) -> bool:
+    """Whether the peer closed the connection without sending one byte (a reset counts)."""
+    try:
+        return await reader.read() == b""
+    except ConnectionResetError:
+        return True
+
+
+async def test_probe_without_authentication_is_refused_and_gets_no_byte() -> None:
+    async with transceiver() as t:
+        host, port = t.endpoint.rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(wire.encode(wire.Probe(nbytes=3000)))  # the pre-authentication protocol
+        assert await _closed_without_answer(reader)
+        writer.close()
+        await wait_until(lambda: t.auth_failures.total == 1, 5.0, what="the refusal counted")
+
+
+async def test_probe_with_another_clusters_secret_fails_naming_the_secret() -> None:
+    async with transceiver() as t:
+        findings = await check_peer(t.endpoint, key=OTHER_KEY, nbytes=1 << 20, timeout_s=10)
+        await wait_until(lambda: t.auth_failures.total == 1, 5.0, what="the refusal counted")
+    (peer,) = findings
+    assert peer.level is Level.FAIL and "could not prove" in peer.message
+    assert "--cluster-secret-file" in peer.fix and exit_code(findings) == 1
+
+
+def test_doctor_refuses_to_probe_without_a_cluster_secret(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in list(os.environ):
+        if name.startswith("PDSERVE_"):
+            monkeypatch.delenv(name)
+    assert doctor_main(["--peer", "127.0.0.1:9"]) == 2  # before any check or connection
+    out = capsys.readouterr().out
+    assert "refusing to probe without it" in out and "--cluster-secret-file" in out
 
 
 def test_probe_larger_than_the_bound_is_refused_by_the_schema() -> None:

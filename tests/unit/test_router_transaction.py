@@ -19,9 +19,10 @@ from pdserve.protocol import FinishReason, Role, SamplingParams, WorkerLoad
 from pdserve.router.client import WorkerClient, WorkerUnreachableError
 from pdserve.router.transaction import Router
 from pdserve.router.view import WorkerView
-from tests.fakes import MODEL, FakeWatcher, FakeWorker, record
+from tests.fakes import CLUSTER_KEY, MODEL, FakeWatcher, FakeWorker, record
 
 REPLY = [(72, "H"), (105, "i"), (33, "!"), (10, "\n")]
+KEY = CLUSTER_KEY  # the key whose token the fake workers require
 PROMPT = [1, 2, 3]
 
 
@@ -39,7 +40,8 @@ async def make_router(*workers: FakeWorker, extra_records=(), timeout_s: float =
     watcher = FakeWatcher([w.record() for w in workers] + list(extra_records))
     async with httpx.AsyncClient(mounts=mounts, trust_env=False) as http:
         view = WorkerView(watcher, served_model_name=MODEL)
-        yield Router(view, WorkerClient(http, connect_timeout_s=1.0), request_timeout_s=timeout_s)
+        client = WorkerClient(http, key=KEY, connect_timeout_s=1.0)
+        yield Router(view, client, request_timeout_s=timeout_s)
 
 
 async def run(router: Router, max_tokens: int = 16, request_id: str = "r1"):

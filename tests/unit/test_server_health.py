@@ -8,7 +8,16 @@ import pytest
 from pdserve.config import RouterConfig
 from pdserve.protocol import Role
 from pdserve.settings import ModelSettings
-from tests.fakes import MODEL, FakeWorker, build_tokenizer_dir, layout, record, router_harness
+from tests.fakes import (
+    INTERNAL_AUTH,
+    MODEL,
+    SECURITY,
+    FakeWorker,
+    build_tokenizer_dir,
+    layout,
+    record,
+    router_harness,
+)
 
 REPLY = [(72, "H"), (105, "i")]
 
@@ -20,7 +29,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture
 def cfg(model_dir):
-    return RouterConfig(model_path=model_dir, served_model_name=MODEL)
+    return RouterConfig(model_path=model_dir, served_model_name=MODEL, security=SECURITY)
 
 
 async def test_ready_only_with_a_live_prefill_and_decode_worker(cfg):
@@ -89,7 +98,9 @@ async def test_embedded_registry_is_mounted_and_feeds_the_router(cfg):
             assert (await c.get("/ready")).status_code == 503
             for w in (p, d):
                 body = {"record": w.record().model_dump(mode="json")}
-                r = await c.put(f"/registry/workers/{w.worker_id}", json=body)
+                r = await c.put(
+                    f"/registry/workers/{w.worker_id}", json=body, headers=INTERNAL_AUTH
+                )
                 assert r.status_code == 200, r.text
             assert (await c.get("/ready")).status_code == 200
             r = await c.post(

@@ -32,6 +32,7 @@ from pdserve.router.client import WorkerClient
 from pdserve.router.transaction import Router, TxnState
 from pdserve.router.view import WorkerView
 from tests.fakes import (
+    CLUSTER_KEY,
     MODEL,
     FakeWatcher,
     FakeWorker,
@@ -362,7 +363,8 @@ async def make_router(p: ChoicesWorker, d: ChoicesWorker) -> AsyncIterator[Route
     watcher = FakeWatcher([p.record(), d.record()])
     async with httpx.AsyncClient(mounts=mounts, trust_env=False) as http:
         view = WorkerView(watcher, served_model_name=MODEL)
-        yield Router(view, WorkerClient(http, connect_timeout_s=1.0), request_timeout_s=10.0)
+        client = WorkerClient(http, key=CLUSTER_KEY, connect_timeout_s=1.0)
+        yield Router(view, client, request_timeout_s=10.0)
 
 
 def workers(replies: list[Reply] = REPLIES, **kw: Any) -> tuple[ChoicesWorker, ChoicesWorker]:

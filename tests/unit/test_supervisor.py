@@ -1,5 +1,7 @@
 """The process supervisor behind ``pdserve up``, the serving benchmark and the test stack: ready
-waits that name the failing process, stop order and the kill after the grace period."""
+waits that name the failing process, stop order, the kill after the grace period, and restarts
+(backoff, limit, PDSERVE_RESTARTS, a prompt stop during a backoff) with real short-lived
+children."""
 
 from __future__ import annotations
 
@@ -10,11 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.settings import SupervisorSettings
 from pdserve.supervisor import (
     ProcessExitedError,
     ProcessSpec,
     ProcessSupervisor,
     ReadyTimeoutError,
+    RestartPolicy,
 )
 from tests.fixtures.servers import free_port, wait_until_sync
 
@@ -101,3 +105,111 @@ def test_a_process_killed_on_purpose_is_not_a_crash() -> None:
         assert sup.crashed() is b
         assert sup.watch(lambda: False) is b
         assert sup.watch(lambda: True) is None
+
+
+# --- restarts (WATCH with a RestartPolicy) -------------------------------------------------------
+
+COUNT_RUNS = (
+    "import os, pathlib, sys, time; log = pathlib.Path(sys.argv[1]); "
+    "log.open('a').write(os.environ['PDSERVE_RESTARTS'] + '\\n'); "
+    "n = len(log.read_text().split()); time.sleep(60) if n > {crashes} else sys.exit(3)"
+)
+
+
+def counting(name: str, runs: Path, crashes: int) -> ProcessSpec:
+    """A process that appends its PDSERVE_RESTARTS to ``runs`` and exits with 3 for the first
+    ``crashes`` runs, then stays up."""
+    code = COUNT_RUNS.format(crashes=crashes)
+    return ProcessSpec(name, [sys.executable, "-c", code, str(runs)])
+
+
+def test_policy_backoff_doubles_up_to_its_maximum() -> None:
+    policy = RestartPolicy(limit=9, backoff_s=0.5, backoff_max_s=3.0)
+    assert [policy.delay_s(n) for n in range(1, 6)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+    with pytest.raises(ValueError):
+        RestartPolicy(limit=-1)
+    settings = SupervisorSettings(restart_limit=2, restart_window_s=9, restart_backoff_s=0.1)
+    assert RestartPolicy.from_settings(settings) == RestartPolicy(2, 9.0, 0.1, 15.0)
+
+
+def test_an_exited_process_is_restarted_in_its_place_with_backoff_and_its_count(
+    tmp_path: Path,
+) -> None:
+    notes: list[str] = []
+    runs = tmp_path / "runs"
+    policy = RestartPolicy(limit=5, window_s=60, backoff_s=0.1, backoff_max_s=0.2)
+    with ProcessSupervisor(poll_s=0.02, notify=notes.append) as sup:
+        sup.spawn(python("router", SLEEPER))
+        sup.spawn(counting("prefill-0", runs, crashes=3))
+        sup.spawn(python("decode-0", SLEEPER))
+        start = time.monotonic()
+        assert (
+            sup.watch(lambda: runs.is_file() and len(runs.read_text().split()) >= 4, policy) is None
+        )
+        elapsed = time.monotonic() - start
+        names = [p.name for p in sup.processes]
+        restarted = sup.processes[1]
+        assert names == ["router", "prefill-0", "decode-0"]  # the start (and stop) order holds
+        assert restarted.running and restarted.restarts == 3
+        assert sup.recent_restarts("prefill-0") == 3
+    assert runs.read_text().split() == ["0", "1", "2", "3"]  # PDSERVE_RESTARTS of each run
+    assert notes == [
+        "prefill-0 exited with code 3; restarting in 0.1 s (restart 1 of at most 5 in 60 s)",
+        "prefill-0 exited with code 3; restarting in 0.2 s (restart 2 of at most 5 in 60 s)",
+        "prefill-0 exited with code 3; restarting in 0.2 s (restart 3 of at most 5 in 60 s)",
+    ]
+    assert elapsed >= 0.5  # the backoffs were waited
+    assert all(not p.running for p in sup.processes)
+
+
+def test_past_the_limit_the_process_is_returned_and_nothing_else_restarts(
+    tmp_path: Path,
+) -> None:
+    notes: list[str] = []
+    policy = RestartPolicy(limit=2, window_s=60, backoff_s=0.05)
+    with ProcessSupervisor(poll_s=0.02, notify=notes.append) as sup:
+        sup.spawn(python("router", SLEEPER))
+        sup.spawn(python("prefill-0", "raise SystemExit(3)"))
+        dead = sup.watch(lambda: False, policy)
+        assert dead is not None and dead.name == "prefill-0" and dead.returncode == 3
+        assert dead.restarts == 2 and len(notes) == 2
+        assert sup.processes[0].running
+
+
+def test_restart_limit_zero_returns_the_first_exit() -> None:
+    with ProcessSupervisor(poll_s=0.02) as sup:
+        sup.spawn(python("decode-0", "raise SystemExit(3)"))
+        dead = sup.watch(lambda: False, RestartPolicy(limit=0))
+        assert dead is not None and dead.restarts == 0
+
+
+def test_stopping_during_a_backoff_returns_promptly_without_restarting(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    asked = 0.0
+
+    def stopping() -> bool:
+        nonlocal asked
+        # Ask to stop once the exit was seen (the backoff of 30 s is running).
+        if not asked and notes:
+            asked = time.monotonic()
+        return bool(asked)
+
+    notes: list[str] = []
+    policy = RestartPolicy(limit=3, backoff_s=30, backoff_max_s=30)
+    with ProcessSupervisor(poll_s=0.05, notify=notes.append) as sup:
+        sup.spawn(counting("decode-0", runs, crashes=1))
+        assert sup.watch(stopping, policy) is None
+        assert time.monotonic() - asked < 1.0
+        assert "restarting in 30 s" in notes[0]
+    assert runs.read_text().split() == ["0"]  # never started again
+
+
+def test_a_restarted_process_appends_to_its_log(tmp_path: Path) -> None:
+    log, runs = tmp_path / "log", tmp_path / "runs"
+    code = COUNT_RUNS.format(crashes=1).replace("; n =", "; print('run', flush=True); n =")
+    spec = ProcessSpec("w", [sys.executable, "-c", code, str(runs)], log_path=log)
+    policy = RestartPolicy(limit=2, backoff_s=0.05)
+    with ProcessSupervisor(poll_s=0.02) as sup:
+        sup.spawn(spec)
+        sup.watch(lambda: len(sup.processes[0].log().split()) >= 2, policy)
+    assert log.read_text().split() == ["run", "run"]

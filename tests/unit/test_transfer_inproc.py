@@ -29,6 +29,7 @@ from pdserve.transfer.inproc import FABRIC, InprocBackend
 from pdserve.workers.kv_cache import KVCacheManager
 from pdserve.workers.parking import ParkedBlocks
 from tests.fixtures.servers import wait_until
+from tests.integration.kv_peer import TEST_KEY
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -93,7 +94,13 @@ async def prefill() -> AsyncIterator[Prefill]:
         clock=lambda: time.time() + skew[0],
     )
     t = create_transceiver(
-        settings(), pool=kv.pool, layout=LAYOUT, worker_id="prefill-0", epoch=EPOCH, parked=parked
+        settings(),
+        pool=kv.pool,
+        layout=LAYOUT,
+        worker_id="prefill-0",
+        epoch=EPOCH,
+        parked=parked,
+        key=TEST_KEY,
     )
     await t.start()
     yield Prefill(kv, parked, t, skew)
@@ -104,7 +111,13 @@ async def prefill() -> AsyncIterator[Prefill]:
 async def _decode(timeout_s: float = 2.0) -> tuple[Transceiver, torch.Tensor]:
     pool = KVCacheManager(LAYOUT, 16).pool
     t = create_transceiver(
-        settings(timeout_s), pool=pool, layout=LAYOUT, worker_id="decode-0", epoch=1, parked=None
+        settings(timeout_s),
+        pool=pool,
+        layout=LAYOUT,
+        worker_id="decode-0",
+        epoch=1,
+        parked=None,
+        key=TEST_KEY,
     )
     await t.start()
     return t, pool

@@ -31,6 +31,7 @@ from pdserve.transfer.ucx import (
     UcxWorker,
     transfer_tag,
 )
+from tests.integration.kv_peer import TEST_KEY
 
 pytest.importorskip("ucxx")
 
@@ -200,7 +201,12 @@ def backend() -> Iterator[UcxBackend]:
 
 def test_hello_carries_the_worker_address_for_the_prefill_side(backend):
     side = LocalSide(
-        "decode-0", 1, LAYOUT, PoolGeometry(2, 4, LAYOUT.block_bytes_per_layer), backend
+        "decode-0",
+        1,
+        LAYOUT,
+        PoolGeometry(2, 4, LAYOUT.block_bytes_per_layer),
+        backend,
+        key=TEST_KEY,
     )
     hello = wire.decode(wire.encode(side.hello())[wire.HEADER.size :])
     assert isinstance(hello, wire.Hello) and hello.backend == "ucx" and hello.nixl is None

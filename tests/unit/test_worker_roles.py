@@ -29,13 +29,14 @@ from pdserve.protocol import (
     TransferHandle,
     WorkerRecord,
 )
+from pdserve.security import ClusterKey
 from pdserve.settings import TransferSettings
 from pdserve.transfer.inproc import FABRIC
 from pdserve.workers.app import create_worker_app
 from pdserve.workers.decode import DecodeRole
 from pdserve.workers.service import RoleSettings
 from tests.fake_engine import FakeEngine, token_at
-from tests.fakes import layout
+from tests.fakes import CLUSTER_KEY, INTERNAL_AUTH, layout
 from tests.fixtures.servers import wait_until
 
 pytestmark = pytest.mark.timeout(30)
@@ -79,6 +80,7 @@ def role_settings(role: Role, *, lease_s: float = 30.0, timeout_s: float = 2.0) 
         lease_s=lease_s,
         max_queued_requests=4,
         evicts=True,
+        cluster_key=CLUSTER_KEY,
     )
 
 
@@ -102,11 +104,13 @@ async def running(role: Role, num_blocks: int = 32, **kw: Any) -> AsyncIterator[
         role_settings(role, **kw),
         http_url=f"http://{role.value}.test",
         engine_factory=lambda _cfg: engine,
-        registration_factory=lambda _url, _ttl: registration,  # type: ignore[arg-type,return-value]
+        registration_factory=lambda _settings: registration,  # type: ignore[arg-type,return-value]
     )
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://w") as client:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://w", headers=INTERNAL_AUTH
+        ) as client:
             yield Running(app, client, engine, registration)
     assert engine.stopped and registration.state is RegistrationState.CLOSED
 
@@ -168,6 +172,41 @@ async def test_a_malformed_worker_request_is_a_400_naming_the_field() -> None:
     async with running(Role.PREFILL) as w:
         r = await w.client.post("/internal/context", json={"request_id": "r1"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_token_ids"
+
+
+async def test_internal_routes_need_the_cluster_token_and_the_probes_do_not() -> None:
+    other = ClusterKey(b"another-deployment-secret-0123456789abcdef")
+    async with running(Role.PREFILL) as p, running(Role.DECODE) as d:
+        ctx = await _context(p)  # with the token: r1 runs and parks
+        assert ctx.handle is not None and p.worker.parked_count() == 1
+        release = {"request_id": "r1", "epoch": ctx.handle.epoch, "lease_id": ctx.handle.lease_id}
+        calls = [
+            (p, "/internal/context", context_body("r2")),
+            (p, "/internal/release", release),
+            (d, "/internal/generate", generation_body(ctx)),
+        ]
+        for w, path, body in calls:
+            transport = httpx.ASGITransport(app=w.app, raise_app_exceptions=False)
+            async with httpx.AsyncClient(transport=transport, base_url="http://w") as bare:
+                for headers in (
+                    {},  # no Authorization at all
+                    other.http_headers(),  # another deployment's token
+                    {"Authorization": f"Basic {CLUSTER_KEY.http_token}"},  # not a bearer
+                    {"Authorization": "Bearer "},
+                ):
+                    r = await bare.post(path, json=body, headers=headers)
+                    assert r.status_code == 401, (path, headers, r.text)
+                    assert r.headers["www-authenticate"] == "Bearer"
+                    error = r.json()["error"]
+                    assert error["code"] == "unauthorized" and path in error["message"]
+                    assert error["request_id"] == r.headers["x-request-id"]
+                    assert CLUSTER_KEY.http_token not in r.text
+                for probe in ("/health", "/ready", "/load", "/metrics"):
+                    assert (await bare.get(probe)).status_code == 200, probe
+        # Nothing reached an engine: r1 still parked, r2 never ran, d pulled nothing.
+        assert [req.request_id for req in p.engine.requests] == ["r1"]
+        assert p.worker.parked_count() == 1 and p.engine.freed_parked == []
+        assert d.engine.requests == []
 
 
 # --- the two legs ----------------------------------------------------------------------------
