@@ -39,9 +39,11 @@ private network. One secret per deployment: every holder can act as any worker.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -170,15 +172,38 @@ async def accept(conn: Connection, key: ClusterKey, *, worker_id: str, epoch: in
         conn.close()
         raise TransferError(f"unauthenticated: {exc.message}", code=wire.AUTH_FAILED) from exc
     if not exchange.dialer_proven(key, bytes.fromhex(answer.proof)):
-        with contextlib.suppress(TransferError):
-            await conn.send(wire.AuthRefused())
-        conn.close()
+        await _refuse(conn)
         raise TransferError(
             f"peer claiming to be {hello.peer_id!r} failed authentication (its proof does not "
             "match this worker's cluster secret)",
             code=wire.AUTH_FAILED,
         )
     return hello.peer_id
+
+
+REFUSAL_DRAIN_S = 1.0
+"""After AuthRefused, how long the listener reads (and drops) what the peer had already
+pipelined before closing, so that the close does not reset the connection."""
+
+
+async def _refuse(conn: Connection) -> None:
+    """Send AuthRefused, then FIN, then drain the peer's pipelined frames (at most
+    :data:`REFUSAL_DRAIN_S` seconds and 4 x 64 KiB) and close. Closing a socket with unread
+    input makes the kernel send RST, and a peer that gets RST loses the refusal it had not read
+    yet; draining first lets it read AuthRefused and then EOF."""
+    with contextlib.suppress(TransferError):
+        await conn.send(wire.AuthRefused())
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(OSError, TimeoutError):
+        conn.sock.shutdown(socket.SHUT_WR)
+        async with asyncio.timeout(REFUSAL_DRAIN_S):
+            drained = 0
+            while drained < 4 * wire.PREAUTH_MAX_FRAME_BYTES:
+                data = await loop.sock_recv(conn.sock, 65536)
+                if not data:
+                    break
+                drained += len(data)
+    conn.close()
 
 
 class AuthFailures:
