@@ -18,8 +18,13 @@ Router (:class:`RouterMetrics`), per request:
   epoch (the worker restarted), as the router's view saw it
 
 Worker (:class:`WorkerMetrics`): the engine's load read at scrape time
-(``pdserve_kv_blocks{state=free|used|parked}``, ``pdserve_num_requests_running``,
-``pdserve_num_requests_waiting``), ``pdserve_kv_lease_expired_total``, and on decode workers
+(``pdserve_kv_blocks{state=free|used|parked}``: ``free`` includes evictable prefix-cached
+blocks, which any allocation may take; ``pdserve_num_requests_running``,
+``pdserve_num_requests_waiting``), ``pdserve_kv_lease_expired_total``, the prefix cache's
+counters (``pdserve_prefix_cache_queries_total``: admissions that looked up their prefix;
+``pdserve_prefix_cache_query_tokens_total`` / ``pdserve_prefix_cache_hit_tokens_total``: tokens
+looked up / found cached; ``pdserve_prefix_cache_blocks{state=cached|evictable}``,
+``pdserve_prefix_cache_evictions_total``), and on decode workers
 ``pdserve_kv_transfer_seconds`` / ``pdserve_kv_transfer_bytes_total`` /
 ``pdserve_kv_transfer_failures_total{error}`` for every pull.
 
@@ -28,13 +33,18 @@ supervisor (``pdserve up``) restarted this process, read from ``PDSERVE_RESTARTS
 unset: a process started by hand).
 
 Goodput (requests meeting a TTFT and TPOT target) is computed from these histograms by the
-query, e.g. ``histogram_quantile`` over ``pdserve_time_to_first_token_seconds_bucket``.
+query, e.g. ``histogram_quantile`` over ``pdserve_time_to_first_token_seconds_bucket``. The
+prefix cache hit rate likewise::
+
+    sum(rate(pdserve_prefix_cache_hit_tokens_total[5m]))
+      / sum(rate(pdserve_prefix_cache_query_tokens_total[5m]))
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -42,6 +52,9 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from pdserve.protocol import WorkerLoad
+
+if TYPE_CHECKING:
+    from pdserve.workers.prefix_cache import PrefixCacheStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -148,13 +161,15 @@ class _WorkersCollector(Collector):
 
 class WorkerMetrics:
     """A worker's metrics. ``load`` (the engine's :class:`WorkerLoad`, None before the engine
-    exists) and ``lease_expired`` (parked leases expired so far) are read at scrape time."""
+    exists), ``lease_expired`` (parked leases expired so far) and ``prefix_cache`` (the KV
+    cache manager's :class:`PrefixCacheStats`; None: not exported) are read at scrape time."""
 
     def __init__(
         self,
         role: str,
         load: Callable[[], WorkerLoad | None],
         lease_expired: Callable[[], int],
+        prefix_cache: Callable[[], PrefixCacheStats | None] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -171,6 +186,8 @@ class WorkerMetrics:
             "pdserve_kv_transfer_failures", "Failed KV pulls by error", ["error"], registry=r
         )
         r.register(_LoadCollector(role, load, lease_expired))
+        if prefix_cache is not None:
+            r.register(_PrefixCacheCollector(prefix_cache))
         _add_process_restarts(r)
 
     def render(self) -> bytes:
@@ -222,3 +239,43 @@ class _LoadCollector(Collector):
             "Parked KV leases that expired unclaimed",
             value=self._expired(),
         )
+
+
+class _PrefixCacheCollector(Collector):
+    def __init__(self, stats: Callable[[], PrefixCacheStats | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import CounterMetricFamily
+
+        stats = self._stats()
+        if stats is None:
+            return
+        yield CounterMetricFamily(
+            "pdserve_prefix_cache_queries",
+            "Admitted sequences that looked up their prefix in the prefix cache",
+            value=stats.queries,
+        )
+        yield CounterMetricFamily(
+            "pdserve_prefix_cache_query_tokens",
+            "Tokens of the sequences looked up in the prefix cache",
+            value=stats.query_tokens,
+        )
+        yield CounterMetricFamily(
+            "pdserve_prefix_cache_hit_tokens",
+            "Tokens found in the prefix cache (K/V reused, not computed)",
+            value=stats.hit_tokens,
+        )
+        yield CounterMetricFamily(
+            "pdserve_prefix_cache_evictions",
+            "Cached KV blocks evicted (reallocated) to make room",
+            value=stats.evictions,
+        )
+        blocks = GaugeMetricFamily(
+            "pdserve_prefix_cache_blocks",
+            "KV blocks in the prefix cache index (cached) and those no request holds (evictable)",
+            labels=["state"],
+        )
+        blocks.add_metric(["cached"], stats.cached_blocks)
+        blocks.add_metric(["evictable"], stats.evictable_blocks)
+        yield blocks

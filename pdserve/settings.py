@@ -162,6 +162,11 @@ class KVCacheSettings(_Section):
         gt=0,
         description="seconds a prefill worker keeps parked KV blocks for their decode worker",
     )
+    prefix_caching: Annotated[bool, Flag("--prefix-caching", SERVING)] = Field(
+        default=True,
+        description="keep full KV blocks after their request ends (hash-indexed, evicted LRU) "
+        "and reuse a new request's longest cached prefix; --no-prefix-caching turns it off",
+    )
 
     @property
     def budget_bytes(self) -> int | None:

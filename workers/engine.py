@@ -27,6 +27,11 @@ token, and recomputes only that token to sample its own first token (seed ``seed
 ``prefill`` samples choice 0 only, and with ``n > 1`` parks the blocks even when that token ended
 choice 0, since the decode worker's other choices still need them.
 
+Prefix cache (``kv_cache.prefix_caching``, :mod:`pdserve.workers.kv_cache`): every full block
+a forward completes is registered under its chained hash after the step (resume: the
+transferred prompt's full blocks, when the resume request arrives); an admitted sequence starts
+at its longest cached prefix, in every mode.
+
 Each step (nano-vllm's ``LLMEngine.step``): the scheduler picks every running decode sequence
 plus prefill chunks and allocates their blocks (preempting if the pool runs short), the model
 runner runs one forward, the sampler picks one token per sequence that reached its last known
@@ -136,7 +141,12 @@ class Engine:
             memory_fraction=cfg.kv_cache.memory_fraction,
             auto_bytes=self._profile_cuda_budget() if cfg.model.device.startswith("cuda") else None,
         )
-        self.kv_cache = KVCacheManager(self.layout, size.num_blocks, cfg.model.device)
+        self.kv_cache = KVCacheManager(
+            self.layout,
+            size.num_blocks,
+            cfg.model.device,
+            prefix_caching=cfg.kv_cache.prefix_caching,
+        )
         log_pool(size, self.layout, self.max_model_len)
         self.scheduler = Scheduler(
             self.kv_cache,
@@ -284,6 +294,8 @@ class Engine:
         seq.sampling = req.sampling
         seq.output_token_ids = [req.first_token]
         seq.num_computed_tokens = len(prompt)
+        # The transfer filled the prompt's blocks: its full blocks join the prefix cache.
+        self.kv_cache.register(seq.request_id, self.kv_cache.hasher.extend(seq), len(prompt))
         # Replay what the prefill leg emitted for the first token so deltas continue from it.
         detok.append(req.first_token)
         detok.delta()
@@ -317,6 +329,7 @@ class Engine:
                 sid, parent.prompt_token_ids, sampling, "full", parent.need_blocks,
                 index=index, group_id=parent.group_id,
             )  # fmt: skip
+            seq.block_hashes = parent.block_hashes[: tail // self.kv_cache.tokens_per_block]
             if self.kv_cache.fork(parent.request_id, sid, tail) is not None:
                 seq.num_computed_tokens = tail
             self._live[sid] = _Live(

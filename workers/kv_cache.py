@@ -23,16 +23,36 @@ has a reference count; :meth:`KVCacheManager.free` drops one reference per table
 block returns to the free list when its count reaches zero. Shared blocks are read-only by
 contract: a sequence only ever writes positions past its shared prefix.
 
-Every block has a *generation*, bumped each time it is allocated and each time it returns to the
-free list, so ``(block id, generation)`` names one allocation: the prefill worker records the
-generations of parked blocks and refuses to send a block whose generation moved (freed, maybe
-reallocated) before its transfer starts (``pdserve.workers.parking``, fencing).
+Prefix cache (TensorRT-LLM's KV cache block reuse, vLLM's automatic prefix caching; hashes in
+:mod:`pdserve.workers.prefix_cache`). Once a forward has written a *full* block, the block is
+registered in an index ``hash -> block id`` under its chained hash (:meth:`update_resources`).
+A registered block whose reference count drops to zero is not freed: it joins an *evictable*
+LRU with its contents. A new sequence takes references on its longest cached prefix of full
+blocks (:meth:`acquire_prefix`) and computes only the rest; at least one token is always left
+to compute, so the prefill produces logits. Allocation takes blocks from the free list first,
+then evicts the least recently freed cached block (dropping it from the index)::
+
+    free list (never cached, FIFO) -> LRU of evictable cached blocks (oldest first)
+
+Blocks a request frees go to the LRU in reverse table order, so a sequence's tail is evicted
+before its prefix. :meth:`get_num_free_blocks` counts free *plus evictable* blocks: both can be
+allocated at once, so every capacity check (admission, watermark, reservation) treats a cached
+block no one holds as free. ``prefix_caching=False`` disables lookups and registration (every
+freed block goes to the free list, as before).
+
+Every block has a *generation*, bumped each time it is allocated (a free block or an evicted
+cached one) and each time it returns to the free list, so ``(block id, generation)`` names one
+allocation of its contents: a cached block keeps its generation while it sits in the LRU and
+while later prefix hits share it (its K/V does not change), and an eviction bumps it. The
+prefill worker records the generations of parked blocks and refuses to send a block whose
+generation moved (freed, maybe reallocated) before its transfer starts
+(``pdserve.workers.parking``, fencing).
 """
 
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -40,6 +60,7 @@ import torch
 
 from pdserve.errors import CapacityError
 from pdserve.protocol import KVLayout
+from pdserve.workers.prefix_cache import BlockHasher, PrefixCacheStats, PrefixCounters, TokenBlocks
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -54,6 +75,14 @@ class KVDemand(Protocol):
     def num_kv_tokens_after_step(self) -> int:
         """Tokens whose K/V the request's blocks must hold once this step's forward has run."""
         ...
+
+
+class KVUpdate(KVDemand, Protocol):
+    """A scheduled sequence as :meth:`KVCacheManager.update_resources` sees it: also its tokens
+    and block hashes (``seq``), so the blocks the forward filled can be registered."""
+
+    @property
+    def seq(self) -> TokenBlocks: ...
 
 
 def blocks_for_tokens(num_tokens: int, tokens_per_block: int) -> int:
@@ -77,9 +106,20 @@ class KVCacheManager:
 
     Raises :class:`CapacityError` when an allocation does not fit in the free blocks; a failed
     allocation allocates nothing.
+
+    ``prefix_caching`` (default on): keep registered full blocks after their request ends and
+    share them with later requests (see the module docstring); ``hasher`` hashes this pool's
+    blocks (model identity, KV dtype, tokens per block of ``layout``).
     """
 
-    def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_blocks: int,
+        device: str | torch.device = "cpu",
+        *,
+        prefix_caching: bool = True,
+    ):
         if num_blocks <= 0:
             raise CapacityError(
                 f"KV cache budget holds no block of {layout.block_bytes_per_layer * layout.num_layers}"
@@ -107,6 +147,14 @@ class KVCacheManager:
         self._tables: dict[str, list[int]] = {}
         self._refs: list[int] = [0] * num_blocks
         self._generation: list[int] = [0] * num_blocks
+        self.prefix_caching = prefix_caching
+        self.hasher = BlockHasher(layout.model, layout.dtype, layout.tokens_per_block)
+        self.counters = PrefixCounters()
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
+        self._index: dict[int, int] = {}  # block hash -> block id (K/V written)
+        self._block_hash: list[int | None] = [None] * num_blocks
+        self._registered: dict[str, int] = {}  # request id -> leading table blocks registered
+        self._evictions = 0
 
     # --- allocation ----------------------------------------------------------------------------
 
@@ -121,42 +169,64 @@ class KVCacheManager:
         with self._lock:
             table = self._tables.setdefault(request_id, [])
             missing = self.blocks_for_tokens(num_tokens) - len(table)
-            if missing > len(self._free):
+            available = len(self._free) + len(self._evictable)
+            if missing > available:
                 if not table:
                     del self._tables[request_id]
                 raise CapacityError(
                     f"KV cache exhausted: request {request_id} needs {missing} more blocks, "
-                    f"{len(self._free)} of {self.num_blocks} free"
+                    f"{available} of {self.num_blocks} free"
                 )
             table.extend(self._take(missing))
             return list(table)
 
     def _take(self, count: int) -> list[int]:
-        """Pop ``count`` free blocks (the caller checked there are enough; lock held)."""
-        blocks = [self._free.popleft() for _ in range(count)]
+        """Pop ``count`` free blocks, evicting least recently used cached blocks once the free
+        list is empty (the caller checked there are enough; lock held)."""
+        blocks = []
+        for _ in range(count):
+            if self._free:
+                blocks.append(self._free.popleft())
+                continue
+            block, _ = self._evictable.popitem(last=False)
+            digest = self._block_hash[block]
+            if digest is not None and self._index.get(digest) == block:
+                del self._index[digest]
+            self._block_hash[block] = None
+            self._evictions += 1
+            blocks.append(block)
         for block in blocks:
             self._generation[block] += 1
             self._refs[block] = 1
         return blocks
 
     def can_allocate(self, num_blocks: int, watermark: int = 0) -> bool:
-        """True when ``num_blocks`` more blocks can be allocated leaving ``watermark`` free."""
+        """True when ``num_blocks`` more blocks can be allocated leaving ``watermark`` free
+        (evictable cached blocks count as free)."""
         with self._lock:
-            return num_blocks + watermark <= len(self._free)
+            return num_blocks + watermark <= len(self._free) + len(self._evictable)
 
     def free(self, request_id: str) -> list[int]:
-        """Drop ``request_id``'s block table: one reference per block; returns the ids that went
-        back to the free list (those no other table shares). Idempotent: an unknown request frees
-        nothing. The caller must know that nothing still reads or writes those blocks (no forward
-        in flight, no transfer landing)."""
+        """Drop ``request_id``'s block table: one reference per block; returns the ids no table
+        holds any more (those no other table shares): registered ones join the evictable LRU
+        with their contents and generation (tail first, so the prefix outlives the tail),
+        the others go back to the free list. Idempotent: an unknown request frees nothing. The
+        caller must know that nothing still reads or writes those blocks (no forward in flight,
+        no transfer landing)."""
         with self._lock:
             released = []
+            self._registered.pop(request_id, None)
             for block in self._tables.pop(request_id, []):
                 self._refs[block] -= 1
                 if self._refs[block] == 0:
-                    self._generation[block] += 1
                     released.append(block)
-            self._free.extend(released)
+            for block in released:
+                if self._block_hash[block] is None:
+                    self._generation[block] += 1
+                    self._free.append(block)
+            for block in reversed(released):
+                if self._block_hash[block] is not None:
+                    self._evictable[block] = None
             return released
 
     def fork(self, src_id: str, dst_id: str, num_shared_tokens: int) -> list[int] | None:
@@ -180,7 +250,7 @@ class KVCacheManager:
                 raise ValueError(f"{dst_id} already holds KV blocks")
             if len(src) < shared + (1 if private else 0):
                 raise ValueError(f"{src_id} holds fewer than {num_shared_tokens} tokens")
-            if private and not self._free:
+            if private and not (self._free or self._evictable):
                 return None
             table = src[:shared]
             for block in table:
@@ -190,12 +260,93 @@ class KVCacheManager:
                 self.pool[:, copy] = self.pool[:, src[shared]]
                 table = table + [copy]
             self._tables[dst_id] = table
+            self._registered[dst_id] = min(shared, self._registered.get(src_id, 0))
             return list(table)
 
+    # --- prefix cache ----------------------------------------------------------------------------
+
+    def _cacheable_blocks(self, block_hashes: list[int], num_tokens: int) -> list[int]:
+        """Leading cached blocks of ``block_hashes``, at most up to the last full block boundary
+        strictly below ``num_tokens`` (one token is always left to compute; lock held)."""
+        if not self.prefix_caching:
+            return []
+        limit = min(len(block_hashes), max(num_tokens - 1, 0) // self.tokens_per_block)
+        blocks = []
+        for digest in block_hashes[:limit]:
+            block = self._index.get(digest)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def match_prefix(self, block_hashes: list[int], num_tokens: int) -> tuple[list[int], int]:
+        """Longest cached prefix of a sequence of ``num_tokens`` tokens whose full blocks hash
+        to ``block_hashes`` (:class:`~pdserve.workers.prefix_cache.BlockHasher`): ``(block ids,
+        cached tokens)``, a multiple of ``tokens_per_block`` below ``num_tokens``. Takes no
+        reference and leaves the LRU alone (a peek; see :meth:`acquire_prefix`)."""
+        with self._lock:
+            blocks = self._cacheable_blocks(block_hashes, num_tokens)
+            return blocks, len(blocks) * self.tokens_per_block
+
+    def acquire_prefix(self, request_id: str, block_hashes: list[int], num_tokens: int) -> int:
+        """Start ``request_id``'s block table with its longest cached prefix (as
+        :meth:`match_prefix` finds it), taking a reference on each block (an evictable block
+        leaves the LRU); returns the cached tokens, whose K/V the request must not compute.
+        Returns 0 (and takes nothing) when prefix caching is off, nothing matches, or the
+        request already holds blocks. The caller counts the lookup
+        (``counters.record_query``) once the request is admitted; :meth:`free` undoes this."""
+        with self._lock:
+            if request_id in self._tables:
+                return 0
+            blocks = self._cacheable_blocks(block_hashes, num_tokens)
+            if not blocks:
+                return 0
+            for block in blocks:
+                if self._refs[block] == 0:
+                    del self._evictable[block]
+                self._refs[block] += 1
+            self._tables[request_id] = blocks
+            self._registered[request_id] = len(blocks)
+            return len(blocks) * self.tokens_per_block
+
+    def register(self, request_id: str, block_hashes: list[int], num_computed_tokens: int) -> int:
+        """Index ``request_id``'s full blocks whose K/V is written (the first
+        ``num_computed_tokens`` tokens) under ``block_hashes`` (one hash per full block, in
+        token order). A block is indexed once; a hash already indexed (another request computed
+        the same prefix) leaves this request's block uncached. Returns how many blocks were
+        indexed now. No-op when prefix caching is off."""
+        if not self.prefix_caching:
+            return 0
+        with self._lock:
+            table = self._tables.get(request_id, [])
+            done = self._registered.get(request_id, 0)
+            full = min(num_computed_tokens // self.tokens_per_block, len(block_hashes), len(table))
+            added = 0
+            for i in range(done, full):
+                block, digest = table[i], block_hashes[i]
+                if self._block_hash[block] is None and digest not in self._index:
+                    self._index[digest] = block
+                    self._block_hash[block] = digest
+                    added += 1
+            if full > done:
+                self._registered[request_id] = full
+            return added
+
+    def prefix_stats(self) -> PrefixCacheStats:
+        """Snapshot of the prefix cache counters and occupancy."""
+        c = self.counters
+        with self._lock:
+            cached, evictable, evictions = len(self._index), len(self._evictable), self._evictions
+        return PrefixCacheStats(
+            c.queries, c.query_tokens, c.hit_tokens, cached, evictable, evictions
+        )
+
     def generations(self, block_ids: Iterable[int]) -> tuple[int, ...]:
-        """Current generation of each block (bumped at every allocation and every free): equal
-        generations at two moments mean the block stayed with one owner in between. Raises
-        IndexError for an id outside the pool."""
+        """Current generation of each block (bumped at every allocation, including the
+        reallocation of an evicted cached block, and every return to the free list): equal
+        generations at two moments mean the block's contents stayed the same in between (one
+        owner, or a cached block shared by prefix hits). Raises IndexError for an id outside the
+        pool."""
         ids = list(block_ids)
         if ids and min(ids) < 0:
             raise IndexError(f"negative KV block id in {ids}")
@@ -227,10 +378,16 @@ class KVCacheManager:
         for demand in demands:
             self.allocate(demand.request_id, demand.num_kv_tokens_after_step)
 
-    def update_resources(self, demands: Iterable[KVDemand]) -> None:
-        """After a step's forward. Nothing to do without prefix caching; a hash index of full
-        blocks would be updated here."""
-        del demands
+    def update_resources(self, demands: Iterable[KVUpdate]) -> None:
+        """After a step's forward: register the full blocks the forward completed (hashing
+        them into ``demand.seq.block_hashes`` as needed) so later requests can reuse them.
+        Nothing happens without prefix caching."""
+        if not self.prefix_caching:
+            return
+        for demand in demands:
+            computed = demand.num_kv_tokens_after_step
+            hashes = self.hasher.extend(demand.seq, computed)
+            self.register(demand.request_id, hashes, computed)
 
     def free_resources(self, request_id: str) -> list[int]:
         """A request finished: recycle its blocks (alias of :meth:`free`)."""
@@ -260,9 +417,17 @@ class KVCacheManager:
         return self.pool[layer]
 
     def get_num_free_blocks(self) -> int:
-        """Blocks on the free list now (shared blocks count once, as used)."""
+        """Blocks that can be allocated now: the free list plus evictable cached blocks (no
+        request holds them; allocation evicts them LRU). Shared blocks count once, as used.
+        ``num_blocks - get_num_free_blocks()`` is the blocks requests (and parked results)
+        hold."""
         with self._lock:
-            return len(self._free)
+            return len(self._free) + len(self._evictable)
+
+    def get_num_evictable_blocks(self) -> int:
+        """Cached blocks no request holds (included in :meth:`get_num_free_blocks`)."""
+        with self._lock:
+            return len(self._evictable)
 
     # --- transfer helpers ------------------------------------------------------------------------
 

@@ -15,7 +15,9 @@ refuses, with :class:`~pdserve.errors.HandleError` naming the reason:
   allocation;
 - an expired **lease** (wall clock past the deadline);
 - a block whose **generation** moved: the KV cache manager bumps a block's generation at every
-  allocation and every free; the generations are recorded at park time and compared at lookup,
+  allocation (an evicted prefix-cached block's reallocation included) and every return to the
+  free list; a cached block keeps it while it waits, evictable, in the LRU or is shared by
+  prefix hits (its K/V is unchanged); the generations are recorded at park time and compared at lookup,
   which the sender calls right before it starts the transfer, so a block freed (and perhaps
   reallocated to another request) can never be sent in place of the one the handle named.
 

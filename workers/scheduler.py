@@ -25,6 +25,15 @@ so an admitted sequence never waits for a block and never is preempted, at the p
 reserving ``prompt + max_tokens`` up front (a request without ``max_tokens`` reserves the whole
 context window).
 
+Prefix cache: a waiting sequence that holds no blocks (new, preempted, or a choice whose fork
+found no block) first takes its longest cached prefix of full blocks
+(:meth:`KVCacheManager.acquire_prefix`), so its ``num_computed_tokens`` starts there and the
+context phase computes only the rest (at least its last token). The admission test then runs
+with those blocks held; a sequence that still does not fit drops them again (they return to the
+evictable LRU) and stays first in line. A preempted sequence freed its blocks to the cache, so
+when readmitted it usually finds its own prefix. Evictable cached blocks count as free
+everywhere below.
+
 Both policies: blocks held outside the scheduler (parked prefill results) are simply not free.
 :meth:`Scheduler.reserve` (decode worker: blocks for a transferred prompt) allocates the prompt's
 blocks at once (and, under ``guaranteed_no_evict``, reserves the whole completion); reserved
@@ -284,7 +293,7 @@ class Scheduler:
         ``waiting``; it recomputes prompt + output K/V when readmitted."""
         self.running.remove(seq)
         self.kv_cache.free(seq.request_id)
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
         seq.reserved = False
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
@@ -310,6 +319,10 @@ class Scheduler:
         for seq in sorted(self.waiting, key=lambda s: not s.reserved):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
+            looked_up = self._acquire_prefix(seq)
+            cached = seq.num_cached_tokens if looked_up else 0
+            if cached:
+                room = self.headroom()  # evictable blocks it took are no longer free
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             step_blocks = self.kv_cache.blocks_for_tokens(seq.num_computed_tokens + n)
             step_blocks -= self.kv_cache.num_allocated(seq.request_id)
@@ -317,6 +330,9 @@ class Scheduler:
                 if not self.kv_cache.can_allocate(step_blocks):
                     break
             elif not self._fits(seq, room):
+                if cached:
+                    self.kv_cache.free(seq.request_id)  # back to the LRU; looked up again later
+                    seq.num_computed_tokens = seq.num_cached_tokens = 0
                 break
             elif self.policy == "guaranteed_no_evict":
                 room -= self._outstanding(seq)
@@ -328,4 +344,19 @@ class Scheduler:
             self.running.append(seq)
             admitted.append(ScheduledSequence.of(seq, n))
             budget -= n
+            if looked_up:
+                self.kv_cache.counters.record_query(seq.num_tokens, cached)
         return admitted
+
+    def _acquire_prefix(self, seq: Sequence) -> bool:
+        """Give a waiting ``seq`` that holds no blocks its cached prefix (sets
+        ``num_computed_tokens`` and ``num_cached_tokens``); False when no lookup applies
+        (prefix caching off, reserved, already holding blocks or computed tokens)."""
+        kv = self.kv_cache
+        if not kv.prefix_caching or seq.reserved or seq.num_computed_tokens:
+            return False
+        if kv.num_allocated(seq.request_id):
+            return False
+        cached = kv.acquire_prefix(seq.request_id, kv.hasher.extend(seq), seq.num_tokens)
+        seq.num_computed_tokens = seq.num_cached_tokens = cached
+        return True

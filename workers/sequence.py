@@ -42,6 +42,12 @@ class Sequence:
     ``request_id`` is the sequence's own id (its block table's key); ``group_id`` is the client
     request it answers and ``index`` its choice number (``n > 1``: choice ``i`` of request ``r``
     has id ``r`` for ``i == 0``, else ``f"{r}#{i}"``).
+
+    ``block_hashes``: chained hashes of the full blocks of prompt + output known so far
+    (:class:`~pdserve.workers.prefix_cache.BlockHasher`, 128-bit ints, one per
+    ``tokens_per_block`` tokens), extended lazily by the KV cache manager; the prefix cache
+    lookup and registration use them, and they survive preemption. ``num_cached_tokens``: the
+    tokens the last admission found in the prefix cache (not computed).
     """
 
     request_id: str
@@ -57,6 +63,8 @@ class Sequence:
     index: int = 0
     group_id: str = ""
     arrival_s: float = field(default_factory=time.monotonic)
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.group_id:

@@ -167,7 +167,10 @@ class WorkerService:
         self.events: EventPublisher | None = None  # load / KV events: NATS discovery only
         self.ready = False
         self.metrics = WorkerMetrics(
-            self.role.value, load=self.load, lease_expired=self.leases_expired
+            self.role.value,
+            load=self.load,
+            lease_expired=self.leases_expired,
+            prefix_cache=lambda: self.engine.kv_cache.prefix_stats(),
         )
 
     # -- what a role adds --------------------------------------------------------------------

@@ -1,0 +1,136 @@
+"""Prefix cache: chained block hashes and hit counters for :class:`KVCacheManager`.
+
+Design origin: TensorRT-LLM's KV cache block reuse (blocks indexed by their tokens, kept after
+the request ends, reused by a later request with the same prefix) and vLLM's automatic prefix
+caching (a chained hash per *full* block, an LRU of unreferenced cached blocks).
+
+Hash of full block ``i`` of a token sequence (``tpb`` = tokens per block)::
+
+    h[-1] = blake2b-128(extra keys: model identity, KV dtype, tokens per block)
+    h[i]  = blake2b-128(h[i-1] || tokens[i*tpb : (i+1)*tpb] as little-endian int64)
+
+so ``h[i]`` names the whole prefix ``tokens[: (i+1)*tpb]`` and the pool that computed it: two
+blocks with equal hashes hold the same K/V. The hash is a 128-bit ``int``, deterministic across
+processes and hosts (never Python's ``hash()``), so later parts (KV events, delta transfer, a
+disk tier) can name blocks by it. A partial last block has no hash and is never shared.
+
+The block index, the LRU of evictable blocks and the registration rules live in
+:mod:`pdserve.workers.kv_cache`; the per-request hash list lives on
+:class:`~pdserve.workers.sequence.Sequence` (``block_hashes``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Protocol
+
+_DIGEST_BYTES = 16
+
+
+class TokenBlocks(Protocol):
+    """A sequence whose full blocks are hashed: its known tokens and its hash list."""
+
+    block_hashes: list[int]
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    def token_slice(self, start: int, count: int) -> list[int]: ...
+
+
+class BlockHasher:
+    """Chained block hashes of one KV pool (see the module docstring).
+
+    ``model``: the model identity (``KVLayout.model``: served name + config digest); ``dtype``:
+    the pool's KV dtype name; ``tokens_per_block``: block size in tokens. Any of them changing
+    changes every hash, so blocks of another model, dtype or block size never match.
+    """
+
+    def __init__(self, model: str, dtype: str, tokens_per_block: int) -> None:
+        if tokens_per_block <= 0:
+            raise ValueError(f"tokens_per_block must be positive, got {tokens_per_block}")
+        self.tokens_per_block = tokens_per_block
+        seed = f"pdserve-kv-v1\x00{model}\x00{dtype}\x00{tokens_per_block}".encode()
+        self.root = int.from_bytes(hashlib.blake2b(seed, digest_size=_DIGEST_BYTES).digest(), "big")
+
+    def hash_block(self, parent: int | None, token_ids: list[int]) -> int:
+        """Hash of one full block: ``parent`` is the previous block's hash (None: the first
+        block, chained to :attr:`root`); ``token_ids`` exactly ``tokens_per_block`` ids.
+        Raises ValueError for another length."""
+        if len(token_ids) != self.tokens_per_block:
+            raise ValueError(
+                f"a full block has {self.tokens_per_block} tokens, got {len(token_ids)}"
+            )
+        h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
+        h.update((self.root if parent is None else parent).to_bytes(_DIGEST_BYTES, "big"))
+        h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+        return int.from_bytes(h.digest(), "big")
+
+    def hash_tokens(self, token_ids: list[int]) -> list[int]:
+        """Hashes of every full block of ``token_ids`` (a trailing partial block is skipped)."""
+        tpb, out = self.tokens_per_block, []
+        parent: int | None = None
+        for start in range(0, len(token_ids) - tpb + 1, tpb):
+            parent = self.hash_block(parent, token_ids[start : start + tpb])
+            out.append(parent)
+        return out
+
+    def extend(self, seq: TokenBlocks, num_tokens: int | None = None) -> list[int]:
+        """Extend ``seq.block_hashes`` (in place) to cover the full blocks of its first
+        ``num_tokens`` tokens (default: all known tokens) and return it. Only the blocks not
+        hashed yet are read and hashed, so calling this every step costs O(new blocks)."""
+        tpb = self.tokens_per_block
+        limit = seq.num_tokens if num_tokens is None else min(num_tokens, seq.num_tokens)
+        hashes = seq.block_hashes
+        done, full = len(hashes), limit // tpb
+        if full > done:
+            tokens = seq.token_slice(done * tpb, (full - done) * tpb)
+            parent = hashes[-1] if hashes else None
+            for i in range(full - done):
+                parent = self.hash_block(parent, tokens[i * tpb : (i + 1) * tpb])
+                hashes.append(parent)
+        return hashes
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """Prefix cache counters since start (a snapshot).
+
+    ``queries``: admissions that looked up their prefix; ``query_tokens``: tokens those
+    lookups covered (each sequence's known tokens); ``hit_tokens``: tokens found cached (not
+    computed). Hit rate = ``hit_tokens / query_tokens``. ``cached_blocks``: blocks in the index
+    now (held or evictable); ``evictable_blocks``: cached blocks no request holds (counted as
+    free by ``get_num_free_blocks``); ``evictions``: cached blocks reallocated so far.
+    """
+
+    queries: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    cached_blocks: int = 0
+    evictable_blocks: int = 0
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """``hit_tokens / query_tokens`` (0.0 before the first query)."""
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+class PrefixCounters:
+    """Thread-safe query/hit counters (the mutable side of :class:`PrefixCacheStats`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.queries = 0
+        self.query_tokens = 0
+        self.hit_tokens = 0
+
+    def record_query(self, query_tokens: int, hit_tokens: int) -> None:
+        """Count one lookup of ``query_tokens`` tokens that found ``hit_tokens`` cached."""
+        with self._lock:
+            self.queries += 1
+            self.query_tokens += query_tokens
+            self.hit_tokens += hit_tokens
