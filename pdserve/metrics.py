@@ -16,6 +16,10 @@ Router (:class:`RouterMetrics`), per request:
   ``pdserve_requests_running``, ``pdserve_workers{role}`` (usable workers in the router's view)
 - ``pdserve_worker_restarts_total{role}``: a known worker id registered again with a higher
   epoch (the worker restarted), as the router's view saw it
+- ``pdserve_router_decisions_total{path}``: routing decisions by path: ``disaggregated``
+  (prefill worker -> decode worker), ``local_prefill`` (a decode worker prefilled the prompt
+  itself: a short prompt, or no usable prefill worker), ``colocated`` (a colocated worker);
+  a retry after a connection error decides again
 
 Worker (:class:`WorkerMetrics`): the engine's load read at scrape time
 (``pdserve_kv_blocks{state=free|used|parked}``: ``free`` includes evictable prefix-cached
@@ -133,10 +137,18 @@ class RouterMetrics:
             ["role"],
             registry=r,
         )
+        self.decisions = Counter(
+            "pdserve_router_decisions",
+            "Routing decisions by path (disaggregated, local_prefill, colocated)",
+            ["path"],
+            registry=r,
+        )
         for outcome in ("finished", "failed", "abandoned"):
             self.requests.labels(outcome)  # export zeros before the first request
-        for role in ("prefill", "decode"):
+        for role in ("prefill", "decode", "colocated"):
             self.worker_restarts.labels(role)
+        for path in ("disaggregated", "local_prefill", "colocated"):
+            self.decisions.labels(path)
         _add_process_restarts(r)
         if workers is not None:
             r.register(_WorkersCollector(workers))

@@ -314,6 +314,21 @@ class RouterSettings(_Section):
     max_n: Annotated[int, Flag("--max-n", ("up", "router"))] = Field(
         default=16, gt=0, le=16, description="most choices (n) in one request (at most 16)"
     )
+    local_prefill_max_tokens: Annotated[
+        int, Flag("--local-prefill-max-tokens", ("up", "router"))
+    ] = Field(
+        default=256,
+        ge=0,
+        description="conditional disaggregation (as TensorRT-LLM's and Dynamo's): a prompt "
+        "with at most this many tokens left to compute goes straight to a decode worker, "
+        "which prefills it itself, instead of through a prefill worker and a KV hand-off; 0 "
+        "turns it off (without a usable prefill worker, decode workers prefill every prompt "
+        "locally anyway). Default 256: with the default 512-token step "
+        "(max_num_batched_tokens) such a prompt fits in one step beside a full running batch "
+        "(32 decode tokens), so it costs the decode worker's batch about one step, and on a GPU "
+        "a forward of a few hundred tokens is still bound by reading the weights, as a decode "
+        "step is; the hand-off would add a second HTTP leg and a KV pull",
+    )
 
 
 class WorkerSettings(_Section):

@@ -206,9 +206,10 @@ class WorkerClient:
         return out
 
     async def generate(self, worker: WorkerRecord, req: GenerationRequest) -> GenerationStream:
-        """Open the decode stream on ``worker``. Raises a typed error if the worker refuses the
-        request before streaming (its HTTP status and envelope)."""
-        leg = f"decode worker {worker.worker_id}"
+        """Open the generation stream on ``worker`` (a decode worker; without a handle, a decode
+        or colocated worker that prefills the prompt itself). Raises a typed error if the worker
+        refuses the request before streaming (its HTTP status and envelope)."""
+        leg = f"{worker.role.value} worker {worker.worker_id}"
         request = self._http.build_request(
             "POST",
             f"{worker.http_url}/internal/generate",

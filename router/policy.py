@@ -1,7 +1,31 @@
-"""Pairing policy: which prefill worker and which decode worker serve a request.
+"""Routing policy: which path and which workers serve a request.
 
 The policy is a pure function of a :class:`~pdserve.router.view.Candidates` snapshot; it decides
-and never talks to a worker. Rules, in order:
+and never talks to a worker. A request takes one of three paths (:class:`RoutePath`):
+
+- ``disaggregated``: a prefill worker runs the prompt and hands its KV blocks to a decode
+  worker (two legs, :mod:`pdserve.router.transaction`);
+- ``local_prefill``: a decode worker prefills the prompt itself and decodes (one leg, the same
+  ``/internal/generate`` call without a handle that a colocated worker serves); TensorRT-LLM's
+  and Dynamo's *conditional disaggregation*;
+- ``colocated``: a colocated worker runs the whole request (one leg; aggregated mode).
+
+:func:`choose_route` decides, in this order:
+
+1. **Local prefill for short prompts** (:func:`prefill_locally`): when the tokens left to
+   compute after the cached prefix are at most ``local_prefill_max_tokens`` (0 turns this
+   off), the least loaded decode worker serves the request alone: the prefill costs its running
+   batch about one step, less than the prefill leg's extra hop and KV pull.
+2. Otherwise the least loaded compatible (prefill, decode) pair (:func:`choose_pair`).
+3. **No usable pair** (no prefill worker registered, every one failed to connect, or none has a
+   KV layout a decode worker maps): the least loaded decode worker prefills locally.
+4. **Colocated workers** compete with the choice of 1-3: the least loaded colocated worker
+   wins when its :func:`load_key` (without the id) is smaller than that of the worker the other
+   path streams from (the decode worker: it holds the request until its last token, as a
+   colocated worker does); a tie goes to the prefill/decode path. With colocated workers only,
+   they serve everything.
+
+Pairing (rule 2):
 
 1. Only pairs whose KV layouts the transfer formatter maps qualify
    (:meth:`KVLayout.can_map_to`: the same model, layers, KV heads and head size; tokens per
@@ -13,13 +37,16 @@ and never talks to a worker. Rules, in order:
    the worker's reported ``running + waiting`` (up to a second old), then the most free KV
    blocks, then the worker id (a stable tie-break, so tests and logs are deterministic).
 
-When no pair qualifies, :class:`~pdserve.errors.NoWorkerError` (HTTP 503) says why.
+:class:`~pdserve.errors.NoWorkerError` (HTTP 503) says what is missing: from
+:func:`choose_pair` when no pair qualifies, from :func:`choose_route` when no decode or
+colocated worker is usable.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+from enum import StrEnum
 
 from pdserve.errors import NoWorkerError
 from pdserve.protocol import WorkerRecord
@@ -55,11 +82,9 @@ def choose_pair(cands: Candidates, *, exclude_prefill: Collection[str] = ()) -> 
     if not cands.decode:
         raise NoWorkerError(f"no live decode worker serves model {model}{_why(cands)}")
 
-    for p in sorted(prefill, key=load_key):
-        compatible = [d for d in cands.decode if p.record.layout.can_map_to(d.record.layout)]
-        if compatible:
-            d = min(compatible, key=load_key)
-            return Pair(prefill=p.record, decode=d.record)
+    pair = _least_loaded_pair(prefill, list(cands.decode))
+    if pair is not None:
+        return Pair(prefill=pair[0].record, decode=pair[1].record)
 
     p_hashes = sorted({w.compat_hash for w in prefill})
     d_hashes = sorted({w.compat_hash for w in cands.decode})
@@ -70,6 +95,103 @@ def choose_pair(cands: Candidates, *, exclude_prefill: Collection[str] = ()) -> 
         f"{cands.decode[0].worker_id}: {example}; workers must run the same model with the same "
         "layers, KV heads and head size)"
     )
+
+
+class RoutePath(StrEnum):
+    """How a request is served (the ``path`` label of ``pdserve_router_decisions_total``)."""
+
+    DISAGGREGATED = "disaggregated"
+    LOCAL_PREFILL = "local_prefill"
+    COLOCATED = "colocated"
+
+
+@dataclass(frozen=True)
+class Route:
+    """The routing decision for one request. ``worker`` streams the tokens (a decode worker on
+    the disaggregated and local-prefill paths, a colocated worker on the colocated path);
+    ``prefill`` is set on the disaggregated path only. ``reason`` says why, for the log."""
+
+    path: RoutePath
+    worker: WorkerRecord
+    prefill: WorkerRecord | None = None
+    reason: str = ""
+
+    @property
+    def pair(self) -> Pair | None:
+        """The (prefill, decode) pair of a disaggregated route, else None."""
+        return Pair(self.prefill, self.worker) if self.prefill is not None else None
+
+
+def prefill_locally(prompt_tokens: int, cached_tokens: int, max_tokens: int) -> bool:
+    """Conditional disaggregation: whether a decode worker should prefill this prompt itself
+    instead of taking the hand-off from a prefill worker.
+
+    True when ``max_tokens > 0`` and the tokens left to compute, ``prompt_tokens`` minus the
+    ``cached_tokens`` the decode worker is expected to hold already (0 until the router knows
+    the workers' cached prefixes: KV-aware routing), are at most ``max_tokens``
+    (``router.local_prefill_max_tokens``; 0 turns local prefill of short prompts off).
+    """
+    left = max(prompt_tokens - max(cached_tokens, 0), 0)
+    return max_tokens > 0 and left <= max_tokens
+
+
+def choose_route(
+    cands: Candidates,
+    prompt_tokens: int,
+    *,
+    local_prefill_max_tokens: int,
+    cached_tokens: int = 0,
+    exclude: Collection[str] = (),
+) -> Route:
+    """Pick the path and the workers for a request of ``prompt_tokens`` tokens (the rules of
+    the module docstring). ``exclude`` lists worker ids not to use (a retry after a connection
+    error). Raises :class:`NoWorkerError` when no decode or colocated worker is usable."""
+    prefill = [w for w in cands.prefill if w.worker_id not in exclude]
+    decode = [w for w in cands.decode if w.worker_id not in exclude]
+    colocated = [w for w in cands.colocated if w.worker_id not in exclude]
+    left, limit = max(prompt_tokens - cached_tokens, 0), local_prefill_max_tokens
+    route: Route | None = None
+    streams: WorkerState | None = None  # the worker that streams the tokens on ``route``
+    if decode and prefill_locally(prompt_tokens, cached_tokens, limit):
+        streams = min(decode, key=load_key)
+        why = f"{left} tokens to compute <= local_prefill_max_tokens {limit}"
+        route = Route(RoutePath.LOCAL_PREFILL, streams.record, reason=why)
+    elif decode:
+        pair = _least_loaded_pair(prefill, decode)
+        if pair is not None:
+            streams = pair[1]
+            why = "local prefill of short prompts is off"
+            if limit > 0:
+                why = f"{left} tokens to compute > local_prefill_max_tokens {limit}"
+            route = Route(RoutePath.DISAGGREGATED, streams.record, pair[0].record, why)
+        else:
+            streams = min(decode, key=load_key)
+            why = "no usable prefill worker"
+            if prefill:
+                why = "no prefill/decode pair with mappable KV layouts"
+            route = Route(RoutePath.LOCAL_PREFILL, streams.record, reason=why)
+    if colocated:
+        c = min(colocated, key=load_key)
+        if streams is None or load_key(c)[:3] < load_key(streams)[:3]:
+            why = "no usable decode worker"
+            if streams is not None:
+                why = f"less loaded than decode worker {streams.worker_id}"
+            route = Route(RoutePath.COLOCATED, c.record, reason=why)
+    if route is None:
+        others = " other than " + ", ".join(sorted(exclude)) if exclude else ""
+        what = f"no live decode or colocated worker{others} serves model {cands.model!r}"
+        raise NoWorkerError(what + _why(cands))
+    return route
+
+
+def _least_loaded_pair(
+    prefill: list[WorkerState], decode: list[WorkerState]
+) -> tuple[WorkerState, WorkerState] | None:
+    for p in sorted(prefill, key=load_key):
+        compatible = [d for d in decode if p.record.layout.can_map_to(d.record.layout)]
+        if compatible:
+            return p, min(compatible, key=load_key)
+    return None
 
 
 def _why(cands: Candidates) -> str:

@@ -1,10 +1,21 @@
-"""The two-leg prefill -> decode transaction, under one wall-clock deadline.
+"""One request's transaction, under one wall-clock deadline: the two-leg prefill -> decode
+path, or one leg on a single worker.
 
-Lifecycle of one request (``Transaction.state``)::
+The policy (:func:`pdserve.router.policy.choose_route`) picks the path: ``disaggregated`` (the
+two legs below), or ``local_prefill`` / ``colocated``, where one worker (a decode worker that
+prefills the prompt itself, or a colocated worker) runs the whole request behind one
+``POST /internal/generate`` without a handle: Router.start() opens that stream and returns once
+its first token arrived (so TTFT means the same on every path), then Transaction.events()
+relays the rest as in state 4. A connection error (the request never reached the worker)
+retries once on another route without that worker. Each decision is logged at debug and
+counted (``pdserve_router_decisions_total{path}``).
+
+Lifecycle of a two-leg request (``Transaction.state``)::
 
     1 PAIRING     Router.start(): the policy picks a compatible (P, D) pair
     2 PREFILLING  POST ContextRequest to P /internal/context; a connection error (the request
-                  never reached P) retries once on another prefill worker
+                  never reached P) retries once on another route without P (another prefill
+                  worker, or local prefill on a decode worker when no other P is usable)
     3 PREFILLED   Router.start() returns the Transaction: the first token is known and, unless
                   it already finished the request, P holds the prompt's KV blocks under a lease
     4 DECODING    Transaction.events(): the first token is yielded at once (TTFT does not wait
@@ -42,7 +53,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
@@ -66,7 +77,7 @@ from pdserve.protocol import (
     WorkerRecord,
 )
 from pdserve.router.client import GenerationStream, WorkerClient
-from pdserve.router.policy import Pair, choose_pair, load_key
+from pdserve.router.policy import Pair, Route, choose_route, load_key
 from pdserve.router.view import WorkerView
 
 if TYPE_CHECKING:
@@ -107,12 +118,14 @@ class TxnState(StrEnum):
 
 
 class Router:
-    """Starts transactions: pairs workers, runs the prefill leg, hands back a
-    :class:`Transaction` for the decode leg.
+    """Starts transactions: routes the request (:func:`choose_route`), runs the prefill leg or
+    opens the one-leg stream, hands back a :class:`Transaction` for the rest.
 
     ``request_timeout_s`` is the whole request's budget (both legs). ``metrics``, when given,
-    records every request's outcome, TTFT, ITL, TPOT and token counts. Ownership: the router
-    uses but does not own ``view``, ``client`` and ``metrics``.
+    records every request's outcome, TTFT, ITL, TPOT, token counts and routing decisions.
+    ``local_prefill_max_tokens``: prompts with at most this many tokens left to compute are
+    prefilled by the decode worker itself (0: off). Ownership: the router uses but does not own
+    ``view``, ``client`` and ``metrics``.
     """
 
     def __init__(
@@ -122,17 +135,20 @@ class Router:
         *,
         request_timeout_s: float,
         metrics: RouterMetrics | None = None,
+        local_prefill_max_tokens: int = 0,
     ):
         self.view = view
         self.client = client
         self.request_timeout_s = request_timeout_s
         self.metrics = metrics
+        self.local_prefill_max_tokens = local_prefill_max_tokens
 
     async def start(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
     ) -> Transaction:
-        """Run states 1-3. Raises NoWorkerError (503) when no pair qualifies, or the prefill
-        leg's typed error; nothing has reached the client yet when it raises."""
+        """Run states 1-3 (or open the one-leg stream up to its first token). Raises
+        NoWorkerError (503) when no worker qualifies, or the first leg's typed error; nothing
+        has reached the client yet when it raises."""
         t_in = time.monotonic()
         try:
             txn = await self._start(request_id, prompt_token_ids, sampling)
@@ -147,6 +163,16 @@ class Router:
             self.metrics.running.inc()
         return txn
 
+    def route(self, prompt_tokens: int, exclude: Sequence[str] = ()) -> Route:
+        """The policy's decision for a prompt of ``prompt_tokens`` tokens now (no expected
+        cached prefix yet: KV-aware routing will supply it). Raises NoWorkerError."""
+        return choose_route(
+            self.view.candidates(),
+            prompt_tokens,
+            local_prefill_max_tokens=self.local_prefill_max_tokens,
+            exclude=exclude,
+        )
+
     async def _start(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
     ) -> Transaction:
@@ -158,39 +184,56 @@ class Router:
         first_error: WorkerUnreachableError | None = None
         while True:
             try:
-                pair = choose_pair(self.view.candidates(), exclude_prefill=tried)
+                route = self.route(len(spec.prompt_token_ids), tried)
             except NoWorkerError as exc:
                 if first_error is None:
                     raise
                 raise WorkerUnreachableError(
-                    f"{first_error.message}; no other prefill worker to retry on"
+                    f"{first_error.message}; no other worker to retry on"
                 ) from exc
+            log.debug(
+                "req %s: route %s via %s%s (%s)",
+                request_id,
+                route.path,
+                route.worker.worker_id,
+                f" after prefill on {route.prefill.worker_id}" if route.prefill else "",
+                route.reason,
+            )
+            if self.metrics is not None:
+                self.metrics.decisions.labels(route.path.value).inc()
             holds = ExitStack()
-            holds.enter_context(self.view.track(pair.decode.worker_id))
+            holds.enter_context(self.view.track(route.worker.worker_id))
             try:
-                context = await self._prefill(spec, pair)
+                pair = route.pair
+                if pair is None:
+                    txn = await self._one_leg(spec, route, holds)
+                else:
+                    context = await self._prefill(spec, pair)
+                    txn = Transaction(self, spec, route, context, holds)
             except WorkerUnreachableError as exc:
                 holds.close()
-                self.view.mark_unreachable(pair.prefill)
+                failed = route.prefill or route.worker
+                self.view.mark_unreachable(failed)
                 if first_error is not None:
                     raise
-                log.warning("req %s: %s; retrying on another prefill worker", request_id, exc)
+                log.warning("req %s: %s; retrying without %s", request_id, exc, failed.worker_id)
                 first_error = exc
-                tried.append(pair.prefill.worker_id)
+                tried.append(failed.worker_id)
                 continue
             except BaseException:
                 holds.close()
                 raise
             log.info(
-                "req %s: P=%s D=%s prompt=%d tokens, first token in %.1f ms%s",
+                "req %s: %s prompt=%d tokens, first token in %.1f ms%s",
                 request_id,
-                pair.prefill.worker_id,
-                pair.decode.worker_id,
+                f"P={route.prefill.worker_id} D={route.worker.worker_id}"
+                if route.prefill
+                else f"{route.path} on {route.worker.worker_id}:",
                 len(spec.prompt_token_ids),
                 (time.monotonic() - t0) * 1e3,
-                f" (finished: {context.finish_reason})" if context.finish_reason else "",
+                f" (finished: {txn.finished_at_start})" if txn.finished_at_start else "",
             )
-            return Transaction(self, spec, pair, context, holds)
+            return txn
 
     async def _prefill(self, spec: RequestSpec, pair: Pair) -> ContextResponse:
         req = ContextRequest(
@@ -208,6 +251,25 @@ class Router:
                     await self._release(pair, spec.request_id, pair.prefill.epoch)
                 raise
 
+    async def _one_leg(self, spec: RequestSpec, route: Route, holds: ExitStack) -> Transaction:
+        """Open ``route.worker``'s stream for the whole request (no handle: it prefills the
+        prompt itself) and read it up to the first token. Raises the worker's typed error
+        (WorkerUnreachableError: never reached it)."""
+        req = GenerationRequest(
+            request_id=spec.request_id,
+            prompt_token_ids=spec.prompt_token_ids,
+            sampling=spec.sampling,
+            deadline=spec.deadline,
+        )
+        stream = await self.client.generate(route.worker, req)
+        txn = Transaction(self, spec, route, None, holds, stream)
+        try:
+            await txn.first_output()
+        except BaseException:
+            await txn.discard()
+            raise
+        return txn
+
     async def _release(self, pair: Pair, request_id: str, epoch: int) -> None:
         """Best-effort release on P, shielded from cancellation and bounded in time."""
         with anyio.move_on_after(self.client.release_timeout_s + 1.0, shield=True):
@@ -217,48 +279,75 @@ class Router:
 
 
 class Transaction:
-    """States 3-5 of one request; see the module docstring. Not reusable: iterate
-    :meth:`events` once, then (or instead) call :meth:`aclose`."""
+    """States 3-5 of one request (or the one-leg stream after its first token); see the module
+    docstring. Not reusable: iterate :meth:`events` once, then (or instead) call
+    :meth:`aclose`. ``route`` is the policy's decision; ``pair`` the (P, D) pair of a two-leg
+    transaction (None on a one-leg path); ``context`` P's answer (None on a one-leg path)."""
 
     def __init__(
         self,
         router: Router,
         spec: RequestSpec,
-        pair: Pair,
-        context: ContextResponse,
+        route: Route,
+        context: ContextResponse | None,
         holds: ExitStack,
+        stream: GenerationStream | None = None,
     ) -> None:
         self._router = router
         self.spec = spec
-        self.pair = pair
+        self.route = route
+        self.pair = route.pair
         self.context = context
         self._holds = holds
-        self._stream: GenerationStream | None = None
+        self._stream = stream
+        self._chunks = stream.chunks() if stream is not None else None
+        self._pending: list[TokenEvent] = []  # one leg: events read before start() returned
+        self.finish_reason: FinishReason | None = None  # the last choice's, once all finished
+        self._leg = f"{route.worker.role.value} worker {route.worker.worker_id}"
         self._closed = False
         n = spec.sampling.n
-        self._unfinished = set(range(1 if context.finish_reason else 0, n))
-        self.state = TxnState.PREFILLED if self._unfinished else TxnState.FINISHED
-        self.num_tokens = 1  # over all choices
-        self.choice_tokens = [1] + [0] * (n - 1)
-        self.t_in = self.t_first = self.t_last = time.monotonic()
+        if context is not None:
+            self._unfinished = set(range(1 if context.finish_reason else 0, n))
+            self.state = TxnState.PREFILLED if self._unfinished else TxnState.FINISHED
+            self.num_tokens = 1  # over all choices
+            self.choice_tokens = [1] + [0] * (n - 1)
+        else:
+            self._unfinished = set(range(n))
+            self.state = TxnState.DECODING
+            self.num_tokens = 0
+            self.choice_tokens = [0] * n
+        self.t_in = self.t_first = self.t_last = self._t_leg = time.monotonic()
         self._t_choice = [self.t_first] * n  # each choice's last token (inter-token latency)
 
     @property
     def request_id(self) -> str:
         return self.spec.request_id
 
+    @property
+    def finished_at_start(self) -> FinishReason | None:
+        """The finish reason when the request ended before :meth:`events` (P's first token
+        finished it, or a one-leg stream's first chunks did), else None."""
+        if self.context is not None:
+            return self.context.finish_reason
+        return None if self._unfinished else self.finish_reason
+
     async def events(self) -> AsyncGenerator[TokenEvent, None]:
-        """Yield the first token (from P, choice 0), then D's tokens of every choice. Raises a
-        typed error on failure; always cleans up (``aclose``) when it ends, however it ends."""
+        """Yield the first token (from P, choice 0; or the one-leg stream's first events), then
+        the rest of every choice. Raises a typed error on failure; always cleans up
+        (``aclose``) when it ends, however it ends."""
         ctx = self.context
         try:
-            yield TokenEvent(
-                (ctx.first_token,),
-                ctx.text,
-                (ctx.logprob,) if ctx.logprob is not None else (),
-                ctx.finish_reason,
-                index=0,
-            )
+            if ctx is not None:
+                yield TokenEvent(
+                    (ctx.first_token,),
+                    ctx.text,
+                    (ctx.logprob,) if ctx.logprob is not None else (),
+                    ctx.finish_reason,
+                    index=0,
+                )
+            pending, self._pending = self._pending, []
+            for event in pending:
+                yield event
             if not self._unfinished:
                 return
             async for event in self._decode():
@@ -269,11 +358,52 @@ class Transaction:
         finally:
             await self.aclose()
 
+    async def first_output(self) -> None:
+        """One leg: read the stream until its first token (or the end of every choice), keeping
+        the events for :meth:`events`. Raises the typed error of a failed or short stream."""
+        assert self._chunks is not None
+        while self.num_tokens == 0 and self._unfinished:
+            try:
+                chunk = await anext(self._chunks)
+            except StopAsyncIteration:
+                raise WorkerError(f"{self._leg} ended its stream before its first token") from None
+            event = self._take(chunk)
+            if event is not None:
+                self._pending.append(event)
+
+    async def discard(self) -> None:
+        """Close a transaction :meth:`Router.start` did not hand out (its first leg failed):
+        the stream and the in-flight counts, without recording an outcome (start does)."""
+        self._closed = True
+        try:
+            if self._stream is not None:
+                with anyio.move_on_after(self._router.client.release_timeout_s, shield=True):
+                    await self._stream.aclose()
+        finally:
+            self._holds.close()
+
     async def _decode(self) -> AsyncIterator[TokenEvent]:
-        assert self.context.handle is not None  # client.context() guarantees it
+        if self._chunks is None:
+            await self._open_decode_leg()
+        assert self._chunks is not None
+        async for chunk in self._chunks:
+            event = self._take(chunk)
+            if event is None:
+                continue
+            yield event
+            if not self._unfinished:
+                return
+        raise WorkerError(
+            f"{self._leg} ended its stream before choice(s) {sorted(self._unfinished)} finished"
+        )
+
+    async def _open_decode_leg(self) -> None:
+        """Two legs: POST the first token + handle to D (once more on another D when D cannot
+        be reached)."""
+        assert self.context is not None and self.context.handle is not None  # client.context()
+        assert self.pair is not None
         self.state = TxnState.DECODING
-        t0 = time.monotonic()
-        leg = f"decode worker {self.pair.decode.worker_id}"
+        self._t_leg = time.monotonic()
         req = GenerationRequest(
             request_id=self.request_id,
             prompt_token_ids=self.spec.prompt_token_ids,
@@ -292,51 +422,56 @@ class Transaction:
             log.warning("req %s: %s; retrying on decode worker %s", self.request_id, exc,
                         other.worker_id)  # fmt: skip
             self.pair = Pair(self.pair.prefill, other)
+            self.route = replace(self.route, worker=other)
             self._holds.enter_context(self._router.view.track(other.worker_id))
-            leg = f"decode worker {other.worker_id}"
+            self._leg = f"decode worker {other.worker_id}"
             try:
                 self._stream = await self._router.client.generate(other, req)
             except WorkerUnreachableError:
                 self._router.view.mark_unreachable(other)
                 raise
-        async for chunk in self._stream.chunks():
-            if chunk.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
-                raise WorkerError(f"{leg} failed the request: {chunk.error or chunk.finish_reason}")
-            if chunk.request_id != self.request_id:
-                raise WorkerError(f"{leg} streamed a chunk for request {chunk.request_id!r}")
-            if not self._accept(chunk, leg):
-                continue
-            i = chunk.index
-            self.num_tokens += len(chunk.token_ids)
-            self.choice_tokens[i] += len(chunk.token_ids)
-            now = time.monotonic()
-            if self._router.metrics is not None:
-                self._router.metrics.itl.observe(now - self._t_choice[i])
-            self.t_last = self._t_choice[i] = now
-            if chunk.finish_reason is not None:
-                self._unfinished.discard(i)
-            if not self._unfinished:  # before the yield: a consumer may stop at this event
-                self.state = TxnState.FINISHED
-                log.info(
-                    "req %s finished (%s): %d tokens in %d choice(s), decode leg %.1f ms",
-                    self.request_id,
-                    chunk.finish_reason,
-                    self.num_tokens,
-                    len(self.choice_tokens),
-                    (time.monotonic() - t0) * 1e3,
-                )
-            yield TokenEvent(
-                chunk.token_ids, chunk.text, chunk.logprobs, chunk.finish_reason, index=i
+        self._chunks = self._stream.chunks()
+
+    def _take(self, chunk: GenerationChunk) -> TokenEvent | None:
+        """Account for one streamed chunk and return its event (None: a chunk to drop). Raises
+        WorkerError for an error or abort chunk, or a chunk of another request."""
+        leg = self._leg
+        if chunk.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+            raise WorkerError(f"{leg} failed the request: {chunk.error or chunk.finish_reason}")
+        if chunk.request_id != self.request_id:
+            raise WorkerError(f"{leg} streamed a chunk for request {chunk.request_id!r}")
+        if not self._accept(chunk, leg):
+            return None
+        i = chunk.index
+        now = time.monotonic()
+        if self.num_tokens == 0:  # one leg: the first output (TTFT), no inter-token gap yet
+            self.t_first = now
+            self._t_choice = [now] * len(self._t_choice)
+        elif self._router.metrics is not None:
+            self._router.metrics.itl.observe(now - self._t_choice[i])
+        self.num_tokens += len(chunk.token_ids)
+        self.choice_tokens[i] += len(chunk.token_ids)
+        self.t_last = self._t_choice[i] = now
+        if chunk.finish_reason is not None:
+            self._unfinished.discard(i)
+        if not self._unfinished:  # before the yield: a consumer may stop at this event
+            self.state = TxnState.FINISHED
+            self.finish_reason = chunk.finish_reason
+            log.info(
+                "req %s finished (%s): %d tokens in %d choice(s), %s leg %.1f ms",
+                self.request_id,
+                chunk.finish_reason,
+                self.num_tokens,
+                len(self.choice_tokens),
+                "decode" if self.context is not None else str(self.route.path),
+                (time.monotonic() - self._t_leg) * 1e3,
             )
-            if not self._unfinished:
-                return
-        raise WorkerError(
-            f"{leg} ended its stream before choice(s) {sorted(self._unfinished)} finished"
-        )
+        return TokenEvent(chunk.token_ids, chunk.text, chunk.logprobs, chunk.finish_reason, index=i)
 
     def _other_decode(self) -> WorkerRecord | None:
         """The least loaded usable decode worker, other than the current one, that P's KV
         layout maps to (None: no other)."""
+        assert self.pair is not None
         p_layout = self.pair.prefill.layout
         others = [
             d
@@ -360,8 +495,8 @@ class Transaction:
         )
 
     async def aclose(self) -> None:
-        """Close the D stream and, unless D finished the request (D released them), release P's
-        parked blocks. Idempotent, shielded from cancellation, bounded by the client's release
+        """Close the D (or one-leg) stream and, unless D finished the request (D released them),
+        release P's parked blocks. Idempotent, shielded from cancellation, bounded by the client's release
         timeout."""
         if self._closed:
             return
@@ -372,9 +507,9 @@ class Transaction:
             with anyio.move_on_after(self._router.client.release_timeout_s + 1.0, shield=True):
                 if self._stream is not None:
                     await self._stream.aclose()
-                handle = self.context.handle
+                handle = self.context.handle if self.context is not None else None
                 decoded = self.state is TxnState.FINISHED and self._stream is not None
-                if handle is not None and not decoded:
+                if handle is not None and self.pair is not None and not decoded:
                     log.info(
                         "req %s: %s; releasing its blocks on %s",
                         self.request_id,

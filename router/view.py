@@ -10,7 +10,8 @@ A worker is *usable* when its record
 
 - serves this router's model (``record.model == served_model_name``),
 - speaks this router's protocol (``record.protocol_version == PROTOCOL_VERSION``),
-- has the prefill or decode role (colocated workers are not part of a two-leg transaction).
+- has a role (prefill, decode or colocated; the policy decides which path uses which,
+  :mod:`pdserve.router.policy`).
 
 A worker the router could not connect to is *suspect* for ``suspect_s`` seconds (its record
 may outlive a crash by up to the registration TTL): it is left out, unless it re-registers
@@ -70,18 +71,26 @@ class Candidates:
     decode: tuple[WorkerState, ...]
     skipped: tuple[str, ...] = ()
     """Human-readable reasons for live records that were left out, e.g. a protocol mismatch."""
+    colocated: tuple[WorkerState, ...] = ()
 
 
 @dataclass(frozen=True)
 class Readiness:
-    """What ``/ready`` reports: usable worker ids per role and what is missing (empty = ready)."""
+    """What ``/ready`` reports: usable worker ids per role, the paths that can serve a request
+    now (``disaggregated``, ``local_prefill``, ``colocated``), what is missing (empty = ready)
+    and notes on a ready deployment that serves less than its workers suggest (e.g. prefill
+    workers no decode worker can pair with)."""
 
     prefill: tuple[str, ...]
     decode: tuple[str, ...]
     missing: tuple[str, ...]
+    colocated: tuple[str, ...] = ()
+    paths: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
 
     @property
     def ready(self) -> bool:
+        """True when some path can serve the model (nothing is missing)."""
         return not self.missing
 
 
@@ -163,9 +172,10 @@ class WorkerView:
                 del self._in_flight[worker_id]  # no entries for workers long gone
 
     def candidates(self) -> Candidates:
-        """Snapshot the usable prefill and decode workers (sorted by worker id)."""
+        """Snapshot the usable prefill, decode and colocated workers (sorted by worker id)."""
         prefill: list[WorkerState] = []
         decode: list[WorkerState] = []
+        colocated: list[WorkerState] = []
         skipped: list[str] = []
         now = time.monotonic()
         for worker_id, record in sorted(self._source.workers().items()):
@@ -185,26 +195,46 @@ class WorkerView:
                 prefill.append(state)
             elif record.role == Role.DECODE:
                 decode.append(state)
-        return Candidates(self.served_model_name, tuple(prefill), tuple(decode), tuple(skipped))
+            elif record.role == Role.COLOCATED:
+                colocated.append(state)
+        return Candidates(
+            self.served_model_name,
+            tuple(prefill),
+            tuple(decode),
+            tuple(skipped),
+            tuple(colocated),
+        )
 
     def readiness(self) -> Readiness:
-        """Ready when at least one prefill and one decode worker are usable and at least one
-        such pair has KV layouts the formatter maps (otherwise no request could be served)."""
+        """Ready when some path can serve a request: a usable decode worker (paired with a
+        prefill worker whose KV layout it maps, or prefilling locally) or a colocated worker.
+        A prefill worker alone serves nothing."""
         cands = self.candidates()
+        model = self.served_model_name
+        paths: list[str] = []
+        notes: list[str] = []
+        pairable = any(
+            p.record.layout.can_map_to(d.record.layout) for p in cands.prefill for d in cands.decode
+        )
+        if pairable:
+            paths.append("disaggregated")
+        if cands.decode:
+            paths.append("local_prefill")
+            if cands.prefill and not pairable:
+                notes.append(
+                    "no prefill/decode pair with mappable KV layouts: decode workers prefill "
+                    "every request locally"
+                )
+        if cands.colocated:
+            paths.append("colocated")
         missing: list[str] = []
-        if not cands.prefill:
-            missing.append(f"prefill worker for model {self.served_model_name!r}")
-        if not cands.decode:
-            missing.append(f"decode worker for model {self.served_model_name!r}")
-        if cands.prefill and cands.decode:
-            if not any(
-                p.record.layout.can_map_to(d.record.layout)
-                for p in cands.prefill
-                for d in cands.decode
-            ):
-                missing.append("prefill/decode pair with mappable KV layouts")
+        if not paths:
+            missing = [f"decode or colocated worker for model {model!r}", *cands.skipped]
         return Readiness(
             prefill=tuple(w.worker_id for w in cands.prefill),
             decode=tuple(w.worker_id for w in cands.decode),
-            missing=tuple(missing + list(cands.skipped)) if missing else (),
+            missing=tuple(missing),
+            colocated=tuple(w.worker_id for w in cands.colocated),
+            paths=tuple(paths),
+            notes=tuple(notes),
         )

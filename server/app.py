@@ -1,4 +1,5 @@
-"""The router process's HTTP app: OpenAI-compatible API in front of the two-leg router.
+"""The router process's HTTP app: OpenAI-compatible API in front of the router (two legs
+through a prefill and a decode worker, or one leg on a decode or colocated worker).
 
 Lifecycle (the lifespan)::
 
@@ -10,9 +11,9 @@ Lifecycle (the lifespan)::
     3 STOP   close what step 1 opened, in reverse order; injected objects are left alone
 
 Request path: the client API key and the body limit on ``/v1`` (:mod:`.guard`, before the body
-is read), validate + tokenize (:mod:`pdserve.server.preprocess`), run the prefill leg
-(``Router.start``; its failure is an HTTP error status), then relay the decode leg as one JSON
-body or as SSE (a failure after the first byte is an in-band error event, :mod:`.sse`). A
+is read), validate + tokenize (:mod:`pdserve.server.preprocess`), route it and run up to its
+first token (``Router.start``: the prefill leg, or a one-leg stream's start; its failure is an
+HTTP error status), then relay the rest as one JSON body or as SSE (a failure after the first byte is an in-band error event, :mod:`.sse`). A
 request for ``n`` choices is one transaction whose events name their choice; the formatter
 (:mod:`.output`) sorts them into the ``n`` choices.
 
@@ -190,7 +191,7 @@ async def _start(
 
     def usable_workers() -> dict[str, int]:
         c = view.candidates()
-        return {"prefill": len(c.prefill), "decode": len(c.decode)}
+        return {"prefill": len(c.prefill), "decode": len(c.decode), "colocated": len(c.colocated)}
 
     metrics = RouterMetrics(usable_workers)
     view = WorkerView(
@@ -215,6 +216,7 @@ async def _start(
             WorkerClient(http_client, key=key),
             request_timeout_s=cfg.router.request_timeout_s,
             metrics=metrics,
+            local_prefill_max_tokens=cfg.router.local_prefill_max_tokens,
         ),
         max_model_len=max_model_len,
         started_at=int(time.time()),
@@ -241,18 +243,22 @@ def _add_routes(app: FastAPI, *, secured: bool) -> None:
         responses={503: {"model": Readiness, "description": "not ready; missing says why"}},
     )
     async def ready(request: Request) -> JSONResponse:
-        """200 when a compatible prefill + decode pair serves the model, else 503 + missing
-        (no API key needed)."""
+        """200 when some path serves the model (a prefill + decode pair, a decode worker that
+        prefills locally, or a colocated worker), else 503 + missing (no API key needed)."""
         st = _state(request)
         r = st.view.readiness()
-        body = {
+        body: dict[str, Any] = {
             "status": "ready" if r.ready else "not_ready",
             "model": st.cfg.served_model_name,
             "prefill": list(r.prefill),
             "decode": list(r.decode),
+            "colocated": list(r.colocated),
+            "paths": list(r.paths),
         }
         if not r.ready:
             body["missing"] = list(r.missing)
+        if r.notes:
+            body["notes"] = list(r.notes)
         return JSONResponse(body, status_code=200 if r.ready else 503)
 
     @app.get(

@@ -366,11 +366,15 @@ class Health(BaseModel):
 
 
 class Readiness(BaseModel):
-    """``GET /ready``: the usable workers by role; ``missing`` (only when not ready) says what
-    is lacking."""
+    """``GET /ready``: the usable workers by role, the paths that can serve a request now
+    (``disaggregated``, ``local_prefill``, ``colocated``); ``missing`` (only when not ready)
+    says what is lacking, ``notes`` (only when there are some) what a ready deployment lacks."""
 
     status: Literal["ready", "not_ready"]
     model: str
     prefill: list[str]
     decode: list[str]
+    colocated: list[str] = []
+    paths: list[str] = []
     missing: list[str] | None = None
+    notes: list[str] | None = None

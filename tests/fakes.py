@@ -203,8 +203,10 @@ def record(
 
 @dataclass
 class FakeWorker:
-    """A scripted prefill or decode worker. ``reply`` is the (token id, text) sequence every
-    request gets, truncated to ``max_tokens``; the prefill side answers the first of them."""
+    """A scripted prefill, decode or colocated worker. ``reply`` is the (token id, text)
+    sequence every request gets, truncated to ``max_tokens``; the prefill side answers the
+    first of them, a generation with a handle streams the rest, one without a handle (local
+    prefill, colocated) streams all of them."""
 
     worker_id: str
     role: Role
@@ -286,7 +288,8 @@ class FakeWorker:
         return app
 
     async def _stream(self, req: GenerationRequest) -> AsyncIterator[bytes]:
-        rest = self.reply[1 : req.sampling.max_tokens]
+        first = 0 if req.handle is None else 1  # no handle: this worker prefills, token 0 too
+        rest = self.reply[first : req.sampling.max_tokens]
         truncated = len(self.reply) > req.sampling.max_tokens
         done = False
         try:
@@ -360,9 +363,16 @@ async def router_harness(
     In-process (default): workers and router run on ``httpx.ASGITransport`` (no sockets;
     responses are buffered, so nothing streams incrementally). With ``real_sockets``: each app
     runs on its own uvicorn server, so streams, disconnects and aborts are real.
+
+    Local prefill of short prompts (``router.local_prefill_max_tokens``) is off unless ``cfg``
+    sets it explicitly: the fake workers' tests script the two legs of a prompt of any length.
     """
     from pdserve.security import ClusterKey
     from pdserve.server.app import create_app
+
+    if "local_prefill_max_tokens" not in cfg.router.model_fields_set:
+        two_legs = cfg.router.model_copy(update={"local_prefill_max_tokens": 0})
+        cfg = cfg.model_copy(update={"router": two_legs})
 
     sec = cfg.security
     # The router derives its key from cfg.security; a cfg without a secret gets the tests'.

@@ -24,7 +24,8 @@ A failure in 3 ends the stream with an error. Blocks refused before any byte mov
 layout mismatch) are unreserved at once, and so are blocks whose bytes all landed but failed the
 digest check (IntegrityError: never used); after a failure mid-transfer (timeout, peer death) they
 are quarantined for the transfer timeout first, since a remote WRITE may still land in them.
-Without a handle (the colocated baseline) the engine runs the prefill itself (mode ``full``).
+Without a handle (a colocated worker, or a decode worker the router chose for local prefill)
+the engine runs the prefill itself (mode ``full``).
 """
 
 from __future__ import annotations

@@ -6,9 +6,17 @@ role       parts                                    routes (besides the common o
 ========== ======================================== =============================================
 prefill    engine, parked-block table, transceiver  ``POST /internal/context``,
                                                     ``POST /internal/release``
-decode     engine, transceiver                      ``POST /internal/generate`` (with a handle)
+decode     engine, transceiver                      ``POST /internal/generate`` (with a handle,
+                                                    or without: local prefill)
 colocated  engine                                   ``POST /internal/generate`` (no handle)
 ========== ======================================== =============================================
+
+Decode and colocated workers share one ``/internal/generate`` (:func:`_add_generate_route` over
+:class:`~pdserve.workers.decode.DecodeRole`): with a handle the worker pulls the prefill
+worker's blocks and resumes; without one the engine prefills the prompt itself (mode ``full``)
+and decodes. That is how a decode worker serves the router's *local prefill* path
+(conditional disaggregation, :func:`pdserve.router.policy.choose_route`): the same engine call
+as a colocated worker's, no second implementation.
 
 A route of another role is not registered: it answers 404. Every ``/internal/*`` route needs the
 cluster key's bearer token (the router's :class:`~pdserve.router.client.WorkerClient` sends it;
@@ -163,7 +171,9 @@ class PrefillWorker(_TransferRole):
 
 
 def _add_generate_route(api: APIRouter) -> None:
-    """``POST /internal/generate``: NDJSON :class:`GenerationChunk` lines (decode, colocated)."""
+    """``POST /internal/generate``: NDJSON :class:`GenerationChunk` lines (decode, colocated).
+    A request with a handle resumes after a prefill worker's first token (decode only); one
+    without runs the whole request here (colocated, or a decode worker prefilling locally)."""
 
     @api.post("/internal/generate")
     async def generate(req: GenerationRequest, request: Request) -> StreamingResponse:
@@ -191,7 +201,8 @@ def _decode_role(
 
 
 class DecodeWorker(_TransferRole):
-    """Decode role: pulls the prefill worker's blocks into reserved blocks, streams tokens."""
+    """Decode role: pulls the prefill worker's blocks into reserved blocks, streams tokens; a
+    request without a handle (the router's local-prefill path) is prefilled here."""
 
     role: ClassVar[Role] = Role.DECODE
 

@@ -400,7 +400,8 @@ def _compare(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path, sec
     url = f"http://127.0.0.1:{port}"
     config = ["--config", str(disagg_cfg)]
     with ProcessSupervisor(grace_s=_GRACE_S) as stack:
-        router = ["router", *config, "--port", str(port)]
+        # local prefill off: every request of this arm takes the prefill -> decode hand-off
+        router = ["router", *config, "--port", str(port), "--local-prefill-max-tokens", "0"]
         stack.spawn(_spec("router", router, logs / "router.log", 0, env))
         for role in ("prefill", "decode"):
             worker = [role, *config, "--discovery", url]

@@ -110,7 +110,8 @@ class UpStack:
         config = {
             "discovery": {"url": self.discovery, "registration_ttl_s": self.ttl_s},
             "kv_cache": {"lease_s": self.lease_s, "budget_mb": 16},
-            "router": {"request_timeout_s": self.request_timeout_s},
+            # every request through the prefill -> decode hand-off, the path the faults hit
+            "router": {"request_timeout_s": self.request_timeout_s, "local_prefill_max_tokens": 0},
             "prefill": {"port": self.worker_ports["prefill-0"]},
             "decode": {"port": self.worker_ports["decode-0"]},
             "supervisor": {"restart_backoff_s": 0.2, "restart_backoff_max_s": 2.0},

@@ -91,7 +91,7 @@ def test_excluded_prefill_worker_is_not_chosen():
         choose_pair(view.candidates(), exclude_prefill={"p0", "p1"})
 
 
-def test_view_ignores_other_models_colocated_workers_and_other_protocols():
+def test_view_ignores_other_models_and_other_protocols_and_lists_colocated_workers():
     view = view_of(
         record("p-other", "prefill", model="another-model"),
         record("c0", "colocated"),
@@ -101,23 +101,37 @@ def test_view_ignores_other_models_colocated_workers_and_other_protocols():
     cands = view.candidates()
     assert cands.prefill == ()
     assert [w.worker_id for w in cands.decode] == ["d0"]
+    assert [w.worker_id for w in cands.colocated] == ["c0"]
     with pytest.raises(NoWorkerError, match="p-old speaks protocol"):
         choose_pair(cands)
 
 
-def test_readiness_needs_a_compatible_prefill_and_decode_worker():
+def test_readiness_needs_a_decode_or_colocated_worker_and_reports_the_paths():
     watcher = FakeWatcher([record("p0", "prefill")])
     view = WorkerView(watcher, served_model_name=MODEL)
     r = view.readiness()
-    assert not r.ready and r.prefill == ("p0",)
-    assert any("decode" in m for m in r.missing)
+    assert not r.ready and r.prefill == ("p0",) and r.paths == ()
+    assert r.missing == (f"decode or colocated worker for model {MODEL!r}",)
 
+    # A decode worker P's layout does not map to still serves: it prefills locally.
     watcher.put(record("d0", "decode", kv_layout=layout(num_kv_heads=4)))
-    assert view.readiness().missing == ("prefill/decode pair with mappable KV layouts",)
+    r = view.readiness()
+    assert r.ready and r.paths == ("local_prefill",)
+    assert "no prefill/decode pair with mappable KV layouts" in r.notes[0]
 
     watcher.put(record("d1", "decode"))
     r = view.readiness()
-    assert r.ready and r.decode == ("d0", "d1") and r.missing == ()
+    assert r.ready and r.decode == ("d0", "d1") and r.missing == () and r.notes == ()
+    assert r.paths == ("disaggregated", "local_prefill")
+
+    watcher.remove("p0")
+    watcher.put(record("c0", "colocated"))
+    r = view.readiness()
+    assert r.ready and r.paths == ("local_prefill", "colocated") and r.colocated == ("c0",)
+
+    colocated_only = view_of(record("c0", "colocated"))
+    assert colocated_only.readiness().ready
+    assert colocated_only.readiness().paths == ("colocated",)
 
 
 def test_unreachable_worker_is_left_out_until_it_restarts_or_the_cooldown_ends():

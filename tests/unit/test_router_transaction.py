@@ -150,10 +150,20 @@ async def test_unreachable_prefill_worker_is_retried_once_on_another():
     assert "p-dead was unreachable" in router.view.candidates().skipped[0]
 
 
-async def test_unreachable_prefill_worker_without_another_fails_with_502():
+async def test_unreachable_prefill_worker_without_another_falls_back_to_local_prefill():
     dead = record("p-dead", "prefill", "http://127.0.0.1:1")
-    async with make_router(decode(), extra_records=[dead]) as router:
-        with pytest.raises(WorkerUnreachableError, match="no other prefill worker") as err:
+    d = decode()
+    async with make_router(d, extra_records=[dead]) as router:
+        txn, events = await run(router)
+    assert txn.route.path == "local_prefill" and txn.pair is None
+    assert "".join(e.text for e in events) == "Hi!\n"
+    assert [g.handle for g in d.generations] == [None]  # D prefilled the prompt itself
+
+
+async def test_unreachable_worker_without_another_route_fails_with_502():
+    dead = record("d-dead", "decode", "http://127.0.0.1:1")
+    async with make_router(extra_records=[dead]) as router:
+        with pytest.raises(WorkerUnreachableError, match="no other worker") as err:
             await router.start("r1", PROMPT, SamplingParams())
     assert err.value.status == 502
 

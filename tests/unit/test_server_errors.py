@@ -107,7 +107,8 @@ async def test_no_workers_is_a_503(cfg):
         r = await h.client.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 503
     assert r.json()["error"]["code"] == "no_worker"
-    assert "no live prefill worker serves model 'tiny-test'" in r.json()["error"]["message"]
+    message = r.json()["error"]["message"]
+    assert "no live decode or colocated worker serves model 'tiny-test'" in message
 
 
 @pytest.mark.parametrize("stream", [False, True])

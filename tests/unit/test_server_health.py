@@ -32,26 +32,30 @@ def cfg(model_dir):
     return RouterConfig(model_path=model_dir, served_model_name=MODEL, security=SECURITY)
 
 
-async def test_ready_only_with_a_live_prefill_and_decode_worker(cfg):
+async def test_ready_with_a_live_decode_or_colocated_worker(cfg):
     async with router_harness(cfg, []) as h:
         assert (await h.client.get("/health")).status_code == 200
 
         r = await h.client.get("/ready")
         assert r.status_code == 503
         body = r.json()
-        assert body["status"] == "not_ready" and len(body["missing"]) == 2
+        assert body["status"] == "not_ready"
+        assert body["missing"] == [f"decode or colocated worker for model {MODEL!r}"]
 
+        # A prefill worker alone serves nothing; another model's decode worker does not count.
         h.watcher.put(record("p0", "prefill"))
         h.watcher.put(record("d-other", "decode", model="another-model"))
         r = await h.client.get("/ready")
         assert r.status_code == 503
-        assert r.json()["missing"] == [f"decode worker for model {MODEL!r}"]
+        assert r.json()["missing"] == [f"decode or colocated worker for model {MODEL!r}"]
 
-        # Another head count cannot be mapped by the formatter (block size or dtype could).
+        # Another head count cannot be mapped by the formatter (block size or dtype could): the
+        # decode worker serves by prefilling locally, and /ready says so.
         h.watcher.put(record("d0", "decode", kv_layout=layout(num_kv_heads=4)))
         r = await h.client.get("/ready")
-        assert r.status_code == 503
-        assert r.json()["missing"] == ["prefill/decode pair with mappable KV layouts"]
+        assert r.status_code == 200
+        assert r.json()["paths"] == ["local_prefill"]
+        assert "no prefill/decode pair with mappable KV layouts" in r.json()["notes"][0]
 
         h.watcher.put(record("d1", "decode"))
         r = await h.client.get("/ready")
@@ -61,10 +65,17 @@ async def test_ready_only_with_a_live_prefill_and_decode_worker(cfg):
             "model": MODEL,
             "prefill": ["p0"],
             "decode": ["d0", "d1"],
+            "colocated": [],
+            "paths": ["disaggregated", "local_prefill"],
         }
 
-        h.watcher.remove("p0")  # a worker whose lease lapsed
+        for worker_id in ("p0", "d0", "d1"):  # workers whose lease lapsed
+            h.watcher.remove(worker_id)
         assert (await h.client.get("/ready")).status_code == 503
+        h.watcher.put(record("c0", "colocated"))
+        r = await h.client.get("/ready")
+        assert r.status_code == 200
+        assert r.json()["colocated"] == ["c0"] and r.json()["paths"] == ["colocated"]
         assert (await h.client.get("/health")).status_code == 200
 
 

@@ -1,0 +1,149 @@
+"""Conditional disaggregation and aggregated mode with real processes on the tiny model.
+
+- Two stacks of router + one prefill + one decode worker: one with local prefill off (every
+  request is handed off), one with ``--local-prefill-max-tokens 64``. On the second, a short
+  prompt is served by the decode worker alone (the prefill worker's and the transfer's counters
+  do not move), with the greedy text of the first.
+- A colocated worker alone behind a router serves chat and completions, streamed and not, with
+  the greedy text of the disaggregated path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.fixtures.stack import Stack, start_stack
+
+MODEL = "tiny-llama"
+SHORT = [1, 84, 104, 101, 32, 113, 117, 105, 99, 107, 32, 98, 114, 111, 119, 110]
+LONG = list(range(40, 130))  # above the threshold: handed off by both routers
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _complete(url: str, prompt: list[int], *, stream: bool = False, max_tokens: int = 24) -> str:
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0)
+    if stream:
+        chunks = _client(url).completions.create(stream=True, **kw)  # type: ignore[call-overload]
+        return "".join(c.choices[0].text for c in chunks if c.choices)
+    return str(_client(url).completions.create(**kw).choices[0].text)  # type: ignore[call-overload]
+
+
+def _samples(url: str) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+@pytest.fixture(scope="module")
+def pd_stack(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Stack, Stack]]:
+    """Two stacks of router + 1 prefill + 1 decode: local prefill off, and up to 64 tokens."""
+    off = start_stack(tiny_model_dir, MODEL, tmp_path_factory.mktemp("handoff"))
+    try:
+        on = start_stack(
+            tiny_model_dir, MODEL, tmp_path_factory.mktemp("local"), local_prefill_max_tokens=64
+        )
+        try:
+            yield off, on
+        finally:
+            on.stop()
+    finally:
+        off.stop()
+
+
+@pytest.fixture(scope="module")
+def colocated_stack(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    """Router + 1 colocated worker, nothing else."""
+    stack = start_stack(
+        tiny_model_dir,
+        MODEL,
+        tmp_path_factory.mktemp("colocated"),
+        prefill=0,
+        decode=0,
+        colocated=1,
+    )
+    yield stack
+    stack.stop()
+
+
+def test_short_prompt_is_served_by_the_decode_worker_alone_with_the_same_greedy_text(
+    pd_stack: tuple[Stack, Stack],
+) -> None:
+    stack, local = pd_stack
+    local_url = local.url
+    urls = {w["role"]: w["http_url"] for w in local.registry_workers()}
+    p0, d0 = _samples(urls["prefill"]), _samples(urls["decode"])
+
+    text = _complete(local_url, SHORT)
+    p1, d1 = _samples(urls["prefill"]), _samples(urls["decode"])
+    for name in ("pdserve_prefix_cache_queries_total", "pdserve_prefix_cache_query_tokens_total"):
+        assert p1[name] == p0[name], f"the prefill worker admitted a request: {name}"
+    assert d1["pdserve_kv_transfer_seconds_count"] == d0["pdserve_kv_transfer_seconds_count"]
+    assert d1["pdserve_prefix_cache_queries_total"] > d0["pdserve_prefix_cache_queries_total"]
+    router = _samples(local_url)
+    assert router['pdserve_router_decisions_total{path="local_prefill"}'] == 1
+    assert router['pdserve_router_decisions_total{path="disaggregated"}'] == 0
+
+    handed_off = _complete(stack.url, SHORT)
+    assert _samples(stack.url)['pdserve_router_decisions_total{path="disaggregated"}'] == 1
+    assert handed_off == text and text, "greedy text: local prefill vs hand-off"
+    assert _complete(local_url, SHORT, stream=True) == text
+
+    long_text = _complete(local_url, LONG, max_tokens=8)  # above the threshold: handed off
+    p2, d2 = _samples(urls["prefill"]), _samples(urls["decode"])
+    assert p2["pdserve_prefix_cache_queries_total"] > p1["pdserve_prefix_cache_queries_total"]
+    assert d2["pdserve_kv_transfer_seconds_count"] == d1["pdserve_kv_transfer_seconds_count"] + 1
+    assert _samples(local_url)['pdserve_router_decisions_total{path="disaggregated"}'] == 1
+    assert long_text == _complete(stack.url, LONG, max_tokens=8)
+
+
+def test_ready_reports_the_paths(pd_stack: tuple[Stack, Stack], colocated_stack: Stack) -> None:
+    stack, _ = pd_stack
+    body = httpx.get(f"{stack.url}/ready", timeout=5).json()
+    assert body["paths"] == ["disaggregated", "local_prefill"]
+    assert (body["prefill"], body["decode"], body["colocated"]) == (["prefill-0"], ["decode-0"], [])
+    body = httpx.get(f"{colocated_stack.url}/ready", timeout=5).json()
+    assert body["status"] == "ready" and body["paths"] == ["colocated"]
+    assert body["colocated"] == ["colocated-0"]
+
+
+def test_colocated_worker_behind_the_router_serves_completions(
+    pd_stack: tuple[Stack, Stack], colocated_stack: Stack
+) -> None:
+    stack, _ = pd_stack
+    want = _complete(stack.url, SHORT)
+    assert _complete(colocated_stack.url, SHORT) == want
+    assert _complete(colocated_stack.url, SHORT, stream=True) == want
+    router = _samples(colocated_stack.url)
+    assert router['pdserve_router_decisions_total{path="colocated"}'] == 2
+    assert router['pdserve_requests_total{outcome="finished"}'] == 2
+
+
+def test_colocated_worker_behind_the_router_serves_chat(colocated_stack: Stack) -> None:
+    client = _client(colocated_stack.url)
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "abc"}], max_tokens=12,
+              temperature=0)  # fmt: skip
+    resp = client.chat.completions.create(**kw)  # type: ignore[call-overload]
+    whole = resp.choices[0].message.content
+    assert resp.choices[0].finish_reason in ("stop", "length")
+    assert resp.usage.completion_tokens >= 1
+    parts = [
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(stream=True, **kw)  # type: ignore[call-overload]
+        if c.choices
+    ]
+    assert "".join(parts) == whole
