@@ -42,7 +42,8 @@ PERCENTILES = (50, 90, 99)
 
 @dataclass
 class RequestResult:
-    """One request. Times are seconds; ``itl_s`` holds the gaps between content deltas."""
+    """One request. Times are seconds; ``itl_s`` holds the gaps between content deltas;
+    ``text`` is the streamed content (:func:`stream_openai` fills it)."""
 
     ok: bool
     error: str | None = None
@@ -51,6 +52,7 @@ class RequestResult:
     e2e_s: float | None = None
     output_tokens: int = 0
     prompt_tokens: int | None = None
+    text: str = ""
 
     @property
     def tpot_s(self) -> float | None:
@@ -101,10 +103,12 @@ def _body_error(raw: bytes) -> str:
 async def stream_openai(client: httpx.AsyncClient, url: str, body: dict[str, Any],
                         kind: str = "chat") -> RequestResult:  # fmt: skip
     """POST one streaming request to ``url`` (``.../chat/completions`` for ``kind="chat"``,
-    ``.../completions`` for ``"completions"``) and time its SSE content deltas. Never raises:
+    ``.../completions`` for ``"completions"``) and time its SSE content deltas (their text
+    goes to ``text``). Never raises:
     a failure is a result with ``ok=False``."""
     t0 = time.perf_counter()
     stamps: list[float] = []
+    parts: list[str] = []
     usage: dict[str, Any] | None = None
     try:
         async with client.stream("POST", url, json=body) as r:
@@ -129,11 +133,16 @@ async def stream_openai(client: httpx.AsyncClient, url: str, body: dict[str, Any
                     )
                     if text:
                         stamps.append(time.perf_counter())
+                        parts.append(text)
     except (httpx.HTTPError, ValueError, AttributeError, TypeError) as exc:
         return failed(t0, f"{type(exc).__name__}: {exc}")
     end = time.perf_counter()
     usage = usage or {}
-    return from_stamps(t0, stamps, end, usage.get("completion_tokens"), usage.get("prompt_tokens"))
+    result = from_stamps(
+        t0, stamps, end, usage.get("completion_tokens"), usage.get("prompt_tokens")
+    )
+    result.text = "".join(parts)
+    return result
 
 
 async def run_level(one: Callable[[Any], Awaitable[RequestResult]], items: Sequence[Any],

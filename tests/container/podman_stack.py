@@ -327,15 +327,21 @@ class ComposeStack:
             return None
 
     def wait_ready(self, status: int = 200, timeout_s: float = 240) -> httpx.Response:
-        """Poll ``/ready`` until it answers ``status``; AssertionError (with every service's
-        logs) on timeout or when a pdserve container exits meanwhile."""
+        """Poll ``/ready`` until it answers ``status`` (200: with the prefill and the decode
+        worker both listed, since a decode worker alone already makes the router ready: it can
+        prefill locally); AssertionError (with every service's logs) on timeout or when a
+        pdserve container exits meanwhile."""
         last: httpx.Response | None = None
+
+        def both_listed(resp: httpx.Response) -> bool:
+            body = resp.json()
+            return bool(body.get("prefill")) and bool(body.get("decode"))
 
         def answered() -> bool:
             nonlocal last
             last = self.ready()
             if last is not None and last.status_code == status:
-                return True
+                return status != 200 or both_listed(last)
             for service in ("router", "prefill", "decode"):
                 if status == 200 and self.state(service) == "exited":
                     raise AssertionError(f"{service} exited:\n{self.all_logs()}")

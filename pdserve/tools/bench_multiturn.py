@@ -1,0 +1,479 @@
+"""Multi-turn chat benchmark: the prefix cache on against off (issue 10, "Benchmarks").
+
+``python -m pdserve.tools.bench_multiturn`` starts two stacks in turn, each the one ``pdserve
+bench serve`` starts (router + 1 prefill worker + 1 decode worker, the SmolLM2 default model,
+the children's config written by :func:`pdserve.tools.bench._stack_config`), the first with
+``--prefix-caching``, the second with ``--no-prefix-caching``, and runs the same workload on
+each. The router runs with ``--local-prefill-max-tokens 0``: every turn goes through the prefill
+worker and the KV hand-off, so the prefill worker's prefix cache sees every prompt.
+
+Workload (fixed seed, :func:`make_workload`): C conversations of T turns. Every conversation
+starts with the same system prompt of about S tokens (fixed sentences, cut at S tokens by the
+model's tokenizer); each turn appends a user message (a few dozen tokens, drawn with the seed)
+and, once answered, the assistant's reply, so each turn's prompt extends the previous one.
+Requests are streamed chat completions, greedy, ``max_tokens`` small; K conversations run at
+once, the turns of one conversation in order. Two warm-up requests (a short one, and a long one
+that shares no prefix with the workload) go first and are not counted.
+
+Reported per arm: TTFT (send -> first content delta, :func:`pdserve.tools.bench_serve.
+stream_openai`) p50/p90 on turn 1 and on turns 2+; prompt tokens (the responses' ``usage``);
+tokens the prefill worker computed (``pdserve_prefix_cache_query_tokens_total`` minus
+``pdserve_prefix_cache_hit_tokens_total`` on its ``/metrics``, the workload's delta; with the
+cache off there are no lookups and every prompt token is computed) and the hit rate; then
+cache-on / cache-off TTFT p50 on turns 2+ against the issue's target (at most 0.3x).
+
+Benchmark code only: the router and the workers never import it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import httpx
+
+    from pdserve.settings import PdserveConfig
+    from pdserve.tools.bench_serve import RequestResult
+
+TARGET_RATIO = 0.3
+"""Issue 10: TTFT p50 on turns 2+ with the cache on, at most this times the cache-off run."""
+
+_SYSTEM_SENTENCES = (
+    "You are a careful, friendly assistant for the staff of a mid-sized engineering company.",
+    "Answer in plain English, in short paragraphs, and never invent facts you are unsure of.",
+    "When a question is ambiguous, state the most likely reading and answer that one.",
+    "Prefer concrete steps, numbers and examples over general advice.",
+    "If a task involves safety, money or personal data, point out the main risk first.",
+    "Keep answers short unless the user asks for detail; three sentences are often enough.",
+    "Use metric units, twenty-four hour times and ISO dates such as 2026-11-25.",
+    "Quote commands and file names exactly, and say which system they apply to.",
+    "When you list options, give the trade-off of each in one line.",
+    "Do not repeat the question back to the user, and do not apologise without a reason.",
+    "If the user corrects you, accept the correction and carry on from there.",
+    "Refer back to earlier parts of the conversation when they matter for the answer.",
+)
+_SUBJECTS = (
+    "a small web service in Python", "a garden irrigation plan", "a database schema for a "
+    "library", "a weekly running schedule", "a home network with two routers", "a household "
+    "budget spreadsheet", "a unit test suite for a parser", "a sourdough bread recipe",
+    "a command-line tool for renaming photos", "a three-city train trip", "a talk for a "
+    "team meeting", "a backup plan for family photos", "a bookshelf made of pine boards",
+    "a study plan for a statistics exam", "a small vegetable patch on a balcony",
+    "a migration from one email provider to another",
+)  # fmt: skip
+_DETAILS = (
+    "It has to be finished by the end of the month and I have little experience with it.",
+    "A colleague started it, left no notes, and now I am in charge of it.",
+    "I have about two hours on most evenings and a modest budget for it.",
+    "My first attempt went badly, so this time I want to plan it properly.",
+    "Several people will depend on it, so it should not break in surprising ways.",
+    "I would like to keep it simple enough that I can explain it to a friend.",
+)
+_ASKS = (
+    "What should I do first, and why?",
+    "Which part usually turns out to be the hardest?",
+    "How would you check that it really works?",
+    "What is a common mistake to avoid here?",
+    "Can you suggest a simpler alternative?",
+    "How long should each step take, roughly?",
+    "What would you change if the budget were halved?",
+    "Which tools or materials would you pick?",
+)
+_FOLLOW_UPS = ("Thanks, that helps.", "I see.", "Good point.", "That makes sense.", "Hm, okay.")
+
+
+def approx_tokens(text: str) -> int:
+    """A tokenizer-free estimate of the tokens of English ``text``: 4/3 per word."""
+    return max(1, round(len(text.split()) * 4 / 3))
+
+
+def system_prompt(tokens: int, count: Callable[[str], int] = approx_tokens, start: int = 0) -> str:
+    """A deterministic system prompt of at least ``tokens`` tokens by ``count`` (numbered rules
+    cycling through fixed sentences; ``start`` rotates the first sentence, so prompts with a
+    different ``start`` share no prefix)."""
+    lines = ["The following rules apply to every conversation."]
+    i = 0
+    while count(" ".join(lines)) < tokens:
+        sentence = _SYSTEM_SENTENCES[(start + i) % len(_SYSTEM_SENTENCES)]
+        lines.append(f"Rule {i + 1}: {sentence}")
+        i += 1
+    if start:
+        lines[0] = f"Read these {i} rules before answering."
+    return " ".join(lines)
+
+
+def user_message(rng: random.Random, turn: int) -> str:
+    """One user message (a few dozen tokens) for ``turn`` (0-based) drawn with ``rng``."""
+    ask = rng.choice(_ASKS)
+    if turn == 0:
+        return f"I am working on {rng.choice(_SUBJECTS)}. {rng.choice(_DETAILS)} {ask}"
+    return f"{rng.choice(_FOLLOW_UPS)} {rng.choice(_DETAILS)} {ask} Please answer briefly."
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The fixed part of the workload: the shared system prompt and each conversation's user
+    messages (``users[conversation][turn]``); the assistant replies come from the server."""
+
+    system: str
+    users: tuple[tuple[str, ...], ...]
+    seed: int
+
+
+def make_workload(conversations: int, turns: int, system_tokens: int, seed: int = 0,
+                  count: Callable[[str], int] = approx_tokens) -> Workload:  # fmt: skip
+    """``conversations`` x ``turns`` user messages and a system prompt of about
+    ``system_tokens`` tokens (by ``count``); the same for the same arguments."""
+    users = []
+    for c in range(conversations):
+        rng = random.Random(f"{seed}:{c}")
+        users.append(tuple(user_message(rng, t) for t in range(turns)))
+    return Workload(system_prompt(system_tokens, count), tuple(users), seed)
+
+
+def turn_messages(
+    system: str, users: Sequence[str], replies: Sequence[str]
+) -> list[dict[str, str]]:
+    """The chat messages of turn ``len(replies)`` (0-based): the system prompt, every earlier
+    user message with its reply, then the turn's user message. Turn t+1's list extends turn
+    t's by t's reply and the next user message."""
+    messages = [{"role": "system", "content": system}]
+    for user, reply in zip(users, replies, strict=False):
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+    messages.append({"role": "user", "content": users[len(replies)]})
+    return messages
+
+
+def chat_request(model: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    """A streaming greedy chat completion of ``messages``, usage in the last chunk."""
+    from pdserve.tools.bench_serve import chat_body
+
+    body = chat_body(model, "", max_tokens, ignore_eos=False)
+    body["messages"] = messages
+    return body
+
+
+# --- running the workload -------------------------------------------------------------------------
+
+
+@dataclass
+class Turn:
+    """One measured request: conversation index, turn index (0-based) and its result."""
+
+    conversation: int
+    turn: int
+    result: RequestResult
+
+
+async def run_workload(client: httpx.AsyncClient, url: str, model: str, wl: Workload,
+                       concurrency: int, max_tokens: int) -> tuple[list[Turn], float]:  # fmt: skip
+    """Run every conversation of ``wl`` against ``url`` (``.../chat/completions``),
+    ``concurrency`` conversations at once, turns in order; a failed turn ends its conversation.
+    Returns the turns (in completion order) and the wall time in seconds."""
+    from pdserve.tools.bench_serve import stream_openai
+
+    todo = iter(range(len(wl.users)))
+    out: list[Turn] = []
+
+    async def worker() -> None:
+        for c in todo:
+            replies: list[str] = []
+            for t in range(len(wl.users[c])):
+                body = chat_request(
+                    model, turn_messages(wl.system, wl.users[c], replies), max_tokens
+                )
+                res = await stream_openai(client, url, body)
+                out.append(Turn(c, t, res))
+                if not res.ok:
+                    break
+                replies.append(res.text)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(max(1, min(concurrency, len(wl.users))))))
+    return out, time.perf_counter() - t0
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> ``{sample: value}``, a sample named ``name`` or ``name{k="v",...}``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = float(s.value)
+    return out
+
+
+async def scrape(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    """``GET {url}/metrics``, parsed (:func:`parse_metrics`)."""
+    r = await client.get(f"{url}/metrics")
+    r.raise_for_status()
+    return parse_metrics(r.text)
+
+
+def _delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def _pcts(values_s: Sequence[float]) -> dict[str, float | None]:
+    from pdserve.tools.bench_serve import percentile
+
+    ms = [v * 1e3 for v in values_s]
+    return {"p50": percentile(ms, 50), "p90": percentile(ms, 90), "n": float(len(ms))}
+
+
+def summarize_arm(label: str, turns: Sequence[Turn], wall_s: float, prefill: dict[str, float],
+                  router: dict[str, float]) -> dict[str, Any]:  # fmt: skip
+    """One arm's numbers (JSON-ready). ``prefill`` and ``router``: the workload's deltas of the
+    prefill worker's and the router's metrics."""
+    ok = [t for t in turns if t.result.ok]
+    errors = [t.result for t in turns if not t.result.ok]
+    prompt = sum(t.result.prompt_tokens or 0 for t in ok)
+    queries = prefill.get("pdserve_prefix_cache_queries_total", 0.0)
+    query = prefill.get("pdserve_prefix_cache_query_tokens_total", 0.0)
+    hit = prefill.get("pdserve_prefix_cache_hit_tokens_total", 0.0)
+    computed = query - hit if queries else float(prompt)
+    return {
+        "label": label,
+        "requests": len(turns),
+        "completed": len(ok),
+        "errors": len(errors),
+        "first_error": errors[0].error if errors else None,
+        "wall_s": wall_s,
+        "ttft_turn1_ms": _pcts([t.result.ttft_s or 0.0 for t in ok if t.turn == 0]),
+        "ttft_later_ms": _pcts([t.result.ttft_s or 0.0 for t in ok if t.turn > 0]),
+        "prompt_tokens": prompt,
+        "output_tokens": sum(t.result.output_tokens for t in ok),
+        "prefix_cache_queries": queries,
+        "query_tokens": query,
+        "hit_tokens": hit,
+        "prefill_computed_tokens": computed,
+        "hit_rate": hit / query if query else 0.0,
+        "router_decisions": {k: v for k, v in router.items() if "router_decisions_total" in k},
+    }
+
+
+# --- the two stacks ---------------------------------------------------------------------------
+
+
+_Measured = tuple[list[Turn], float, list[dict[str, float]]]
+
+
+async def _measure(args: argparse.Namespace, router: str, workers: Sequence[str], model: str,
+                   headers: dict[str, str], wl: Workload) -> _Measured:  # fmt: skip
+    """Warm up, then run ``wl`` through ``router``: the turns, the wall time, and the
+    workload's deltas of the metrics of ``router`` and each of ``workers``."""
+    import httpx
+
+    from pdserve.tools.bench_serve import stream_openai
+
+    url = f"{router}/v1/chat/completions"
+    n = args.concurrency + 4
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(args.request_timeout_s, connect=30),
+        limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
+        headers=headers,
+    ) as client:
+        # Warm-up: a short prompt, then a long one that shares no prefix with the workload.
+        long_warm = system_prompt(args.system_tokens, start=len(_SYSTEM_SENTENCES) // 2)
+        for text in ("Say hello in five words.", long_warm):
+            body = chat_request(model, [{"role": "user", "content": text}], args.max_tokens)
+            w = await stream_openai(client, url, body)
+            if not w.ok:
+                raise RuntimeError(f"warm-up request failed: {w.error}")
+        urls = [router, *workers]
+        before = [await scrape(client, u) for u in urls]
+        turns, wall = await run_workload(client, url, model, wl, args.concurrency, args.max_tokens)
+        after = [await scrape(client, u) for u in urls]
+    return (
+        turns,
+        wall,
+        [{k: _delta(b, a, k) for k in a} for b, a in zip(before, after, strict=True)],
+    )
+
+
+def run_arm(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path, wl: Workload,
+            prefix_caching: bool, logs: Path) -> dict[str, Any]:  # fmt: skip
+    """Start router + 1 prefill + 1 decode with the prefix cache on or off, run ``wl``, stop the
+    stack; returns :func:`summarize_arm`'s dict. Secrets live in a private temporary folder."""
+    from pdserve.launcher import child_env
+    from pdserve.security import load_api_keys
+    from pdserve.supervisor import ProcessSupervisor
+    from pdserve.tools.bench import _GRACE_S, _READY_TIMEOUT_S, _free_port, _spec, _stack_config
+
+    label = "cache on" if prefix_caching else "cache off"
+    tag = "on" if prefix_caching else "off"
+    arm_cfg = cfg.model_copy(
+        update={"kv_cache": cfg.kv_cache.model_copy(update={"prefix_caching": prefix_caching})}
+    )
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-secrets-") as secrets:
+        file = logs / f"stack-{tag}.yaml"
+        workers = {"prefill": 1, "decode": 1}
+        child = _stack_config(arm_cfg, model_path, workers, file, Path(secrets))
+        keys = load_api_keys(child.security)
+        headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+        env = child_env()
+        port, pport, dport = _free_port(), _free_port(), _free_port()
+        router, prefill = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{pport}"
+        decode = f"http://127.0.0.1:{dport}"
+        config = ["--config", str(file)]
+        flag = "--prefix-caching" if prefix_caching else "--no-prefix-caching"
+        print(f"{label}: router + 1 prefill + 1 decode, {flag}, logs in {logs}", flush=True)
+        with ProcessSupervisor(grace_s=_GRACE_S) as stack:
+            argv = ["router", *config, "--port", str(port), "--local-prefill-max-tokens", "0"]
+            stack.spawn(_spec("router", argv, logs / f"router-{tag}.log", 0, env))
+            for role, p in (("prefill", pport), ("decode", dport)):
+                argv = [role, *config, "--discovery", router, "--port", str(p)]
+                stack.spawn(_spec(role, argv, logs / f"{role}-{tag}.log", 1, env))
+            stack.wait_ready(
+                router,
+                timeout_s=_READY_TIMEOUT_S,
+                what=f"the {label} stack",
+                accept=lambda r: bool(r.json()["prefill"]) and bool(r.json()["decode"]),
+            )
+            model = str(child.model.served_name)
+            turns, wall, (rdelta, pdelta, ddelta) = asyncio.run(
+                _measure(args, router, (prefill, decode), model, headers, wl)
+            )
+    arm = summarize_arm(label, turns, wall, pdelta, rdelta)
+    keep = ("pdserve_prefix_cache_", "pdserve_kv_transfer_bytes", "pdserve_kv_transfer_seconds_")
+    arm["decode_metrics"] = {
+        k: v
+        for k, v in ddelta.items()
+        if k.startswith(keep) and "_bucket" not in k and "_created" not in k
+    }
+    print(format_arm(arm), flush=True)
+    return arm
+
+
+def _ms(v: float | None) -> str:
+    return f"{'-':>8}" if v is None else f"{v:>8.1f}"
+
+
+def format_arm(arm: dict[str, Any]) -> str:
+    """One line per arm as it ends: requests, errors, wall time."""
+    line = (f"{arm['label']}: {arm['completed']}/{arm['requests']} turns ok, {arm['errors']} "
+            f"errors, wall {arm['wall_s']:.1f} s")  # fmt: skip
+    return line + (f"; first error: {arm['first_error']}" if arm["first_error"] else "")
+
+
+def format_table(arms: Sequence[dict[str, Any]]) -> str:
+    """The comparison table (milliseconds, tokens) and the turns-2+ TTFT p50 ratio."""
+    head = (f"{'arm':<10} {'turn1 p50':>9} {'turn1 p90':>9} {'2+ p50':>8} {'2+ p90':>8} "
+            f"{'prompt tok':>10} {'prefilled':>9} {'hit rate':>8}   (TTFT ms)")  # fmt: skip
+    lines = [head]
+    for a in arms:
+        t1, t2 = a["ttft_turn1_ms"], a["ttft_later_ms"]
+        lines.append(f"{a['label']:<10} {_ms(t1['p50']):>9} {_ms(t1['p90']):>9} {_ms(t2['p50'])} "
+                     f"{_ms(t2['p90'])} {a['prompt_tokens']:>10} "
+                     f"{a['prefill_computed_tokens']:>9.0f} {a['hit_rate']:>8.1%}")  # fmt: skip
+    r = ratio(arms)
+    if r is not None:
+        verdict = "met" if r <= TARGET_RATIO else f"missed by {r / TARGET_RATIO - 1:.0%}"
+        lines.append(f"TTFT p50 turns 2+, cache on / cache off: {r:.2f}x "
+                     f"(target <= {TARGET_RATIO}x: {verdict})")  # fmt: skip
+    return "\n".join(lines)
+
+
+def ratio(arms: Sequence[dict[str, Any]]) -> float | None:
+    """Cache-on / cache-off TTFT p50 on turns 2+ (arms in that order); None without data."""
+    if len(arms) < 2:
+        return None
+    on, off = arms[0]["ttft_later_ms"]["p50"], arms[1]["ttft_later_ms"]["p50"]
+    return float(on / off) if on and off else None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``python -m pdserve.tools.bench_multiturn``."""
+    p = argparse.ArgumentParser(
+        prog="python -m pdserve.tools.bench_multiturn",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+    )
+    p.add_argument("--conversations", type=int, default=8, help="conversations (default: 8)")
+    p.add_argument("--turns", type=int, default=4, help="turns per conversation (default: 4)")
+    p.add_argument(
+        "--system-tokens", type=int, default=1000,
+        help="tokens of the shared system prompt (default: 1000)",
+    )  # fmt: skip
+    p.add_argument(
+        "--concurrency", type=int, default=4, help="conversations in flight (default: 4)"
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=32, help="max_tokens of each reply (default: 32)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    p.add_argument(
+        "--model", default=None,
+        help="local model folder the stacks serve (default: the converted SmolLM2 in the cache)",
+    )  # fmt: skip
+    p.add_argument(
+        "--request-timeout-s", type=float, default=600.0, help="per-request timeout, seconds"
+    )
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    return p
+
+
+def _counter(model_path: Path) -> Callable[[str], int]:
+    """Token count by the model's tokenizer, or :func:`approx_tokens` when it has none."""
+    from pdserve.tools.bench_serve import load_tokenizer
+
+    if not (model_path / "tokenizer_config.json").is_file():
+        return approx_tokens
+    tok = load_tokenizer(model_path)
+    return lambda text: len(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run both arms and print the table; 0, or 1 when an arm had failed turns."""
+    from pdserve.config import load_config
+    from pdserve.models import resolve_model
+    from pdserve.tools.bench_serve import write_json
+
+    args = build_parser().parse_args(argv)
+    cfg, _ = load_config(None)
+    model_path = resolve_model(args.model, cache_dir=cfg.model.cache_dir)
+    wl = make_workload(
+        args.conversations, args.turns, args.system_tokens, args.seed, _counter(model_path)
+    )
+    logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-multiturn-"))
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    print(f"bench multiturn: {args.conversations} conversations x {args.turns} turns, "
+          f"{args.system_tokens}-token system prompt, concurrency {args.concurrency}, "
+          f"max_tokens {args.max_tokens}, seed {args.seed}, {os.cpu_count()} cores; "
+          "router --local-prefill-max-tokens 0 (every turn through the prefill worker)",
+          flush=True)  # fmt: skip
+    arms = [run_arm(args, cfg, model_path, wl, on, logs) for on in (True, False)]
+    print(format_table(arms))
+    if args.json:
+        report = {
+            "tool": "python -m pdserve.tools.bench_multiturn",
+            "argv": sys.argv[1:] if argv is None else list(argv),
+            "started": started,
+            "host": {"cpus": os.cpu_count()},
+            "model": str(model_path),
+            "workload": {k: getattr(args, k) for k in ("conversations", "turns", "system_tokens",
+                                                       "concurrency", "max_tokens", "seed")},
+            "local_prefill_max_tokens": 0,
+            "arms": arms,
+            "ttft_p50_later_ratio": ratio(arms),
+            "target_ratio": TARGET_RATIO,
+        }  # fmt: skip
+        write_json(Path(args.json), report)
+        print(f"wrote {args.json}")
+    print(f"logs: {logs}")
+    return 1 if any(a["errors"] for a in arms) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
