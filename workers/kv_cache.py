@@ -65,6 +65,25 @@ from pdserve.workers.prefix_cache import BlockHasher, PrefixCacheStats, PrefixCo
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+class KVCacheListener(Protocol):
+    """Observer of the prefix cache's index (KV events, KV cache connector tiers).
+
+    Both methods are called with the manager's lock held, on whatever thread changed the
+    index (usually the engine thread): they must be quick and must not call back into the
+    manager. ``hashes[i]`` names the K/V of block ``block_ids[i]`` of :attr:`KVCacheManager.pool`.
+    """
+
+    def blocks_stored(self, hashes: list[int], block_ids: list[int]) -> None:
+        """Full blocks whose K/V was just indexed under ``hashes`` (a later request may reuse
+        them)."""
+        ...
+
+    def blocks_evicted(self, hashes: list[int], block_ids: list[int]) -> None:
+        """Cached blocks about to be reallocated: dropped from the index. Their K/V is still
+        intact during the call (a tier may copy it now) and is overwritten soon after."""
+        ...
+
+
 class KVDemand(Protocol):
     """One scheduled sequence as :meth:`KVCacheManager.prepare_resources` sees it."""
 
@@ -155,6 +174,12 @@ class KVCacheManager:
         self._block_hash: list[int | None] = [None] * num_blocks
         self._registered: dict[str, int] = {}  # request id -> leading table blocks registered
         self._evictions = 0
+        self._listeners: list[KVCacheListener] = []
+
+    def add_listener(self, listener: KVCacheListener) -> None:
+        """Call ``listener`` on every later store into and eviction from the prefix index."""
+        with self._lock:
+            self._listeners.append(listener)
 
     # --- allocation ----------------------------------------------------------------------------
 
@@ -183,7 +208,9 @@ class KVCacheManager:
     def _take(self, count: int) -> list[int]:
         """Pop ``count`` free blocks, evicting least recently used cached blocks once the free
         list is empty (the caller checked there are enough; lock held)."""
-        blocks = []
+        blocks: list[int] = []
+        evicted: list[int] = []
+        evicted_hashes: list[int] = []
         for _ in range(count):
             if self._free:
                 blocks.append(self._free.popleft())
@@ -192,9 +219,14 @@ class KVCacheManager:
             digest = self._block_hash[block]
             if digest is not None and self._index.get(digest) == block:
                 del self._index[digest]
+                evicted.append(block)
+                evicted_hashes.append(digest)
             self._block_hash[block] = None
             self._evictions += 1
             blocks.append(block)
+        if evicted:
+            for listener in self._listeners:
+                listener.blocks_evicted(evicted_hashes, evicted)
         for block in blocks:
             self._generation[block] += 1
             self._refs[block] = 1
@@ -321,16 +353,27 @@ class KVCacheManager:
             table = self._tables.get(request_id, [])
             done = self._registered.get(request_id, 0)
             full = min(num_computed_tokens // self.tokens_per_block, len(block_hashes), len(table))
-            added = 0
+            stored: list[int] = []
+            stored_hashes: list[int] = []
             for i in range(done, full):
                 block, digest = table[i], block_hashes[i]
                 if self._block_hash[block] is None and digest not in self._index:
                     self._index[digest] = block
                     self._block_hash[block] = digest
-                    added += 1
+                    stored.append(block)
+                    stored_hashes.append(digest)
             if full > done:
                 self._registered[request_id] = full
-            return added
+            if stored:
+                for listener in self._listeners:
+                    listener.blocks_stored(stored_hashes, stored)
+            return len(stored)
+
+    def cached_hashes(self) -> list[int]:
+        """Every block hash in the prefix index now (held or evictable), in no order: a KV
+        event publisher's snapshot."""
+        with self._lock:
+            return list(self._index)
 
     def prefix_stats(self) -> PrefixCacheStats:
         """Snapshot of the prefix cache counters and occupancy."""
