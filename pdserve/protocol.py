@@ -18,6 +18,8 @@ Protocol history:
     5: signed worker records: ``WorkerRecord.signature``, the hex HMAC (cluster secret) of
        :meth:`WorkerRecord.signing_bytes`; watchers drop a record whose signature is missing or
        wrong. Internal HTTP calls (registry, ``/internal/*``) carry the cluster token.
+    6: delta transfer: the transfer ``SendBlocks`` carries ``skip_blocks``, the leading parked
+       blocks the decode worker's prefix cache already holds (not sent).
 
 Clocks: deadlines on the wire are wall-clock UNIX seconds (``time.time()``), never monotonic
 readings, because a monotonic clock does not cross processes.
@@ -36,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 if TYPE_CHECKING:
     from pdserve.security import ClusterKey
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 PROTOCOL_HEADER = "x-pdserve-protocol"
 
 

@@ -31,7 +31,7 @@ import torch
 from pdserve.errors import CapacityError, InvalidRequestError
 from pdserve.protocol import FinishReason, KVLayout, SamplingParams, WorkerLoad
 from pdserve.workers.kv_cache import KVCacheManager
-from pdserve.workers.requests import EngineOutput, EngineRequest, Sink
+from pdserve.workers.requests import EngineOutput, EngineRequest, Reservation, Sink
 
 VOCAB = 256
 
@@ -89,6 +89,9 @@ class FakeEngine:
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self.stopped = True
+
+    def kv_connector_stats(self) -> None:
+        return None  # no KV cache tiers
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -153,15 +156,20 @@ class FakeEngine:
         self._running.pop(request_id, None)
 
     def reserve(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
-    ) -> list[int]:
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        reuse_prefix: bool = False,
+    ) -> Reservation:
         with self._lock:
             if request_id in self._reserved or request_id in self._parked:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
         blocks = self.kv_cache.allocate(request_id, len(prompt_token_ids))  # CapacityError
         with self._lock:
             self._reserved[request_id] = blocks
-        return blocks
+        return Reservation(blocks)  # no prefix cache: every block is pulled
 
     def unreserve(self, request_id: str) -> None:
         with self._lock:

@@ -17,7 +17,8 @@ Lifecycle of one :meth:`Receiver.pull`, all within ``timeout_s``::
                    and a handle whose epoch is not the one the handshake found is refused;
                    so are source block ids outside the prefill pool (its Hello geometry)
     3. REQUEST     SendBlocks(request id, epoch, lease id, transfer id, src ids, dst ids,
-                   integrity = whether this side checks digests)
+                   integrity = whether this side checks digests, skip_blocks = leading blocks
+                   this side's prefix cache already holds: delta transfer, equal layouts only)
     4. RECEIVING   backend.receive: TCP bytes land straight in the pool; NIXL polls for the
                    WRITE's notification and TransferDone; UCX polls its tagged receives
                    (posted into the pool) and awaits TransferDone
@@ -93,17 +94,23 @@ class Receiver:
         self._digester = digester
         self._sessions: dict[str, _Session] = {}
 
-    async def pull(self, handle: TransferHandle, dst_block_ids: list[int]) -> None:
+    async def pull(
+        self, handle: TransferHandle, dst_block_ids: list[int], *, skip_blocks: int = 0
+    ) -> None:
         """Copy the K/V of ``handle.num_tokens`` tokens held by ``handle.block_ids`` (prefill
         pool, in token order) into ``dst_block_ids`` (local pool, in token order: as many
         blocks as the tokens need at the local tokens per block), every layer; equal layouts
         map ``block_ids[i]`` to ``dst_block_ids[i]``. Returns when the bytes are in place and
-        released."""
-        self._check(handle, dst_block_ids)
+        released.
+
+        Delta transfer: ``skip_blocks`` leading blocks already hold their K/V here (a prefix
+        cache hit); only ``block_ids[skip_blocks:]`` move, into ``dst_block_ids[skip_blocks:]``.
+        Needs equal layouts (TransferError otherwise) and leaves at least one block to move."""
+        self._check(handle, dst_block_ids, skip_blocks)
         try:
             async with asyncio.timeout(self._timeout_s):
                 conn, session = await self._checkout(handle)
-                await self._transfer(conn, session, handle, dst_block_ids)
+                await self._transfer(conn, session, handle, dst_block_ids, skip_blocks)
         except TimeoutError as exc:
             raise TransferError(
                 f"KV transfer of request {handle.request_id} from {handle.transfer_endpoint} "
@@ -116,7 +123,14 @@ class Receiver:
             session.close()
         self._sessions.clear()
 
-    def _check(self, handle: TransferHandle, dst_block_ids: list[int]) -> None:
+    def _check(self, handle: TransferHandle, dst_block_ids: list[int], skip_blocks: int) -> None:
+        if skip_blocks and (
+            handle.layout != self._local.layout or not 0 < skip_blocks < len(handle.block_ids)
+        ):
+            raise TransferError(
+                f"request {handle.request_id}: a delta transfer skipping {skip_blocks} of "
+                f"{len(handle.block_ids)} blocks needs equal KV layouts and one block to move"
+            )
         tpb = self._local.layout.tokens_per_block  # may differ from the handle's (formatter)
         needed = -(-handle.num_tokens // tpb)
         if len(dst_block_ids) != needed:
@@ -144,10 +158,13 @@ class Receiver:
         session: _Session,
         handle: TransferHandle,
         dst_block_ids: list[int],
+        skip_blocks: int,
     ) -> None:
+        src_ids = handle.block_ids[skip_blocks:]
+        dst_block_ids = dst_block_ids[skip_blocks:]
         try:
             _check_source_ids(handle, session.peer_blocks)
-            plan = session.formatter.plan(handle.block_ids, dst_block_ids)
+            plan = session.formatter.plan(src_ids, dst_block_ids)
         except TransferError:
             self._give_back(session, conn)
             raise
@@ -159,9 +176,10 @@ class Receiver:
                     epoch=handle.epoch,
                     lease_id=handle.lease_id,
                     transfer_id=transfer_id,
-                    src_block_ids=handle.block_ids,
+                    src_block_ids=src_ids,
                     dst_block_ids=tuple(dst_block_ids),
                     integrity=self._digester is not None,
+                    skip_blocks=skip_blocks,
                 )
             )
             digests: str | None = None
@@ -171,7 +189,7 @@ class Receiver:
             if self._digester is not None:
                 if digests is None:
                     digests = await self._digests(conn, transfer_id)  # after TransferDone
-                self._verify(self._digester, digests, plan, handle, dst_block_ids)
+                self._verify(self._digester, digests, plan, handle, src_ids, dst_block_ids)
         except HandleError:
             self._give_back(session, conn)  # the peer refused cleanly: the stream is intact
             raise
@@ -197,6 +215,7 @@ class Receiver:
         digests: str,
         plan: TransferPlan,
         handle: TransferHandle,
+        src_ids: tuple[int, ...],
         dst_block_ids: list[int],
     ) -> None:
         """Step 4b: every byte of ``plan`` has landed (the backend returned); compare it with
@@ -207,7 +226,7 @@ class Receiver:
             digests,
             request_id=handle.request_id,
             geometry=self._local.geometry,
-            block_map=dict(zip(dst_block_ids, handle.block_ids, strict=True)) if one_to_one else {},
+            block_map=dict(zip(dst_block_ids, src_ids, strict=True)) if one_to_one else {},
         )
 
     async def _checkout(self, handle: TransferHandle) -> tuple[Connection, _Session]:

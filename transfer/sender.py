@@ -16,8 +16,9 @@ Lifecycle of a connection and of each request on it::
     2. IDLE        wait for the next message (a connection serves many requests, one at a time)
     3. LOOKUP      SendBlocks: ``parked.lookup(request_id, epoch, lease_id)`` -> the parked
                    block ids (fencing: epoch, lease id, lease deadline, block generations; then
-                   the ids must equal the handle's); HandleError & co. are answered with
-                   TransferFailed and the connection stays
+                   the ids asked for must equal the parked ones after ``skip_blocks``, the
+                   leading blocks a delta transfer leaves out); HandleError & co. are answered
+                   with TransferFailed and the connection stays
     4. SENDING     (converting formatter: the K/V is first staged in the decode layout)
                    the backend moves the bytes (TCP: streamed inline; NIXL: one WRITE, polled;
                    UCX: one tagged send per segment, polled; input from the receiver meanwhile
@@ -228,11 +229,12 @@ class Sender:
                 f"handle of request {msg.request_id} names epoch {msg.epoch}, but worker "
                 f"{self._local.worker_id} is at epoch {self._local.epoch} (it restarted)"
             )
-        block_ids = list(self._parked.lookup(msg.request_id, msg.epoch, msg.lease_id))
-        if tuple(block_ids) != msg.src_block_ids:
+        parked = list(self._parked.lookup(msg.request_id, msg.epoch, msg.lease_id))
+        block_ids = parked[msg.skip_blocks :]  # delta transfer: the peer holds the rest
+        if not block_ids or tuple(block_ids) != msg.src_block_ids:
             raise HandleError(
-                f"handle of request {msg.request_id} names blocks {list(msg.src_block_ids)}, "
-                f"but {block_ids} are parked"
+                f"request {msg.request_id} asks for blocks {list(msg.src_block_ids)} after "
+                f"skipping {msg.skip_blocks}, but {parked} are parked"
             )
         return block_ids
 

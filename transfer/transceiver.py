@@ -121,10 +121,13 @@ class Transceiver:
             **self._local.backend.communicator(),
         }
 
-    async def pull(self, handle: TransferHandle, dst_block_ids: list[int]) -> None:
+    async def pull(
+        self, handle: TransferHandle, dst_block_ids: list[int], *, skip_blocks: int = 0
+    ) -> None:
         """Decode side: copy the parked blocks ``handle.block_ids`` of the prefill worker into
         the local blocks ``dst_block_ids`` (every layer; element i -> element i), then release
-        them on the prefill side.
+        them on the prefill side. ``skip_blocks``: leading blocks this worker's prefix cache
+        already holds, not sent (delta transfer; equal layouts only).
 
         Raises TransferError (peer unreachable, refused, died, timed out after
         ``cfg.timeout_s``; wrong ``dst_block_ids`` count), LayoutMismatchError, HandleError
@@ -135,7 +138,7 @@ class Transceiver:
         """
         if self._closed:
             raise TransferError("transceiver is closed")
-        await self._receiver.pull(handle, dst_block_ids)
+        await self._receiver.pull(handle, dst_block_ids, skip_blocks=skip_blocks)
 
     async def close(self) -> None:
         """Stop serving and release everything; idempotent. Call it once this worker's own

@@ -25,7 +25,8 @@ has the proofs)::
     P -> D  HelloAck        (ok, or the refusal's error code + message)
     then per request, any number of times:
     D -> P  SendBlocks      (request id, epoch, lease id, transfer id, src/dst block ids,
-                             integrity: whether D wants digests)
+                             integrity: whether D wants digests, skip_blocks: leading parked
+                             blocks D already holds, not sent)
     P -> D  BlockData + raw bytes   (TCP backend: the byte count is the completion)
       or    TransferDone            (NIXL: after the WRITE completed locally; UCX: after
                                      every tagged send completed)
@@ -178,8 +179,12 @@ class HelloAck(_PeerIdentity):
 
 class SendBlocks(_Wire):
     """Decode -> prefill: move the parked blocks ``src_block_ids`` of ``request_id`` into the
-    decode pool's ``dst_block_ids`` (same length; element ``i`` maps to element ``i``, every
-    layer). ``transfer_id`` is unique per pull; it tags the NIXL notification."""
+    decode pool's ``dst_block_ids`` (equal layouts: same length, element ``i`` maps to element
+    ``i``, every layer). ``transfer_id`` is unique per pull; it tags the NIXL notification.
+
+    Delta transfer: ``skip_blocks`` leading parked blocks are not asked for, because the decode
+    worker's prefix cache already holds their K/V; ``src_block_ids`` is then the parked list
+    after them (``parked[skip_blocks:]``, never empty). Only between equal layouts."""
 
     type: Literal["send_blocks"] = "send_blocks"
     request_id: str
@@ -189,6 +194,7 @@ class SendBlocks(_Wire):
     src_block_ids: tuple[int, ...]
     dst_block_ids: tuple[int, ...]
     integrity: bool = Field(default=False, description="answer with BlockDigests")
+    skip_blocks: int = Field(default=0, ge=0, description="leading parked blocks not sent")
 
 
 class BlockData(_Wire):

@@ -6,11 +6,15 @@ Request lifecycle on a decode worker::
                    handle's tokens per block, layout mappable (the formatter converts tokens per
                    block and dtype), lease, epoch
     2 RESERVED     engine.reserve(): blocks for the prompt (under guaranteed_no_evict, capacity
-                   for the whole completion too); while the pool is full the request waits for
+                   for the whole completion too), starting with the prompt's longest prefix
+                   cached here when the layouts are equal (delta transfer: an earlier turn of
+                   the conversation decoded here; those blocks are not pulled); while the pool
+                   is full the request waits for
                    blocks, at most until the prefill worker's lease (or the deadline) runs out,
                    then gets 429 (QueueFullError), as it does when ``max_queued_requests``
                    requests already wait
     3 TRANSFERRING the transceiver pulls the prefill worker's blocks into the reserved blocks
+                   (SendBlocks.skip_blocks: the cached leading ones are left out)
     4 RUNNING      engine resumes at the first token in its continuous batch; chunks streamed
     5 FINISHED     every choice stopped (stop / length), or abort (client gone) / error; the
                    engine frees the blocks
@@ -47,7 +51,7 @@ from pdserve.errors import (
 from pdserve.protocol import FinishReason, GenerationChunk, GenerationRequest, TransferHandle
 from pdserve.settings import SchedulerSettings, TransferSettings
 from pdserve.workers.bridge import OutputStream
-from pdserve.workers.requests import EngineRequest
+from pdserve.workers.requests import EngineRequest, Reservation
 
 if TYPE_CHECKING:
     from pdserve.metrics import WorkerMetrics
@@ -157,24 +161,28 @@ class DecodeRole:
         if self.transceiver is None:
             raise HandleError("this worker has no transceiver; it cannot accept a handle")
         dst = await self._reserve(req, req.handle)
+        moved = len(dst.missing_block_ids)
         try:
             t0 = time.perf_counter()
             await asyncio.wait_for(
-                self.transceiver.pull(req.handle, dst), timeout=req.deadline - time.time()
+                self.transceiver.pull(req.handle, dst.block_ids, skip_blocks=dst.cached_blocks),
+                timeout=req.deadline - time.time(),
             )
             elapsed = time.perf_counter() - t0
             log.debug(
-                "request %s: pulled %d KV blocks in %.1f ms",
+                "request %s: pulled %d KV blocks in %.1f ms (%d cached here, not sent)",
                 req.request_id,
-                len(dst),
+                moved,
                 elapsed * 1e3,
+                dst.cached_blocks,
             )
             if self.metrics is not None:
                 self.metrics.transfer_seconds.observe(elapsed)
                 layout = self.engine.layout
                 self.metrics.transfer_bytes.inc(
-                    len(dst) * layout.num_layers * layout.block_bytes_per_layer
+                    moved * layout.num_layers * layout.block_bytes_per_layer
                 )
+                self.metrics.transfer_blocks_skipped.inc(dst.cached_blocks)
         except BaseException as exc:
             if self.metrics is not None and not isinstance(exc, asyncio.CancelledError):
                 self.metrics.transfer_failures.labels(type(exc).__name__).inc()
@@ -185,14 +193,19 @@ class DecodeRole:
         self.engine.add_request(EngineRequest.for_leg(req, "resume"), stream.sink)
         return stream
 
-    async def _reserve(self, req: GenerationRequest, handle: TransferHandle) -> list[int]:
+    async def _reserve(self, req: GenerationRequest, handle: TransferHandle) -> Reservation:
         """State 2: the prompt's blocks, waiting while the pool is full (running sequences free
         blocks as they finish) until the lease or the deadline is 1 s from running out. Raises
         QueueFullError (429) then, or at once when ``max_queued_requests`` requests already
-        wait; InvalidRequestError / CapacityError (can never fit) from the engine."""
+        wait; InvalidRequestError / CapacityError (can never fit) from the engine.
+
+        Delta transfer: when the handle's KV layout equals this pool's, the reservation starts
+        with the prompt's longest prefix already cached here (an earlier turn of the same
+        conversation decoded on this worker); those blocks are not pulled."""
         prompt = list(req.prompt_token_ids)
+        reuse = handle.layout == self.engine.layout
         try:
-            return self.engine.reserve(req.request_id, prompt, req.sampling)
+            return self.engine.reserve(req.request_id, prompt, req.sampling, reuse_prefix=reuse)
         except CapacityError:
             if not self.evicts:
                 raise
@@ -206,7 +219,9 @@ class DecodeRole:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.05)
                 try:
-                    return self.engine.reserve(req.request_id, prompt, req.sampling)
+                    return self.engine.reserve(
+                        req.request_id, prompt, req.sampling, reuse_prefix=reuse
+                    )
                 except CapacityError:
                     continue
         finally:

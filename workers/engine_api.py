@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     from pdserve.config import EngineConfig
     from pdserve.protocol import KVLayout, SamplingParams, WorkerLoad
     from pdserve.workers.kv_cache import KVCacheManager
-    from pdserve.workers.requests import EngineRequest, Sink
+    from pdserve.workers.kv_connector import KVConnectorStats
+    from pdserve.workers.requests import EngineRequest, Reservation, Sink
 
 
 class WorkerEngine(Protocol):
@@ -53,10 +54,17 @@ class WorkerEngine(Protocol):
         ...
 
     def reserve(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
-    ) -> list[int]:
-        """Allocate the prompt's blocks for a pull (token order). Raises CapacityError when
-        they are not free now, InvalidRequestError as :meth:`add_request` does."""
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        reuse_prefix: bool = False,
+    ) -> Reservation:
+        """Allocate the prompt's blocks for a pull (token order); with ``reuse_prefix`` the
+        leading ones may be a prefix cache hit (``Reservation.cached_blocks``: not pulled).
+        Raises CapacityError when they are not free now, InvalidRequestError as
+        :meth:`add_request` does."""
         ...
 
     def unreserve(self, request_id: str) -> None:
@@ -69,6 +77,10 @@ class WorkerEngine(Protocol):
 
     def load(self) -> WorkerLoad:
         """Queue lengths and KV block counts now."""
+        ...
+
+    def kv_connector_stats(self) -> KVConnectorStats | None:
+        """The KV cache connector's tier counters (None: no tier); the worker's metrics."""
         ...
 
 

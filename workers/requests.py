@@ -77,6 +77,26 @@ class EngineOutput:
     index: int = 0
 
 
+@dataclass(frozen=True)
+class Reservation:
+    """Blocks ``Engine.reserve`` set aside for a transferred prompt.
+
+    ``block_ids``: the prompt's whole block table, in token order (``ceil(prompt / tpb)`` ids of
+    this engine's pool). ``cached_blocks``: how many leading ones already hold the prompt's K/V
+    (a prefix cache hit, ``reuse_prefix=True``): a KV pull fills only ``block_ids[cached_blocks:]``
+    (delta transfer). The caller owns the reservation until it submits the resume request or
+    calls ``Engine.unreserve``.
+    """
+
+    block_ids: list[int]
+    cached_blocks: int = 0
+
+    @property
+    def missing_block_ids(self) -> list[int]:
+        """The blocks a pull must fill: ``block_ids[cached_blocks:]``."""
+        return self.block_ids[self.cached_blocks :]
+
+
 Sink = Callable[[EngineOutput], None]
 """Receives a request's outputs, on the engine thread; must not block."""
 

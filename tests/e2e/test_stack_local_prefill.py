@@ -147,3 +147,33 @@ def test_colocated_worker_behind_the_router_serves_chat(colocated_stack: Stack) 
         if c.choices
     ]
     assert "".join(parts) == whole
+
+
+def test_delta_transfer_sends_only_the_blocks_the_decode_worker_lacks(
+    pd_stack: tuple[Stack, Stack],
+) -> None:
+    """Turn 2 of a conversation whose turn 1 was decoded on the same decode worker: the prompt
+    blocks turn 1 left in its prefix cache are not pulled again, and the greedy text equals a
+    full transfer's (the other stack's decode worker never saw turn 1)."""
+    stack, other = pd_stack
+    turn1 = list(range(130, 220))  # 90 tokens (vocabulary: 260): above both thresholds
+    turn2 = turn1 + list(range(220, 250))
+    full = _complete(other.url, turn2, max_tokens=8)  # reference: a cold decode worker
+
+    (decode,) = [w for w in stack.registry_workers() if w["role"] == "decode"]
+    layout = decode["layout"]
+    tpb = layout["tokens_per_block"]
+    block_bytes = layout["num_layers"] * 2 * tpb * layout["num_kv_heads"] * layout["head_dim"] * 4
+    assert layout["dtype"] == "float32"
+    _complete(stack.url, turn1, max_tokens=4)
+    before = _samples(decode["http_url"])
+    delta = _complete(stack.url, turn2, max_tokens=8)
+    after = _samples(decode["http_url"])
+
+    skipped = len(turn1) // tpb  # turn 1's full blocks
+    moved = -(-len(turn2) // tpb) - skipped
+    name = "pdserve_kv_transfer_blocks_skipped_total"
+    assert after[name] - before[name] == skipped
+    sent = after["pdserve_kv_transfer_bytes_total"] - before["pdserve_kv_transfer_bytes_total"]
+    assert sent == moved * block_bytes
+    assert delta == full and delta, "greedy text: delta transfer vs a full transfer"

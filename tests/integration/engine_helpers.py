@@ -109,7 +109,7 @@ def split_complete(
         assert first.parked_block_ids is None
         return joined([first])
     assert first.parked_block_ids is not None
-    dst = decode.reserve(rid, prompt, sampling)
+    dst = decode.reserve(rid, prompt, sampling).block_ids
     copy_blocks_bytewise(prefill, first.parked_block_ids, decode, dst)
     prefill.free_parked(rid)
     resume = EngineRequest(rid, prompt, sampling, mode="resume", first_token=first.token_ids[0])

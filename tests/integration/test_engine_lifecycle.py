@@ -137,7 +137,7 @@ def test_abort_of_parked_blocks_frees_them(engine: Engine) -> None:
 def test_reserve_refuses_what_does_not_fit_and_unreserve_gives_it_back(engine: Engine) -> None:
     sampling = SamplingParams(max_tokens=60)  # reserves the prompt's 3 blocks, not 18
     for i in range(7):  # 21 of 24 blocks; 3 + the 1-block watermark do not fit any more
-        assert len(engine.reserve(f"r{i}", PROMPT, sampling)) == 3
+        assert len(engine.reserve(f"r{i}", PROMPT, sampling).block_ids) == 3
     with pytest.raises(CapacityError):
         engine.reserve("r7", PROMPT, sampling)
     for i in range(8):

@@ -71,7 +71,7 @@ def _transfer(prefill: Engine, src_ids: list[int], decode: Engine, dst_ids: list
 def _split(prefill: Engine, decode: Engine, rid: str, prompt: list[int]) -> list[int]:
     (first,) = run(prefill, [EngineRequest(rid, prompt, SAMPLING, mode="prefill")])[rid]
     assert first.parked_block_ids is not None
-    dst_ids = decode.reserve(rid, prompt, SAMPLING)
+    dst_ids = decode.reserve(rid, prompt, SAMPLING).block_ids
     _transfer(prefill, first.parked_block_ids, decode, dst_ids)
     prefill.free_parked(rid)
     resume = EngineRequest(rid, prompt, SAMPLING, mode="resume", first_token=first.token_ids[0])

@@ -99,7 +99,7 @@ def test_preemption_on_a_decode_engine_after_transfer_keeps_outputs_equal(
             rid = f"split-{i}"
             (first,) = run(roomy, [EngineRequest(rid, prompt, GREEDY, mode="prefill")])[rid]
             assert first.parked_block_ids is not None
-            dst = decode.reserve(rid, prompt, GREEDY)  # the prompt's blocks only
+            dst = decode.reserve(rid, prompt, GREEDY).block_ids  # the prompt's blocks only
             copy_blocks_bytewise(roomy, first.parked_block_ids, decode, dst)
             roomy.free_parked(rid)
             resumes.append(
@@ -181,7 +181,7 @@ def test_n_choices_on_a_decode_engine_equal_the_colocated_ones(
     try:
         (first,) = run(roomy, [EngineRequest("ns", prompt, SEEDED, mode="prefill")])["ns"]
         assert first.parked_block_ids is not None
-        dst = decode.reserve("ns", prompt, SEEDED)
+        dst = decode.reserve("ns", prompt, SEEDED).block_ids
         copy_blocks_bytewise(roomy, first.parked_block_ids, decode, dst)
         roomy.free_parked("ns")
         resume = EngineRequest("ns", prompt, SEEDED, "resume", first.token_ids[0])
@@ -202,7 +202,7 @@ def test_n_choices_with_one_token_each_park_on_prefill_and_finish_on_decode(
     assert first.finish_reason is not None and first.parked_block_ids is not None
     decode = make_engine(tiny_model_dir, num_blocks=32)
     try:
-        dst = decode.reserve("one", prompt, one)
+        dst = decode.reserve("one", prompt, one).block_ids
         copy_blocks_bytewise(roomy, first.parked_block_ids, decode, dst)
         roomy.free_parked("one")
         got = run_choices(decode, [EngineRequest("one", prompt, one, "resume", first.token_ids[0])])

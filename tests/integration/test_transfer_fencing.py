@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import torch
 
-from pdserve.errors import HandleError
+from pdserve.errors import HandleError, TransferError
 from pdserve.protocol import TransferHandle
 from pdserve.transfer import Transceiver, create_transceiver, wire
 from pdserve.transfer.backend import open_backend
@@ -253,3 +253,57 @@ async def test_handle_from_before_a_prefill_restart_is_refused_after_re_handshak
 def test_handles_name_the_lease_they_were_issued_under(prefill):
     a, b = prefill.park(_rid(), num_tokens=4), prefill.park(_rid(), num_tokens=4)
     assert isinstance(a, TransferHandle) and a.lease_id != b.lease_id
+
+
+# --- delta transfer: the decode side already holds the leading blocks ---------------------------
+
+
+async def test_delta_pull_moves_only_the_blocks_after_the_skipped_ones(prefill, decode):
+    t, pool = decode
+    handle = prefill.park(_rid(), num_tokens=10)  # 3 blocks at 4 tokens per block
+    await t.pull(handle, [20, 21, 22], skip_blocks=2)
+    assert torch.equal(pool[:, 22], pattern()[:, handle.block_ids[2]])
+    assert not pool[:, [20, 21]].any(), "the skipped blocks were not sent"
+    state = prefill.wait_state(lambda s: s.parked == 0)
+    assert state.released_total == 1 and state.errors == []
+
+
+async def test_delta_pull_that_would_move_nothing_is_refused_before_asking(prefill, decode):
+    t, pool = decode
+    handle = prefill.park(_rid(), num_tokens=8)
+    with pytest.raises(TransferError, match="skipping 2 of 2 blocks"):
+        await t.pull(handle, [3, 4], skip_blocks=2)
+    assert prefill.state().lookups == 0
+    assert not pool.any()
+
+
+async def test_delta_request_naming_blocks_other_than_the_parked_tail_is_refused(prefill):
+    handle = prefill.park(_rid(), num_tokens=12)
+    pool = empty_pool()
+    geometry = PoolGeometry.from_pool(pool, LAYOUT)
+    backend = open_backend(
+        cfg(prefill.backend), pool=pool, geometry=geometry, agent_name=f"raw-{uuid.uuid4().hex}"
+    )
+    conn = await Connection.open(prefill.endpoint, 10.0)
+    try:
+        local = LocalSide("decode-raw", 1, LAYOUT, geometry, backend, key=TEST_KEY)
+        await local.connect(conn)
+        await conn.send(
+            wire.SendBlocks(
+                request_id=handle.request_id,
+                epoch=handle.epoch,
+                lease_id=handle.lease_id,
+                transfer_id="t-bad-skip",
+                src_block_ids=handle.block_ids[:2],  # the head, not the tail after the skip
+                dst_block_ids=(0, 1),
+                skip_blocks=1,
+            )
+        )
+        answer = await conn.recv()
+    finally:
+        conn.close()
+        backend.close()
+    assert isinstance(answer, wire.TransferFailed) and answer.code == "kv_handle_invalid"
+    assert "after skipping 1" in answer.message
+    assert not pool.any()
+    assert prefill.state().parked == 1, "a refused request frees nothing"

@@ -4,13 +4,14 @@ answers 429; it refuses at once beyond its queue bound or under guaranteed_no_ev
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 
 from pdserve.errors import CapacityError, QueueFullError
-from pdserve.protocol import GenerationRequest, SamplingParams, TransferHandle
+from pdserve.protocol import GenerationRequest, KVLayout, SamplingParams, TransferHandle
 from pdserve.workers.decode import DecodeRole
+from pdserve.workers.requests import Reservation
 from tests.fakes import layout
 
 
@@ -20,12 +21,15 @@ class FullPool:
 
     full_for: int
     calls: int = 0
+    layout: KVLayout = field(default_factory=layout)
 
-    def reserve(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> list[int]:
+    def reserve(
+        self, request_id: str, prompt: list[int], sampling: SamplingParams, **_: object
+    ) -> Reservation:
         self.calls += 1
         if self.calls <= self.full_for:
             raise CapacityError("cannot reserve 1 KV blocks: 0 available")
-        return [3]
+        return Reservation([3])
 
 
 def request(lease_s: float) -> tuple[GenerationRequest, TransferHandle]:
@@ -57,7 +61,7 @@ async def test_a_full_pool_is_waited_for_until_blocks_free_up() -> None:
     engine = FullPool(full_for=3)
     role = DecodeRole(engine=engine, transceiver=None)  # type: ignore[arg-type]
     req, handle = request(lease_s=30)
-    assert await role._reserve(req, handle) == [3]
+    assert (await role._reserve(req, handle)).block_ids == [3]
     assert engine.calls == 4 and role.waiting_for_blocks == 0
 
 

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from pdserve.errors import HandleError, IntegrityError, LayoutMismatchError, TransferError
 from pdserve.protocol import GenerationRequest, KVLayout, SamplingParams, TransferHandle
 from pdserve.workers.decode import DecodeRole, check_handle
+from pdserve.workers.requests import Reservation
 
 LAYOUT = KVLayout(model="m", num_layers=2, num_kv_heads=2, head_dim=8, tokens_per_block=4,
                   dtype="float32")  # fmt: skip
@@ -94,9 +95,11 @@ class _Engine:
     def __init__(self) -> None:
         self.calls: list[str] = []
 
-    def reserve(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> list[int]:
+    def reserve(
+        self, request_id: str, prompt: list[int], sampling: SamplingParams, **_: object
+    ) -> Reservation:
         self.calls.append("reserve")
-        return [7, 8, 9]
+        return Reservation([7, 8, 9])
 
     def unreserve(self, request_id: str) -> None:
         self.calls.append("unreserve")
@@ -106,7 +109,9 @@ class _Engine:
 
 
 class _CorruptingTransceiver:
-    async def pull(self, handle: TransferHandle, dst_block_ids: list[int]) -> None:
+    async def pull(
+        self, handle: TransferHandle, dst_block_ids: list[int], *, skip_blocks: int = 0
+    ) -> None:
         raise IntegrityError("layer 0, decode block 7 (prefill block 0) arrived corrupted")
 
 
@@ -123,7 +128,9 @@ class _FailingTransceiver:
     def __init__(self, late_writes: bool) -> None:
         self.late_writes = late_writes
 
-    async def pull(self, handle: TransferHandle, dst_block_ids: list[int]) -> None:
+    async def pull(
+        self, handle: TransferHandle, dst_block_ids: list[int], *, skip_blocks: int = 0
+    ) -> None:
         raise TransferError("transfer peer p:1 lost while receiving: Connection reset by peer")
 
 

@@ -214,3 +214,45 @@ def test_blocks_held_outside_the_scheduler_reduce_headroom() -> None:
     sched.kv_cache.free("parked")
     batch, _ = step(sched)
     assert [s.request_id for s in batch.items] == ["a"]
+
+
+@pytest.mark.parametrize("policy", ["guaranteed_no_evict", "max_utilization"])
+def test_reserve_with_reuse_prefix_starts_at_the_cached_prefix(policy: CapacityPolicy) -> None:
+    """Delta transfer's reservation: the prompt's cached full blocks lead the table (not to be
+    pulled), the rest are fresh; the lookup counts as a prefix cache query."""
+    sched = make(num_blocks=12, policy=policy, watermark_blocks=0)
+    kv = sched.kv_cache
+    turn1 = seq(sched, "t1", prompt_len=9, max_tokens=2)  # blocks 0..2; two full
+    kv.allocate("t1", 9)
+    kv.register("t1", kv.hasher.extend(turn1), 9)
+    cached_ids = kv.block_table("t1")[:2]
+    kv.free("t1")  # the full blocks stay cached (evictable)
+    turn2 = Sequence("t2", list(range(9)) + [50, 51, 52], SamplingParams(max_tokens=2), "resume",
+                     kv.get_needed_resource_to_completion(12, 2))  # fmt: skip
+    blocks = sched.reserve(turn2, reuse_prefix=True)
+    assert blocks[:2] == cached_ids and len(blocks) == 3
+    assert turn2.num_cached_tokens == 2 * TPB
+    assert kv.prefix_stats().hit_tokens == 2 * TPB and kv.prefix_stats().queries == 1
+    assert kv.get_num_evictable_blocks() == 0, "the reservation holds the cached blocks"
+    sched.unreserve("t2")
+    assert kv.get_num_evictable_blocks() == 2 and kv.get_num_free_blocks() == 12
+
+    plain = Sequence("t3", turn2.prompt_token_ids, turn2.sampling, "resume", turn2.need_blocks)
+    assert sched.reserve(plain)[:2] != cached_ids, "without reuse_prefix nothing is shared"
+    assert plain.num_cached_tokens == 0
+
+
+def test_refused_reservation_gives_its_cached_prefix_back() -> None:
+    sched = make(num_blocks=4, policy="max_utilization", watermark_blocks=0)
+    kv = sched.kv_cache
+    first = seq(sched, "a", prompt_len=8, max_tokens=2)
+    kv.allocate("a", 8)
+    kv.register("a", kv.hasher.extend(first), 8)
+    kv.free("a")
+    kv.allocate("hog", 2 * TPB)  # the 2 free blocks; the 2 cached ones stay evictable
+    big = Sequence("b", list(range(8)) + list(range(60, 72)), SamplingParams(max_tokens=2),
+                   "resume", 6)  # fmt: skip
+    with pytest.raises(CapacityError):
+        sched.reserve(big, reuse_prefix=True)  # 5 blocks, 1 cached: 4 more do not fit in 2
+    assert kv.get_num_evictable_blocks() == 2 and not kv.num_allocated("b")
+    assert "b" not in sched.reserved

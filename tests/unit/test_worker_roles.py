@@ -316,7 +316,9 @@ class LateWritingTransceiver:
 
     late_writes: bool = True
 
-    async def pull(self, handle: TransferHandle, dst_block_ids: list[int]) -> None:
+    async def pull(
+        self, handle: TransferHandle, dst_block_ids: list[int], *, skip_blocks: int = 0
+    ) -> None:
         raise TransferError("transfer peer p:1 lost while receiving")
 
 
