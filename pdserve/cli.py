@@ -376,7 +376,8 @@ def _run_config(args: argparse.Namespace) -> int:
             continue
         print(
             f"{file}: OK (discovery {cfg.discovery.url}, prefill x{cfg.prefill.replicas}, "
-            f"decode x{cfg.decode.replicas}, transfer {cfg.transfer.backend})"
+            f"decode x{cfg.decode.replicas}, colocated x{cfg.colocated.replicas}, "
+            f"transfer {cfg.transfer.backend})"
         )
     return 2 if failed else 0
 

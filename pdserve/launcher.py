@@ -1,4 +1,4 @@
-"""``pdserve up``: a router and N prefill + M decode workers on one machine.
+"""``pdserve up``: a router and N prefill + M decode (+ K colocated) workers on one machine.
 
 Lifecycle (the processes are a :class:`~pdserve.supervisor.ProcessSupervisor`'s)::
 
@@ -32,7 +32,7 @@ import yaml
 
 from pdserve.config import served_model_name
 from pdserve.security import generate_secret, load_api_keys, write_secret_file
-from pdserve.settings import ENV_PREFIX, KVCacheSettings, PdserveConfig, settings
+from pdserve.settings import ENV_PREFIX, ROLES, KVCacheSettings, PdserveConfig, settings
 from pdserve.supervisor import ProcessSpec, ProcessSupervisor, RestartPolicy, pdserve_argv
 from pdserve.workers.kv_sizing import available_host_memory
 
@@ -67,7 +67,7 @@ def child_config(cfg: PdserveConfig, model_path: Path) -> PdserveConfig:
     """The fully resolved config the children read: the model path and name pinned,
     ``scheduler.threads`` split evenly across the workers, the KV memory share split too
     (:func:`split_kv_cache`), and UCX on loopback when unset."""
-    n_workers = max(1, cfg.prefill.replicas + cfg.decode.replicas)
+    n_workers = max(1, sum(cfg.worker(role).replicas for role in ROLES))
     threads = cfg.scheduler.threads or max(1, (os.cpu_count() or 1) // n_workers)
     return cfg.model_copy(
         update={
@@ -89,7 +89,7 @@ def worker_commands(
 ) -> list[tuple[str, list[str]]]:
     """The (name, argv) of every worker child: ``--config`` plus a distinct ``--worker-id``."""
     cmds = []
-    for role in ("prefill", "decode"):
+    for role in ROLES:
         for i in range(cfg.worker(role).replicas):
             name = f"{role}-{i}"
             argv = pdserve_argv(
@@ -152,10 +152,10 @@ def write_child_config(cfg: PdserveConfig, folder: Path) -> Path:
     return config_file
 
 
-def all_registered(ready: dict[str, Any], expected: tuple[int, int]) -> bool:
-    """Whether the router's ``/ready`` body lists at least ``expected`` (prefill, decode)
-    workers, each role on its own."""
-    return len(ready["prefill"]) >= expected[0] and len(ready["decode"]) >= expected[1]
+def all_registered(ready: dict[str, Any], expected: tuple[int, ...]) -> bool:
+    """Whether the router's ``/ready`` body lists at least ``expected`` workers of each role
+    (prefill, decode, then colocated when given), each role on its own."""
+    return all(len(ready.get(role, ())) >= n for role, n in zip(ROLES, expected, strict=False))
 
 
 def gave_up(name: str, returncode: int | None, policy: RestartPolicy) -> str:
@@ -190,7 +190,7 @@ def run_up(
     cfg = child_config(cfg, model_path)
     url = cfg.router_url
     name = cfg.model.served_name
-    expected = (cfg.prefill.replicas, cfg.decode.replicas)
+    expected = tuple(cfg.worker(role).replicas for role in ROLES)
     stopping = False
 
     def _on_signal(signum: int, _frame: object) -> None:
@@ -224,11 +224,8 @@ def run_up(
             )
             for wname, argv in worker_commands(cfg, config_file, log_level):
                 supervisor.spawn(ProcessSpec(wname, argv, env, new_session=True, tier=_WORKER_TIER))
-            print(
-                f"pdserve: starting router + {expected[0]} prefill + {expected[1]} decode "
-                f"worker(s) for {name} ...",
-                file=sys.stderr,
-            )
+            workers = " + ".join(f"{n} {role}" for role, n in zip(ROLES, expected, strict=True))
+            print(f"pdserve: starting router + {workers} worker(s) for {name} ...", file=sys.stderr)
             if supervisor.wait_ready(
                 url,
                 timeout_s=ready_timeout_s,

@@ -275,3 +275,18 @@ def test_every_declared_flag_sets_its_setting(command: str) -> None:
 def test_up_waits_for_every_worker_of_each_role() -> None:
     assert all_registered({"prefill": ["p0"], "decode": ["d0", "d1"]}, (1, 2))
     assert not all_registered({"prefill": ["p0", "p1"], "decode": ["d0"]}, (1, 2))
+    ready = {"prefill": [], "decode": [], "colocated": ["c0"]}
+    assert all_registered(ready, (0, 0, 1)) and not all_registered(ready, (0, 0, 2))
+
+
+def test_up_starts_colocated_workers_behind_the_router(tmp_path: Path) -> None:
+    args = build_parser().parse_args(["up", "--prefill", "0", "--decode", "1", "--colocated", "2"])
+    cfg, _ = resolve_config(args, env={})
+    resolved = child_config(cfg, MODEL)
+    cmds = worker_commands(resolved, tmp_path / "c.yaml", "info")
+    assert [name for name, _ in cmds] == ["decode-0", "colocated-0", "colocated-1"]
+    assert [argv[argv.index("--config") - 1] for _, argv in cmds] == [
+        "decode",
+        "colocated",
+        "colocated",
+    ]
