@@ -54,6 +54,14 @@ class Role(StrEnum):
     COLOCATED = "colocated"
 
 
+MAX_TOKENS_PER_BLOCK = 4096
+"""Upper bound of ``KVLayout.tokens_per_block`` (``kv_cache.tokens_per_block`` has the same).
+A peer's layout arrives in a handshake: bounding it keeps what a converting formatter stages
+for that peer proportional to the request's own tokens."""
+MAX_LAYOUT_DIM = 4096
+"""Upper bound of a layout's layers, KV heads and head size (far above any model's)."""
+
+
 class KVLayout(_Msg):
     """Geometry of a worker's KV cache pool.
 
@@ -62,12 +70,14 @@ class KVLayout(_Msg):
     ``block_bytes_per_layer`` contiguous bytes. Keys are stored after rotary embedding.
     """
 
-    model: str = Field(description="model identity (name + config digest); peers must agree")
-    num_layers: int = Field(gt=0)
-    num_kv_heads: int = Field(gt=0)
-    head_dim: int = Field(gt=0)
-    tokens_per_block: int = Field(gt=0)
-    dtype: str = Field(description="torch dtype name without the prefix, e.g. 'float32'")
+    model: str = Field(max_length=512, description="model identity (name + config digest)")
+    num_layers: int = Field(gt=0, le=MAX_LAYOUT_DIM)
+    num_kv_heads: int = Field(gt=0, le=MAX_LAYOUT_DIM)
+    head_dim: int = Field(gt=0, le=MAX_LAYOUT_DIM)
+    tokens_per_block: int = Field(gt=0, le=MAX_TOKENS_PER_BLOCK)
+    dtype: Literal["float32", "float16", "bfloat16"] = Field(
+        description="torch dtype name without the prefix, e.g. 'float32'"
+    )
 
     @property
     def itemsize(self) -> int:
@@ -325,11 +335,12 @@ class ErrorEnvelope(_Msg):
 
 
 class ReleaseRequest(_Msg):
-    """Router -> prefill worker: free a parked request. With ``lease_id``, only that park."""
+    """Router -> prefill worker: free a parked request; ``lease_id`` (the handle's, a secret)
+    is required and must be the current park's."""
 
     request_id: str
     epoch: int
-    lease_id: str | None = None
+    lease_id: str = Field(min_length=1)
 
 
 RoleLiteral = Literal["prefill", "decode", "colocated"]

@@ -46,6 +46,13 @@ that time, and waking a process from epoll costs tens of microseconds more on th
 control-frame round trip between two processes measured 68-84 us p50 with it, 121-127 us
 without (load average 2). A wait that outlasts it costs at most this much CPU."""
 
+FRAME_TIMEOUT_S = 10.0
+"""Seconds the rest of a control frame may take once its 4-byte header arrived (frames are a
+few KiB; the largest, a Hello with NIXL metadata, is well under 1 MiB)."""
+FRAME_CHUNK_BYTES = 64 * 1024
+"""A frame's buffer grows by at most this much per read: a header announcing 16 MiB costs
+16 MiB only once 16 MiB arrived."""
+
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 """SO_SNDBUF/SO_RCVBUF asked for (the kernel may clamp it): fewer wake-ups per MiB."""
 
@@ -134,10 +141,28 @@ class Connection:
         """Receive exactly one control frame (never reads past it). A frame announcing more
         than ``limit`` bytes raises TransferError before anything is allocated for it (pass
         :data:`~pdserve.transfer.wire.PREAUTH_MAX_FRAME_BYTES` before the peer is
-        authenticated)."""
+        authenticated).
+
+        Waiting for a frame to *start* is the caller's business (an idle connection may stay
+        silent); once its header arrived, the rest must follow within :data:`FRAME_TIMEOUT_S`
+        (else TransferError and the connection closes: a peer cannot hold a handler with a
+        trickle), and memory for it grows as its bytes arrive, in steps of at most
+        :data:`FRAME_CHUNK_BYTES`, never to the announced length up front."""
         await self._recv_into(memoryview(self._header))
-        payload = bytearray(wire.frame_length(bytes(self._header), limit))
-        await self._recv_into(memoryview(payload))
+        length = wire.frame_length(bytes(self._header), limit)
+        payload = bytearray()
+        try:
+            async with asyncio.timeout(FRAME_TIMEOUT_S):
+                while len(payload) < length:
+                    chunk = bytearray(min(length - len(payload), FRAME_CHUNK_BYTES))
+                    await self._recv_into(memoryview(chunk))
+                    payload += chunk
+        except TimeoutError:
+            self.close()
+            raise TransferError(
+                f"transfer peer {self.peer} sent {len(payload)} of a {length}-byte frame in "
+                f"{FRAME_TIMEOUT_S:.0f} s"
+            ) from None
         return wire.decode(payload)
 
     async def send_segments(

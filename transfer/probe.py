@@ -19,7 +19,8 @@ Safety of the serving side: only for a peer that proved it holds the cluster sec
 doctor needs it: ``--cluster-secret-file``), read-only and bounded. The bytes are zeros from a
 constant 1 MiB buffer (never the KV pool: it holds other users' K/V), at most
 :data:`~pdserve.transfer.wire.PROBE_MAX_BYTES` per probe (a larger Probe fails validation and
-closes the connection), no parked block, lease or handshake state is touched, and the
+closes the connection), at most :data:`MAX_PROBES_PER_CONNECTION` probes and
+:data:`MAX_PROBE_BYTES_PER_CONNECTION` bytes per connection (then it is closed), no parked block, lease or handshake state is touched, and the
 connection is served like any other (one task; closing the transceiver ends it).
 
 What it measures: TCP between the two hosts, with the transfer connection's socket options
@@ -47,6 +48,10 @@ if TYPE_CHECKING:
     from pdserve.transfer.handshake import LocalSide
 
 CHUNK_BYTES = 1 << 20
+MAX_PROBES_PER_CONNECTION = 64
+"""Probes one connection may ask for (the doctor sends 26); the next closes it."""
+MAX_PROBE_BYTES_PER_CONNECTION = 4 << 30
+"""Bytes one connection's probes may ask for in all (the doctor's default run: 384 MiB)."""
 _ZEROS = bytes(CHUNK_BYTES)  # immutable: the only source of probe bytes
 
 
@@ -66,9 +71,13 @@ async def serve_probes(conn: Connection, first: wire.Probe, local: LocalSide) ->
     Probe, which is a protocol error)."""
     msg: wire.Message = first
     zeros = memoryview(_ZEROS)
+    probes = sent = 0
     while True:
         if not isinstance(msg, wire.Probe):
             raise TransferError(f"unexpected {msg.type!r} on a probe connection from {conn.peer}")
+        probes, sent = probes + 1, sent + msg.nbytes
+        if probes > MAX_PROBES_PER_CONNECTION or sent > MAX_PROBE_BYTES_PER_CONNECTION:
+            raise TransferError(f"probe budget of the connection from {conn.peer} exhausted")
         header = wire.ProbeData(
             worker_id=local.worker_id,
             epoch=local.epoch,

@@ -13,7 +13,9 @@ Lifecycle of a connection and of each request on it::
     1. HANDSHAKE   receive Hello, check it (:class:`LocalSide.accept`), answer HelloAck;
                    a refusal is recorded, answered with ok=False, and closes the connection
                    (a Probe instead of Hello: :func:`pdserve.transfer.probe.serve_probes`)
-    2. IDLE        wait for the next message (a connection serves many requests, one at a time)
+    2. IDLE        wait for the next message (a connection serves many requests, one at a time);
+                   closed after :data:`IDLE_TIMEOUT_S` without one, and a frame once begun must
+                   complete within ``control.FRAME_TIMEOUT_S``
     3. LOOKUP      SendBlocks: ``parked.lookup(request_id, epoch, lease_id)`` -> the parked
                    block ids (fencing: epoch, lease id, lease deadline, block generations; then
                    the ids asked for must equal the parked ones after ``skip_blocks``, the
@@ -56,6 +58,11 @@ from pdserve.transfer.probe import serve_probes
 log = logging.getLogger(__name__)
 
 
+IDLE_TIMEOUT_S = 120.0
+"""An authenticated connection with no request for this long is closed (the decode side keeps
+idle connections for reuse and opens a new one when it finds one closed)."""
+
+
 class ParkedLookup(Protocol):
     """The prefill worker's parked KV blocks, as the transceiver sees them."""
 
@@ -65,8 +72,8 @@ class ParkedLookup(Protocol):
         hands since it was parked)."""
         ...
 
-    def release(self, request_id: str, lease_id: str | None = None) -> object:
-        """Free the parked blocks (with ``lease_id``: only that park's); idempotent."""
+    def release(self, request_id: str, lease_id: str) -> object:
+        """Free the parked blocks if ``lease_id`` is their park's; idempotent."""
         ...
 
 
@@ -107,7 +114,12 @@ class Sender:
                 await serve_probes(self._conn, first, self._local)  # raises once it closes
             formatter, peer = await self._handshake(first)
             while True:
-                msg = await self._conn.recv()
+                try:
+                    async with asyncio.timeout(IDLE_TIMEOUT_S):
+                        msg = await self._conn.recv()
+                except TimeoutError:
+                    log.debug("closing the idle transfer connection from %s", self._conn.peer)
+                    return
                 if isinstance(msg, wire.SendBlocks):
                     await self._send(msg, formatter, peer)
                 elif isinstance(msg, wire.Release):
@@ -224,17 +236,20 @@ class Sender:
     def _lookup(self, msg: wire.SendBlocks) -> list[int]:
         if self._parked is None:
             raise HandleError(f"worker {self._local.worker_id} holds no parked KV blocks")
-        if msg.epoch != self._local.epoch:
-            raise HandleError(
-                f"handle of request {msg.request_id} names epoch {msg.epoch}, but worker "
-                f"{self._local.worker_id} is at epoch {self._local.epoch} (it restarted)"
-            )
+        # The refusals below go to the peer: generic, never the parked ids, lease or epoch
+        # (ParkedBlocks.lookup refuses the same way and logs the details).
         parked = list(self._parked.lookup(msg.request_id, msg.epoch, msg.lease_id))
         block_ids = parked[msg.skip_blocks :]  # delta transfer: the peer holds the rest
         if not block_ids or tuple(block_ids) != msg.src_block_ids:
+            log.warning(
+                "request %s asked for blocks %s after skipping %d; %s are parked",
+                msg.request_id,
+                list(msg.src_block_ids),
+                msg.skip_blocks,
+                parked,
+            )
             raise HandleError(
-                f"request {msg.request_id} asks for blocks {list(msg.src_block_ids)} after "
-                f"skipping {msg.skip_blocks}, but {parked} are parked"
+                f"the blocks asked for (after skipping {msg.skip_blocks}) are not the handle's"
             )
         return block_ids
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import uuid
@@ -46,6 +47,13 @@ log = logging.getLogger(__name__)
 
 _RECENT_ERRORS = 64
 
+MAX_CONNECTIONS_PER_HOST = 128
+"""Served connections one peer address may hold open at once (a decode worker keeps up to
+``receiver.MAX_IDLE_PER_PEER`` idle ones plus one per concurrent pull); more are closed on
+accept, before a byte is read, and counted in ``refused_connections``."""
+MAX_CONNECTIONS = 1024
+"""Served connections in all (each is a task and a socket)."""
+
 
 class Transceiver:
     """A worker's KV transfer endpoint (see the module docstring for the lifecycle).
@@ -54,7 +62,9 @@ class Transceiver:
     ``recent_errors`` holds the last TransferErrors the serving side raised (newest last),
     e.g. the LayoutMismatchError of a refused handshake. ``auth_failures.total`` counts the
     connections refused because the peer did not prove it holds the cluster secret
-    (:mod:`pdserve.transfer.auth`).
+    (:mod:`pdserve.transfer.auth`) or held too many connections open
+    (:data:`MAX_CONNECTIONS_PER_HOST`, :data:`MAX_CONNECTIONS`; those also in
+    ``refused_connections``).
     """
 
     def __init__(
@@ -76,6 +86,8 @@ class Transceiver:
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
         self._handlers: set[asyncio.Task[None]] = set()
+        self._per_host: dict[str, int] = {}  # open served connections per peer address
+        self.refused_connections = 0
         self._closed = False
         self.backend: str = local.backend.name
         self.endpoint: str = ""
@@ -169,6 +181,15 @@ class Transceiver:
                 await asyncio.sleep(0.1)
                 continue
             peer = f"{addr[0]}:{addr[1]}"
+            host = str(addr[0])
+            if len(self._handlers) >= MAX_CONNECTIONS or (
+                self._per_host.get(host, 0) >= MAX_CONNECTIONS_PER_HOST
+            ):
+                sock.close()  # before reading a byte: nothing of the peer is held
+                self.refused_connections += 1
+                self.auth_failures.record(peer, "too many connections from this host")
+                continue
+            self._per_host[host] = self._per_host.get(host, 0) + 1
             sender = Sender(
                 self._local,
                 Connection(sock, peer),
@@ -180,7 +201,15 @@ class Transceiver:
             )
             task = asyncio.create_task(sender.serve())
             self._handlers.add(task)
-            task.add_done_callback(self._handlers.discard)
+            task.add_done_callback(functools.partial(self._handler_done, host))
+
+    def _handler_done(self, host: str, task: asyncio.Task[None]) -> None:
+        self._handlers.discard(task)
+        left = self._per_host.get(host, 0) - 1
+        if left > 0:
+            self._per_host[host] = left
+        else:
+            self._per_host.pop(host, None)
 
 
 def create_transceiver(

@@ -68,6 +68,9 @@ PREAUTH_MAX_FRAME_BYTES = 64 * 1024
 """Upper bound on one control frame before the peer is authenticated (the auth frames are
 about 200 bytes): what a peer without the cluster secret can make a transceiver allocate."""
 
+MAX_POOL_BLOCKS = 1 << 26
+"""Upper bound of a peer's pool size in blocks (its handshake's ``num_blocks``)."""
+
 BACKEND_MISMATCH = "kv_backend_mismatch"
 PROTOCOL_MISMATCH = "kv_protocol_mismatch"
 AUTH_FAILED = "kv_auth_failed"
@@ -153,8 +156,8 @@ class _PeerIdentity(_Wire):
     worker_id: str
     epoch: int
     layout: KVLayout
-    backend: str
-    num_blocks: int = Field(gt=0)
+    backend: str = Field(max_length=64)
+    num_blocks: int = Field(gt=0, le=MAX_POOL_BLOCKS)
 
 
 class Hello(_PeerIdentity):
@@ -254,7 +257,7 @@ class Release(_Wire):
 
     type: Literal["release"] = "release"
     request_id: str
-    lease_id: str | None = Field(default=None, description="release only this park")
+    lease_id: str = Field(min_length=1, description="the handle's lease id (required)")
 
 
 PROBE_MAX_BYTES = 256 * 1024 * 1024

@@ -30,9 +30,10 @@ import socket
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.discovery.registry import internal_route_class
 from pdserve.protocol import PROTOCOL_HEADER, PROTOCOL_VERSION, WORKER_KEEPALIVE_S
@@ -93,17 +94,36 @@ def create_worker_app(
     app = FastAPI(title=f"pdserve {settings.role} worker", lifespan=lifespan)
     install_error_handlers(app)
 
-    @app.middleware("http")
-    async def _protocol_header(request: Request, call_next: Any) -> Any:
-        response = await call_next(request)
-        response.headers[PROTOCOL_HEADER] = str(PROTOCOL_VERSION)
-        return response
+    app.add_middleware(_ProtocolHeader)
 
     WorkerService.add_common_routes(app, lambda: app.state.worker)
     internal = APIRouter(route_class=internal_route_class(settings.cluster_key))
     service_cls.add_role_routes(internal)
     app.include_router(internal)
     return app
+
+
+class _ProtocolHeader:
+    """Pure ASGI middleware: every HTTP response carries ``x-pdserve-protocol``. (Not
+    Starlette's ``BaseHTTPMiddleware``, which wraps ``receive``: a route could then no longer
+    see its caller hang up, which the prefill route checks before it keeps parked blocks.)"""
+
+    _HEADER = (PROTOCOL_HEADER.encode(), str(PROTOCOL_VERSION).encode())
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_header(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), self._HEADER]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

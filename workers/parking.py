@@ -5,8 +5,11 @@ worker that pulls them releases them, or until the lease runs out, whichever com
 (TensorRT-LLM's "context releases KV cache" step; Dynamo's deferred free).
 
 Fencing: a decode worker names the parked blocks by ``(request_id, epoch, lease_id)``
-and the block ids of its :class:`~pdserve.protocol.TransferHandle`. :meth:`ParkedBlocks.lookup`
-refuses, with :class:`~pdserve.errors.HandleError` naming the reason:
+and the block ids of its :class:`~pdserve.protocol.TransferHandle`. The lease id is a secret
+(a ``uuid4``, 122 random bits, handed only to the router and the decode worker it picks): it is
+compared in constant time and required by every release, and a refusal tells the peer only a
+generic reason (never the lease id, block ids or epoch it expected; the worker logs the
+details). :meth:`ParkedBlocks.lookup` refuses, with :class:`~pdserve.errors.HandleError`:
 
 - another **epoch** (the worker restarted: its blocks of that incarnation are gone);
 - an unknown **request** (never parked, released, or expired);
@@ -44,6 +47,7 @@ Thread-safety: all methods run on the worker's event loop thread. Freeing calls
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 import uuid
@@ -53,6 +57,10 @@ from dataclasses import dataclass
 from pdserve.errors import HandleError
 
 log = logging.getLogger(__name__)
+
+_NOT_PARKED = "no KV blocks are parked under this handle (released, expired, or another park)"
+"""The one refusal for an unknown request id and a wrong lease id alike: a peer cannot tell
+which request ids exist."""
 
 Generations = Callable[[Iterable[int]], tuple[int, ...]]
 """Current generation of each block id (``KVCacheManager.generations``)."""
@@ -138,48 +146,62 @@ class ParkedBlocks:
         """Block ids of a parked request, for sending now. Raises HandleError when the epoch is
         not this worker's, the request is unknown (never parked, released, or expired), the
         lease id is not the current park's, the lease ran out, or a block changed hands since
-        the park (see the module docstring)."""
+        the park (see the module docstring).
+
+        The lease id is a secret (whoever holds it may read the request's KV, from which the
+        prompt can be recovered): it is compared in constant time, and the refusals are generic,
+        so a peer learns neither the current lease id, nor the block ids, nor this worker's
+        epoch, nor whether the request id exists; the worker's own log has the details."""
         if epoch != self.epoch:
-            raise HandleError(
-                f"handle for request {request_id!r} names epoch {epoch}, but this prefill worker "
-                f"is epoch {self.epoch} (it restarted; the KV blocks are gone)"
+            log.warning(
+                "refused a lookup of request %s: it names epoch %d, this worker is epoch %d",
+                request_id,
+                epoch,
+                self.epoch,
             )
-        parked = self._parked.get(request_id)
+            raise HandleError(
+                "the handle names another epoch of this prefill worker (it restarted; the KV "
+                "blocks are gone)"
+            )
+        parked = self._find(request_id, lease_id)
         if parked is None:
-            raise HandleError(
-                f"request {request_id!r} has no parked KV blocks (released or expired)"
-            )
-        if lease_id != parked.lease_id:
-            raise HandleError(
-                f"handle for request {request_id!r} names lease {lease_id!r}, but its KV blocks "
-                f"are parked under lease {parked.lease_id!r} (the handle is from another park)"
-            )
+            raise HandleError(_NOT_PARKED)
         now = self._clock()
         if now > parked.deadline:
             self._expire(parked, now)
-            raise HandleError(f"lease of request {request_id!r} expired before the transfer")
+            raise HandleError("the lease of the handle's KV blocks expired before the transfer")
         self._check_generations(parked)
         parked.send_until = max(parked.send_until, now + self.send_grace_s)
         return list(parked.block_ids)
 
-    def release(self, request_id: str, lease_id: str | None = None) -> bool:
-        """Free a parked request's blocks; with ``lease_id``, only if it is the current park's.
+    def release(self, request_id: str, lease_id: str) -> bool:
+        """Free a parked request's blocks if ``lease_id`` is the current park's (compared in
+        constant time; the lease id is what proves the caller was handed the blocks).
         Idempotent: returns False when nothing (or another park) was parked."""
-        parked = self._parked.get(request_id)
+        parked = self._find(request_id, lease_id)
         if parked is None:
             return False
-        if lease_id is not None and lease_id != parked.lease_id:
-            log.warning(
-                "ignoring release of request %s under lease %s: it is parked under lease %s",
-                request_id,
-                lease_id,
-                parked.lease_id,
-            )
-            return False
-        del self._parked[request_id]
-        self._free_blocks(request_id)
-        self.released_total += 1
+        self._free(parked)
         return True
+
+    def _find(self, request_id: str, lease_id: str) -> ParkedRequest | None:
+        """The park of ``request_id`` if ``lease_id`` is its lease (constant-time compare), else
+        None (logged with a short prefix of the offered lease id only)."""
+        parked = self._parked.get(request_id)
+        if parked is not None and hmac.compare_digest(lease_id.encode(), parked.lease_id.encode()):
+            return parked
+        log.warning(
+            "refused request %s under lease %.6s...: %s",
+            request_id,
+            lease_id,
+            "another park holds it" if parked is not None else "nothing is parked for it",
+        )
+        return None
+
+    def _free(self, parked: ParkedRequest) -> None:
+        del self._parked[parked.request_id]
+        self._free_blocks(parked.request_id)
+        self.released_total += 1
 
     def reap(self) -> int:
         """Free every request whose lease ran out (and whose send window closed); returns how
@@ -209,8 +231,8 @@ class ParkedBlocks:
             except asyncio.CancelledError:
                 pass
             self._reaper = None
-        for request_id in list(self._parked):
-            self.release(request_id)
+        for parked in list(self._parked.values()):
+            self._free(parked)
 
     def _check_generations(self, parked: ParkedRequest) -> None:
         if self._generations is None or parked.generations is None:
@@ -226,8 +248,8 @@ class ParkedBlocks:
                     current,
                 )
                 raise HandleError(
-                    f"KV block {block} of request {parked.request_id!r} was freed or reallocated "
-                    f"since it was parked (generation {then} -> {current}); refusing to send it"
+                    "a KV block of the handle was freed or reallocated since it was parked; "
+                    "refusing to send it"
                 )
 
     def _expire(self, parked: ParkedRequest, now: float) -> bool:

@@ -105,10 +105,11 @@ class PrefillRole:
         )
         return handle
 
-    def release(self, request_id: str, epoch: int, lease_id: str | None = None) -> bool:
-        """Free a parked request (router-side abort); with ``lease_id`` only that park. Returns
-        False when nothing was parked, the epoch is not ours (blocks of an old incarnation are
-        already gone), or the request is parked under another lease."""
+    def release(self, request_id: str, epoch: int, lease_id: str) -> bool:
+        """Free a parked request (router-side abort) if ``lease_id`` is its park's lease (the
+        secret only the handle's holders know). Returns False when nothing was parked, the
+        epoch is not ours (blocks of an old incarnation are already gone), or the request is
+        parked under another lease."""
         if epoch != self.parked.epoch:
             return False
         return self.parked.release(request_id, lease_id)

@@ -162,7 +162,14 @@ class PrefillWorker(_TransferRole):
         @api.post("/internal/context")
         async def context(req: ContextRequest, request: Request) -> ContextResponse:
             worker: PrefillWorker = service_of(request)
-            return await worker.handler.context(req)
+            resp = await worker.handler.context(req)
+            handle = resp.handle
+            if handle is not None and await request.is_disconnected():
+                # The router gave up (deadline, client gone) and will never see the lease id,
+                # the only key that releases these blocks: free them now, not at lease expiry.
+                worker.handler.release(req.request_id, handle.epoch, handle.lease_id)
+                log.info("req %s: the router left before its handle; blocks freed", req.request_id)
+            return resp
 
         @api.post("/internal/release")
         async def release(req: ReleaseRequest, request: Request) -> dict[str, bool]:

@@ -42,9 +42,9 @@ def test_lookup_returns_parked_blocks_until_released(setup) -> None:
     assert lease.deadline == 1030.0
     assert parked.lookup("r1", 7, lease.lease_id) == [4, 5, 6]
     assert parked.num_blocks == 3
-    assert parked.release("r1") is True
+    assert parked.release("r1", lease.lease_id) is True
     assert freed == ["r1"]
-    assert parked.release("r1") is False, "release is idempotent"
+    assert parked.release("r1", lease.lease_id) is False, "release is idempotent"
     assert freed == ["r1"], "blocks are freed exactly once"
 
 
@@ -57,25 +57,31 @@ def test_every_park_issues_a_new_lease_id(setup) -> None:
 def test_lookup_refuses_another_epoch(setup) -> None:
     parked, _, _ = setup
     lease = parked.park("r1", [1], num_tokens=3)
-    with pytest.raises(HandleError, match="epoch 6.*restarted"):
+    with pytest.raises(HandleError, match="another epoch.*restarted") as refused:
         parked.lookup("r1", 6, lease.lease_id)
+    assert "7" not in str(refused.value), "the refusal does not tell the current epoch"
 
 
 def test_lookup_refuses_unknown_request(setup) -> None:
     parked, _, _ = setup
-    with pytest.raises(HandleError, match="no parked KV blocks"):
+    lease = parked.park("r1", [1], num_tokens=3)
+    with pytest.raises(HandleError, match="no KV blocks are parked under this handle") as ghost:
         parked.lookup("ghost", 7, "any")
+    with pytest.raises(HandleError) as wrong_lease:
+        parked.lookup("r1", 7, "any")
+    assert str(ghost.value) == str(wrong_lease.value), "a peer cannot tell which ids exist"
+    assert lease.lease_id not in str(wrong_lease.value)
 
 
 def test_lookup_refuses_a_lease_id_that_is_not_the_current_park(setup) -> None:
     parked, _, freed = setup
     old = parked.park("r1", [1], num_tokens=1)
-    parked.release("r1")
+    parked.release("r1", old.lease_id)
     new = parked.park("r1", [2], num_tokens=1)  # same request id, another allocation
-    with pytest.raises(HandleError, match=f"names lease '{old.lease_id}'.*another park"):
-        parked.lookup("r1", 7, old.lease_id)
-    with pytest.raises(HandleError, match="names lease 'bogus'"):
-        parked.lookup("r1", 7, "bogus")
+    for stale in (old.lease_id, "bogus"):
+        with pytest.raises(HandleError, match="another park") as refused:
+            parked.lookup("r1", 7, stale)
+        assert new.lease_id not in str(refused.value), "the current lease id never leaks"
     assert parked.lookup("r1", 7, new.lease_id) == [2]
     assert freed == ["r1"], "a refused lookup frees nothing"
 
@@ -152,7 +158,7 @@ def test_block_freed_and_reallocated_since_the_park_is_never_handed_out(kv) -> N
     kv.free("a")  # an ownership bug elsewhere: the parked blocks go back to the pool...
     reused = kv.allocate("b", 16)  # ...and another request gets them
     assert set(blocks) <= set(reused)
-    with pytest.raises(HandleError, match=f"KV block {blocks[0]} .* freed or reallocated"):
+    with pytest.raises(HandleError, match="a KV block of the handle .* freed or reallocated"):
         parked.lookup("a", 7, lease.lease_id)
 
 

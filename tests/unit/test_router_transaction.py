@@ -168,13 +168,15 @@ async def test_unreachable_worker_without_another_route_fails_with_502():
     assert err.value.status == 502
 
 
-async def test_slow_prefill_hits_the_deadline_and_is_asked_to_release():
+async def test_slow_prefill_hits_the_deadline_and_no_lease_less_release_is_sent():
+    """The router never learned the lease id: it sends no release (one needs the lease); the
+    prefill worker frees what it parks after the router left (test_worker_roles.py)."""
     p = prefill(context_delay_s=5.0)
     async with make_router(p, decode(), timeout_s=0.3) as router:
         with pytest.raises(DeadlineExceededError) as err:
             await router.start("r1", PROMPT, SamplingParams())
     assert err.value.status == 504
-    assert [(r.request_id, r.epoch) for r in p.releases] == [("r1", 7)]
+    assert p.releases == []
 
 
 async def test_consumer_stopping_after_the_first_token_releases_prefill_blocks():

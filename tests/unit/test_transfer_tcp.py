@@ -26,7 +26,7 @@ async def _pair() -> tuple[Connection, Connection]:
 
 async def test_frames_arrive_whole_and_in_order():
     a, b = await _pair()
-    msgs = [wire.Release(request_id=f"r{i}") for i in range(50)]
+    msgs = [wire.Release(request_id=f"r{i}", lease_id="l") for i in range(50)]
     for m in msgs:
         await a.send(m)
     assert [await b.recv() for _ in msgs] == msgs
@@ -76,9 +76,9 @@ async def test_peer_closing_mid_stream_is_a_transfer_error_and_closes():
 async def test_idle_connection_has_input_once_the_peer_sends_or_closes():
     a, b = await _pair()
     assert not b.has_input()
-    await a.send(wire.Release(request_id="r"))
+    await a.send(wire.Release(request_id="r", lease_id="l"))
     assert b.has_input()
-    assert await b.recv() == wire.Release(request_id="r")
+    assert await b.recv() == wire.Release(request_id="r", lease_id="l")
     assert not b.has_input()
     a.close()
     assert b.has_input()

@@ -63,7 +63,7 @@ MESSAGES = [
     wire.BlockData(transfer_id="t", nbytes=1 << 33),
     wire.TransferDone(transfer_id="t", nbytes=10),
     wire.TransferFailed(transfer_id="t", code="kv_handle_invalid", message="gone"),
-    wire.Release(request_id="r"),
+    wire.Release(request_id="r", lease_id="l"),
     wire.BlockDigests(transfer_id="t", digests="AAAAAAAAAAA="),
 ]
 

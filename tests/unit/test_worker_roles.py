@@ -270,13 +270,44 @@ async def test_release_frees_the_parked_blocks_once_and_only_for_this_epoch() ->
     async with running(Role.PREFILL) as p:
         ctx = await _context(p)
         assert ctx.handle is not None
-        stale = {"request_id": "r1", "epoch": ctx.handle.epoch - 1}
-        assert (await p.client.post("/internal/release", json=stale)).json() == {"released": False}
-        assert p.worker.parked_count() == 1
         body = {"request_id": "r1", "epoch": ctx.handle.epoch, "lease_id": ctx.handle.lease_id}
+        stale = {**body, "epoch": ctx.handle.epoch - 1}
+        assert (await p.client.post("/internal/release", json=stale)).json() == {"released": False}
+        forged = {**body, "lease_id": "0" * 32}
+        assert (await p.client.post("/internal/release", json=forged)).json() == {"released": False}
+        lease_less = {"request_id": "r1", "epoch": ctx.handle.epoch}
+        refused = await p.client.post("/internal/release", json=lease_less)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "lease_id"
+        assert p.worker.parked_count() == 1
         assert (await p.client.post("/internal/release", json=body)).json() == {"released": True}
         assert (await p.client.post("/internal/release", json=body)).json() == {"released": False}
         assert p.engine.freed_parked == ["r1"] and p.worker.parked_count() == 0
+
+
+async def test_a_router_that_left_before_the_handle_came_gets_the_blocks_freed() -> None:
+    """The router gave up on the prefill leg (deadline, client gone) and will never learn the
+    lease id that a release needs: the worker sees the closed connection and frees the park."""
+    async with running(Role.PREFILL) as p:
+        inbox = [{"type": "http.request", "body": json.dumps(context_body()).encode()}]
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            return inbox.pop(0) if inbox else {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        headers = [(b"content-type", b"application/json")]
+        headers += [(k.lower().encode(), v.encode()) for k, v in INTERNAL_AUTH.items()]
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+            "scheme": "http", "path": "/internal/context", "raw_path": b"/internal/context",
+            "query_string": b"", "root_path": "", "headers": headers,
+            "client": ("127.0.0.1", 1), "server": ("w", 80),
+        }  # fmt: skip
+        await p.app(scope, receive, send)
+        assert sent and sent[0]["status"] == 200, sent
+        assert p.worker.parked_count() == 0 and p.engine.freed_parked == ["r1"]
 
 
 async def test_an_expired_lease_frees_the_parked_blocks() -> None:
