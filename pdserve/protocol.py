@@ -275,8 +275,9 @@ class WorkerLoad(_Msg):
 class WorkerRecord(_Msg):
     """A worker's discovery record, held under a lease/TTL and refreshed by the worker.
 
-    ``communicator`` is the transfer communicator handle: backend name, transceiver endpoint and,
-    for NIXL, the base64 agent metadata.
+    ``communicator`` is the transfer communicator handle: backend name and transceiver endpoint
+    only (NIXL agent metadata and UCX addresses travel in the authenticated transfer handshake,
+    never in a record that the registry, etcd or NATS serve).
 
     ``signature`` proves the record was written by a holder of the cluster secret: 64 hex
     characters, ``ClusterKey.proof("record", signing_bytes()).hex()``, set by the worker's

@@ -139,10 +139,6 @@ class Backend(ABC):
         """What the receiving side advertises in its Hello (None: nothing needed)."""
         return None
 
-    def communicator(self) -> dict[str, str]:
-        """Backend fields of the discovery record's communicator handle."""
-        return {}
-
     def add_peer(self, hello: wire.Hello) -> Peer:
         """Sender side, at handshake: prepare to send to this receiver; raises TransferError."""
         return Peer()

@@ -239,9 +239,6 @@ class NixlBackend(Backend):
             device_id=self._agent.device_id,
         )
 
-    def communicator(self) -> dict[str, str]:
-        return {"nixl_agent": self._agent.name, "nixl_metadata": self._metadata_b64}
-
     def add_peer(self, hello: wire.Hello) -> Peer:
         info = hello.nixl
         if info is None:

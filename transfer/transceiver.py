@@ -125,13 +125,12 @@ class Transceiver:
         log.info("KV transceiver (%s) listening on %s", self.backend, self.endpoint)
 
     def communicator(self) -> dict[str, str]:
-        """The discovery record's communicator handle: backend, endpoint, backend extras
-        (NIXL: ``nixl_agent`` name and ``nixl_metadata`` base64)."""
-        return {
-            "backend": self.backend,
-            "endpoint": self.endpoint,
-            **self._local.backend.communicator(),
-        }
+        """The discovery record's communicator handle: the backend name and the transceiver
+        endpoint, nothing more. A backend's peer information (NIXL agent metadata with its
+        memory registrations, a UCX worker address) travels only in the authenticated
+        handshake (``wire.Hello``): published in the registry, etcd or NATS, it would let any
+        host that reads them address this worker's pool."""
+        return {"backend": self.backend, "endpoint": self.endpoint}
 
     async def pull(
         self, handle: TransferHandle, dst_block_ids: list[int], *, skip_blocks: int = 0

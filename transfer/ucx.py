@@ -370,9 +370,6 @@ class UcxBackend(Backend):
     def hello_info(self) -> wire.UcxPeerInfo:
         return wire.UcxPeerInfo(address_b64=self._address_b64)
 
-    def communicator(self) -> dict[str, str]:
-        return {"ucx_address": self._address_b64}
-
     def add_peer(self, hello: wire.Hello) -> Peer:
         if hello.ucx is None:
             raise TransferError(f"decode worker {hello.worker_id} sent no UCX worker address")

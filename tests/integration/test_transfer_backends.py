@@ -250,7 +250,7 @@ async def test_pull_copies_every_layer_into_other_block_ids_and_releases(prefill
     await t.pull(prefill.park("r1", src), dst)
     _assert_landed(pool, src, dst, LAYOUT)
     assert "r1" in prefill.wait_released("r1")
-    assert t.communicator()["backend"] == prefill.backend
+    assert t.communicator() == {"backend": prefill.backend, "endpoint": t.endpoint}
 
 
 async def test_concurrent_pulls_reuse_connections_and_land_in_their_blocks(prefill, decode):
