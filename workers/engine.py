@@ -3,8 +3,8 @@
 Request lifecycle (the numbered states of :class:`SequenceStatus`; the queues are named after
 them)::
 
-    1. RESERVED  resume only: reserve() allocated the prompt's blocks, which the caller fills
-                 (KV transfer).                                       queue: scheduler.reserved
+    1. RESERVED  resume only: reserve() allocated the prompt's blocks (optionally starting with
+                 its cached prefix), which the caller fills (KV transfer). queue: scheduler.reserved
     2. WAITING   add_request() validated it; waits for admission (KV blocks for what it must
                  compute now, or for its whole completion under guaranteed_no_evict; a running
                  slot); a preempted sequence comes back here.         queue: scheduler.waiting
@@ -30,7 +30,10 @@ choice 0, since the decode worker's other choices still need them.
 Prefix cache (``kv_cache.prefix_caching``, :mod:`pdserve.workers.kv_cache`): every full block
 a forward completes is registered under its chained hash after the step (resume: the
 transferred prompt's full blocks, when the resume request arrives); an admitted sequence starts
-at its longest cached prefix, in every mode.
+at its longest cached prefix, in every mode. KV cache connector (``kv_cache.host_cache_mb``,
+``disk_cache_dir``; :mod:`pdserve.workers.kv_connector`): blocks after that prefix found in the
+host or disk tier are loaded before the admitting step's forward; completed blocks are queued
+for the disk tier after each step; :meth:`Engine.shutdown` writes what is queued.
 
 Each step (nano-vllm's ``LLMEngine.step``): the scheduler picks every running decode sequence
 plus prefill chunks and allocates their blocks (preempting if the pool runs short), the model
@@ -60,9 +63,16 @@ from pdserve.config import EngineConfig
 from pdserve.errors import ConfigError, InvalidRequestError, QueueFullError
 from pdserve.protocol import FinishReason, KVLayout, SamplingParams, TokenLogprob, WorkerLoad
 from pdserve.workers.kv_cache import KVCacheManager
+from pdserve.workers.kv_connector import KVConnectorStats, build_connector
 from pdserve.workers.kv_sizing import cuda_kv_budget, log_pool, pool_size
 from pdserve.workers.model_runner import ModelRunner
-from pdserve.workers.requests import EngineOutput, EngineRequest, RequestLimits, Sink
+from pdserve.workers.requests import (
+    EngineOutput,
+    EngineRequest,
+    RequestLimits,
+    Reservation,
+    Sink,
+)
 from pdserve.workers.sampler import Sampler
 from pdserve.workers.scheduler import ScheduledBatch, ScheduledSequence, Scheduler
 from pdserve.workers.sequence import IncrementalDetokenizer, Sequence, SequenceStatus
@@ -148,11 +158,13 @@ class Engine:
             prefix_caching=cfg.kv_cache.prefix_caching,
         )
         log_pool(size, self.layout, self.max_model_len)
+        self.connector = build_connector(cfg.kv_cache, self.kv_cache)  # None: no tier
         self.scheduler = Scheduler(
             self.kv_cache,
             max_num_seqs=cfg.scheduler.max_num_seqs,
             max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
             policy=cfg.scheduler.capacity_policy,
+            connector=self.connector.scheduler if self.connector else None,
         )
         self.limits = RequestLimits(
             self.runner.vocab_size, self.max_model_len, self.kv_cache, cfg.scheduler.capacity_policy
@@ -230,6 +242,8 @@ class Engine:
                 log.warning("engine thread did not stop within %.1f s", timeout)
                 return
         self._drain()
+        if self.connector is not None:
+            self.connector.shutdown()  # writes the queued disk tier saves
 
     # --- requests ------------------------------------------------------------------------------
 
@@ -352,13 +366,21 @@ class Engine:
         self._wakeup.set()
 
     def reserve(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
-    ) -> list[int]:
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        reuse_prefix: bool = False,
+    ) -> Reservation:
         """Allocate the prompt's blocks, in token order (``ceil(len(prompt) / tpb)`` ids; under
-        ``guaranteed_no_evict`` the whole completion is admitted too). The caller writes the
-        prompt's K/V into them, then submits the ``resume`` request with the same id, or calls
-        :meth:`unreserve`. Raises :class:`CapacityError` when the blocks are not free now (the
-        caller may retry), :class:`InvalidRequestError` as :meth:`add_request` does."""
+        ``guaranteed_no_evict`` the whole completion is admitted too). With ``reuse_prefix``
+        the table starts with the prompt's longest cached prefix of full blocks
+        (``Reservation.cached_blocks`` of them already hold its K/V: delta transfer). The
+        caller writes the prompt's K/V into ``Reservation.missing_block_ids``, then submits the
+        ``resume`` request with the same id, or calls :meth:`unreserve`. Raises
+        :class:`CapacityError` when the blocks are not free now (the caller may retry),
+        :class:`InvalidRequestError` as :meth:`add_request` does."""
         prompt = list(prompt_token_ids)
         self.limits.check(request_id, prompt, sampling, "resume", 0)
         with self._lock:
@@ -369,7 +391,8 @@ class Engine:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             need = self.kv_cache.get_needed_resource_to_completion(len(prompt), sampling.max_tokens)
             seq = Sequence(request_id, prompt, sampling, "resume", need)
-            return self.scheduler.reserve(seq)
+            blocks = self.scheduler.reserve(seq, reuse_prefix=reuse_prefix)
+            return Reservation(blocks, seq.num_cached_tokens // self.kv_cache.tokens_per_block)
 
     def unreserve(self, request_id: str) -> None:
         """Drop a reservation not yet submitted, freeing its blocks. Idempotent."""
@@ -397,6 +420,10 @@ class Engine:
             preemptions=self.scheduler.num_preemptions,
         )
 
+    def kv_connector_stats(self) -> KVConnectorStats | None:
+        """The KV cache connector's counters (None: no tier configured)."""
+        return self.connector.stats() if self.connector is not None else None
+
     # --- the step loop (engine thread) -----------------------------------------------------------
 
     def _loop(self) -> None:
@@ -418,6 +445,8 @@ class Engine:
     def _step(self, batch: ScheduledBatch) -> None:
         sampling = batch.sampling
         try:
+            if self.connector is not None:  # tier hits go into their blocks first
+                self.connector.start_step(batch.items)
             logits = self.runner.execute(batch, self.kv_cache)
             result = self.sampler.sample(
                 logits,
@@ -430,6 +459,8 @@ class Engine:
                 self._end(s.seq, FinishReason.ERROR, error=f"engine step failed: {exc!r}")
             return
         self.kv_cache.update_resources(batch.items)
+        if self.connector is not None:
+            self.connector.finish_step()  # queue the completed blocks for the disk tier
         for s in batch.items:
             s.seq.num_computed_tokens = s.num_kv_tokens_after_step
         for s, token, lp in zip(sampling, result.token_ids, result.logprobs, strict=True):

@@ -32,7 +32,9 @@ context phase computes only the rest (at least its last token). The admission te
 with those blocks held; a sequence that still does not fit drops them again (they return to the
 evictable LRU) and stays first in line. A preempted sequence freed its blocks to the cache, so
 when readmitted it usually finds its own prefix. Evictable cached blocks count as free
-everywhere below.
+everywhere below. With a KV cache connector (host/disk tiers, :mod:`pdserve.workers.kv_connector`)
+an admitted sequence then asks it for the blocks after its pool prefix: those found count as
+computed, get blocks with the step's allocation, and are loaded before the step's forward.
 
 Both policies: blocks held outside the scheduler (parked prefill results) are simply not free.
 :meth:`Scheduler.reserve` (decode worker: blocks for a transferred prompt) allocates the prompt's
@@ -53,11 +55,14 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pdserve.errors import CapacityError, InvalidRequestError
 from pdserve.workers.kv_cache import KVCacheManager
 from pdserve.workers.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from pdserve.workers.kv_connector import KVConnectorScheduler
 
 CapacityPolicy = Literal["max_utilization", "guaranteed_no_evict"]
 CAPACITY_POLICIES: tuple[CapacityPolicy, ...] = ("max_utilization", "guaranteed_no_evict")
@@ -137,6 +142,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         policy: CapacityPolicy = "max_utilization",
         watermark_blocks: int | None = None,
+        connector: KVConnectorScheduler | None = None,
     ):
         if policy not in CAPACITY_POLICIES:
             raise ValueError(f"unknown capacity policy {policy!r}; one of {CAPACITY_POLICIES}")
@@ -151,6 +157,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.reserved: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        self.connector = connector
         self._lock = threading.RLock()
 
     # --- capacity ------------------------------------------------------------------------------
@@ -170,27 +177,46 @@ class Scheduler:
             holders += [seq for seq in self.waiting if seq.reserved]  # resumed, not yet running
             return free - sum(self._outstanding(seq) for seq in holders)
 
-    def reserve(self, seq: Sequence) -> list[int]:
+    def reserve(self, seq: Sequence, *, reuse_prefix: bool = False) -> list[int]:
         """Allocate blocks for ``seq``'s prompt now (and, under ``guaranteed_no_evict``, admit
         its whole completion); returns the prompt's block table (the caller fills those blocks,
-        then submits the resume request, which passes the same object to :meth:`add`). Raises
-        :class:`CapacityError` when the blocks (plus the watermark) are not free now, or, under
-        ``guaranteed_no_evict``, when ``seq.need_blocks`` exceeds the headroom."""
+        then submits the resume request, which passes the same object to :meth:`add`).
+
+        ``reuse_prefix``: start the table with the prompt's longest cached prefix of full blocks
+        (:meth:`KVCacheManager.acquire_prefix`, at least the last prompt token's block stays to
+        fill); ``seq.num_cached_tokens`` says how many tokens those blocks already hold, and the
+        caller fills only the blocks after them (delta transfer). The lookup counts as a prefix
+        cache query.
+
+        Raises :class:`CapacityError` when the blocks (plus the watermark) are not free now, or,
+        under ``guaranteed_no_evict``, when ``seq.need_blocks`` exceeds the headroom; a refused
+        reservation holds nothing (a prefix it took is released)."""
+        kv = self.kv_cache
         with self._lock:
-            prompt_blocks = self.kv_cache.blocks_for_tokens(seq.num_prompt_tokens)
+            cached = 0
+            if reuse_prefix and kv.prefix_caching and not kv.num_allocated(seq.request_id):
+                hashes = kv.hasher.extend(seq, seq.num_prompt_tokens)
+                cached = kv.acquire_prefix(seq.request_id, hashes, seq.num_prompt_tokens)
+            held = kv.num_allocated(seq.request_id)
             if self.policy == "guaranteed_no_evict":
-                room, need = self.headroom(), seq.need_blocks
+                room, need = self.headroom(), seq.need_blocks - held
             else:
-                room, need = self.kv_cache.get_num_free_blocks() - self.watermark, prompt_blocks
+                room = kv.get_num_free_blocks() - self.watermark
+                need = kv.blocks_for_tokens(seq.num_prompt_tokens) - held
             if need > room:
+                if held:
+                    kv.free(seq.request_id)  # the prefix goes back to the evictable LRU
                 raise CapacityError(
                     f"cannot reserve {need} KV blocks for {seq.request_id}: "
-                    f"{max(room, 0)} of {self.kv_cache.num_blocks} available"
+                    f"{max(room, 0)} of {kv.num_blocks} available"
                 )
+            if reuse_prefix:
+                kv.counters.record_query(seq.num_prompt_tokens, cached)
+            seq.num_cached_tokens = cached
             seq.status = SequenceStatus.RESERVED
             seq.reserved = True
             self.reserved[seq.request_id] = seq
-            return self.kv_cache.allocate(seq.request_id, seq.num_prompt_tokens)
+            return kv.allocate(seq.request_id, seq.num_prompt_tokens)
 
     def unreserve(self, request_id: str) -> bool:
         """Drop a reservation and free its blocks; False if there was none. Idempotent."""
@@ -337,7 +363,11 @@ class Scheduler:
             elif self.policy == "guaranteed_no_evict":
                 room -= self._outstanding(seq)
             self.waiting.remove(seq)
-            self.kv_cache.allocate(seq.request_id, seq.num_computed_tokens + n)
+            loaded = self._match_external(seq) if looked_up else 0
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            table = self.kv_cache.allocate(seq.request_id, seq.num_computed_tokens + n)
+            if loaded and self.connector is not None:
+                self.connector.update_state_after_alloc(seq, table)
             if self.policy == "max_utilization":
                 room = self.kv_cache.get_num_free_blocks()
             seq.status = SequenceStatus.PREFILL if seq.in_context_phase else SequenceStatus.DECODE
@@ -360,3 +390,13 @@ class Scheduler:
         cached = kv.acquire_prefix(seq.request_id, kv.hasher.extend(seq), seq.num_tokens)
         seq.num_computed_tokens = seq.num_cached_tokens = cached
         return True
+
+    def _match_external(self, seq: Sequence) -> int:
+        """KV cache connector (:mod:`pdserve.workers.kv_connector`): the tokens after ``seq``'s
+        pool prefix that a tier holds; they count as computed (their blocks are loaded before
+        the admitting step's forward). 0 without a connector."""
+        if self.connector is None:
+            return 0
+        matched = self.connector.get_num_new_matched_tokens(seq, seq.num_computed_tokens)
+        seq.num_computed_tokens += matched
+        return matched

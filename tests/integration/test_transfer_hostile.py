@@ -1,0 +1,216 @@
+"""A hostile peer against a prefill worker's transceiver (issue 13), between real processes.
+
+The prefill side is a real transceiver with the real KV cache manager and lease table in a
+spawned process (:mod:`tests.integration.kv_peer`); the attacker is this process, speaking the
+wire protocol on bare sockets (with or without the cluster secret: a peer that holds it may still
+be a compromised worker). For every attack the worker refuses, its resident memory stays within a
+bound far below what the attack asked for (measured from ``/proc``), a correct decode worker's
+pull completes during or right after the attack, and nothing the attacker receives names a lease
+id or the parked block ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.transfer import Transceiver, create_transceiver, wire
+from pdserve.transfer.auth import dial
+from pdserve.transfer.backend import open_backend
+from pdserve.transfer.control import FRAME_TIMEOUT_S, Connection, split_endpoint
+from pdserve.transfer.formatter import PoolGeometry
+from pdserve.transfer.handshake import LocalSide
+from pdserve.transfer.transceiver import MAX_CONNECTIONS_PER_HOST
+from tests.integration.kv_peer import LAYOUT, TEST_KEY, PrefillProcess, cfg, empty_pool, pattern
+
+pytestmark = pytest.mark.timeout(120)
+
+ATTACKER_HOST = "127.0.0.2"  # loopback too, but another peer address than the decode worker's
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def prefill() -> Iterator[PrefillProcess]:
+    peer = PrefillProcess("tcp")
+    yield peer
+    peer.stop()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_prefill(prefill: PrefillProcess) -> None:
+    prefill.call("reset")
+
+
+@pytest.fixture
+async def decode() -> AsyncIterator[tuple[Transceiver, torch.Tensor]]:
+    pool = empty_pool()
+    t = create_transceiver(
+        cfg("tcp"), pool=pool, layout=LAYOUT, worker_id="decode-ok", epoch=1, parked=None,
+        key=TEST_KEY,
+    )  # fmt: skip
+    await t.start()
+    yield t, pool
+    await t.close()
+
+
+def rss_mib(pid: int, field: str = "VmRSS") -> float:
+    """Memory of process ``pid`` in MiB: resident (``VmRSS``) or, ``field="VmSize"``, all it
+    mapped (a large zeroed buffer is mapped at once but resident only once written)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no {field} for pid {pid}")
+
+
+async def pull_completes(prefill: PrefillProcess, decode: tuple[Transceiver, torch.Tensor]) -> str:
+    """A correct decode worker's pull of freshly parked blocks lands intact; returns its lease
+    id (so a test can check the attacker never saw it)."""
+    t, pool = decode
+    handle = prefill.park(f"ok-{uuid.uuid4().hex[:6]}", num_tokens=8)
+    await t.pull(handle, [3, 4])
+    assert torch.equal(pool[:, [3, 4]], pattern()[:, list(handle.block_ids)])
+    return handle.lease_id
+
+
+async def attacker(endpoint: str) -> Connection:
+    """A TCP connection to ``endpoint`` from :data:`ATTACKER_HOST`."""
+    host, port = split_endpoint(endpoint)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((ATTACKER_HOST, 0))
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, port))
+    return Connection(sock, endpoint)
+
+
+async def authenticated(endpoint: str) -> Connection:
+    """An attacker that holds the cluster secret (a compromised worker): proven, no Hello yet."""
+    conn = await attacker(endpoint)
+    await dial(conn, TEST_KEY, "decode-hostile")
+    return conn
+
+
+async def read_until_closed(conn: Connection, timeout_s: float) -> bytes:
+    """Everything the worker sends until it closes the connection (AssertionError if it stays
+    open past ``timeout_s``)."""
+    loop, got = asyncio.get_running_loop(), bytearray()
+    async with asyncio.timeout(timeout_s):
+        while chunk := await loop.sock_recv(conn.sock, 65536):
+            got += chunk
+    conn.close()
+    return bytes(got)
+
+
+def frame(payload: dict[str, object]) -> bytes:
+    """A frame of raw JSON, as pydantic would refuse to build it."""
+    body = json.dumps(payload).encode()
+    return wire.HEADER.pack(len(body)) + body
+
+
+async def test_frame_headers_announcing_16_mib_allocate_nothing_up_front(prefill, decode):
+    """Authenticated peers announce 16 MiB control frames and send 100 bytes of each: the
+    worker buffers what arrived, not what was announced, and drops each connection once the
+    frame has not completed within the frame timeout."""
+    before = rss_mib(prefill.proc.pid, "VmSize")
+    conns = [await authenticated(prefill.endpoint) for _ in range(40)]  # 640 MiB announced
+    for conn in conns:
+        conn.sock.send(wire.HEADER.pack(wire.MAX_FRAME_BYTES) + b"{" + b" " * 99)
+    await asyncio.sleep(0.5)
+    grown = rss_mib(prefill.proc.pid, "VmSize") - before
+    lease = await pull_completes(prefill, decode)
+    t0 = time.monotonic()
+    answers = await asyncio.gather(*(read_until_closed(c, FRAME_TIMEOUT_S + 10) for c in conns))
+    assert time.monotonic() - t0 < FRAME_TIMEOUT_S + 10
+    assert grown < 64, f"{grown:.0f} MiB for 640 MiB of announced frames"
+    assert all(lease.encode() not in a for a in answers)
+    await pull_completes(prefill, decode)
+
+
+async def test_a_thousand_connections_from_one_host_are_capped(prefill, decode):
+    """Beyond MAX_CONNECTIONS_PER_HOST open connections from one address, the worker closes
+    new ones on accept, before reading a byte; a decode worker at another address is served."""
+    before = rss_mib(prefill.proc.pid)
+    conns = await asyncio.gather(*(attacker(prefill.endpoint) for _ in range(1000)))
+    try:
+        lease = await pull_completes(prefill, decode)  # during the flood
+        state = prefill.wait_state(
+            lambda s: s.auth_failures >= 1000 - MAX_CONNECTIONS_PER_HOST, timeout=20
+        )
+        assert state.lookups == 1 and state.peers_added == 1, "only the decode worker got in"
+        grown = rss_mib(prefill.proc.pid) - before
+        assert grown < 64, f"{grown:.0f} MiB for 1000 connections"
+    finally:
+        for conn in conns:
+            conn.close()
+    assert lease
+
+
+async def test_a_hello_with_an_absurd_layout_is_refused_before_any_allocation(prefill, decode):
+    """A proven peer says it has 2**20 tokens per block (a converting formatter would stage
+    tens of GB for it) or 2**40 blocks: the Hello fails validation, the connection closes."""
+    before = rss_mib(prefill.proc.pid)
+    hello = {
+        "type": "hello", "protocol_version": wire.PROTOCOL_VERSION, "worker_id": "decode-hostile",
+        "epoch": 1, "layout": {**LAYOUT.model_dump(), "tokens_per_block": 1 << 20},
+        "backend": "tcp", "num_blocks": 4,
+    }  # fmt: skip
+    for absurd in (hello, {**hello, "layout": LAYOUT.model_dump(), "num_blocks": 1 << 40}):
+        conn = await authenticated(prefill.endpoint)
+        conn.sock.send(frame(absurd))
+        assert await read_until_closed(conn, 10) == b""
+    errors = prefill.wait_state(lambda s: len(s.errors) == 2).errors
+    assert "tokens_per_block" in errors[0][1] and "num_blocks" in errors[1][1], errors
+    assert rss_mib(prefill.proc.pid) - before < 64
+    state = prefill.state()
+    assert state.peers_added == 0 and state.lookups == 0
+    await pull_completes(prefill, decode)
+
+
+async def test_a_probe_before_the_handshake_gets_no_byte(prefill, decode):
+    conn = await attacker(prefill.endpoint)
+    conn.sock.send(wire.encode(wire.Probe(nbytes=wire.PROBE_MAX_BYTES)))
+    assert await read_until_closed(conn, 15) == b""
+    prefill.wait_state(lambda s: s.auth_failures == 1)
+    await pull_completes(prefill, decode)
+
+
+async def test_a_release_without_the_lease_frees_nothing_and_leaks_nothing(prefill, decode):
+    """A proven peer past the handshake knows a parked request's id (ids are logged) but not
+    its lease: a Release with a guessed lease id frees nothing, one without a lease id is
+    malformed (the connection closes), and the parked blocks still reach their decode worker."""
+    t, pool = decode
+    handle = prefill.park("victim", num_tokens=8)
+    ours = empty_pool()
+    geometry = PoolGeometry.from_pool(ours, LAYOUT)
+    backend = open_backend(
+        cfg("tcp"), pool=ours, geometry=geometry, agent_name=f"h-{uuid.uuid4().hex}"
+    )
+    conn = await attacker(prefill.endpoint)
+    try:
+        await LocalSide("decode-hostile", 1, LAYOUT, geometry, backend, key=TEST_KEY).connect(conn)
+        await conn.send(wire.Release(request_id="victim", lease_id=uuid.uuid4().hex))
+        await conn.send(
+            wire.SendBlocks(
+                request_id="victim", epoch=handle.epoch, lease_id=uuid.uuid4().hex,
+                transfer_id="t-guess", src_block_ids=handle.block_ids, dst_block_ids=(0, 1),
+            )
+        )  # fmt: skip
+        refusal = await conn.recv()
+        assert isinstance(refusal, wire.TransferFailed) and refusal.code == "kv_handle_invalid"
+        conn.sock.send(frame({"type": "release", "request_id": "victim"}))
+        received = refusal.model_dump_json().encode() + await read_until_closed(conn, 10)
+    finally:
+        conn.close()
+        backend.close()
+    assert handle.lease_id.encode() not in received
+    assert json.dumps(list(handle.block_ids)).encode() not in received
+    assert prefill.state().parked == 1, "the victim's blocks are still parked"
+    await t.pull(handle, [5, 6])
+    assert torch.equal(pool[:, [5, 6]], pattern()[:, list(handle.block_ids)])
