@@ -18,7 +18,7 @@ The tree (HTTP status in brackets)::
     │   └── InvalidAPIKeyError [401]        /v1 request without a valid client API key
     ├── ModelNotFoundError [404]            the request names a model nobody serves
     ├── ClientDisconnectedError [499]       the client left before its response was ready
-    ├── QueueFullError [429]                a worker's queue is full: retry after a while
+    ├── QueueFullError [429]                a worker's queue (or the router's tokenizer) is full
     ├── CapacityError [503]                 no capacity now (or ever) for the request
     │   └── NoWorkerError [503]             no compatible prefill/decode worker is live
     ├── DeadlineExceededError [504]         the request's deadline passed
@@ -159,8 +159,10 @@ class NoWorkerError(CapacityError):
 
 class QueueFullError(PdserveError):
     """A worker's waiting queue is at its bound (``scheduler.max_queued_requests``), or a
-    decode worker found no free KV blocks for a transferred prompt before its lease ran out:
-    the request is refused now and may be retried (HTTP 429 with ``Retry-After``)."""
+    decode worker found no free KV blocks for a transferred prompt before its lease ran out,
+    or the router's tokenizer pool is at its backlog bound (code ``tokenizer_busy``,
+    :mod:`pdserve.server.tokenizer_pool`): the request is refused now and may be retried
+    (HTTP 429 with ``Retry-After``)."""
 
     status = 429
     type = "rate_limit_error"

@@ -20,6 +20,12 @@ Router (:class:`RouterMetrics`), per request:
   (prefill worker -> decode worker), ``local_prefill`` (a decode worker prefilled the prompt
   itself: a short prompt, or no usable prefill worker), ``colocated`` (a colocated worker);
   a retry after a connection error decides again
+- KV-aware routing (``router.kv_overlap_weight > 0``): ``pdserve_router_kv_overlap_tokens
+  {path,role}``, per decision the prompt tokens the chosen worker of each role (prefill,
+  decode, colocated) was expected to hold cached; ``pdserve_router_kv_events_total{outcome}``
+  (the workers' KV cache events: applied, gap, stale, unsynced, malformed);
+  ``pdserve_router_kv_index_workers{state=all|synced}`` and ``pdserve_router_kv_index_blocks``
+  (block hashes the router's index holds over all workers)
 
 Worker (:class:`WorkerMetrics`): the engine's load read at scrape time
 (``pdserve_kv_blocks{state=free|used|parked}``: ``free`` includes evictable prefix-cached
@@ -30,7 +36,17 @@ counters (``pdserve_prefix_cache_queries_total``: admissions that looked up thei
 looked up / found cached; ``pdserve_prefix_cache_blocks{state=cached|evictable}``,
 ``pdserve_prefix_cache_evictions_total``), and on decode workers
 ``pdserve_kv_transfer_seconds`` / ``pdserve_kv_transfer_bytes_total`` /
-``pdserve_kv_transfer_failures_total{error}`` for every pull.
+``pdserve_kv_transfer_failures_total{error}`` for every pull and
+``pdserve_kv_transfer_blocks_skipped_total``: prompt blocks a pull left out because this
+worker's prefix cache already held them (delta transfer). With KV cache tiers
+(:mod:`pdserve.workers.kv_connector`), per ``tier`` (host, disk):
+``pdserve_kv_tier_hit_tokens_total`` / ``pdserve_kv_tier_loaded_blocks_total`` (loaded into
+the pool instead of recomputed), ``pdserve_kv_tier_stored_blocks_total`` (host: evicted blocks
+kept; disk: files written), ``pdserve_kv_tier_evicted_blocks_total`` (dropped for room),
+``pdserve_kv_tier_bytes`` / ``pdserve_kv_tier_blocks`` (held now); disk only:
+``pdserve_kv_tier_corrupt_blocks_total`` (files that failed their digest or parse, removed and
+recomputed), ``pdserve_kv_tier_dropped_saves_total`` (write queue full) and
+``pdserve_kv_tier_pending_saves`` (queued now).
 
 Every process (router and workers): ``pdserve_process_restarts``, how many times the
 supervisor (``pdserve up``) restarted this process, read from ``PDSERVE_RESTARTS`` (0 when
@@ -51,13 +67,15 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from pdserve.protocol import WorkerLoad
 
 if TYPE_CHECKING:
+    from pdserve.router.kv_index import KVIndexStats
+    from pdserve.workers.kv_connector import KVConnectorStats
     from pdserve.workers.prefix_cache import PrefixCacheStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -92,13 +110,19 @@ _TOKEN_BUCKETS = (
     0.3, 0.5, 0.75, 1.0, 2.5,
 )  # fmt: skip
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+_OVERLAP_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
 class RouterMetrics:
     """The router's request metrics (see the module docstring). ``workers`` is called at
-    scrape time and returns the usable worker count per role."""
+    scrape time and returns the usable worker count per role; ``kv_index``, likewise, the KV
+    index's :class:`KVIndexStats` (None: not exported)."""
 
-    def __init__(self, workers: Callable[[], dict[str, int]] | None = None) -> None:
+    def __init__(
+        self,
+        workers: Callable[[], dict[str, int]] | None = None,
+        kv_index: Callable[[], KVIndexStats] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("pdserve_requests", "Requests by outcome", ["outcome"], registry=r)
@@ -149,9 +173,19 @@ class RouterMetrics:
             self.worker_restarts.labels(role)
         for path in ("disaggregated", "local_prefill", "colocated"):
             self.decisions.labels(path)
+        self.kv_overlap = Histogram(
+            "pdserve_router_kv_overlap_tokens",
+            "KV-aware routing: prompt tokens the chosen worker was expected to hold cached, "
+            "per decision, by path and worker role",
+            ["path", "role"],
+            buckets=_OVERLAP_BUCKETS,
+            registry=r,
+        )
         _add_process_restarts(r)
         if workers is not None:
             r.register(_WorkersCollector(workers))
+        if kv_index is not None:
+            r.register(_KVIndexCollector(kv_index))
 
     def render(self) -> bytes:
         """The text exposition format (``CONTENT_TYPE``)."""
@@ -171,10 +205,41 @@ class _WorkersCollector(Collector):
         yield g
 
 
+class _KVIndexCollector(Collector):
+    def __init__(self, stats: Callable[[], KVIndexStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        events = CounterMetricFamily(
+            "pdserve_router_kv_events",
+            "Workers' KV cache events by what the router's index did with them",
+            labels=["outcome"],
+        )
+        for outcome, n in stats.outcomes.items():
+            events.add_metric([outcome], n)
+        yield events
+        workers = GaugeMetricFamily(
+            "pdserve_router_kv_index_workers",
+            "Workers in the router's KV index (synced: usable for KV-aware routing)",
+            labels=["state"],
+        )
+        workers.add_metric(["all"], stats.workers)
+        workers.add_metric(["synced"], stats.synced)
+        yield workers
+        yield GaugeMetricFamily(
+            "pdserve_router_kv_index_blocks",
+            "Block hashes in the router's KV index, over all workers",
+            value=stats.blocks,
+        )
+
+
 class WorkerMetrics:
     """A worker's metrics. ``load`` (the engine's :class:`WorkerLoad`, None before the engine
-    exists), ``lease_expired`` (parked leases expired so far) and ``prefix_cache`` (the KV
-    cache manager's :class:`PrefixCacheStats`; None: not exported) are read at scrape time."""
+    exists), ``lease_expired`` (parked leases expired so far), ``prefix_cache`` (the KV
+    cache manager's :class:`PrefixCacheStats`; None: not exported) and ``kv_tiers`` (the KV
+    cache connector's :class:`KVConnectorStats`; None: not exported, or no tier) are read at
+    scrape time."""
 
     def __init__(
         self,
@@ -182,6 +247,7 @@ class WorkerMetrics:
         load: Callable[[], WorkerLoad | None],
         lease_expired: Callable[[], int],
         prefix_cache: Callable[[], PrefixCacheStats | None] | None = None,
+        kv_tiers: Callable[[], KVConnectorStats | None] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -197,9 +263,17 @@ class WorkerMetrics:
         self.transfer_failures = Counter(
             "pdserve_kv_transfer_failures", "Failed KV pulls by error", ["error"], registry=r
         )
+        self.transfer_blocks_skipped = Counter(
+            "pdserve_kv_transfer_blocks_skipped",
+            "KV blocks of pulled prompts not sent: already in this worker's prefix cache "
+            "(delta transfer)",
+            registry=r,
+        )
         r.register(_LoadCollector(role, load, lease_expired))
         if prefix_cache is not None:
             r.register(_PrefixCacheCollector(prefix_cache))
+        if kv_tiers is not None:
+            r.register(_KVTiersCollector(kv_tiers))
         _add_process_restarts(r)
 
     def render(self) -> bytes:
@@ -291,3 +365,53 @@ class _PrefixCacheCollector(Collector):
         blocks.add_metric(["cached"], stats.cached_blocks)
         blocks.add_metric(["evictable"], stats.evictable_blocks)
         yield blocks
+
+
+class _KVTiersCollector(Collector):
+    def __init__(self, stats: Callable[[], KVConnectorStats | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import CounterMetricFamily
+
+        stats = self._stats()
+        if stats is None:
+            return
+        tiers = [(name, t) for name, t in (("host", stats.host), ("disk", stats.disk)) if t]
+
+        def counter(name: str, doc: str) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, labels=["tier"])
+
+        def gauge(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=["tier"])
+
+        hits = counter("pdserve_kv_tier_hit_tokens", "Tokens loaded from a KV tier, not computed")
+        loads = counter("pdserve_kv_tier_loaded_blocks", "KV blocks loaded from a tier")
+        stored = counter("pdserve_kv_tier_stored_blocks", "KV blocks stored in a tier")
+        evicted = counter("pdserve_kv_tier_evicted_blocks", "KV blocks a tier dropped for room")
+        size = gauge("pdserve_kv_tier_bytes", "Bytes a KV tier holds")
+        blocks = gauge("pdserve_kv_tier_blocks", "KV blocks a tier holds")
+        for name, t in tiers:
+            hits.add_metric([name], stats.hit_tokens(name))
+            loads.add_metric([name], stats.hit_blocks.get(name, 0))
+            stored.add_metric([name], t.stored)
+            evicted.add_metric([name], t.evicted)
+            size.add_metric([name], t.bytes)
+            blocks.add_metric([name], t.blocks)
+        yield from (hits, loads, stored, evicted, size, blocks)
+        if stats.disk is not None:
+            yield CounterMetricFamily(
+                "pdserve_kv_tier_corrupt_blocks",
+                "KV block files that failed their digest or parse (removed, recomputed)",
+                value=stats.disk.corrupt,
+            )
+            yield CounterMetricFamily(
+                "pdserve_kv_tier_dropped_saves",
+                "KV blocks not written to the disk tier: its write queue was full",
+                value=stats.disk.dropped,
+            )
+            yield GaugeMetricFamily(
+                "pdserve_kv_tier_pending_saves",
+                "KV blocks queued for the disk tier's writer",
+                value=stats.disk.pending,
+            )

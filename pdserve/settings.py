@@ -43,6 +43,7 @@ ROLES: tuple[Role, ...] = ("prefill", "decode", "colocated")
 SERVING = ("up", "bench serve", *ROLES)  # the subcommands that run an engine
 EVERY = ("up", "router", *ROLES)  # every subcommand that serves
 OWN_SECTION = "{section}"  # a flag on the subcommand named like the section (worker roles)
+HOST_CACHE_CUDA_MB = 4096  # kv_cache.host_cache_mb null on CUDA
 
 
 def default_cache_dir() -> Path:
@@ -167,6 +168,34 @@ class KVCacheSettings(_Section):
         description="keep full KV blocks after their request ends (hash-indexed, evicted LRU) "
         "and reuse a new request's longest cached prefix; --no-prefix-caching turns it off",
     )
+    host_cache_mb: Annotated[int | None, Flag("--kv-host-cache-mb", SERVING)] = Field(
+        default=None,
+        ge=0,
+        description="KV connector host tier per worker, MiB: cached blocks evicted from the "
+        "pool are kept in host memory (LRU) and loaded instead of recomputed; 0: off; null: "
+        f"{HOST_CACHE_CUDA_MB} on CUDA, off on CPU (the pool already is host memory). Needs "
+        "prefix_caching",
+    )
+    disk_cache_dir: Annotated[Path | None, Flag("--kv-disk-cache-dir", SERVING)] = Field(
+        default=None,
+        description="KV connector disk tier: a directory of KV blocks (safetensors files "
+        "named by block hash, digest-checked), shared by the workers of one host and kept "
+        "across restarts; every computed full block is written to it in the background and "
+        "loaded instead of recomputed; null: off. Needs prefix_caching",
+    )
+    disk_cache_mb: Annotated[float, Flag("--kv-disk-cache-mb", SERVING)] = Field(
+        default=10240.0,
+        gt=0,
+        description="size cap of disk_cache_dir, MiB (fractions allowed); the least recently "
+        "used blocks are removed past it",
+    )
+
+    def host_cache_bytes(self, device: str) -> int:
+        """Host tier size in bytes for a pool on ``device`` (0: off)."""
+        mb = self.host_cache_mb
+        if mb is None:
+            mb = HOST_CACHE_CUDA_MB if device.startswith("cuda") else 0
+        return mb * 2**20
 
     @property
     def budget_bytes(self) -> int | None:
@@ -200,6 +229,12 @@ class SchedulerSettings(_Section):
         default=256,
         gt=0,
         description="waiting requests per worker; beyond it requests get HTTP 429",
+    )
+    max_request_s: Annotated[float, Flag("--max-request-s", SERVING)] = Field(
+        default=1800.0,
+        gt=0,
+        description="a worker ends any request this many seconds after it arrived, whatever "
+        "deadline the caller sent (the router's own is router.request_timeout_s)",
     )
     threads: Annotated[int | None, Flag("--threads", SERVING)] = Field(
         default=None, gt=0, description="torch intra-op threads per worker; default: torch's"
@@ -255,6 +290,20 @@ class DiscoverySettings(_Section):
     registration_ttl_s: Annotated[float, Flag("--registration-ttl-s", ("router", *ROLES))] = Field(
         default=10.0, gt=0, description="a silent worker's record expires after this long"
     )
+    kv_events: Annotated[bool, Flag("--kv-events", ("up", *ROLES))] = Field(
+        default=True,
+        description="publish the prefix cache's stored and evicted block hashes (KV events) "
+        "through the control plane, for the router's KV-aware routing; needs prefix_caching",
+    )
+    kv_events_interval_s: Annotated[float, Flag("--kv-events-interval-s", ("up", *ROLES))] = Field(
+        default=0.1, gt=0, le=60, description="how often KV events are sent, seconds"
+    )
+    kv_events_snapshot_s: Annotated[float, Flag("--kv-events-snapshot-s", ("up", *ROLES))] = Field(
+        default=10.0,
+        gt=0,
+        description="how often a worker sends its whole set of cached block hashes, so a "
+        "router that joined late or lost events resyncs within this time, seconds",
+    )
     ca_file: Annotated[Path | None, Flag("--discovery-ca-file", ("router", *ROLES))] = Field(
         default=None,
         description="etcd/NATS: PEM CA bundle that signed the server's certificate; setting "
@@ -308,6 +357,14 @@ class RouterSettings(_Section):
     max_request_bytes: Annotated[int, Flag("--max-request-bytes", ("up", "router"))] = Field(
         default=8 * 2**20, gt=0, description="largest request body, bytes (larger: HTTP 413)"
     )
+    tokenizer_threads: Annotated[int, Flag("--tokenizer-threads", ("up", "router"))] = Field(
+        default=2,
+        ge=1,
+        le=64,
+        description="threads that apply the chat template and tokenize prompts, off the "
+        "event loop; a request finding 4 x max_request_bytes of bodies (or 1024 requests) "
+        "already waiting or being tokenized gets HTTP 429 tokenizer_busy",
+    )
     max_messages: Annotated[int, Flag("--max-messages", ("up", "router"))] = Field(
         default=2048, gt=0, description="most messages in one chat request"
     )
@@ -329,13 +386,33 @@ class RouterSettings(_Section):
         "a forward of a few hundred tokens is still bound by reading the weights, as a decode "
         "step is; the hand-off would add a second HTTP leg and a KV pull",
     )
+    kv_overlap_weight: Annotated[float, Flag("--router-kv-overlap-weight", ("up", "router"))] = (
+        Field(
+            default=1.0,
+            ge=0,
+            description="KV-aware routing (Dynamo's KV router): a worker's cost is kv_overlap_weight"
+            " x prompt tokens it does not hold cached + load_weight x its load (requests); the "
+            "cheapest worker wins. 0 turns KV-aware routing off (least loaded worker, no expected "
+            "cached prefix)",
+        )
+    )
+    load_weight: Annotated[float, Flag("--router-load-weight", ("up", "router"))] = Field(
+        default=256.0,
+        ge=0,
+        description="KV-aware routing: cost of one request on a worker (in flight from this "
+        "router, or running + waiting as the worker reports, whichever is larger), in prompt "
+        "tokens to compute",
+    )
 
 
 class WorkerSettings(_Section):
     """One worker role (prefill, decode or colocated)."""
 
-    replicas: Annotated[int, Flag("--{section}", ("up",), sections=("prefill", "decode"))] = Field(
-        default=1, ge=0, description="workers `pdserve up` starts"
+    replicas: Annotated[int, Flag("--{section}", ("up",), sections=ROLES)] = Field(
+        default=1,
+        ge=0,
+        description="workers `pdserve up` starts (colocated: 0; colocated workers run prefill "
+        "and decode in one engine and are served through the same router)",
     )
     host: Annotated[str, Flag("--host", (OWN_SECTION,))] = Field(
         default="127.0.0.1", description="bind address (request plane)"

@@ -37,6 +37,21 @@ Pairing (rule 2):
    the worker's reported ``running + waiting`` (up to a second old), then the most free KV
    blocks, then the worker id (a stable tie-break, so tests and logs are deterministic).
 
+KV-aware routing (Dynamo's KV router; :class:`RouteWeights`, on when ``kv_overlap_weight > 0``):
+the router knows, per worker, how many leading prompt tokens it is expected to hold cached
+(``cached``, from the workers' KV events: :mod:`pdserve.router.kv_index`). Every choice above
+("the least loaded prefill / decode / colocated worker") then takes the cheapest worker by
+:func:`route_cost`, ties broken by :func:`load_key`::
+
+    cost(w) = kv_overlap_weight * (prompt_tokens - cached(w)) + load_weight * load(w)
+    load(w) = max(this router's in-flight requests on w, w's reported running + waiting)
+
+in prompt tokens to compute: a prefix the worker holds saves computing it (a prefill worker,
+or a decode worker prefilling locally) or pulling it (a decode worker on the disaggregated
+path: delta transfer); each request already on the worker counts as ``load_weight`` tokens.
+Rule 1 then uses the chosen decode worker's ``cached`` as the expected cached prefix. With
+``kv_overlap_weight == 0`` the policy is exactly the least-loaded one above.
+
 :class:`~pdserve.errors.NoWorkerError` (HTTP 503) says what is missing: from
 :func:`choose_pair` when no pair qualifies, from :func:`choose_route` when no decode or
 colocated worker is usable.
@@ -44,8 +59,8 @@ colocated worker is usable.
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from pdserve.errors import NoWorkerError
@@ -67,6 +82,66 @@ def load_key(worker: WorkerState) -> tuple[int, int, int, str]:
     return (worker.in_flight, load.running + load.waiting, -load.free_blocks, worker.worker_id)
 
 
+@dataclass(frozen=True)
+class RouteWeights:
+    """The KV-aware cost's weights (``router.kv_overlap_weight``, ``router.load_weight``; see
+    the module docstring). ``kv_overlap_weight == 0``: least-loaded routing."""
+
+    kv_overlap_weight: float = 0.0
+    load_weight: float = 256.0
+
+    @property
+    def kv_aware(self) -> bool:
+        return self.kv_overlap_weight > 0
+
+
+LEAST_LOADED = RouteWeights()
+
+
+def worker_load(worker: WorkerState) -> int:
+    """Requests on ``worker``: this router's in-flight count or the worker's reported running
+    + waiting, whichever is larger (the report may lag, or count other routers' requests)."""
+    load = worker.record.load
+    return max(worker.in_flight, load.running + load.waiting)
+
+
+def route_cost(
+    worker: WorkerState, prompt_tokens: int, cached_tokens: int, weights: RouteWeights
+) -> float:
+    """``kv_overlap_weight * (prompt_tokens - cached_tokens) + load_weight * load``, in prompt
+    tokens to compute (smaller is better)."""
+    uncached = max(prompt_tokens - cached_tokens, 0)
+    return weights.kv_overlap_weight * uncached + weights.load_weight * worker_load(worker)
+
+
+@dataclass(frozen=True)
+class Score:
+    """One candidate as KV-aware routing saw it (for the decision's debug log)."""
+
+    worker_id: str
+    cached_tokens: int
+    load: int
+    cost: float
+
+    def __str__(self) -> str:
+        return f"{self.worker_id}(cached={self.cached_tokens} load={self.load} cost={self.cost:g})"
+
+
+_Key = Callable[[WorkerState], tuple[float, int, int, int, str]]
+
+
+def _sort_key(prompt_tokens: int, cached: Mapping[str, int], weights: RouteWeights) -> _Key:
+    """Smaller = better: (cost, *load_key) when KV-aware, else (0, *load_key)."""
+
+    def key(w: WorkerState) -> tuple[float, int, int, int, str]:
+        cost = 0.0
+        if weights.kv_aware:
+            cost = route_cost(w, prompt_tokens, cached.get(w.worker_id, 0), weights)
+        return (cost, *load_key(w))
+
+    return key
+
+
 def choose_pair(cands: Candidates, *, exclude_prefill: Collection[str] = ()) -> Pair:
     """Pick the least loaded compatible (prefill, decode) pair.
 
@@ -82,7 +157,7 @@ def choose_pair(cands: Candidates, *, exclude_prefill: Collection[str] = ()) -> 
     if not cands.decode:
         raise NoWorkerError(f"no live decode worker serves model {model}{_why(cands)}")
 
-    pair = _least_loaded_pair(prefill, list(cands.decode))
+    pair = _best_pair(prefill, list(cands.decode))
     if pair is not None:
         return Pair(prefill=pair[0].record, decode=pair[1].record)
 
@@ -115,6 +190,12 @@ class Route:
     worker: WorkerRecord
     prefill: WorkerRecord | None = None
     reason: str = ""
+    cached_tokens: int = 0
+    """Prompt tokens ``worker`` is expected to hold cached (KV-aware routing; else 0)."""
+    prefill_cached_tokens: int = 0
+    """Prompt tokens ``prefill`` is expected to hold cached (disaggregated path)."""
+    scores: tuple[Score, ...] = ()
+    """Every candidate's cached tokens, load and cost (KV-aware routing only)."""
 
     @property
     def pair(self) -> Pair | None:
@@ -140,57 +221,85 @@ def choose_route(
     prompt_tokens: int,
     *,
     local_prefill_max_tokens: int,
-    cached_tokens: int = 0,
+    cached: Mapping[str, int] | None = None,
+    weights: RouteWeights = LEAST_LOADED,
     exclude: Collection[str] = (),
 ) -> Route:
     """Pick the path and the workers for a request of ``prompt_tokens`` tokens (the rules of
-    the module docstring). ``exclude`` lists worker ids not to use (a retry after a connection
-    error). Raises :class:`NoWorkerError` when no decode or colocated worker is usable."""
+    the module docstring). ``cached``: per worker id, the prompt tokens it is expected to hold
+    (KV-aware routing; used only when ``weights.kv_aware``). ``exclude`` lists worker ids not
+    to use (a retry after a connection error). Raises :class:`NoWorkerError` when no decode or
+    colocated worker is usable."""
     prefill = [w for w in cands.prefill if w.worker_id not in exclude]
     decode = [w for w in cands.decode if w.worker_id not in exclude]
     colocated = [w for w in cands.colocated if w.worker_id not in exclude]
-    left, limit = max(prompt_tokens - cached_tokens, 0), local_prefill_max_tokens
+    cached = cached if cached is not None and weights.kv_aware else {}
+    key = _sort_key(prompt_tokens, cached, weights)
+    limit = local_prefill_max_tokens
     route: Route | None = None
     streams: WorkerState | None = None  # the worker that streams the tokens on ``route``
-    if decode and prefill_locally(prompt_tokens, cached_tokens, limit):
-        streams = min(decode, key=load_key)
+    best_decode = min(decode, key=key) if decode else None
+    d_cached = cached.get(best_decode.worker_id, 0) if best_decode is not None else 0
+    left = max(prompt_tokens - d_cached, 0)
+    if best_decode is not None and prefill_locally(prompt_tokens, d_cached, limit):
+        streams = best_decode
         why = f"{left} tokens to compute <= local_prefill_max_tokens {limit}"
-        route = Route(RoutePath.LOCAL_PREFILL, streams.record, reason=why)
-    elif decode:
-        pair = _least_loaded_pair(prefill, decode)
+        route = Route(RoutePath.LOCAL_PREFILL, streams.record, reason=why, cached_tokens=d_cached)
+    elif best_decode is not None:
+        pair = _best_pair(prefill, decode, key)
         if pair is not None:
             streams = pair[1]
             why = "local prefill of short prompts is off"
             if limit > 0:
                 why = f"{left} tokens to compute > local_prefill_max_tokens {limit}"
-            route = Route(RoutePath.DISAGGREGATED, streams.record, pair[0].record, why)
+            route = Route(
+                RoutePath.DISAGGREGATED,
+                streams.record,
+                pair[0].record,
+                why,
+                cached_tokens=cached.get(streams.worker_id, 0),
+                prefill_cached_tokens=cached.get(pair[0].worker_id, 0),
+            )
         else:
-            streams = min(decode, key=load_key)
+            streams = best_decode
             why = "no usable prefill worker"
             if prefill:
                 why = "no prefill/decode pair with mappable KV layouts"
-            route = Route(RoutePath.LOCAL_PREFILL, streams.record, reason=why)
+            route = Route(
+                RoutePath.LOCAL_PREFILL, streams.record, reason=why, cached_tokens=d_cached
+            )
     if colocated:
-        c = min(colocated, key=load_key)
+        c = min(colocated, key=key)
         if streams is None or load_key(c)[:3] < load_key(streams)[:3]:
             why = "no usable decode worker"
             if streams is not None:
                 why = f"less loaded than decode worker {streams.worker_id}"
-            route = Route(RoutePath.COLOCATED, c.record, reason=why)
+            c_cached = cached.get(c.worker_id, 0)
+            route = Route(RoutePath.COLOCATED, c.record, reason=why, cached_tokens=c_cached)
     if route is None:
         others = " other than " + ", ".join(sorted(exclude)) if exclude else ""
         what = f"no live decode or colocated worker{others} serves model {cands.model!r}"
         raise NoWorkerError(what + _why(cands))
+    if weights.kv_aware:
+        route = replace(route, scores=_scores(key, cached, *prefill, *decode, *colocated))
     return route
 
 
-def _least_loaded_pair(
-    prefill: list[WorkerState], decode: list[WorkerState]
+def _scores(key: _Key, cached: Mapping[str, int], *workers: WorkerState) -> tuple[Score, ...]:
+    return tuple(
+        Score(w.worker_id, cached.get(w.worker_id, 0), worker_load(w), key(w)[0]) for w in workers
+    )
+
+
+def _best_pair(
+    prefill: list[WorkerState], decode: list[WorkerState], key: _Key = lambda w: (0.0, *load_key(w))
 ) -> tuple[WorkerState, WorkerState] | None:
-    for p in sorted(prefill, key=load_key):
+    """The first prefill worker by ``key`` that has a decode worker its layout maps to, with
+    the best such decode worker by ``key``."""
+    for p in sorted(prefill, key=key):
         compatible = [d for d in decode if p.record.layout.can_map_to(d.record.layout)]
         if compatible:
-            return p, min(compatible, key=load_key)
+            return p, min(compatible, key=key)
     return None
 
 

@@ -8,7 +8,11 @@ prefills the prompt itself, or a colocated worker) runs the whole request behind
 its first token arrived (so TTFT means the same on every path), then Transaction.events()
 relays the rest as in state 4. A connection error (the request never reached the worker)
 retries once on another route without that worker. Each decision is logged at debug and
-counted (``pdserve_router_decisions_total{path}``).
+counted (``pdserve_router_decisions_total{path}``). With KV-aware routing
+(:class:`~pdserve.router.policy.RouteWeights`, :mod:`pdserve.router.kv_index`) the router
+hashes the prompt, asks its KV index how many leading tokens each candidate holds, passes that
+to the policy, logs every candidate's cached tokens, load and cost at debug, and observes the
+chosen workers' cached tokens (``pdserve_router_kv_overlap_tokens{path,role}``).
 
 Lifecycle of a two-leg request (``Transaction.state``)::
 
@@ -48,7 +52,6 @@ parked blocks are P's, released by D (success) or by this transaction's release 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
@@ -60,7 +63,6 @@ from typing import TYPE_CHECKING
 import anyio
 
 from pdserve.errors import (
-    DeadlineExceededError,
     NoWorkerError,
     WorkerError,
     WorkerUnreachableError,
@@ -77,7 +79,8 @@ from pdserve.protocol import (
     WorkerRecord,
 )
 from pdserve.router.client import GenerationStream, WorkerClient
-from pdserve.router.policy import Pair, Route, choose_route, load_key
+from pdserve.router.kv_index import KVIndex, PromptHashes, expected_cached_tokens
+from pdserve.router.policy import LEAST_LOADED, Pair, Route, RouteWeights, choose_route, load_key
 from pdserve.router.view import WorkerView
 
 if TYPE_CHECKING:
@@ -124,8 +127,9 @@ class Router:
     ``request_timeout_s`` is the whole request's budget (both legs). ``metrics``, when given,
     records every request's outcome, TTFT, ITL, TPOT, token counts and routing decisions.
     ``local_prefill_max_tokens``: prompts with at most this many tokens left to compute are
-    prefilled by the decode worker itself (0: off). Ownership: the router uses but does not own
-    ``view``, ``client`` and ``metrics``.
+    prefilled by the decode worker itself (0: off). ``kv_index`` + ``weights``: KV-aware
+    routing (on when ``weights.kv_overlap_weight > 0`` and an index is given). Ownership: the
+    router uses but does not own ``view``, ``client``, ``metrics`` and ``kv_index``.
     """
 
     def __init__(
@@ -136,12 +140,16 @@ class Router:
         request_timeout_s: float,
         metrics: RouterMetrics | None = None,
         local_prefill_max_tokens: int = 0,
+        kv_index: KVIndex | None = None,
+        weights: RouteWeights = LEAST_LOADED,
     ):
         self.view = view
         self.client = client
         self.request_timeout_s = request_timeout_s
         self.metrics = metrics
         self.local_prefill_max_tokens = local_prefill_max_tokens
+        self.kv_index = kv_index
+        self.weights = weights
 
     async def start(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
@@ -163,15 +171,43 @@ class Router:
             self.metrics.running.inc()
         return txn
 
-    def route(self, prompt_tokens: int, exclude: Sequence[str] = ()) -> Route:
-        """The policy's decision for a prompt of ``prompt_tokens`` tokens now (no expected
-        cached prefix yet: KV-aware routing will supply it). Raises NoWorkerError."""
+    def route(self, prompt_token_ids: Sequence[int], exclude: Sequence[str] = ()) -> Route:
+        """The policy's decision for this prompt now, with each candidate's expected cached
+        prefix when KV-aware routing is on. Raises NoWorkerError."""
+        cands = self.view.candidates()
+        cached: dict[str, int] | None = None
+        if self.kv_index is not None and self.weights.kv_aware:
+            workers = [w.record for w in (*cands.prefill, *cands.decode, *cands.colocated)]
+            cached = expected_cached_tokens(self.kv_index, workers, PromptHashes(prompt_token_ids))
         return choose_route(
-            self.view.candidates(),
-            prompt_tokens,
+            cands,
+            len(prompt_token_ids),
             local_prefill_max_tokens=self.local_prefill_max_tokens,
+            cached=cached,
+            weights=self.weights,
             exclude=exclude,
         )
+
+    def _record_decision(self, request_id: str, route: Route) -> None:
+        """Log the decision at debug and count it (path; KV-aware: cached tokens per role)."""
+        log.debug(
+            "req %s: route %s via %s%s (%s)%s",
+            request_id,
+            route.path,
+            route.worker.worker_id,
+            f" after prefill on {route.prefill.worker_id}" if route.prefill else "",
+            route.reason,
+            f"; KV-aware: {' '.join(map(str, route.scores))}" if route.scores else "",
+        )
+        m = self.metrics
+        if m is None:
+            return
+        m.decisions.labels(route.path.value).inc()
+        if self.weights.kv_aware and self.kv_index is not None:
+            path = route.path.value
+            m.kv_overlap.labels(path, route.worker.role.value).observe(route.cached_tokens)
+            if route.prefill is not None:
+                m.kv_overlap.labels(path, "prefill").observe(route.prefill_cached_tokens)
 
     async def _start(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
@@ -184,23 +220,14 @@ class Router:
         first_error: WorkerUnreachableError | None = None
         while True:
             try:
-                route = self.route(len(spec.prompt_token_ids), tried)
+                route = self.route(spec.prompt_token_ids, tried)
             except NoWorkerError as exc:
                 if first_error is None:
                     raise
                 raise WorkerUnreachableError(
                     f"{first_error.message}; no other worker to retry on"
                 ) from exc
-            log.debug(
-                "req %s: route %s via %s%s (%s)",
-                request_id,
-                route.path,
-                route.worker.worker_id,
-                f" after prefill on {route.prefill.worker_id}" if route.prefill else "",
-                route.reason,
-            )
-            if self.metrics is not None:
-                self.metrics.decisions.labels(route.path.value).inc()
+            self._record_decision(request_id, route)
             holds = ExitStack()
             holds.enter_context(self.view.track(route.worker.worker_id))
             try:
@@ -243,13 +270,10 @@ class Router:
             deadline=spec.deadline,
         )
         with self.view.track(pair.prefill.worker_id):
-            try:
-                return await self.client.context(pair.prefill, req)
-            except BaseException as exc:
-                # Gave up waiting (deadline, client gone): P may still park the blocks, free them.
-                if isinstance(exc, DeadlineExceededError | asyncio.CancelledError):
-                    await self._release(pair, spec.request_id, pair.prefill.epoch)
-                raise
+            # Giving up here (deadline, client gone) closes the connection: P sees it and frees
+            # blocks it parks after that itself (the release needs the lease id, which only its
+            # answer would have carried); its own deadline and the lease bound the rest.
+            return await self.client.context(pair.prefill, req)
 
     async def _one_leg(self, spec: RequestSpec, route: Route, holds: ExitStack) -> Transaction:
         """Open ``route.worker``'s stream for the whole request (no handle: it prefills the
@@ -269,13 +293,6 @@ class Router:
             await txn.discard()
             raise
         return txn
-
-    async def _release(self, pair: Pair, request_id: str, epoch: int) -> None:
-        """Best-effort release on P, shielded from cancellation and bounded in time."""
-        with anyio.move_on_after(self.client.release_timeout_s + 1.0, shield=True):
-            await self.client.release(
-                pair.prefill, ReleaseRequest(request_id=request_id, epoch=epoch)
-            )
 
 
 class Transaction:

@@ -3,15 +3,17 @@ through a prefill and a decode worker, or one leg on a decode or colocated worke
 
 Lifecycle (the lifespan)::
 
-    1 START  load the tokenizer (local files only) and work out the context window; start the
-             embedded registry (if this app created it) and the discovery watcher (if this app
+    1 START  load the tokenizer (local files only), work out the context window and start the
+             tokenizer pool (:mod:`.tokenizer_pool`); start the embedded registry (if this app created it) and the discovery watcher (if this app
              opened it); open the httpx client for the worker request plane (if not injected)
     2 SERVE  /v1/chat/completions, /v1/completions, /v1/models, /health, /ready, /metrics
              (+ /registry/... when an embedded registry is mounted)
     3 STOP   close what step 1 opened, in reverse order; injected objects are left alone
 
 Request path: the client API key and the body limit on ``/v1`` (:mod:`.guard`, before the body
-is read), validate + tokenize (:mod:`pdserve.server.preprocess`), route it and run up to its
+is read), JSON parsing and schema validation (on the loop: linear, milliseconds for the largest
+body), validate + chat template + tokenize (:mod:`pdserve.server.preprocess`) on the tokenizer
+pool's threads, never on the event loop (a full pool: 429 ``tokenizer_busy``), route it and run up to its
 first token (``Router.start``: the prefill leg, or a one-leg stream's start; its failure is an
 HTTP error status), then relay the rest as one JSON body or as SSE (a failure after the first byte is an in-band error event, :mod:`.sse`). A
 request for ``n`` choices is one transaction whose events name their choice; the formatter
@@ -45,6 +47,8 @@ from pdserve.errors import ClientDisconnectedError, PdserveError
 from pdserve.metrics import CONTENT_TYPE, RouterMetrics
 from pdserve.protocol import ROUTER_KEEPALIVE_S
 from pdserve.router.client import WorkerClient
+from pdserve.router.kv_index import follow_kv_events
+from pdserve.router.policy import RouteWeights
 from pdserve.router.transaction import Router, Transaction
 from pdserve.router.view import WorkerSource, WorkerView
 from pdserve.security import APIKeys, ClusterKey
@@ -64,6 +68,7 @@ from pdserve.server.schemas import (
     Readiness,
 )
 from pdserve.server.sse import DONE, SSEResponse, encode_error, encode_event
+from pdserve.server.tokenizer_pool import TokenizerPool, backlog_bytes
 from pdserve.server.tokens import TokenFormatter
 
 log = logging.getLogger(__name__)
@@ -80,6 +85,7 @@ class ServerState:
 
     cfg: RouterConfig
     preprocessor: Preprocessor
+    tokenizer_pool: TokenizerPool
     tokens: TokenFormatter
     view: WorkerView
     router: Router
@@ -164,6 +170,11 @@ async def _start(
     """Lifespan step 1. Everything opened here is pushed onto ``stack`` for step 3."""
     tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model_path)
     max_model_len = context_window(cfg, tokenizer)
+    tokenizer_pool = TokenizerPool(
+        cfg.router.tokenizer_threads,
+        max_backlog_bytes=backlog_bytes(cfg.router.max_request_bytes),
+    )
+    stack.callback(tokenizer_pool.close)
     if owned_registry:
         assert registry is not None
         await registry.start()
@@ -193,7 +204,8 @@ async def _start(
         c = view.candidates()
         return {"prefill": len(c.prefill), "decode": len(c.decode), "colocated": len(c.colocated)}
 
-    metrics = RouterMetrics(usable_workers)
+    kv_index = follow_kv_events(watcher)
+    metrics = RouterMetrics(usable_workers, kv_index.stats if kv_index is not None else None)
     view = WorkerView(
         source,
         served_model_name=cfg.served_model_name,
@@ -209,6 +221,7 @@ async def _start(
             max_n=cfg.router.max_n,
             max_messages=cfg.router.max_messages,
         ),
+        tokenizer_pool=tokenizer_pool,
         tokens=TokenFormatter(tokenizer),
         view=view,
         router=Router(
@@ -217,6 +230,8 @@ async def _start(
             request_timeout_s=cfg.router.request_timeout_s,
             metrics=metrics,
             local_prefill_max_tokens=cfg.router.local_prefill_max_tokens,
+            kv_index=kv_index,
+            weights=RouteWeights(cfg.router.kv_overlap_weight, cfg.router.load_weight),
         ),
         max_model_len=max_model_len,
         started_at=int(time.time()),
@@ -288,7 +303,9 @@ def _add_routes(app: FastAPI, *, secured: bool) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """OpenAI chat completion, streamed (SSE) or not."""
         st = _state(request)
-        prepared = st.preprocessor.chat(body)
+        prepared = await st.tokenizer_pool.run(
+            await _body_size(request), st.preprocessor.chat, body
+        )
         info = _info(f"chatcmpl-{uuid.uuid4().hex}", st, prepared, bool(body.logprobs), body)
         fmt = ChatFormatter(info, st.tokens)
         return await _serve(request, st, prepared, fmt, stream=bool(body.stream))
@@ -301,10 +318,18 @@ def _add_routes(app: FastAPI, *, secured: bool) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """OpenAI text completion, streamed (SSE) or not."""
         st = _state(request)
-        prepared = st.preprocessor.completion(body)
+        prepared = await st.tokenizer_pool.run(
+            await _body_size(request), st.preprocessor.completion, body
+        )
         info = _info(f"cmpl-{uuid.uuid4().hex}", st, prepared, body.logprobs is not None, body)
         fmt = CompletionFormatter(info, st.tokens)
         return await _serve(request, st, prepared, fmt, stream=bool(body.stream))
+
+
+async def _body_size(request: Request) -> int:
+    """The request body's size in bytes (FastAPI has read and cached it to parse it): what the
+    tokenizer pool counts this request's work by."""
+    return len(await request.body())
 
 
 def _info(

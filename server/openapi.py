@@ -10,7 +10,8 @@ and where they come from:
   into 400 by :mod:`.errors`, so no route declares 422), or a worker refused it;
 - 401: missing or wrong API key (only with keys configured; :mod:`.guard`);
 - 404: unknown model; 413: body over ``router.max_request_bytes`` (:mod:`.guard`);
-- 429: a worker's queue is full, with ``Retry-After``;
+- 429: a worker's queue is full, or the router's tokenizer pool (:mod:`.tokenizer_pool`),
+  with ``Retry-After``;
 - 500: unexpected error (generic message naming the request id);
 - 502: a worker leg or the KV transfer failed; 503: no live worker (``no_worker``), no
   capacity, discovery unavailable; 504: the request deadline passed.
@@ -82,7 +83,8 @@ def completion_responses(model: type[Any], *, secured: bool) -> Responses:
                     "context window (code context_length_exceeded); param names the field"),
         404: _error("unknown model (code model_not_found)"),
         413: _error("request body over router.max_request_bytes (code request_too_large)"),
-        429: _error("a worker's queue is full (code queue_full)", headers=_RETRY_AFTER),
+        429: _error("a worker's queue is full (code queue_full) or the router's tokenizer "
+                    "is busy (code tokenizer_busy)", headers=_RETRY_AFTER),
         502: _error("a worker leg or the KV transfer failed (worker_error, kv_*)"),
         503: _error("no live worker for the model (no_worker), no capacity (no_capacity) or "
                     "discovery unavailable"),

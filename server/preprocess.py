@@ -17,7 +17,15 @@ Steps, in order (the first failure raises a typed error, nothing is sent to a wo
 4. context window: ``len(prompt) + max_tokens <= max_model_len``, else 400 with the numbers.
    Chat without ``max_tokens`` gets the rest of the window; completions default to 16.
 
-Thread-safety: the tokenizer is only read; calls may run concurrently.
+Step 3 is the costly one (seconds for a multi-megabyte prompt): the router runs
+:meth:`Preprocessor.chat` and :meth:`Preprocessor.completion` on its tokenizer pool
+(:mod:`.tokenizer_pool`), never on the event loop. A Hugging Face fast tokenizer is called
+through its backend's ``encode_batch_fast`` (the Rust encode, GIL released throughout, no
+offsets computed: the same ids as ``encode``), and a prompt already past the context window is
+refused from its length alone, before its ids become a Python list.
+
+Thread-safety: the tokenizer is only read (the fast path never changes the backend's
+truncation or padding); calls may run concurrently on several threads.
 """
 
 from __future__ import annotations
@@ -108,6 +116,7 @@ class Preprocessor:
         self.max_n = max_n
         self.max_messages = max_messages
         self.vocab_size = len(tokenizer)
+        self._fast = _fast_backend(tokenizer)
 
     def chat(self, req: ChatCompletionRequest) -> Prepared:
         """Validate a chat request and apply the chat template; raises a typed error."""
@@ -133,13 +142,14 @@ class Preprocessor:
             raise InvalidRequestError(
                 f"cannot apply the chat template: {exc}", param="messages"
             ) from exc
-        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        n, ids = self._encode(text, add_special_tokens=False)
         max_tokens = self._max_tokens(
-            len(ids),
+            n,
             req.max_completion_tokens or req.max_tokens,
             param="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
             prompt_param="messages",
         )
+        assert ids is not None  # None only past the window, which _max_tokens refused
         sampling = _sampling(
             req, max_tokens, logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs or 0
         )
@@ -148,13 +158,14 @@ class Preprocessor:
     def completion(self, req: CompletionRequest) -> Prepared:
         """Validate a completion request and tokenize its prompt; raises a typed error."""
         self._check_common(req)
-        ids = self._prompt_ids(req.prompt)
+        n, ids = self._prompt_ids(req.prompt)
         max_tokens = self._max_tokens(
-            len(ids),
+            n,
             req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS,
             param="max_tokens",
             prompt_param="prompt",
         )
+        assert ids is not None  # None only past the window, which _max_tokens refused
         sampling = _sampling(
             req, max_tokens, logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0
         )
@@ -173,7 +184,20 @@ class Preprocessor:
         if not 1 <= _choices(req) <= self.max_n:
             raise InvalidRequestError(f"n must lie in [1, {self.max_n}], got n={req.n}", param="n")
 
-    def _prompt_ids(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
+    def _encode(self, text: str, *, add_special_tokens: bool) -> tuple[int, list[int] | None]:
+        """``text`` -> ``(token count, ids)``; ids are None when the count alone already fills
+        the context window (the caller's window check refuses it), so a huge prompt's ids never
+        become a Python list (on the fast path)."""
+        if self._fast is None:
+            ids = list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+            return len(ids), ids
+        (encoding,) = self._fast.encode_batch_fast([text], add_special_tokens=add_special_tokens)
+        n = len(encoding)
+        return n, (list(encoding.ids) if n < self.max_model_len else None)
+
+    def _prompt_ids(
+        self, prompt: str | list[int] | list[str] | list[list[int]]
+    ) -> tuple[int, list[int] | None]:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             if len(prompt) > 1:
                 raise InvalidRequestError(
@@ -183,14 +207,14 @@ class Preprocessor:
                 )
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+            return self._encode(prompt, add_special_tokens=True)
         bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(
                 f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}",
                 param="prompt",
             )
-        return list(prompt)  # type: ignore[arg-type]
+        return len(prompt), list(prompt)  # type: ignore[arg-type]
 
     def _max_tokens(self, n: int, requested: int | None, *, param: str, prompt_param: str) -> int:
         """Check the context window for a prompt of ``n`` tokens; return max_tokens."""
@@ -216,6 +240,19 @@ class Preprocessor:
                 code="context_length_exceeded",
             )
         return requested
+
+
+def _fast_backend(tokenizer: Any) -> Any | None:
+    """The Hugging Face fast tokenizer's backend (``tokenizers.Tokenizer``) when calling it
+    directly gives the ids ``tokenizer.encode`` gives: it has ``encode_batch_fast`` and no
+    truncation or padding configured (``transformers`` would switch those off per call, which
+    also makes its ``encode`` unsafe to call from several threads at once). Else None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not hasattr(backend, "encode_batch_fast"):
+        return None
+    if backend.truncation is not None or backend.padding is not None:
+        return None
+    return backend
 
 
 def _unsupported(param: str, what: str) -> UnsupportedFieldError:

@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -162,6 +163,7 @@ class PrefillWorker(_TransferRole):
         @api.post("/internal/context")
         async def context(req: ContextRequest, request: Request) -> ContextResponse:
             worker: PrefillWorker = service_of(request)
+            req = capped(req, worker.settings.max_request_s)
             resp = await worker.handler.context(req)
             handle = resp.handle
             if handle is not None and await request.is_disconnected():
@@ -177,6 +179,16 @@ class PrefillWorker(_TransferRole):
             return {"released": worker.handler.release(req.request_id, req.epoch, req.lease_id)}
 
 
+_Leg = TypeVar("_Leg", ContextRequest, GenerationRequest)
+
+
+def capped(req: _Leg, max_request_s: float) -> _Leg:
+    """``req`` with its deadline (wall-clock UNIX seconds, the caller's) capped at now +
+    ``max_request_s``: a caller cannot make a worker run a request for longer than that."""
+    limit = time.time() + max_request_s
+    return req if req.deadline <= limit else req.model_copy(update={"deadline": limit})
+
+
 def _add_generate_route(api: APIRouter) -> None:
     """``POST /internal/generate``: NDJSON :class:`GenerationChunk` lines (decode, colocated).
     A request with a handle resumes after a prefill worker's first token (decode only); one
@@ -184,7 +196,9 @@ def _add_generate_route(api: APIRouter) -> None:
 
     @api.post("/internal/generate")
     async def generate(req: GenerationRequest, request: Request) -> StreamingResponse:
-        decode: DecodeRole = service_of(request).handler
+        worker = service_of(request)
+        req = capped(req, worker.settings.max_request_s)
+        decode: DecodeRole = worker.handler
         stream = await decode.admit(req)
 
         async def body() -> AsyncIterator[bytes]:

@@ -63,7 +63,8 @@ class RoleSettings:
     ``host``/``port``: the request plane's bind address (port 0 picks one);
     ``advertise_host``: the address peers dial (None: the bind host, or the hostname for a
     wildcard). ``lease_s``: how long parked KV blocks wait for their decode worker (seconds).
-    ``evicts``: False under the ``guaranteed_no_evict`` capacity policy. ``cluster_key``: the
+    ``evicts``: False under the ``guaranteed_no_evict`` capacity policy. ``max_request_s``:
+    every request's deadline is capped at its arrival plus this (seconds). ``cluster_key``: the
     internal plane's key (guards ``/internal/*``, signs the discovery record); ``discovery``:
     the discovery section (TLS and credentials toward etcd / NATS).
     """
@@ -83,6 +84,7 @@ class RoleSettings:
     max_queued_requests: int
     evicts: bool
     cluster_key: ClusterKey
+    max_request_s: float = 1800.0
     discovery: DiscoverySettings = field(default_factory=DiscoverySettings)
 
     @property
@@ -113,6 +115,7 @@ class RoleSettings:
             registration_ttl_s=cfg.discovery.registration_ttl_s,
             lease_s=cfg.engine.kv_cache.lease_s,
             max_queued_requests=sched.max_queued_requests,
+            max_request_s=sched.max_request_s,
             evicts=sched.capacity_policy != "guaranteed_no_evict",
             cluster_key=ClusterKey.from_settings(cfg.security),
             discovery=cfg.discovery,
@@ -171,6 +174,7 @@ class WorkerService:
             load=self.load,
             lease_expired=self.leases_expired,
             prefix_cache=lambda: self.engine.kv_cache.prefix_stats(),
+            kv_tiers=lambda: self.engine.kv_connector_stats(),
         )
 
     # -- what a role adds --------------------------------------------------------------------
@@ -249,12 +253,22 @@ class WorkerService:
         )
 
     async def serve(self, stack: AsyncExitStack) -> None:
-        """Register, start the load refresh, turn ready (the end of lifecycle step 1)."""
+        """Register, start the load refresh and the KV cache events
+        (:mod:`pdserve.workers.kv_events`), turn ready (the end of lifecycle step 1)."""
         from pdserve.discovery.events import event_publisher
+        from pdserve.workers.kv_events import open_kv_events
 
         stack.push_async_callback(self.deregister)
         await self.registration.start(self.record())
         self.events = event_publisher(self.registration)
+        await open_kv_events(
+            kv_cache=self.engine.kv_cache,
+            registration=self.registration,
+            worker_id=self.identity.worker_id,
+            epoch=self.identity.epoch,
+            settings=self.settings.discovery,
+            stack=stack,
+        )
         task = asyncio.create_task(self._refresh_load(), name="load-refresh")
         stack.push_async_callback(_cancel, task)
         self.ready = True

@@ -21,6 +21,13 @@ If the watch breaks (etcd stopped, connection lost, revision compacted) it keeps
 reconnects with backoff (0.1 s doubling to 5 s), re-lists (emitting only the differences) and
 watches again. ``connected`` tells whether the view is currently following etcd.
 
+KV cache events (:mod:`pdserve.discovery.kvcache`): :meth:`EtcdRegistration.send_kv_event`
+puts each event at ``/pdserve/kvcache/<worker_id>`` under the worker's lease (so it goes with
+the worker); the watcher lists and watches ``/pdserve/`` (records and events in one watch, in
+revision order) and hands every event put to :meth:`EtcdWatcher.subscribe_kv_events`'s
+handlers. The listing after a reconnect shows only each worker's last event: the index sees a
+gap and waits for that worker's next periodic snapshot (etcd has no way to ask for one).
+
 ``aetcd`` is imported only inside this module's functions, so importing ``pdserve.discovery``
 does not load gRPC. Async-safety: one event loop; not thread-safe.
 """
@@ -34,7 +41,13 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from pdserve.discovery.base import BackgroundWatcher, Backoff, Registration
+from pdserve.discovery.base import BackgroundWatcher, Backoff, Registration, RegistrationState
+from pdserve.discovery.kvcache import (
+    ETCD_KVCACHE_PREFIX,
+    KVCacheEvent,
+    KVEventAck,
+    KVEventHandler,
+)
 from pdserve.discovery.tls import ControlPlaneTLS
 from pdserve.protocol import WorkerRecord
 
@@ -46,6 +59,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PREFIX = "/pdserve/workers/"
+ROOT = "/pdserve/"
 CLOSE_TIMEOUT_S = 2.0
 # Reconnect quickly after an etcd restart (gRPC's default backoff grows to 120 s) and detect a
 # silently dead connection (pings every 10 s; etcd refuses pings more often than every 5 s).
@@ -199,6 +213,19 @@ class EtcdRegistration(Registration):
     async def _close_client(self) -> None:
         await _close_client(self._client)
 
+    async def send_kv_event(self, event: KVCacheEvent) -> KVEventAck | None:
+        """Put ``event`` at ``/pdserve/kvcache/<id>`` under this worker's lease; None when
+        not registered or etcd failed (logged at debug: the publisher resyncs later)."""
+        if self.lease_id is None or self.state is not RegistrationState.REGISTERED:
+            return None
+        key = f"{ETCD_KVCACHE_PREFIX}{event.worker_id}".encode()
+        try:
+            await self._client.put(key, event.model_dump_json().encode(), self.lease_id)
+        except Exception as exc:
+            logger.debug("putting KV events of %s failed: %r", event.worker_id, exc)
+            return None
+        return KVEventAck()
+
     async def _register(self) -> None:
         """Grant a fresh lease and put the record under it. ``lease_id`` is set only once the
         put succeeded, so a failure in between leads to a full retry (the orphan lease lapses).
@@ -259,6 +286,11 @@ class EtcdWatcher(BackgroundWatcher[Any]):
         self.connected = False
         self._client: aetcd.Client | None = None
         self._backoff = Backoff(0.1, 5.0)
+        self._kv_handlers: list[KVEventHandler] = []
+
+    def subscribe_kv_events(self, handler: KVEventHandler) -> None:
+        """Hand every KV cache event put in etcd to ``handler`` (on the event loop)."""
+        self._kv_handlers.append(handler)
 
     async def _sync(self) -> Any | None:
         """List and open the watch inline; if etcd is unreachable, log a warning (the view
@@ -280,11 +312,14 @@ class EtcdWatcher(BackgroundWatcher[Any]):
         await self._drop_client()  # a fresh client: no state left over from a broken stream
         self._client = client = _new_client(self.host, self.port, self.op_timeout_s, self.tls)
         try:
-            listing = await client.get_prefix(PREFIX.encode())
-            records = [r for r in (self._decode(kv.key, kv.value) for kv in listing) if r]
+            listing = await client.get_prefix(ROOT.encode())
+            workers = [kv for kv in listing if kv.key.startswith(PREFIX.encode())]
+            records = [r for r in (self._decode(kv.key, kv.value) for kv in workers) if r]
             self.view.replace_all(records, reason="gone from etcd while disconnected")
+            for kv in listing:
+                self._kv_event(kv.key, kv.value)
             watch = await client.watch_prefix(
-                PREFIX.encode(), start_revision=listing.header.revision + 1
+                ROOT.encode(), start_revision=listing.header.revision + 1
             )
         except Exception as exc:  # etcd down, timeout, compaction: keep the last view, retry
             if self._backoff.failures % 10 == 0:
@@ -321,6 +356,10 @@ class EtcdWatcher(BackgroundWatcher[Any]):
             watch = await self._connect()
 
     def _apply(self, event: Any) -> None:
+        if not event.kv.key.startswith(PREFIX.encode()):
+            if event.kind != "DELETE":  # an event key goes with its lease: nothing to do
+                self._kv_event(event.kv.key, event.kv.value)
+            return
         worker_id = event.kv.key.decode(errors="replace").removeprefix(PREFIX)
         if event.kind == "DELETE":
             self.view.delete(worker_id, "deleted in etcd: lease expired or revoked")
@@ -328,6 +367,21 @@ class EtcdWatcher(BackgroundWatcher[Any]):
         record = self._decode(event.kv.key, event.kv.value)
         if record is not None:
             self.view.put(record)
+
+    def _kv_event(self, key: bytes, value: bytes) -> None:
+        """Hand a KV cache event at ``key`` to the handlers (other keys are ignored)."""
+        if not key.startswith(ETCD_KVCACHE_PREFIX.encode()) or not self._kv_handlers:
+            return
+        try:
+            event = KVCacheEvent.model_validate_json(value)
+        except ValidationError:
+            logger.debug("ignoring a malformed KV cache event at %r", key)
+            return
+        for handler in list(self._kv_handlers):
+            try:
+                handler(event)  # a wanted snapshot comes with the worker's periodic one
+            except Exception:
+                logger.exception("KV event subscriber %r failed on %s", handler, event.worker_id)
 
     @staticmethod
     def _decode(key: bytes, value: bytes) -> WorkerRecord | None:

@@ -12,7 +12,11 @@ Subjects (``<key>`` is the worker id escaped by :func:`subject_token`, see there
     pdserve.load.<key>   LoadEvent      the engine's WorkerLoad (running, waiting, parked, blocks)
     pdserve.kv.<key>     KVBlockEvent   parked-block lease counters of a prefill worker
 
-Both carry ``version`` (:data:`EVENTS_VERSION`), ``worker_id``, ``epoch``, a per-publisher
+    pdserve.kvcache.<key> KVCacheEvent  prefix-cache block hashes stored / removed
+                                        (:mod:`pdserve.discovery.kvcache`, its own version)
+    pdserve.kvsync.<key>  (empty)       router -> worker: send a KV cache snapshot
+
+The first two carry ``version`` (:data:`EVENTS_VERSION`), ``worker_id``, ``epoch``, a per-publisher
 ``seq`` and ``sent_at`` (wall-clock UNIX seconds: a monotonic clock does not cross processes).
 Delivery is at most once (core NATS), so KV events carry *cumulative* counters, never deltas:
 a lost message costs freshness, never correctness. A consumer drops messages whose version it
@@ -32,6 +36,7 @@ from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pdserve.discovery.kvcache import KVCACHE_SUBJECT, KVSYNC_SUBJECT, KVCacheEvent
 from pdserve.protocol import WorkerLoad
 
 if TYPE_CHECKING:
@@ -47,7 +52,7 @@ EVENTS_VERSION: Literal[1] = 1
 LOAD_SUBJECT = "pdserve.load"
 KV_SUBJECT = "pdserve.kv"
 
-_E = TypeVar("_E", bound="_Event")
+_M = TypeVar("_M", bound=BaseModel)
 _ESCAPED = {".": "=2E", ":": "=3A", "@": "=40"}
 
 
@@ -129,8 +134,35 @@ class EventPublisher:
         token = subject_token(worker_id)
         self.load_subject = f"{LOAD_SUBJECT}.{token}"
         self.kv_subject = f"{KV_SUBJECT}.{token}"
+        self.kvcache_subject = f"{KVCACHE_SUBJECT}.{token}"
+        self.kvsync_subject = f"{KVSYNC_SUBJECT}.{token}"
         self._seq = 0
         self.published = 0
+        self._sync_sub: Subscription | None = None
+        self._sync_requested = False
+
+    async def publish_kvcache(self, event: KVCacheEvent) -> bool:
+        """Publish a KV cache event on ``pdserve.kvcache.<key>``; return whether sent. The
+        first call also subscribes to this worker's ``pdserve.kvsync.<key>`` (snapshot
+        requests, :meth:`take_sync_request`)."""
+        if not self._client.is_connected:
+            return False
+        try:
+            if self._sync_sub is None:
+                self._sync_sub = await self._client.subscribe(self.kvsync_subject, cb=self._sync)
+            await self._client.publish(self.kvcache_subject, event.model_dump_json().encode())
+        except Exception as exc:  # connection dropped between the check and the write
+            logger.debug("publishing KV cache events of %s failed: %r", self.worker_id, exc)
+            return False
+        return True
+
+    def take_sync_request(self) -> bool:
+        """Whether a router asked for a snapshot since the last call."""
+        requested, self._sync_requested = self._sync_requested, False
+        return requested
+
+    async def _sync(self, msg: Msg) -> None:
+        self._sync_requested = True
 
     async def publish(self, load: WorkerLoad, parked: ParkedCounts | None = None) -> bool:
         """Publish the load and, with ``parked``, the KV counters; return whether sent."""
@@ -176,9 +208,11 @@ class EventConsumer:
         self,
         on_load: Callable[[LoadEvent], None],
         on_kv: Callable[[KVBlockEvent], None],
+        on_kvcache: Callable[[KVCacheEvent], None] | None = None,
     ) -> None:
         self._on_load = on_load
         self._on_kv = on_kv
+        self._on_kvcache = on_kvcache
         self._subs: list[Subscription] = []
         self._warned: set[tuple[str, str]] = set()
         self.received = 0
@@ -193,6 +227,9 @@ class EventConsumer:
             return
         self._subs.append(await client.subscribe(f"{LOAD_SUBJECT}.>", cb=self._handle_load))
         self._subs.append(await client.subscribe(f"{KV_SUBJECT}.>", cb=self._handle_kv))
+        if self._on_kvcache is not None:
+            sub = await client.subscribe(f"{KVCACHE_SUBJECT}.>", cb=self._handle_kvcache)
+            self._subs.append(sub)
 
     async def close(self) -> None:
         subs, self._subs = self._subs, []
@@ -212,7 +249,12 @@ class EventConsumer:
         if event is not None:
             self._on_kv(event)
 
-    def _decode(self, msg: Msg, kind: type[_E]) -> _E | None:
+    async def _handle_kvcache(self, msg: Msg) -> None:
+        event = self._decode(msg, KVCacheEvent)
+        if event is not None and self._on_kvcache is not None:
+            self._on_kvcache(event)
+
+    def _decode(self, msg: Msg, kind: type[_M]) -> _M | None:
         try:
             event = kind.model_validate_json(msg.data)
         except ValidationError as exc:

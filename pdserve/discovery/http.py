@@ -12,6 +12,9 @@
 3. ``close()``: cancels the task, ``DELETE /registry/workers/{id}`` (best effort, 2 s max),
    closes the HTTP client. Idempotent.
 
+KV cache events (:mod:`pdserve.discovery.kvcache`): :meth:`HttpRegistration.send_kv_event`
+posts one to ``POST /registry/kvcache/{id}``; the reply may ask for a snapshot.
+
 :class:`HttpWatcher` (for processes other than the router) polls ``GET /registry/workers``
 every ``poll_interval_s`` seconds; on failure it keeps its last view and retries with backoff.
 
@@ -32,6 +35,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from pdserve.discovery.base import BackgroundWatcher, Backoff, Registration
+from pdserve.discovery.kvcache import KVCacheEvent, KVEventAck
 from pdserve.discovery.registry import RegisterBody, RegisterReply, WorkerList
 from pdserve.protocol import PROTOCOL_HEADER, PROTOCOL_VERSION
 
@@ -103,6 +107,22 @@ class HttpRegistration(Registration):
 
     async def _close_client(self) -> None:
         await self._client.aclose()
+
+    async def send_kv_event(self, event: KVCacheEvent) -> KVEventAck | None:
+        """POST ``event`` to the router's ``/registry/kvcache/{id}`` (2 s at most); the ack,
+        or None when it did not arrive (logged at debug: the publisher resyncs later)."""
+        try:
+            resp = await self._client.post(
+                f"/registry/kvcache/{event.worker_id}",
+                content=event.model_dump_json(),
+                headers={"content-type": "application/json"},
+                timeout=CLOSE_TIMEOUT_S,
+            )
+            resp.raise_for_status()
+            return KVEventAck.model_validate_json(resp.content)
+        except (httpx.HTTPError, ValueError, RuntimeError) as exc:  # RuntimeError: closed client
+            logger.debug("posting KV events of %s failed: %r", event.worker_id, exc)
+            return None
 
 
 class HttpWatcher(BackgroundWatcher[bool]):

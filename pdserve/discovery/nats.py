@@ -45,6 +45,7 @@ from pydantic import ValidationError
 
 from pdserve.discovery.base import Registration, SupersededError
 from pdserve.discovery.events import EventPublisher, subject_token
+from pdserve.discovery.kvcache import KVCacheEvent, KVEventAck
 from pdserve.discovery.tls import ControlPlaneTLS
 from pdserve.protocol import WorkerLoad, WorkerRecord
 
@@ -335,6 +336,17 @@ class NatsRegistration(Registration):
             record.worker_id,
         )
         return False
+
+    async def send_kv_event(self, event: KVCacheEvent) -> KVEventAck | None:
+        """Publish a KV cache event on ``pdserve.kvcache.<key>``; the ack asks for a snapshot
+        when a router requested one on ``pdserve.kvsync.<key>``; None when not sent."""
+        if self.events is None or not await self.events.publish_kvcache(event):
+            return None
+        return KVEventAck(snapshot=self.events.take_sync_request())
+
+    def take_kv_snapshot_request(self) -> bool:
+        """Whether a router asked for a KV cache snapshot since the last call."""
+        return self.events is not None and self.events.take_sync_request()
 
     def _needs_write(self, record: WorkerRecord) -> bool:
         """Only identity changes are written early; load goes on events."""

@@ -20,7 +20,10 @@ Load events: a :class:`~pdserve.discovery.events.LoadEvent` of the record's epoc
 the record (``sent_at > updated_at``), replaces the record's ``load`` in the view, so the
 pairing policy sees load about once a second while records are written every ``ttl_s / 3``.
 KV block events are kept per worker (:meth:`NatsWatcher.kv_events`); a rise in a prefill
-worker's ``expired_total`` is logged as a warning.
+worker's ``expired_total`` is logged as a warning. KV cache events (``pdserve.kvcache.>``,
+:mod:`pdserve.discovery.kvcache`) go to the handlers of :meth:`NatsWatcher.subscribe_kv_events`;
+when one wants a snapshot, the watcher asks the worker on ``pdserve.kvsync.<key>`` (at most
+once per worker per :data:`SYNC_REQUEST_INTERVAL_S`).
 
 Async-safety: one event loop; not thread-safe.
 """
@@ -33,7 +36,14 @@ import logging
 from typing import TYPE_CHECKING
 
 from pdserve.discovery.base import BackgroundWatcher, Backoff
-from pdserve.discovery.events import EventConsumer, KVBlockEvent, LoadEvent, worker_id_of
+from pdserve.discovery.events import (
+    EventConsumer,
+    KVBlockEvent,
+    LoadEvent,
+    subject_token,
+    worker_id_of,
+)
+from pdserve.discovery.kvcache import KVSYNC_SUBJECT, KVCacheEvent, KVEventHandler
 from pdserve.discovery.nats import (
     CLOSE_TIMEOUT_S,
     CONNECT_WAIT_S,
@@ -53,6 +63,8 @@ logger = logging.getLogger(__name__)
 
 RESYNC_GRACE_S = 5.0
 """Seconds after a re-list during which expiries wait for the worker's own re-put."""
+SYNC_REQUEST_INTERVAL_S = 1.0
+"""Least time between two KV cache snapshot requests to one worker."""
 
 
 class NatsWatcher(BackgroundWatcher["KeyValue.KeyWatcher | None"]):
@@ -84,7 +96,10 @@ class NatsWatcher(BackgroundWatcher["KeyValue.KeyWatcher | None"]):
         )
         self._resync = asyncio.Event()
         self._backoff = Backoff(0.1, 5.0)
-        self._events = EventConsumer(self._on_load, self._on_kv)
+        self._events = EventConsumer(self._on_load, self._on_kv, self._on_kvcache)
+        self._kv_handlers: list[KVEventHandler] = []
+        self._sync_asked: dict[str, float] = {}  # worker id -> loop time of the last request
+        self._pending_sync: set[asyncio.Task[None]] = set()
         self._loads: dict[str, LoadEvent] = {}
         self._kv_events: dict[str, KVBlockEvent] = {}
         self._expiring: dict[str, asyncio.TimerHandle] = {}
@@ -93,6 +108,42 @@ class NatsWatcher(BackgroundWatcher["KeyValue.KeyWatcher | None"]):
     def kv_events(self) -> dict[str, KVBlockEvent]:
         """The newest KV block event per live worker (a new dict)."""
         return dict(self._kv_events)
+
+    def subscribe_kv_events(self, handler: KVEventHandler) -> None:
+        """Hand every KV cache event (``pdserve.kvcache.>``) to ``handler`` (on the loop)."""
+        self._kv_handlers.append(handler)
+
+    def _on_kvcache(self, event: KVCacheEvent) -> None:
+        wanted = False
+        for handler in list(self._kv_handlers):
+            try:
+                wanted = handler(event) or wanted
+            except Exception:
+                logger.exception("KV event subscriber %r failed on %s", handler, event.worker_id)
+        if wanted:
+            self._ask_snapshot(event.worker_id)
+
+    def _ask_snapshot(self, worker_id: str) -> None:
+        """Publish a snapshot request to ``worker_id`` (rate limited; fire and forget)."""
+        now = asyncio.get_running_loop().time()
+        if now - self._sync_asked.get(worker_id, -1e9) < SYNC_REQUEST_INTERVAL_S:
+            return
+        if len(self._sync_asked) >= 4096:  # bounded: ids come from whoever publishes
+            self._sync_asked.clear()
+        self._sync_asked[worker_id] = now
+        client = self._session.client
+        subject = f"{KVSYNC_SUBJECT}.{subject_token(worker_id)}"
+
+        async def publish() -> None:
+            try:
+                await client.publish(subject, b"")
+            except Exception as exc:  # NATS away: the worker's periodic snapshot heals it
+                logger.debug("asking %s for a KV snapshot failed: %r", worker_id, exc)
+
+        if client.is_connected:
+            task = asyncio.create_task(publish())
+            self._pending_sync.add(task)
+            task.add_done_callback(self._pending_sync.discard)
 
     async def _sync(self) -> KeyValue.KeyWatcher | None:
         """List and begin watching inline (2 s at most to connect); if NATS is unreachable,
@@ -242,6 +293,7 @@ class NatsWatcher(BackgroundWatcher["KeyValue.KeyWatcher | None"]):
             handle.cancel()
         self._loads.pop(worker_id, None)
         self._kv_events.pop(worker_id, None)
+        self._sync_asked.pop(worker_id, None)
         self.view.delete(worker_id, reason)
 
     def _expire_later(self, worker_id: str) -> None:

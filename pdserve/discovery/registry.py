@@ -10,6 +10,10 @@ lifespan. Workers register with :class:`pdserve.discovery.http.HttpRegistration`
 - ``DELETE /registry/workers/{worker_id}`` -> ``{"removed": bool}``
 - ``GET /registry/workers`` -> :class:`WorkerList` (live records only)
 - ``GET /registry/workers/{worker_id}`` -> ``WorkerRecord`` or 404
+- ``POST /registry/kvcache/{worker_id}`` body :class:`~pdserve.discovery.kvcache.KVCacheEvent`
+  -> :class:`~pdserve.discovery.kvcache.KVEventAck`: a worker's KV cache events, handed to the
+  subscribers of :meth:`EmbeddedRegistry.subscribe_kv_events` (the router's KV index); the ack
+  asks for a snapshot when a subscriber wants one. 400 if the path and event ids differ.
 
 Every route is internal: it needs ``Authorization: Bearer <ClusterKey.http_token>`` (the token
 derived from the cluster secret), checked before anything else, including the body; without it
@@ -42,6 +46,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pdserve.discovery.base import RecordTable, Subscriber, Watcher, cancel_task, check_ttl
+from pdserve.discovery.kvcache import KVCacheEvent, KVEventAck, KVEventHandler
 from pdserve.errors import AuthenticationError
 from pdserve.protocol import WorkerRecord
 
@@ -119,6 +124,7 @@ class EmbeddedRegistry:
         self.view = RecordTable(key=key)
         self._expires_at: dict[str, float] = {}  # worker_id -> monotonic deadline
         self._sweeper: asyncio.Task[None] | None = None
+        self._kv_handlers: list[KVEventHandler] = []
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -186,6 +192,22 @@ class EmbeddedRegistry:
         """See :meth:`Watcher.subscribe`."""
         self.view.subscribe(callback)
 
+    def subscribe_kv_events(self, handler: KVEventHandler) -> None:
+        """Hand every posted KV cache event to ``handler`` (on the event loop)."""
+        self._kv_handlers.append(handler)
+
+    def kv_event(self, event: KVCacheEvent) -> KVEventAck:
+        """Pass ``event`` to the KV event subscribers; the ack asks for a snapshot when one
+        of them wants it (a failing subscriber is logged and asks for one)."""
+        snapshot = False
+        for handler in list(self._kv_handlers):
+            try:
+                snapshot = handler(event) or snapshot
+            except Exception:
+                logger.exception("KV event subscriber %r failed on %s", handler, event.worker_id)
+                snapshot = True
+        return KVEventAck(snapshot=snapshot)
+
     # -- HTTP --------------------------------------------------------------------------------
 
     def api_router(self) -> fastapi.APIRouter:
@@ -227,6 +249,14 @@ class EmbeddedRegistry:
                 raise fastapi.HTTPException(404, f"no live worker {worker_id!r}")
             return record
 
+        @api.post("/kvcache/{worker_id}", response_model=KVEventAck)
+        async def kv_events(worker_id: str, event: KVCacheEvent) -> KVEventAck:
+            if event.worker_id != worker_id:
+                raise fastapi.HTTPException(
+                    400, f"path worker_id {worker_id!r} != event {event.worker_id!r}"
+                )
+            return self.kv_event(event)
+
         return api
 
 
@@ -249,6 +279,10 @@ class EmbeddedWatcher(Watcher):
 
     def workers(self) -> dict[str, WorkerRecord]:
         return self.registry.workers()
+
+    def subscribe_kv_events(self, handler: KVEventHandler) -> None:
+        """The KV cache events workers post to the registry (:mod:`.kvcache`)."""
+        self.registry.subscribe_kv_events(handler)
 
     async def close(self) -> None:
         if self._manage_sweep:

@@ -22,6 +22,15 @@ tokens the prefill worker computed (``pdserve_prefix_cache_query_tokens_total`` 
 cache off there are no lookups and every prompt token is computed) and the hit rate; then
 cache-on / cache-off TTFT p50 on turns 2+ against the issue's target (at most 0.3x).
 
+``--compare routing`` (issue 10 part 4, KV-aware routing) runs the same workload on two stacks
+of router + ``--prefill-workers`` (default 2) prefill workers + 1 decode worker, both with the
+prefix cache on: KV-aware routing (``--router-kv-overlap-weight 1``) against least-loaded
+routing (``--router-kv-overlap-weight 0``), and reports the prefill workers' hit rate (summed
+over them) and TTFT of each, with the KV-aware / least-loaded ratios against the targets (hit
+rate at least 2x, TTFT p50 lower). ``--distinct-system-prompts`` gives every conversation a
+system prompt of its own (rotated rules: no prefix shared between conversations), the case in
+which where a conversation's turns land decides what is cached.
+
 Benchmark code only: the router and the workers never import it.
 """
 
@@ -47,6 +56,33 @@ if TYPE_CHECKING:
 
 TARGET_RATIO = 0.3
 """Issue 10: TTFT p50 on turns 2+ with the cache on, at most this times the cache-off run."""
+TARGET_HIT_RATIO = 2.0
+"""Issue 10 part 4: prefill hit rate with KV-aware routing, at least this times least-loaded."""
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One stack to measure: router + ``prefill_workers`` prefill + 1 decode worker, the prefix
+    cache on or off, extra router flags."""
+
+    label: str
+    tag: str
+    prefix_caching: bool = True
+    prefill_workers: int = 1
+    router_args: tuple[str, ...] = ()
+
+
+CACHE_ARMS = (Arm("cache on", "on"), Arm("cache off", "off", prefix_caching=False))
+
+
+def routing_arms(prefill_workers: int) -> tuple[Arm, Arm]:
+    """KV-aware against least-loaded routing, ``prefill_workers`` prefill workers each."""
+    weight = "--router-kv-overlap-weight"
+    return (
+        Arm("kv-aware", "kv", prefill_workers=prefill_workers, router_args=(weight, "1")),
+        Arm("least-load", "ll", prefill_workers=prefill_workers, router_args=(weight, "0")),
+    )
+
 
 _SYSTEM_SENTENCES = (
     "You are a careful, friendly assistant for the staff of a mid-sized engineering company.",
@@ -128,17 +164,30 @@ class Workload:
     system: str
     users: tuple[tuple[str, ...], ...]
     seed: int
+    systems: tuple[str, ...] = ()
+    """Per conversation, its own system prompt ("" or missing: :attr:`system`)."""
+
+    def system_of(self, conversation: int) -> str:
+        """The system prompt of ``conversation``."""
+        own = self.systems[conversation] if conversation < len(self.systems) else ""
+        return own or self.system
 
 
 def make_workload(conversations: int, turns: int, system_tokens: int, seed: int = 0,
-                  count: Callable[[str], int] = approx_tokens) -> Workload:  # fmt: skip
+                  count: Callable[[str], int] = approx_tokens,
+                  distinct: bool = False) -> Workload:  # fmt: skip
     """``conversations`` x ``turns`` user messages and a system prompt of about
-    ``system_tokens`` tokens (by ``count``); the same for the same arguments."""
+    ``system_tokens`` tokens (by ``count``); the same for the same arguments. ``distinct``:
+    conversation ``c`` gets its own system prompt (rules rotated by ``c + 1``)."""
     users = []
     for c in range(conversations):
         rng = random.Random(f"{seed}:{c}")
         users.append(tuple(user_message(rng, t) for t in range(turns)))
-    return Workload(system_prompt(system_tokens, count), tuple(users), seed)
+    systems = tuple(
+        system_prompt(system_tokens, count, start=c + 1) if distinct else ""
+        for c in range(conversations)
+    )
+    return Workload(system_prompt(system_tokens, count), tuple(users), seed, systems)
 
 
 def turn_messages(
@@ -190,7 +239,7 @@ async def run_workload(client: httpx.AsyncClient, url: str, model: str, wl: Work
             replies: list[str] = []
             for t in range(len(wl.users[c])):
                 body = chat_request(
-                    model, turn_messages(wl.system, wl.users[c], replies), max_tokens
+                    model, turn_messages(wl.system_of(c), wl.users[c], replies), max_tokens
                 )
                 res = await stream_openai(client, url, body)
                 out.append(Turn(c, t, res))
@@ -253,6 +302,7 @@ def summarize_arm(label: str, turns: Sequence[Turn], wall_s: float, prefill: dic
         "wall_s": wall_s,
         "ttft_turn1_ms": _pcts([t.result.ttft_s or 0.0 for t in ok if t.turn == 0]),
         "ttft_later_ms": _pcts([t.result.ttft_s or 0.0 for t in ok if t.turn > 0]),
+        "ttft_all_ms": _pcts([t.result.ttft_s or 0.0 for t in ok]),
         "prompt_tokens": prompt,
         "output_tokens": sum(t.result.output_tokens for t in ok),
         "prefix_cache_queries": queries,
@@ -286,7 +336,7 @@ async def _measure(args: argparse.Namespace, router: str, workers: Sequence[str]
         headers=headers,
     ) as client:
         # Warm-up: a short prompt, then a long one that shares no prefix with the workload.
-        long_warm = system_prompt(args.system_tokens, start=len(_SYSTEM_SENTENCES) // 2)
+        long_warm = "Warm-up. " + system_prompt(args.system_tokens, start=len(_SYSTEM_SENTENCES))
         for text in ("Say hello in five words.", long_warm):
             body = chat_request(model, [{"role": "user", "content": text}], args.max_tokens)
             w = await stream_openai(client, url, body)
@@ -304,49 +354,63 @@ async def _measure(args: argparse.Namespace, router: str, workers: Sequence[str]
 
 
 def run_arm(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path, wl: Workload,
-            prefix_caching: bool, logs: Path) -> dict[str, Any]:  # fmt: skip
-    """Start router + 1 prefill + 1 decode with the prefix cache on or off, run ``wl``, stop the
-    stack; returns :func:`summarize_arm`'s dict. Secrets live in a private temporary folder."""
+            spec: Arm, logs: Path) -> dict[str, Any]:  # fmt: skip
+    """Start router + ``spec.prefill_workers`` prefill + 1 decode (the prefix cache on or off,
+    ``spec.router_args``), run ``wl``, stop the stack; returns :func:`summarize_arm`'s dict
+    (prefill metrics summed over the prefill workers). Secrets live in a private temporary
+    folder."""
     from pdserve.launcher import child_env
     from pdserve.security import load_api_keys
     from pdserve.supervisor import ProcessSupervisor
     from pdserve.tools.bench import _GRACE_S, _READY_TIMEOUT_S, _free_port, _spec, _stack_config
 
-    label = "cache on" if prefix_caching else "cache off"
-    tag = "on" if prefix_caching else "off"
-    arm_cfg = cfg.model_copy(
-        update={"kv_cache": cfg.kv_cache.model_copy(update={"prefix_caching": prefix_caching})}
-    )
+    label, tag, n = spec.label, spec.tag, spec.prefill_workers
+    caching = {"prefix_caching": spec.prefix_caching}
+    arm_cfg = cfg.model_copy(update={"kv_cache": cfg.kv_cache.model_copy(update=caching)})
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-secrets-") as secrets:
         file = logs / f"stack-{tag}.yaml"
-        workers = {"prefill": 1, "decode": 1}
+        workers = {"prefill": n, "decode": 1}
         child = _stack_config(arm_cfg, model_path, workers, file, Path(secrets))
         keys = load_api_keys(child.security)
         headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
         env = child_env()
-        port, pport, dport = _free_port(), _free_port(), _free_port()
-        router, prefill = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{pport}"
-        decode = f"http://127.0.0.1:{dport}"
+        port = _free_port()
+        router = f"http://127.0.0.1:{port}"
+        procs = [(f"prefill-{i}", "prefill", _free_port()) for i in range(n)]
+        procs.append(("decode-0", "decode", _free_port()))
         config = ["--config", str(file)]
-        flag = "--prefix-caching" if prefix_caching else "--no-prefix-caching"
-        print(f"{label}: router + 1 prefill + 1 decode, {flag}, logs in {logs}", flush=True)
+        flag = "--prefix-caching" if spec.prefix_caching else "--no-prefix-caching"
+        print(f"{label}: router {' '.join(spec.router_args)} + {n} prefill + 1 decode, {flag}, "
+              f"logs in {logs}", flush=True)  # fmt: skip
         with ProcessSupervisor(grace_s=_GRACE_S) as stack:
             argv = ["router", *config, "--port", str(port), "--local-prefill-max-tokens", "0"]
-            stack.spawn(_spec("router", argv, logs / f"router-{tag}.log", 0, env))
-            for role, p in (("prefill", pport), ("decode", dport)):
-                argv = [role, *config, "--discovery", router, "--port", str(p)]
-                stack.spawn(_spec(role, argv, logs / f"{role}-{tag}.log", 1, env))
+            stack.spawn(
+                _spec("router", [*argv, *spec.router_args], logs / f"router-{tag}.log", 0, env)
+            )
+            for name, role, p in procs:
+                argv = [role, *config, "--discovery", router, "--port", str(p), "--worker-id", name]
+                stack.spawn(_spec(name, argv, logs / f"{name}-{tag}.log", 1, env))
             stack.wait_ready(
                 router,
                 timeout_s=_READY_TIMEOUT_S,
                 what=f"the {label} stack",
-                accept=lambda r: bool(r.json()["prefill"]) and bool(r.json()["decode"]),
+                accept=lambda r: len(r.json()["prefill"]) >= n and bool(r.json()["decode"]),
             )
             model = str(child.model.served_name)
-            turns, wall, (rdelta, pdelta, ddelta) = asyncio.run(
-                _measure(args, router, (prefill, decode), model, headers, wl)
+            urls = [f"http://127.0.0.1:{p}" for _, _, p in procs]
+            turns, wall, (rdelta, *pdeltas, ddelta) = asyncio.run(
+                _measure(args, router, urls, model, headers, wl)
             )
+    pdelta = {k: sum(d.get(k, 0.0) for d in pdeltas) for k in pdeltas[0]}
     arm = summarize_arm(label, turns, wall, pdelta, rdelta)
+    arm["prefill_workers"] = n
+    arm["router_args"] = list(spec.router_args)
+    arm["queries_per_prefill_worker"] = [
+        d.get("pdserve_prefix_cache_queries_total", 0.0) for d in pdeltas
+    ]
+    arm["hit_tokens_per_prefill_worker"] = [
+        d.get("pdserve_prefix_cache_hit_tokens_total", 0.0) for d in pdeltas
+    ]
     keep = ("pdserve_prefix_cache_", "pdserve_kv_transfer_bytes", "pdserve_kv_transfer_seconds_")
     arm["decode_metrics"] = {
         k: v
@@ -368,16 +432,25 @@ def format_arm(arm: dict[str, Any]) -> str:
     return line + (f"; first error: {arm['first_error']}" if arm["first_error"] else "")
 
 
-def format_table(arms: Sequence[dict[str, Any]]) -> str:
-    """The comparison table (milliseconds, tokens) and the turns-2+ TTFT p50 ratio."""
+def format_table(arms: Sequence[dict[str, Any]], compare: str = "cache") -> str:
+    """The comparison table (milliseconds, tokens) and the ratios against the targets: the
+    turns-2+ TTFT p50 ratio (``compare`` "cache"), or the hit rate and TTFT ratios of
+    KV-aware over least-loaded routing ("routing")."""
     head = (f"{'arm':<10} {'turn1 p50':>9} {'turn1 p90':>9} {'2+ p50':>8} {'2+ p90':>8} "
-            f"{'prompt tok':>10} {'prefilled':>9} {'hit rate':>8}   (TTFT ms)")  # fmt: skip
+            f"{'all p50':>8} {'all p90':>8} {'prompt tok':>10} {'prefilled':>9} {'hit rate':>8}"
+            "   (TTFT ms)")  # fmt: skip
     lines = [head]
     for a in arms:
         t1, t2 = a["ttft_turn1_ms"], a["ttft_later_ms"]
+        al = a.get("ttft_all_ms", {"p50": None, "p90": None})
         lines.append(f"{a['label']:<10} {_ms(t1['p50']):>9} {_ms(t1['p90']):>9} {_ms(t2['p50'])} "
-                     f"{_ms(t2['p90'])} {a['prompt_tokens']:>10} "
+                     f"{_ms(t2['p90'])} {_ms(al['p50'])} {_ms(al['p90'])} "
+                     f"{a['prompt_tokens']:>10} "
                      f"{a['prefill_computed_tokens']:>9.0f} {a['hit_rate']:>8.1%}")  # fmt: skip
+    if compare == "routing":
+        lines += [f"{k}: {v:.2f}x" if v is not None else f"{k}: -"
+                  for k, v in routing_ratios(arms).items()]  # fmt: skip
+        return "\n".join(lines)
     r = ratio(arms)
     if r is not None:
         verdict = "met" if r <= TARGET_RATIO else f"missed by {r / TARGET_RATIO - 1:.0%}"
@@ -392,6 +465,25 @@ def ratio(arms: Sequence[dict[str, Any]]) -> float | None:
         return None
     on, off = arms[0]["ttft_later_ms"]["p50"], arms[1]["ttft_later_ms"]["p50"]
     return float(on / off) if on and off else None
+
+
+def routing_ratios(arms: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+    """KV-aware over least-loaded (arms in that order): prefill hit rate (target >= 2x) and
+    TTFT p50 / p90 over all turns and on turns 2+ (target p50 < 1x); None without data."""
+    if len(arms) < 2:
+        return {}
+    kv, ll = arms
+    out: dict[str, float | None] = {
+        f"hit rate kv-aware / least-load (target >= {TARGET_HIT_RATIO}x)": (
+            kv["hit_rate"] / ll["hit_rate"] if ll["hit_rate"] else None
+        )
+    }
+    for key, name in (("ttft_all_ms", "all turns"), ("ttft_later_ms", "turns 2+")):
+        for q in ("p50", "p90"):
+            a, b = kv[key][q], ll[key][q]
+            target = " (target < 1x)" if q == "p50" and key == "ttft_all_ms" else ""
+            out[f"TTFT {q} {name} kv-aware / least-load{target}"] = a / b if a and b else None
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -421,6 +513,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--request-timeout-s", type=float, default=600.0, help="per-request timeout, seconds"
     )
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    p.add_argument(
+        "--compare", choices=("cache", "routing"), default="cache",
+        help="cache: prefix cache on vs off (1 prefill worker); routing: KV-aware vs "
+        "least-loaded routing (--prefill-workers prefill workers, cache on) (default: cache)",
+    )  # fmt: skip
+    p.add_argument(
+        "--prefill-workers", type=int, default=2,
+        help="prefill workers of each stack with --compare routing (default: 2)",
+    )  # fmt: skip
+    p.add_argument(
+        "--distinct-system-prompts", action="store_true",
+        help="every conversation gets a system prompt of its own (no prefix shared between "
+        "conversations)",
+    )  # fmt: skip
     return p
 
 
@@ -444,17 +550,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg, _ = load_config(None)
     model_path = resolve_model(args.model, cache_dir=cfg.model.cache_dir)
     wl = make_workload(
-        args.conversations, args.turns, args.system_tokens, args.seed, _counter(model_path)
-    )
+        args.conversations, args.turns, args.system_tokens, args.seed, _counter(model_path),
+        distinct=args.distinct_system_prompts,
+    )  # fmt: skip
+    specs = CACHE_ARMS if args.compare == "cache" else routing_arms(args.prefill_workers)
     logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-multiturn-"))
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     print(f"bench multiturn: {args.conversations} conversations x {args.turns} turns, "
           f"{args.system_tokens}-token system prompt, concurrency {args.concurrency}, "
           f"max_tokens {args.max_tokens}, seed {args.seed}, {os.cpu_count()} cores; "
-          "router --local-prefill-max-tokens 0 (every turn through the prefill worker)",
+          "router --local-prefill-max-tokens 0 (every turn through a prefill worker); "
+          f"compare {args.compare}"
+          f"{', distinct system prompts' if args.distinct_system_prompts else ''}",
           flush=True)  # fmt: skip
-    arms = [run_arm(args, cfg, model_path, wl, on, logs) for on in (True, False)]
-    print(format_table(arms))
+    arms = [run_arm(args, cfg, model_path, wl, spec, logs) for spec in specs]
+    print(format_table(arms, args.compare))
     if args.json:
         report = {
             "tool": "python -m pdserve.tools.bench_multiturn",
@@ -465,10 +575,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             "workload": {k: getattr(args, k) for k in ("conversations", "turns", "system_tokens",
                                                        "concurrency", "max_tokens", "seed")},
             "local_prefill_max_tokens": 0,
+            "compare": args.compare,
+            "distinct_system_prompts": args.distinct_system_prompts,
             "arms": arms,
-            "ttft_p50_later_ratio": ratio(arms),
-            "target_ratio": TARGET_RATIO,
         }  # fmt: skip
+        if args.compare == "routing":
+            report["ratios"] = routing_ratios(arms)
+        else:
+            report["ttft_p50_later_ratio"] = ratio(arms)
+            report["target_ratio"] = TARGET_RATIO
         write_json(Path(args.json), report)
         print(f"wrote {args.json}")
     print(f"logs: {logs}")

@@ -371,3 +371,13 @@ async def test_a_failed_pull_that_may_still_land_is_quarantined_then_freed() -> 
 
 async def _until(cond, timeout: float = 2.0) -> None:  # type: ignore[no-untyped-def]
     await wait_until(cond, timeout, interval_s=0.01)
+
+
+async def test_a_callers_deadline_is_capped_by_the_workers_own_maximum() -> None:
+    from pdserve.workers.roles import capped
+
+    far = ContextRequest.model_validate({**context_body(), "deadline": time.time() + 10**9})
+    cut = capped(far, 60.0)
+    assert cut.deadline <= time.time() + 60.0 and cut.request_id == far.request_id
+    near = ContextRequest.model_validate(context_body())  # 20 s: within the cap, kept as sent
+    assert capped(near, 60.0) is near

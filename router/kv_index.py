@@ -1,0 +1,211 @@
+"""The router's index of the KV blocks each worker holds, fed by the workers' KV cache events.
+
+Design origin: Dynamo's KV router (its ``KvIndexer`` applies the workers' ``stored`` /
+``removed`` events and answers "how many leading blocks of this prompt does each worker hold").
+Here the index is a set of block hashes per worker incarnation; a prompt's hashes are computed
+the way each worker computes them (:class:`pdserve.workers.prefix_cache.BlockHasher`, seeded
+by the worker's ``KVLayout.model``, ``dtype`` and ``tokens_per_block``), so a match is exact.
+
+Per worker id the index keeps ``(epoch, last seq, synced, hashes)``. :meth:`KVIndex.apply`
+takes one :class:`~pdserve.discovery.kvcache.KVCacheEvent`:
+
+- an older epoch than the entry's: dropped (``stale``);
+- a newer epoch (the worker restarted) or an unknown worker: a fresh, *unsynced* entry;
+- ``seq`` not above the last one: dropped (``stale``: a duplicate or reordered message);
+- ``seq`` not the next one and no ``reset``: a ``gap`` (a lost message): the entry is cleared
+  and unsynced;
+- ``reset``: the set is cleared and the entry is synced (a snapshot starts);
+- otherwise, on a synced entry: ``removed`` then ``stored`` are applied (``applied``); on an
+  unsynced one nothing is (``unsynced``).
+
+It returns whether a snapshot of that worker is wanted (the entry is unsynced), which the
+transport passes on. Conservative: an unsynced worker counts as holding nothing until its next
+snapshot, so a lost message can cost a cache miss, never a wrong answer (a worker recomputes
+what it does not hold). :meth:`KVIndex.forget` drops a worker that left discovery.
+
+:func:`expected_cached_tokens` answers, per candidate worker, how many leading prompt tokens it
+is expected to hold: matched leading blocks x tokens per block, at most the last full block
+strictly below the prompt's length (the worker always computes one token, as its scheduler
+does). Prompt hashes are computed once per distinct (model, dtype, tokens per block).
+
+Thread-safety: none; the router's event loop only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from pdserve.discovery.kvcache import KVCacheEvent
+from pdserve.protocol import KVLayout, WorkerRecord
+from pdserve.workers.prefix_cache import BlockHasher
+
+log = logging.getLogger(__name__)
+
+MAX_WORKERS = 4096
+"""Most worker entries the index keeps (ids come from whoever can publish events)."""
+
+OUTCOMES = ("applied", "gap", "stale", "unsynced", "malformed")
+"""Outcomes of :meth:`KVIndex.apply`, the ``outcome`` label of
+``pdserve_router_kv_events_total``."""
+
+
+@dataclass
+class _Entry:
+    epoch: int
+    seq: int = -1
+    synced: bool = False
+    hashes: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class KVIndexStats:
+    """A snapshot for metrics: event outcomes since start, workers and synced workers now,
+    block hashes held over all workers."""
+
+    outcomes: dict[str, int]
+    workers: int
+    synced: int
+    blocks: int
+
+
+class KVIndex:
+    """Block hashes per worker incarnation (see the module docstring)."""
+
+    def __init__(self, max_workers: int = MAX_WORKERS) -> None:
+        self.max_workers = max_workers
+        self._entries: dict[str, _Entry] = {}
+        self.outcomes: Counter[str] = Counter()
+
+    def apply(self, event: KVCacheEvent) -> bool:
+        """Apply one event; return whether a snapshot of its worker is wanted."""
+        outcome = self._apply(event)
+        self.outcomes[outcome] += 1
+        if outcome in ("gap", "malformed"):
+            log.debug("KV events of %s: %s at seq %d", event.worker_id, outcome, event.seq)
+        entry = self._entries.get(event.worker_id)
+        return entry is not None and not entry.synced
+
+    def _apply(self, event: KVCacheEvent) -> str:
+        entry = self._entries.get(event.worker_id)
+        if entry is not None and event.epoch < entry.epoch:
+            return "stale"
+        if entry is None or event.epoch > entry.epoch:
+            if entry is None and len(self._entries) >= self.max_workers:
+                return "stale"  # full: ids beyond the bound are not tracked
+            entry = self._entries[event.worker_id] = _Entry(event.epoch)
+        elif event.seq <= entry.seq:
+            return "stale"
+        gap = entry.seq >= 0 and event.seq != entry.seq + 1
+        entry.seq = event.seq
+        try:
+            stored, removed = event.stored_hashes(), event.removed_hashes()
+        except ValueError:
+            entry.synced = False
+            entry.hashes.clear()
+            return "malformed"
+        if event.reset:
+            entry.hashes = set()
+            entry.synced = True
+        elif gap:
+            entry.synced = False
+            entry.hashes.clear()
+            return "gap"
+        if not entry.synced:
+            return "unsynced"
+        entry.hashes.difference_update(removed)
+        entry.hashes.update(stored)
+        return "applied"
+
+    def forget(self, worker_id: str) -> None:
+        """Drop ``worker_id`` (it left discovery); no-op when unknown."""
+        self._entries.pop(worker_id, None)
+
+    def synced(self, worker_id: str, epoch: int) -> bool:
+        """Whether the index holds a usable view of this worker incarnation."""
+        entry = self._entries.get(worker_id)
+        return entry is not None and entry.epoch == epoch and entry.synced
+
+    def overlap(self, worker_id: str, epoch: int, hashes: Sequence[int]) -> int:
+        """Leading blocks of ``hashes`` (a prompt's chained block hashes, in order) that this
+        worker incarnation holds; stops at the first missing one (a chained hash names the
+        whole prefix). 0 for an unknown, other-epoch or unsynced worker."""
+        entry = self._entries.get(worker_id)
+        if entry is None or entry.epoch != epoch or not entry.synced:
+            return 0
+        held = entry.hashes
+        n = 0
+        for h in hashes:
+            if h not in held:
+                break
+            n += 1
+        return n
+
+    def stats(self) -> KVIndexStats:
+        """Counters and sizes for ``/metrics``."""
+        return KVIndexStats(
+            outcomes={o: self.outcomes[o] for o in OUTCOMES},
+            workers=len(self._entries),
+            synced=sum(e.synced for e in self._entries.values()),
+            blocks=sum(len(e.hashes) for e in self._entries.values()),
+        )
+
+
+class PromptHashes:
+    """One prompt's block hashes per KV layout, computed once per distinct (model, dtype,
+    tokens per block) and only up to the blocks a worker could reuse (all but the last
+    token)."""
+
+    def __init__(self, token_ids: Sequence[int]) -> None:
+        self.token_ids = list(token_ids)
+        self._by_layout: dict[tuple[str, str, int], list[int]] = {}
+
+    def for_layout(self, layout: KVLayout) -> list[int]:
+        """Hashes of the full blocks before the prompt's last token, under ``layout``."""
+        key = (layout.model, layout.dtype, layout.tokens_per_block)
+        hashes = self._by_layout.get(key)
+        if hashes is None:
+            tpb = layout.tokens_per_block
+            usable = max(len(self.token_ids) - 1, 0) // tpb * tpb
+            hasher = BlockHasher(layout.model, layout.dtype, tpb)
+            hashes = self._by_layout[key] = hasher.hash_tokens(self.token_ids[:usable])
+        return hashes
+
+
+def follow_kv_events(watcher: object) -> KVIndex | None:
+    """A :class:`KVIndex` fed by ``watcher``'s KV cache events (its ``subscribe_kv_events``:
+    the embedded, etcd and NATS watchers have one) that forgets a worker when its record is
+    deleted (``subscribe``); None for a watcher without KV events (then routing is
+    least-loaded)."""
+    feed = getattr(watcher, "subscribe_kv_events", None)
+    if feed is None:
+        return None
+    index = KVIndex()
+    feed(index.apply)
+
+    def on_record(worker_id: str, record: WorkerRecord | None) -> None:
+        if record is None:
+            index.forget(worker_id)
+
+    subscribe = getattr(watcher, "subscribe", None)
+    if subscribe is not None:
+        subscribe(on_record)
+    return index
+
+
+def expected_cached_tokens(
+    index: KVIndex, workers: Iterable[WorkerRecord], prompt: PromptHashes
+) -> dict[str, int]:
+    """Per worker id, the leading prompt tokens the worker is expected to hold cached (a
+    multiple of its tokens per block, below the prompt's length); workers the index has no
+    synced view of get 0."""
+    out: dict[str, int] = {}
+    for record in workers:
+        if not index.synced(record.worker_id, record.epoch):
+            out[record.worker_id] = 0
+            continue
+        blocks = index.overlap(record.worker_id, record.epoch, prompt.for_layout(record.layout))
+        out[record.worker_id] = blocks * record.layout.tokens_per_block
+    return out

@@ -1,0 +1,276 @@
+"""KV cache events, worker side (workers/kv_events.py): what the publisher sends makes the
+router's index equal the worker's prefix index, across evictions, lost sends, overflow,
+snapshot requests and large snapshots; and the embedded registry's event route."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from pdserve.discovery import EmbeddedRegistry
+from pdserve.discovery.kvcache import MAX_HASHES_PER_EVENT, KVCacheEvent, KVEventAck
+from pdserve.router.kv_index import KVIndex
+from pdserve.workers.kv_cache import KVCacheManager
+from pdserve.workers.kv_events import KVEventPublisher, KVEventRecorder
+from pdserve.workers.prefix_cache import BlockHasher
+from tests.fakes import CLUSTER_KEY, INTERNAL_AUTH, layout
+
+TPB = 4
+LAYOUT = layout(tokens_per_block=TPB)
+HASHER = BlockHasher(LAYOUT.model, LAYOUT.dtype, TPB)
+
+
+class Transport:
+    """Delivers events to a router-side index; ``drop`` loses the next sends, ``ask`` makes
+    the next ack ask for a snapshot."""
+
+    def __init__(self, index: KVIndex) -> None:
+        self.index = index
+        self.events: list[KVCacheEvent] = []
+        self.drop = 0
+        self.ask = False
+
+    async def __call__(self, event: KVCacheEvent) -> KVEventAck | None:
+        if self.drop:
+            self.drop -= 1
+            return None
+        self.events.append(event)
+        wanted = self.index.apply(event)
+        ask, self.ask = self.ask, False
+        return KVEventAck(snapshot=wanted or ask)
+
+
+def setup(num_blocks: int = 8, **kw: object) -> tuple[KVCacheManager, KVEventPublisher, Transport]:
+    cache = KVCacheManager(LAYOUT, num_blocks)
+    recorder = KVEventRecorder(**kw)  # type: ignore[arg-type]
+    cache.add_listener(recorder)
+    transport = Transport(KVIndex())
+    publisher = KVEventPublisher(
+        worker_id="p0",
+        epoch=1,
+        recorder=recorder,
+        cached_hashes=cache.cached_hashes,
+        send=transport,
+        snapshot_s=3600.0,
+    )
+    return cache, publisher, transport
+
+
+def compute(cache: KVCacheManager, rid: str, tokens: list[int]) -> list[int]:
+    """Run a request's KV through the manager as the engine does: allocate, index, free."""
+    hashes = HASHER.hash_tokens(tokens)
+    cache.allocate(rid, len(tokens))
+    cache.register(rid, hashes, len(tokens))
+    cache.free(rid)
+    return hashes
+
+
+def router_view(transport: Transport) -> set[int]:
+    entry = transport.index._entries["p0"]
+    assert entry.synced
+    return set(entry.hashes)
+
+
+async def test_the_router_index_follows_stores_and_evictions() -> None:
+    cache, publisher, transport = setup(num_blocks=6)
+    assert await publisher.flush()  # the first flush: an empty snapshot
+    assert transport.events[0].reset and router_view(transport) == set()
+    first = compute(cache, "a", list(range(4 * TPB)))  # 4 blocks cached (evictable)
+    await publisher.flush()
+    assert router_view(transport) == set(first) == set(cache.cached_hashes())
+    second = compute(cache, "b", list(range(1000, 1000 + 4 * TPB)))  # evicts 2 of the first
+    await publisher.flush()
+    assert router_view(transport) == set(cache.cached_hashes())
+    assert len(router_view(transport) & set(first)) == 2 and set(second) <= router_view(transport)
+    assert [e.seq for e in transport.events] == list(range(len(transport.events)))
+
+
+async def test_no_change_sends_nothing() -> None:
+    cache, publisher, transport = setup()
+    await publisher.flush()
+    await publisher.flush()
+    assert len(transport.events) == 1
+
+
+async def test_a_lost_send_is_healed_by_a_snapshot_on_the_next_flush() -> None:
+    cache, publisher, transport = setup()
+    await publisher.flush()
+    compute(cache, "a", list(range(2 * TPB)))
+    transport.drop = 1
+    assert not await publisher.flush()
+    compute(cache, "b", list(range(500, 500 + 2 * TPB)))
+    assert await publisher.flush()
+    assert transport.events[-2].reset, "the flush after a failure starts with a snapshot"
+    assert router_view(transport) == set(cache.cached_hashes()) and len(cache.cached_hashes()) == 4
+
+
+async def test_a_router_that_lost_events_gets_a_snapshot() -> None:
+    """A gap the publisher cannot see (the transport delivered out of band): the router asks
+    for a snapshot in its ack and is synced again after the next flush."""
+    cache, publisher, transport = setup()
+    await publisher.flush()
+    compute(cache, "a", list(range(2 * TPB)))
+    await publisher.flush()
+    publisher._seq += 1  # a message the router never saw
+    compute(cache, "b", list(range(500, 500 + 2 * TPB)))
+    await publisher.flush()
+    assert not transport.index.synced("p0", 1)
+    await publisher.flush()
+    assert router_view(transport) == set(cache.cached_hashes())
+
+
+async def test_a_snapshot_requested_in_an_ack_is_sent() -> None:
+    cache, publisher, transport = setup()
+    await publisher.flush()
+    compute(cache, "a", list(range(2 * TPB)))
+    transport.ask = True
+    await publisher.flush()
+    before = publisher.snapshots
+    await publisher.flush()
+    assert publisher.snapshots == before + 1 and transport.events[-1].reset
+
+
+async def test_recorder_overflow_falls_back_to_a_snapshot() -> None:
+    cache, publisher, transport = setup(num_blocks=8, max_pending=3)
+    await publisher.flush()
+    compute(cache, "a", list(range(6 * TPB)))  # 6 new hashes > 3 pending
+    await publisher.flush()
+    assert transport.events[-1].reset
+    assert router_view(transport) == set(cache.cached_hashes()) and len(router_view(transport)) == 6
+
+
+async def test_a_large_snapshot_is_split_into_bounded_events() -> None:
+    blocks = MAX_HASHES_PER_EVENT + 10
+    cache, publisher, transport = setup(num_blocks=blocks + 1)
+    compute(cache, "a", list(range(blocks * TPB)))
+    await publisher.flush()
+    assert [e.reset for e in transport.events] == [True, False]
+    assert all(len(e.stored) + len(e.removed) <= MAX_HASHES_PER_EVENT for e in transport.events)
+    assert (
+        router_view(transport) == set(cache.cached_hashes())
+        and len(router_view(transport)) == blocks
+    )
+
+
+async def test_the_periodic_snapshot_comes_when_due() -> None:
+    now = [0.0]
+    cache = KVCacheManager(LAYOUT, 8)
+    recorder = KVEventRecorder()
+    cache.add_listener(recorder)
+    transport = Transport(KVIndex())
+    publisher = KVEventPublisher(
+        worker_id="p0", epoch=1, recorder=recorder, cached_hashes=cache.cached_hashes,
+        send=transport, snapshot_s=10.0, clock=lambda: now[0],
+    )  # fmt: skip
+    await publisher.flush()
+    now[0] = 9.0
+    await publisher.flush()
+    assert publisher.snapshots == 1
+    now[0] = 10.5
+    await publisher.flush()
+    assert publisher.snapshots == 2 and transport.events[-1].reset
+
+
+# -- the embedded registry's route ------------------------------------------------------------
+
+
+@pytest.fixture
+async def registry_client() -> httpx.AsyncClient:
+    import fastapi
+
+    registry = EmbeddedRegistry(ttl_s=10.0, key=CLUSTER_KEY)
+    index = KVIndex()
+    registry.subscribe_kv_events(index.apply)
+    app = fastapi.FastAPI()
+    from pdserve.server.errors import install_error_handlers
+
+    install_error_handlers(app)
+    app.include_router(registry.api_router())
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
+    client.index = index  # type: ignore[attr-defined]
+    return client
+
+
+def body(seq: int, reset: bool = False, worker_id: str = "p0") -> str:
+    return KVCacheEvent(worker_id=worker_id, epoch=1, seq=seq, sent_at=0.0, reset=reset,
+                        stored=("0" * 32,)).model_dump_json()  # fmt: skip
+
+
+async def test_the_registry_route_needs_the_cluster_token(
+    registry_client: httpx.AsyncClient,
+) -> None:
+    resp = await registry_client.post(
+        "/registry/kvcache/p0",
+        content=body(0, reset=True),
+        headers={"content-type": "application/json"},
+    )
+    assert resp.status_code == 401
+    assert registry_client.index.stats().workers == 0  # type: ignore[attr-defined]
+
+
+async def test_the_registry_route_feeds_the_index_and_asks_for_a_snapshot(
+    registry_client: httpx.AsyncClient,
+) -> None:
+    headers = {**INTERNAL_AUTH, "content-type": "application/json"}
+
+    async def post(path: str, content: str) -> httpx.Response:
+        return await registry_client.post(path, content=content, headers=headers)
+
+    resp = await post("/registry/kvcache/p0", body(3))
+    assert resp.status_code == 200 and resp.json() == {"snapshot": True}  # joined late
+    resp = await post("/registry/kvcache/p0", body(4, reset=True))
+    assert resp.json() == {"snapshot": False}
+    assert registry_client.index.synced("p0", 1)  # type: ignore[attr-defined]
+    resp = await post("/registry/kvcache/p1", body(5))
+    assert resp.status_code == 400  # path and event name different workers
+
+
+# -- lifecycle ---------------------------------------------------------------------------------
+
+
+class SendingRegistration:
+    """A registration whose transport records what it is sent."""
+
+    def __init__(self) -> None:
+        self.events: list[KVCacheEvent] = []
+
+    async def send_kv_event(self, event: KVCacheEvent) -> KVEventAck | None:
+        self.events.append(event)
+        return KVEventAck()
+
+
+@pytest.mark.parametrize(
+    ("kv_events", "prefix_caching", "registration", "publishes"),
+    [
+        (True, True, SendingRegistration(), True),
+        (False, True, SendingRegistration(), False),  # --no-kv-events
+        (True, False, SendingRegistration(), False),  # --no-prefix-caching
+        (True, True, object(), False),  # a registration without KV events
+    ],
+)
+async def test_open_kv_events_publishes_only_when_everything_is_on(
+    kv_events: bool, prefix_caching: bool, registration: object, publishes: bool
+) -> None:
+    from contextlib import AsyncExitStack
+
+    from pdserve.settings import DiscoverySettings
+    from pdserve.workers.kv_events import open_kv_events
+    from tests.fixtures.servers import wait_until
+
+    cache = KVCacheManager(LAYOUT, 8, prefix_caching=prefix_caching)
+    settings = DiscoverySettings(kv_events=kv_events, kv_events_interval_s=0.01)
+    async with AsyncExitStack() as stack:
+        publisher = await open_kv_events(
+            kv_cache=cache, registration=registration, worker_id="p0", epoch=1,
+            settings=settings, stack=stack,
+        )  # fmt: skip
+        assert (publisher is not None) is publishes
+        if publisher is None:
+            return
+        compute(cache, "a", list(range(2 * TPB)))
+        sent = registration.events  # type: ignore[attr-defined]
+        await wait_until(lambda: sum(len(e.stored) for e in sent) >= 2, 5, what="2 stored")
+        assert sent[0].reset
+    count = len(sent)
+    compute(cache, "b", list(range(100, 100 + 2 * TPB)))  # after close: nothing recorded
+    assert publisher.recorder.drain() == ({}, False) and len(sent) == count

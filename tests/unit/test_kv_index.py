@@ -1,0 +1,158 @@
+"""The router's KV index (router/kv_index.py): applying KV cache events in order, gaps,
+epochs, snapshots, eviction, and the expected cached prefix of a prompt per worker."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.discovery.kvcache import KVCacheEvent, encode_hash
+from pdserve.router.kv_index import KVIndex, PromptHashes, expected_cached_tokens
+from pdserve.workers.kv_cache import KVCacheManager
+from pdserve.workers.prefix_cache import BlockHasher
+from tests.fakes import layout, record
+
+TPB = 16
+LAYOUT = layout(tokens_per_block=TPB)
+HASHER = BlockHasher(LAYOUT.model, LAYOUT.dtype, TPB)
+PROMPT = list(range(100, 100 + 5 * TPB + 3))  # 5 full blocks + 3 tokens
+HASHES = HASHER.hash_tokens(PROMPT)
+
+
+def event(
+    seq: int,
+    *,
+    stored: list[int] = (),  # type: ignore[assignment]
+    removed: list[int] = (),  # type: ignore[assignment]
+    reset: bool = False,
+    epoch: int = 7,
+    worker_id: str = "p0",
+) -> KVCacheEvent:
+    return KVCacheEvent(
+        worker_id=worker_id,
+        epoch=epoch,
+        seq=seq,
+        sent_at=0.0,
+        reset=reset,
+        stored=tuple(encode_hash(h) for h in stored),
+        removed=tuple(encode_hash(h) for h in removed),
+    )
+
+
+def synced_index(*hashes: int) -> KVIndex:
+    index = KVIndex()
+    assert index.apply(event(0, reset=True, stored=list(hashes))) is False
+    return index
+
+
+def test_a_snapshot_then_changes_give_the_leading_overlap() -> None:
+    index = synced_index(*HASHES[:3])
+    assert index.overlap("p0", 7, HASHES) == 3
+    index.apply(event(1, stored=[HASHES[3]]))
+    assert index.overlap("p0", 7, HASHES) == 4
+    index.apply(event(2, removed=[HASHES[1]]))  # evicted: the chain breaks at block 1
+    assert index.overlap("p0", 7, HASHES) == 1
+    assert index.stats().outcomes["applied"] == 3
+
+
+def test_the_overlap_stops_at_the_first_missing_block() -> None:
+    index = synced_index(HASHES[0], HASHES[2], HASHES[3])
+    assert index.overlap("p0", 7, HASHES) == 1
+
+
+def test_events_before_the_first_snapshot_are_not_counted_and_ask_for_one() -> None:
+    index = KVIndex()
+    assert index.apply(event(4, stored=HASHES)) is True  # joined late: unsynced
+    assert index.overlap("p0", 7, HASHES) == 0
+    assert index.apply(event(5, reset=True, stored=HASHES[:2])) is False
+    assert index.overlap("p0", 7, HASHES) == 2
+    assert index.stats().outcomes["unsynced"] == 1
+
+
+def test_a_sequence_gap_clears_the_worker_until_its_next_snapshot() -> None:
+    index = synced_index(*HASHES[:2])
+    assert index.apply(event(2, stored=[HASHES[2]])) is True  # seq 1 was lost
+    assert index.overlap("p0", 7, HASHES) == 0
+    assert not index.synced("p0", 7)
+    assert index.apply(event(3, stored=[HASHES[3]])) is True  # still unsynced
+    assert index.overlap("p0", 7, HASHES) == 0
+    index.apply(event(4, reset=True, stored=HASHES[:4]))
+    assert index.overlap("p0", 7, HASHES) == 4
+    assert index.stats().outcomes["gap"] == 1
+
+
+def test_duplicate_and_reordered_events_are_dropped() -> None:
+    index = synced_index(*HASHES[:2])
+    index.apply(event(1, removed=[HASHES[0]]))
+    index.apply(event(1, stored=[HASHES[0]]))  # duplicate seq
+    index.apply(event(0, reset=True, stored=HASHES))  # an old snapshot, late
+    assert index.overlap("p0", 7, HASHES) == 0
+    assert index.stats().outcomes["stale"] == 2
+
+
+def test_a_new_epoch_replaces_the_old_incarnation_and_an_old_epoch_is_ignored() -> None:
+    index = synced_index(*HASHES)
+    assert index.apply(event(0, epoch=8, stored=HASHES)) is True  # restarted: unsynced
+    assert index.overlap("p0", 7, HASHES) == 0
+    assert index.overlap("p0", 8, HASHES) == 0
+    index.apply(event(1, epoch=8, reset=True, stored=HASHES[:1]))
+    assert index.overlap("p0", 8, HASHES) == 1
+    index.apply(event(9, epoch=7, reset=True, stored=HASHES))  # the dead incarnation
+    assert index.overlap("p0", 8, HASHES) == 1
+    assert index.overlap("p0", 7, HASHES) == 0
+
+
+def test_a_forgotten_worker_holds_nothing() -> None:
+    index = synced_index(*HASHES)
+    index.forget("p0")
+    assert index.overlap("p0", 7, HASHES) == 0
+    assert index.stats().workers == 0
+
+
+def test_workers_are_tracked_separately() -> None:
+    index = synced_index(*HASHES[:2])
+    index.apply(event(0, worker_id="p1", reset=True, stored=HASHES))
+    assert index.overlap("p0", 7, HASHES) == 2
+    assert index.overlap("p1", 7, HASHES) == 5
+    stats = index.stats()
+    assert (stats.workers, stats.synced, stats.blocks) == (2, 2, 7)
+
+
+def test_a_malformed_event_is_rejected_at_validation() -> None:
+    with pytest.raises(ValueError, match="32 hex digits"):
+        KVCacheEvent(worker_id="p0", epoch=1, seq=0, sent_at=0.0, stored=("abc",))
+
+
+def test_prompt_hashes_match_what_the_workers_kv_cache_indexes() -> None:
+    """The router hashes a prompt exactly as a worker's KV cache manager does: a prefix the
+    manager matches is the prefix the index reports."""
+    cache = KVCacheManager(LAYOUT, num_blocks=16)
+    cache.allocate("r", len(PROMPT))
+    cache.register("r", HASHES, len(PROMPT))
+    index = synced_index(*cache.cached_hashes())
+    prompt = PromptHashes(PROMPT)
+    worker_matched = cache.match_prefix(HASHES, len(PROMPT))[1]
+    got = expected_cached_tokens(index, [record("p0", "prefill", kv_layout=LAYOUT)], prompt)
+    assert got == {"p0": worker_matched} and worker_matched == 5 * TPB
+
+
+def test_expected_cached_tokens_leave_the_last_token_to_compute() -> None:
+    """A prompt of exactly 5 blocks can reuse 4 of them: one token is always computed."""
+    exact = PROMPT[: 5 * TPB]
+    index = synced_index(*HASHES)
+    got = expected_cached_tokens(index, [record("p0", "prefill")], PromptHashes(exact))
+    assert got == {"p0": 4 * TPB}
+
+
+def test_expected_cached_tokens_per_layout_and_epoch() -> None:
+    """Another block size hashes differently (no match); another epoch counts nothing."""
+    index = synced_index(*HASHES)
+    index.apply(event(0, worker_id="p1", reset=True, stored=HASHES))
+    index.apply(event(0, worker_id="p2", reset=True, stored=HASHES))
+    workers = [
+        record("p0", "prefill"),
+        record("p1", "prefill", kv_layout=layout(tokens_per_block=8)),
+        record("p2", "prefill", epoch=8),
+        record("p3", "prefill"),
+    ]
+    got = expected_cached_tokens(index, workers, PromptHashes(PROMPT))
+    assert got == {"p0": 5 * TPB, "p1": 0, "p2": 0, "p3": 0}
