@@ -44,9 +44,11 @@ from pdserve.workers.roles import WORKER_CLASSES
 from pdserve.workers.service import (
     RegistrationFactory,
     RoleSettings,
+    WatcherFactory,
     WorkerIdentity,
     WorkerService,
     default_registration,
+    default_watcher,
 )
 
 if TYPE_CHECKING:
@@ -67,11 +69,12 @@ def create_worker_app(
     http_url: str,
     engine_factory: EngineFactory | None = None,
     registration_factory: RegistrationFactory | None = None,
+    watcher_factory: WatcherFactory | None = None,
 ) -> FastAPI:
     """Build a worker app for ``cfg``'s role. ``http_url`` is the request-plane base URL other
     processes use to reach this worker (it goes into the discovery record).
-    ``engine_factory`` (default: the real engine) and ``registration_factory`` (default: the
-    discovery URL's backend) let tests run a worker on fakes. The running service is
+    ``engine_factory`` (default: the real engine), ``registration_factory`` and
+    ``watcher_factory`` (default: the discovery URL's backend) let tests run a worker on fakes. The running service is
     ``app.state.worker`` while the lifespan runs. Raises :class:`~pdserve.errors.ConfigError`
     when ``cfg`` is a config without a readable cluster secret."""
     settings = cfg if isinstance(cfg, RoleSettings) else RoleSettings.from_config(cfg)
@@ -87,6 +90,7 @@ def create_worker_app(
                 stack,
                 engine_factory=engine_factory or default_engine_factory,
                 registration_factory=registration_factory or default_registration,
+                watcher_factory=watcher_factory or default_watcher,
             )
             yield
         log.info("%s %s stopped", settings.role, identity.worker_id)

@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from pdserve.metrics import WorkerMetrics
     from pdserve.transfer import Transceiver
     from pdserve.workers.engine_api import WorkerEngine
+    from pdserve.workers.prefill_directory import PrefillDirectory
     from pdserve.workers.requests import EngineOutput
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,9 @@ class DecodeRole:
     ``quarantine_s``: how long a failed pull's blocks are held back (the transfer timeout).
     ``max_queued_requests``: how many requests may wait for free KV blocks at once (more get
     429 at once). ``evicts``: False under ``guaranteed_no_evict`` (a reservation that does not
-    fit now is refused at once: nothing running will free blocks for it).
+    fit now is refused at once: nothing running will free blocks for it). ``prefills``: the
+    prefill workers discovery lists; a handle naming another is refused before any connection
+    (None: handles are not checked against discovery, for tests of the admission logic).
     """
 
     def __init__(
@@ -118,6 +121,7 @@ class DecodeRole:
         metrics: WorkerMetrics | None = None,
         max_queued_requests: int = _DEFAULT_SCHEDULER.max_queued_requests,
         evicts: bool = True,
+        prefills: PrefillDirectory | None = None,
     ) -> None:
         self.engine = engine
         self.transceiver = transceiver
@@ -126,6 +130,7 @@ class DecodeRole:
         self.metrics = metrics
         self.max_queued_requests = max_queued_requests
         self.evicts = evicts
+        self.prefills = prefills
         self.waiting_for_blocks = 0
 
     def _quarantine(self, request_id: str) -> None:
@@ -160,6 +165,8 @@ class DecodeRole:
         check_handle(req, req.handle, self.engine)
         if self.transceiver is None:
             raise HandleError("this worker has no transceiver; it cannot accept a handle")
+        if self.prefills is not None:  # dial only what discovery lists, never a request's address
+            await self.prefills.endpoint(req.handle)
         dst = await self._reserve(req, req.handle)
         moved = len(dst.missing_block_ids)
         try:

@@ -48,8 +48,10 @@ from pdserve.protocol import (
 from pdserve.workers.decode import DecodeRole
 from pdserve.workers.parking import ParkedBlocks
 from pdserve.workers.prefill import PrefillRole
+from pdserve.workers.prefill_directory import PrefillDirectory
 from pdserve.workers.service import (
     RoleSettings,
+    WatcherFactory,
     WorkerIdentity,
     WorkerService,
     service_of,
@@ -136,6 +138,8 @@ class PrefillWorker(_TransferRole):
         identity: WorkerIdentity,
         engine: WorkerEngine,
         stack: AsyncExitStack,
+        *,
+        watcher_factory: WatcherFactory,
     ) -> dict[str, Any]:
         parked = ParkedBlocks(
             epoch=identity.epoch,
@@ -209,11 +213,16 @@ def _add_generate_route(api: APIRouter) -> None:
 
 
 def _decode_role(
-    settings: RoleSettings, engine: WorkerEngine, transceiver: Transceiver | None, metrics: Any
+    settings: RoleSettings,
+    engine: WorkerEngine,
+    transceiver: Transceiver | None,
+    metrics: Any,
+    prefills: PrefillDirectory | None = None,
 ) -> DecodeRole:
     return DecodeRole(
         engine=engine,
         transceiver=transceiver,
+        prefills=prefills,
         quarantine_s=settings.transfer_timeout_s,
         metrics=metrics,
         max_queued_requests=settings.max_queued_requests,
@@ -235,12 +244,13 @@ class DecodeWorker(_TransferRole):
         engine: WorkerEngine,
         registration: Registration,
         transceiver: Transceiver,
+        prefills: PrefillDirectory,
     ) -> None:
         self.transceiver = transceiver
         super().__init__(
             settings=settings, identity=identity, engine=engine, registration=registration
         )
-        self.handler = _decode_role(settings, engine, transceiver, self.metrics)
+        self.handler = _decode_role(settings, engine, transceiver, self.metrics, prefills)
 
     @classmethod
     async def open_parts(
@@ -249,8 +259,14 @@ class DecodeWorker(_TransferRole):
         identity: WorkerIdentity,
         engine: WorkerEngine,
         stack: AsyncExitStack,
+        *,
+        watcher_factory: WatcherFactory,
     ) -> dict[str, Any]:
-        return {"transceiver": await open_transceiver(settings, identity, engine, None, stack)}
+        prefills = PrefillDirectory(watcher_factory(settings))
+        await prefills.start()
+        stack.push_async_callback(prefills.close)
+        transceiver = await open_transceiver(settings, identity, engine, None, stack)
+        return {"transceiver": transceiver, "prefills": prefills}
 
     @classmethod
     def add_role_routes(cls, api: APIRouter) -> None:

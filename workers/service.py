@@ -43,7 +43,7 @@ from pdserve.settings import DiscoverySettings
 
 if TYPE_CHECKING:
     from pdserve.config import EngineConfig, WorkerConfig
-    from pdserve.discovery import Registration
+    from pdserve.discovery import Registration, Watcher
     from pdserve.discovery.events import EventPublisher, ParkedCounts
     from pdserve.security import ClusterKey
     from pdserve.settings import TransferSettings
@@ -52,6 +52,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RegistrationFactory = Callable[["RoleSettings"], "Registration"]
+WatcherFactory = Callable[["RoleSettings"], "Watcher"]
+"""Builds a worker's own (not yet started) view of discovery."""
 """``settings -> Registration`` (``discovery_url``, ``registration_ttl_s``, ``cluster_key``,
 ``discovery``); the default opens the URL's backend."""
 
@@ -132,6 +134,16 @@ class WorkerIdentity:
     epoch: int = field(default_factory=time.time_ns)
 
 
+def default_watcher(settings: RoleSettings) -> Watcher:
+    """A watcher of ``settings.discovery_url`` (the router's registry polled over HTTP, etcd or
+    NATS), keeping the records signed with ``settings.cluster_key``."""
+    from pdserve.discovery import open_watcher
+
+    return open_watcher(
+        settings.discovery_url, key=settings.cluster_key, discovery=settings.discovery
+    )
+
+
 def default_registration(settings: RoleSettings) -> Registration:
     """The discovery backend ``settings.discovery_url`` names (imported on first use), signing
     with ``settings.cluster_key``, with the discovery section's TLS settings."""
@@ -188,11 +200,16 @@ class WorkerService:
         *,
         engine_factory: EngineFactory,
         registration_factory: RegistrationFactory = default_registration,
+        watcher_factory: WatcherFactory = default_watcher,
     ) -> WorkerService:
         """Lifecycle step 1 for this role; cleanups go onto ``stack``. Returns the service,
-        registered and ready. Raises ConfigError & co. (the stack then undoes what was built)."""
+        registered and ready. ``watcher_factory``: this worker's own view of discovery (a
+        decode worker's :class:`~pdserve.workers.prefill_directory.PrefillDirectory`). Raises
+        ConfigError & co. (the stack then undoes what was built)."""
         engine = await load_engine(settings, identity, stack, engine_factory)
-        parts = await cls.open_parts(settings, identity, engine, stack)
+        parts = await cls.open_parts(
+            settings, identity, engine, stack, watcher_factory=watcher_factory
+        )
         registration = registration_factory(settings)
         service = cls(
             settings=settings, identity=identity, engine=engine, registration=registration, **parts
@@ -207,6 +224,8 @@ class WorkerService:
         identity: WorkerIdentity,
         engine: WorkerEngine,
         stack: AsyncExitStack,
+        *,
+        watcher_factory: WatcherFactory,
     ) -> dict[str, Any]:
         """The role's parts beyond the engine, as constructor keywords (cleanups on
         ``stack``); none here."""

@@ -45,6 +45,21 @@ LAYOUT = layout(tokens_per_block=4)
 PROMPT = (1, 2, 3, 4, 5, 6)
 
 
+LISTED: dict[str, WorkerRecord] = {}
+"""What the in-memory "discovery" lists: the newest record of every worker registered."""
+
+
+class MemoryWatcher:
+    """A decode worker's view of :data:`LISTED` (the Watcher interface it uses)."""
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def workers(self) -> dict[str, WorkerRecord]:
+        return dict(LISTED)
+
+
 @dataclass
 class MemoryRegistration:
     """A registration that keeps the record in memory (``state`` as the real ones report)."""
@@ -54,10 +69,12 @@ class MemoryRegistration:
 
     async def start(self, record: WorkerRecord) -> None:
         self.records.append(record)
+        LISTED[record.worker_id] = record
         self.state = RegistrationState.REGISTERED
 
     async def update(self, record: WorkerRecord) -> None:
         self.records.append(record)
+        LISTED[record.worker_id] = record
 
     async def close(self) -> None:
         self.state = RegistrationState.CLOSED
@@ -105,6 +122,7 @@ async def running(role: Role, num_blocks: int = 32, **kw: Any) -> AsyncIterator[
         http_url=f"http://{role.value}.test",
         engine_factory=lambda _cfg: engine,
         registration_factory=lambda _settings: registration,  # type: ignore[arg-type,return-value]
+        watcher_factory=lambda _settings: MemoryWatcher(),  # type: ignore[arg-type,return-value]
     )
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
@@ -381,3 +399,33 @@ async def test_a_callers_deadline_is_capped_by_the_workers_own_maximum() -> None
     assert cut.deadline <= time.time() + 60.0 and cut.request_id == far.request_id
     near = ContextRequest.model_validate(context_body())  # 20 s: within the cap, kept as sent
     assert capped(near, 60.0) is near
+
+
+async def test_a_forged_handle_pointing_elsewhere_is_refused_without_a_connection() -> None:
+    """The handle's endpoint is an address from a request: the decode worker dials only the
+    endpoint discovery lists for that prefill worker, so a handle redirected to another address
+    is refused, and that address never sees a connection."""
+    import socket
+
+    lure = socket.create_server(("127.0.0.1", 0))
+    lure.setblocking(False)
+    try:
+        async with running(Role.PREFILL) as p, running(Role.DECODE) as d:
+            ctx = await _context(p)
+            assert ctx.handle is not None
+            port = lure.getsockname()[1]
+            forged = ctx.model_copy(
+                update={
+                    "handle": ctx.handle.model_copy(
+                        update={"transfer_endpoint": f"127.0.0.1:{port}"}
+                    )
+                }
+            )
+            r = await d.client.post("/internal/generate", json=generation_body(forged))
+            assert r.status_code == 502 and r.json()["error"]["code"] == "kv_handle_invalid"
+            assert "not the one discovery lists" in r.json()["error"]["message"]
+            with pytest.raises(BlockingIOError):
+                lure.accept()  # nobody connected
+            assert d.engine.reserved_ids == set() and p.worker.parked_count() == 1
+    finally:
+        lure.close()
