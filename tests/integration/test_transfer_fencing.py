@@ -120,10 +120,10 @@ async def test_block_ids_outside_the_prefill_pool_are_refused_by_the_decode_side
 # --- refused by the prefill side --------------------------------------------------------------
 
 
-async def test_send_blocks_naming_an_old_epoch_is_refused_by_the_prefill_side(prefill):
-    """A decode side that skipped its own check (here: a bare connection speaking the wire
-    protocol) is still refused by the prefill worker's lease table."""
-    handle = prefill.park(_rid(), num_tokens=4)
+async def ask_bare(prefill: PrefillProcess, **send_blocks: object) -> wire.Message:
+    """A decode side that skips its own checks: a bare connection that authenticates, says
+    Hello, sends one SendBlocks with ``send_blocks`` and returns the prefill side's answer
+    (its own pool, untouched by a refusal, is checked empty)."""
     pool = empty_pool()
     geometry = PoolGeometry.from_pool(pool, LAYOUT)
     backend = open_backend(
@@ -133,25 +133,27 @@ async def test_send_blocks_naming_an_old_epoch_is_refused_by_the_prefill_side(pr
     try:
         local = LocalSide("decode-raw", 1, LAYOUT, geometry, backend, key=TEST_KEY)
         await local.connect(conn)  # authenticates both ways, then Hello / HelloAck
-        await conn.send(
-            wire.SendBlocks(
-                request_id=handle.request_id,
-                epoch=prefill.epoch - 1,
-                lease_id=handle.lease_id,
-                transfer_id="t-old-epoch",
-                src_block_ids=handle.block_ids,
-                dst_block_ids=(0,),
-            )
-        )
+        await conn.send(wire.SendBlocks.model_validate({"transfer_id": "t-raw", **send_blocks}))
         answer = await conn.recv()
     finally:
         conn.close()
         backend.close()
+    assert not pool.any()
+    return answer
+
+
+async def test_send_blocks_naming_an_old_epoch_is_refused_by_the_prefill_side(prefill):
+    """A decode side that skipped its own check is still refused by the prefill worker's
+    lease table."""
+    handle = prefill.park(_rid(), num_tokens=4)
+    answer = await ask_bare(
+        prefill, request_id=handle.request_id, epoch=prefill.epoch - 1, lease_id=handle.lease_id,
+        src_block_ids=handle.block_ids, dst_block_ids=(0,),
+    )  # fmt: skip
     assert isinstance(answer, wire.TransferFailed)
     assert answer.code == "kv_handle_invalid"
     assert "another epoch" in answer.message and "restarted" in answer.message
     assert str(prefill.epoch) not in answer.message, "the refusal names no epoch"
-    assert not pool.any()
     assert prefill.state().parked == 1, "a refused handle frees nothing"
 
 
@@ -285,31 +287,11 @@ async def test_delta_pull_that_would_move_nothing_is_refused_before_asking(prefi
 
 async def test_delta_request_naming_blocks_other_than_the_parked_tail_is_refused(prefill):
     handle = prefill.park(_rid(), num_tokens=12)
-    pool = empty_pool()
-    geometry = PoolGeometry.from_pool(pool, LAYOUT)
-    backend = open_backend(
-        cfg(prefill.backend), pool=pool, geometry=geometry, agent_name=f"raw-{uuid.uuid4().hex}"
-    )
-    conn = await Connection.open(prefill.endpoint, 10.0)
-    try:
-        local = LocalSide("decode-raw", 1, LAYOUT, geometry, backend, key=TEST_KEY)
-        await local.connect(conn)
-        await conn.send(
-            wire.SendBlocks(
-                request_id=handle.request_id,
-                epoch=handle.epoch,
-                lease_id=handle.lease_id,
-                transfer_id="t-bad-skip",
-                src_block_ids=handle.block_ids[:2],  # the head, not the tail after the skip
-                dst_block_ids=(0, 1),
-                skip_blocks=1,
-            )
-        )
-        answer = await conn.recv()
-    finally:
-        conn.close()
-        backend.close()
+    answer = await ask_bare(
+        prefill, request_id=handle.request_id, epoch=handle.epoch, lease_id=handle.lease_id,
+        src_block_ids=handle.block_ids[:2],  # the head, not the tail after the skip
+        dst_block_ids=(0, 1), skip_blocks=1,
+    )  # fmt: skip
     assert isinstance(answer, wire.TransferFailed) and answer.code == "kv_handle_invalid"
     assert "after skipping 1" in answer.message
-    assert not pool.any()
     assert prefill.state().parked == 1, "a refused request frees nothing"
