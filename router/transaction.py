@@ -24,9 +24,11 @@ Lifecycle of a two-leg request (``Transaction.state``)::
                   it already finished the request, P holds the prompt's KV blocks under a lease
     4 DECODING    Transaction.events(): the first token is yielded at once (TTFT does not wait
                   for D), then POST GenerationRequest (first token + handle) to D
-                  /internal/generate and relay its NDJSON chunks; a connection error (the
-                  request never reached D, P still holds the blocks) retries once on another
-                  decode worker whose KV layout P's maps to
+                  /internal/generate and relay its NDJSON chunks; a refusal before the stream
+                  that another D may not share (unreachable, 429 queue full / no free KV
+                  blocks, 503 capacity, a failed pull: P still holds the blocks) retries on
+                  the least loaded other decode worker whose KV layout P's maps to, up to 3
+                  decode workers, while the lease and the deadline last
     5 FINISHED    every choice's last event carried finish_reason stop/length; D released P's
                   blocks (or, when the first token finished the request, P never parked them)
       FAILED      a typed error was raised (WorkerError, TransferError, CapacityError,
@@ -63,7 +65,12 @@ from typing import TYPE_CHECKING
 import anyio
 
 from pdserve.errors import (
+    CapacityError,
+    HandleError,
+    LayoutMismatchError,
     NoWorkerError,
+    QueueFullError,
+    TransferError,
     WorkerError,
     WorkerUnreachableError,
 )
@@ -295,6 +302,14 @@ class Router:
         return txn
 
 
+_NOT_RETRIED = frozenset({HandleError.code, LayoutMismatchError.code})
+"""Decode-leg refusals no other decode worker fixes (the handle is refused, or P's KV layout
+maps to no pool of this kind), by error code (the envelope's, as the client raises it)."""
+
+DECODE_ATTEMPTS = 3
+"""Decode workers one request's decode leg may try (the first and two retries)."""
+
+
 class Transaction:
     """States 3-5 of one request (or the one-leg stream after its first token); see the module
     docstring. Not reusable: iterate :meth:`events` once, then (or instead) call
@@ -415,10 +430,14 @@ class Transaction:
         )
 
     async def _open_decode_leg(self) -> None:
-        """Two legs: POST the first token + handle to D (once more on another D when D cannot
-        be reached)."""
+        """Two legs: POST the first token + handle to D. A decode worker that refuses before
+        streaming for a reason another one may not share (unreachable, no KV blocks free or
+        its queue full, a failed pull: P still holds the blocks, since only a pull that landed
+        releases them) is replaced by the least loaded other one that P's layout maps to, up to
+        :data:`DECODE_ATTEMPTS` decode workers in all, while the lease and the deadline last."""
         assert self.context is not None and self.context.handle is not None  # client.context()
         assert self.pair is not None
+        handle = self.context.handle
         self.state = TxnState.DECODING
         self._t_leg = time.monotonic()
         req = GenerationRequest(
@@ -427,26 +446,29 @@ class Transaction:
             sampling=self.spec.sampling,
             deadline=self.spec.deadline,
             first_token=self.context.first_token,
-            handle=self.context.handle,
+            handle=handle,
         )
-        try:
-            self._stream = await self._router.client.generate(self.pair.decode, req)
-        except WorkerUnreachableError as exc:
-            self._router.view.mark_unreachable(self.pair.decode)
-            other = self._other_decode()
-            if other is None:
-                raise
-            log.warning("req %s: %s; retrying on decode worker %s", self.request_id, exc,
-                        other.worker_id)  # fmt: skip
+        tried: set[str] = set()
+        while True:
+            decode = self.pair.decode
+            tried.add(decode.worker_id)
+            try:
+                self._stream = await self._router.client.generate(decode, req)
+                break
+            except (WorkerUnreachableError, QueueFullError, CapacityError, TransferError) as exc:
+                if isinstance(exc, WorkerUnreachableError):
+                    self._router.view.mark_unreachable(decode)
+                other = self._other_decode(tried)
+                final = exc.code in _NOT_RETRIED  # the handle or P's layout: same everywhere
+                left = min(handle.lease_remaining(), self.spec.deadline - time.time())
+                if final or other is None or len(tried) >= DECODE_ATTEMPTS or left <= 1.0:
+                    raise
+                log.warning("req %s: %s; retrying on decode worker %s", self.request_id, exc,
+                            other.worker_id)  # fmt: skip
             self.pair = Pair(self.pair.prefill, other)
             self.route = replace(self.route, worker=other)
             self._holds.enter_context(self._router.view.track(other.worker_id))
             self._leg = f"decode worker {other.worker_id}"
-            try:
-                self._stream = await self._router.client.generate(other, req)
-            except WorkerUnreachableError:
-                self._router.view.mark_unreachable(other)
-                raise
         self._chunks = self._stream.chunks()
 
     def _take(self, chunk: GenerationChunk) -> TokenEvent | None:
@@ -485,15 +507,15 @@ class Transaction:
             )
         return TokenEvent(chunk.token_ids, chunk.text, chunk.logprobs, chunk.finish_reason, index=i)
 
-    def _other_decode(self) -> WorkerRecord | None:
-        """The least loaded usable decode worker, other than the current one, that P's KV
-        layout maps to (None: no other)."""
+    def _other_decode(self, tried: set[str]) -> WorkerRecord | None:
+        """The least loaded usable decode worker not in ``tried`` that P's KV layout maps to
+        (None: no other)."""
         assert self.pair is not None
         p_layout = self.pair.prefill.layout
         others = [
             d
             for d in self._router.view.candidates().decode
-            if d.worker_id != self.pair.decode.worker_id and p_layout.can_map_to(d.record.layout)
+            if d.worker_id not in tried and p_layout.can_map_to(d.record.layout)
         ]
         return min(others, key=load_key).record if others else None
 

@@ -10,8 +10,10 @@ import pytest
 from pdserve.errors import (
     CapacityError,
     DeadlineExceededError,
+    HandleError,
     LayoutMismatchError,
     PdserveError,
+    QueueFullError,
     TransferError,
     WorkerError,
 )
@@ -136,6 +138,43 @@ async def test_prefill_error_envelope_becomes_the_matching_typed_error(error, ex
     assert "prefill worker p0" in err.value.message and error.message in err.value.message
     assert d.generations == []
     assert router.view.in_flight("p0") == router.view.in_flight("d0") == 0
+
+
+async def test_a_decode_worker_that_refuses_for_capacity_is_replaced_by_another():
+    """D refused before streaming (its queue full, no free KV blocks): P still holds the
+    blocks, so the decode leg goes to the next decode worker and the request is served."""
+    p = prefill()
+    full = decode("d-full", error=QueueFullError("no free KV blocks before the lease ran out"))
+    busy = decode("d-busy", load=WorkerLoad(running=5, free_blocks=1))  # tried second
+    async with make_router(p, full, busy) as router:
+        txn, events = await run(router)
+    assert txn.pair.decode.worker_id == "d-busy"
+    assert "".join(e.text for e in events) == "Hi!\n"
+    assert [len(d.generations) for d in (full, busy)] == [1, 1]
+    assert p.releases == [], "the second decode worker pulled (and so released) the blocks"
+    assert router.view.in_flight("d-full") == router.view.in_flight("d-busy") == 0
+
+
+@pytest.mark.parametrize(
+    ("error", "attempts"),
+    [
+        (CapacityError("no free KV blocks"), 3),  # every decode worker full: 3 tried, no more
+        (HandleError("lease expired"), 1),  # the handle itself is refused: no retry helps
+    ],
+)
+async def test_decode_retries_are_bounded_and_skip_what_no_other_decode_worker_fixes(
+    error, attempts
+):
+    p = prefill()
+    decodes = [decode(f"d{i}", error=error) for i in range(4)]
+    async with make_router(p, *decodes) as router:
+        txn = await router.start("r1", PROMPT, SamplingParams())
+        with pytest.raises(PdserveError) as err:
+            async for _ in txn.events():
+                pass
+    assert err.value.code == error.code and error.message in err.value.message
+    assert sum(len(d.generations) for d in decodes) == attempts
+    assert [r.request_id for r in p.releases] == ["r1"]
 
 
 async def test_unreachable_prefill_worker_is_retried_once_on_another():
