@@ -34,7 +34,9 @@ blocks, which any allocation may take; ``pdserve_num_requests_running``,
 counters (``pdserve_prefix_cache_queries_total``: admissions that looked up their prefix;
 ``pdserve_prefix_cache_query_tokens_total`` / ``pdserve_prefix_cache_hit_tokens_total``: tokens
 looked up / found cached; ``pdserve_prefix_cache_blocks{state=cached|evictable}``,
-``pdserve_prefix_cache_evictions_total``), and on decode workers
+``pdserve_prefix_cache_evictions_total``), ``pdserve_kv_events_total{result=sent|failed}`` and
+``pdserve_kv_events_snapshots_total`` (the KV cache events a worker publishes for KV-aware
+routing), and on decode workers
 ``pdserve_kv_transfer_seconds`` / ``pdserve_kv_transfer_bytes_total`` /
 ``pdserve_kv_transfer_failures_total{error}`` for every pull and
 ``pdserve_kv_transfer_blocks_skipped_total``: prompt blocks a pull left out because this
@@ -279,6 +281,30 @@ class WorkerMetrics:
     def render(self) -> bytes:
         """The text exposition format (``CONTENT_TYPE``)."""
         return generate_latest(self.registry)
+
+    def add_kv_events(self, counts: Callable[[], dict[str, int]]) -> None:
+        """Export the KV cache event publisher's counters, read at scrape time: ``counts()``
+        gives ``sent``, ``failed`` (events) and ``snapshots``."""
+        self.registry.register(_KVEventsCollector(counts))
+
+
+class _KVEventsCollector(Collector):
+    def __init__(self, counts: Callable[[], dict[str, int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self._counts()
+        events = CounterMetricFamily(
+            "pdserve_kv_events", "KV cache events sent to the router, by result", labels=["result"]
+        )
+        for result in ("sent", "failed"):
+            events.add_metric([result], counts.get(result, 0))
+        yield events
+        yield CounterMetricFamily(
+            "pdserve_kv_events_snapshots",
+            "KV cache snapshots (every cached block hash) started",
+            value=counts.get("snapshots", 0),
+        )
 
 
 class _LoadCollector(Collector):

@@ -145,6 +145,10 @@ class KVEventPublisher:
         self._next_snapshot = clock() + snapshot_s
         self.sent = self.failed = self.snapshots = 0
 
+    def counts(self) -> dict[str, int]:
+        """``sent`` and ``failed`` events and ``snapshots`` since start (for ``/metrics``)."""
+        return {"sent": self.sent, "failed": self.failed, "snapshots": self.snapshots}
+
     def request_snapshot(self) -> None:
         """Send a snapshot with the next flush."""
         self._snapshot_wanted = True
@@ -157,8 +161,9 @@ class KVEventPublisher:
         snapshot = self._snapshot_wanted or self._clock() >= self._next_snapshot
         current = self._cached_hashes() if snapshot else []
         changes, overflowed = self.recorder.drain()  # after the snapshot: see the docstring
-        if overflowed and not snapshot:
+        if overflowed and not snapshot:  # a snapshot now covers what was drained; drain again
             snapshot, current = True, self._cached_hashes()
+            changes, _ = self.recorder.drain()
         events = self._batches(current, changes, snapshot)
         if snapshot:
             self._snapshot_wanted = False

@@ -280,7 +280,7 @@ class WorkerService:
         stack.push_async_callback(self.deregister)
         await self.registration.start(self.record())
         self.events = event_publisher(self.registration)
-        await open_kv_events(
+        kv_events = await open_kv_events(
             kv_cache=self.engine.kv_cache,
             registration=self.registration,
             worker_id=self.identity.worker_id,
@@ -288,6 +288,8 @@ class WorkerService:
             settings=self.settings.discovery,
             stack=stack,
         )
+        if kv_events is not None:
+            self.metrics.add_kv_events(kv_events.counts)
         task = asyncio.create_task(self._refresh_load(), name="load-refresh")
         stack.push_async_callback(_cancel, task)
         self.ready = True

@@ -89,6 +89,9 @@ def test_a_prompt_goes_to_the_prefill_worker_that_holds_its_prefix(stack: Stack)
         10,
         what="the router's KV index to hold prefill-1's blocks",
     )
+    published = _samples(urls["prefill-1"])
+    assert published['pdserve_kv_events_total{result="sent"}'] >= 2  # the snapshot, the blocks
+    assert published["pdserve_kv_events_snapshots_total"] >= 1
     before = {w: _hits(urls[w]) for w in ("prefill-0", "prefill-1")}
     assert _complete(stack, SEEDED + [65, 66, 67])
     after = {w: _hits(urls[w]) for w in ("prefill-0", "prefill-1")}

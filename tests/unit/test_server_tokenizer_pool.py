@@ -182,3 +182,37 @@ async def test_the_router_answers_429_tokenizer_busy_when_the_backlog_is_full(
     assert busy.headers["retry-after"] == "1"
     assert [r.status_code for r in served] == [400] * 4  # too long for the 64-token window
     assert again.status_code == 200, again.text
+
+
+@pytest.mark.parametrize(
+    "text", ["hello", " leading space", "héllo wörld 日本語 🙂", "<|bos|>x<|eos|>", "a\tb\n  c"]
+)
+def test_the_fast_encode_path_gives_the_ids_of_transformers_encode(text: str) -> None:
+    """:class:`Preprocessor` calls the backend's ``encode_batch_fast`` (GIL released, no
+    offsets): the ids must be those of ``tokenizer.encode``, with and without special tokens."""
+    from pdserve.server.preprocess import Preprocessor
+    from pdserve.server.schemas import CompletionRequest
+    from tests.fixtures.models import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    pre = Preprocessor(tok, served_model_name="m", max_model_len=512)
+    assert pre._fast is not None, "the tiny tokenizer is a fast one"
+    req = CompletionRequest.model_validate({"model": "m", "prompt": text, "max_tokens": 1})
+    assert pre.completion(req).prompt_token_ids == tok.encode(text, add_special_tokens=True)
+    assert pre._encode(text, add_special_tokens=False) == (
+        len(tok.encode(text, add_special_tokens=False)),
+        tok.encode(text, add_special_tokens=False),
+    )
+
+
+def test_a_prompt_past_the_window_is_refused_from_its_count() -> None:
+    """Its ids never become a list: the count alone refuses it (400, with the numbers)."""
+    from pdserve.server.preprocess import Preprocessor
+    from pdserve.server.schemas import CompletionRequest
+    from tests.fixtures.models import tiny_tokenizer
+
+    pre = Preprocessor(tiny_tokenizer(), served_model_name="m", max_model_len=8)
+    assert pre._encode("x" * 100, add_special_tokens=False) == (100, None)
+    with pytest.raises(InvalidRequestError) as exc:
+        pre.completion(CompletionRequest.model_validate({"model": "m", "prompt": "x" * 100}))
+    assert exc.value.code == "context_length_exceeded"
