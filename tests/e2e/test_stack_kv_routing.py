@@ -104,11 +104,17 @@ def test_a_prompt_goes_to_the_prefill_worker_that_holds_its_prefix(stack: Stack)
 
     # A prompt no worker holds: the least-loaded tie-break (prefill-0); its repeat stays there.
     assert _complete(stack, FRESH)
+    # FRESH's blocks were indexed on prefill-0 before it answered; the router has them once
+    # prefill-0 completed a KV event POST that started after that (the registry applies an
+    # event before acknowledging it; a periodic snapshot carries them too if the changes went
+    # out already). Counting the router's index blocks would also count the decode worker's.
+    sent = 'pdserve_kv_events_total{result="sent"}'
+    published = _samples(urls["prefill-0"])[sent]
     wait_until_sync(
-        lambda: _samples(stack.url).get("pdserve_router_kv_index_blocks", 0) >= 6 + 6 + 5,
-        10,
-        what="the router's KV index to hold prefill-0's blocks",
-    )  # prefill-1: SEEDED + 3 tokens (6 full blocks); prefill-0: FRESH (5)
+        lambda: _samples(urls["prefill-0"])[sent] > published,
+        20,
+        what="prefill-0 to publish a KV event after FRESH was prefilled",
+    )
     mid = _hits(urls["prefill-0"])
     assert mid[0] == after["prefill-0"][0] + 1
     assert _complete(stack, FRESH + [70])
