@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from pdserve.protocol import ContextRequest, ContextResponse, ReleaseRequest, SamplingParams
+from pdserve.tools.bench_multiturn import parse_metrics
 from tests.fixtures.servers import wait_until_sync
 from tests.fixtures.stack import Stack, start_stack
 
@@ -30,12 +31,7 @@ FRESH = [(11 * i) % 200 + 30 for i in range(5 * TPB)]  # 5 blocks no worker hold
 
 
 def _samples(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
+    return parse_metrics(httpx.get(f"{url}/metrics", timeout=10).text)
 
 
 def _complete(stack: Stack, prompt: list[int]) -> str:

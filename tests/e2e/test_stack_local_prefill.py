@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from pdserve.tools.bench_multiturn import parse_metrics
 from tests.fixtures.stack import Stack, start_stack
 
 MODEL = "tiny-llama"
@@ -37,12 +38,7 @@ def _complete(url: str, prompt: list[int], *, stream: bool = False, max_tokens: 
 
 
 def _samples(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
+    return parse_metrics(httpx.get(f"{url}/metrics", timeout=10).text)
 
 
 @pytest.fixture(scope="module")
