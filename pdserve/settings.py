@@ -366,7 +366,10 @@ class RouterSettings(_Section):
         "already waiting or being tokenized gets HTTP 429 tokenizer_busy",
     )
     max_messages: Annotated[int, Flag("--max-messages", ("up", "router"))] = Field(
-        default=2048, gt=0, description="most messages in one chat request"
+        default=2048,
+        gt=0,
+        le=16384,
+        description="most messages in one chat request (at most 16384, the schema's bound)",
     )
     max_n: Annotated[int, Flag("--max-n", ("up", "router"))] = Field(
         default=16, gt=0, le=16, description="most choices (n) in one request (at most 16)"

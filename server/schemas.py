@@ -10,7 +10,7 @@ refusals of unsupported fields.
 Bounds fixed here (module constants, documented in the OpenAPI schema): at most
 :data:`MAX_STOP_SEQUENCES` stop strings of at most :data:`MAX_STOP_CHARS` characters each
 (OpenAI's limit of 4), chat ``top_logprobs`` 0..20 and completions ``logprobs`` 0..5 (OpenAI's
-ranges), ``seed`` a signed 64-bit integer, ``temperature`` 0..2, ``top_p`` in (0, 1], finite
+ranges), ``seed`` any integer, ``temperature`` 0..2, ``top_p`` in (0, 1], finite
 numbers only (``NaN``/``Infinity`` are refused).
 
 OpenAI fields pdserve does not implement are declared (so they are documented, and refused
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
 
 from pdserve.protocol import MAX_CHOICES
 
@@ -51,8 +51,11 @@ MAX_TOP_LOGPROBS_CHAT = 20
 MAX_LOGPROBS_COMPLETIONS = 5
 """Completions ``logprobs`` upper bound (OpenAI's)."""
 
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
-"""``seed`` is a signed 64-bit integer."""
+MAX_MESSAGES = 16384
+"""Most chat messages the schema takes, whatever ``router.max_messages`` says (it may not
+exceed this): validation stops at the first item past it, so a body of tiny messages cannot
+hold the event loop for a second."""
+
 
 EXTENSION_DEFAULTS: dict[str, Any] = {
     "min_p": 0,
@@ -79,6 +82,29 @@ EXTENSION_DEFAULTS: dict[str, Any] = {
 with the one value pdserve's behaviour matches; any other value is refused (``unsupported``)."""
 
 
+def _unicode_text(value: str) -> str:
+    """Refuse a string holding a lone surrogate (JSON ``"\\ud800"`` without its pair): it is no
+    Unicode text, and the tokenizer cannot encode it. One pass over the string."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"not valid Unicode text: a lone surrogate ({value[exc.start]!r}) at character "
+            f"{exc.start}; send each character outside the Basic Multilingual Plane as one "
+            "surrogate pair"
+        ) from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_unicode_text)]
+"""A string the model reads: valid Unicode (no lone surrogate), else a 400 naming the field."""
+
+_FAIL_FAST = Field(fail_fast=True)
+"""On every list a client sends: validation stops at the first bad item, so a body of a
+hundred thousand bad items costs one error, not one per item (and per union member), on the
+event loop."""
+
+
 class _Req(BaseModel):
     # strict: JSON types as JSON Schema has them ("5" is no integer, 1 no boolean), as OpenAI
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
@@ -101,7 +127,7 @@ class TextPart(_Req):
     type: Annotated[str, WithJsonSchema({"const": "text"})] = Field(
         description="only text (another type is a 400 unsupported)"
     )
-    text: str | None = None
+    text: Text | None = None
 
 
 class ChatMessage(_Req):
@@ -109,8 +135,8 @@ class ChatMessage(_Req):
     refused when set: tools are not supported."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | Annotated[list[TextPart], _FAIL_FAST] | None = None
+    name: Text | None = None
     tool_call_id: str | None = Field(default=None, description="accepted, unused")
     tool_calls: Annotated[Any, _EMPTY_LIST] = Field(
         default=None, description="not supported: refused unless empty"
@@ -126,7 +152,7 @@ class StreamOptions(_Req):
     include_usage: bool | None = False
 
 
-StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS), AfterValidator(_unicode_text)]
 _UNSUPPORTED = "not supported: refused (400 unsupported) unless "
 _ZERO = _accepts({"type": "number", "minimum": 0, "maximum": 0})
 
@@ -143,8 +169,16 @@ class _SamplingFields(_Req):
     top_k: int | None = Field(
         default=None, ge=-1, le=2**31 - 1, description="extension; 0 or -1 disable it"
     )
-    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
-    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_SEQUENCES)] | None = (
+    seed: int | None = Field(
+        default=None,
+        description="any integer (hashed with the output position, so no range applies: the "
+        "schema and the server agree on every integer a JSON parser reads)",
+    )
+    stop: (
+        StopString
+        | Annotated[list[StopString], Field(max_length=MAX_STOP_SEQUENCES), _FAIL_FAST]
+        | None
+    ) = (
         Field(
             default=None,
             description=f"up to {MAX_STOP_SEQUENCES} strings of at most {MAX_STOP_CHARS} characters",
@@ -180,8 +214,10 @@ _TEXT_ONLY = {"type": "array", "items": {"const": "text"}, "minItems": 1, "maxIt
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
-    messages: list[ChatMessage] = Field(
-        description="at least 1, at most router.max_messages (default 2048)",
+    messages: Annotated[list[ChatMessage], _FAIL_FAST] = Field(
+        max_length=MAX_MESSAGES,
+        description=f"at least 1, at most router.max_messages (default 2048, at most "
+        f"{MAX_MESSAGES})",
         json_schema_extra={"minItems": 1},
     )
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -237,7 +273,13 @@ _PROMPT = WithJsonSchema(
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``."""
 
-    prompt: Annotated[str | list[int] | list[str] | list[list[int]], _PROMPT] = Field(
+    prompt: Annotated[
+        Text
+        | Annotated[list[int], _FAIL_FAST]
+        | Annotated[list[Text], _FAIL_FAST]
+        | Annotated[list[Annotated[list[int], _FAIL_FAST]], _FAIL_FAST],
+        _PROMPT,
+    ] = Field(
         description="a string, or token ids; a list of several prompts is refused (batches "
         "are not supported)"
     )

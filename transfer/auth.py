@@ -27,8 +27,9 @@ The exchange (frames of :mod:`pdserve.transfer.wire`, each at most
 
 So the listener does nothing stateful for an unproven peer: no formatter negotiation, no NIXL
 ``add_remote_agent``, no UCX endpoint, no lease lookup or release (those follow the Hello).
-An unproven peer can make it allocate one 64 KiB frame at a time, for at most the transfer
-timeout. A peer that fails is counted and logged with its address (:class:`AuthFailures`, at
+An unproven peer can make it allocate one 64 KiB frame at a time, for at most the
+authentication deadline (:data:`pdserve.transfer.sender.AUTH_TIMEOUT_S`), in an unproven slot a
+newer connection may evict (:mod:`pdserve.transfer.admission`). A peer that fails is counted and logged with its address (:class:`AuthFailures`, at
 most one line per 10 s). "prefill" in the listener's label stands for the listening side (a
 decode worker answering a probe signs with it too).
 
@@ -123,8 +124,10 @@ async def dial(conn: Connection, key: ClusterKey, peer_id: str) -> wire.AuthChal
         msg = await conn.recv(wire.PREAUTH_MAX_FRAME_BYTES)
     except TransferError as exc:
         raise TransferError(
-            f"{exc.message} (while authenticating: is {conn.peer} a pdserve transfer endpoint "
-            "of this version?)"
+            f"{exc.message} (while authenticating: {conn.peer} closed the connection before "
+            "its challenge; it sheds connections past its caps, or is no pdserve transfer "
+            "endpoint of this version)",
+            code=wire.CONNECTION_SHED,
         ) from exc
     check_refused(msg, conn.peer)
     if not isinstance(msg, wire.AuthChallenge):
@@ -145,15 +148,25 @@ async def dial(conn: Connection, key: ClusterKey, peer_id: str) -> wire.AuthChal
     return msg
 
 
-async def accept(conn: Connection, key: ClusterKey, *, worker_id: str, epoch: int) -> str:
+async def accept(
+    conn: Connection,
+    key: ClusterKey,
+    *,
+    worker_id: str,
+    epoch: int,
+    start_timeout_s: float | None = None,
+) -> str:
     """Listening side: authenticate the dialer on ``conn`` (this side is ``worker_id`` at
     ``epoch``). Returns the dialer's proven ``peer_id``.
 
     Raises TransferError ``kv_auth_failed`` for anything but a correct proof: a first frame
     that is not AuthHello, a frame over 64 KiB, garbage, a closed connection, a wrong proof
-    (then AuthRefused is sent first); ``conn`` is closed then. The caller bounds the time."""
+    (then AuthRefused is sent first); ``conn`` is closed then. Raises TimeoutError when the
+    AuthHello is not in within ``start_timeout_s`` (None: no limit); the caller bounds the
+    whole exchange's time."""
     try:
-        hello = await conn.recv(wire.PREAUTH_MAX_FRAME_BYTES)
+        async with asyncio.timeout(start_timeout_s):
+            hello = await conn.recv(wire.PREAUTH_MAX_FRAME_BYTES)
         if not isinstance(hello, wire.AuthHello):
             raise TransferError(f"expected auth_hello, got {hello.type!r}")
         exchange = Exchange(hello.peer_id, bytes.fromhex(hello.nonce), worker_id, epoch, nonce())

@@ -9,7 +9,8 @@ Lifecycle of one :meth:`Receiver.pull`, all within ``timeout_s``::
                    handle (the layouts are the handshake's and the Formatter's business),
                    lease deadline not passed (fencing: refused before asking)
     2. CONNECT     reuse an idle handshaken connection to ``handle.transfer_endpoint`` or open
-                   one, authenticate both ways on the cluster secret (a prefill side that
+                   one (dialled again if the listener shed it before its challenge),
+                   authenticate both ways on the cluster secret (a prefill side that
                    cannot prove it holds it gets nothing, not even the Hello: TransferError
                    ``kv_auth_failed``) and handshake (:meth:`LocalSide.connect`; once per
                    connection, never per request); the cached session is
@@ -62,6 +63,11 @@ log = logging.getLogger(__name__)
 
 MAX_IDLE_PER_PEER = 8
 """Idle handshaken connections kept per prefill endpoint (one per concurrent pull in use)."""
+
+SHED_RETRIES = 3
+"""Dials again after a prefill side shed a new connection before authenticating it."""
+SHED_BACKOFF_S = 0.05
+"""Wait before the k-th new dial: k times this (seconds)."""
 
 
 @dataclass
@@ -242,12 +248,7 @@ class Receiver:
             if not conn.has_input():  # else closed by the peer or out of step
                 return conn, session
             conn.close()
-        conn = await Connection.open(endpoint, self._timeout_s)
-        try:
-            ack, formatter = await self._local.connect(conn)  # authenticates both ways first
-        except BaseException:
-            conn.close()
-            raise
+        conn, ack, formatter = await self._dial(endpoint)
         session = self._sessions.get(endpoint)
         if session is None or (session.worker_id, session.epoch) != (ack.worker_id, ack.epoch):
             if session is not None:
@@ -262,6 +263,28 @@ class Receiver:
                 f"{handle.epoch}, but {endpoint} serves {ack.worker_id} epoch {ack.epoch}"
             )
         return conn, session
+
+    async def _dial(self, endpoint: str) -> tuple[Connection, wire.HelloAck, Formatter]:
+        """Open, authenticate and handshake a new connection to ``endpoint``. A connection
+        the listener shed before its challenge (admission: a flood of unauthenticated
+        connections evicted this one, :mod:`pdserve.transfer.admission`) is dialled again, up
+        to :data:`SHED_RETRIES` times with a short backoff. Raises TransferError,
+        LayoutMismatchError."""
+        for attempt in range(SHED_RETRIES + 1):
+            conn = await Connection.open(endpoint, self._timeout_s)
+            try:
+                ack, formatter = await self._local.connect(conn)  # authenticates both ways
+                return conn, ack, formatter
+            except TransferError as exc:
+                conn.close()
+                if exc.code != wire.CONNECTION_SHED or attempt == SHED_RETRIES:
+                    raise
+                log.info("%s shed a new transfer connection; dialling again", endpoint)
+            except BaseException:
+                conn.close()
+                raise
+            await asyncio.sleep(SHED_BACKOFF_S * (attempt + 1))
+        raise AssertionError("unreachable")  # the last attempt returned or raised
 
     def _give_back(self, session: _Session, conn: Connection) -> None:
         if session.closed or conn.closed or len(session.idle) >= MAX_IDLE_PER_PEER:

@@ -6,9 +6,14 @@ control messages by sending the KV cache it asks for).
 Lifecycle of a connection and of each request on it::
 
     0. AUTH        mutual challenge-response on the cluster secret
-                   (:func:`pdserve.transfer.auth.accept`, frames <= 64 KiB); a peer that fails
+                   (:func:`pdserve.transfer.auth.accept`, frames <= 64 KiB): its AuthHello
+                   within :data:`AUTH_START_S`, its proof and first message within
+                   :data:`AUTH_TIMEOUT_S` (both at most the transfer timeout); meanwhile the
+                   connection holds an *unproven* slot, which a newer unproven connection may
+                   evict (:mod:`pdserve.transfer.admission`), and a proof moves it to a proven
+                   one (``on_proven``; past a cap the connection closes). A peer that fails
                    is answered AuthRefused (wrong proof) or nothing (garbage, oversized frame,
-                   silence past the timeout), counted and logged (rate-limited) with its
+                   silence past a deadline), counted and logged (rate-limited) with its
                    address, and disconnected; nothing below happens for it
     1. HANDSHAKE   receive Hello, check it (:class:`LocalSide.accept`), answer HelloAck;
                    a refusal is recorded, answered with ok=False, and closes the connection
@@ -44,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 from pdserve.errors import HandleError, TransferError
@@ -61,6 +67,19 @@ log = logging.getLogger(__name__)
 IDLE_TIMEOUT_S = 120.0
 """An authenticated connection with no request for this long is closed (the decode side keeps
 idle connections for reuse and opens a new one when it finds one closed)."""
+
+
+AUTH_START_S = 2.0
+"""A served connection's first frame (AuthHello) must arrive within this long: a dialler sends
+it right after connecting, so only a socket held open for nothing waits longer."""
+
+AUTH_TIMEOUT_S = 5.0
+"""The whole authentication (AuthHello, AuthProof and the proven peer's first message) must
+complete within this long (one round trip and two HMACs for a real peer)."""
+
+
+def _proven_always() -> bool:
+    return True
 
 
 class ParkedLookup(Protocol):
@@ -84,7 +103,9 @@ class Sender:
     tests: a refused handshake raises on the serving side too, and this is where it lands.
     Peers that fail authentication go to ``auth_failures`` instead (an unauthenticated peer
     cannot push the real errors out of ``errors``). ``digester`` computes the block digests a
-    receiver asks for (over this worker's pool).
+    receiver asks for (over this worker's pool). ``on_proven`` is called once the peer has
+    proven itself and says whether the connection may stay (the transceiver's admission,
+    :meth:`pdserve.transfer.admission.ConnectionSlots.promote`; default: always).
     """
 
     def __init__(
@@ -96,8 +117,10 @@ class Sender:
         errors: deque[TransferError],
         digester: BlockDigester,
         auth_failures: auth.AuthFailures,
+        on_proven: Callable[[], bool] = _proven_always,
     ):
         self._local = local
+        self._on_proven = on_proven
         self._conn = conn
         self._parked = parked
         self._timeout_s = timeout_s
@@ -137,7 +160,7 @@ class Sender:
             log.debug("transfer connection from %s ended: %s", self._conn.peer, exc.message)
         except TimeoutError:
             if self._peer_id is None:
-                why = f"no authentication within {self._timeout_s:.1f} s"
+                why = f"no authentication within {self._auth_timeout_s:.1f} s"
                 self._auth_failures.record(self._conn.peer, why)
             else:
                 log.warning("no hello from %s within %.1f s", self._conn.peer, self._timeout_s)
@@ -146,15 +169,27 @@ class Sender:
         finally:
             self._conn.close()
 
+    @property
+    def _auth_timeout_s(self) -> float:
+        return min(self._timeout_s, AUTH_TIMEOUT_S)
+
     async def _authenticate(self) -> wire.Message:
-        """Step 0, then the first message of the proven peer (Hello or Probe), all within the
-        transfer timeout. Raises TransferError (``kv_auth_failed`` while ``_peer_id`` is
-        None), TimeoutError."""
+        """Step 0, then the first message of the proven peer (Hello or Probe), within
+        :data:`AUTH_TIMEOUT_S`. Raises TransferError (``kv_auth_failed`` while ``_peer_id``
+        is None; a proven peer past the admission's caps too), TimeoutError."""
         local = self._local
-        async with asyncio.timeout(self._timeout_s):
-            self._peer_id = await auth.accept(
-                self._conn, local.key, worker_id=local.worker_id, epoch=local.epoch
+        async with asyncio.timeout(self._auth_timeout_s):
+            peer_id = await auth.accept(
+                self._conn,
+                local.key,
+                worker_id=local.worker_id,
+                epoch=local.epoch,
+                start_timeout_s=min(self._timeout_s, AUTH_START_S),
             )
+            if not self._on_proven():
+                self._conn.close()  # the dialler sees it shed before its Hello was answered
+                raise TransferError("too many connections from this host (or in all)")
+            self._peer_id = peer_id
             return await self._conn.recv()
 
     async def _handshake(self, hello: wire.Message) -> tuple[Formatter, Peer]:

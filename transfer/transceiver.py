@@ -33,6 +33,7 @@ from pdserve.errors import ConfigError, TransferError
 from pdserve.protocol import KVLayout, TransferHandle
 from pdserve.security import ClusterKey
 from pdserve.settings import TransferSettings, advertised_host
+from pdserve.transfer.admission import ConnectionSlots, SlotLimits
 from pdserve.transfer.auth import AuthFailures
 from pdserve.transfer.backend import Backend, open_backend
 from pdserve.transfer.control import Connection
@@ -47,24 +48,16 @@ log = logging.getLogger(__name__)
 
 _RECENT_ERRORS = 64
 
-MAX_CONNECTIONS_PER_HOST = 128
-"""Served connections one peer address may hold open at once (a decode worker keeps up to
-``receiver.MAX_IDLE_PER_PEER`` idle ones plus one per concurrent pull); more are closed on
-accept, before a byte is read, and counted in ``refused_connections``."""
-MAX_CONNECTIONS = 1024
-"""Served connections in all (each is a task and a socket)."""
-
-
 class Transceiver:
     """A worker's KV transfer endpoint (see the module docstring for the lifecycle).
 
     ``backend`` is ``"nixl"``, ``"ucx"`` or ``"tcp"``; ``endpoint`` is ``"host:port"`` once started.
     ``recent_errors`` holds the last TransferErrors the serving side raised (newest last),
     e.g. the LayoutMismatchError of a refused handshake. ``auth_failures.total`` counts the
-    connections refused because the peer did not prove it holds the cluster secret
-    (:mod:`pdserve.transfer.auth`) or held too many connections open
-    (:data:`MAX_CONNECTIONS_PER_HOST`, :data:`MAX_CONNECTIONS`; those also in
-    ``refused_connections``).
+    connections ended because the peer did not prove it holds the cluster secret
+    (:mod:`pdserve.transfer.auth`) in time, was evicted while unproven, or proved itself past
+    a cap on proven connections (:mod:`pdserve.transfer.admission`; those two also in
+    ``refused_connections``). ``slots`` holds the admission state (``limits``: its caps).
     """
 
     def __init__(
@@ -74,6 +67,7 @@ class Transceiver:
         parked: ParkedLookup | None,
         digester: BlockDigester,
         advertise_host: str | None = None,
+        limits: SlotLimits | None = None,
     ):
         self._cfg = cfg
         self._advertise_host = advertise_host
@@ -85,14 +79,19 @@ class Transceiver:
         self._receiver = Receiver(local, cfg.timeout_s, digester if cfg.integrity else None)
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
-        self._handlers: set[asyncio.Task[None]] = set()
-        self._per_host: dict[str, int] = {}  # open served connections per peer address
-        self.refused_connections = 0
+        self._handlers: dict[asyncio.Task[None], Connection] = {}  # served connections
+        self.slots: ConnectionSlots[asyncio.Task[None]] = ConnectionSlots(limits)
         self._closed = False
         self.backend: str = local.backend.name
         self.endpoint: str = ""
         self.recent_errors: deque[TransferError] = deque(maxlen=_RECENT_ERRORS)
         self.auth_failures = AuthFailures()
+
+    @property
+    def refused_connections(self) -> int:
+        """Served connections ended by admission: evicted while unproven, or closed at a
+        cap on proven ones."""
+        return self.slots.evicted + self.slots.refused
 
     @property
     def late_writes(self) -> bool:
@@ -179,36 +178,43 @@ class Transceiver:
                 log.warning("transfer accept failed: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
-            peer = f"{addr[0]}:{addr[1]}"
-            host = str(addr[0])
-            if len(self._handlers) >= MAX_CONNECTIONS or (
-                self._per_host.get(host, 0) >= MAX_CONNECTIONS_PER_HOST
-            ):
-                sock.close()  # before reading a byte: nothing of the peer is held
-                self.refused_connections += 1
-                self.auth_failures.record(peer, "too many connections from this host")
-                continue
-            self._per_host[host] = self._per_host.get(host, 0) + 1
-            sender = Sender(
-                self._local,
-                Connection(sock, peer),
-                self._parked,
-                self._cfg.timeout_s,
-                self.recent_errors,
-                self._digester,
-                self.auth_failures,
-            )
-            task = asyncio.create_task(sender.serve())
-            self._handlers.add(task)
-            task.add_done_callback(functools.partial(self._handler_done, host))
+            self._serve(sock, f"{addr[0]}:{addr[1]}", str(addr[0]))
 
-    def _handler_done(self, host: str, task: asyncio.Task[None]) -> None:
-        self._handlers.discard(task)
-        left = self._per_host.get(host, 0) - 1
-        if left > 0:
-            self._per_host[host] = left
-        else:
-            self._per_host.pop(host, None)
+    def _serve(self, sock: socket.socket, peer: str, host: str) -> None:
+        """Start the handler of an accepted connection, unproven (evicting the oldest
+        unproven ones past their caps, :mod:`pdserve.transfer.admission`)."""
+        task: asyncio.Task[None]
+        conn = Connection(sock, peer)
+        sender = Sender(
+            self._local,
+            conn,
+            self._parked,
+            self._cfg.timeout_s,
+            self.recent_errors,
+            self._digester,
+            self.auth_failures,
+            on_proven=lambda: self.slots.promote(task),
+        )
+        task = asyncio.create_task(sender.serve())
+        self._handlers[task] = conn
+        task.add_done_callback(self._handler_done)
+        for old in self.slots.admit(task, host):
+            # It has read no proof: nothing of its peer is held but the socket, which
+            # _handler_done closes (also when the task is cancelled before it ever ran).
+            old.cancel()
+            evicted = self._handlers.get(old)
+            self.auth_failures.record(
+                evicted.peer if evicted else "?",
+                "evicted while unauthenticated (too many unauthenticated connections)",
+            )
+
+    def _handler_done(self, task: asyncio.Task[None]) -> None:
+        # A done callback runs after the handler's pending socket reads were unregistered, so
+        # closing here never hands a registered fd number to the next accepted socket.
+        conn = self._handlers.pop(task, None)
+        if conn is not None:
+            conn.close()
+        self.slots.release(task)
 
 
 def create_transceiver(

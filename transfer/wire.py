@@ -75,6 +75,10 @@ BACKEND_MISMATCH = "kv_backend_mismatch"
 PROTOCOL_MISMATCH = "kv_protocol_mismatch"
 AUTH_FAILED = "kv_auth_failed"
 """TransferError code: the peer could not prove it holds the cluster secret (or refused ours)."""
+CONNECTION_SHED = "kv_connection_shed"
+"""TransferError code: the listener closed a dialled connection before its AuthChallenge
+(admission shed it, :mod:`pdserve.transfer.admission`); nothing was exchanged, so the
+dialler may dial again."""
 
 _NONCE = r"^[0-9a-f]{32}$"  # 16 bytes (pdserve.security.nonce), hex
 _PROOF = r"^[0-9a-f]{64}$"  # 32 bytes (ClusterKey.proof, HMAC-SHA256), hex

@@ -28,7 +28,8 @@ from pdserve.transfer.backend import open_backend
 from pdserve.transfer.control import FRAME_TIMEOUT_S, Connection, split_endpoint
 from pdserve.transfer.formatter import PoolGeometry
 from pdserve.transfer.handshake import LocalSide
-from pdserve.transfer.transceiver import MAX_CONNECTIONS_PER_HOST
+from pdserve.transfer.admission import MAX_UNPROVEN_PER_HOST
+from pdserve.transfer.sender import AUTH_START_S
 from tests.integration.kv_peer import LAYOUT, TEST_KEY, PrefillProcess, cfg, empty_pool, pattern
 
 pytestmark = pytest.mark.timeout(120)
@@ -134,22 +135,75 @@ async def test_frame_headers_announcing_16_mib_allocate_nothing_up_front(prefill
 
 
 async def test_a_thousand_connections_from_one_host_are_capped(prefill, decode):
-    """Beyond MAX_CONNECTIONS_PER_HOST open connections from one address, the worker closes
-    new ones on accept, before reading a byte; a decode worker at another address is served."""
+    """Beyond MAX_UNPROVEN_PER_HOST unauthenticated connections from one address, the worker
+    evicts the oldest (before reading a byte of it); the rest close at the authentication
+    start deadline; a decode worker at another address is served."""
     before = rss_mib(prefill.proc.pid)
     conns = await asyncio.gather(*(attacker(prefill.endpoint) for _ in range(1000)))
     try:
         lease = await pull_completes(prefill, decode)  # during the flood
         state = prefill.wait_state(
-            lambda s: s.auth_failures >= 1000 - MAX_CONNECTIONS_PER_HOST, timeout=20
+            lambda s: s.auth_failures >= 1000 - MAX_UNPROVEN_PER_HOST, timeout=20
         )
         assert state.lookups == 1 and state.peers_added == 1, "only the decode worker got in"
         grown = rss_mib(prefill.proc.pid) - before
         assert grown < 64, f"{grown:.0f} MiB for 1000 connections"
+        prefill.wait_state(lambda s: s.auth_failures == 1000, timeout=AUTH_START_S + 10)
     finally:
         for conn in conns:
             conn.close()
     assert lease
+
+
+def still_open(conn: Connection) -> bool:
+    """Whether the worker has not closed ``conn`` (no EOF or reset waiting to be read)."""
+    try:
+        return conn.sock.recv(1, socket.MSG_PEEK) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+async def test_a_silent_flood_from_the_decode_workers_own_address_does_not_starve_it(prefill):
+    """300 connections that never authenticate, from the address the decode worker dials
+    from: they hold at most MAX_UNPROVEN_PER_HOST unproven slots (older ones are evicted), none
+    outlives the authentication start deadline, and every pull the decode worker makes
+    meanwhile (each on a new connection from the same address) completes."""
+    host, port = split_endpoint(prefill.endpoint)
+    loop = asyncio.get_running_loop()
+
+    async def silent() -> Connection:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        await loop.sock_connect(sock, (host, port))  # from 127.0.0.1, as the decode worker
+        return Connection(sock, prefill.endpoint)
+
+    flood = [await silent() for _ in range(300)]
+    try:
+        leases = []
+        for _ in range(3):
+            # A decode transceiver of its own each time: every pull dials into the flood.
+            pool = empty_pool()
+            t = create_transceiver(
+                cfg("tcp"), pool=pool, layout=LAYOUT, worker_id="decode-ok", epoch=1,
+                parked=None, key=TEST_KEY,
+            )  # fmt: skip
+            try:
+                leases.append(await pull_completes(prefill, (t, pool)))
+            finally:
+                await t.close()
+            flood += [await silent() for _ in range(100)]
+        prefill.wait_state(lambda s: s.auth_failures >= len(flood) - MAX_UNPROVEN_PER_HOST)
+        await asyncio.sleep(0.2)  # let the last evictions' closes reach this side
+        held = sum(still_open(c) for c in flood)
+        assert held <= MAX_UNPROVEN_PER_HOST, f"{held} unauthenticated connections held"
+        prefill.wait_state(lambda s: s.auth_failures >= len(flood), timeout=AUTH_START_S + 10)
+        assert not any(still_open(c) for c in flood)
+        assert len(set(leases)) == 3
+    finally:
+        for conn in flood:
+            conn.close()
 
 
 async def test_a_hello_with_an_absurd_layout_is_refused_before_any_allocation(prefill, decode):
