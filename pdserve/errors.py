@@ -32,6 +32,13 @@ The tree (HTTP status in brackets)::
     │   (subclasses in :mod:`pdserve.discovery`: InvalidDiscoveryURLError, SupersededError)
     └── ConfigError [400]                   invalid configuration
 
+The public plane (the router's ``/v1``) shows a client :attr:`PdserveError.public_message`,
+never ``message`` where that names the deployment's inside: the classes that report a worker,
+a transfer, the discovery service or a capacity shortfall carry a fixed public text
+(``public_text``; the status, ``type`` and ``code`` stay exact), and the router logs the full
+``message`` under the request id that the body names. The internal planes (worker to router)
+carry ``message`` whole.
+
 Catch the base to handle every pdserve failure; a subclass's ``code`` (e.g.
 ``kv_handle_invalid``) travels in the error body, and :mod:`pdserve.router.client` maps a
 worker's answer back to the matching class.
@@ -39,7 +46,7 @@ worker's answer back to the matching class.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pdserve.protocol import ErrorBody, ErrorEnvelope
 
@@ -48,26 +55,46 @@ class PdserveError(Exception):
     """Base class of every pdserve error. Raised as such for an unexpected server-side failure
     (HTTP 500, ``internal_error``).
 
-    ``message`` is shown to the client; ``param`` names the offending request field (or None);
-    ``code`` overrides the class's machine-readable code for this instance.
+    ``message`` is the full account (logs, internal planes); ``public`` (or else the class's
+    ``public_text``, or else ``message``) is what a client of the public API reads
+    (:attr:`public_message`). ``param`` names the offending request field (or None); ``code``
+    overrides the class's machine-readable code for this instance.
     """
 
     status: int = 500
     type: str = "internal_error"
     code: str | None = None
+    public_text: ClassVar[str | None] = "internal error (the server's log names this request)"
+    """What a client outside the deployment reads instead of ``message`` (None: ``message``,
+    which then must name nothing internal: worker ids, addresses, peers)."""
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        public: str | None = None,
+    ):
         super().__init__(message)
         self.message = message
         self.param = param
+        self.public = public
         if code is not None:
             self.code = code
 
-    def envelope(self, request_id: str | None = None) -> ErrorEnvelope:
-        """The OpenAI error envelope; ``request_id`` names the request in the body."""
+    @property
+    def public_message(self) -> str:
+        """The message for the public API: ``public``, the class's ``public_text``, or
+        ``message`` (classes whose message is the client's own business)."""
+        return self.public or self.public_text or self.message
+
+    def envelope(self, request_id: str | None = None, *, public: bool = False) -> ErrorEnvelope:
+        """The OpenAI error envelope; ``request_id`` names the request in the body;
+        ``public``: with :attr:`public_message` (for the public API) instead of ``message``."""
         return ErrorEnvelope(
             error=ErrorBody(
-                message=self.message,
+                message=self.public_message if public else self.message,
                 type=self.type,
                 code=self.code,
                 param=self.param,
@@ -75,9 +102,9 @@ class PdserveError(Exception):
             )
         )
 
-    def to_json(self, request_id: str | None = None) -> dict[str, Any]:
+    def to_json(self, request_id: str | None = None, *, public: bool = False) -> dict[str, Any]:
         """:meth:`envelope` as a JSON-ready dict."""
-        return self.envelope(request_id).model_dump()
+        return self.envelope(request_id, public=public).model_dump()
 
 
 class InvalidRequestError(PdserveError):
@@ -87,6 +114,7 @@ class InvalidRequestError(PdserveError):
     status = 400
     type = "invalid_request_error"
     code = "invalid_request"
+    public_text = None
 
 
 class UnsupportedFieldError(InvalidRequestError):
@@ -113,6 +141,7 @@ class AuthenticationError(PdserveError):
     status = 401
     type = "authentication_error"
     code = "unauthorized"
+    public_text = None
 
 
 class InvalidAPIKeyError(AuthenticationError):
@@ -130,6 +159,7 @@ class ModelNotFoundError(PdserveError):
     status = 404
     type = "invalid_request_error"
     code = "model_not_found"
+    public_text = None
 
 
 class ClientDisconnectedError(PdserveError):
@@ -139,6 +169,7 @@ class ClientDisconnectedError(PdserveError):
     status = 499
     type = "client_closed_request"
     code = "client_disconnected"
+    public_text = "the client closed the request"
 
 
 class CapacityError(PdserveError):
@@ -148,6 +179,10 @@ class CapacityError(PdserveError):
     status = 503
     type = "server_error"
     code = "no_capacity"
+    public_text = (
+        "no worker has the KV cache capacity for this request now (or ever, for a request "
+        "larger than a worker's KV cache); retry later or send a shorter one"
+    )
 
 
 class NoWorkerError(CapacityError):
@@ -155,6 +190,7 @@ class NoWorkerError(CapacityError):
     what is missing (HTTP 503)."""
 
     code = "no_worker"
+    public_text = "no worker can serve this request now; retry later"
 
 
 class QueueFullError(PdserveError):
@@ -168,6 +204,10 @@ class QueueFullError(PdserveError):
     type = "rate_limit_error"
     code = "queue_full"
     retry_after_s = 1
+    public_text = (
+        "the server is at capacity: its request queues are full "
+        "(scheduler.max_queued_requests); retry after the Retry-After delay"
+    )
 
 
 class DeadlineExceededError(PdserveError):
@@ -177,6 +217,7 @@ class DeadlineExceededError(PdserveError):
     status = 504
     type = "server_error"
     code = "deadline_exceeded"
+    public_text = "the request did not finish before its deadline"
 
 
 class WorkerError(PdserveError):
@@ -185,6 +226,7 @@ class WorkerError(PdserveError):
     status = 502
     type = "server_error"
     code = "worker_error"
+    public_text = "a worker failed while serving this request"
 
 
 class WorkerUnreachableError(WorkerError):
@@ -192,6 +234,7 @@ class WorkerUnreachableError(WorkerError):
     the router may retry it on another worker (HTTP 502)."""
 
     code = "worker_unreachable"
+    public_text = "no worker could be reached for this request"
 
 
 class TransferError(PdserveError):
@@ -201,6 +244,7 @@ class TransferError(PdserveError):
     status = 502
     type = "server_error"
     code = "kv_transfer_failed"
+    public_text = "the KV cache transfer between the prefill and decode workers failed"
 
 
 class LayoutMismatchError(TransferError):
@@ -223,6 +267,10 @@ class IntegrityError(TransferError):
     (HTTP 502)."""
 
     code = "kv_integrity_failed"
+    public_text = (
+        "KV cache blocks arrived corrupted between the prefill and decode workers; the "
+        "integrity check stopped the request before anything was generated from them"
+    )
 
 
 class DiscoveryError(PdserveError):
@@ -232,6 +280,7 @@ class DiscoveryError(PdserveError):
     status = 503
     type = "server_error"
     code = "discovery_unavailable"
+    public_text = "the deployment's discovery service is unavailable; retry later"
 
 
 class ConfigError(PdserveError):
@@ -245,6 +294,7 @@ class ConfigError(PdserveError):
     status = 400
     type = "config_error"
     code = "invalid_config"
+    public_text = "invalid configuration (the server's log says which setting)"
 
     def __init__(
         self,

@@ -97,7 +97,9 @@ def error_from_envelope(leg: str, status: int, body: bytes) -> PdserveError:
         cls = TransferError
     else:
         cls = WorkerError
-    return cls(text, code=code)
+    # A worker's refusal of the request itself (400) is the client's business: its own words
+    # reach the client, without the worker's name; anything else shows the class's public text.
+    return cls(text, code=code, public=message if status == 400 else None)
 
 
 def _transport_error(leg: str, exc: Exception, deadline: float) -> PdserveError:

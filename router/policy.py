@@ -153,9 +153,15 @@ def choose_pair(cands: Candidates, *, exclude_prefill: Collection[str] = ()) -> 
     prefill = [w for w in cands.prefill if w.worker_id not in exclude_prefill]
     if not prefill:
         others = " other than " + ", ".join(sorted(exclude_prefill)) if exclude_prefill else ""
-        raise NoWorkerError(f"no live prefill worker{others} serves model {model}{_why(cands)}")
+        raise NoWorkerError(
+            f"no live prefill worker{others} serves model {model}{_why(cands)}",
+            public=f"no live prefill worker serves model {model}",
+        )
     if not cands.decode:
-        raise NoWorkerError(f"no live decode worker serves model {model}{_why(cands)}")
+        raise NoWorkerError(
+            f"no live decode worker serves model {model}{_why(cands)}",
+            public=f"no live decode worker serves model {model}",
+        )
 
     pair = _best_pair(prefill, list(cands.decode))
     if pair is not None:
@@ -168,7 +174,8 @@ def choose_pair(cands: Candidates, *, exclude_prefill: Collection[str] = ()) -> 
         f"no prefill/decode pair with mappable KV layouts for model {model}: prefill layouts "
         f"{p_hashes}, decode layouts {d_hashes} (e.g. {prefill[0].worker_id} -> "
         f"{cands.decode[0].worker_id}: {example}; workers must run the same model with the same "
-        "layers, KV heads and head size)"
+        "layers, KV heads and head size)",
+        public=f"no prefill/decode pair of workers with mappable KV layouts serves model {model}",
     )
 
 
@@ -278,8 +285,8 @@ def choose_route(
             route = Route(RoutePath.COLOCATED, c.record, reason=why, cached_tokens=c_cached)
     if route is None:
         others = " other than " + ", ".join(sorted(exclude)) if exclude else ""
-        what = f"no live decode or colocated worker{others} serves model {cands.model!r}"
-        raise NoWorkerError(what + _why(cands))
+        what = f"no live decode or colocated worker serves model {cands.model!r}"
+        raise NoWorkerError(what.replace(" serves", f"{others} serves") + _why(cands), public=what)
     if weights.kv_aware:
         route = replace(route, scores=_scores(key, cached, *prefill, *decode, *colocated))
     return route

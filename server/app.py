@@ -52,7 +52,7 @@ from pdserve.router.policy import RouteWeights
 from pdserve.router.transaction import Router, Transaction
 from pdserve.router.view import WorkerSource, WorkerView
 from pdserve.security import APIKeys, ClusterKey
-from pdserve.server.errors import install_error_handlers, internal_error
+from pdserve.server.errors import install_error_handlers, internal_error, log_failure
 from pdserve.server.guard import PublicPlaneGuard, log_auth_mode
 from pdserve.server.openapi import completion_responses, install_openapi, v1_errors
 from pdserve.server.output import ChatFormatter, CompletionFormatter, RequestInfo
@@ -147,7 +147,7 @@ def create_app(
 
     api_keys = APIKeys.from_settings(cfg.security)  # ConfigError: unreadable key file
     app = FastAPI(title="pdserve", lifespan=lifespan)
-    install_error_handlers(app)
+    install_error_handlers(app, public=True)  # no worker id or address reaches a client
     app.add_middleware(
         PublicPlaneGuard, api_keys=api_keys, max_body_bytes=cfg.router.max_request_bytes
     )
@@ -411,11 +411,11 @@ async def _sse(txn: Transaction, fmt: ResponseFormatter) -> AsyncIterator[bytes]
         if fmt.info.include_usage:
             yield encode_event(fmt.usage_chunk())
     except PdserveError as exc:
-        log.warning("req %s failed mid-stream: %s", txn.request_id, exc.message)
-        yield encode_error(exc)
+        log_failure(txn.request_id, exc, public=True, what="failed mid-stream")
+        yield encode_error(exc, txn.request_id, public=True)
     except Exception:
         log.exception("req %s: unexpected error mid-stream", txn.request_id)
-        yield encode_error(internal_error(txn.request_id))
+        yield encode_error(internal_error(txn.request_id), txn.request_id, public=True)
     finally:
         await txn.aclose()
     yield DONE

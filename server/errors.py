@@ -8,6 +8,10 @@
   exception (and its traceback) goes to the log under that id, never to the client. The server
   keeps serving.
 
+On the public plane (the router's app: ``install_error_handlers(app, public=True)``) a body
+carries :attr:`~pdserve.errors.PdserveError.public_message`, never an internal worker id,
+address or peer; the full message goes to the log under the request id (a 5xx as a warning).
+
 Every error body carries the request id (``error.request_id``) and every error response the
 ``X-Request-Id`` header: the client's own ``X-Request-Id`` when it sent one, else one generated
 here (:func:`request_id`). The router and the workers install the same handlers
@@ -55,10 +59,12 @@ def request_id(request: Request) -> str:
     return rid
 
 
-def error_response(exc: PdserveError, rid: str | None = None) -> JSONResponse:
+def error_response(
+    exc: PdserveError, rid: str | None = None, *, public: bool = False
+) -> JSONResponse:
     """``exc`` as its status and OpenAI envelope naming request ``rid`` (also sent as the
     ``X-Request-Id`` header); a 429 carries ``Retry-After`` (seconds), a 401
-    ``WWW-Authenticate: Bearer``."""
+    ``WWW-Authenticate: Bearer``. ``public``: the body carries ``exc.public_message``."""
     headers: dict[str, str] = {}
     if isinstance(exc, QueueFullError):
         headers["Retry-After"] = str(exc.retry_after_s)
@@ -66,7 +72,8 @@ def error_response(exc: PdserveError, rid: str | None = None) -> JSONResponse:
         headers["WWW-Authenticate"] = "Bearer"
     if rid is not None:
         headers[REQUEST_ID_HEADER] = rid
-    return JSONResponse(exc.to_json(rid), status_code=exc.status, headers=headers or None)
+    body = exc.to_json(rid, public=public)
+    return JSONResponse(body, status_code=exc.status, headers=headers or None)
 
 
 def internal_error(rid: str) -> PdserveError:
@@ -162,15 +169,24 @@ def validation_error(errors: Sequence[Any]) -> InvalidRequestError:
     return InvalidRequestError(f"{where}{msg}{more}", param=param)
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Register the handlers described in the module docstring on ``app``."""
+def log_failure(rid: str, exc: PdserveError, *, public: bool, what: str = "failed") -> None:
+    """Log ``exc`` under request ``rid``: a 5xx as a warning, and on the public plane any
+    error whose body hides part of its message (a 429 from a worker) at info."""
+    if exc.status >= 500:
+        log.warning("request %s %s: %s (%s)", rid, what, exc.message, exc.code)
+    elif public and exc.public_message != exc.message:
+        log.info("request %s %s: %s (%s)", rid, what, exc.message, exc.code)
+
+
+def install_error_handlers(app: FastAPI, *, public: bool = False) -> None:
+    """Register the handlers described in the module docstring on ``app``; ``public``: the
+    bodies carry public messages (the router's client-facing app)."""
 
     @app.exception_handler(PdserveError)
     async def _pdserve(request: Request, exc: PdserveError) -> JSONResponse:
         rid = request_id(request)
-        if exc.status >= 500:
-            log.warning("request %s failed: %s (%s)", rid, exc.message, exc.code)
-        return error_response(exc, rid)
+        log_failure(rid, exc, public=public)
+        return error_response(exc, rid, public=public)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -145,5 +145,5 @@ class PublicPlaneGuard:
 
     @staticmethod
     async def _refuse(exc: PdserveError, scope: Scope, receive: Receive, send: Send) -> None:
-        response = error_response(exc, request_id(Request(scope)))
+        response = error_response(exc, request_id(Request(scope)), public=True)
         await response(scope, receive, send)

@@ -31,9 +31,10 @@ def encode_event(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
-def encode_error(exc: PdserveError) -> bytes:
-    """The in-band error event: the same ``{"error": {...}}`` envelope an HTTP error carries."""
-    return encode_event(exc.to_json())
+def encode_error(exc: PdserveError, rid: str | None = None, *, public: bool = False) -> bytes:
+    """The in-band error event: the same ``{"error": {...}}`` envelope an HTTP error carries,
+    naming request ``rid``; ``public``: with the public message (the router's client streams)."""
+    return encode_event(exc.to_json(rid, public=public))
 
 
 class SSEResponse(StreamingResponse):

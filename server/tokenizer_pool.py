@@ -117,11 +117,11 @@ class TokenizerPool:
                 self._requests > 0 and self._bytes + size > self.max_backlog_bytes
             )
             if full:
-                raise QueueFullError(
+                busy = (
                     f"the router's tokenizer is busy ({self._requests} requests, "
-                    f"{self._bytes} bytes waiting or being tokenized); retry shortly",
-                    code="tokenizer_busy",
+                    f"{self._bytes} bytes waiting or being tokenized); retry shortly"
                 )
+                raise QueueFullError(busy, code="tokenizer_busy", public=busy)
             self._requests += 1
             self._bytes += size
 

@@ -111,8 +111,13 @@ async def test_no_workers_is_a_503(cfg):
     assert "no live decode or colocated worker serves model 'tiny-test'" in message
 
 
+def logged(caplog: pytest.LogCaptureFixture, rid: str, fragment: str) -> bool:
+    """Whether the router logged ``fragment`` on a line naming request ``rid``."""
+    return any(rid in r.getMessage() and fragment in r.getMessage() for r in caplog.records)
+
+
 @pytest.mark.parametrize("stream", [False, True])
-async def test_prefill_error_is_an_error_status_with_the_worker_envelope(cfg, stream):
+async def test_prefill_error_is_an_error_status_with_the_worker_envelope(cfg, stream, caplog):
     ws = workers()
     ws[0].error = CapacityError("prefill worker is draining")
     async with router_harness(cfg, ws) as h:
@@ -120,10 +125,11 @@ async def test_prefill_error_is_an_error_status_with_the_worker_envelope(cfg, st
     assert r.status_code == 503
     assert r.headers["content-type"] == "application/json"
     err = r.json()["error"]
-    assert err["code"] == "no_capacity" and "prefill worker is draining" in err["message"]
+    assert err["code"] == "no_capacity" and err["message"] == CapacityError.public_text
+    assert logged(caplog, err["request_id"], "prefill worker p0 answered HTTP 503: prefill worker is draining")
 
 
-async def test_decode_error_mid_stream_is_an_sse_error_event_then_done(cfg):
+async def test_decode_error_mid_stream_is_an_sse_error_event_then_done(cfg, caplog):
     ws = workers(fail_after=1)
     async with router_harness(cfg, ws) as h:
         r = await h.client.post("/v1/chat/completions", json={**CHAT, "stream": True})
@@ -131,19 +137,21 @@ async def test_decode_error_mid_stream_is_an_sse_error_event_then_done(cfg):
     datas = [b[len("data: ") :] for b in r.text.split("\n\n") if b.startswith("data: ")]
     assert datas[-1] == "[DONE]"
     err = json.loads(datas[-2])["error"]
-    assert err["code"] == "worker_error"
-    assert "KV transfer from the prefill worker failed" in err["message"]
+    assert err["code"] == "worker_error" and err["message"] == WorkerError.public_text
+    assert err["request_id"] == r.headers["x-request-id"]
+    assert logged(caplog, err["request_id"], "KV transfer from the prefill worker failed")
     content = [json.loads(d)["choices"][0]["delta"].get("content") for d in datas[1:-2]]
     assert content == ["H", "i"]
     releases = h.workers["p0"].releases
     assert len(releases) == 1 and releases[0].epoch == 7
 
 
-async def test_decode_error_without_streaming_is_a_502(cfg):
+async def test_decode_error_without_streaming_is_a_502(cfg, caplog):
     async with router_harness(cfg, workers(error=WorkerError("decode engine died"))) as h:
         r = await h.client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
     assert r.status_code == 502
-    assert "decode engine died" in r.json()["error"]["message"]
+    assert r.json()["error"]["message"] == WorkerError.public_text
+    assert logged(caplog, r.json()["error"]["request_id"], "decode engine died")
     assert len(h.workers["p0"].releases) == 1
 
 

@@ -308,13 +308,20 @@ async def test_n_omitted_is_one_choice(cfg, replies):
     assert h.workers["p0"].contexts[0].sampling.n == 1
 
 
-async def test_error_in_one_choice_fails_the_streamed_request_and_releases_the_blocks(cfg, replies):
+async def test_error_in_one_choice_fails_the_streamed_request_and_releases_the_blocks(
+    cfg, replies, caplog
+):
     body = {**CHAT, "n": 2, "stream": True}
     async with router_harness(cfg, pair(replies, fail_choice=1)) as h:
         r = await h.client.post("/v1/chat/completions", json=body)
     datas = [ln for ln in r.text.split("\n\n") if ln.startswith("data: ")]
     assert datas[-1] == "data: [DONE]"
-    assert "choice 1 failed" in json.loads(datas[-2][len("data: ") :])["error"]["message"]
+    err = json.loads(datas[-2][len("data: ") :])["error"]
+    assert err["code"] == "worker_error", err  # the details go to the router's log, not the client
+    assert any(
+        err["request_id"] in rec.getMessage() and "choice 1 failed" in rec.getMessage()
+        for rec in caplog.records
+    )
     assert [x.request_id for x in h.workers["p0"].releases] == [r.headers["x-request-id"]]
 
 
