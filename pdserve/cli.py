@@ -386,11 +386,13 @@ def _run_router(cfg: RouterConfig, log_level: str) -> int:
     import uvicorn
 
     from pdserve.server.app import create_app
+    from pdserve.server.http_protocol import HeaderDeadlineH11Protocol
 
     uvicorn.run(
         create_app(cfg),
         host=cfg.router.host,
         port=cfg.router.port,
+        http=HeaderDeadlineH11Protocol,  # request headers within 10 s
         log_level=log_level,
         access_log=False,
         timeout_graceful_shutdown=5,

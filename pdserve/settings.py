@@ -23,6 +23,7 @@ gives the file key ``scheduler.foo_s``, the variable ``PDSERVE_SCHEDULER__FOO_S`
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import socket
@@ -276,6 +277,26 @@ class TransferSettings(_Section):
     def bind_host(self) -> str:
         """The address the transceiver listens on: ``host``, else ``127.0.0.1``."""
         return self.host or "127.0.0.1"
+
+    @property
+    def net_devices(self) -> str | None:
+        """The UCX network devices of the nixl and ucx backends: ``ucx_devices``, else
+        ``"lo"`` when the transceiver binds a loopback address (UCX then opens its listeners
+        on loopback only, as pdserve's own sockets), else None (UCX's choice: every device,
+        and a TCP listener on every interface's address; set ``ucx_devices`` to limit it)."""
+        if self.ucx_devices:
+            return self.ucx_devices
+        return "lo" if _is_loopback(self.bind_host) else None
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is a loopback address."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class DiscoverySettings(_Section):

@@ -130,9 +130,7 @@ def _drop_other_union_members(errors: Sequence[Any], paths: Sequence[str]) -> li
     for e, path in zip(errors, paths, strict=True):
         if not _is_type_error(e):
             covered.update(_ancestors(path))
-    kept = [
-        i for i, e in enumerate(errors) if not _is_type_error(e) or paths[i] not in covered
-    ]
+    kept = [i for i, e in enumerate(errors) if not _is_type_error(e) or paths[i] not in covered]
     return kept or list(range(len(errors)))
 
 

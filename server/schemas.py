@@ -178,11 +178,9 @@ class _SamplingFields(_Req):
         StopString
         | Annotated[list[StopString], Field(max_length=MAX_STOP_SEQUENCES), _FAIL_FAST]
         | None
-    ) = (
-        Field(
-            default=None,
-            description=f"up to {MAX_STOP_SEQUENCES} strings of at most {MAX_STOP_CHARS} characters",
-        )
+    ) = Field(
+        default=None,
+        description=f"up to {MAX_STOP_SEQUENCES} strings of at most {MAX_STOP_CHARS} characters",
     )
     stream: bool | None = False
     stream_options: StreamOptions | None = None

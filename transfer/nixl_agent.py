@@ -15,7 +15,9 @@ Per request (prefill P initiates, decode D is passive)::
 Settings (measured on the development machines): the progress thread is OFF and both sides
 poll from the event loop (with it on, UCX over TCP drops to ~0.3 GB/s on 2 cores; the passive
 side must keep polling or transfers stall; :class:`~pdserve.transfer.backend.Poller` yields the
-CPU while it polls); ``cfg.ucx_devices`` (e.g. ``"lo"``) limits UCX's *network* devices only:
+CPU while it polls); ``cfg.net_devices`` (``ucx_devices``, or ``"lo"`` on a loopback bind; passed
+as the UCX context's ``NET_DEVICES``, so its listeners open on those devices only) limits UCX's
+*network* devices only:
 two workers on one host still WRITE by CMA (shared-memory devices are not network devices;
 checked with ``UCX_PROTO_INFO=y``: ``ucp_put* ... zero-copy cma/memory`` with ``lo``), and
 :data:`UCX_OPTIONS` lets the notifications take shared memory too. WRITE (push), never READ,
@@ -82,9 +84,22 @@ class NixlAgent:
         conf = nixl_agent_config(enable_prog_thread=False, backends=[])
         self._agent: Any = nixl_agent(name, conf)
         params = {"ucx_devices": ucx_devices} if ucx_devices else {}
-        options = ",".join(f"{k}={v}" for k, v in UCX_OPTIONS.items())
+        options = dict(UCX_OPTIONS)
+        # NIXL's ucx_devices does not reach the UCX context's NET_DEVICES (seen: its TCP
+        # listener bound every interface's address with ucx_devices="lo"); the engine
+        # config does, for one device (its values cannot hold a comma).
+        if ucx_devices and "," not in ucx_devices:
+            options["NET_DEVICES"] = ucx_devices
+        elif ucx_devices:
+            log.warning(
+                "NIXL takes one UCX network device in its engine config, not %r: its UCX "
+                "listeners may open on every interface (set UCX_NET_DEVICES in the worker's "
+                "environment to limit them)",
+                ucx_devices,
+            )
+        engine_config = ",".join(f"{k}={v}" for k, v in options.items())
         try:
-            self._agent.create_backend("UCX", {**params, "engine_config": options})
+            self._agent.create_backend("UCX", {**params, "engine_config": engine_config})
         except Exception as exc:  # a NIXL without engine_config: correct, only slower
             log.warning("NIXL UCX backend refused engine_config (%s); creating it without", exc)
             self._agent.create_backend("UCX", params)
@@ -223,7 +238,7 @@ class NixlBackend(Backend):
     def __init__(
         self, *, cfg: TransferSettings, pool: torch.Tensor, geometry: PoolGeometry, agent_name: str
     ):
-        self._agent = NixlAgent(agent_name, pool, cfg.ucx_devices)
+        self._agent = NixlAgent(agent_name, pool, cfg.net_devices)
         self._geometry = geometry
         self._metadata_b64 = base64.b64encode(self._agent.metadata()).decode()
         self._peers: dict[str, str] = {}  # loaded remote agent name -> its decode worker id

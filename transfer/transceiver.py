@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import socket
 import uuid
@@ -47,6 +46,7 @@ from pdserve.transfer.sender import ParkedLookup, Sender
 log = logging.getLogger(__name__)
 
 _RECENT_ERRORS = 64
+
 
 class Transceiver:
     """A worker's KV transfer endpoint (see the module docstring for the lifecycle).

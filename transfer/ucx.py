@@ -36,15 +36,16 @@ cores) without its permanent spin task, which would burn a core on an idle worke
 asyncio API (``create_listener``/``create_endpoint``, whose progress mode comes from
 ``UCXPY_PROGRESS_MODE`` or ``ucxx.init``) is not used at all: this module drives ucxx's core
 objects (``UCXContext``, ``UCXWorker``, ``UCXEndpoint``, requests polled for completion).
-UCX options are passed to the UCX context (:data:`UCX_OPTIONS`, ``cfg.ucx_devices`` as
-``NET_DEVICES``); nothing writes ``os.environ``, and ``UCX_*`` variables still apply to what
-the options leave unset (e.g. ``UCX_TLS``).
+UCX options are passed to the UCX context (:data:`UCX_OPTIONS`, ``cfg.net_devices`` as
+``NET_DEVICES``: ``ucx_devices``, or ``lo`` when the transceiver binds loopback); nothing
+writes ``os.environ``, and ``UCX_*`` variables still apply to what the options leave unset
+(e.g. ``UCX_TLS``).
 
 Same host and across hosts: UCX picks the transports per peer from the worker addresses.
 On one host that is shared memory (``sysv``; large messages go as a rendezvous through
 shared-memory fragments); CMA is not used because it offers no peer-failure handling, and
 with error handling off a prefill worker dying during a CMA read aborts the decode process
-(seen). Across hosts it is TCP on the devices ``cfg.ucx_devices`` names (all by default).
+(seen). Across hosts it is TCP on the devices ``cfg.net_devices`` names (all by default).
 
 Failures: endpoints have peer error handling on, so a dying peer fails requests. The control
 connection is the failure detector: EOF, TransferFailed or the receiver's deadline end the
@@ -363,7 +364,7 @@ class UcxBackend(Backend):
                 "(stages through pinned host memory)"
             )
         self._bytes = pool_bytes(pool)
-        self._worker = UcxWorker(cfg.ucx_devices)
+        self._worker = UcxWorker(cfg.net_devices)
         self._address_b64 = base64.b64encode(self._worker.address).decode()
         self._links: dict[Connection, UcxConnection] = {}
 

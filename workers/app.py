@@ -145,6 +145,8 @@ def run_worker(cfg: WorkerConfig, *, log_level: str = "info") -> None:
     """Serve a worker until SIGINT/SIGTERM (blocking)."""
     import uvicorn
 
+    from pdserve.server.http_protocol import HeaderDeadlineH11Protocol
+
     settings = RoleSettings.from_config(cfg)
     sock = bind_socket(settings.host, settings.port)
     port = sock.getsockname()[1]
@@ -187,6 +189,7 @@ def run_worker(cfg: WorkerConfig, *, log_level: str = "info") -> None:
             timeout_graceful_shutdown=5,
             timeout_keep_alive=int(WORKER_KEEPALIVE_S),  # > the router's keep-alive
             access_log=False,
+            http=HeaderDeadlineH11Protocol,  # request headers within 10 s
         )
     )
     server.run(sockets=[sock])

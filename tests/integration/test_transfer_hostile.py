@@ -23,12 +23,12 @@ import pytest
 import torch
 
 from pdserve.transfer import Transceiver, create_transceiver, wire
+from pdserve.transfer.admission import MAX_UNPROVEN_PER_HOST
 from pdserve.transfer.auth import dial
 from pdserve.transfer.backend import open_backend
 from pdserve.transfer.control import FRAME_TIMEOUT_S, Connection, split_endpoint
 from pdserve.transfer.formatter import PoolGeometry
 from pdserve.transfer.handshake import LocalSide
-from pdserve.transfer.admission import MAX_UNPROVEN_PER_HOST
 from pdserve.transfer.sender import AUTH_START_S
 from tests.integration.kv_peer import LAYOUT, TEST_KEY, PrefillProcess, cfg, empty_pool, pattern
 

@@ -70,6 +70,18 @@ BAD_REQUESTS = [
      "empty"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, 400, "unsupported",
      "echo", "not supported"),
+    # A lone surrogate (valid JSON, no Unicode text): refused by the schema, not a 500.
+    ("/v1/chat/completions",
+     b'{"model": "tiny-test", "messages": [{"role": "user", "content": "hi \\ud800"}]}', 400,
+     "invalid_request", "messages[0].content", "lone surrogate"),
+    ("/v1/chat/completions",
+     b'{"model": "tiny-test", "messages": [{"role": "user", "content": [{"type": "text", '
+     b'"text": "\\udfff"}]}]}', 400, "invalid_request", "messages[0].content[0].text",
+     "lone surrogate"),
+    ("/v1/completions", b'{"model": "tiny-test", "prompt": "\\ud83d x"}', 400,
+     "invalid_request", "prompt", "lone surrogate"),
+    ("/v1/completions", b'{"model": "tiny-test", "prompt": "x", "stop": ["\\udc00"]}', 400,
+     "invalid_request", "stop[0]", "valid string"),
 ]  # fmt: skip
 
 
@@ -126,7 +138,9 @@ async def test_prefill_error_is_an_error_status_with_the_worker_envelope(cfg, st
     assert r.headers["content-type"] == "application/json"
     err = r.json()["error"]
     assert err["code"] == "no_capacity" and err["message"] == CapacityError.public_text
-    assert logged(caplog, err["request_id"], "prefill worker p0 answered HTTP 503: prefill worker is draining")
+    assert logged(
+        caplog, err["request_id"], "prefill worker p0 answered HTTP 503: prefill worker is draining"
+    )
 
 
 async def test_decode_error_mid_stream_is_an_sse_error_event_then_done(cfg, caplog):
