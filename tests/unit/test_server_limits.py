@@ -14,8 +14,8 @@ from transformers import AutoTokenizer
 from pdserve.config import RouterConfig, load_config
 from pdserve.errors import ConfigError
 from pdserve.protocol import MAX_CHOICES, Role
-from pdserve.server.preprocess import Preprocessor
 from pdserve.server.errors import validation_error
+from pdserve.server.preprocess import Preprocessor
 from pdserve.server.schemas import (
     MAX_MESSAGES,
     MAX_STOP_CHARS,
