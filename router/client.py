@@ -33,7 +33,10 @@ from pydantic import ValidationError
 from pdserve.errors import (
     CapacityError,
     DeadlineExceededError,
+    HandleError,
+    IntegrityError,
     InvalidRequestError,
+    LayoutMismatchError,
     PdserveError,
     QueueFullError,
     TransferError,
@@ -59,6 +62,11 @@ log = logging.getLogger(__name__)
 
 HEADERS = {PROTOCOL_HEADER: str(PROTOCOL_VERSION)}
 
+_TRANSFER_ERRORS: dict[str, type[TransferError]] = {
+    cls.code: cls for cls in (LayoutMismatchError, HandleError, IntegrityError)
+}
+"""The TransferError subclass of a worker's ``kv_*`` code (another ``kv_*``: TransferError)."""
+
 
 def _remaining(deadline: float) -> float:
     return deadline - time.time()
@@ -75,8 +83,8 @@ def error_from_envelope(leg: str, status: int, body: bytes) -> PdserveError:
     ``leg`` names the worker in the message, e.g. ``"prefill worker p0"``. 400 stays 400 (the
     worker refused the request itself), 429 -> :class:`QueueFullError` (the worker's queue is
     full: the client may retry), 503 -> :class:`CapacityError`, 504 ->
-    :class:`DeadlineExceededError`, a ``kv_*`` code -> :class:`TransferError`, anything else ->
-    :class:`WorkerError` (502).
+    :class:`DeadlineExceededError`, a ``kv_*`` code -> :class:`TransferError` (the subclass of
+    that code, e.g. :class:`IntegrityError`), anything else -> :class:`WorkerError` (502).
     """
     try:
         err = ErrorEnvelope.model_validate_json(body).error
@@ -94,7 +102,7 @@ def error_from_envelope(leg: str, status: int, body: bytes) -> PdserveError:
     elif status == 504:
         cls = DeadlineExceededError
     elif code and code.startswith("kv_"):
-        cls = TransferError
+        cls = _TRANSFER_ERRORS.get(code, TransferError)
     else:
         cls = WorkerError
     # A worker's refusal of the request itself (400) is the client's business: its own words

@@ -96,6 +96,9 @@ async def test_a_worker_failure_reaches_the_client_without_internal_names(
     seen = error_from_envelope("leg", exc.status, json.dumps(exc.to_json()).encode())
     assert r.status_code in (200, seen.status), r.text
     assert (err["code"], err["type"]) == (seen.code, seen.type)
+    assert err["message"] == seen.public_message
+    if isinstance(exc, TransferError):  # the subclass survives the hop: its own public text
+        assert type(seen) is type(exc) and err["message"] == exc.public_text
     assert_public(err, caplog)
 
 
