@@ -321,7 +321,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             _check_secrets(cfg)
             return _run_router(router_config(cfg, _resolve_model(cfg)), args.log_level)
         if args.command in ("prefill", "decode", "colocated"):
-            from pdserve.workers.app import run_worker
+            from pdserve.workers.roles.app import run_worker
 
             cfg, _ = resolve_config(args, args.command)
             _check_secrets(cfg)

@@ -50,7 +50,7 @@ class EngineConfig(_Runtime):
 
     ``model_path`` is the resolved local Hugging Face model folder (config.json, safetensors,
     tokenizer). The KV pool gets exactly ``kv_cache.num_blocks`` blocks when set, else
-    ``kv_cache.budget_mb``, else a share of the machine (:mod:`pdserve.workers.kv_sizing`), of
+    ``kv_cache.budget_mb``, else a share of the machine (:mod:`pdserve.workers.kv.sizing`), of
     :attr:`cache_dtype` elements (attention computes in the model dtype and casts K/V on write
     and read, so a narrower KV dtype halves the pool and the transfer at some precision).
     """

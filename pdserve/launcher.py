@@ -34,7 +34,7 @@ from pdserve.config import served_model_name
 from pdserve.security import generate_secret, load_api_keys, write_secret_file
 from pdserve.settings import ENV_PREFIX, ROLES, KVCacheSettings, PdserveConfig, settings
 from pdserve.supervisor import ProcessSpec, ProcessSupervisor, RestartPolicy, pdserve_argv
-from pdserve.workers.kv_sizing import available_host_memory
+from pdserve.workers.kv.sizing import available_host_memory
 
 GRACE_S = 10.0
 """Seconds each stop tier (workers, then the router) gets after SIGTERM before SIGKILL."""

@@ -41,7 +41,7 @@ routing), and on decode workers
 ``pdserve_kv_transfer_failures_total{error}`` for every pull and
 ``pdserve_kv_transfer_blocks_skipped_total``: prompt blocks a pull left out because this
 worker's prefix cache already held them (delta transfer). With KV cache tiers
-(:mod:`pdserve.workers.kv_connector`), per ``tier`` (host, disk):
+(:mod:`pdserve.workers.kv.connector`), per ``tier`` (host, disk):
 ``pdserve_kv_tier_hit_tokens_total`` / ``pdserve_kv_tier_loaded_blocks_total`` (loaded into
 the pool instead of recomputed), ``pdserve_kv_tier_stored_blocks_total`` (host: evicted blocks
 kept; disk: files written), ``pdserve_kv_tier_evicted_blocks_total`` (dropped for room),
@@ -77,8 +77,8 @@ from pdserve.protocol import WorkerLoad
 
 if TYPE_CHECKING:
     from pdserve.router.kv_index import KVIndexStats
-    from pdserve.workers.kv_connector import KVConnectorStats
-    from pdserve.workers.prefix_cache import PrefixCacheStats
+    from pdserve.workers.kv.connector import KVConnectorStats
+    from pdserve.workers.kv.prefix_cache import PrefixCacheStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

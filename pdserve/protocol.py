@@ -175,7 +175,7 @@ class TransferHandle(_Msg):
     Fencing: ``epoch`` names the prefill worker's incarnation (its registration epoch) and
     ``lease_id`` the one park of ``block_ids`` it issued (``ParkedBlocks.park``); both sides
     refuse a handle whose epoch, lease id, lease deadline or block ids do not match what the
-    prefill worker holds now (``pdserve.workers.parking``).
+    prefill worker holds now (``pdserve.workers.roles.parking``).
     """
 
     worker_id: str

@@ -3,7 +3,7 @@
 Design origin: Dynamo's KV router (its ``KvIndexer`` applies the workers' ``stored`` /
 ``removed`` events and answers "how many leading blocks of this prompt does each worker hold").
 Here the index is a set of block hashes per worker incarnation; a prompt's hashes are computed
-the way each worker computes them (:class:`pdserve.workers.prefix_cache.BlockHasher`, seeded
+the way each worker computes them (:class:`pdserve.workers.kv.prefix_cache.BlockHasher`, seeded
 by the worker's ``KVLayout.model``, ``dtype`` and ``tokens_per_block``), so a match is exact.
 
 Per worker id the index keeps ``(epoch, last seq, synced, hashes)``. :meth:`KVIndex.apply`
@@ -38,9 +38,9 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from pdserve.block_hash import BlockHasher
 from pdserve.discovery.kvcache import KVCacheEvent
 from pdserve.protocol import KVLayout, WorkerRecord
-from pdserve.workers.prefix_cache import BlockHasher
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ the same model folder:
 
 - ``eager``: transformers' forward, ``model.compile: false``;
 - ``prepacked``: the same eager forward with oneDNN-prepacked linears only
-  (:func:`pdserve.workers.compile.prepack_linears`), to show what the packing alone buys;
+  (:func:`pdserve.workers.engine.compile.prepack_linears`), to show what the packing alone buys;
 - ``compiled``: ``model.compile: true`` (prepacked + ``torch.compile``).
 
 Calls alternate between the runners (``--rounds`` rounds, median of each), so load from other
@@ -33,11 +33,11 @@ import torch
 from pdserve.models import prepare_default_model
 from pdserve.protocol import KVLayout, SamplingParams
 from pdserve.settings import default_cache_dir
-from pdserve.workers.compile import prepack_linears
-from pdserve.workers.kv_cache import KVCacheManager
-from pdserve.workers.model_runner import ModelRunner
-from pdserve.workers.scheduler import ScheduledBatch, ScheduledSequence
-from pdserve.workers.sequence import Sequence
+from pdserve.workers.engine.compile import prepack_linears
+from pdserve.workers.engine.model_runner import ModelRunner
+from pdserve.workers.engine.scheduler import ScheduledBatch, ScheduledSequence
+from pdserve.workers.engine.sequence import Sequence
+from pdserve.workers.kv.manager import KVCacheManager
 from tests.integration.engine_helpers import engine_config
 
 PREFILL_TOKENS = 286
@@ -49,7 +49,7 @@ SAMPLING = SamplingParams(temperature=0.0, max_tokens=64)
 STARTUP_CHILD = """
 import sys, time, torch
 from pathlib import Path
-from pdserve.workers.model_runner import ModelRunner
+from pdserve.workers.engine.model_runner import ModelRunner
 from tests.integration.engine_helpers import engine_config
 torch.set_num_threads(int(sys.argv[2]))
 r = ModelRunner(engine_config(Path(sys.argv[1]), compile=True))

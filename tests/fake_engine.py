@@ -1,10 +1,10 @@
 """A deterministic engine without a model, implementing
-:class:`pdserve.workers.engine_api.WorkerEngine` over a real CPU
-:class:`~pdserve.workers.kv_cache.KVCacheManager` pool, so the worker roles, the transceiver and
+:class:`pdserve.workers.engine.api.WorkerEngine` over a real CPU
+:class:`~pdserve.workers.kv.manager.KVCacheManager` pool, so the worker roles, the transceiver and
 the fencing around them run unchanged in unit tests.
 
 What it does per mode (outputs are delivered synchronously from :meth:`FakeEngine.add_request`;
-the worker's :class:`~pdserve.workers.bridge.OutputStream` queues them on the event loop):
+the worker's :class:`~pdserve.workers.roles.bridge.OutputStream` queues them on the event loop):
 
 - ``prefill``: allocates the prompt's blocks, fills them with :func:`kv_pattern` (the K/V a
   real prefill would write: a function of the prompt), answers one output carrying token
@@ -30,8 +30,8 @@ import torch
 
 from pdserve.errors import CapacityError, InvalidRequestError
 from pdserve.protocol import FinishReason, KVLayout, SamplingParams, WorkerLoad
-from pdserve.workers.kv_cache import KVCacheManager
-from pdserve.workers.requests import EngineOutput, EngineRequest, Reservation, Sink
+from pdserve.workers.engine.requests import EngineOutput, EngineRequest, Reservation, Sink
+from pdserve.workers.kv.manager import KVCacheManager
 
 VOCAB = 256
 
@@ -58,7 +58,7 @@ def kv_pattern(layout: KVLayout, prompt: list[int] | tuple[int, ...]) -> torch.T
 
 @dataclass
 class FakeEngine:
-    """A :class:`~pdserve.workers.engine_api.WorkerEngine` over a ``num_blocks``-block CPU pool.
+    """A :class:`~pdserve.workers.engine.api.WorkerEngine` over a ``num_blocks``-block CPU pool.
 
     Records every request (``requests``), abort (``aborted``), reservation lifecycle
     (``unreserved``) and parked release (``freed_parked``) for assertions.

@@ -108,7 +108,7 @@ class KVBlockEvent(_Event):
 
 class ParkedCounts(Protocol):
     """What :meth:`EventPublisher.publish` reads from a prefill worker's parked-block table
-    (``pdserve.workers.parking.ParkedBlocks`` satisfies it)."""
+    (``pdserve.workers.roles.parking.ParkedBlocks`` satisfies it)."""
 
     expired_total: int
     released_total: int

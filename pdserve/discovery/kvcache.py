@@ -2,7 +2,7 @@
 events), on the wire and between the discovery backends and the router's index.
 
 Design origin: Dynamo's KV router. Each worker's KV cache manager indexes full blocks under a
-chained hash (:class:`pdserve.workers.prefix_cache.BlockHasher`); the worker publishes every
+chained hash (:class:`pdserve.workers.kv.prefix_cache.BlockHasher`); the worker publishes every
 change of that index as a :class:`KVCacheEvent`, and the router keeps, per worker, the set of
 hashes it holds (:class:`pdserve.router.kv_index.KVIndex`) to route a prompt to the worker that
 already holds its prefix.

@@ -75,7 +75,7 @@ def _model_dir(name: str, root: Path) -> Path:
 def _run_level(engine: Any, prompts: list[list[int]], max_tokens: int) -> list[tuple[float, float]]:
     """Submit ``prompts`` together; (TTFT, TPOT) seconds per request."""
     from pdserve.protocol import SamplingParams
-    from pdserve.workers.engine import EngineRequest
+    from pdserve.workers.engine.engine import EngineRequest
 
     sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     stamps: dict[str, list[float]] = {f"b{i}": [] for i in range(len(prompts))}
@@ -113,7 +113,7 @@ def _bench_engine_config(
     args: argparse.Namespace, model_dir: Path, gen: torch.Generator, dtype: str, graphs: bool
 ) -> list[dict[str, Any]]:
     """One engine (``dtype``, CUDA graphs on or off), every concurrency level."""
-    from pdserve.workers.engine import Engine
+    from pdserve.workers.engine.engine import Engine
     from tests.integration.engine_helpers import engine_config
 
     results = []

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pdserve.workers.engine import Engine
+from pdserve.workers.engine.engine import Engine
 from tests.gpu.models import build_smollm2_like
 from tests.gpu.test_engine_cuda import _syncs_per_forward, hf_greedy_on
 from tests.integration.engine_helpers import make_engine

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pdserve.protocol import SamplingParams
-from pdserve.workers.engine import Engine, EngineRequest
+from pdserve.workers.engine.engine import Engine, EngineRequest
 from tests.gpu.models import build_smollm2_like
 from tests.integration.engine_helpers import complete, joined, make_engine, run, split_complete
 from tests.integration.test_engine_fidelity import tiny_prompts

@@ -12,7 +12,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.protocol import FinishReason, SamplingParams
 from pdserve.settings import KVCacheSettings, ModelSettings, SchedulerSettings
-from pdserve.workers.engine import Engine, EngineOutput, EngineRequest
+from pdserve.workers.engine.engine import Engine, EngineOutput, EngineRequest
 
 _SECTIONS = {"model": ModelSettings, "kv_cache": KVCacheSettings, "scheduler": SchedulerSettings}
 

@@ -1,8 +1,8 @@
 """A prefill worker's transfer side in its own process, with the real parked-block table.
 
 :class:`PrefillProcess` spawns a process that runs what a prefill worker runs on the transfer
-path, minus the model: a real :class:`~pdserve.workers.kv_cache.KVCacheManager` (its pool
-filled with a known pattern), a real :class:`~pdserve.workers.parking.ParkedBlocks` wired to the
+path, minus the model: a real :class:`~pdserve.workers.kv.manager.KVCacheManager` (its pool
+filled with a known pattern), a real :class:`~pdserve.workers.roles.parking.ParkedBlocks` wired to the
 manager's block generations, and a real transceiver. The test process plays the decode worker.
 
 The child's cluster secret is a constructor argument (default: the suite's; another one plays a
@@ -96,8 +96,8 @@ def _child(pipe: Pipe, backend: str, epoch: int, port: int, secret: str) -> None
 async def _serve(pipe: Pipe, backend: str, epoch: int, port: int, secret: str) -> None:
     from pdserve.transfer import create_transceiver, integrity
     from pdserve.transfer.formatter import pool_bytes
-    from pdserve.workers.kv_cache import KVCacheManager
-    from pdserve.workers.parking import ParkedBlocks
+    from pdserve.workers.kv.manager import KVCacheManager
+    from pdserve.workers.roles.parking import ParkedBlocks
 
     kv = KVCacheManager(LAYOUT, NUM_BLOCKS)
     kv.pool.copy_(pattern())

@@ -18,12 +18,12 @@ from transformers import AutoModelForCausalLM
 from pdserve.cli import build_parser, resolve_config
 from pdserve.config import worker_config
 from pdserve.protocol import KVLayout, SamplingParams
-from pdserve.workers.compile import CompiledForward, OneDNNLinear
-from pdserve.workers.engine import Engine, EngineRequest
-from pdserve.workers.kv_cache import KVCacheManager
-from pdserve.workers.model_runner import ModelRunner
-from pdserve.workers.scheduler import ScheduledBatch, ScheduledSequence
-from pdserve.workers.sequence import Sequence
+from pdserve.workers.engine.compile import CompiledForward, OneDNNLinear
+from pdserve.workers.engine.engine import Engine, EngineRequest
+from pdserve.workers.engine.model_runner import ModelRunner
+from pdserve.workers.engine.scheduler import ScheduledBatch, ScheduledSequence
+from pdserve.workers.engine.sequence import Sequence
+from pdserve.workers.kv.manager import KVCacheManager
 from tests.integration.engine_helpers import (
     complete,
     engine_config,

@@ -1,4 +1,4 @@
-"""The padded, static-shape decode path of :mod:`pdserve.workers.cuda_graphs` computes what the
+"""The padded, static-shape decode path of :mod:`pdserve.workers.engine.cuda_graphs` computes what the
 eager path computes: a batch of sequences of different lengths, decoded through padded buckets
 (batch 1, 2, 4, 8; block-table widths 16 and 32) while other sequences still prefill in
 chunks, emits every sequence's solo eager tokens and transformers' ``generate()`` tokens.
@@ -20,9 +20,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pdserve.protocol import SamplingParams
-from pdserve.workers.attention import register_paged_attention
-from pdserve.workers.cuda_graphs import DecodeGraphs
-from pdserve.workers.engine import Engine, EngineRequest
+from pdserve.workers.engine.attention import register_paged_attention
+from pdserve.workers.engine.cuda_graphs import DecodeGraphs
+from pdserve.workers.engine.engine import Engine, EngineRequest
 from tests.integration.engine_helpers import complete, hf_greedy, joined, make_engine, run
 
 PROMPT_LENGTHS = (3, 17, 30, 45, 61)

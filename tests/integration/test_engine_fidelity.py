@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdserve.protocol import SamplingParams
-from pdserve.workers.engine import Engine, EngineRequest
+from pdserve.workers.engine.engine import Engine, EngineRequest
 from tests.integration.engine_helpers import (
     complete,
     hf_greedy,

@@ -19,7 +19,7 @@ import torch
 
 from pdserve.protocol import SamplingParams
 from pdserve.transfer.formatter import Formatter, PoolGeometry, pool_bytes
-from pdserve.workers.engine import Engine, EngineRequest
+from pdserve.workers.engine.engine import Engine, EngineRequest
 from tests.integration.engine_helpers import joined, make_engine, run
 
 PROMPTS = [

@@ -14,7 +14,7 @@ import pytest
 
 from pdserve.errors import CapacityError, QueueFullError
 from pdserve.protocol import SamplingParams
-from pdserve.workers.engine import Engine, EngineOutput, EngineRequest
+from pdserve.workers.engine.engine import Engine, EngineOutput, EngineRequest
 from tests.integration.engine_helpers import copy_blocks_bytewise, engine_config, make_engine, run
 
 TEXTS = [

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pdserve.protocol import SamplingParams
-from pdserve.workers.engine import Engine, EngineOutput, EngineRequest
+from pdserve.workers.engine.engine import Engine, EngineOutput, EngineRequest
 from tests.integration.engine_helpers import complete, hf_greedy, joined, make_engine, run
 
 SYSTEM = "You are pdserve, a helpful assistant. Answer briefly. "

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.protocol import SamplingParams
-from pdserve.workers.engine import Engine
+from pdserve.workers.engine.engine import Engine
 from tests.integration.engine_helpers import complete, make_engine
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,8 +12,8 @@ import pytest
 
 from pdserve.discovery.kvcache import kv_event_sender, kv_snapshot_requests
 from pdserve.router.kv_index import KVIndex, follow_kv_events
-from pdserve.workers.kv_cache import KVCacheManager
-from pdserve.workers.kv_events import KVEventPublisher, KVEventRecorder
+from pdserve.workers.kv.events import KVEventPublisher, KVEventRecorder
+from pdserve.workers.kv.manager import KVCacheManager
 from tests.fakes import layout
 from tests.fixtures.servers import wait_until
 from tests.integration.discovery_backends import (

@@ -22,7 +22,7 @@ from pdserve.errors import LayoutMismatchError
 from pdserve.protocol import KVLayout, TransferHandle
 from pdserve.settings import TransferSettings
 from pdserve.transfer import Transceiver, create_transceiver
-from pdserve.workers.parking import ParkedBlocks
+from pdserve.workers.roles.parking import ParkedBlocks
 from tests.fixtures.servers import wait_until_sync
 from tests.integration.kv_peer import TEST_KEY
 from tests.integration.test_transfer_backends import BACKENDS

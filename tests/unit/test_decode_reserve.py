@@ -10,8 +10,8 @@ import pytest
 
 from pdserve.errors import CapacityError, QueueFullError
 from pdserve.protocol import GenerationRequest, KVLayout, SamplingParams, TransferHandle
-from pdserve.workers.decode import DecodeRole
-from pdserve.workers.requests import Reservation
+from pdserve.workers.engine.requests import Reservation
+from pdserve.workers.roles.decode import DecodeHandler
 from tests.fakes import layout
 
 
@@ -59,14 +59,14 @@ def request(lease_s: float) -> tuple[GenerationRequest, TransferHandle]:
 
 async def test_a_full_pool_is_waited_for_until_blocks_free_up() -> None:
     engine = FullPool(full_for=3)
-    role = DecodeRole(engine=engine, transceiver=None)  # type: ignore[arg-type]
+    role = DecodeHandler(engine=engine, transceiver=None)  # type: ignore[arg-type]
     req, handle = request(lease_s=30)
     assert (await role._reserve(req, handle)).block_ids == [3]
     assert engine.calls == 4 and role.waiting_for_blocks == 0
 
 
 async def test_a_pool_that_stays_full_answers_429_before_the_lease_ends() -> None:
-    role = DecodeRole(engine=FullPool(full_for=10**9), transceiver=None)  # type: ignore[arg-type]
+    role = DecodeHandler(engine=FullPool(full_for=10**9), transceiver=None)  # type: ignore[arg-type]
     req, handle = request(lease_s=1.3)
     t0 = time.monotonic()
     with pytest.raises(QueueFullError, match="before its prefill lease ran out"):
@@ -75,7 +75,7 @@ async def test_a_pool_that_stays_full_answers_429_before_the_lease_ends() -> Non
 
 
 async def test_beyond_the_queue_bound_or_under_guaranteed_no_evict_it_refuses_at_once() -> None:
-    busy = DecodeRole(
+    busy = DecodeHandler(
         engine=FullPool(full_for=10**9),  # type: ignore[arg-type]
         transceiver=None,
         max_queued_requests=4,
@@ -85,7 +85,7 @@ async def test_beyond_the_queue_bound_or_under_guaranteed_no_evict_it_refuses_at
     with pytest.raises(QueueFullError, match="wait for KV blocks"):
         await busy._reserve(req, handle)
     strict = FullPool(full_for=10**9)
-    role = DecodeRole(engine=strict, transceiver=None, evicts=False)  # type: ignore[arg-type]
+    role = DecodeHandler(engine=strict, transceiver=None, evicts=False)  # type: ignore[arg-type]
     with pytest.raises(CapacityError):
         await role._reserve(req, handle)
     assert strict.calls == 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.workers.sequence import IncrementalDetokenizer
+from pdserve.workers.engine.sequence import IncrementalDetokenizer
 from tests.fixtures.models import tiny_tokenizer
 
 

@@ -11,8 +11,8 @@ from pydantic import ValidationError
 
 from pdserve.errors import HandleError, IntegrityError, LayoutMismatchError, TransferError
 from pdserve.protocol import GenerationRequest, KVLayout, SamplingParams, TransferHandle
-from pdserve.workers.decode import DecodeRole, check_handle
-from pdserve.workers.requests import Reservation
+from pdserve.workers.engine.requests import Reservation
+from pdserve.workers.roles.decode import DecodeHandler, check_handle
 
 LAYOUT = KVLayout(model="m", num_layers=2, num_kv_heads=2, head_dim=8, tokens_per_block=4,
                   dtype="float32")  # fmt: skip
@@ -88,7 +88,7 @@ def test_handle_without_a_lease_id_does_not_parse() -> None:
 
 
 class _Engine:
-    """The engine calls DecodeRole makes around a transfer (logic around the real path)."""
+    """The engine calls DecodeHandler makes around a transfer (logic around the real path)."""
 
     layout = LAYOUT
 
@@ -117,7 +117,7 @@ class _CorruptingTransceiver:
 
 async def test_blocks_that_fail_the_digest_check_are_unreserved_at_once_and_never_resumed() -> None:
     engine = _Engine()
-    role = DecodeRole(engine=engine, transceiver=_CorruptingTransceiver())  # type: ignore[arg-type]
+    role = DecodeHandler(engine=engine, transceiver=_CorruptingTransceiver())  # type: ignore[arg-type]
     with pytest.raises(IntegrityError, match="decode block 7"):
         await role.admit(_req())
     assert engine.calls == ["reserve", "unreserve"], "freed now, not quarantined, not resumed"
@@ -139,7 +139,7 @@ async def test_a_failed_pull_frees_its_blocks_at_once_unless_a_write_may_still_l
     late_writes: bool,
 ) -> None:
     engine = _Engine()
-    role = DecodeRole(
+    role = DecodeHandler(
         engine=engine,  # type: ignore[arg-type]
         transceiver=_FailingTransceiver(late_writes),  # type: ignore[arg-type]
         quarantine_s=30.0,

@@ -10,7 +10,7 @@ import torch
 
 from pdserve.errors import CapacityError
 from pdserve.protocol import KVLayout
-from pdserve.workers.kv_cache import KVCacheManager, num_blocks_for_budget
+from pdserve.workers.kv.manager import KVCacheManager, num_blocks_for_budget
 
 LAYOUT = KVLayout(
     model="test", num_layers=3, num_kv_heads=2, head_dim=4, tokens_per_block=4, dtype="float32"

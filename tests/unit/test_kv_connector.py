@@ -1,4 +1,4 @@
-"""The KV cache connector's logic (:mod:`pdserve.workers.kv_connector`) with the scheduler and
+"""The KV cache connector's logic (:mod:`pdserve.workers.kv.connector`) with the scheduler and
 a real CPU pool, no model: admission matches the blocks after the pool prefix in the host tier,
 then the disk tier, up to the first miss and never the last token; the step loads them into the
 admitted sequence's blocks; every full block a step completes is saved once; an evicted cached
@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from pdserve.protocol import KVLayout, SamplingParams
-from pdserve.workers.kv_cache import KVCacheManager
-from pdserve.workers.kv_connector import KVConnector
-from pdserve.workers.kv_tiers import DiskTier, HostTier
-from pdserve.workers.scheduler import ScheduledBatch, Scheduler
-from pdserve.workers.sequence import Sequence
+from pdserve.workers.engine.scheduler import ScheduledBatch, Scheduler
+from pdserve.workers.engine.sequence import Sequence
+from pdserve.workers.kv.connector import KVConnector
+from pdserve.workers.kv.manager import KVCacheManager
+from pdserve.workers.kv.tiers import DiskTier, HostTier
 
 TPB = 4
 LAYOUT = KVLayout(
@@ -200,7 +200,7 @@ def test_the_settings_build_a_connector_only_with_a_tier_and_the_prefix_cache(
     tmp_path: Path,
 ) -> None:
     from pdserve.settings import HOST_CACHE_CUDA_MB, KVCacheSettings
-    from pdserve.workers.kv_connector import build_connector
+    from pdserve.workers.kv.connector import build_connector
 
     defaults = KVCacheSettings()
     assert defaults.host_cache_bytes("cpu") == 0, "the CPU pool already is host memory"

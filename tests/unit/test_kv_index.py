@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.block_hash import BlockHasher
 from pdserve.discovery.kvcache import KVCacheEvent, encode_hash
 from pdserve.router.kv_index import KVIndex, PromptHashes, expected_cached_tokens
-from pdserve.workers.kv_cache import KVCacheManager
-from pdserve.workers.prefix_cache import BlockHasher
+from pdserve.workers.kv.manager import KVCacheManager
 from tests.fakes import layout, record
 
 TPB = 16

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from pdserve.protocol import KVLayout
-from pdserve.workers import kv_sizing
-from pdserve.workers.kv_sizing import cuda_kv_budget, pool_size
+from pdserve.workers.kv import sizing as kv_sizing
+from pdserve.workers.kv.sizing import cuda_kv_budget, pool_size
 
 # SmolLM2's shape: 30 layers x 2 x 16 tokens x 3 heads x 64 x 4 bytes = 737,280 bytes a block
 LAYOUT = KVLayout(

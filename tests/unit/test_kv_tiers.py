@@ -1,4 +1,4 @@
-"""KV cache tiers (:mod:`pdserve.workers.kv_tiers`): the host tier's LRU byte cap; the disk
+"""KV cache tiers (:mod:`pdserve.workers.kv.tiers`): the host tier's LRU byte cap; the disk
 tier's atomic, digest-checked files (a flipped byte, a truncated file or a file of another
 block is removed, counted and a miss), its size cap with LRU cleanup, a second instance on the
 same directory (a restart) and its bounded write queue."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pdserve.protocol import KVLayout
-from pdserve.workers.kv_tiers import DiskTier, HostTier, block_nbytes
+from pdserve.workers.kv.tiers import DiskTier, HostTier, block_nbytes
 
 LAYOUT = KVLayout(
     model="tiers-test", num_layers=2, num_kv_heads=2, head_dim=8, tokens_per_block=4,

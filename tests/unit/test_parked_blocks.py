@@ -6,8 +6,8 @@ import pytest
 
 from pdserve.errors import HandleError
 from pdserve.protocol import KVLayout
-from pdserve.workers.kv_cache import KVCacheManager
-from pdserve.workers.parking import ParkedBlocks
+from pdserve.workers.kv.manager import KVCacheManager
+from pdserve.workers.roles.parking import ParkedBlocks
 
 LAYOUT = KVLayout(
     model="m", num_layers=2, num_kv_heads=1, head_dim=4, tokens_per_block=4, dtype="float32"

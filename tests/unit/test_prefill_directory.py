@@ -11,7 +11,7 @@ import pytest
 
 from pdserve.errors import HandleError
 from pdserve.protocol import Role, TransferHandle, WorkerRecord
-from pdserve.workers.prefill_directory import PrefillDirectory
+from pdserve.workers.roles.prefill_directory import PrefillDirectory
 from tests.fakes import layout
 
 

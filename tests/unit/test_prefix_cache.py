@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 import pytest
 
+from pdserve.block_hash import BlockHasher
 from pdserve.errors import CapacityError
 from pdserve.protocol import KVLayout, SamplingParams
-from pdserve.workers.kv_cache import KVCacheManager
-from pdserve.workers.prefix_cache import BlockHasher
-from pdserve.workers.scheduler import Scheduler
-from pdserve.workers.sequence import Sequence
+from pdserve.workers.engine.scheduler import Scheduler
+from pdserve.workers.engine.sequence import Sequence
+from pdserve.workers.kv.manager import KVCacheManager
 
 TPB = 4
 LAYOUT = KVLayout(

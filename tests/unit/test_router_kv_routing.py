@@ -10,6 +10,7 @@ import logging
 import httpx
 import pytest
 
+from pdserve.block_hash import BlockHasher
 from pdserve.discovery.kvcache import KVCacheEvent, encode_hash
 from pdserve.metrics import RouterMetrics
 from pdserve.protocol import SamplingParams, WorkerLoad
@@ -18,7 +19,6 @@ from pdserve.router.kv_index import KVIndex
 from pdserve.router.policy import LEAST_LOADED, RoutePath, RouteWeights, choose_route, route_cost
 from pdserve.router.transaction import Router
 from pdserve.router.view import WorkerView
-from pdserve.workers.prefix_cache import BlockHasher
 from tests.fakes import CLUSTER_KEY, MODEL, FakeWatcher, FakeWorker, layout, record
 
 KV = RouteWeights(kv_overlap_weight=1.0, load_weight=256.0)

@@ -7,9 +7,9 @@ import pytest
 
 from pdserve.errors import CapacityError
 from pdserve.protocol import KVLayout, SamplingParams
-from pdserve.workers.kv_cache import KVCacheManager
-from pdserve.workers.scheduler import Scheduler
-from pdserve.workers.sequence import Sequence, SequenceStatus
+from pdserve.workers.engine.scheduler import Scheduler
+from pdserve.workers.engine.sequence import Sequence, SequenceStatus
+from pdserve.workers.kv.manager import KVCacheManager
 
 TPB = 4
 LAYOUT = KVLayout(

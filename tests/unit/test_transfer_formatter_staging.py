@@ -16,7 +16,7 @@ from pdserve.transfer.backend import Backend, Outbound, Peer
 from pdserve.transfer.control import Connection
 from pdserve.transfer.convert import StagingPool
 from pdserve.transfer.formatter import Formatter, PoolGeometry, TransferPlan
-from pdserve.workers.decode import check_handle
+from pdserve.workers.roles.decode import check_handle
 
 P = KVLayout(
     model="m", num_layers=2, num_kv_heads=4, head_dim=64, tokens_per_block=16, dtype="bfloat16"

@@ -26,8 +26,8 @@ from pdserve.transfer import Transceiver, create_transceiver
 from pdserve.transfer.backend import _REGISTRY
 from pdserve.transfer.formatter import TransferPlan
 from pdserve.transfer.inproc import FABRIC, InprocBackend
-from pdserve.workers.kv_cache import KVCacheManager
-from pdserve.workers.parking import ParkedBlocks
+from pdserve.workers.kv.manager import KVCacheManager
+from pdserve.workers.roles.parking import ParkedBlocks
 from tests.fixtures.servers import wait_until
 from tests.integration.kv_peer import TEST_KEY
 

@@ -15,9 +15,9 @@ from pdserve.protocol import (
     SamplingParams,
     TokenLogprob,
 )
-from pdserve.workers.bridge import OutputStream
-from pdserve.workers.decode import DecodeRole
-from pdserve.workers.parking import ParkedBlocks
+from pdserve.workers.roles.bridge import OutputStream
+from pdserve.workers.roles.decode import DecodeHandler
+from pdserve.workers.roles.parking import ParkedBlocks
 from tests.fake_engine import FakeEngine, token_at
 from tests.fakes import layout
 
@@ -81,7 +81,7 @@ def generation(n: int) -> GenerationRequest:
 
 async def test_decode_chunks_carry_the_choice_index_until_every_choice_finished():
     engine = FakeEngine(layout())
-    role = DecodeRole(engine=engine, transceiver=None)  # type: ignore[arg-type]
+    role = DecodeHandler(engine=engine, transceiver=None)  # type: ignore[arg-type]
     stream = OutputStream(choices=3)
     feed(stream, INTERLEAVED)
     chunks = [c async for c in role.chunks(generation(3), stream)]
@@ -97,7 +97,7 @@ async def test_decode_chunks_carry_the_choice_index_until_every_choice_finished(
 
 async def test_decode_consumer_leaving_before_every_choice_finished_aborts_the_request():
     engine = FakeEngine(layout())
-    role = DecodeRole(engine=engine, transceiver=None)  # type: ignore[arg-type]
+    role = DecodeHandler(engine=engine, transceiver=None)  # type: ignore[arg-type]
     stream = OutputStream(choices=3)
     feed(stream, INTERLEAVED)
     chunks = role.chunks(generation(3), stream)
@@ -109,7 +109,7 @@ async def test_decode_consumer_leaving_before_every_choice_finished_aborts_the_r
 
 async def test_decode_deadline_ends_an_unfinished_stream_with_an_error_chunk():
     engine = FakeEngine(layout())
-    role = DecodeRole(engine=engine, transceiver=None)  # type: ignore[arg-type]
+    role = DecodeHandler(engine=engine, transceiver=None)  # type: ignore[arg-type]
     stream = OutputStream(choices=2)
     feed(stream, [Out(0, [7], FinishReason.STOP)])
     req = generation(2).model_copy(update={"deadline": time.time() + 0.2})
@@ -140,11 +140,11 @@ async def prefill_answer(n: int):  # type: ignore[no-untyped-def]
     """The prefill role's answer to a one-token context of ``n`` choices on the shared fake
     engine (which parks the blocks for ``n > 1`` and finishes choice 0 with LENGTH), with the
     engine and the parked-block table."""
-    from pdserve.workers.prefill import PrefillRole
+    from pdserve.workers.roles.prefill import PrefillHandler
 
     engine = FakeEngine(layout())
     parked = ParkedBlocks(epoch=7, lease_s=30.0, free_blocks=engine.free_parked)
-    role = PrefillRole(
+    role = PrefillHandler(
         engine=engine,
         transceiver=FakeTransceiver(),  # type: ignore[arg-type]
         parked=parked,

@@ -32,9 +32,9 @@ from pdserve.protocol import (
 from pdserve.security import ClusterKey
 from pdserve.settings import TransferSettings
 from pdserve.transfer.inproc import FABRIC
-from pdserve.workers.app import create_worker_app
-from pdserve.workers.decode import DecodeRole
-from pdserve.workers.service import RoleSettings
+from pdserve.workers.roles.app import create_worker_app
+from pdserve.workers.roles.decode import DecodeHandler
+from pdserve.workers.roles.service import RoleSettings
 from tests.fake_engine import FakeEngine, token_at
 from tests.fakes import CLUSTER_KEY, INTERNAL_AUTH, layout
 from tests.fixtures.servers import wait_until
@@ -373,7 +373,7 @@ class LateWritingTransceiver:
 
 async def test_a_failed_pull_that_may_still_land_is_quarantined_then_freed() -> None:
     engine = FakeEngine(LAYOUT)
-    role = DecodeRole(
+    role = DecodeHandler(
         engine=engine,
         transceiver=LateWritingTransceiver(),  # type: ignore[arg-type]
         quarantine_s=0.2,
@@ -392,7 +392,7 @@ async def _until(cond, timeout: float = 2.0) -> None:  # type: ignore[no-untyped
 
 
 async def test_a_callers_deadline_is_capped_by_the_workers_own_maximum() -> None:
-    from pdserve.workers.roles import capped
+    from pdserve.workers.roles.transfer_worker import capped
 
     far = ContextRequest.model_validate({**context_body(), "deadline": time.time() + 10**9})
     cut = capped(far, 60.0)

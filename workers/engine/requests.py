@@ -1,7 +1,7 @@
 """The engine's request/response contract: :class:`EngineRequest`, :class:`EngineOutput`, the
 sink type, and the checks a request must pass before it is queued (:class:`RequestLimits`).
 
-These types are re-exported by :mod:`pdserve.workers.engine`, which is where callers import them
+These types are re-exported by :mod:`pdserve.workers.engine.engine`, which is where callers import them
 from (``docs/architecture.md``, "Engine").
 """
 
@@ -18,8 +18,8 @@ from pdserve.protocol import (
     SamplingParams,
     TokenLogprob,
 )
-from pdserve.workers.kv_cache import KVCacheManager
-from pdserve.workers.sequence import EngineMode
+from pdserve.workers.engine.sequence import EngineMode
+from pdserve.workers.kv.manager import KVCacheManager
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ block returns to the free list when its count reaches zero. Shared blocks are re
 contract: a sequence only ever writes positions past its shared prefix.
 
 Prefix cache (TensorRT-LLM's KV cache block reuse, vLLM's automatic prefix caching; hashes in
-:mod:`pdserve.workers.prefix_cache`). Once a forward has written a *full* block, the block is
+:mod:`pdserve.workers.kv.prefix_cache`). Once a forward has written a *full* block, the block is
 registered in an index ``hash -> block id`` under its chained hash (:meth:`update_resources`).
 A registered block whose reference count drops to zero is not freed: it joins an *evictable*
 LRU with its contents. A new sequence takes references on its longest cached prefix of full
@@ -46,7 +46,7 @@ allocation of its contents: a cached block keeps its generation while it sits in
 while later prefix hits share it (its K/V does not change), and an eviction bumps it. The
 prefill worker records the generations of parked blocks and refuses to send a block whose
 generation moved (freed, maybe reallocated) before its transfer starts
-(``pdserve.workers.parking``, fencing).
+(``pdserve.workers.roles.parking``, fencing).
 """
 
 from __future__ import annotations
@@ -58,9 +58,10 @@ from typing import Protocol
 
 import torch
 
+from pdserve.block_hash import BlockHasher, TokenBlocks
 from pdserve.errors import CapacityError
 from pdserve.protocol import KVLayout
-from pdserve.workers.prefix_cache import BlockHasher, PrefixCacheStats, PrefixCounters, TokenBlocks
+from pdserve.workers.kv.prefix_cache import PrefixCacheStats, PrefixCounters
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -313,7 +314,7 @@ class KVCacheManager:
 
     def match_prefix(self, block_hashes: list[int], num_tokens: int) -> tuple[list[int], int]:
         """Longest cached prefix of a sequence of ``num_tokens`` tokens whose full blocks hash
-        to ``block_hashes`` (:class:`~pdserve.workers.prefix_cache.BlockHasher`): ``(block ids,
+        to ``block_hashes`` (:class:`~pdserve.workers.kv.prefix_cache.BlockHasher`): ``(block ids,
         cached tokens)``, a multiple of ``tokens_per_block`` below ``num_tokens``. Takes no
         reference and leaves the LRU alone (a peek; see :meth:`acquire_prefix`)."""
         with self._lock:

@@ -19,7 +19,7 @@ eager time; compiling on top of it takes decode a further 7-14 % and prefill 0-3
    ``torch.compile(fullgraph=True)``; inductor fuses the elementwise work between GEMMs and the
    step runs as one graph call instead of ~600 Python-dispatched ops. The paged attention stays
    out of the graph as the opaque op ``pdserve::paged_attention`` (its per-step metadata is
-   bound with :func:`pdserve.workers.attention.bind_metadata`, vLLM's forward context). The
+   bound with :func:`pdserve.workers.engine.attention.bind_metadata`, vLLM's forward context). The
    token count ``T`` and the number of sampled rows ``S`` are *unbacked* dynamic sizes
    (``mark_unbacked``): one graph serves every step shape (1..max_num_seqs decode rows, prefill
    chunks, mixed steps, ``S = 0`` for a chunk that does not sample), so nothing recompiles
@@ -46,7 +46,7 @@ from collections.abc import Callable
 
 import torch
 
-from pdserve.workers.attention import PagedAttentionMetadata, PrefillChunk, bind_metadata
+from pdserve.workers.engine.attention import PagedAttentionMetadata, PrefillChunk, bind_metadata
 
 log = logging.getLogger(__name__)
 

@@ -1,14 +1,14 @@
 """What the worker roles use of an engine: the :class:`WorkerEngine` protocol.
 
-The roles (:mod:`pdserve.workers.roles`, :mod:`~pdserve.workers.prefill`,
-:mod:`~pdserve.workers.decode`) depend on this protocol, never on the concrete
-:class:`pdserve.workers.engine.Engine`, so a deterministic fake without a model
+The roles (:mod:`pdserve.workers.roles`, :mod:`~pdserve.workers.roles.prefill`,
+:mod:`~pdserve.workers.roles.decode`) depend on this protocol, never on the concrete
+:class:`pdserve.workers.engine.engine.Engine`, so a deterministic fake without a model
 (``tests/fake_engine.py``) can stand in for it. Everything listed here is used by a role; add
 a member only when a role starts using it.
 
 Threading: the engine runs its own step thread; every method here may be called from the
 worker's event loop thread and must not block on a forward pass. Sinks are called on the
-engine thread (see :class:`pdserve.workers.bridge.OutputStream`).
+engine thread (see :class:`pdserve.workers.roles.bridge.OutputStream`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from pdserve.config import EngineConfig
     from pdserve.protocol import KVLayout, SamplingParams, WorkerLoad
-    from pdserve.workers.kv_cache import KVCacheManager
-    from pdserve.workers.kv_connector import KVConnectorStats
-    from pdserve.workers.requests import EngineRequest, Reservation, Sink
+    from pdserve.workers.engine.requests import EngineRequest, Reservation, Sink
+    from pdserve.workers.kv.connector import KVConnectorStats
+    from pdserve.workers.kv.manager import KVCacheManager
 
 
 class WorkerEngine(Protocol):
@@ -90,6 +90,6 @@ EngineFactory = Callable[["EngineConfig"], WorkerEngine]
 
 def default_engine_factory(cfg: EngineConfig) -> WorkerEngine:
     """The real engine (imports torch and transformers on first use)."""
-    from pdserve.workers.engine import Engine
+    from pdserve.workers.engine.engine import Engine
 
     return Engine(cfg)

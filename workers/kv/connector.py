@@ -6,7 +6,7 @@ Design origin: TensorRT-LLM's KV cache connector (the seed's persistent KV cache
 ``bind_connector_metadata``), its CPU offload and LMCache for the tiers. The side that decides
 (:class:`KVConnectorScheduler`, called by the scheduler) and the side that moves bytes
 (:class:`KVConnectorWorker`, called by the engine around the forward) are joined by one
-:class:`KVConnectorMetadata` per step. The tiers are :mod:`pdserve.workers.kv_tiers`.
+:class:`KVConnectorMetadata` per step. The tiers are :mod:`pdserve.workers.kv.tiers`.
 
 One step of the engine thread with the connector::
 
@@ -28,7 +28,7 @@ One step of the engine thread with the connector::
 So a load stalls the batch once, in the step that admits its sequence (reading a 4,000-token
 prompt's blocks: a fraction of a second, against seconds to recompute them), and a save costs
 the step one copy to host memory. The host tier fills from the other direction: a cached
-block evicted from the pool (:class:`~pdserve.workers.kv_cache.KVCacheListener`) is copied
+block evicted from the pool (:class:`~pdserve.workers.kv.manager.KVCacheListener`) is copied
 there while its K/V is still intact. Tiers need the prefix cache (block hashes);
 :func:`build_connector` returns None when it is off or no tier is configured.
 """
@@ -43,11 +43,11 @@ from typing import Literal, Protocol
 
 import torch
 
+from pdserve.block_hash import BlockHasher, TokenBlocks
 from pdserve.settings import KVCacheSettings
-from pdserve.workers.kv_cache import KVCacheManager
-from pdserve.workers.kv_tiers import DiskTier, HostTier, TierStats
-from pdserve.workers.prefix_cache import BlockHasher, TokenBlocks
-from pdserve.workers.sequence import Sequence
+from pdserve.workers.engine.sequence import Sequence
+from pdserve.workers.kv.manager import KVCacheManager
+from pdserve.workers.kv.tiers import DiskTier, HostTier, TierStats
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ TIERS: tuple[Tier, ...] = ("host", "disk")
 
 class StepItem(Protocol):
     """One scheduled sequence as :meth:`KVConnectorScheduler.build_connector_meta` sees it
-    (:class:`~pdserve.workers.scheduler.ScheduledSequence`): K/V of positions
+    (:class:`~pdserve.workers.engine.scheduler.ScheduledSequence`): K/V of positions
     ``[start_position, num_kv_tokens_after_step)`` is computed by this step's forward."""
 
     @property
@@ -104,7 +104,7 @@ class KVConnectorStats:
     """Connector counters since start (a snapshot): ``hit_blocks[tier]`` blocks loaded from
     each tier instead of recomputed (``hit_tokens``: times tokens per block),
     ``saved_blocks`` blocks queued for the disk tier, and each tier's own
-    :class:`~pdserve.workers.kv_tiers.TierStats` (None: the tier is off)."""
+    :class:`~pdserve.workers.kv.tiers.TierStats` (None: the tier is off)."""
 
     tokens_per_block: int
     hit_blocks: dict[str, int]
@@ -274,7 +274,7 @@ class KVConnectorWorker:
 
 
 class _HostFiller:
-    """:class:`~pdserve.workers.kv_cache.KVCacheListener` that copies evicted cached blocks
+    """:class:`~pdserve.workers.kv.manager.KVCacheListener` that copies evicted cached blocks
     into the host tier (called under the KV cache manager's lock, K/V still intact)."""
 
     def __init__(self, host: HostTier, pool: torch.Tensor) -> None:

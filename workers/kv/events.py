@@ -6,7 +6,7 @@ for the KV router). The router keeps, per worker, the set of block hashes the wo
 
 Two parts, split at the thread boundary:
 
-- :class:`KVEventRecorder`, a :class:`~pdserve.workers.kv_cache.KVCacheListener`: called under
+- :class:`KVEventRecorder`, a :class:`~pdserve.workers.kv.manager.KVCacheListener`: called under
   the KV cache manager's lock on the engine thread; it only records, per hash, whether the
   hash was last stored or evicted (a dict insert under its own lock: quick, never blocks on
   I/O). Bounded: past ``max_pending`` distinct hashes it forgets them and asks for a snapshot.
@@ -52,7 +52,7 @@ from pdserve.discovery.kvcache import (
 
 if TYPE_CHECKING:
     from pdserve.settings import DiscoverySettings
-    from pdserve.workers.kv_cache import KVCacheManager
+    from pdserve.workers.kv.manager import KVCacheManager
 
 log = logging.getLogger(__name__)
 

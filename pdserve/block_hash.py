@@ -1,30 +1,26 @@
-"""Prefix cache: chained block hashes and hit counters for :class:`KVCacheManager`.
+"""The KV block hash: the contract between the workers' prefix caches and the router's KV index.
 
-Design origin: TensorRT-LLM's KV cache block reuse (blocks indexed by their tokens, kept after
-the request ends, reused by a later request with the same prefix) and vLLM's automatic prefix
-caching (a chained hash per *full* block, an LRU of unreferenced cached blocks).
+A worker names each full KV block of a prompt by a hash of the whole prefix up to it, computed
+the same way on every process and host; the router (KV-aware routing,
+:mod:`pdserve.router.kv_index`) hashes a new prompt the same way to find which worker holds how
+much of it. Both import this module; neither imports the other.
 
-Hash of full block ``i`` of a token sequence (``tpb`` = tokens per block)::
+Design origin: vLLM's automatic prefix caching (a chained hash per *full* block) and
+TensorRT-LLM's KV cache block reuse. Hash of full block ``i`` of a token sequence (``tpb`` =
+tokens per block)::
 
     h[-1] = blake2b-128(extra keys: model identity, KV dtype, tokens per block)
     h[i]  = blake2b-128(h[i-1] || tokens[i*tpb : (i+1)*tpb] as little-endian int64)
 
 so ``h[i]`` names the whole prefix ``tokens[: (i+1)*tpb]`` and the pool that computed it: two
 blocks with equal hashes hold the same K/V. The hash is a 128-bit ``int``, deterministic across
-processes and hosts (never Python's ``hash()``), so later parts (KV events, delta transfer, a
-disk tier) can name blocks by it. A partial last block has no hash and is never shared.
-
-The block index, the LRU of evictable blocks and the registration rules live in
-:mod:`pdserve.workers.kv_cache`; the per-request hash list lives on
-:class:`~pdserve.workers.sequence.Sequence` (``block_hashes``).
+processes and hosts (never Python's ``hash()``). A partial last block has no hash.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
-import threading
-from dataclasses import dataclass
 from typing import Protocol
 
 _DIGEST_BYTES = 16
@@ -93,44 +89,3 @@ class BlockHasher:
                 parent = self.hash_block(parent, tokens[i * tpb : (i + 1) * tpb])
                 hashes.append(parent)
         return hashes
-
-
-@dataclass(frozen=True)
-class PrefixCacheStats:
-    """Prefix cache counters since start (a snapshot).
-
-    ``queries``: admissions that looked up their prefix; ``query_tokens``: tokens those
-    lookups covered (each sequence's known tokens); ``hit_tokens``: tokens found cached (not
-    computed). Hit rate = ``hit_tokens / query_tokens``. ``cached_blocks``: blocks in the index
-    now (held or evictable); ``evictable_blocks``: cached blocks no request holds (counted as
-    free by ``get_num_free_blocks``); ``evictions``: cached blocks reallocated so far.
-    """
-
-    queries: int = 0
-    query_tokens: int = 0
-    hit_tokens: int = 0
-    cached_blocks: int = 0
-    evictable_blocks: int = 0
-    evictions: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        """``hit_tokens / query_tokens`` (0.0 before the first query)."""
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
-
-
-class PrefixCounters:
-    """Thread-safe query/hit counters (the mutable side of :class:`PrefixCacheStats`)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.queries = 0
-        self.query_tokens = 0
-        self.hit_tokens = 0
-
-    def record_query(self, query_tokens: int, hit_tokens: int) -> None:
-        """Count one lookup of ``query_tokens`` tokens that found ``hit_tokens`` cached."""
-        with self._lock:
-            self.queries += 1
-            self.query_tokens += query_tokens
-            self.hit_tokens += hit_tokens

@@ -11,10 +11,11 @@ Lifecycle (start -> serve -> drain -> cleanup; cleanup is idempotent)::
                a second signal skips the wait
     4 CLEANUP  close the transceiver, free parked blocks, stop the engine
 
-The role's service class (:mod:`pdserve.workers.roles`) builds its parts and registers its own
-routes: ``POST /internal/context`` and ``/internal/release`` (prefill), ``POST
-/internal/generate`` (decode, colocated); every role serves ``GET /health``, ``GET /ready``,
-``GET /load`` and ``GET /metrics`` (:mod:`pdserve.workers.service`). A route of another role
+The role's worker class (:data:`WORKER_CLASSES`: :mod:`.prefill`, :mod:`.decode`,
+:mod:`.colocated`, one module per role) builds its parts and registers its own routes: ``POST
+/internal/context`` and ``/internal/release`` (prefill), ``POST /internal/generate`` (decode,
+colocated); every role serves ``GET /health``, ``GET /ready``,
+``GET /load`` and ``GET /metrics`` (:mod:`pdserve.workers.roles.service`). A route of another role
 answers 404. The ``/internal/*`` routes need ``Authorization: Bearer`` with the cluster key's
 token (401 ``unauthorized`` otherwise, checked before the body is read); the others stay open
 for probes and scrapers. Errors are mapped by the handlers the router uses too
@@ -36,12 +37,14 @@ from fastapi import APIRouter, FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.discovery.registry import internal_route_class
-from pdserve.protocol import PROTOCOL_HEADER, PROTOCOL_VERSION, WORKER_KEEPALIVE_S
+from pdserve.protocol import PROTOCOL_HEADER, PROTOCOL_VERSION, WORKER_KEEPALIVE_S, Role
 from pdserve.server.errors import install_error_handlers
 from pdserve.settings import advertised_host, url_host
-from pdserve.workers.engine_api import default_engine_factory
-from pdserve.workers.roles import WORKER_CLASSES
-from pdserve.workers.service import (
+from pdserve.workers.engine.api import default_engine_factory
+from pdserve.workers.roles.colocated import ColocatedWorker
+from pdserve.workers.roles.decode import DecodeWorker
+from pdserve.workers.roles.prefill import PrefillWorker
+from pdserve.workers.roles.service import (
     RegistrationFactory,
     RoleSettings,
     WatcherFactory,
@@ -53,9 +56,16 @@ from pdserve.workers.service import (
 
 if TYPE_CHECKING:
     from pdserve.config import WorkerConfig
-    from pdserve.workers.engine_api import EngineFactory
+    from pdserve.workers.engine.api import EngineFactory
 
 log = logging.getLogger(__name__)
+
+WORKER_CLASSES: dict[Role, type[WorkerService]] = {
+    Role.PREFILL: PrefillWorker,
+    Role.DECODE: DecodeWorker,
+    Role.COLOCATED: ColocatedWorker,
+}
+"""The worker class of each role."""
 
 
 async def drain(service: WorkerService, timeout_s: float) -> None:

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.workers.attention import METADATA_KWARG, PagedAttentionMetadata
-from pdserve.workers.kv_cache import KVCacheManager
-from pdserve.workers.scheduler import ScheduledBatch
+from pdserve.workers.engine.attention import METADATA_KWARG, PagedAttentionMetadata
+from pdserve.workers.engine.scheduler import ScheduledBatch
+from pdserve.workers.kv.manager import KVCacheManager
 
 log = logging.getLogger(__name__)
 

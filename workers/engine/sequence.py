@@ -2,7 +2,7 @@
 :class:`IncrementalDetokenizer` (text deltas with stop-string hold-back).
 
 The lifecycle itself (the numbered states of :class:`SequenceStatus` and the queues named after
-them) is described in :mod:`pdserve.workers.engine`.
+them) is described in :mod:`pdserve.workers.engine.engine`.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class Sequence:
     has id ``r`` for ``i == 0``, else ``f"{r}#{i}"``).
 
     ``block_hashes``: chained hashes of the full blocks of prompt + output known so far
-    (:class:`~pdserve.workers.prefix_cache.BlockHasher`, 128-bit ints, one per
+    (:class:`~pdserve.workers.kv.prefix_cache.BlockHasher`, 128-bit ints, one per
     ``tokens_per_block`` tokens), extended lazily by the KV cache manager; the prefix cache
     lookup and registration use them, and they survive preemption. ``num_cached_tokens``: the
     tokens the last admission found in the prefix cache (not computed).

@@ -32,7 +32,7 @@ context phase computes only the rest (at least its last token). The admission te
 with those blocks held; a sequence that still does not fit drops them again (they return to the
 evictable LRU) and stays first in line. A preempted sequence freed its blocks to the cache, so
 when readmitted it usually finds its own prefix. Evictable cached blocks count as free
-everywhere below. With a KV cache connector (host/disk tiers, :mod:`pdserve.workers.kv_connector`)
+everywhere below. With a KV cache connector (host/disk tiers, :mod:`pdserve.workers.kv.connector`)
 an admitted sequence then asks it for the blocks after its pool prefix: those found count as
 computed, get blocks with the step's allocation, and are loaded before the step's forward.
 
@@ -58,11 +58,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from pdserve.errors import CapacityError, InvalidRequestError
-from pdserve.workers.kv_cache import KVCacheManager
-from pdserve.workers.sequence import Sequence, SequenceStatus
+from pdserve.workers.engine.sequence import Sequence, SequenceStatus
+from pdserve.workers.kv.manager import KVCacheManager
 
 if TYPE_CHECKING:
-    from pdserve.workers.kv_connector import KVConnectorScheduler
+    from pdserve.workers.kv.connector import KVConnectorScheduler
 
 CapacityPolicy = Literal["max_utilization", "guaranteed_no_evict"]
 CAPACITY_POLICIES: tuple[CapacityPolicy, ...] = ("max_utilization", "guaranteed_no_evict")
@@ -392,7 +392,7 @@ class Scheduler:
         return True
 
     def _match_external(self, seq: Sequence) -> int:
-        """KV cache connector (:mod:`pdserve.workers.kv_connector`): the tokens after ``seq``'s
+        """KV cache connector (:mod:`pdserve.workers.kv.connector`): the tokens after ``seq``'s
         pool prefix that a tier holds; they count as computed (their blocks are loaded before
         the admitting step's forward). 0 without a connector."""
         if self.connector is None:

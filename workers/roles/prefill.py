@@ -1,5 +1,8 @@
 """Prefill (context) role: run the context phase, park the KV blocks, answer with a handle.
 
+:class:`PrefillWorker` is the process (its parts and routes: ``POST /internal/context``,
+``POST /internal/release``); :class:`PrefillHandler` is the request logic below.
+
 Request lifecycle on a prefill worker::
 
     1 RECEIVED   ContextRequest validated (deadline not passed, prompt within the model window)
@@ -20,22 +23,29 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from contextlib import AsyncExitStack
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from fastapi import APIRouter, Request
 
 from pdserve.errors import DeadlineExceededError, WorkerError
-from pdserve.protocol import ContextRequest, ContextResponse, TransferHandle
-from pdserve.workers.bridge import OutputStream
-from pdserve.workers.parking import ParkedBlocks
-from pdserve.workers.requests import EngineRequest
+from pdserve.protocol import ContextRequest, ContextResponse, ReleaseRequest, Role, TransferHandle
+from pdserve.workers.engine.requests import EngineRequest
+from pdserve.workers.roles.bridge import OutputStream
+from pdserve.workers.roles.parking import ParkedBlocks
+from pdserve.workers.roles.service import RoleSettings, WatcherFactory, WorkerIdentity, service_of
+from pdserve.workers.roles.transfer_worker import TransferWorker, capped, open_transceiver
 
 if TYPE_CHECKING:
+    from pdserve.discovery import Registration
+    from pdserve.discovery.events import ParkedCounts
     from pdserve.transfer import Transceiver
-    from pdserve.workers.engine_api import WorkerEngine
+    from pdserve.workers.engine.api import WorkerEngine
 
 log = logging.getLogger(__name__)
 
 
-class PrefillRole:
+class PrefillHandler:
     """Serves ``/internal/context`` and ``/internal/release`` for one prefill worker.
 
     Ownership: the engine owns a request's blocks until its prefill output hands them over
@@ -113,3 +123,79 @@ class PrefillRole:
         if epoch != self.parked.epoch:
             return False
         return self.parked.release(request_id, lease_id)
+
+
+class PrefillWorker(TransferWorker):
+    """Prefill role: runs the context phase, parks the blocks under a lease, serves pulls."""
+
+    role: ClassVar[Role] = Role.PREFILL
+
+    def __init__(
+        self,
+        *,
+        settings: RoleSettings,
+        identity: WorkerIdentity,
+        engine: WorkerEngine,
+        registration: Registration,
+        parked: ParkedBlocks,
+        transceiver: Transceiver,
+    ) -> None:
+        self.parked = parked
+        self.transceiver = transceiver
+        super().__init__(
+            settings=settings, identity=identity, engine=engine, registration=registration
+        )
+        self.handler = PrefillHandler(
+            engine=engine, transceiver=transceiver, parked=parked, worker_id=identity.worker_id
+        )
+
+    @classmethod
+    async def open_parts(
+        cls,
+        settings: RoleSettings,
+        identity: WorkerIdentity,
+        engine: WorkerEngine,
+        stack: AsyncExitStack,
+        *,
+        watcher_factory: WatcherFactory,
+    ) -> dict[str, Any]:
+        parked = ParkedBlocks(
+            epoch=identity.epoch,
+            lease_s=settings.lease_s,
+            free_blocks=engine.free_parked,
+            generations=engine.kv_cache.generations,  # fencing: no reused block is ever sent
+            send_grace_s=settings.transfer_timeout_s + 5.0,  # a send outlives no lease by more
+        )
+        parked.start()
+        stack.push_async_callback(parked.close)
+        transceiver = await open_transceiver(settings, identity, engine, parked, stack)
+        return {"parked": parked, "transceiver": transceiver}
+
+    def parked_count(self) -> int:
+        return len(self.parked)
+
+    def leases_expired(self) -> int:
+        return self.parked.expired_total
+
+    def kv_counts(self) -> ParkedCounts | None:
+        return self.parked
+
+    @classmethod
+    def add_role_routes(cls, api: APIRouter) -> None:
+        @api.post("/internal/context")
+        async def context(req: ContextRequest, request: Request) -> ContextResponse:
+            worker: PrefillWorker = service_of(request)
+            req = capped(req, worker.settings.max_request_s)
+            resp = await worker.handler.context(req)
+            handle = resp.handle
+            if handle is not None and await request.is_disconnected():
+                # The router gave up (deadline, client gone) and will never see the lease id,
+                # the only key that releases these blocks: free them now, not at lease expiry.
+                worker.handler.release(req.request_id, handle.epoch, handle.lease_id)
+                log.info("req %s: the router left before its handle; blocks freed", req.request_id)
+            return resp
+
+        @api.post("/internal/release")
+        async def release(req: ReleaseRequest, request: Request) -> dict[str, bool]:
+            worker: PrefillWorker = service_of(request)
+            return {"released": worker.handler.release(req.request_id, req.epoch, req.lease_id)}

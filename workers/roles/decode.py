@@ -1,5 +1,9 @@
 """Decode (generation) role: pull the KV blocks, resume decoding, stream tokens.
 
+:class:`DecodeWorker` is the process (its parts and the ``POST /internal/generate`` route,
+:func:`add_generate_route`, which colocated workers share); :class:`DecodeHandler` is the
+request logic below.
+
 Request lifecycle on a decode worker::
 
     1 RECEIVED     GenerationRequest checked against the handle: token count, blocks at the
@@ -38,7 +42,11 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from contextlib import AsyncExitStack
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
 
 from pdserve.errors import (
     CapacityError,
@@ -48,17 +56,26 @@ from pdserve.errors import (
     LayoutMismatchError,
     QueueFullError,
 )
-from pdserve.protocol import FinishReason, GenerationChunk, GenerationRequest, TransferHandle
+from pdserve.protocol import (
+    FinishReason,
+    GenerationChunk,
+    GenerationRequest,
+    Role,
+    TransferHandle,
+)
 from pdserve.settings import SchedulerSettings, TransferSettings
-from pdserve.workers.bridge import OutputStream
-from pdserve.workers.requests import EngineRequest, Reservation
+from pdserve.workers.engine.requests import EngineRequest, Reservation
+from pdserve.workers.roles.bridge import OutputStream
+from pdserve.workers.roles.prefill_directory import PrefillDirectory
+from pdserve.workers.roles.service import RoleSettings, WatcherFactory, WorkerIdentity, service_of
+from pdserve.workers.roles.transfer_worker import TransferWorker, capped, open_transceiver
 
 if TYPE_CHECKING:
+    from pdserve.discovery import Registration
     from pdserve.metrics import WorkerMetrics
     from pdserve.transfer import Transceiver
-    from pdserve.workers.engine_api import WorkerEngine
-    from pdserve.workers.prefill_directory import PrefillDirectory
-    from pdserve.workers.requests import EngineOutput
+    from pdserve.workers.engine.api import WorkerEngine
+    from pdserve.workers.engine.requests import EngineOutput
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +117,7 @@ def check_handle(req: GenerationRequest, handle: TransferHandle, engine: WorkerE
 _DEFAULT_TRANSFER, _DEFAULT_SCHEDULER = TransferSettings(), SchedulerSettings()
 
 
-class DecodeRole:
+class DecodeHandler:
     """Serves ``/internal/generate`` for a decode (or colocated) worker.
 
     ``transceiver``: None on a colocated worker (a request with a handle is then refused).
@@ -300,3 +317,84 @@ def _chunk(request_id: str, out: EngineOutput) -> GenerationChunk:
         finish_reason=finish,
         error=out.error,
     )
+
+
+def add_generate_route(api: APIRouter) -> None:
+    """``POST /internal/generate``: NDJSON :class:`GenerationChunk` lines (decode, colocated).
+    A request with a handle resumes after a prefill worker's first token (decode only); one
+    without runs the whole request here (colocated, or a decode worker prefilling locally)."""
+
+    @api.post("/internal/generate")
+    async def generate(req: GenerationRequest, request: Request) -> StreamingResponse:
+        worker = service_of(request)
+        req = capped(req, worker.settings.max_request_s)
+        decode: DecodeHandler = worker.handler
+        stream = await decode.admit(req)
+
+        async def body() -> AsyncIterator[bytes]:
+            async for chunk in decode.chunks(req, stream):
+                yield chunk.model_dump_json().encode() + b"\n"
+
+        return StreamingResponse(body(), media_type="application/x-ndjson")
+
+
+def decode_handler(
+    settings: RoleSettings,
+    engine: WorkerEngine,
+    transceiver: Transceiver | None,
+    metrics: Any,
+    prefills: PrefillDirectory | None = None,
+) -> DecodeHandler:
+    """The request logic of a decode (``transceiver`` set) or colocated worker."""
+    return DecodeHandler(
+        engine=engine,
+        transceiver=transceiver,
+        prefills=prefills,
+        quarantine_s=settings.transfer_timeout_s,
+        metrics=metrics,
+        max_queued_requests=settings.max_queued_requests,
+        evicts=settings.evicts,
+    )
+
+
+class DecodeWorker(TransferWorker):
+    """Decode role: pulls the prefill worker's blocks into reserved blocks, streams tokens; a
+    request without a handle (the router's local-prefill path) is prefilled here."""
+
+    role: ClassVar[Role] = Role.DECODE
+
+    def __init__(
+        self,
+        *,
+        settings: RoleSettings,
+        identity: WorkerIdentity,
+        engine: WorkerEngine,
+        registration: Registration,
+        transceiver: Transceiver,
+        prefills: PrefillDirectory,
+    ) -> None:
+        self.transceiver = transceiver
+        super().__init__(
+            settings=settings, identity=identity, engine=engine, registration=registration
+        )
+        self.handler = decode_handler(settings, engine, transceiver, self.metrics, prefills)
+
+    @classmethod
+    async def open_parts(
+        cls,
+        settings: RoleSettings,
+        identity: WorkerIdentity,
+        engine: WorkerEngine,
+        stack: AsyncExitStack,
+        *,
+        watcher_factory: WatcherFactory,
+    ) -> dict[str, Any]:
+        prefills = PrefillDirectory(watcher_factory(settings))
+        await prefills.start()
+        stack.push_async_callback(prefills.close)
+        transceiver = await open_transceiver(settings, identity, engine, None, stack)
+        return {"transceiver": transceiver, "prefills": prefills}
+
+    @classmethod
+    def add_role_routes(cls, api: APIRouter) -> None:
+        add_generate_route(api)

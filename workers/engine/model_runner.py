@@ -6,10 +6,10 @@ projects only the rows that sample through the LM head (transformers' ``logits_t
 index tensor), as vLLM's Transformers backend does. Any decoder whose attention goes through
 transformers' ``AttentionInterface`` and passes ``**kwargs`` down to it runs here. On CPU (with
 ``EngineConfig.compile``, the default) the forward runs oneDNN-prepacked linears through one
-``torch.compile`` graph compiled at start-up (:mod:`pdserve.workers.compile`); with
+``torch.compile`` graph compiled at start-up (:mod:`pdserve.workers.engine.compile`); with
 ``compile=False``, and when compiling fails, transformers' eager forward. On CUDA (with
 ``EngineConfig.cuda_graphs``) decode-only steps replay CUDA graphs instead
-(:mod:`pdserve.workers.cuda_graphs`).
+(:mod:`pdserve.workers.engine.cuda_graphs`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.errors import ConfigError
-from pdserve.workers.attention import (
+from pdserve.workers.engine.attention import (
     METADATA_KWARG,
     PagedAttentionMetadata,
     PrefillChunk,
@@ -29,10 +29,10 @@ from pdserve.workers.attention import (
     register_paged_attention,
     workspace_numel,
 )
-from pdserve.workers.compile import CompiledForward
-from pdserve.workers.cuda_graphs import DecodeGraphs
-from pdserve.workers.kv_cache import KVCacheManager
-from pdserve.workers.scheduler import ScheduledBatch
+from pdserve.workers.engine.compile import CompiledForward
+from pdserve.workers.engine.cuda_graphs import DecodeGraphs
+from pdserve.workers.engine.scheduler import ScheduledBatch
+from pdserve.workers.kv.manager import KVCacheManager
 
 log = logging.getLogger(__name__)
 

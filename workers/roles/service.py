@@ -1,7 +1,7 @@
 """What every worker role shares: its settings, identity, lifecycle, registration and the common
 routes (``/health``, ``/ready``, ``/load``, ``/metrics``).
 
-The roles themselves (:mod:`pdserve.workers.roles`) subclass :class:`WorkerService`, build
+The roles themselves (:mod:`pdserve.workers.roles`: one module per role) subclass :class:`WorkerService`, build
 their parts in :meth:`WorkerService.open` and add their own ``/internal/*`` routes; a route that
 does not belong to a role is not registered at all (404). The ``/internal/*`` routes are the
 internal plane: they answer only the router, which sends the cluster key's bearer token
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from pdserve.discovery.events import EventPublisher, ParkedCounts
     from pdserve.security import ClusterKey
     from pdserve.settings import TransferSettings
-    from pdserve.workers.engine_api import EngineFactory, WorkerEngine
+    from pdserve.workers.engine.api import EngineFactory, WorkerEngine
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ class WorkerService:
     ) -> WorkerService:
         """Lifecycle step 1 for this role; cleanups go onto ``stack``. Returns the service,
         registered and ready. ``watcher_factory``: this worker's own view of discovery (a
-        decode worker's :class:`~pdserve.workers.prefill_directory.PrefillDirectory`). Raises
+        decode worker's :class:`~pdserve.workers.roles.prefill_directory.PrefillDirectory`). Raises
         ConfigError & co. (the stack then undoes what was built)."""
         engine = await load_engine(settings, identity, stack, engine_factory)
         parts = await cls.open_parts(
@@ -273,9 +273,9 @@ class WorkerService:
 
     async def serve(self, stack: AsyncExitStack) -> None:
         """Register, start the load refresh and the KV cache events
-        (:mod:`pdserve.workers.kv_events`), turn ready (the end of lifecycle step 1)."""
+        (:mod:`pdserve.workers.kv.events`), turn ready (the end of lifecycle step 1)."""
         from pdserve.discovery.events import event_publisher
-        from pdserve.workers.kv_events import open_kv_events
+        from pdserve.workers.kv.events import open_kv_events
 
         stack.push_async_callback(self.deregister)
         await self.registration.start(self.record())

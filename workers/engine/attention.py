@@ -25,7 +25,7 @@ the attention function). Per layer the function
    aligned causal mask). GQA uses SDPA's ``enable_gqa``. Gathered K/V land in the step's
    ``workspace`` when the runner provides one (no fresh multi-MiB tensor per layer).
 
-The compiled forward (:mod:`pdserve.workers.compile`) cannot pass the metadata through a traced
+The compiled forward (:mod:`pdserve.workers.engine.compile`) cannot pass the metadata through a traced
 graph, so it binds it to the thread with :func:`bind_metadata` and calls the forward without the
 kwarg; the attention function then calls the same computation as the opaque custom op
 ``torch.ops.pdserve.paged_attention`` (vLLM's ``unified_attention`` pattern), which inductor
@@ -148,7 +148,7 @@ def paged_attention_forward(
     ignored (the mask function returns None). The metadata comes from
     ``kwargs["paged_attention_metadata"]`` (eager forwards, CUDA graphs) or, when that kwarg is
     absent, from :func:`bind_metadata` through the opaque op ``torch.ops.pdserve.paged_attention``
-    (the compiled forward of :mod:`pdserve.workers.compile`). Raises ``KeyError`` when a forward
+    (the compiled forward of :mod:`pdserve.workers.engine.compile`). Raises ``KeyError`` when a forward
     runs with neither.
     """
     meta = kwargs.get(METADATA_KWARG)

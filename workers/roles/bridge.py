@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pdserve.workers.engine import EngineOutput
+    from pdserve.workers.engine.engine import EngineOutput
 
 
 class OutputStream:

@@ -27,11 +27,11 @@ token, and recomputes only that token to sample its own first token (seed ``seed
 ``prefill`` samples choice 0 only, and with ``n > 1`` parks the blocks even when that token ended
 choice 0, since the decode worker's other choices still need them.
 
-Prefix cache (``kv_cache.prefix_caching``, :mod:`pdserve.workers.kv_cache`): every full block
+Prefix cache (``kv_cache.prefix_caching``, :mod:`pdserve.workers.kv.manager`): every full block
 a forward completes is registered under its chained hash after the step (resume: the
 transferred prompt's full blocks, when the resume request arrives); an admitted sequence starts
 at its longest cached prefix, in every mode. KV cache connector (``kv_cache.host_cache_mb``,
-``disk_cache_dir``; :mod:`pdserve.workers.kv_connector`): blocks after that prefix found in the
+``disk_cache_dir``; :mod:`pdserve.workers.kv.connector`): blocks after that prefix found in the
 host or disk tier are loaded before the admitting step's forward; completed blocks are queued
 for the disk tier after each step; :meth:`Engine.shutdown` writes what is queued.
 
@@ -62,20 +62,20 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.errors import ConfigError, InvalidRequestError, QueueFullError
 from pdserve.protocol import FinishReason, KVLayout, SamplingParams, TokenLogprob, WorkerLoad
-from pdserve.workers.kv_cache import KVCacheManager
-from pdserve.workers.kv_connector import KVConnectorStats, build_connector
-from pdserve.workers.kv_sizing import cuda_kv_budget, log_pool, pool_size
-from pdserve.workers.model_runner import ModelRunner
-from pdserve.workers.requests import (
+from pdserve.workers.engine.model_runner import ModelRunner
+from pdserve.workers.engine.requests import (
     EngineOutput,
     EngineRequest,
     RequestLimits,
     Reservation,
     Sink,
 )
-from pdserve.workers.sampler import Sampler
-from pdserve.workers.scheduler import ScheduledBatch, ScheduledSequence, Scheduler
-from pdserve.workers.sequence import IncrementalDetokenizer, Sequence, SequenceStatus
+from pdserve.workers.engine.sampler import Sampler
+from pdserve.workers.engine.scheduler import ScheduledBatch, ScheduledSequence, Scheduler
+from pdserve.workers.engine.sequence import IncrementalDetokenizer, Sequence, SequenceStatus
+from pdserve.workers.kv.connector import KVConnectorStats, build_connector
+from pdserve.workers.kv.manager import KVCacheManager
+from pdserve.workers.kv.sizing import cuda_kv_budget, log_pool, pool_size
 
 __all__ = ["Engine", "EngineOutput", "EngineRequest", "Sink"]
 
