@@ -48,7 +48,30 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pdserve.protocol import ErrorBody, ErrorEnvelope
+from pydantic import BaseModel, ConfigDict
+
+
+class ErrorBody(BaseModel):
+    """OpenAI-style error body: ``{"error": {"message", "type", "code", "param",
+    "request_id"}}``; ``request_id`` names the failed request (the client's ``X-Request-Id``
+    or one the server generated) so a client report can be matched with the server's log."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    message: str
+    type: str
+    code: str | None = None
+    param: str | None = None
+    request_id: str | None = None
+
+
+class ErrorEnvelope(BaseModel):
+    """The OpenAI error envelope every error response and SSE error event carries (the public
+    API's and the workers' internal plane's alike)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    error: ErrorBody
 
 
 class PdserveError(Exception):

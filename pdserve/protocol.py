@@ -13,8 +13,8 @@ Protocol history:
     3: ``n`` choices per request: ``SamplingParams.n``, ``GenerationChunk.index``; with ``n > 1``
        a ``ContextResponse`` may carry both ``finish_reason`` (choice 0 ended at its first token)
        and ``handle`` (the blocks stay parked for choices 1..n-1).
-    4: error bodies carry ``request_id`` (``ErrorBody.request_id``), the id the failed request
-       is logged under.
+    4: error bodies carry ``request_id`` (``pdserve.errors.ErrorBody.request_id``), the id the
+       failed request is logged under.
     5: signed worker records: ``WorkerRecord.signature``, the hex HMAC (cluster secret) of
        :meth:`WorkerRecord.signing_bytes`; watchers drop a record whose signature is missing or
        wrong. Internal HTTP calls (registry, ``/internal/*``) carry the cluster token.
@@ -31,12 +31,9 @@ import hashlib
 import json
 import time
 from enum import StrEnum
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-
-if TYPE_CHECKING:
-    from pdserve.security import ClusterKey
 
 PROTOCOL_VERSION = 6
 PROTOCOL_HEADER = "x-pdserve-protocol"
@@ -248,9 +245,6 @@ class GenerationChunk(_Msg):
     error: str | None = None
 
 
-_RECORD_PROOF_LABEL = "record"
-"""The :meth:`ClusterKey.proof` label of a worker record's signature."""
-
 WORKER_KEEPALIVE_S = 30.0
 """How long a worker keeps an idle request-plane HTTP connection open (uvicorn's
 ``timeout_keep_alive``). The router's client drops idle connections well before
@@ -281,8 +275,9 @@ class WorkerRecord(_Msg):
 
     ``signature`` proves the record was written by a holder of the cluster secret: 64 hex
     characters, ``ClusterKey.proof("record", signing_bytes()).hex()``, set by the worker's
-    registration (:meth:`signed`) and checked by every watcher (:meth:`signature_ok`); empty
-    on an unsigned record, which watchers drop.
+    registration (:meth:`pdserve.security.ClusterKey.sign_record`) and checked by every watcher
+    (:meth:`~pdserve.security.ClusterKey.record_signed`); empty on an unsigned record, which
+    watchers drop.
     """
 
     role: Role
@@ -303,36 +298,6 @@ class WorkerRecord(_Msg):
         text that reads back the same)."""
         data = self.model_dump(mode="json", exclude={"signature"})
         return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
-
-    def signed(self, key: ClusterKey) -> WorkerRecord:
-        """This record with ``signature`` set under the cluster ``key`` (64 hex characters)."""
-        proof = key.proof(_RECORD_PROOF_LABEL, self.signing_bytes())
-        return self.model_copy(update={"signature": proof.hex()})
-
-    def signature_ok(self, key: ClusterKey) -> bool:
-        """Whether ``signature`` verifies under ``key`` (constant time); False when it is
-        missing or not hex."""
-        try:
-            proof = bytes.fromhex(self.signature)
-        except ValueError:
-            return False
-        return bool(proof) and key.verify(proof, _RECORD_PROOF_LABEL, self.signing_bytes())
-
-
-class ErrorBody(_Msg):
-    """OpenAI-style error body: ``{"error": {"message", "type", "code", "param",
-    "request_id"}}``; ``request_id`` names the failed request (the client's ``X-Request-Id``
-    or one the server generated) so a client report can be matched with the server's log."""
-
-    message: str
-    type: str
-    code: str | None = None
-    param: str | None = None
-    request_id: str | None = None
-
-
-class ErrorEnvelope(_Msg):
-    error: ErrorBody
 
 
 class ReleaseRequest(_Msg):

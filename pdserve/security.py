@@ -23,9 +23,16 @@ import hmac
 import secrets
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pdserve.errors import ConfigError
 from pdserve.settings import SecuritySettings
+
+if TYPE_CHECKING:
+    from pdserve.protocol import WorkerRecord
+
+RECORD_LABEL = "record"
+"""The :meth:`ClusterKey.proof` label of a worker record's signature."""
 
 MIN_SECRET_CHARS = 32
 """A cluster secret shorter than this is refused (``pdserve up`` makes 64 hex characters)."""
@@ -197,6 +204,21 @@ class ClusterKey:
     def verify(self, proof: bytes, label: str, *parts: bytes | str) -> bool:
         """Whether ``proof`` is :meth:`proof` of the same label and parts (constant time)."""
         return hmac.compare_digest(proof, self.proof(label, *parts))
+
+    def sign_record(self, record: WorkerRecord) -> WorkerRecord:
+        """``record`` with its ``signature`` set: the hex :meth:`proof` (64 characters) of
+        its :meth:`~pdserve.protocol.WorkerRecord.signing_bytes` under :data:`RECORD_LABEL`."""
+        proof = self.proof(RECORD_LABEL, record.signing_bytes())
+        return record.model_copy(update={"signature": proof.hex()})
+
+    def record_signed(self, record: WorkerRecord) -> bool:
+        """Whether ``record.signature`` verifies under this key (constant time); False when it
+        is missing or not hex."""
+        try:
+            proof = bytes.fromhex(record.signature)
+        except ValueError:
+            return False
+        return bool(proof) and self.verify(proof, RECORD_LABEL, record.signing_bytes())
 
 
 def nonce() -> bytes:

@@ -33,6 +33,7 @@ from pydantic import ValidationError
 from pdserve.errors import (
     CapacityError,
     DeadlineExceededError,
+    ErrorEnvelope,
     HandleError,
     IntegrityError,
     InvalidRequestError,
@@ -48,7 +49,6 @@ from pdserve.protocol import (
     PROTOCOL_VERSION,
     ContextRequest,
     ContextResponse,
-    ErrorEnvelope,
     GenerationChunk,
     GenerationRequest,
     ReleaseRequest,

@@ -91,7 +91,7 @@ from pdserve.router.policy import LEAST_LOADED, Pair, Route, RouteWeights, choos
 from pdserve.router.view import WorkerView
 
 if TYPE_CHECKING:
-    from pdserve.metrics import RouterMetrics
+    from pdserve.router.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
 

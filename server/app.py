@@ -44,10 +44,11 @@ from fastapi.responses import JSONResponse, Response
 
 from pdserve.config import RouterConfig
 from pdserve.errors import ClientDisconnectedError, PdserveError
-from pdserve.metrics import CONTENT_TYPE, RouterMetrics
+from pdserve.metrics import CONTENT_TYPE
 from pdserve.protocol import ROUTER_KEEPALIVE_S
 from pdserve.router.client import WorkerClient
 from pdserve.router.kv_index import follow_kv_events
+from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import RouteWeights
 from pdserve.router.transaction import Router, Transaction
 from pdserve.router.view import WorkerSource, WorkerView

@@ -32,11 +32,12 @@ from starlette.exceptions import HTTPException
 
 from pdserve.errors import (
     AuthenticationError,
+    ErrorBody,
+    ErrorEnvelope,
     InvalidRequestError,
     PdserveError,
     QueueFullError,
 )
-from pdserve.protocol import ErrorBody, ErrorEnvelope
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from pdserve.protocol import ErrorEnvelope
+from pdserve.errors import ErrorEnvelope
 from pdserve.server.guard import is_public
 
 SECURITY_SCHEME = "bearerAuth"

@@ -198,7 +198,7 @@ def record(
     )
     if protocol_version is not None:
         rec = rec.model_copy(update={"protocol_version": protocol_version})
-    return rec.signed(CLUSTER_KEY)
+    return CLUSTER_KEY.sign_record(rec)
 
 
 @dataclass

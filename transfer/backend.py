@@ -158,7 +158,7 @@ class Backend(ABC):
 
     def register_staging(self, buf: torch.Tensor) -> None:  # noqa: B027 - optional hook
         """Sender side: make ``buf`` (1-D uint8, contiguous, on the pool's device; a staging
-        buffer of :class:`pdserve.transfer.convert.StagingPool`) a valid ``plan.source`` for
+        buffer of :class:`pdserve.transfer.staging.StagingPool`) a valid ``plan.source`` for
         :meth:`start_send` until :meth:`deregister_staging`. Default: nothing to do (backends
         that send from any memory). Raises TransferError (NIXL: registration refused)."""
 

@@ -1,10 +1,11 @@
-"""Layout conversion on the sending side: the re-block/convert kernel and its staging memory.
+"""Layout conversion on the sending side: the re-block/convert kernel.
 
 Design origin: the TensorRT-LLM seed's *Formatter*, whose job includes producing the bytes in
 the layout the generation side expects; vLLM's NIXL connector, which likewise permutes blocks
 into the remote layout before a WRITE when the two sides' block sizes differ. Used by
 :class:`pdserve.transfer.formatter.ConvertingFormatter` (which decides *what* goes where); this
-module does the tensor work and owns the memory it writes into.
+module does the tensor work (the memory it writes into is lent by
+:class:`pdserve.transfer.staging.StagingPool`).
 
 :func:`reblock` is one gather (``index_select`` over rows of ``g = gcd(p, d)`` tokens) plus, when
 the dtype changes, one converting copy::
@@ -16,10 +17,6 @@ the dtype changes, one converting copy::
           chunk q % (p/g); chunks past the source's slots (tail of the last block) are zeroed
     dtype change: the rows are gathered SCRATCH_BYTES at a time into a scratch of the pool's
           dtype and converted from there (``copy_``, round to nearest even when narrowing)
-
-:class:`StagingPool` lends the staging buffers a converting send reads from: one per send in
-flight, kept for reuse (the NIXL backend must register memory it sends from, which costs more
-than a request), grown when a larger request comes.
 """
 
 from __future__ import annotations
@@ -27,21 +24,14 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.errors import TransferError
 
-if TYPE_CHECKING:
-    from pdserve.transfer.backend import Backend
-    from pdserve.transfer.formatter import Formatter, TransferPlan
-
 log = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_GRANULE = 1 << 20
-"""Staging buffers are whole MiB, with a quarter headroom, so growth re-registers rarely."""
 SCRATCH_BYTES = 4 << 20
 """Most bytes :func:`reblock` gathers before converting them (measured, 1 thread, SmolLM2
 layout, 2048 tokens float32 -> bfloat16: 9.9 ms with 4 MiB chunks, 13.8 ms gathering all
@@ -118,114 +108,3 @@ def reblock(
             chunks[:, j, :, max(first - j * kd, 0) :] = 0
     if out.is_cuda:  # a backend reads ``out`` next (NIXL, or a D2H copy on another stream)
         torch.cuda.current_stream(out.device).synchronize()
-
-
-class StagingPool:
-    """Staging buffers of one sender (its transceiver), lent one per converting send.
-
-    Ownership: the pool owns every buffer; :meth:`fill` lends one to the returned plan (as
-    ``plan.source``) until :meth:`release`, which the caller must reach once the backend has
-    stopped reading it (the send is done, failed or aborted). Buffers are 1-D ``uint8`` on the
-    KV pool's device, registered with the backend (``Backend.register_staging``) for as long as
-    the pool keeps them; at most ``max_idle`` stay allocated between sends. Memory in use is
-    bounded by the concurrent converting sends times the largest request's staging size.
-
-    Thread-safety: the transceiver's event-loop thread only. :meth:`close` is idempotent.
-    """
-
-    def __init__(self, pool: torch.Tensor, backend: Backend, max_idle: int = 2):
-        self._pool = pool
-        self._backend = backend
-        self._max_idle = max_idle
-        self._idle: list[torch.Tensor] = []
-        self._lent: dict[int, torch.Tensor] = {}  # data_ptr -> buffer
-        self._closed = False
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of staging memory allocated now (idle + lent)."""
-        return sum(b.numel() for b in (*self._idle, *self._lent.values()))
-
-    def fill(
-        self,
-        formatter: Formatter,
-        src_ids: Sequence[int],
-        dst_ids: Sequence[int],
-        plan: TransferPlan,
-    ) -> TransferPlan:
-        """Stage ``plan`` when ``formatter`` needs it: returns the plan reading from a lent
-        buffer that holds the K/V of ``src_ids`` in the destination layout; else ``plan``.
-        Raises TransferError (closed, allocation or registration failure).
-
-        The kernel runs here, on the event loop's thread (about a memcpy of the output:
-        measured 4-8 ms for 512 tokens and 14-15 ms for 2048 of SmolLM2, one torch thread, on
-        a busy 2-core machine; prefilling those tokens takes seconds), which keeps
-        cancellation simple: nothing else writes a lent buffer."""
-        if not formatter.staged:
-            return plan
-        if self._closed:
-            raise TransferError("transceiver is closed; no staging buffer")
-        buf = self._checkout(formatter.staging_nbytes(len(dst_ids)))
-        try:
-            source = formatter.stage(self._pool, src_ids, len(dst_ids), buf)
-        except (RuntimeError, IndexError) as exc:  # torch refused the gather or the copy
-            self._give_back(buf)
-            raise TransferError(f"KV staging failed: {exc}") from exc
-        except BaseException:
-            self._give_back(buf)
-            raise
-        self._lent[buf.data_ptr()] = buf
-        return plan.with_source(source)
-
-    def release(self, plan: TransferPlan) -> None:
-        """Take back the buffer ``plan`` reads from (idempotent; no-op for a pool plan)."""
-        if plan.source is None:
-            return
-        buf = self._lent.pop(plan.source.data_ptr(), None)
-        if buf is not None:
-            self._give_back(buf)
-
-    def close(self) -> None:
-        """Deregister and drop every buffer; call once no send reads one. Idempotent."""
-        self._closed = True
-        for buf in (*self._idle, *self._lent.values()):
-            self._drop(buf)
-        self._idle.clear()
-        self._lent.clear()
-
-    def _checkout(self, nbytes: int) -> torch.Tensor:
-        fits = [b for b in self._idle if b.numel() >= nbytes]
-        if fits:
-            buf = min(fits, key=torch.Tensor.numel)
-            self._idle.remove(buf)
-            return buf
-        if self._idle:  # too small for this request: replace the largest by a larger one
-            old = max(self._idle, key=torch.Tensor.numel)
-            self._idle.remove(old)
-            self._drop(old)
-        size = -(-(nbytes + nbytes // 4) // _GRANULE) * _GRANULE
-        try:
-            buf = torch.empty(size, dtype=torch.uint8, device=self._pool.device)
-            self._backend.register_staging(buf)
-        except TransferError:
-            raise
-        except Exception as exc:  # out of memory, or the backend's library refused it
-            raise TransferError(f"cannot set up a {size} byte KV staging buffer: {exc}") from exc
-        log.debug("KV staging buffer of %.1f MiB allocated", size / 2**20)
-        return buf
-
-    def _give_back(self, buf: torch.Tensor) -> None:
-        if self._closed:
-            self._drop(buf)
-            return
-        self._idle.append(buf)
-        if len(self._idle) > self._max_idle:
-            smallest = min(self._idle, key=torch.Tensor.numel)
-            self._idle.remove(smallest)
-            self._drop(smallest)
-
-    def _drop(self, buf: torch.Tensor) -> None:
-        try:
-            self._backend.deregister_staging(buf)
-        except Exception as exc:  # best effort: the memory goes either way
-            log.warning("could not deregister a KV staging buffer: %s", exc)

@@ -134,7 +134,7 @@ class TransferPlan:
 
     ``source`` is the source memory: ``None`` = the sender's KV pool (identity layouts);
     otherwise a contiguous 1-D ``uint8`` tensor, a staging buffer the converting formatter
-    filled in the destination layout (owned by :class:`pdserve.transfer.convert.StagingPool`,
+    filled in the destination layout (owned by :class:`pdserve.transfer.staging.StagingPool`,
     registered with the backend through ``Backend.register_staging``, lent for this one send).
     Backends send from ``source`` when it is set. Only the sender's plan ever has one.
     """

@@ -32,7 +32,7 @@ from pdserve.transfer.formatter import Formatter, PoolGeometry
 
 if TYPE_CHECKING:
     from pdserve.transfer.control import Connection
-    from pdserve.transfer.convert import StagingPool
+    from pdserve.transfer.staging import StagingPool
 
 
 @dataclass(frozen=True)

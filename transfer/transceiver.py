@@ -36,12 +36,12 @@ from pdserve.transfer.admission import ConnectionSlots, SlotLimits
 from pdserve.transfer.auth import AuthFailures
 from pdserve.transfer.backend import Backend, open_backend
 from pdserve.transfer.control import Connection
-from pdserve.transfer.convert import StagingPool
 from pdserve.transfer.formatter import PoolGeometry
 from pdserve.transfer.handshake import LocalSide
 from pdserve.transfer.integrity import BlockDigester
 from pdserve.transfer.receiver import Receiver
 from pdserve.transfer.sender import ParkedLookup, Sender
+from pdserve.transfer.staging import StagingPool
 
 log = logging.getLogger(__name__)
 

@@ -332,7 +332,7 @@ class Registration(abc.ABC):
                     f"update() for worker {record.worker_id!r} on the registration of "
                     f"{self._record.worker_id!r}"
                 )
-        self._record = record.signed(self._key)
+        self._record = self._key.sign_record(record)
 
     def _log_created(self, record: WorkerRecord, detail: str) -> None:
         """Log a (re-)registration of ``record`` at ``detail`` (where, TTL)."""
@@ -506,7 +506,7 @@ class RecordTable:
     def accepts(self, record: WorkerRecord) -> bool:
         """Whether ``record``'s signature verifies; a refusal is counted and logged (rate
         limited per worker id)."""
-        if record.signature_ok(self._key):
+        if self._key.record_signed(record):
             return True
         self.dropped += 1
         now = time.monotonic()

@@ -266,7 +266,7 @@ async def test_records_not_signed_with_the_cluster_key_never_reach_the_view(
     genuine = make_record()
     forged: list[WorkerRecord] = [
         make_record("rogue-unsigned").model_copy(update={"signature": ""}),
-        make_record("rogue-foreign").model_copy(update={"signature": ""}).signed(other),
+        other.sign_record(make_record("rogue-foreign").model_copy(update={"signature": ""})),
         # A hijack: the real worker's id, its endpoint changed after signing.
         genuine.model_copy(update={"http_url": "http://attacker:8100"}),
     ]

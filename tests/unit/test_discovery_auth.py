@@ -59,7 +59,7 @@ def tampered(worker_id: str = "prefill-0") -> WorkerRecord:
 
 def foreign(worker_id: str = "rogue-1") -> WorkerRecord:
     """Signed, but with another deployment's key."""
-    return record(worker_id, Role.DECODE, "http://rogue:8100").signed(OTHER_KEY)
+    return OTHER_KEY.sign_record(record(worker_id, Role.DECODE, "http://rogue:8100"))
 
 
 FORGED = [unsigned, tampered, foreign]
@@ -178,10 +178,10 @@ def test_router_needs_a_cluster_secret(model_dir: Path) -> None:
 
 def test_a_signature_covers_every_field_and_survives_the_wire() -> None:
     rec = worker()
-    assert len(rec.signature) == 64 and rec.signature_ok(CLUSTER_KEY)
-    assert not rec.signature_ok(OTHER_KEY)
+    assert len(rec.signature) == 64 and CLUSTER_KEY.record_signed(rec)
+    assert not OTHER_KEY.record_signed(rec)
     wire = WorkerRecord.model_validate_json(rec.model_dump_json())
-    assert wire.signature_ok(CLUSTER_KEY)
+    assert CLUSTER_KEY.record_signed(wire)
     for change in (
         {"http_url": "http://x:1"},
         {"epoch": rec.epoch + 1},
@@ -190,7 +190,7 @@ def test_a_signature_covers_every_field_and_survives_the_wire() -> None:
         {"signature": "zz" * 32},
         {"signature": ""},
     ):
-        assert not rec.model_copy(update=change).signature_ok(CLUSTER_KEY), change
+        assert not CLUSTER_KEY.record_signed(rec.model_copy(update=change)), change
 
 
 def test_the_record_table_drops_forged_records_with_a_rate_limited_warning(
@@ -230,7 +230,7 @@ async def test_registrations_sign_and_the_http_watcher_drops_what_they_did_not(
             plain = record("decode-0", Role.DECODE, "http://decode-0:8100")
             await registration.start(plain.model_copy(update={"signature": ""}))
             stored = reg_table.workers()["decode-0"]  # the registration signed it
-            assert stored.signature_ok(CLUSTER_KEY)
+            assert CLUSTER_KEY.record_signed(stored)
             await wait_until(lambda: "decode-0" in watcher.workers(), 5.0, what="watcher")
             # A record that slipped into the registry's store unsigned (bypassing the route's
             # check) is still dropped by the remote watcher.

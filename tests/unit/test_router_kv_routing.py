@@ -12,10 +12,10 @@ import pytest
 
 from pdserve.block_hash import BlockHasher
 from pdserve.discovery.kvcache import KVCacheEvent, encode_hash
-from pdserve.metrics import RouterMetrics
 from pdserve.protocol import SamplingParams, WorkerLoad
 from pdserve.router.client import WorkerClient
 from pdserve.router.kv_index import KVIndex
+from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import LEAST_LOADED, RoutePath, RouteWeights, choose_route, route_cost
 from pdserve.router.transaction import Router
 from pdserve.router.view import WorkerView

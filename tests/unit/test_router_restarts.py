@@ -11,9 +11,10 @@ import pytest
 
 from pdserve.config import RouterConfig
 from pdserve.discovery import EmbeddedRegistry
-from pdserve.metrics import RouterMetrics, WorkerMetrics
 from pdserve.protocol import SamplingParams, WorkerLoad, WorkerRecord
+from pdserve.router.metrics import RouterMetrics
 from pdserve.router.view import WorkerView
+from pdserve.workers.roles.metrics import WorkerMetrics
 from tests.fakes import CLUSTER_KEY, MODEL, build_tokenizer_dir, record
 from tests.unit.test_router_transaction import PROMPT, decode, make_router, prefill
 
@@ -83,8 +84,8 @@ async def test_router_app_counts_restarts_it_watches(tmp_path) -> None:
     registry = EmbeddedRegistry(ttl_s=30, key=key)
     app = create_app(cfg, registry=registry, cluster_key=key)
     async with app.router.lifespan_context(app):
-        registry.put(record("p0", "prefill", epoch=1).signed(key))
-        registry.put(record("p0", "prefill", epoch=2).signed(key))
+        registry.put(key.sign_record(record("p0", "prefill", epoch=1)))
+        registry.put(key.sign_record(record("p0", "prefill", epoch=2)))
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
             text = (await client.get("/metrics")).text

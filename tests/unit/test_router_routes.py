@@ -12,9 +12,9 @@ import pytest
 
 from pdserve.config import RouterConfig
 from pdserve.errors import CapacityError, NoWorkerError, WorkerError
-from pdserve.metrics import RouterMetrics
 from pdserve.protocol import FinishReason, Role, SamplingParams, WorkerLoad
 from pdserve.router.client import WorkerClient
+from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import RoutePath, choose_route, prefill_locally
 from pdserve.router.transaction import Router
 from pdserve.router.view import WorkerView

@@ -14,8 +14,8 @@ from pdserve.errors import LayoutMismatchError, TransferError
 from pdserve.protocol import GenerationRequest, KVLayout, SamplingParams, TransferHandle
 from pdserve.transfer.backend import Backend, Outbound, Peer
 from pdserve.transfer.control import Connection
-from pdserve.transfer.convert import StagingPool
 from pdserve.transfer.formatter import Formatter, PoolGeometry, TransferPlan
+from pdserve.transfer.staging import StagingPool
 from pdserve.workers.roles.decode import check_handle
 
 P = KVLayout(

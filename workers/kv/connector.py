@@ -45,7 +45,6 @@ import torch
 
 from pdserve.block_hash import BlockHasher, TokenBlocks
 from pdserve.settings import KVCacheSettings
-from pdserve.workers.engine.sequence import Sequence
 from pdserve.workers.kv.manager import KVCacheManager
 from pdserve.workers.kv.tiers import DiskTier, HostTier, TierStats
 
@@ -53,6 +52,14 @@ log = logging.getLogger(__name__)
 
 Tier = Literal["host", "disk"]
 TIERS: tuple[Tier, ...] = ("host", "disk")
+
+
+class RequestTokens(TokenBlocks, Protocol):
+    """A request's tokens as the connector's scheduler side sees them (the engine's
+    :class:`~pdserve.workers.engine.sequence.Sequence`; kv/ never imports the engine)."""
+
+    @property
+    def request_id(self) -> str: ...
 
 
 class StepItem(Protocol):
@@ -147,7 +154,7 @@ class KVConnectorScheduler:
         self._lock = threading.Lock()
         self.hit_blocks: dict[str, int] = dict.fromkeys(TIERS, 0)
 
-    def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, seq: RequestTokens, num_computed_tokens: int) -> int:
         """Tokens after the first ``num_computed_tokens`` (a pool prefix, a multiple of tokens
         per block) whose blocks the tiers hold: a multiple of tokens per block, at most up to
         the last full block before ``seq``'s last known token (one token is always computed,
@@ -175,7 +182,7 @@ class KVConnectorScheduler:
                 self._pending.pop(seq.request_id, None)
         return len(found) * tpb
 
-    def update_state_after_alloc(self, seq: Sequence, block_ids: list[int]) -> None:
+    def update_state_after_alloc(self, seq: RequestTokens, block_ids: list[int]) -> None:
         """``seq`` holds ``block_ids`` now (its whole block table, token order): bind the
         blocks the matched tokens go into. Raises ValueError when the table is too short."""
         with self._lock:

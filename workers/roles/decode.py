@@ -72,10 +72,10 @@ from pdserve.workers.roles.transfer_worker import TransferWorker, capped, open_t
 
 if TYPE_CHECKING:
     from pdserve.discovery import Registration
-    from pdserve.metrics import WorkerMetrics
     from pdserve.transfer import Transceiver
     from pdserve.workers.engine.api import WorkerEngine
     from pdserve.workers.engine.requests import EngineOutput
+    from pdserve.workers.roles.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 

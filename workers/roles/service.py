@@ -37,9 +37,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.metrics import CONTENT_TYPE, WorkerMetrics
+from pdserve.metrics import CONTENT_TYPE
 from pdserve.protocol import Role, WorkerLoad, WorkerRecord
 from pdserve.settings import DiscoverySettings
+from pdserve.workers.roles.metrics import WorkerMetrics
 
 if TYPE_CHECKING:
     from pdserve.config import EngineConfig, WorkerConfig

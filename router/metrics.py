@@ -1,0 +1,168 @@
+"""The router's Prometheus metrics (``GET /metrics`` of the router app); shared parts in
+:mod:`pdserve.metrics`.
+
+Router (:class:`RouterMetrics`), per request:
+
+- ``pdserve_requests_total{outcome}``: finished, failed (a typed error reached the client,
+  as an HTTP status or an in-band SSE error), abandoned (the client went away)
+- ``pdserve_time_to_first_token_seconds`` (TTFT: request in -> first token, which the prefill
+  leg returns), ``pdserve_time_per_output_token_seconds`` (TPOT: (last - first token time) /
+  (tokens - 1)), ``pdserve_inter_token_latency_seconds`` (ITL: gap between two chunks the
+  router relays), ``pdserve_e2e_request_latency_seconds``
+- ``pdserve_prompt_tokens_total``, ``pdserve_generation_tokens_total``,
+  ``pdserve_requests_running``, ``pdserve_workers{role}`` (usable workers in the router's view)
+- ``pdserve_worker_restarts_total{role}``: a known worker id registered again with a higher
+  epoch (the worker restarted), as the router's view saw it
+- ``pdserve_router_decisions_total{path}``: routing decisions by path: ``disaggregated``
+  (prefill worker -> decode worker), ``local_prefill`` (a decode worker prefilled the prompt
+  itself: a short prompt, or no usable prefill worker), ``colocated`` (a colocated worker);
+  a retry after a connection error decides again
+- KV-aware routing (``router.kv_overlap_weight > 0``): ``pdserve_router_kv_overlap_tokens
+  {path,role}``, per decision the prompt tokens the chosen worker of each role (prefill,
+  decode, colocated) was expected to hold cached; ``pdserve_router_kv_events_total{outcome}``
+  (the workers' KV cache events: applied, gap, stale, unsynced, malformed);
+  ``pdserve_router_kv_index_workers{state=all|synced}`` and ``pdserve_router_kv_index_blocks``
+  (block hashes the router's index holds over all workers)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+from pdserve.metrics import (
+    E2E_BUCKETS,
+    LATENCY_BUCKETS,
+    OVERLAP_BUCKETS,
+    TOKEN_BUCKETS,
+    add_process_restarts,
+)
+
+if TYPE_CHECKING:
+    from pdserve.router.kv_index import KVIndexStats
+
+
+class RouterMetrics:
+    """The router's request metrics (see the module docstring). ``workers`` is called at
+    scrape time and returns the usable worker count per role; ``kv_index``, likewise, the KV
+    index's :class:`KVIndexStats` (None: not exported)."""
+
+    def __init__(
+        self,
+        workers: Callable[[], dict[str, int]] | None = None,
+        kv_index: Callable[[], KVIndexStats] | None = None,
+    ) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("pdserve_requests", "Requests by outcome", ["outcome"], registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, buckets=buckets, registry=r)
+
+        self.ttft = histogram(
+            "pdserve_time_to_first_token_seconds",
+            "TTFT: request in to first token",
+            LATENCY_BUCKETS,
+        )
+        self.tpot = histogram(
+            "pdserve_time_per_output_token_seconds",
+            "TPOT per request: (last - first token time) / (tokens - 1)",
+            TOKEN_BUCKETS,
+        )
+        self.itl = histogram(
+            "pdserve_inter_token_latency_seconds",
+            "ITL: gap between two relayed chunks",
+            TOKEN_BUCKETS,
+        )
+        self.e2e = histogram(
+            "pdserve_e2e_request_latency_seconds", "Request in to last token", E2E_BUCKETS
+        )
+        self.prompt_tokens = Counter(
+            "pdserve_prompt_tokens", "Prompt tokens of started requests", registry=r
+        )
+        self.generation_tokens = Counter(
+            "pdserve_generation_tokens", "Tokens generated", registry=r
+        )
+        self.running = Gauge("pdserve_requests_running", "Requests in flight", registry=r)
+        self.worker_restarts = Counter(
+            "pdserve_worker_restarts",
+            "Workers that registered again with a higher epoch (restarted), by role",
+            ["role"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            "pdserve_router_decisions",
+            "Routing decisions by path (disaggregated, local_prefill, colocated)",
+            ["path"],
+            registry=r,
+        )
+        for outcome in ("finished", "failed", "abandoned"):
+            self.requests.labels(outcome)  # export zeros before the first request
+        for role in ("prefill", "decode", "colocated"):
+            self.worker_restarts.labels(role)
+        for path in ("disaggregated", "local_prefill", "colocated"):
+            self.decisions.labels(path)
+        self.kv_overlap = Histogram(
+            "pdserve_router_kv_overlap_tokens",
+            "KV-aware routing: prompt tokens the chosen worker was expected to hold cached, "
+            "per decision, by path and worker role",
+            ["path", "role"],
+            buckets=OVERLAP_BUCKETS,
+            registry=r,
+        )
+        add_process_restarts(r)
+        if workers is not None:
+            r.register(_WorkersCollector(workers))
+        if kv_index is not None:
+            r.register(_KVIndexCollector(kv_index))
+
+    def render(self) -> bytes:
+        """The text exposition format (``CONTENT_TYPE``)."""
+        return generate_latest(self.registry)
+
+
+class _WorkersCollector(Collector):
+    def __init__(self, workers: Callable[[], dict[str, int]]) -> None:
+        self._workers = workers
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        g = GaugeMetricFamily(
+            "pdserve_workers", "Usable workers in the router's view", labels=["role"]
+        )
+        for role, n in sorted(self._workers().items()):
+            g.add_metric([role], n)
+        yield g
+
+
+class _KVIndexCollector(Collector):
+    def __init__(self, stats: Callable[[], KVIndexStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        events = CounterMetricFamily(
+            "pdserve_router_kv_events",
+            "Workers' KV cache events by what the router's index did with them",
+            labels=["outcome"],
+        )
+        for outcome, n in stats.outcomes.items():
+            events.add_metric([outcome], n)
+        yield events
+        workers = GaugeMetricFamily(
+            "pdserve_router_kv_index_workers",
+            "Workers in the router's KV index (synced: usable for KV-aware routing)",
+            labels=["state"],
+        )
+        workers.add_metric(["all"], stats.workers)
+        workers.add_metric(["synced"], stats.synced)
+        yield workers
+        yield GaugeMetricFamily(
+            "pdserve_router_kv_index_blocks",
+            "Block hashes in the router's KV index, over all workers",
+            value=stats.blocks,
+        )
