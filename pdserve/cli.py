@@ -139,9 +139,9 @@ def add_setting_flags(parser: argparse.ArgumentParser, command: str) -> None:
         )
 
 
-CONFIG_HELP = """\
-One YAML file configures every role. Sections: model, kv_cache, scheduler, transfer,
-discovery, router, prefill, decode, colocated (`pdserve config schema` lists every field).
+CONFIG_HELP = f"""\
+One YAML file configures every role. Sections: {", ".join(PdserveConfig.model_fields)}
+(`pdserve config schema` lists every field).
 Each setting resolves as: command-line flag > environment variable > file > default.
 Environment variables are PDSERVE_<SECTION>__<FIELD>, e.g. PDSERVE_DISCOVERY__URL=etcd://etcd:2379
 or PDSERVE_KV_CACHE__TOKENS_PER_BLOCK=32 (an empty value means null). The file is --config FILE
