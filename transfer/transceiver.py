@@ -46,6 +46,8 @@ from pdserve.transfer.staging import StagingPool
 log = logging.getLogger(__name__)
 
 _RECENT_ERRORS = 64
+_ACCEPT_BURST = 16
+"""Connections the accept loop takes in a row before it yields to the event loop."""
 
 
 class Transceiver:
@@ -111,7 +113,7 @@ class Transceiver:
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, port))
-            sock.listen(128)
+            sock.listen(socket.SOMAXCONN)  # a flood fills it later (the kernel caps it)
         except OSError as exc:
             sock.close()
             raise ConfigError(f"KV transceiver cannot listen on {host}:{port}: {exc}") from exc
@@ -171,6 +173,7 @@ class Transceiver:
 
     async def _accept_loop(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
+        accepted = 0
         while True:
             try:
                 sock, addr = await loop.sock_accept(listener)
@@ -179,6 +182,12 @@ class Transceiver:
                 await asyncio.sleep(0.1)
                 continue
             self._serve(sock, f"{addr[0]}:{addr[1]}", str(addr[0]))
+            accepted += 1
+            if accepted % _ACCEPT_BURST == 0:
+                # sock_accept returns without yielding while connections are queued: let the
+                # evicted connections' handlers end and close their sockets before taking
+                # more (a flood must not pile up sockets until EMFILE).
+                await asyncio.sleep(0)
 
     def _serve(self, sock: socket.socket, peer: str, host: str) -> None:
         """Start the handler of an accepted connection, unproven (evicting the oldest

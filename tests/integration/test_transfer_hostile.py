@@ -143,8 +143,8 @@ async def test_a_thousand_connections_from_one_host_are_capped(prefill, decode):
     try:
         lease = await pull_completes(prefill, decode)  # during the flood
         state = prefill.wait_state(
-            lambda s: s.auth_failures >= 1000 - MAX_UNPROVEN_PER_HOST, timeout=20
-        )
+            lambda s: s.auth_failures >= 1000 - MAX_UNPROVEN_PER_HOST, timeout=60
+        )  # generous: a burst past the listen backlog waits for the kernel's SYN-ACK retries
         assert state.lookups == 1 and state.peers_added == 1, "only the decode worker got in"
         grown = rss_mib(prefill.proc.pid) - before
         assert grown < 64, f"{grown:.0f} MiB for 1000 connections"
