@@ -50,7 +50,8 @@ from pdserve.router.client import WorkerClient
 from pdserve.router.kv_index import follow_kv_events
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import RouteWeights
-from pdserve.router.transaction import Router, Transaction
+from pdserve.router.router import Router
+from pdserve.router.transaction import Transaction
 from pdserve.router.view import WorkerSource, WorkerView
 from pdserve.security import APIKeys, ClusterKey
 from pdserve.server.errors import install_error_handlers, internal_error, log_failure

@@ -1,6 +1,12 @@
 """Discovery: how workers announce themselves and how the router finds them.
 
-Backends, chosen by URL (see :func:`pdserve.discovery.base.parse_discovery_url`):
+Modules: ``url`` (which backend a URL names; input checks), ``registration`` (worker side:
+:class:`Registration`, its lifecycle once for every backend), ``records`` (router side:
+:class:`Watcher`, :class:`RecordTable`, signed records only), ``retry`` (backoff, task
+cancel); the backends ``registry`` + ``http`` (embedded), ``etcd`` + ``etcd_client``,
+``nats`` + ``nats_watcher``; ``events`` and ``kvcache`` (load and KV cache events), ``tls``.
+
+Backends, chosen by URL (see :func:`pdserve.discovery.url.parse_discovery_url`):
 
 - ``http://host:port``: the router's embedded registry (:mod:`.registry`), reached over HTTP by
   workers (:mod:`.http`). ``embedded`` names it from inside the router process.
@@ -37,17 +43,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pdserve.discovery.base import (
-    DiscoveryURL,
-    InvalidDiscoveryURLError,
-    RecordTable,
-    Registration,
-    RegistrationState,
-    Subscriber,
-    Watcher,
-    parse_discovery_url,
-)
+from pdserve.discovery.records import RecordTable, Subscriber, Watcher
+from pdserve.discovery.registration import Registration, RegistrationState
 from pdserve.discovery.registry import EmbeddedRegistry, EmbeddedWatcher
+from pdserve.discovery.url import DiscoveryURL, InvalidDiscoveryURLError, parse_discovery_url
 
 if TYPE_CHECKING:
     from pdserve.discovery.tls import ControlPlaneTLS

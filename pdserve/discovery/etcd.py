@@ -41,13 +41,15 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from pdserve.discovery.base import BackgroundWatcher, Backoff, Registration, RegistrationState
 from pdserve.discovery.kvcache import (
     ETCD_KVCACHE_PREFIX,
     KVCacheEvent,
     KVEventAck,
     KVEventHandler,
 )
+from pdserve.discovery.records import BackgroundWatcher
+from pdserve.discovery.registration import Registration, RegistrationState
+from pdserve.discovery.retry import Backoff
 from pdserve.discovery.tls import ControlPlaneTLS
 from pdserve.protocol import WorkerRecord
 

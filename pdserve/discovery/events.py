@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from nats.aio.msg import Msg
     from nats.aio.subscription import Subscription
 
-    from pdserve.discovery.base import Registration
+    from pdserve.discovery.registration import Registration
 
 logger = logging.getLogger(__name__)
 

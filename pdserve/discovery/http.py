@@ -20,7 +20,7 @@ every ``poll_interval_s`` seconds; on failure it keeps its last view and retries
 
 Both send ``Authorization: Bearer <ClusterKey.http_token>`` on every call (the registry's
 routes are internal); the records they write are signed and the records they list are checked
-(:class:`~pdserve.discovery.base.RecordTable`). A wrong secret shows as HTTP 401 in the
+(:class:`~pdserve.discovery.records.RecordTable`). A wrong secret shows as HTTP 401 in the
 registration's retry warnings.
 
 Async-safety: one event loop; not thread-safe.
@@ -34,9 +34,11 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from pdserve.discovery.base import BackgroundWatcher, Backoff, Registration
 from pdserve.discovery.kvcache import KVCacheEvent, KVEventAck
+from pdserve.discovery.records import BackgroundWatcher
+from pdserve.discovery.registration import Registration
 from pdserve.discovery.registry import RegisterBody, RegisterReply, WorkerList
+from pdserve.discovery.retry import Backoff
 from pdserve.protocol import PROTOCOL_HEADER, PROTOCOL_VERSION
 
 if TYPE_CHECKING:

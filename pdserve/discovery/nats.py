@@ -43,9 +43,9 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from pdserve.discovery.base import Registration, SupersededError
 from pdserve.discovery.events import EventPublisher, subject_token
 from pdserve.discovery.kvcache import KVCacheEvent, KVEventAck
+from pdserve.discovery.registration import Registration, SupersededError
 from pdserve.discovery.tls import ControlPlaneTLS
 from pdserve.protocol import WorkerLoad, WorkerRecord
 

@@ -35,7 +35,6 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING
 
-from pdserve.discovery.base import BackgroundWatcher, Backoff
 from pdserve.discovery.events import (
     EventConsumer,
     KVBlockEvent,
@@ -51,6 +50,8 @@ from pdserve.discovery.nats import (
     explain_error,
     record_of,
 )
+from pdserve.discovery.records import BackgroundWatcher
+from pdserve.discovery.retry import Backoff
 from pdserve.discovery.tls import ControlPlaneTLS
 from pdserve.protocol import WorkerRecord
 

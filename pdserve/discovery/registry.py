@@ -45,8 +45,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pdserve.discovery.base import RecordTable, Subscriber, Watcher, cancel_task, check_ttl
 from pdserve.discovery.kvcache import KVCacheEvent, KVEventAck, KVEventHandler
+from pdserve.discovery.records import RecordTable, Subscriber, Watcher
+from pdserve.discovery.retry import cancel_task
+from pdserve.discovery.url import check_ttl
 from pdserve.errors import AuthenticationError
 from pdserve.protocol import WorkerRecord
 

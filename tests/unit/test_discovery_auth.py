@@ -16,7 +16,7 @@ from fastapi import FastAPI
 
 from pdserve.config import RouterConfig
 from pdserve.discovery import EmbeddedRegistry, open_registration, open_watcher
-from pdserve.discovery.base import RecordTable
+from pdserve.discovery.records import RecordTable
 from pdserve.errors import ConfigError
 from pdserve.protocol import Role, WorkerLoad, WorkerRecord
 from pdserve.security import ClusterKey

@@ -17,7 +17,7 @@ from pdserve.router.client import WorkerClient
 from pdserve.router.kv_index import KVIndex
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import LEAST_LOADED, RoutePath, RouteWeights, choose_route, route_cost
-from pdserve.router.transaction import Router
+from pdserve.router.router import Router
 from pdserve.router.view import WorkerView
 from tests.fakes import CLUSTER_KEY, MODEL, FakeWatcher, FakeWorker, layout, record
 
@@ -141,7 +141,7 @@ async def test_the_router_sends_the_prompt_to_the_worker_holding_it(
             kv_index=index,
             weights=RouteWeights(kv_overlap_weight=weight),
         )
-        with caplog.at_level(logging.DEBUG, logger="pdserve.router.transaction"):
+        with caplog.at_level(logging.DEBUG, logger="pdserve.router.router"):
             txn = await router.start("r1", PROMPT, SamplingParams(max_tokens=3))
             [e async for e in txn.events()]
     chosen = "p1" if weight else "p0"

@@ -16,7 +16,7 @@ from pdserve.protocol import FinishReason, Role, SamplingParams, WorkerLoad
 from pdserve.router.client import WorkerClient
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import RoutePath, choose_route, prefill_locally
-from pdserve.router.transaction import Router
+from pdserve.router.router import Router
 from pdserve.router.view import WorkerView
 from pdserve.settings import RouterSettings
 from tests.fakes import (
@@ -178,7 +178,7 @@ def test_no_decode_or_colocated_worker_is_a_503():
 
 
 async def test_short_prompt_is_served_by_the_decode_worker_alone(caplog):
-    caplog.set_level(logging.DEBUG, logger="pdserve.router.transaction")
+    caplog.set_level(logging.DEBUG, logger="pdserve.router.router")
     p, d = worker("p0", Role.PREFILL), worker("d0", Role.DECODE)
     async with make_router(p, d) as router:
         txn, events = await run(router, SHORT)

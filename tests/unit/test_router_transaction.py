@@ -19,7 +19,7 @@ from pdserve.errors import (
 )
 from pdserve.protocol import FinishReason, Role, SamplingParams, WorkerLoad
 from pdserve.router.client import WorkerClient, WorkerUnreachableError
-from pdserve.router.transaction import Router
+from pdserve.router.router import Router
 from pdserve.router.view import WorkerView
 from tests.fakes import CLUSTER_KEY, MODEL, FakeWatcher, FakeWorker, record
 

@@ -29,7 +29,8 @@ from pdserve.protocol import (
     SamplingParams,
 )
 from pdserve.router.client import WorkerClient
-from pdserve.router.transaction import Router, TxnState
+from pdserve.router.router import Router
+from pdserve.router.transaction import TxnState
 from pdserve.router.view import WorkerView
 from tests.fakes import (
     CLUSTER_KEY,

@@ -1,0 +1,225 @@
+"""The router: picks each request's path and starts its transaction.
+
+The policy (:func:`pdserve.router.policy.choose_route`) picks the path: ``disaggregated`` (the
+two legs of :mod:`pdserve.router.transaction`), or ``local_prefill`` / ``colocated``, where one worker (a decode worker that
+prefills the prompt itself, or a colocated worker) runs the whole request behind one
+``POST /internal/generate`` without a handle: Router.start() opens that stream and returns once
+its first token arrived (so TTFT means the same on every path), then Transaction.events()
+relays the rest as in its state 4 (DECODING). A connection error (the request never reached the worker)
+retries once on another route without that worker. Each decision is logged at debug and
+counted (``pdserve_router_decisions_total{path}``). With KV-aware routing
+(:class:`~pdserve.router.policy.RouteWeights`, :mod:`pdserve.router.kv_index`) the router
+hashes the prompt, asks its KV index how many leading tokens each candidate holds, passes that
+to the policy, logs every candidate's cached tokens, load and cost at debug, and observes the
+chosen workers' cached tokens (``pdserve_router_kv_overlap_tokens{path,role}``).
+
+The transaction that runs the legs after the start is
+:class:`pdserve.router.transaction.Transaction`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from contextlib import ExitStack
+from typing import TYPE_CHECKING
+
+from pdserve.errors import (
+    NoWorkerError,
+    WorkerUnreachableError,
+)
+from pdserve.protocol import (
+    ContextRequest,
+    ContextResponse,
+    GenerationRequest,
+    SamplingParams,
+)
+from pdserve.router.client import WorkerClient
+from pdserve.router.kv_index import KVIndex, PromptHashes, expected_cached_tokens
+from pdserve.router.policy import LEAST_LOADED, Pair, Route, RouteWeights, choose_route
+from pdserve.router.transaction import (
+    RequestSpec,
+    Transaction,
+)
+from pdserve.router.view import WorkerView
+
+if TYPE_CHECKING:
+    from pdserve.router.metrics import RouterMetrics
+
+log = logging.getLogger(__name__)
+
+
+class Router:
+    """Starts transactions: routes the request (:func:`choose_route`), runs the prefill leg or
+    opens the one-leg stream, hands back a :class:`Transaction` for the rest.
+
+    ``request_timeout_s`` is the whole request's budget (both legs). ``metrics``, when given,
+    records every request's outcome, TTFT, ITL, TPOT, token counts and routing decisions.
+    ``local_prefill_max_tokens``: prompts with at most this many tokens left to compute are
+    prefilled by the decode worker itself (0: off). ``kv_index`` + ``weights``: KV-aware
+    routing (on when ``weights.kv_overlap_weight > 0`` and an index is given). Ownership: the
+    router uses but does not own ``view``, ``client``, ``metrics`` and ``kv_index``.
+    """
+
+    def __init__(
+        self,
+        view: WorkerView,
+        client: WorkerClient,
+        *,
+        request_timeout_s: float,
+        metrics: RouterMetrics | None = None,
+        local_prefill_max_tokens: int = 0,
+        kv_index: KVIndex | None = None,
+        weights: RouteWeights = LEAST_LOADED,
+    ):
+        self.view = view
+        self.client = client
+        self.request_timeout_s = request_timeout_s
+        self.metrics = metrics
+        self.local_prefill_max_tokens = local_prefill_max_tokens
+        self.kv_index = kv_index
+        self.weights = weights
+
+    async def start(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+    ) -> Transaction:
+        """Run states 1-3 (or open the one-leg stream up to its first token). Raises
+        NoWorkerError (503) when no worker qualifies, or the first leg's typed error; nothing
+        has reached the client yet when it raises."""
+        t_in = time.monotonic()
+        try:
+            txn = await self._start(request_id, prompt_token_ids, sampling)
+        except BaseException:
+            if self.metrics is not None:
+                self.metrics.requests.labels("failed").inc()
+            raise
+        txn.t_in = t_in
+        if self.metrics is not None:
+            self.metrics.ttft.observe(txn.t_first - t_in)
+            self.metrics.prompt_tokens.inc(len(prompt_token_ids))
+            self.metrics.running.inc()
+        return txn
+
+    def route(self, prompt_token_ids: Sequence[int], exclude: Sequence[str] = ()) -> Route:
+        """The policy's decision for this prompt now, with each candidate's expected cached
+        prefix when KV-aware routing is on. Raises NoWorkerError."""
+        cands = self.view.candidates()
+        cached: dict[str, int] | None = None
+        if self.kv_index is not None and self.weights.kv_aware:
+            workers = [w.record for w in (*cands.prefill, *cands.decode, *cands.colocated)]
+            cached = expected_cached_tokens(self.kv_index, workers, PromptHashes(prompt_token_ids))
+        return choose_route(
+            cands,
+            len(prompt_token_ids),
+            local_prefill_max_tokens=self.local_prefill_max_tokens,
+            cached=cached,
+            weights=self.weights,
+            exclude=exclude,
+        )
+
+    def _record_decision(self, request_id: str, route: Route) -> None:
+        """Log the decision at debug and count it (path; KV-aware: cached tokens per role)."""
+        log.debug(
+            "req %s: route %s via %s%s (%s)%s",
+            request_id,
+            route.path,
+            route.worker.worker_id,
+            f" after prefill on {route.prefill.worker_id}" if route.prefill else "",
+            route.reason,
+            f"; KV-aware: {' '.join(map(str, route.scores))}" if route.scores else "",
+        )
+        m = self.metrics
+        if m is None:
+            return
+        m.decisions.labels(route.path.value).inc()
+        if self.weights.kv_aware and self.kv_index is not None:
+            path = route.path.value
+            m.kv_overlap.labels(path, route.worker.role.value).observe(route.cached_tokens)
+            if route.prefill is not None:
+                m.kv_overlap.labels(path, "prefill").observe(route.prefill_cached_tokens)
+
+    async def _start(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+    ) -> Transaction:
+        spec = RequestSpec(
+            request_id, tuple(prompt_token_ids), sampling, time.time() + self.request_timeout_s
+        )
+        t0 = time.monotonic()
+        tried: list[str] = []
+        first_error: WorkerUnreachableError | None = None
+        while True:
+            try:
+                route = self.route(spec.prompt_token_ids, tried)
+            except NoWorkerError as exc:
+                if first_error is None:
+                    raise
+                raise WorkerUnreachableError(
+                    f"{first_error.message}; no other worker to retry on"
+                ) from exc
+            self._record_decision(request_id, route)
+            holds = ExitStack()
+            holds.enter_context(self.view.track(route.worker.worker_id))
+            try:
+                pair = route.pair
+                if pair is None:
+                    txn = await self._one_leg(spec, route, holds)
+                else:
+                    context = await self._prefill(spec, pair)
+                    txn = Transaction(self, spec, route, context, holds)
+            except WorkerUnreachableError as exc:
+                holds.close()
+                failed = route.prefill or route.worker
+                self.view.mark_unreachable(failed)
+                if first_error is not None:
+                    raise
+                log.warning("req %s: %s; retrying without %s", request_id, exc, failed.worker_id)
+                first_error = exc
+                tried.append(failed.worker_id)
+                continue
+            except BaseException:
+                holds.close()
+                raise
+            log.info(
+                "req %s: %s prompt=%d tokens, first token in %.1f ms%s",
+                request_id,
+                f"P={route.prefill.worker_id} D={route.worker.worker_id}"
+                if route.prefill
+                else f"{route.path} on {route.worker.worker_id}:",
+                len(spec.prompt_token_ids),
+                (time.monotonic() - t0) * 1e3,
+                f" (finished: {txn.finished_at_start})" if txn.finished_at_start else "",
+            )
+            return txn
+
+    async def _prefill(self, spec: RequestSpec, pair: Pair) -> ContextResponse:
+        req = ContextRequest(
+            request_id=spec.request_id,
+            prompt_token_ids=spec.prompt_token_ids,
+            sampling=spec.sampling,
+            deadline=spec.deadline,
+        )
+        with self.view.track(pair.prefill.worker_id):
+            # Giving up here (deadline, client gone) closes the connection: P sees it and frees
+            # blocks it parks after that itself (the release needs the lease id, which only its
+            # answer would have carried); its own deadline and the lease bound the rest.
+            return await self.client.context(pair.prefill, req)
+
+    async def _one_leg(self, spec: RequestSpec, route: Route, holds: ExitStack) -> Transaction:
+        """Open ``route.worker``'s stream for the whole request (no handle: it prefills the
+        prompt itself) and read it up to the first token. Raises the worker's typed error
+        (WorkerUnreachableError: never reached it)."""
+        req = GenerationRequest(
+            request_id=spec.request_id,
+            prompt_token_ids=spec.prompt_token_ids,
+            sampling=spec.sampling,
+            deadline=spec.deadline,
+        )
+        stream = await self.client.generate(route.worker, req)
+        txn = Transaction(self, spec, route, None, holds, stream)
+        try:
+            await txn.first_output()
+        except BaseException:
+            await txn.discard()
+            raise
+        return txn
