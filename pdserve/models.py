@@ -6,7 +6,7 @@
 - :func:`resolve_model` maps a ``--model`` spec to a local folder. Nothing is ever fetched from a
   model hub: every transformers call here passes ``local_files_only=True``.
 
-The tests' tiny random model is built by ``tests/fixtures/models.py``.
+The tests' tiny random model is built by ``tests/support/models.py``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Child processes started, waited for, watched and stopped in one way: the supervisor behind
 ``pdserve up`` (:mod:`pdserve.launcher`), ``pdserve bench serve`` (:mod:`pdserve.tools.bench`)
-and the tests' stack (``tests/fixtures/stack.py``).
+and the tests' stack (``tests/support/stack.py``).
 
 Lifecycle of the processes of one :class:`ProcessSupervisor`::
 

@@ -38,7 +38,7 @@ from pdserve.workers.engine.model_runner import ModelRunner
 from pdserve.workers.engine.scheduler import ScheduledBatch, ScheduledSequence
 from pdserve.workers.engine.sequence import Sequence
 from pdserve.workers.kv.manager import KVCacheManager
-from tests.integration.engine_helpers import engine_config
+from tests.support.engine import engine_config
 
 PREFILL_TOKENS = 286
 DECODE_CONTEXT = 300
@@ -50,7 +50,7 @@ STARTUP_CHILD = """
 import sys, time, torch
 from pathlib import Path
 from pdserve.workers.engine.model_runner import ModelRunner
-from tests.integration.engine_helpers import engine_config
+from tests.support.engine import engine_config
 torch.set_num_threads(int(sys.argv[2]))
 r = ModelRunner(engine_config(Path(sys.argv[1]), compile=True))
 print(f"{r.compiled.compile_s:.2f}")

@@ -1,4 +1,4 @@
-"""Shared fixtures and the folder markers. Fixture modules live in tests/fixtures/ (one per area).
+"""Shared fixtures and the folder markers. Shared test support (fixtures, fakes, rigs) lives in tests/support/.
 
 Every test is marked after its folder, so a marker expression selects folders:
 
@@ -27,9 +27,9 @@ from pathlib import Path
 import pytest
 
 pytest_plugins = [
-    "tests.fixtures.models",
-    "tests.fixtures.servers",
-    "tests.fixtures.stack",
+    "tests.support.models",
+    "tests.support.servers",
+    "tests.support.stack",
 ]
 
 FOLDER_MARKERS = ("unit", "integration", "e2e", "chaos", "container", "deploy", "gpu")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.harness import (
+from tests.support.chaos import (
     KINDS,
     Load,
     Row,
@@ -33,7 +33,7 @@ from tests.chaos.harness import (
     solo_outputs,
     table,
 )
-from tests.fixtures.servers import (
+from tests.support.servers import (
     EtcdServer,
     NatsServer,
     ServerProcess,

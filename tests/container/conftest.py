@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.container.podman_stack import (
+from tests.support.podman_stack import (
     PDSERVE_IMAGE,
     build_pdserve_image,
     build_standin_images,

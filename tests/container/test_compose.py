@@ -20,8 +20,8 @@ import httpx
 import openai
 import pytest
 
-from tests.container.podman_stack import MODEL, ComposeStack
-from tests.fixtures.servers import wait_until_sync
+from tests.support.podman_stack import MODEL, ComposeStack
+from tests.support.servers import wait_until_sync
 
 pytestmark = pytest.mark.timeout(1800)
 

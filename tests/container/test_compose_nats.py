@@ -9,7 +9,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.container.podman_stack import MODEL, ComposeStack
+from tests.support.podman_stack import MODEL, ComposeStack
 
 pytestmark = pytest.mark.timeout(1800)
 

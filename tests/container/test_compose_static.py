@@ -12,7 +12,7 @@ import subprocess
 import pytest
 import yaml
 
-from tests.container.podman_stack import COMPOSE_FILE, ROOT
+from tests.support.podman_stack import COMPOSE_FILE, ROOT
 
 PDSERVE_SERVICES = ("router", "prefill", "decode")
 

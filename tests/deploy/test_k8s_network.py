@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from tests.deploy.test_k8s import (
+from tests.support.k8s import (
     DISCOVERY,
     GPU_TARGETS,
     KUBECTL,

@@ -20,8 +20,8 @@ import httpx
 import pytest
 
 from pdserve.protocol import WorkerRecord
-from tests.fixtures.servers import EtcdServer, NatsServer, wait_until
-from tests.fixtures.stack import Stack, start_stack
+from tests.support.servers import EtcdServer, NatsServer, wait_until
+from tests.support.stack import Stack, start_stack
 
 OUTAGE_S = 10.0
 TTL_S = 3

@@ -40,7 +40,7 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
-from tests.fixtures.stack import Stack, start_stack
+from tests.support.stack import Stack, start_stack
 
 API_KEY = "sk-fuzz-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

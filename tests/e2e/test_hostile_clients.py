@@ -29,8 +29,8 @@ import pytest
 
 from pdserve.transfer.admission import MAX_UNPROVEN_PER_HOST
 from pdserve.transfer.control import split_endpoint
-from tests.fixtures.servers import wait_until_sync
-from tests.fixtures.stack import Stack, start_stack
+from tests.support.servers import wait_until_sync
+from tests.support.stack import Stack, start_stack
 
 MODEL = "tiny-llama"
 STREAM = {"model": MODEL, "prompt": [1, 84, 104, 101, 32], "max_tokens": 300,

@@ -1,5 +1,5 @@
 """Multi-host without containers: router, prefill, decode and etcd each in its own network
-namespace (tests/fixtures/netns.py), then the prefill <-> decode KV link is cut and restored.
+namespace (tests/support/netns.py), then the prefill <-> decode KV link is cut and restored.
 
 What must hold (issue 4):
 
@@ -43,7 +43,7 @@ import httpx
 import openai
 import pytest
 
-from tests.fixtures.netns import (
+from tests.support.netns import (
     CutMethod,
     NetnsCluster,
     NetnsStack,
@@ -51,7 +51,7 @@ from tests.fixtures.netns import (
     netns_cluster,
     netns_etcd,
 )
-from tests.fixtures.servers import wait_until_sync
+from tests.support.servers import wait_until_sync
 
 MODEL = "tiny-llama"
 REQUEST_TIMEOUT_S = 15.0

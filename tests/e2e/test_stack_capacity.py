@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.fixtures.servers import wait_until_sync
-from tests.fixtures.stack import Stack
+from tests.support.servers import wait_until_sync
+from tests.support.stack import Stack
 
 # 8 prompts of 40-47 tokens, 300 tokens each: ~2,700 tokens of K/V together; the decode pool of
 # 1 MiB holds 2,048 (tiny model: 512 bytes per token).

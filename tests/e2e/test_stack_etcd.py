@@ -6,7 +6,7 @@ from pathlib import Path
 
 import openai
 
-from tests.fixtures.stack import start_stack
+from tests.support.stack import start_stack
 
 
 def test_requests_flow_with_etcd_discovery(

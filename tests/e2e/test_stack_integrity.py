@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.fixtures.servers import wait_until_sync
-from tests.fixtures.stack import Stack, start_stack
+from tests.support.servers import wait_until_sync
+from tests.support.stack import Stack, start_stack
 
 HOOK = """
 import os, sys

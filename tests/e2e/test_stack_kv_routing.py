@@ -21,8 +21,8 @@ import pytest
 
 from pdserve.protocol import ContextRequest, ContextResponse, ReleaseRequest, SamplingParams
 from pdserve.tools.bench_multiturn import parse_metrics
-from tests.fixtures.servers import wait_until_sync
-from tests.fixtures.stack import Stack, start_stack
+from tests.support.servers import wait_until_sync
+from tests.support.stack import Stack, start_stack
 
 MODEL = "tiny-llama"
 TPB = 16

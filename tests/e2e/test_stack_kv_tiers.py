@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from pdserve.tools.bench_multiturn import parse_metrics
-from tests.fixtures.servers import free_port
-from tests.fixtures.stack import Stack
+from tests.support.servers import free_port
+from tests.support.stack import Stack
 
 PROMPT = "Every worker of this host shares one directory of KV blocks. " * 4  # byte tokens
 DISK_HITS = 'pdserve_kv_tier_hit_tokens_total{tier="disk"}'

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from pdserve.tools.bench_multiturn import parse_metrics
-from tests.fixtures.stack import Stack, start_stack
+from tests.support.stack import Stack, start_stack
 
 MODEL = "tiny-llama"
 SHORT = [1, 84, 104, 101, 32, 113, 117, 105, 99, 107, 32, 98, 114, 111, 119, 110]

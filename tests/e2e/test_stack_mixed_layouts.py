@@ -24,8 +24,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.fixtures.servers import wait_until_sync
-from tests.fixtures.stack import Stack
+from tests.support.servers import wait_until_sync
+from tests.support.stack import Stack
 
 PROMPTS = [
     [1, 72, 101, 108, 108, 111],  # one block on either side

@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import openai
 
-from tests.fixtures.servers import wait_until_sync
-from tests.fixtures.stack import Stack
+from tests.support.servers import wait_until_sync
+from tests.support.stack import Stack
 
 PROMPT = [1, 84, 104, 101, 32, 113, 117, 105, 99, 107, 32, 98, 114, 111, 119, 110]
 N = 3

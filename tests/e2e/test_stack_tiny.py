@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.fixtures.servers import wait_until_sync
-from tests.fixtures.stack import Stack
+from tests.support.servers import wait_until_sync
+from tests.support.stack import Stack
 
 PROMPTS = [
     [1, 72, 101, 108, 108, 111],
@@ -224,7 +224,7 @@ def _parked(stack: Stack) -> int:
 def test_killed_decode_worker_ends_stream_with_error_and_frees_parked_blocks(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    from tests.fixtures.stack import start_stack
+    from tests.support.stack import start_stack
 
     lease_s = 4.0
     stack = start_stack(tiny_model_dir, "tiny-llama", tmp_path, lease_s=lease_s)

@@ -27,7 +27,7 @@ from pdserve.config import RouterConfig
 from pdserve.errors import InvalidRequestError
 from pdserve.server.preprocess import Preprocessor, context_window, load_tokenizer
 from pdserve.server.schemas import ChatCompletionRequest, CompletionRequest
-from tests.fixtures.stack import Stack, start_stack
+from tests.support.stack import Stack, start_stack
 
 MODEL = "tiny-llama"
 BIG_BYTES = 5 * 10**6

@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from tests.fixtures.servers import wait_until_sync
-from tests.fixtures.stack import start_stack
+from tests.support.servers import wait_until_sync
+from tests.support.stack import start_stack
 
 
 def test_sigterm_deregisters_first_and_lets_the_stream_in_flight_finish(

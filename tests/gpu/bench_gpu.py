@@ -15,7 +15,7 @@ every request decoding in lockstep, TPOT is the decode step time at batch ``c``.
 off`` runs each dtype twice, with and without CUDA graphs of decode steps (``EngineConfig.
 cuda_graphs``; no effect on CPU); graphs are captured in the first pass of a level.
 
-``transfer``: a spawned prefill peer (:class:`tests.gpu.cuda_peer.PatternPeer`) and a decode
+``transfer``: a spawned prefill peer (:class:`tests.support.cuda_peer.PatternPeer`) and a decode
 transceiver in this process, pools on the given devices, SmolLM2's KV layout (30 layers, 3 KV
 heads, head dim 64, 16 tokens per block, float32: 720 KiB per block). Each size is pulled once
 to warm up, then at least 5 times and for at least 0.5 s; GB/s at the median. The bytes are
@@ -64,10 +64,10 @@ def _device_name(device: str) -> str:
 
 def _model_dir(name: str, root: Path) -> Path:
     if name == "tiny":
-        from tests.fixtures.models import build_tiny_model
+        from tests.support.models import build_tiny_model
 
         return build_tiny_model(root / "tiny", seed=0)
-    from tests.gpu.models import build_smollm2_like
+    from tests.support.gpu_models import build_smollm2_like
 
     return build_smollm2_like(root / "smollm2-like", seed=0)
 
@@ -114,7 +114,7 @@ def _bench_engine_config(
 ) -> list[dict[str, Any]]:
     """One engine (``dtype``, CUDA graphs on or off), every concurrency level."""
     from pdserve.workers.engine.engine import Engine
-    from tests.integration.engine_helpers import engine_config
+    from tests.support.engine import engine_config
 
     results = []
     top = max(args.concurrency)
@@ -189,8 +189,8 @@ async def _pull_sizes(
 ) -> dict[int, list[float]]:
     from pdserve.protocol import KVLayout
     from pdserve.transfer import create_transceiver
-    from tests.gpu.cuda_peer import empty_pool, pattern, transfer_cfg
-    from tests.integration.kv_peer import TEST_KEY
+    from tests.support.cuda_peer import empty_pool, pattern, transfer_cfg
+    from tests.support.kv_peer import TEST_KEY
 
     layout = KVLayout(**SMOL_LAYOUT)
     pool = empty_pool(layout, max(sizes), dst_device)
@@ -221,7 +221,7 @@ async def _pull_sizes(
 
 def bench_transfer(args: argparse.Namespace) -> list[dict[str, Any]]:
     from pdserve.protocol import KVLayout
-    from tests.gpu.cuda_peer import PatternPeer
+    from tests.support.cuda_peer import PatternPeer
 
     layout = KVLayout(**SMOL_LAYOUT)
     block = layout.block_bytes_per_layer * layout.num_layers

@@ -16,10 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pdserve.workers.engine.engine import Engine
-from tests.gpu.models import build_smollm2_like
-from tests.gpu.test_engine_cuda import _syncs_per_forward, hf_greedy_on
-from tests.integration.engine_helpers import make_engine
-from tests.integration.test_decode_graphs import check_batched_equals_solo, mixed_cases
+from tests.support.engine import check_batched_equals_solo, make_engine, mixed_cases
+from tests.support.gpu_models import build_smollm2_like, hf_greedy_on, syncs_per_forward
 
 pytestmark = [
     pytest.mark.skipif(
@@ -72,10 +70,8 @@ def test_graphed_batch_equals_solo_eager_runs_smollm2_like(smol_like_dir: Path) 
 
 @pytest.mark.slow
 def test_a_replayed_decode_step_syncs_less_than_an_eager_step(smol_like_dir: Path) -> None:
-    graphed = _syncs_per_forward(
-        smol_like_dir, tokens_per_block=16, num_blocks=64, cuda_graphs=True
-    )
-    eager = _syncs_per_forward(smol_like_dir, tokens_per_block=16, num_blocks=64, cuda_graphs=False)
+    graphed = syncs_per_forward(smol_like_dir, tokens_per_block=16, num_blocks=64, cuda_graphs=True)
+    eager = syncs_per_forward(smol_like_dir, tokens_per_block=16, num_blocks=64, cuda_graphs=False)
     print("host syncs per forward, graphs:", [len(s) for s in graphed])
     print("host syncs per forward, eager: ", [len(s) for s in eager])
     print("kinds (graphs):", sorted({m for s in graphed for m in s}))

@@ -9,7 +9,6 @@ Skipped without CUDA (``torch.cuda.is_available()``).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,9 +18,8 @@ from transformers import AutoModelForCausalLM
 
 from pdserve.protocol import SamplingParams
 from pdserve.workers.engine.engine import Engine, EngineRequest
-from tests.gpu.models import build_smollm2_like
-from tests.integration.engine_helpers import complete, joined, make_engine, run, split_complete
-from tests.integration.test_engine_fidelity import tiny_prompts
+from tests.support.engine import complete, joined, make_engine, run, split_complete, tiny_prompts
+from tests.support.gpu_models import build_smollm2_like, hf_greedy_on, syncs_per_forward
 
 pytestmark = [
     pytest.mark.skipif(
@@ -30,16 +28,6 @@ pytestmark = [
 ]
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
-
-
-def hf_greedy_on(model, prompt: list[int], max_new_tokens: int) -> list[int]:  # noqa: ANN001
-    """transformers' greedy generate() on the model's own device."""
-    ids = torch.tensor([prompt], device=model.device)
-    with torch.inference_mode():
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -130,36 +118,9 @@ def test_smollm2_architecture_greedy_equals_generate_on_cuda(smol_like_dir: Path
         assert joined(batch[f"s-{i}"]).token_ids == hf_greedy_on(hf, prompt, 20), i
 
 
-def _syncs_per_forward(model_dir: Path, **overrides: object) -> list[list[str]]:
-    """Host synchronisations CUDA reports (``set_sync_debug_mode("warn")``) inside each
-    ``ModelRunner.execute`` of one greedy request (a prefill step, then decode steps); the
-    sampler's copy of the logits comes after ``execute`` and is not counted."""
-    engine = make_engine(model_dir, device="cuda", **overrides)
-    original = engine.runner.execute
-    per_call: list[list[str]] = []
-
-    def counted(batch, kv_cache):  # noqa: ANN001, ANN202 - runs on the engine thread
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                return original(batch, kv_cache)
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-                per_call.append([str(w.message).splitlines()[0] for w in caught])
-
-    engine.runner.execute = counted  # type: ignore[method-assign]
-    sampling = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    try:
-        complete(engine, "sync-probe", list(range(10, 50)), sampling)
-    finally:
-        engine.shutdown()
-    return per_call
-
-
 @pytest.mark.slow
 def test_a_forward_makes_no_host_sync_per_layer(smol_like_dir: Path) -> None:
-    per_forward = _syncs_per_forward(smol_like_dir, tokens_per_block=16, num_blocks=64)
+    per_forward = syncs_per_forward(smol_like_dir, tokens_per_block=16, num_blocks=64)
     print("host syncs per forward (30 layers):", [len(s) for s in per_forward])
     print("kinds:", sorted({m for s in per_forward for m in s}))
     assert len(per_forward) == 6  # one prefill step, five decode steps

@@ -1,6 +1,6 @@
 """KV transfer between two real processes whose pools live in GPU memory.
 
-The prefill side is a spawned process with a pattern-filled pool (:mod:`tests.gpu.cuda_peer`);
+The prefill side is a spawned process with a pattern-filled pool (:mod:`tests.support.cuda_peer`);
 this process is the decode side. Every pull runs with block digests on, so the digests of CUDA
 memory are checked on every case too. Backends: ``tcp`` (stages CUDA bytes through pinned host
 memory) and ``nixl`` (registers VRAM; skipped where NIXL does not import); pools CUDA -> CUDA,
@@ -25,8 +25,8 @@ from pdserve.protocol import KVLayout
 from pdserve.transfer import create_transceiver
 from pdserve.transfer.formatter import Formatter, PoolGeometry
 from pdserve.transfer.integrity import BlockDigester
-from tests.gpu.cuda_peer import PatternPeer, empty_pool, pattern, transfer_cfg
-from tests.integration.kv_peer import TEST_KEY
+from tests.support.cuda_peer import PatternPeer, empty_pool, pattern, transfer_cfg
+from tests.support.kv_peer import TEST_KEY
 
 pytestmark = [
     pytest.mark.timeout(180),

@@ -24,7 +24,7 @@ from pdserve.workers.engine.model_runner import ModelRunner
 from pdserve.workers.engine.scheduler import ScheduledBatch, ScheduledSequence
 from pdserve.workers.engine.sequence import Sequence
 from pdserve.workers.kv.manager import KVCacheManager
-from tests.integration.engine_helpers import (
+from tests.support.engine import (
     complete,
     engine_config,
     hf_greedy,

@@ -19,44 +19,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pdserve.protocol import SamplingParams
 from pdserve.workers.engine.attention import register_paged_attention
 from pdserve.workers.engine.cuda_graphs import DecodeGraphs
-from pdserve.workers.engine.engine import Engine, EngineRequest
-from tests.integration.engine_helpers import complete, hf_greedy, joined, make_engine, run
-
-PROMPT_LENGTHS = (3, 17, 30, 45, 61)
-
-
-def mixed_cases(vocab: int, seed: int = 0) -> list[tuple[list[int], SamplingParams]]:
-    """Prompts of different lengths (tables grow across width buckets with 4-token blocks);
-    different ``max_tokens`` so the batch shrinks through the buckets; one seeded sample."""
-    gen = torch.Generator().manual_seed(seed)
-    cases = []
-    for i, n in enumerate(PROMPT_LENGTHS):
-        prompt = torch.randint(3, vocab, (n,), generator=gen).tolist()
-        if i == 2:
-            sampling = SamplingParams(temperature=0.8, seed=7, max_tokens=14, ignore_eos=True)
-        else:
-            sampling = SamplingParams(temperature=0.0, max_tokens=8 + 4 * i, ignore_eos=True)
-        cases.append((prompt, sampling))
-    return cases
-
-
-def check_batched_equals_solo(
-    graphed: Engine, eager: Engine, cases: list[tuple[list[int], SamplingParams]]
-) -> list[list[int]]:
-    """Run ``cases`` together on ``graphed`` and one by one on ``eager``; assert equal tokens
-    and that ``graphed`` freed every block. Returns the batched token ids."""
-    solo = [complete(eager, f"solo-{i}", p, s).token_ids for i, (p, s) in enumerate(cases)]
-    reqs = [EngineRequest(f"batch-{i}", p, s) for i, (p, s) in enumerate(cases)]
-    outs = run(graphed, reqs)
-    batched = [joined(outs[f"batch-{i}"]).token_ids for i in range(len(cases))]
-    for i, (got, want) in enumerate(zip(batched, solo, strict=True)):
-        assert len(got) == cases[i][1].max_tokens, i
-        assert got == want, f"case {i} (prompt {len(cases[i][0])} tokens)"
-    assert graphed.kv_cache.get_num_free_blocks() == graphed.kv_cache.num_blocks
-    return batched
+from pdserve.workers.engine.engine import Engine
+from tests.support.engine import (
+    check_batched_equals_solo,
+    hf_greedy,
+    make_engine,
+    mixed_cases,
+)
 
 
 @pytest.fixture

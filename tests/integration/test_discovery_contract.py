@@ -24,9 +24,7 @@ import pytest
 from pdserve.discovery import Registration, RegistrationState, open_registration, open_watcher
 from pdserve.protocol import WorkerRecord
 from pdserve.security import ClusterKey
-from tests.fakes import CLUSTER_KEY
-from tests.fixtures.servers import EtcdServer, NatsServer, wait_until
-from tests.integration.discovery_backends import (
+from tests.support.discovery_backends import (
     WORKER_ID,
     Backend,
     EmbeddedBackend,
@@ -35,6 +33,8 @@ from tests.integration.discovery_backends import (
     make_record,
     open_registration_for,
 )
+from tests.support.fakes import CLUSTER_KEY
+from tests.support.servers import EtcdServer, NatsServer, wait_until
 
 Events = list[tuple[str, int | None]]
 

@@ -11,9 +11,9 @@ import pytest
 from pdserve.discovery import RegistrationState, open_registration, open_watcher
 from pdserve.discovery.etcd import EtcdRegistration, EtcdWatcher, worker_key
 from pdserve.protocol import WorkerRecord
-from tests.fakes import CLUSTER_KEY
-from tests.fixtures.servers import EtcdServer, wait_until
-from tests.integration.discovery_backends import make_record
+from tests.support.discovery_backends import make_record
+from tests.support.fakes import CLUSTER_KEY
+from tests.support.servers import EtcdServer, wait_until
 
 TTL_S = 2.0
 

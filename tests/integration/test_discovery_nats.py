@@ -18,9 +18,9 @@ from pdserve.discovery.events import KVBlockEvent, LoadEvent, event_publisher
 from pdserve.discovery.nats import NatsRegistration
 from pdserve.discovery.nats_watcher import NatsWatcher
 from pdserve.protocol import Role, WorkerLoad, WorkerRecord
-from tests.fakes import CLUSTER_KEY
-from tests.fixtures.servers import NatsServer, free_port, wait_until
-from tests.integration.discovery_backends import WORKER_ID, make_record, nats_stored_record
+from tests.support.discovery_backends import WORKER_ID, make_record, nats_stored_record
+from tests.support.fakes import CLUSTER_KEY
+from tests.support.servers import NatsServer, free_port, wait_until
 
 TTL_S = 2.0
 SLACK_S = 2.0

@@ -1,7 +1,7 @@
 """TLS and user credentials toward the control planes, against real servers started with TLS:
 etcd on https client URLs with ``--client-cert-auth`` (and role-based auth), nats-server with a
 ``tls { verify: true }`` block, JetStream and operator-mode (JWT) auth. Certificates, JWTs and
-the ``.creds`` file are made by the test (:mod:`tests.fixtures.pki`).
+the ``.creds`` file are made by the test (:mod:`tests.support.pki`).
 
 Each "refused" case checks that the failure is bounded (``start()`` returns within a few
 seconds with the registration RETRYING, the watcher not connected) and that the warning says
@@ -25,9 +25,10 @@ from pdserve.discovery.nats import NatsRegistration
 from pdserve.discovery.nats_watcher import NatsWatcher
 from pdserve.protocol import WorkerLoad
 from pdserve.settings import DiscoverySettings
-from tests.fakes import CLUSTER_KEY
-from tests.fixtures.pki import PKI, NatsOperator, make_nats_operator, make_pki
-from tests.fixtures.servers import (
+from tests.support.discovery_backends import make_record
+from tests.support.fakes import CLUSTER_KEY
+from tests.support.pki import PKI, NatsOperator, make_nats_operator, make_pki
+from tests.support.servers import (
     EtcdServer,
     NatsServer,
     ServerTLS,
@@ -35,7 +36,6 @@ from tests.fixtures.servers import (
     running_nats,
     wait_until,
 )
-from tests.integration.discovery_backends import make_record
 
 TTL_S = 3.0
 REFUSED_WITHIN_S = 8.0

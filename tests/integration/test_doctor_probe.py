@@ -12,10 +12,11 @@ from pathlib import Path
 from pdserve.discovery import EmbeddedRegistry, open_registration
 from pdserve.protocol import Role, WorkerRecord
 from pdserve.security import write_secret_file
-from tests.fakes import TEST_SECRET, registry_app
-from tests.fixtures.servers import free_port, serve_app, wait_until
-from tests.integration.kv_peer import TEST_KEY
-from tests.unit.test_doctor import LAYOUT, transceiver
+from tests.support.fakes import TEST_SECRET, registry_app
+from tests.support.kv_peer import TEST_KEY
+from tests.support.servers import free_port, serve_app, wait_until
+from tests.support.transfer import LAYOUT_SMALL as LAYOUT
+from tests.support.transfer import serving_transceiver as transceiver
 
 
 async def _doctor(*args: str) -> tuple[int | None, str]:

@@ -13,31 +13,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdserve.protocol import SamplingParams
 from pdserve.workers.engine.engine import Engine, EngineRequest
-from tests.integration.engine_helpers import (
+from tests.support.engine import (
+    TINY_TEXTS,
     complete,
     hf_greedy,
     joined,
     make_engine,
     run,
     split_complete,
+    tiny_prompts,
 )
 
-TINY_TEXTS = [
-    "Hello",
-    "The quick brown fox jumps over the lazy dog.",
-    "pdserve splits prefill and decode across workers; " * 3,
-    "x",
-    "0123456789abcdef",  # exactly four blocks of four tokens
-]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
-
-
-def tiny_prompts(tok) -> list[list[int]]:  # noqa: ANN001
-    prompts = [tok.encode(t, add_special_tokens=False) for t in TINY_TEXTS]
-    chat = tok.apply_chat_template(
-        [{"role": "user", "content": "Say something."}], add_generation_prompt=True, tokenize=False
-    )
-    return [*prompts, tok.encode(chat, add_special_tokens=False)]
 
 
 @pytest.fixture(scope="module")

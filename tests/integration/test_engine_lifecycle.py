@@ -12,7 +12,7 @@ import pytest
 from pdserve.errors import CapacityError, InvalidRequestError
 from pdserve.protocol import FinishReason, SamplingParams
 from pdserve.workers.engine.engine import Engine, EngineOutput, EngineRequest
-from tests.integration.engine_helpers import complete, make_engine, run
+from tests.support.engine import complete, make_engine, run
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]  # b"Hello, world"
 

@@ -20,7 +20,7 @@ import torch
 from pdserve.protocol import SamplingParams
 from pdserve.transfer.formatter import Formatter, PoolGeometry, pool_bytes
 from pdserve.workers.engine.engine import Engine, EngineRequest
-from tests.integration.engine_helpers import joined, make_engine, run
+from tests.support.engine import joined, make_engine, run
 
 PROMPTS = [
     [1, 72, 101, 108, 108, 111],

@@ -15,7 +15,7 @@ import pytest
 from pdserve.errors import CapacityError, QueueFullError
 from pdserve.protocol import SamplingParams
 from pdserve.workers.engine.engine import Engine, EngineOutput, EngineRequest
-from tests.integration.engine_helpers import copy_blocks_bytewise, engine_config, make_engine, run
+from tests.support.engine import copy_blocks_bytewise, engine_config, make_engine, run
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",

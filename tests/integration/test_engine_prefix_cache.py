@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from pdserve.protocol import SamplingParams
 from pdserve.workers.engine.engine import Engine, EngineOutput, EngineRequest
-from tests.integration.engine_helpers import complete, hf_greedy, joined, make_engine, run
+from tests.support.engine import complete, hf_greedy, joined, make_engine, run
 
 SYSTEM = "You are pdserve, a helpful assistant. Answer briefly. "
 QUESTIONS = ["What is a KV cache?", "Why split prefill and decode?", "Name a prime number."]

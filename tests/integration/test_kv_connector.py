@@ -16,7 +16,7 @@ import pytest
 
 from pdserve.protocol import SamplingParams
 from pdserve.workers.engine.engine import Engine
-from tests.integration.engine_helpers import complete, make_engine
+from tests.support.engine import complete, make_engine
 
 ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -55,7 +55,7 @@ def test_blocks_saved_by_one_worker_process_are_loaded_by_another_after_a_restar
     want = complete(cold, "cold-restart", tokens, GREEDY).token_ids
 
     def worker_process() -> dict[str, object]:
-        argv = [sys.executable, "-m", "tests.integration.kv_connector_child",
+        argv = [sys.executable, "-m", "tests.support.kv_connector_child",
                 str(tiny_model_dir), str(tmp_path / "kv"), json.dumps(tokens)]  # fmt: skip
         done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=180)
         assert done.returncode == 0, done.stderr[-3000:]

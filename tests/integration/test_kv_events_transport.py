@@ -14,9 +14,7 @@ from pdserve.discovery.kvcache import kv_event_sender, kv_snapshot_requests
 from pdserve.router.kv_index import KVIndex, follow_kv_events
 from pdserve.workers.kv.events import KVEventPublisher, KVEventRecorder
 from pdserve.workers.kv.manager import KVCacheManager
-from tests.fakes import layout
-from tests.fixtures.servers import wait_until
-from tests.integration.discovery_backends import (
+from tests.support.discovery_backends import (
     WORKER_ID,
     Backend,
     EmbeddedBackend,
@@ -25,6 +23,8 @@ from tests.integration.discovery_backends import (
     make_record,
     open_registration_for,
 )
+from tests.support.fakes import layout
+from tests.support.servers import wait_until
 
 TPB = 4
 LAYOUT = layout(tokens_per_block=TPB)

@@ -2,7 +2,7 @@
 anything, on every backend, between real processes.
 
 The prefill side is a real transceiver with the real KV cache manager and lease table in a
-spawned process (:mod:`tests.integration.kv_peer`, which counts backend peers added, lease
+spawned process (:mod:`tests.support.kv_peer`, which counts backend peers added, lease
 lookups and refused connections); the decode side is this process's real transceiver, or a bare
 connection speaking the wire protocol where a test plays an impostor. A refused peer raises
 TransferError ``kv_auth_failed`` on its side, and the prefill side adds no backend peer, looks
@@ -27,7 +27,7 @@ from pdserve.transfer.backend import open_backend
 from pdserve.transfer.control import Connection, split_endpoint
 from pdserve.transfer.formatter import PoolGeometry
 from pdserve.transfer.handshake import LocalSide
-from tests.integration.kv_peer import (
+from tests.support.kv_peer import (
     LAYOUT,
     OTHER_KEY,
     OTHER_SECRET,
@@ -38,7 +38,7 @@ from tests.integration.kv_peer import (
     empty_pool,
     pattern,
 )
-from tests.integration.test_transfer_backends import BACKENDS
+from tests.support.transfer import BACKENDS
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -2,7 +2,7 @@
 
 Two ways to flip a byte, both outside production code:
 
-- every backend: a fault hook in the prefill process (:mod:`tests.integration.kv_peer`) flips
+- every backend: a fault hook in the prefill process (:mod:`tests.support.kv_peer`) flips
   one byte of the source right after the sender digested it and before the backend moved it
   (for NIXL/UCX, memory is written directly: there is no wire to tamper with);
 - TCP: a proxy between the decode and the prefill transceivers flips one byte of the raw KV
@@ -26,7 +26,7 @@ import torch
 
 from pdserve.errors import IntegrityError
 from pdserve.transfer import Transceiver, create_transceiver, wire
-from tests.integration.kv_peer import (
+from tests.support.kv_peer import (
     LAYOUT,
     NUM_BLOCKS,
     TEST_KEY,
@@ -35,7 +35,7 @@ from tests.integration.kv_peer import (
     empty_pool,
     pattern,
 )
-from tests.integration.test_transfer_backends import BACKENDS
+from tests.support.transfer import BACKENDS
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,7 +1,7 @@
 """Fencing on every transfer backend: stale or foreign handles are refused by both sides.
 
 The prefill side (a real transceiver, KV cache manager and lease table in a spawned process,
-:mod:`tests.integration.kv_peer`) refuses a SendBlocks naming an old epoch, another lease id, an
+:mod:`tests.support.kv_peer`) refuses a SendBlocks naming an old epoch, another lease id, an
 expired lease, blocks that are not the parked ones, or a block that changed hands since it was
 parked. The decode side (this process's real transceiver) refuses, before asking, a handle
 whose lease has run out, whose epoch is not the one the handshake found (also after the prefill
@@ -24,8 +24,8 @@ from pdserve.transfer.backend import open_backend
 from pdserve.transfer.control import Connection
 from pdserve.transfer.formatter import PoolGeometry
 from pdserve.transfer.handshake import LocalSide
-from tests.integration.kv_peer import LAYOUT, TEST_KEY, PrefillProcess, cfg, empty_pool, pattern
-from tests.integration.test_transfer_backends import BACKENDS
+from tests.support.kv_peer import LAYOUT, TEST_KEY, PrefillProcess, cfg, empty_pool, pattern
+from tests.support.transfer import BACKENDS
 
 pytestmark = pytest.mark.timeout(60)
 

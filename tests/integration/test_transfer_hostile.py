@@ -1,7 +1,7 @@
 """A hostile peer against a prefill worker's transceiver (issue 13), between real processes.
 
 The prefill side is a real transceiver with the real KV cache manager and lease table in a
-spawned process (:mod:`tests.integration.kv_peer`); the attacker is this process, speaking the
+spawned process (:mod:`tests.support.kv_peer`); the attacker is this process, speaking the
 wire protocol on bare sockets (with or without the cluster secret: a peer that holds it may still
 be a compromised worker). For every attack the worker refuses, its resident memory stays within a
 bound far below what the attack asked for (measured from ``/proc``), a correct decode worker's
@@ -30,7 +30,7 @@ from pdserve.transfer.control import FRAME_TIMEOUT_S, Connection, split_endpoint
 from pdserve.transfer.formatter import PoolGeometry
 from pdserve.transfer.handshake import LocalSide
 from pdserve.transfer.sender import AUTH_START_S
-from tests.integration.kv_peer import LAYOUT, TEST_KEY, PrefillProcess, cfg, empty_pool, pattern
+from tests.support.kv_peer import LAYOUT, TEST_KEY, PrefillProcess, cfg, empty_pool, pattern
 
 pytestmark = pytest.mark.timeout(120)
 

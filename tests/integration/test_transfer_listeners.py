@@ -20,7 +20,7 @@ import json, sys, psutil, torch
 from pdserve.settings import TransferSettings
 from pdserve.transfer.backend import open_backend
 from pdserve.transfer.formatter import PoolGeometry
-from tests.fakes import layout
+from tests.support.fakes import layout
 
 def listening():
     return {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections("inet")

@@ -23,9 +23,9 @@ from pdserve.protocol import KVLayout, TransferHandle
 from pdserve.settings import TransferSettings
 from pdserve.transfer import Transceiver, create_transceiver
 from pdserve.workers.roles.parking import ParkedBlocks
-from tests.fixtures.servers import wait_until_sync
-from tests.integration.kv_peer import TEST_KEY
-from tests.integration.test_transfer_backends import BACKENDS
+from tests.support.kv_peer import TEST_KEY
+from tests.support.servers import wait_until_sync
+from tests.support.transfer import BACKENDS
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -17,17 +17,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdserve.errors import TransferError
 from pdserve.transfer import create_transceiver
-from tests.fixtures.stack import Stack, start_stack
-from tests.integration.kv_peer import TEST_KEY
-from tests.integration.test_transfer_backends import (
+from tests.support.kv_peer import TEST_KEY
+from tests.support.stack import Stack, start_stack
+from tests.support.transfer import (
     BIG,
     BIG_BLOCKS,
     LAYOUT,
     PrefillPeer,
-    _assert_landed,
-    _cfg,
-    _decode,
-    _pool,
+    assert_landed,
+    backend_cfg,
+    decode_transceiver,
+    zeros_pool,
 )
 
 pytestmark = [
@@ -45,14 +45,14 @@ def tcp_only(monkeypatch: pytest.MonkeyPatch) -> None:
 
 async def test_pulls_over_tcp_as_between_hosts_land_every_byte(tcp_only):
     peer = PrefillPeer("ucx")
-    t, pool = await _decode("ucx")
+    t, pool = await decode_transceiver("ucx")
     try:
         pairs = {"h1": ([3, 4, 5, 9], [10, 11, 0, 2]), "h2": ([12, 13], [5, 6]), "h3": ([1], [15])}
         handles = {rid: peer.park(rid, src) for rid, (src, _) in pairs.items()}
         await asyncio.gather(*(t.pull(handles[rid], dst) for rid, (_, dst) in pairs.items()))
         srcs = [b for src, _ in pairs.values() for b in src]
         dsts = [b for _, dst in pairs.values() for b in dst]
-        _assert_landed(pool, srcs, dsts, LAYOUT)
+        assert_landed(pool, srcs, dsts, LAYOUT)
         assert set(pairs) <= set(peer.wait_released("h3"))
     finally:
         await t.close()
@@ -61,9 +61,15 @@ async def test_pulls_over_tcp_as_between_hosts_land_every_byte(tcp_only):
 
 async def test_peer_dying_mid_transfer_over_tcp_raises_transfer_error(tcp_only):
     peer = PrefillPeer("ucx", layout=BIG, num_blocks=BIG_BLOCKS)
-    pool = _pool(BIG, BIG_BLOCKS)
+    pool = zeros_pool(BIG, BIG_BLOCKS)
     t = create_transceiver(
-        _cfg("ucx"), pool=pool, layout=BIG, worker_id="decode-1", epoch=1, parked=None, key=TEST_KEY
+        backend_cfg("ucx"),
+        pool=pool,
+        layout=BIG,
+        worker_id="decode-1",
+        epoch=1,
+        parked=None,
+        key=TEST_KEY,
     )
     try:
         await t.start()

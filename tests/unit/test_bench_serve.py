@@ -18,8 +18,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pdserve.cli import build_parser, main
 from pdserve.tools import bench_serve as bs
-from tests.fixtures.models import tiny_tokenizer
-from tests.fixtures.servers import wait_until_sync
+from tests.support.models import tiny_tokenizer
+from tests.support.servers import wait_until_sync
 
 TTFT_S = 0.08  # the fake server's delay before the first content delta
 ITL_S = 0.03  # and between content deltas

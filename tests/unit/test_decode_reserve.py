@@ -12,7 +12,7 @@ from pdserve.errors import CapacityError, QueueFullError
 from pdserve.protocol import GenerationRequest, KVLayout, SamplingParams, TransferHandle
 from pdserve.workers.engine.requests import Reservation
 from pdserve.workers.roles.decode import DecodeHandler
-from tests.fakes import layout
+from tests.support.fakes import layout
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.workers.engine.sequence import IncrementalDetokenizer
-from tests.fixtures.models import tiny_tokenizer
+from tests.support.models import tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from pdserve.discovery.records import RecordTable
 from pdserve.errors import ConfigError
 from pdserve.protocol import Role, WorkerLoad, WorkerRecord
 from pdserve.security import ClusterKey
-from tests.fakes import (
+from tests.support.fakes import (
     CLUSTER_KEY,
     INTERNAL_AUTH,
     MODEL,
@@ -30,7 +30,7 @@ from tests.fakes import (
     registry_app,
     serve_app,
 )
-from tests.fixtures.servers import wait_until
+from tests.support.servers import wait_until
 
 OTHER_KEY = ClusterKey(b"another-deployment-secret-0123456789abcdef")
 BAD_AUTH: list[dict[str, str]] = [

@@ -23,8 +23,8 @@ from pdserve.discovery import (
 from pdserve.discovery.http import HttpRegistration, HttpWatcher
 from pdserve.errors import DiscoveryError
 from pdserve.protocol import Role, WorkerRecord
-from tests.fakes import CLUSTER_KEY, INTERNAL_AUTH, record, registry_app
-from tests.fixtures.servers import UvicornHandle, free_port, serve_app, wait_until
+from tests.support.fakes import CLUSTER_KEY, INTERNAL_AUTH, record, registry_app
+from tests.support.servers import UvicornHandle, free_port, serve_app, wait_until
 
 Router = tuple[EmbeddedRegistry, UvicornHandle]
 

@@ -15,7 +15,7 @@ from pdserve.discovery.events import (
     worker_id_of,
 )
 from pdserve.protocol import WorkerLoad
-from tests.fakes import CLUSTER_KEY
+from tests.support.fakes import CLUSTER_KEY
 
 
 def test_nats_urls_default_to_port_4222_and_take_no_path() -> None:

@@ -12,8 +12,8 @@ from pdserve.discovery import open_registration, open_watcher
 from pdserve.discovery.tls import ControlPlaneTLS
 from pdserve.errors import ConfigError
 from pdserve.settings import DiscoverySettings
-from tests.fakes import CLUSTER_KEY
-from tests.fixtures.pki import PKI, make_nats_operator, make_pki
+from tests.support.fakes import CLUSTER_KEY
+from tests.support.pki import PKI, make_nats_operator, make_pki
 
 
 @pytest.fixture(scope="module")

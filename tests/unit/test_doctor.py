@@ -6,15 +6,10 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import pydantic
 import pytest
-import torch
 
-from pdserve.protocol import KVLayout
-from pdserve.settings import TransferSettings
 from pdserve.tools.doctor import (
     Finding,
     Level,
@@ -34,13 +29,10 @@ from pdserve.tools.doctor_facts import BackendFacts, Facts, parse_ucx_info
 from pdserve.transfer import auth, wire
 from pdserve.transfer.control import Connection
 from pdserve.transfer.probe import chunks
-from pdserve.transfer.transceiver import Transceiver, create_transceiver
-from tests.fixtures.servers import wait_until
-from tests.integration.kv_peer import OTHER_KEY, TEST_KEY
+from tests.support.kv_peer import OTHER_KEY, TEST_KEY
+from tests.support.servers import wait_until
+from tests.support.transfer import serving_transceiver as transceiver
 
-LAYOUT = KVLayout(
-    model="tiny", num_layers=2, num_kv_heads=2, head_dim=8, tokens_per_block=4, dtype="float32"
-)
 TRANSPORTS = {"tcp": ("eth0", "lo"), "cma": ("memory",), "posix": ("memory",), "self": ("memory",)}
 BACKENDS = (
     BackendFacts("tcp", True, None, "(built in)"),
@@ -171,26 +163,6 @@ def test_report_prints_each_fix_and_the_counts() -> None:
 
 
 # ------------------------------------------------------------------ probe against a transceiver
-
-
-@asynccontextmanager
-async def transceiver(fill: float = 1.0) -> AsyncIterator[Transceiver]:
-    """A real TCP-backend transceiver over a pool full of ``fill`` (standing for KV data)."""
-    shape = (LAYOUT.num_layers, 4, 2, LAYOUT.tokens_per_block, LAYOUT.num_kv_heads, LAYOUT.head_dim)
-    t = create_transceiver(
-        TransferSettings(backend="tcp"),
-        pool=torch.full(shape, fill),
-        layout=LAYOUT,
-        worker_id="prefill-doc",
-        epoch=42,
-        parked=None,
-        key=TEST_KEY,
-    )
-    await t.start()
-    try:
-        yield t
-    finally:
-        await t.close()
 
 
 async def test_peer_probe_reports_worker_round_trip_and_bandwidth() -> None:

@@ -247,3 +247,21 @@ def test_the_image_model_stage_copies_every_module_the_conversion_imports() -> N
         for w in copy.split()[1:]
     }
     assert copied == needed
+
+
+def test_test_modules_import_only_the_support_kit() -> None:
+    """Shared test code lives in ``tests/support``; no test module imports another test module
+    (or a helper kept beside its tests)."""
+    tests = ROOT / "tests"
+    bad = []
+    for file in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(file.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for name in names:
+                if name.startswith("tests.") and not name.startswith("tests.support"):
+                    bad.append(f"{file.relative_to(ROOT)} imports {name}")
+    assert bad == []

@@ -13,7 +13,7 @@ from pdserve.discovery.kvcache import MAX_HASHES_PER_EVENT, KVCacheEvent, KVEven
 from pdserve.router.kv_index import KVIndex
 from pdserve.workers.kv.events import KVEventPublisher, KVEventRecorder
 from pdserve.workers.kv.manager import KVCacheManager
-from tests.fakes import CLUSTER_KEY, INTERNAL_AUTH, layout
+from tests.support.fakes import CLUSTER_KEY, INTERNAL_AUTH, layout
 
 TPB = 4
 LAYOUT = layout(tokens_per_block=TPB)
@@ -255,7 +255,7 @@ async def test_open_kv_events_publishes_only_when_everything_is_on(
 
     from pdserve.settings import DiscoverySettings
     from pdserve.workers.kv.events import open_kv_events
-    from tests.fixtures.servers import wait_until
+    from tests.support.servers import wait_until
 
     cache = KVCacheManager(LAYOUT, 8, prefix_caching=prefix_caching)
     settings = DiscoverySettings(kv_events=kv_events, kv_events_interval_s=0.01)

@@ -9,7 +9,7 @@ from pdserve.block_hash import BlockHasher
 from pdserve.discovery.kvcache import KVCacheEvent, encode_hash
 from pdserve.router.kv_index import KVIndex, PromptHashes, expected_cached_tokens
 from pdserve.workers.kv.manager import KVCacheManager
-from tests.fakes import layout, record
+from tests.support.fakes import layout, record
 
 TPB = 16
 LAYOUT = layout(tokens_per_block=TPB)

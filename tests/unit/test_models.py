@@ -11,7 +11,7 @@ import pytest
 from pdserve import models
 from pdserve.errors import ConfigError
 from pdserve.settings import DEFAULT_MODEL
-from tests.fixtures.models import build_tiny_model
+from tests.support.models import build_tiny_model
 
 
 def test_missing_wheel_names_the_install_command(

@@ -12,7 +12,7 @@ import pytest
 from pdserve.errors import HandleError
 from pdserve.protocol import Role, TransferHandle, WorkerRecord
 from pdserve.workers.roles.prefill_directory import PrefillDirectory
-from tests.fakes import layout
+from tests.support.fakes import layout
 
 
 class ListWatcher:

@@ -19,7 +19,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import LEAST_LOADED, RoutePath, RouteWeights, choose_route, route_cost
 from pdserve.router.router import Router
 from pdserve.router.view import WorkerView
-from tests.fakes import CLUSTER_KEY, MODEL, FakeWatcher, FakeWorker, layout, record
+from tests.support.fakes import CLUSTER_KEY, MODEL, FakeWatcher, FakeWorker, layout, record
 
 KV = RouteWeights(kv_overlap_weight=1.0, load_weight=256.0)
 PROMPT_TOKENS = 1000

@@ -8,7 +8,7 @@ from pdserve.errors import NoWorkerError
 from pdserve.protocol import PROTOCOL_VERSION, WorkerLoad
 from pdserve.router.policy import choose_pair
 from pdserve.router.view import WorkerView
-from tests.fakes import MODEL, FakeWatcher, layout, record
+from tests.support.fakes import MODEL, FakeWatcher, layout, record
 
 
 def view_of(*records) -> WorkerView:

@@ -15,8 +15,9 @@ from pdserve.protocol import SamplingParams, WorkerLoad, WorkerRecord
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.view import WorkerView
 from pdserve.workers.roles.metrics import WorkerMetrics
-from tests.fakes import CLUSTER_KEY, MODEL, build_tokenizer_dir, record
-from tests.unit.test_router_transaction import PROMPT, decode, make_router, prefill
+from tests.support.fakes import CLUSTER_KEY, MODEL, PROMPT, build_tokenizer_dir, make_router, record
+from tests.support.fakes import decode_worker as decode
+from tests.support.fakes import prefill_worker as prefill
 
 
 class Source:

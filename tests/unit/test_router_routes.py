@@ -19,7 +19,7 @@ from pdserve.router.policy import RoutePath, choose_route, prefill_locally
 from pdserve.router.router import Router
 from pdserve.router.view import WorkerView
 from pdserve.settings import RouterSettings
-from tests.fakes import (
+from tests.support.fakes import (
     CLUSTER_KEY,
     MODEL,
     SECURITY,

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from contextlib import asynccontextmanager
-
-import httpx
 import pytest
 
 from pdserve.errors import (
@@ -17,33 +14,17 @@ from pdserve.errors import (
     TransferError,
     WorkerError,
 )
-from pdserve.protocol import FinishReason, Role, SamplingParams, WorkerLoad
-from pdserve.router.client import WorkerClient, WorkerUnreachableError
+from pdserve.protocol import FinishReason, SamplingParams, WorkerLoad
+from pdserve.router.client import WorkerUnreachableError
 from pdserve.router.router import Router
-from pdserve.router.view import WorkerView
-from tests.fakes import CLUSTER_KEY, MODEL, FakeWatcher, FakeWorker, record
-
-REPLY = [(72, "H"), (105, "i"), (33, "!"), (10, "\n")]
-KEY = CLUSTER_KEY  # the key whose token the fake workers require
-PROMPT = [1, 2, 3]
-
-
-def prefill(worker_id="p0", **kw) -> FakeWorker:
-    return FakeWorker(worker_id, Role.PREFILL, kw.pop("reply", REPLY), **kw)
-
-
-def decode(worker_id="d0", **kw) -> FakeWorker:
-    return FakeWorker(worker_id, Role.DECODE, kw.pop("reply", REPLY), **kw)
-
-
-@asynccontextmanager
-async def make_router(*workers: FakeWorker, extra_records=(), timeout_s: float = 10.0):
-    mounts = {w.http_url: httpx.ASGITransport(app=w.app()) for w in workers}
-    watcher = FakeWatcher([w.record() for w in workers] + list(extra_records))
-    async with httpx.AsyncClient(mounts=mounts, trust_env=False) as http:
-        view = WorkerView(watcher, served_model_name=MODEL)
-        client = WorkerClient(http, key=KEY, connect_timeout_s=1.0)
-        yield Router(view, client, request_timeout_s=timeout_s)
+from tests.support.fakes import (
+    PROMPT,
+    REPLY,
+    make_router,
+    record,
+)
+from tests.support.fakes import decode_worker as decode
+from tests.support.fakes import prefill_worker as prefill
 
 
 async def run(router: Router, max_tokens: int = 16, request_id: str = "r1"):

@@ -14,7 +14,7 @@ from pydantic import SecretStr
 from pdserve.config import RouterConfig
 from pdserve.protocol import Role
 from pdserve.settings import RouterSettings, SecuritySettings
-from tests.fakes import MODEL, FakeWorker, build_tokenizer_dir, router_harness
+from tests.support.fakes import MODEL, FakeWorker, build_tokenizer_dir, router_harness
 
 REPLY = [(72, "H"), (105, "i"), (33, "!")]
 CHAT: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from pdserve.config import RouterConfig
 from pdserve.protocol import Role
-from tests.fakes import MODEL, FakeWorker, build_tokenizer_dir, router_harness
+from tests.support.fakes import MODEL, FakeWorker, build_tokenizer_dir, router_harness
 
 REPLY_TEXT = "Hi there!"
 

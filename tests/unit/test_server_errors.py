@@ -10,7 +10,7 @@ import pytest
 from pdserve.config import RouterConfig
 from pdserve.errors import CapacityError, WorkerError
 from pdserve.protocol import Role
-from tests.fakes import MODEL, FakeWorker, build_tokenizer_dir, router_harness
+from tests.support.fakes import MODEL, FakeWorker, build_tokenizer_dir, router_harness
 
 REPLY = [(72, "H"), (105, "i"), (33, "!")]
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}

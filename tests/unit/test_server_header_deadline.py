@@ -14,7 +14,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 
 from pdserve.server.http_protocol import HEADER_TIMEOUT_S, HeaderDeadlineH11Protocol
-from tests.fixtures.servers import bound_socket, uvicorn_started
+from tests.support.servers import bound_socket, uvicorn_started
 
 DEADLINE_S = 0.5
 

@@ -8,7 +8,7 @@ import pytest
 from pdserve.config import RouterConfig
 from pdserve.protocol import Role
 from pdserve.settings import ModelSettings
-from tests.fakes import (
+from tests.support.fakes import (
     INTERNAL_AUTH,
     MODEL,
     SECURITY,

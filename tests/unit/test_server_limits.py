@@ -24,7 +24,7 @@ from pdserve.server.schemas import (
     CompletionRequest,
 )
 from pdserve.settings import RouterSettings
-from tests.fakes import MODEL, FakeWorker, build_tokenizer_dir, router_harness
+from tests.support.fakes import MODEL, FakeWorker, build_tokenizer_dir, router_harness
 
 REPLY = [(72, "H"), (105, "i"), (33, "!")]
 CHAT: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}

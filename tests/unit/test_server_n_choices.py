@@ -32,7 +32,7 @@ from pdserve.router.client import WorkerClient
 from pdserve.router.router import Router
 from pdserve.router.transaction import TxnState
 from pdserve.router.view import WorkerView
-from tests.fakes import (
+from tests.support.fakes import (
     CLUSTER_KEY,
     MODEL,
     FakeWatcher,

@@ -11,8 +11,8 @@ from transformers import AutoTokenizer
 from pdserve.config import RouterConfig
 from pdserve.protocol import Role
 from pdserve.settings import RouterSettings
-from tests.fakes import MODEL, FakeWorker, build_tokenizer_dir, router_harness
-from tests.fixtures.servers import wait_until
+from tests.support.fakes import MODEL, FakeWorker, build_tokenizer_dir, router_harness
+from tests.support.servers import wait_until
 
 REPLY_TEXT = "Hello from pdserve"
 

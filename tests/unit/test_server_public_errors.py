@@ -26,7 +26,7 @@ from pdserve.errors import (
 )
 from pdserve.protocol import Role
 from pdserve.router.client import error_from_envelope
-from tests.fakes import MODEL, FakeWorker, build_tokenizer_dir, router_harness
+from tests.support.fakes import MODEL, FakeWorker, build_tokenizer_dir, router_harness
 
 PREFILL, DECODE = "prefill-secret-7", "decode-secret-9"
 INSIDE = "transfer peer 10.44.0.7:45123 of worker node-17.cluster.internal"

@@ -141,7 +141,7 @@ async def test_the_router_answers_429_tokenizer_busy_when_the_backlog_is_full(
     from pdserve.protocol import Role
     from pdserve.server.preprocess import Preprocessor
     from pdserve.settings import RouterSettings
-    from tests.fakes import MODEL, FakeWorker, build_tokenizer_dir, router_harness
+    from tests.support.fakes import MODEL, FakeWorker, build_tokenizer_dir, router_harness
 
     max_bytes = 2048
     cfg = RouterConfig(
@@ -192,7 +192,7 @@ def test_the_fast_encode_path_gives_the_ids_of_transformers_encode(text: str) ->
     offsets): the ids must be those of ``tokenizer.encode``, with and without special tokens."""
     from pdserve.server.preprocess import Preprocessor
     from pdserve.server.schemas import CompletionRequest
-    from tests.fixtures.models import tiny_tokenizer
+    from tests.support.models import tiny_tokenizer
 
     tok = tiny_tokenizer()
     pre = Preprocessor(tok, served_model_name="m", max_model_len=512)
@@ -209,7 +209,7 @@ def test_a_prompt_past_the_window_is_refused_from_its_count() -> None:
     """Its ids never become a list: the count alone refuses it (400, with the numbers)."""
     from pdserve.server.preprocess import Preprocessor
     from pdserve.server.schemas import CompletionRequest
-    from tests.fixtures.models import tiny_tokenizer
+    from tests.support.models import tiny_tokenizer
 
     pre = Preprocessor(tiny_tokenizer(), served_model_name="m", max_model_len=8)
     assert pre._encode("x" * 100, add_special_tokens=False) == (100, None)

@@ -20,7 +20,7 @@ from pdserve.supervisor import (
     ReadyTimeoutError,
     RestartPolicy,
 )
-from tests.fixtures.servers import free_port, wait_until_sync
+from tests.support.servers import free_port, wait_until_sync
 
 
 def python(name: str, code: str, log: Path | None = None, tier: int = 0) -> ProcessSpec:

@@ -23,8 +23,8 @@ from pdserve.transfer import auth, wire
 from pdserve.transfer.auth import AuthFailures, Exchange
 from pdserve.transfer.control import Connection
 from pdserve.transfer.transceiver import Transceiver, create_transceiver
-from tests.fixtures.servers import wait_until
-from tests.integration.kv_peer import OTHER_KEY, TEST_KEY
+from tests.support.kv_peer import OTHER_KEY, TEST_KEY
+from tests.support.servers import wait_until
 
 LAYOUT = KVLayout(
     model="tiny", num_layers=2, num_kv_heads=2, head_dim=8, tokens_per_block=4, dtype="float32"

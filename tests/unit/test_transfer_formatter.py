@@ -23,7 +23,7 @@ from pdserve.transfer.formatter import (
     TransferPlan,
     pool_bytes,
 )
-from tests.fakes import layout
+from tests.support.fakes import layout
 
 shaped = functools.partial(layout, model="m", num_layers=3, head_dim=4)  # the shared factory
 BASE = shaped()  # 2 KV heads, 16-token float32 blocks

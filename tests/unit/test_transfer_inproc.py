@@ -28,8 +28,8 @@ from pdserve.transfer.formatter import TransferPlan
 from pdserve.transfer.inproc import FABRIC, InprocBackend
 from pdserve.workers.kv.manager import KVCacheManager
 from pdserve.workers.roles.parking import ParkedBlocks
-from tests.fixtures.servers import wait_until
-from tests.integration.kv_peer import TEST_KEY
+from tests.support.kv_peer import TEST_KEY
+from tests.support.servers import wait_until
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -18,8 +18,8 @@ from pdserve.protocol import (
 from pdserve.workers.roles.bridge import OutputStream
 from pdserve.workers.roles.decode import DecodeHandler
 from pdserve.workers.roles.parking import ParkedBlocks
-from tests.fake_engine import FakeEngine, token_at
-from tests.fakes import layout
+from tests.support.fake_engine import FakeEngine, token_at
+from tests.support.fakes import layout
 
 
 @dataclass

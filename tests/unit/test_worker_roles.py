@@ -1,5 +1,5 @@
 """The worker apps of the three roles, in this process on fakes: the deterministic engine
-(tests/fake_engine.py), the in-process transfer backend and a registration that keeps the
+(tests/support/fake_engine.py), the in-process transfer backend and a registration that keeps the
 record in memory. Each role serves its own routes and 404s the others'; a prefill -> decode
 request moves the blocks and frees the park; admission answers 429 when the decode pool stays
 full; parked blocks are freed on release, on lease expiry and when the decode side fails; a
@@ -35,9 +35,9 @@ from pdserve.transfer.inproc import FABRIC
 from pdserve.workers.roles.app import create_worker_app
 from pdserve.workers.roles.decode import DecodeHandler
 from pdserve.workers.roles.service import RoleSettings
-from tests.fake_engine import FakeEngine, token_at
-from tests.fakes import CLUSTER_KEY, INTERNAL_AUTH, layout
-from tests.fixtures.servers import wait_until
+from tests.support.fake_engine import FakeEngine, token_at
+from tests.support.fakes import CLUSTER_KEY, INTERNAL_AUTH, layout
+from tests.support.servers import wait_until
 
 pytestmark = pytest.mark.timeout(30)
 

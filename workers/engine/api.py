@@ -3,7 +3,7 @@
 The roles (:mod:`pdserve.workers.roles`, :mod:`~pdserve.workers.roles.prefill`,
 :mod:`~pdserve.workers.roles.decode`) depend on this protocol, never on the concrete
 :class:`pdserve.workers.engine.engine.Engine`, so a deterministic fake without a model
-(``tests/fake_engine.py``) can stand in for it. Everything listed here is used by a role; add
+(``tests/support/fake_engine.py``) can stand in for it. Everything listed here is used by a role; add
 a member only when a role starts using it.
 
 Threading: the engine runs its own step thread; every method here may be called from the

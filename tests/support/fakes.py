@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import uvicorn
@@ -54,7 +54,10 @@ from pdserve.protocol import (
 from pdserve.security import ClusterKey
 from pdserve.server.errors import install_error_handlers
 from pdserve.settings import SecuritySettings
-from tests.fixtures.servers import bound_socket, uvicorn_started
+from tests.support.servers import bound_socket, uvicorn_started
+
+if TYPE_CHECKING:
+    from pdserve.router.router import Router
 
 MODEL = "tiny-test"
 
@@ -406,3 +409,39 @@ async def router_harness(
             )
         await stack.enter_async_context(client)
         yield RouterHarness(client, url, watcher, {w.worker_id: w for w in workers})
+
+
+# --- a Router over scripted workers (the router's unit tests) -----------------------------------
+
+REPLY = [(72, "H"), (105, "i"), (33, "!"), (10, "\n")]
+"""The reply the scripted workers of :func:`make_router` give by default."""
+PROMPT = [1, 2, 3]
+"""A prompt's token ids for :class:`~pdserve.router.router.Router` tests."""
+
+
+def prefill_worker(worker_id: str = "p0", **kw: Any) -> FakeWorker:
+    """A scripted prefill worker replying :data:`REPLY` (``reply=`` overrides)."""
+    return FakeWorker(worker_id, Role.PREFILL, kw.pop("reply", REPLY), **kw)
+
+
+def decode_worker(worker_id: str = "d0", **kw: Any) -> FakeWorker:
+    """A scripted decode worker replying :data:`REPLY` (``reply=`` overrides)."""
+    return FakeWorker(worker_id, Role.DECODE, kw.pop("reply", REPLY), **kw)
+
+
+@asynccontextmanager
+async def make_router(
+    *workers: FakeWorker, extra_records: Any = (), timeout_s: float = 10.0
+) -> AsyncIterator[Router]:
+    """A :class:`~pdserve.router.router.Router` (no HTTP app) over ``workers`` served
+    in-process, plus ``extra_records`` in its discovery view."""
+    from pdserve.router.client import WorkerClient
+    from pdserve.router.router import Router
+    from pdserve.router.view import WorkerView
+
+    mounts = {w.http_url: httpx.ASGITransport(app=w.app()) for w in workers}
+    watcher = FakeWatcher([w.record() for w in workers] + list(extra_records))
+    async with httpx.AsyncClient(mounts=mounts, trust_env=False) as http:  # type: ignore[arg-type]
+        view = WorkerView(watcher, served_model_name=MODEL)
+        client = WorkerClient(http, key=CLUSTER_KEY, connect_timeout_s=1.0)
+        yield Router(view, client, request_timeout_s=timeout_s)

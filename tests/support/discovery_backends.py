@@ -30,8 +30,8 @@ from pdserve.discovery.http import HttpRegistration
 from pdserve.discovery.nats import BUCKET, NatsRegistration
 from pdserve.discovery.nats_watcher import NatsWatcher
 from pdserve.protocol import Role, WorkerLoad, WorkerRecord
-from tests.fakes import CLUSTER_KEY, INTERNAL_AUTH, record, registry_app
-from tests.fixtures.servers import EtcdServer, NatsServer, UvicornHandle, free_port
+from tests.support.fakes import CLUSTER_KEY, INTERNAL_AUTH, record, registry_app
+from tests.support.servers import EtcdServer, NatsServer, UvicornHandle, free_port
 
 WORKER_ID = "decode@host-1:8100.a"
 """A worker id with every character NATS keys and URL paths must escape or accept."""

@@ -33,7 +33,7 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.fixtures.servers import free_port, wait_until_sync
+from tests.support.servers import free_port, wait_until_sync
 
 MODEL = "tiny-llama"
 GRACE_S = 5.0

@@ -66,7 +66,7 @@ def _child(pipe: Pipe, backend: str, layout: KVLayout, num_blocks: int, device: 
 
 async def _serve(pipe: Pipe, backend: str, layout: KVLayout, num_blocks: int, device: str) -> None:
     from pdserve.transfer import create_transceiver
-    from tests.integration.kv_peer import TEST_KEY
+    from tests.support.kv_peer import TEST_KEY
 
     parked = _Parked()
     pool = pattern(layout, num_blocks, device)

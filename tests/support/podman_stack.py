@@ -37,11 +37,11 @@ from pathlib import Path
 import httpx
 
 from pdserve.security import generate_secret
-from tests.fixtures.servers import free_port, wait_until_sync
+from tests.support.servers import free_port, wait_until_sync
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "deploy" / "compose" / "docker-compose.yml"
-STANDINS = Path(__file__).resolve().parent / "standins"
+STANDINS = ROOT / "tests" / "container" / "standins"
 BASE_IMAGE = "docker.io/library/debian:bookworm-slim"
 PDSERVE_IMAGE = "localhost/pdserve:test"
 SETUP_HINT = "run tests/container/setup_podman.sh as root; CI does, in .ci/run"

@@ -128,3 +128,55 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:  # no
             do_sample=False,
         )
     return out[0, len(prompt) :].tolist()
+
+
+TINY_TEXTS = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog.",
+    "pdserve splits prefill and decode across workers; " * 3,
+    "x",
+    "0123456789abcdef",  # exactly four blocks of four tokens
+]
+
+
+def tiny_prompts(tok) -> list[list[int]]:  # noqa: ANN001
+    """:data:`TINY_TEXTS` and one chat-templated message as token ids of ``tok``."""
+    prompts = [tok.encode(t, add_special_tokens=False) for t in TINY_TEXTS]
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "Say something."}], add_generation_prompt=True, tokenize=False
+    )
+    return [*prompts, tok.encode(chat, add_special_tokens=False)]
+
+
+PROMPT_LENGTHS = (3, 17, 30, 45, 61)
+
+
+def mixed_cases(vocab: int, seed: int = 0) -> list[tuple[list[int], SamplingParams]]:
+    """Prompts of different lengths (tables grow across width buckets with 4-token blocks);
+    different ``max_tokens`` so the batch shrinks through the buckets; one seeded sample."""
+    gen = torch.Generator().manual_seed(seed)
+    cases = []
+    for i, n in enumerate(PROMPT_LENGTHS):
+        prompt = torch.randint(3, vocab, (n,), generator=gen).tolist()
+        if i == 2:
+            sampling = SamplingParams(temperature=0.8, seed=7, max_tokens=14, ignore_eos=True)
+        else:
+            sampling = SamplingParams(temperature=0.0, max_tokens=8 + 4 * i, ignore_eos=True)
+        cases.append((prompt, sampling))
+    return cases
+
+
+def check_batched_equals_solo(
+    graphed: Engine, eager: Engine, cases: list[tuple[list[int], SamplingParams]]
+) -> list[list[int]]:
+    """Run ``cases`` together on ``graphed`` and one by one on ``eager``; assert equal tokens
+    and that ``graphed`` freed every block. Returns the batched token ids."""
+    solo = [complete(eager, f"solo-{i}", p, s).token_ids for i, (p, s) in enumerate(cases)]
+    reqs = [EngineRequest(f"batch-{i}", p, s) for i, (p, s) in enumerate(cases)]
+    outs = run(graphed, reqs)
+    batched = [joined(outs[f"batch-{i}"]).token_ids for i in range(len(cases))]
+    for i, (got, want) in enumerate(zip(batched, solo, strict=True)):
+        assert len(got) == cases[i][1].max_tokens, i
+        assert got == want, f"case {i} (prompt {len(cases[i][0])} tokens)"
+    assert graphed.kv_cache.get_num_free_blocks() == graphed.kv_cache.num_blocks
+    return batched

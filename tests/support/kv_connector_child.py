@@ -1,5 +1,5 @@
 """One worker process of the KV connector's restart test: ``python -m
-tests.integration.kv_connector_child MODEL_DIR DISK_DIR PROMPT_JSON`` builds an engine (tiny
+tests.support.kv_connector_child MODEL_DIR DISK_DIR PROMPT_JSON`` builds an engine (tiny
 model, eager, tokens_per_block 4) with the disk tier in ``DISK_DIR``, runs the prompt greedily,
 shuts the engine down (which writes the queued blocks) and prints one JSON line: the output
 tokens and the connector's counters."""
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from pdserve.protocol import SamplingParams
-from tests.integration.engine_helpers import complete, make_engine
+from tests.support.engine import complete, make_engine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

@@ -33,8 +33,8 @@ import torch
 from pdserve.protocol import KVLayout, TransferHandle
 from pdserve.security import ClusterKey
 from pdserve.settings import TransferSettings
-from tests.fakes import TEST_SECRET
-from tests.fixtures.servers import wait_until_sync
+from tests.support.fakes import TEST_SECRET
+from tests.support.servers import wait_until_sync
 
 TEST_KEY = ClusterKey(TEST_SECRET.encode())
 """The key of every transceiver in the transfer tests (this module's spawned peers included),
