@@ -141,7 +141,7 @@ def add_setting_flags(parser: argparse.ArgumentParser, command: str) -> None:
 
 CONFIG_HELP = f"""\
 One YAML file configures every role. Sections: {", ".join(PdserveConfig.model_fields)}
-(`pdserve config schema` lists every field).
+(`pdserve config schema` lists every field, `pdserve config reference` documents it).
 Each setting resolves as: command-line flag > environment variable > file > default.
 Environment variables are PDSERVE_<SECTION>__<FIELD>, e.g. PDSERVE_DISCOVERY__URL=etcd://etcd:2379
 or PDSERVE_KV_CACHE__TOKENS_PER_BLOCK=32 (an empty value means null). The file is --config FILE
@@ -193,6 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
     cval = csub.add_parser("validate", help="check YAML files; every error with its path")
     cval.add_argument("files", nargs="+", type=Path, metavar="FILE")
     csub.add_parser("schema", help="print the JSON schema of the YAML config")
+    csub.add_parser(
+        "reference",
+        help="print the configuration reference (Markdown: every setting with its flag, "
+        "variable, default and meaning; docs/configuration.md)",
+    )
     cshow = csub.add_parser(
         "show", help="print the effective settings (file + environment) and where each came from"
     )
@@ -359,6 +364,11 @@ def _check_secrets(cfg: PdserveConfig) -> None:
 def _run_config(args: argparse.Namespace) -> int:
     if args.config_command == "schema":
         print(json.dumps(config_schema(), indent=2))
+        return 0
+    if args.config_command == "reference":
+        from pdserve.config_reference import reference_markdown
+
+        print(reference_markdown(), end="")
         return 0
     if args.config_command == "show":
         cfg, sources = resolve_config(args)
