@@ -1,6 +1,6 @@
 """Mutual challenge-response on the cluster secret, first thing on every transfer connection.
 
-Design origin: issue 9 ("a closed internal plane": a peer without the cluster secret can neither
+Design origin: a closed internal plane (a peer without the cluster secret can neither
 ask for blocks, release leases nor receive KV) and the three-pass mutual authentication of
 ISO/IEC 9798-4 (MAC-based, a fresh nonce from each side, a different label per direction so
 that one side's proof is never valid as the other's). The MAC is

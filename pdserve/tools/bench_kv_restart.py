@@ -1,4 +1,4 @@
-"""Restart benchmark of the KV cache connector's disk tier (issue 10 part 3, "Benchmark").
+"""Restart benchmark of the KV cache connector's disk tier.
 
 ``python -m pdserve.tools.bench_kv_restart`` starts the stack ``pdserve bench serve`` starts
 (router + 1 prefill worker + 1 decode worker, the SmolLM2 default model, the children's config
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from pdserve.settings import PdserveConfig
 
 TARGET_RATIO = 0.5
-"""Issue 10 part 3: TTFT of the first request after the restart, at most this times cold."""
+"""Target: TTFT of the first request after the restart, at most this times cold."""
 
 
 async def _send(args: argparse.Namespace, router: str, prefill: str, model: str,

@@ -1,4 +1,4 @@
-"""Multi-turn chat benchmark: the prefix cache on against off (issue 10, "Benchmarks").
+"""Multi-turn chat benchmark: the prefix cache on against off (:data:`TARGET_RATIO`).
 
 ``python -m pdserve.tools.bench_multiturn`` starts two stacks in turn, each the one ``pdserve
 bench serve`` starts (router + 1 prefill worker + 1 decode worker, the SmolLM2 default model,
@@ -22,7 +22,7 @@ tokens the prefill worker computed (``pdserve_prefix_cache_query_tokens_total`` 
 cache off there are no lookups and every prompt token is computed) and the hit rate; then
 cache-on / cache-off TTFT p50 on turns 2+ against the issue's target (at most 0.3x).
 
-``--compare routing`` (issue 10 part 4, KV-aware routing) runs the same workload on two stacks
+``--compare routing`` (KV-aware routing) runs the same workload on two stacks
 of router + ``--prefill-workers`` (default 2) prefill workers + 1 decode worker, both with the
 prefix cache on: KV-aware routing (``--router-kv-overlap-weight 1``) against least-loaded
 routing (``--router-kv-overlap-weight 0``), and reports the prefill workers' hit rate (summed
@@ -55,9 +55,9 @@ if TYPE_CHECKING:
     from pdserve.tools.bench_serve import RequestResult
 
 TARGET_RATIO = 0.3
-"""Issue 10: TTFT p50 on turns 2+ with the cache on, at most this times the cache-off run."""
+"""Target: TTFT p50 on turns 2+ with the cache on, at most this times the cache-off run."""
 TARGET_HIT_RATIO = 2.0
-"""Issue 10 part 4: prefill hit rate with KV-aware routing, at least this times least-loaded."""
+"""Target: prefill hit rate with KV-aware routing, at least this times least-loaded."""
 
 
 @dataclass(frozen=True)
