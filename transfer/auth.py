@@ -29,9 +29,10 @@ So the listener does nothing stateful for an unproven peer: no formatter negotia
 ``add_remote_agent``, no UCX endpoint, no lease lookup or release (those follow the Hello).
 An unproven peer can make it allocate one 64 KiB frame at a time, for at most the
 authentication deadline (:data:`pdserve.transfer.sender.AUTH_TIMEOUT_S`), in an unproven slot a
-newer connection may evict (:mod:`pdserve.transfer.admission`). A peer that fails is counted and logged with its address (:class:`AuthFailures`, at
-most one line per 10 s). "prefill" in the listener's label stands for the listening side (a
-decode worker answering a probe signs with it too).
+newer connection may evict (:mod:`pdserve.transfer.admission`). A peer that fails is counted
+and logged with its address (:class:`AuthFailures`, at most one line per 10 s). "prefill" in
+the listener's label stands for the listening side (a decode worker answering a probe signs
+with it too).
 
 Not covered: the bytes after the handshake are neither encrypted nor MACed (an active attacker
 on the path could take over an authenticated TCP connection); the KV data plane is meant for a

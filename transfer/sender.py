@@ -160,7 +160,11 @@ class Sender:
             log.debug("transfer connection from %s ended: %s", self._conn.peer, exc.message)
         except TimeoutError:
             if self._peer_id is None:
-                why = f"no authentication within {self._auth_timeout_s:.1f} s"
+                why = (
+                    f"no authentication in time (AuthHello within "
+                    f"{min(self._timeout_s, AUTH_START_S):.1f} s, all within "
+                    f"{self._auth_timeout_s:.1f} s)"
+                )
                 self._auth_failures.record(self._conn.peer, why)
             else:
                 log.warning("no hello from %s within %.1f s", self._conn.peer, self._timeout_s)
@@ -187,7 +191,9 @@ class Sender:
                 start_timeout_s=min(self._timeout_s, AUTH_START_S),
             )
             if not self._on_proven():
-                self._conn.close()  # the dialler sees it shed before its Hello was answered
+                # Past the proven caps: the dialler's Hello goes unanswered (a plain
+                # TransferError there, not retried: it already holds its share of connections).
+                self._conn.close()
                 raise TransferError("too many connections from this host (or in all)")
             self._peer_id = peer_id
             return await self._conn.recv()
