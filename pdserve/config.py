@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pdserve.errors import ConfigError
+from pdserve.hosts import advertised_host
 from pdserve.settings import (
     DEFAULT_MODEL,
     ENV_PREFIX,
@@ -32,7 +33,6 @@ from pdserve.settings import (
     SecuritySettings,
     TransferSettings,
     WorkerSettings,
-    advertised_host,
     settings,
 )
 

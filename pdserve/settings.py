@@ -23,10 +23,8 @@ gives the file key ``scheduler.foo_s``, the variable ``PDSERVE_SCHEDULER__FOO_S`
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,10 +33,11 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic.fields import FieldInfo
 
+from pdserve.hosts import WILDCARD_HOSTS, advertised_host, is_loopback, url_host
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 ENV_PREFIX = "PDSERVE_"
 ENV_CONFIG_FILE = "PDSERVE_CONFIG"
-_WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 Role = Literal["prefill", "decode", "colocated"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "colocated")
 SERVING = ("up", "bench serve", *ROLES)  # the subcommands that run an engine
@@ -286,17 +285,7 @@ class TransferSettings(_Section):
         and a TCP listener on every interface's address; set ``ucx_devices`` to limit it)."""
         if self.ucx_devices:
             return self.ucx_devices
-        return "lo" if _is_loopback(self.bind_host) else None
-
-
-def _is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address or ``localhost``) is a loopback address."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
+        return "lo" if is_loopback(self.bind_host) else None
 
 
 class DiscoverySettings(_Section):
@@ -546,7 +535,7 @@ class PdserveConfig(_Section):
         """The URL workers use to reach the embedded registry."""
         if self.router.url:
             return self.router.url.rstrip("/")
-        host = "127.0.0.1" if self.router.host in _WILDCARD_HOSTS else self.router.host
+        host = "127.0.0.1" if self.router.host in WILDCARD_HOSTS else self.router.host
         return f"http://{url_host(host)}:{self.router.port}"
 
     def worker_discovery(self) -> str:
@@ -607,16 +596,3 @@ def settings() -> Iterator[Setting]:
             flag = next((m for m in info.metadata if isinstance(m, Flag)), None)
             alias = next((m for m in info.metadata if isinstance(m, EnvAlias)), None)
             yield Setting(section, name, info, flag, alias)
-
-
-def url_host(host: str) -> str:
-    """``host`` as it goes into a URL: IPv6 addresses in brackets."""
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
-def advertised_host(host: str, advertise_host: str | None) -> str:
-    """The address peers dial: ``advertise_host``, else ``host``, else (wildcard bind) this
-    machine's hostname, which compose and Kubernetes DNS resolve."""
-    if advertise_host:
-        return advertise_host
-    return socket.gethostname() if host in _WILDCARD_HOSTS else host

@@ -29,9 +29,10 @@ from collections import deque
 import torch
 
 from pdserve.errors import ConfigError, TransferError
+from pdserve.hosts import advertised_host
 from pdserve.protocol import KVLayout, TransferHandle
 from pdserve.security import ClusterKey
-from pdserve.settings import TransferSettings, advertised_host
+from pdserve.settings import TransferSettings
 from pdserve.transfer.admission import ConnectionSlots, SlotLimits
 from pdserve.transfer.auth import AuthFailures
 from pdserve.transfer.backend import Backend, open_backend
@@ -103,7 +104,7 @@ class Transceiver:
 
     async def start(self) -> None:
         """Listen for peers on ``cfg.bind_host:cfg.port`` (port 0 picks one) and set ``endpoint``
-        (the advertised host, :func:`pdserve.settings.advertised_host`, and the bound port).
+        (the advertised host, :func:`pdserve.hosts.advertised_host`, and the bound port).
         Raises ConfigError if the address cannot be bound."""
         if self._listener is not None:
             return

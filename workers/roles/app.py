@@ -37,9 +37,9 @@ from fastapi import APIRouter, FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.discovery.registry import internal_route_class
+from pdserve.hosts import advertised_host, url_host
 from pdserve.protocol import PROTOCOL_HEADER, PROTOCOL_VERSION, WORKER_KEEPALIVE_S, Role
 from pdserve.server.errors import install_error_handlers
-from pdserve.settings import advertised_host, url_host
 from pdserve.workers.engine.api import default_engine_factory
 from pdserve.workers.roles.colocated import ColocatedWorker
 from pdserve.workers.roles.decode import DecodeWorker
