@@ -11,12 +11,13 @@ the role, the control-plane URL). Derived values are properties.
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from pdserve.errors import ConfigError
 from pdserve.hosts import advertised_host
@@ -72,7 +73,12 @@ class WorkerConfig(_Runtime):
     bind host resolved (the worker's host when unset), its own worker section, the discovery
     section and ``control_plane``, the URL it registers at (the router's embedded registry, or
     the etcd/NATS URL), and the security section (the cluster secret:
-    :class:`pdserve.security.ClusterKey`)."""
+    :class:`pdserve.security.ClusterKey`).
+
+    Components take these sections whole and read what they need
+    (``cfg.engine.kv_cache.lease_s``, ``cfg.transfer.timeout_s``); a worker section without
+    ``worker_id`` gets one here, once (``<role>-<8 hex digits>``), so every reader sees the same
+    :attr:`worker_id`."""
 
     role: Role
     engine: EngineConfig
@@ -81,6 +87,24 @@ class WorkerConfig(_Runtime):
     discovery: DiscoverySettings = DiscoverySettings()
     security: SecuritySettings = SecuritySettings()
     control_plane: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_worker(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or "role" not in data:
+            return data  # pydantic reports what is missing
+        worker = data.get("worker") or WorkerSettings()
+        if isinstance(worker, Mapping):
+            worker = WorkerSettings.model_validate(worker)
+        if isinstance(worker, WorkerSettings) and worker.worker_id is None:
+            name = f"{data['role']}-{uuid.uuid4().hex[:8]}"
+            data = {**data, "worker": worker.model_copy(update={"worker_id": name})}
+        return data
+
+    @property
+    def worker_id(self) -> str:
+        """This worker's unique id (``worker.worker_id``, filled in at construction)."""
+        return self.worker.worker_id or ""
 
     @property
     def transfer_advertised_host(self) -> str:

@@ -245,6 +245,12 @@ class SchedulerSettings(_Section):
         "graphs (batch padded to 1, 2, 4, ... sequences); no effect on CPU",
     )
 
+    @property
+    def evicts(self) -> bool:
+        """Whether a running sequence may be preempted (its KV blocks freed and recomputed
+        later): False only under ``guaranteed_no_evict``."""
+        return self.capacity_policy != "guaranteed_no_evict"
+
 
 class TransferSettings(_Section):
     """KV cache transfer between prefill and decode workers (``auto``: NIXL where it imports,

@@ -37,7 +37,7 @@ from pdserve.protocol import (
 )
 from pdserve.router.client import WorkerClient
 from pdserve.router.kv_index import KVIndex, PromptHashes, expected_cached_tokens
-from pdserve.router.policy import LEAST_LOADED, Pair, Route, RouteWeights, choose_route
+from pdserve.router.policy import Pair, Route, RouteWeights, choose_route
 from pdserve.router.transaction import (
     RequestSpec,
     Transaction,
@@ -46,6 +46,7 @@ from pdserve.router.view import WorkerView
 
 if TYPE_CHECKING:
     from pdserve.router.metrics import RouterMetrics
+    from pdserve.settings import RouterSettings
 
 log = logging.getLogger(__name__)
 
@@ -54,32 +55,30 @@ class Router:
     """Starts transactions: routes the request (:func:`choose_route`), runs the prefill leg or
     opens the one-leg stream, hands back a :class:`Transaction` for the rest.
 
-    ``request_timeout_s`` is the whole request's budget (both legs). ``metrics``, when given,
-    records every request's outcome, TTFT, ITL, TPOT, token counts and routing decisions.
-    ``local_prefill_max_tokens``: prompts with at most this many tokens left to compute are
-    prefilled by the decode worker itself (0: off). ``kv_index`` + ``weights``: KV-aware
-    routing (on when ``weights.kv_overlap_weight > 0`` and an index is given). Ownership: the
-    router uses but does not own ``view``, ``client``, ``metrics`` and ``kv_index``.
+    ``settings``: the router section, read whole: ``request_timeout_s`` is the whole request's
+    budget (both legs); ``local_prefill_max_tokens``: prompts with at most this many tokens
+    left to compute are prefilled by the decode worker itself (0: off);
+    ``kv_overlap_weight``/``load_weight``: KV-aware routing (on when ``kv_overlap_weight > 0``
+    and ``kv_index`` is given). ``metrics``, when given, records every request's outcome, TTFT,
+    ITL, TPOT, token counts and routing decisions. Ownership: the router uses but does not own
+    ``view``, ``client``, ``metrics`` and ``kv_index``.
     """
 
     def __init__(
         self,
         view: WorkerView,
         client: WorkerClient,
+        settings: RouterSettings,
         *,
-        request_timeout_s: float,
         metrics: RouterMetrics | None = None,
-        local_prefill_max_tokens: int = 0,
         kv_index: KVIndex | None = None,
-        weights: RouteWeights = LEAST_LOADED,
     ):
         self.view = view
         self.client = client
-        self.request_timeout_s = request_timeout_s
+        self.settings = settings
         self.metrics = metrics
-        self.local_prefill_max_tokens = local_prefill_max_tokens
         self.kv_index = kv_index
-        self.weights = weights
+        self.weights = RouteWeights(settings.kv_overlap_weight, settings.load_weight)
 
     async def start(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
@@ -112,7 +111,7 @@ class Router:
         return choose_route(
             cands,
             len(prompt_token_ids),
-            local_prefill_max_tokens=self.local_prefill_max_tokens,
+            local_prefill_max_tokens=self.settings.local_prefill_max_tokens,
             cached=cached,
             weights=self.weights,
             exclude=exclude,
@@ -143,7 +142,10 @@ class Router:
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
     ) -> Transaction:
         spec = RequestSpec(
-            request_id, tuple(prompt_token_ids), sampling, time.time() + self.request_timeout_s
+            request_id,
+            tuple(prompt_token_ids),
+            sampling,
+            time.time() + self.settings.request_timeout_s,
         )
         t0 = time.monotonic()
         tried: list[str] = []

@@ -49,7 +49,6 @@ from pdserve.protocol import ROUTER_KEEPALIVE_S
 from pdserve.router.client import WorkerClient
 from pdserve.router.kv_index import follow_kv_events
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.policy import RouteWeights
 from pdserve.router.router import Router
 from pdserve.router.transaction import Transaction
 from pdserve.router.view import WorkerSource, WorkerView
@@ -229,11 +228,9 @@ async def _start(
         router=Router(
             view,
             WorkerClient(http_client, key=key),
-            request_timeout_s=cfg.router.request_timeout_s,
+            cfg.router,
             metrics=metrics,
-            local_prefill_max_tokens=cfg.router.local_prefill_max_tokens,
             kv_index=kv_index,
-            weights=RouteWeights(cfg.router.kv_overlap_weight, cfg.router.load_weight),
         ),
         max_model_len=max_model_len,
         started_at=int(time.time()),

@@ -438,10 +438,12 @@ async def make_router(
     from pdserve.router.client import WorkerClient
     from pdserve.router.router import Router
     from pdserve.router.view import WorkerView
+    from pdserve.settings import RouterSettings
 
     mounts = {w.http_url: httpx.ASGITransport(app=w.app()) for w in workers}
     watcher = FakeWatcher([w.record() for w in workers] + list(extra_records))
     async with httpx.AsyncClient(mounts=mounts, trust_env=False) as http:  # type: ignore[arg-type]
         view = WorkerView(watcher, served_model_name=MODEL)
         client = WorkerClient(http, key=CLUSTER_KEY, connect_timeout_s=1.0)
-        yield Router(view, client, request_timeout_s=timeout_s)
+        settings = RouterSettings(request_timeout_s=timeout_s, local_prefill_max_tokens=0)
+        yield Router(view, client, settings)

@@ -4,6 +4,7 @@ layers resolve as flag > environment > file > default."""
 from __future__ import annotations
 
 import json
+import re
 import typing
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from pdserve.config import (
     worker_config,
 )
 from pdserve.launcher import all_registered, child_config, child_env, worker_commands
-from pdserve.settings import ROLES, Setting, settings
+from pdserve.settings import ROLES, SchedulerSettings, Setting, settings
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
 MODEL = Path("/models/m")
@@ -172,6 +173,23 @@ def test_worker_runtime_config_follows_the_file(tmp_path: Path) -> None:
     assert worker_config(cfg2, "prefill", MODEL).transfer_advertised_host == "10.0.0.6"
     assert cfg.kv_cache.budget_mb is not None
     assert w.engine.kv_cache.budget_bytes == cfg.kv_cache.budget_mb * 2**20
+
+
+def test_a_worker_without_an_id_gets_one_once_and_derived_values_are_properties() -> None:
+    cfg, _ = resolve_config(build_parser().parse_args(["decode"]), "decode", env={})
+    w = worker_config(cfg, "decode", MODEL)
+    assert re.fullmatch(r"decode-[0-9a-f]{8}", w.worker_id)
+    assert w.model_copy().worker_id == w.worker_id == w.worker.worker_id  # resolved once
+    assert worker_config(cfg, "decode", MODEL).worker_id != w.worker_id  # each worker its own
+    args = build_parser().parse_args(["prefill", "--worker-id", "p7"])
+    assert (
+        worker_config(resolve_config(args, "prefill", env={})[0], "prefill", MODEL).worker_id
+        == "p7"
+    )
+    # Derived values live on their sections: one declaration, one read.
+    assert w.engine.scheduler.evicts
+    strict = SchedulerSettings(capacity_policy="guaranteed_no_evict")
+    assert not strict.evicts
 
 
 def test_a_worker_given_a_router_url_uses_the_embedded_registry_there() -> None:

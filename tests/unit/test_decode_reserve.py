@@ -10,6 +10,7 @@ import pytest
 
 from pdserve.errors import CapacityError, QueueFullError
 from pdserve.protocol import GenerationRequest, KVLayout, SamplingParams, TransferHandle
+from pdserve.settings import SchedulerSettings
 from pdserve.workers.engine.requests import Reservation
 from pdserve.workers.roles.decode import DecodeHandler
 from tests.support.fakes import layout
@@ -78,14 +79,15 @@ async def test_beyond_the_queue_bound_or_under_guaranteed_no_evict_it_refuses_at
     busy = DecodeHandler(
         engine=FullPool(full_for=10**9),  # type: ignore[arg-type]
         transceiver=None,
-        max_queued_requests=4,
+        scheduler=SchedulerSettings(max_queued_requests=4),
     )
     busy.waiting_for_blocks = 4
     req, handle = request(lease_s=30)
     with pytest.raises(QueueFullError, match="wait for KV blocks"):
         await busy._reserve(req, handle)
     strict = FullPool(full_for=10**9)
-    role = DecodeHandler(engine=strict, transceiver=None, evicts=False)  # type: ignore[arg-type]
+    no_evict = SchedulerSettings(capacity_policy="guaranteed_no_evict")
+    role = DecodeHandler(engine=strict, transceiver=None, scheduler=no_evict)  # type: ignore[arg-type]
     with pytest.raises(CapacityError):
         await role._reserve(req, handle)
     assert strict.calls == 1

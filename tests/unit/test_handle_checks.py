@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from pdserve.errors import HandleError, IntegrityError, LayoutMismatchError, TransferError
 from pdserve.protocol import GenerationRequest, KVLayout, SamplingParams, TransferHandle
+from pdserve.settings import TransferSettings
 from pdserve.workers.engine.requests import Reservation
 from pdserve.workers.roles.decode import DecodeHandler, check_handle
 
@@ -142,7 +143,7 @@ async def test_a_failed_pull_frees_its_blocks_at_once_unless_a_write_may_still_l
     role = DecodeHandler(
         engine=engine,  # type: ignore[arg-type]
         transceiver=_FailingTransceiver(late_writes),  # type: ignore[arg-type]
-        quarantine_s=30.0,
+        transfer=TransferSettings(timeout_s=30.0),  # the quarantine
     )
     with pytest.raises(TransferError, match="lost while receiving"):
         await role.admit(_req())

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pdserve.protocol import KVLayout, SamplingParams
+from pdserve.settings import SchedulerSettings
 from pdserve.workers.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.workers.engine.sequence import Sequence
 from pdserve.workers.kv.connector import KVConnector
@@ -43,9 +44,11 @@ class Rig:
         self.disk = DiskTier(tmp, 2**20, LAYOUT) if tmp is not None else None
         self.conn = KVConnector(self.kv, self.host, self.disk)
         self.sched = Scheduler(
-            self.kv, max_num_seqs=4, max_num_batched_tokens=budget, watermark_blocks=0,
+            self.kv,
+            SchedulerSettings(max_num_seqs=4, max_num_batched_tokens=budget),
+            watermark_blocks=0,
             connector=self.conn.scheduler,
-        )  # fmt: skip
+        )
 
     def hashes(self, s: Sequence) -> list[int]:
         return self.kv.hasher.hash_tokens(s.prompt_token_ids)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.protocol import KVLayout
+from pdserve.settings import KVCacheSettings
 from pdserve.workers.kv import sizing as kv_sizing
 from pdserve.workers.kv.sizing import cuda_kv_budget, pool_size
 
@@ -19,21 +20,16 @@ GIB = 2**30
 
 
 def test_explicit_block_count_then_bytes_win_over_the_machine() -> None:
-    size = pool_size(
-        LAYOUT, num_blocks=7, kv_cache_bytes=10 * BLOCK, device="cpu", memory_fraction=0.5
-    )
+    size = pool_size(LAYOUT, KVCacheSettings(num_blocks=7, budget_mb=10), device="cpu")
     assert size.num_blocks == 7
-    size = pool_size(
-        LAYOUT, num_blocks=None, kv_cache_bytes=10 * BLOCK + 5, device="cpu", memory_fraction=0.5
-    )
-    assert size.num_blocks == 10
+    size = pool_size(LAYOUT, KVCacheSettings(budget_mb=10), device="cpu")
+    assert size.num_blocks == 10 * 2**20 // BLOCK == 14  # 10 MiB: 14 whole blocks
+    assert size.source == "budget_mb=10"
 
 
 def test_cpu_default_is_a_share_of_available_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kv_sizing, "available_host_memory", lambda: 8 * GIB)
-    size = pool_size(
-        LAYOUT, num_blocks=None, kv_cache_bytes=None, device="cpu", memory_fraction=0.25
-    )
+    size = pool_size(LAYOUT, KVCacheSettings(memory_fraction=0.25), device="cpu")
     assert size.num_blocks == 2 * GIB // BLOCK
     assert "25% of 8.0 GiB available host memory" in size.source
 
@@ -44,12 +40,7 @@ def test_cuda_default_uses_the_profiled_budget() -> None:
     )
     assert cuda_kv_budget(total=GIB, in_use=GIB, peak_step=GIB, utilization=0.5) == 0
     size = pool_size(
-        LAYOUT,
-        num_blocks=None,
-        kv_cache_bytes=None,
-        device="cuda:0",
-        memory_fraction=0.25,
-        auto_bytes=100 * BLOCK,
+        LAYOUT, KVCacheSettings(memory_fraction=0.25), device="cuda:0", auto_bytes=100 * BLOCK
     )
     assert size.num_blocks == 100 and size.source == "gpu_memory_utilization"
 

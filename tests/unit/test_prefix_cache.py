@@ -11,6 +11,7 @@ import pytest
 from pdserve.block_hash import BlockHasher
 from pdserve.errors import CapacityError
 from pdserve.protocol import KVLayout, SamplingParams
+from pdserve.settings import SchedulerSettings
 from pdserve.workers.engine.scheduler import Scheduler
 from pdserve.workers.engine.sequence import Sequence
 from pdserve.workers.kv.manager import KVCacheManager
@@ -197,7 +198,7 @@ def test_fork_shares_registration_of_the_prompt_blocks() -> None:
 
 def test_scheduler_starts_a_sequence_at_its_cached_prefix_and_counts_it() -> None:
     kv = KVCacheManager(LAYOUT, 16)
-    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+    sched = Scheduler(kv, SchedulerSettings(max_num_seqs=4, max_num_batched_tokens=64))
     first = seq_of("first", list(range(10)))
     sched.add(first)
     batch = sched.schedule()
@@ -218,7 +219,9 @@ def test_scheduler_starts_a_sequence_at_its_cached_prefix_and_counts_it() -> Non
 
 def test_a_sequence_that_does_not_fit_gives_its_prefix_back() -> None:
     kv = KVCacheManager(LAYOUT, 4)
-    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, watermark_blocks=0)
+    sched = Scheduler(
+        kv, SchedulerSettings(max_num_seqs=4, max_num_batched_tokens=64), watermark_blocks=0
+    )
     hog = seq_of("hog", list(range(100, 108)))
     sched.add(hog)
     sched.schedule()  # hog holds 2 blocks

@@ -19,6 +19,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import LEAST_LOADED, RoutePath, RouteWeights, choose_route, route_cost
 from pdserve.router.router import Router
 from pdserve.router.view import WorkerView
+from pdserve.settings import RouterSettings
 from tests.support.fakes import CLUSTER_KEY, MODEL, FakeWatcher, FakeWorker, layout, record
 
 KV = RouteWeights(kv_overlap_weight=1.0, load_weight=256.0)
@@ -136,10 +137,11 @@ async def test_the_router_sends_the_prompt_to_the_worker_holding_it(
         router = Router(
             WorkerView(FakeWatcher([w.record() for w in workers]), served_model_name=MODEL),
             WorkerClient(http, key=CLUSTER_KEY, connect_timeout_s=1.0),
-            request_timeout_s=10.0,
+            RouterSettings(
+                request_timeout_s=10.0, local_prefill_max_tokens=0, kv_overlap_weight=weight
+            ),
             metrics=metrics,
             kv_index=index,
-            weights=RouteWeights(kv_overlap_weight=weight),
         )
         with caplog.at_level(logging.DEBUG, logger="pdserve.router.router"):
             txn = await router.start("r1", PROMPT, SamplingParams(max_tokens=3))

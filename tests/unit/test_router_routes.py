@@ -51,9 +51,8 @@ async def make_router(*workers: FakeWorker, threshold: int = THRESHOLD, extra_re
         yield Router(
             view,
             client,
-            request_timeout_s=10.0,
+            RouterSettings(request_timeout_s=10.0, local_prefill_max_tokens=threshold),
             metrics=RouterMetrics(),
-            local_prefill_max_tokens=threshold,
         )
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from pdserve.errors import CapacityError
 from pdserve.protocol import KVLayout, SamplingParams
+from pdserve.settings import SchedulerSettings
 from pdserve.workers.engine.scheduler import CapacityPolicy, ScheduledBatch, Scheduler
 from pdserve.workers.engine.sequence import Sequence, SequenceStatus
 from pdserve.workers.kv.manager import KVCacheManager
@@ -28,13 +29,12 @@ def make(
     watermark_blocks: int | None = None,
 ) -> Scheduler:
     kv = KVCacheManager(LAYOUT, num_blocks)
-    return Scheduler(
-        kv,
+    settings = SchedulerSettings(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_tokens_per_step,
-        policy=policy,
-        watermark_blocks=watermark_blocks,
+        capacity_policy=policy,
     )
+    return Scheduler(kv, settings, watermark_blocks=watermark_blocks)
 
 
 def seq(sched: Scheduler, rid: str, prompt_len: int, max_tokens: int) -> Sequence:

@@ -7,6 +7,7 @@ import pytest
 
 from pdserve.errors import CapacityError
 from pdserve.protocol import KVLayout, SamplingParams
+from pdserve.settings import SchedulerSettings
 from pdserve.workers.engine.scheduler import Scheduler
 from pdserve.workers.engine.sequence import Sequence, SequenceStatus
 from pdserve.workers.kv.manager import KVCacheManager
@@ -18,13 +19,10 @@ LAYOUT = KVLayout(
 
 
 def make(num_blocks: int, *, watermark: int = 0, max_num_seqs: int = 8) -> Scheduler:
-    return Scheduler(
-        KVCacheManager(LAYOUT, num_blocks),
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=64,
-        policy="max_utilization",
-        watermark_blocks=watermark,
+    settings = SchedulerSettings(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=64, capacity_policy="max_utilization"
     )
+    return Scheduler(KVCacheManager(LAYOUT, num_blocks), settings, watermark_blocks=watermark)
 
 
 def seq(rid: str, prompt_len: int, max_tokens: int = 10_000) -> Sequence:

@@ -32,6 +32,7 @@ from pdserve.router.client import WorkerClient
 from pdserve.router.router import Router
 from pdserve.router.transaction import TxnState
 from pdserve.router.view import WorkerView
+from pdserve.settings import RouterSettings
 from tests.support.fakes import (
     CLUSTER_KEY,
     MODEL,
@@ -372,7 +373,9 @@ async def make_router(p: ChoicesWorker, d: ChoicesWorker) -> AsyncIterator[Route
     async with httpx.AsyncClient(mounts=mounts, trust_env=False) as http:
         view = WorkerView(watcher, served_model_name=MODEL)
         client = WorkerClient(http, key=CLUSTER_KEY, connect_timeout_s=1.0)
-        yield Router(view, client, request_timeout_s=10.0)
+        yield Router(
+            view, client, RouterSettings(request_timeout_s=10.0, local_prefill_max_tokens=0)
+        )
 
 
 def workers(replies: list[Reply] = REPLIES, **kw: Any) -> tuple[ChoicesWorker, ChoicesWorker]:

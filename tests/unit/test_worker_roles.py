@@ -12,12 +12,14 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from fastapi import FastAPI
 
+from pdserve.config import EngineConfig, WorkerConfig
 from pdserve.discovery import RegistrationState
 from pdserve.errors import TransferError
 from pdserve.protocol import (
@@ -30,11 +32,10 @@ from pdserve.protocol import (
     WorkerRecord,
 )
 from pdserve.security import ClusterKey
-from pdserve.settings import TransferSettings
+from pdserve.settings import KVCacheSettings, SchedulerSettings, TransferSettings, WorkerSettings
 from pdserve.transfer.inproc import FABRIC
 from pdserve.workers.roles.app import create_worker_app
 from pdserve.workers.roles.decode import DecodeHandler
-from pdserve.workers.roles.service import RoleSettings
 from tests.support.fake_engine import FakeEngine, token_at
 from tests.support.fakes import CLUSTER_KEY, INTERNAL_AUTH, layout
 from tests.support.servers import wait_until
@@ -80,24 +81,24 @@ class MemoryRegistration:
         self.state = RegistrationState.CLOSED
 
 
-def role_settings(role: Role, *, lease_s: float = 30.0, timeout_s: float = 2.0) -> RoleSettings:
-    transfer = TransferSettings().model_copy(update={"backend": "inproc", "timeout_s": timeout_s})
-    return RoleSettings(
+INPROC = TransferSettings().model_copy(update={"backend": "inproc"})
+"""The in-process test backend (registered by :mod:`pdserve.transfer.inproc`, not a choice
+the settings offer users, hence set without validation)."""
+
+
+def worker_cfg(role: Role, *, lease_s: float = 30.0, timeout_s: float = 2.0) -> WorkerConfig:
+    """A worker config for the fake engine (which reads none of the engine section)."""
+    return WorkerConfig(
         role=role,
-        worker_id=f"{role.value}-0",
-        served_model_name="tiny-test",
-        model_path="/nonexistent",
-        engine=None,  # type: ignore[arg-type]  # the fake engine reads no config
-        transfer=transfer,
-        host="127.0.0.1",
-        port=0,
-        advertise_host=None,
-        discovery_url="memory://",
-        registration_ttl_s=10.0,
-        lease_s=lease_s,
-        max_queued_requests=4,
-        evicts=True,
-        cluster_key=CLUSTER_KEY,
+        engine=EngineConfig(
+            model_path=Path("/nonexistent"),
+            served_model_name="tiny-test",
+            kv_cache=KVCacheSettings(lease_s=lease_s),
+            scheduler=SchedulerSettings(max_queued_requests=4),
+        ),
+        transfer=INPROC.model_copy(update={"timeout_s": timeout_s}),
+        worker=WorkerSettings(worker_id=f"{role.value}-0"),
+        control_plane="memory://",
     )
 
 
@@ -118,11 +119,12 @@ async def running(role: Role, num_blocks: int = 32, **kw: Any) -> AsyncIterator[
     engine = FakeEngine(LAYOUT, num_blocks=num_blocks)
     registration = MemoryRegistration()
     app = create_worker_app(
-        role_settings(role, **kw),
+        worker_cfg(role, **kw),
         http_url=f"http://{role.value}.test",
+        cluster_key=CLUSTER_KEY,
         engine_factory=lambda _cfg: engine,
-        registration_factory=lambda _settings: registration,  # type: ignore[arg-type,return-value]
-        watcher_factory=lambda _settings: MemoryWatcher(),  # type: ignore[arg-type,return-value]
+        registration_factory=lambda _cfg, _id: registration,  # type: ignore[arg-type,return-value]
+        watcher_factory=lambda _cfg, _id: MemoryWatcher(),  # type: ignore[arg-type,return-value]
     )
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
@@ -376,7 +378,7 @@ async def test_a_failed_pull_that_may_still_land_is_quarantined_then_freed() -> 
     role = DecodeHandler(
         engine=engine,
         transceiver=LateWritingTransceiver(),  # type: ignore[arg-type]
-        quarantine_s=0.2,
+        transfer=TransferSettings(timeout_s=0.2),  # the quarantine
     )
     async with running(Role.PREFILL) as p:
         ctx = await _context(p)

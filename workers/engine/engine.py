@@ -145,10 +145,8 @@ class Engine:
         )
         size = pool_size(
             self.layout,
-            num_blocks=cfg.kv_cache.num_blocks,
-            kv_cache_bytes=cfg.kv_cache.budget_bytes,
+            cfg.kv_cache,
             device=cfg.model.device,
-            memory_fraction=cfg.kv_cache.memory_fraction,
             auto_bytes=self._profile_cuda_budget() if cfg.model.device.startswith("cuda") else None,
         )
         self.kv_cache = KVCacheManager(
@@ -161,9 +159,7 @@ class Engine:
         self.connector = build_connector(cfg.kv_cache, self.kv_cache)  # None: no tier
         self.scheduler = Scheduler(
             self.kv_cache,
-            max_num_seqs=cfg.scheduler.max_num_seqs,
-            max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
-            policy=cfg.scheduler.capacity_policy,
+            cfg.scheduler,
             connector=self.connector.scheduler if self.connector else None,
         )
         self.limits = RequestLimits(

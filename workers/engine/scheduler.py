@@ -62,10 +62,11 @@ from pdserve.workers.engine.sequence import Sequence, SequenceStatus
 from pdserve.workers.kv.manager import KVCacheManager
 
 if TYPE_CHECKING:
+    from pdserve.settings import SchedulerSettings
     from pdserve.workers.kv.connector import KVConnectorScheduler
 
 CapacityPolicy = Literal["max_utilization", "guaranteed_no_evict"]
-CAPACITY_POLICIES: tuple[CapacityPolicy, ...] = ("max_utilization", "guaranteed_no_evict")
+"""``scheduler.capacity_policy`` (declared in :class:`~pdserve.settings.SchedulerSettings`)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -127,9 +128,10 @@ class Scheduler:
     generation phase) and ``reserved`` (prompt blocks held by :meth:`reserve` until the resume
     request arrives).
 
-    ``policy``: ``max_utilization`` (admission by current need, recompute preemption) or
-    ``guaranteed_no_evict`` (admission by the whole completion, never preempts); see the module
-    docstring. ``watermark_blocks``: free blocks a ``max_utilization`` admission leaves for the
+    ``settings``: the scheduler section, read whole (``max_num_seqs``,
+    ``max_num_batched_tokens``; ``capacity_policy``: ``max_utilization``, admission by current
+    need with recompute preemption, or ``guaranteed_no_evict``, admission by the whole
+    completion that never preempts; see the module docstring). ``watermark_blocks``: free blocks a ``max_utilization`` admission leaves for the
     running sequences to grow into (default: 1 % of the pool, at least 1, as vLLM's watermark).
     ``num_preemptions`` counts preemptions since start.
     """
@@ -137,19 +139,14 @@ class Scheduler:
     def __init__(
         self,
         kv_cache: KVCacheManager,
+        settings: SchedulerSettings,
         *,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        policy: CapacityPolicy = "max_utilization",
         watermark_blocks: int | None = None,
         connector: KVConnectorScheduler | None = None,
     ):
-        if policy not in CAPACITY_POLICIES:
-            raise ValueError(f"unknown capacity policy {policy!r}; one of {CAPACITY_POLICIES}")
         self.kv_cache = kv_cache
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.policy: CapacityPolicy = policy
+        self.settings = settings
+        self.policy: CapacityPolicy = settings.capacity_policy
         self.watermark = (
             max(1, kv_cache.num_blocks // 100) if watermark_blocks is None else watermark_blocks
         )
@@ -272,7 +269,7 @@ class Scheduler:
         shortage preempts instead of failing the step)."""
         with self._lock:
             plan: dict[int, int] = {}  # id(seq) -> tokens to feed
-            budget = self.max_num_batched_tokens
+            budget = self.settings.max_num_batched_tokens
             for seq in self.running:  # generation phase first: one token each
                 if not seq.in_context_phase and budget > 0:
                     plan[id(seq)] = 1
@@ -294,7 +291,9 @@ class Scheduler:
                     scheduled.append(ScheduledSequence.of(seq, n))
                 index += 1
             if self.num_preemptions == preemptions:  # vLLM: no admission in a preempting step
-                budget = self.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
+                budget = self.settings.max_num_batched_tokens - sum(
+                    s.num_new_tokens for s in scheduled
+                )
                 scheduled += self._admit(budget)
             batch = ScheduledBatch()
             for s in scheduled:
@@ -343,7 +342,7 @@ class Scheduler:
         admitted: list[ScheduledSequence] = []
         room = self.headroom()
         for seq in sorted(self.waiting, key=lambda s: not s.reserved):
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+            if budget <= 0 or len(self.running) >= self.settings.max_num_seqs:
                 break
             looked_up = self._acquire_prefix(seq)
             cached = seq.num_cached_tokens if looked_up else 0

@@ -143,7 +143,7 @@ class KVCacheManager:
         if num_blocks <= 0:
             raise CapacityError(
                 f"KV cache budget holds no block of {layout.block_bytes_per_layer * layout.num_layers}"
-                " bytes; raise kv_cache_bytes or num_blocks"
+                " bytes; raise kv_cache.budget_mb (--kv-cache-mb) or kv_cache.num_blocks"
             )
         self.layout = layout
         self.num_blocks = num_blocks

@@ -2,15 +2,15 @@
 
 Precedence (the first that is set wins):
 
-1. ``EngineConfig.num_blocks``: exactly that many blocks;
-2. ``EngineConfig.kv_cache_bytes``: that many bytes (``--kv-cache-mb``);
+1. ``kv_cache.num_blocks``: exactly that many blocks;
+2. ``kv_cache.budget_mb``: that many MiB (``--kv-cache-mb``);
 3. derived from the machine:
 
-   - CPU (vLLM's ``VLLM_CPU_KVCACHE_SPACE`` made automatic): ``kv_memory_fraction`` of the
+   - CPU (vLLM's ``VLLM_CPU_KVCACHE_SPACE`` made automatic): ``kv_cache.memory_fraction`` of the
      host memory available now (``MemAvailable``, capped by the container's cgroup limit).
      ``pdserve up`` measures once and hands each of its workers an explicit share instead, so
      workers started one after another do not see each other's pools.
-   - CUDA (vLLM's ``gpu_memory_utilization``): ``gpu_memory_utilization x total device
+   - CUDA (vLLM's ``gpu_memory_utilization``): ``kv_cache.gpu_memory_utilization x total device
      memory``, minus what this process already holds (weights) and the peak of a profiled
      largest step (``max_num_batched_tokens`` tokens of prefill).
 
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.protocol import KVLayout
+from pdserve.settings import KVCacheSettings
 
 log = logging.getLogger(__name__)
 
@@ -86,31 +87,30 @@ class PoolSize:
 
 def pool_size(
     layout: KVLayout,
+    settings: KVCacheSettings,
     *,
-    num_blocks: int | None,
-    kv_cache_bytes: int | None,
     device: str,
-    memory_fraction: float,
     auto_bytes: int | None = None,
 ) -> PoolSize:
-    """Blocks for a pool of ``layout`` by the precedence of the module docstring.
+    """Blocks for a pool of ``layout`` by the precedence of the module docstring, read from
+    the ``kv_cache`` section ``settings`` whole.
 
-    ``auto_bytes``: the machine-derived budget on CUDA (from :func:`cuda_kv_budget`, measured
-    by the model runner); on CPU it is derived here from :func:`available_host_memory` and
-    ``memory_fraction``.
+    ``device``: the model's device (``cpu``, ``cuda:0``). ``auto_bytes``: the machine-derived
+    budget on CUDA (from :func:`cuda_kv_budget`, measured by the model runner); on CPU it is
+    derived here from :func:`available_host_memory` and ``settings.memory_fraction``.
     """
     block_bytes = layout.block_bytes_per_layer * layout.num_layers
-    if num_blocks is not None:
-        return PoolSize(num_blocks, "num_blocks")
-    if kv_cache_bytes is not None:
-        return PoolSize(kv_cache_bytes // block_bytes, f"kv_cache_bytes={kv_cache_bytes}")
+    if settings.num_blocks is not None:
+        return PoolSize(settings.num_blocks, "num_blocks")
+    if settings.budget_bytes is not None:
+        return PoolSize(settings.budget_bytes // block_bytes, f"budget_mb={settings.budget_mb}")
     if device.startswith("cuda") and auto_bytes is not None:
         return PoolSize(auto_bytes // block_bytes, "gpu_memory_utilization")
     available = available_host_memory()
-    budget = int(available * memory_fraction)
+    fraction = settings.memory_fraction
     return PoolSize(
-        budget // block_bytes,
-        f"{memory_fraction:.0%} of {available / 2**30:.1f} GiB available host memory",
+        int(available * fraction) // block_bytes,
+        f"{fraction:.0%} of {available / 2**30:.1f} GiB available host memory",
     )
 
 

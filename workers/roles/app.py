@@ -37,8 +37,9 @@ from fastapi import APIRouter, FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.discovery.registry import internal_route_class
-from pdserve.hosts import advertised_host, url_host
+from pdserve.hosts import url_host
 from pdserve.protocol import PROTOCOL_HEADER, PROTOCOL_VERSION, WORKER_KEEPALIVE_S, Role
+from pdserve.security import ClusterKey
 from pdserve.server.errors import install_error_handlers
 from pdserve.workers.engine.api import default_engine_factory
 from pdserve.workers.roles.colocated import ColocatedWorker
@@ -46,7 +47,6 @@ from pdserve.workers.roles.decode import DecodeWorker
 from pdserve.workers.roles.prefill import PrefillWorker
 from pdserve.workers.roles.service import (
     RegistrationFactory,
-    RoleSettings,
     WatcherFactory,
     WorkerIdentity,
     WorkerService,
@@ -74,28 +74,30 @@ async def drain(service: WorkerService, timeout_s: float) -> None:
 
 
 def create_worker_app(
-    cfg: WorkerConfig | RoleSettings,
+    cfg: WorkerConfig,
     *,
     http_url: str,
+    cluster_key: ClusterKey | None = None,
     engine_factory: EngineFactory | None = None,
     registration_factory: RegistrationFactory | None = None,
     watcher_factory: WatcherFactory | None = None,
 ) -> FastAPI:
     """Build a worker app for ``cfg``'s role. ``http_url`` is the request-plane base URL other
-    processes use to reach this worker (it goes into the discovery record).
+    processes use to reach this worker (it goes into the discovery record). ``cluster_key``:
+    the internal plane's key; default ``ClusterKey.from_settings(cfg.security)``, which raises
+    :class:`~pdserve.errors.ConfigError` when no cluster secret is configured or readable.
     ``engine_factory`` (default: the real engine), ``registration_factory`` and
-    ``watcher_factory`` (default: the discovery URL's backend) let tests run a worker on fakes. The running service is
-    ``app.state.worker`` while the lifespan runs. Raises :class:`~pdserve.errors.ConfigError`
-    when ``cfg`` is a config without a readable cluster secret."""
-    settings = cfg if isinstance(cfg, RoleSettings) else RoleSettings.from_config(cfg)
-    identity = WorkerIdentity(worker_id=settings.worker_id, http_url=http_url)
-    service_cls = WORKER_CLASSES[settings.role]
+    ``watcher_factory`` (default: the discovery URL's backend) let tests run a worker on fakes.
+    The running service is ``app.state.worker`` while the lifespan runs."""
+    key = cluster_key or ClusterKey.from_settings(cfg.security)  # ConfigError: no secret
+    identity = WorkerIdentity(worker_id=cfg.worker_id, http_url=http_url, key=key)
+    service_cls = WORKER_CLASSES[Role(cfg.role)]
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with AsyncExitStack() as stack:
             app.state.worker = await service_cls.open(
-                settings,
+                cfg,
                 identity,
                 stack,
                 engine_factory=engine_factory or default_engine_factory,
@@ -103,15 +105,15 @@ def create_worker_app(
                 watcher_factory=watcher_factory or default_watcher,
             )
             yield
-        log.info("%s %s stopped", settings.role, identity.worker_id)
+        log.info("%s %s stopped", cfg.role, identity.worker_id)
 
-    app = FastAPI(title=f"pdserve {settings.role} worker", lifespan=lifespan)
+    app = FastAPI(title=f"pdserve {cfg.role} worker", lifespan=lifespan)
     install_error_handlers(app)
 
     app.add_middleware(_ProtocolHeader)
 
     WorkerService.add_common_routes(app, lambda: app.state.worker)
-    internal = APIRouter(route_class=internal_route_class(settings.cluster_key))
+    internal = APIRouter(route_class=internal_route_class(key))
     service_cls.add_role_routes(internal)
     app.include_router(internal)
     return app
@@ -157,11 +159,9 @@ def run_worker(cfg: WorkerConfig, *, log_level: str = "info") -> None:
 
     from pdserve.server.http_protocol import HeaderDeadlineH11Protocol
 
-    settings = RoleSettings.from_config(cfg)
-    sock = bind_socket(settings.host, settings.port)
+    sock = bind_socket(cfg.worker.host, cfg.worker.port)
     port = sock.getsockname()[1]
-    advertise = advertised_host(settings.host, settings.advertise_host)
-    app = create_worker_app(settings, http_url=f"http://{url_host(advertise)}:{port}")
+    app = create_worker_app(cfg, http_url=f"http://{url_host(cfg.worker.advertised_host)}:{port}")
 
     class DrainingServer(uvicorn.Server):
         """The first SIGTERM/SIGINT drains (:func:`drain`, at most the lease + 5 s) before
@@ -188,7 +188,7 @@ def run_worker(cfg: WorkerConfig, *, log_level: str = "info") -> None:
 
         async def _drain_then_exit(self, sig: int, frame: FrameType | None) -> None:
             try:
-                await drain(app.state.worker, timeout_s=settings.lease_s + 5.0)
+                await drain(app.state.worker, timeout_s=cfg.engine.kv_cache.lease_s + 5.0)
             finally:
                 super().handle_exit(sig, frame)
 

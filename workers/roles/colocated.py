@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING, ClassVar
 from fastapi import APIRouter
 
 from pdserve.protocol import Role
-from pdserve.workers.roles.decode import add_generate_route, decode_handler
-from pdserve.workers.roles.service import RoleSettings, WorkerIdentity, WorkerService
+from pdserve.workers.roles.decode import DecodeHandler, add_generate_route
+from pdserve.workers.roles.service import WorkerIdentity, WorkerService
 
 if TYPE_CHECKING:
+    from pdserve.config import WorkerConfig
     from pdserve.discovery import Registration
     from pdserve.workers.engine.api import WorkerEngine
 
@@ -29,15 +30,19 @@ class ColocatedWorker(WorkerService):
     def __init__(
         self,
         *,
-        settings: RoleSettings,
+        cfg: WorkerConfig,
         identity: WorkerIdentity,
         engine: WorkerEngine,
         registration: Registration,
     ) -> None:
-        super().__init__(
-            settings=settings, identity=identity, engine=engine, registration=registration
+        super().__init__(cfg=cfg, identity=identity, engine=engine, registration=registration)
+        self.handler = DecodeHandler(
+            engine=engine,
+            transceiver=None,
+            metrics=self.metrics,
+            scheduler=cfg.engine.scheduler,
+            transfer=cfg.transfer,
         )
-        self.handler = decode_handler(settings, engine, None, self.metrics)
 
     @classmethod
     def add_role_routes(cls, api: APIRouter) -> None:

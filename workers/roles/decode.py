@@ -67,10 +67,11 @@ from pdserve.settings import SchedulerSettings, TransferSettings
 from pdserve.workers.engine.requests import EngineRequest, Reservation
 from pdserve.workers.roles.bridge import OutputStream
 from pdserve.workers.roles.prefill_directory import PrefillDirectory
-from pdserve.workers.roles.service import RoleSettings, WatcherFactory, WorkerIdentity, service_of
+from pdserve.workers.roles.service import WatcherFactory, WorkerIdentity, service_of
 from pdserve.workers.roles.transfer_worker import TransferWorker, capped, open_transceiver
 
 if TYPE_CHECKING:
+    from pdserve.config import WorkerConfig
     from pdserve.discovery import Registration
     from pdserve.transfer import Transceiver
     from pdserve.workers.engine.api import WorkerEngine
@@ -113,18 +114,15 @@ def check_handle(req: GenerationRequest, handle: TransferHandle, engine: WorkerE
         raise HandleError("a generation request with a handle needs first_token")
 
 
-# Defaults of the settings these arguments come from (declared once, in pdserve.settings).
-_DEFAULT_TRANSFER, _DEFAULT_SCHEDULER = TransferSettings(), SchedulerSettings()
-
-
 class DecodeHandler:
     """Serves ``/internal/generate`` for a decode (or colocated) worker.
 
     ``transceiver``: None on a colocated worker (a request with a handle is then refused).
-    ``quarantine_s``: how long a failed pull's blocks are held back (the transfer timeout).
-    ``max_queued_requests``: how many requests may wait for free KV blocks at once (more get
-    429 at once). ``evicts``: False under ``guaranteed_no_evict`` (a reservation that does not
-    fit now is refused at once: nothing running will free blocks for it). ``prefills``: the
+    ``scheduler``: the scheduler section (``max_queued_requests``: how many requests may wait
+    for free KV blocks at once, more get 429 at once; ``evicts``: False under
+    ``guaranteed_no_evict``, where a reservation that does not fit now is refused at once,
+    since nothing running will free blocks for it). ``transfer``: the transfer section
+    (``timeout_s`` is also how long a failed pull's blocks are quarantined). ``prefills``: the
     prefill workers discovery lists; a handle naming another is refused before any connection
     (None: handles are not checked against discovery, for tests of the admission logic).
     """
@@ -134,19 +132,17 @@ class DecodeHandler:
         *,
         engine: WorkerEngine,
         transceiver: Transceiver | None,
-        quarantine_s: float = _DEFAULT_TRANSFER.timeout_s,
         metrics: WorkerMetrics | None = None,
-        max_queued_requests: int = _DEFAULT_SCHEDULER.max_queued_requests,
-        evicts: bool = True,
+        scheduler: SchedulerSettings = SchedulerSettings(),  # noqa: B008 (frozen)
+        transfer: TransferSettings = TransferSettings(),  # noqa: B008 (frozen)
         prefills: PrefillDirectory | None = None,
     ) -> None:
         self.engine = engine
         self.transceiver = transceiver
-        self.quarantine_s = quarantine_s
+        self.scheduler = scheduler
+        self.quarantine_s = transfer.timeout_s
         self.quarantined = 0
         self.metrics = metrics
-        self.max_queued_requests = max_queued_requests
-        self.evicts = evicts
         self.prefills = prefills
         self.waiting_for_blocks = 0
 
@@ -231,9 +227,9 @@ class DecodeHandler:
         try:
             return self.engine.reserve(req.request_id, prompt, req.sampling, reuse_prefix=reuse)
         except CapacityError:
-            if not self.evicts:
+            if not self.scheduler.evicts:
                 raise
-        if self.waiting_for_blocks >= self.max_queued_requests:
+        if self.waiting_for_blocks >= self.scheduler.max_queued_requests:
             raise QueueFullError(f"{self.waiting_for_blocks} requests wait for KV blocks here")
         give_up = min(handle.lease_deadline, req.deadline) - 1.0
         self.waiting_for_blocks += 1
@@ -327,7 +323,7 @@ def add_generate_route(api: APIRouter) -> None:
     @api.post("/internal/generate")
     async def generate(req: GenerationRequest, request: Request) -> StreamingResponse:
         worker = service_of(request)
-        req = capped(req, worker.settings.max_request_s)
+        req = capped(req, worker.cfg.engine.scheduler.max_request_s)
         decode: DecodeHandler = worker.handler
         stream = await decode.admit(req)
 
@@ -336,25 +332,6 @@ def add_generate_route(api: APIRouter) -> None:
                 yield chunk.model_dump_json().encode() + b"\n"
 
         return StreamingResponse(body(), media_type="application/x-ndjson")
-
-
-def decode_handler(
-    settings: RoleSettings,
-    engine: WorkerEngine,
-    transceiver: Transceiver | None,
-    metrics: Any,
-    prefills: PrefillDirectory | None = None,
-) -> DecodeHandler:
-    """The request logic of a decode (``transceiver`` set) or colocated worker."""
-    return DecodeHandler(
-        engine=engine,
-        transceiver=transceiver,
-        prefills=prefills,
-        quarantine_s=settings.transfer_timeout_s,
-        metrics=metrics,
-        max_queued_requests=settings.max_queued_requests,
-        evicts=settings.evicts,
-    )
 
 
 class DecodeWorker(TransferWorker):
@@ -366,7 +343,7 @@ class DecodeWorker(TransferWorker):
     def __init__(
         self,
         *,
-        settings: RoleSettings,
+        cfg: WorkerConfig,
         identity: WorkerIdentity,
         engine: WorkerEngine,
         registration: Registration,
@@ -374,25 +351,30 @@ class DecodeWorker(TransferWorker):
         prefills: PrefillDirectory,
     ) -> None:
         self.transceiver = transceiver
-        super().__init__(
-            settings=settings, identity=identity, engine=engine, registration=registration
+        super().__init__(cfg=cfg, identity=identity, engine=engine, registration=registration)
+        self.handler = DecodeHandler(
+            engine=engine,
+            transceiver=transceiver,
+            metrics=self.metrics,
+            scheduler=cfg.engine.scheduler,
+            transfer=cfg.transfer,
+            prefills=prefills,
         )
-        self.handler = decode_handler(settings, engine, transceiver, self.metrics, prefills)
 
     @classmethod
     async def open_parts(
         cls,
-        settings: RoleSettings,
+        cfg: WorkerConfig,
         identity: WorkerIdentity,
         engine: WorkerEngine,
         stack: AsyncExitStack,
         *,
         watcher_factory: WatcherFactory,
     ) -> dict[str, Any]:
-        prefills = PrefillDirectory(watcher_factory(settings))
+        prefills = PrefillDirectory(watcher_factory(cfg, identity))
         await prefills.start()
         stack.push_async_callback(prefills.close)
-        transceiver = await open_transceiver(settings, identity, engine, None, stack)
+        transceiver = await open_transceiver(cfg, identity, engine, None, stack)
         return {"transceiver": transceiver, "prefills": prefills}
 
     @classmethod

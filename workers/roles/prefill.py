@@ -33,10 +33,11 @@ from pdserve.protocol import ContextRequest, ContextResponse, ReleaseRequest, Ro
 from pdserve.workers.engine.requests import EngineRequest
 from pdserve.workers.roles.bridge import OutputStream
 from pdserve.workers.roles.parking import ParkedBlocks
-from pdserve.workers.roles.service import RoleSettings, WatcherFactory, WorkerIdentity, service_of
+from pdserve.workers.roles.service import WatcherFactory, WorkerIdentity, service_of
 from pdserve.workers.roles.transfer_worker import TransferWorker, capped, open_transceiver
 
 if TYPE_CHECKING:
+    from pdserve.config import WorkerConfig
     from pdserve.discovery import Registration
     from pdserve.discovery.events import ParkedCounts
     from pdserve.transfer import Transceiver
@@ -133,7 +134,7 @@ class PrefillWorker(TransferWorker):
     def __init__(
         self,
         *,
-        settings: RoleSettings,
+        cfg: WorkerConfig,
         identity: WorkerIdentity,
         engine: WorkerEngine,
         registration: Registration,
@@ -142,9 +143,7 @@ class PrefillWorker(TransferWorker):
     ) -> None:
         self.parked = parked
         self.transceiver = transceiver
-        super().__init__(
-            settings=settings, identity=identity, engine=engine, registration=registration
-        )
+        super().__init__(cfg=cfg, identity=identity, engine=engine, registration=registration)
         self.handler = PrefillHandler(
             engine=engine, transceiver=transceiver, parked=parked, worker_id=identity.worker_id
         )
@@ -152,7 +151,7 @@ class PrefillWorker(TransferWorker):
     @classmethod
     async def open_parts(
         cls,
-        settings: RoleSettings,
+        cfg: WorkerConfig,
         identity: WorkerIdentity,
         engine: WorkerEngine,
         stack: AsyncExitStack,
@@ -161,14 +160,14 @@ class PrefillWorker(TransferWorker):
     ) -> dict[str, Any]:
         parked = ParkedBlocks(
             epoch=identity.epoch,
-            lease_s=settings.lease_s,
+            lease_s=cfg.engine.kv_cache.lease_s,
             free_blocks=engine.free_parked,
             generations=engine.kv_cache.generations,  # fencing: no reused block is ever sent
-            send_grace_s=settings.transfer_timeout_s + 5.0,  # a send outlives no lease by more
+            send_grace_s=cfg.transfer.timeout_s + 5.0,  # a send outlives no lease by more
         )
         parked.start()
         stack.push_async_callback(parked.close)
-        transceiver = await open_transceiver(settings, identity, engine, parked, stack)
+        transceiver = await open_transceiver(cfg, identity, engine, parked, stack)
         return {"parked": parked, "transceiver": transceiver}
 
     def parked_count(self) -> int:
@@ -185,7 +184,7 @@ class PrefillWorker(TransferWorker):
         @api.post("/internal/context")
         async def context(req: ContextRequest, request: Request) -> ContextResponse:
             worker: PrefillWorker = service_of(request)
-            req = capped(req, worker.settings.max_request_s)
+            req = capped(req, worker.cfg.engine.scheduler.max_request_s)
             resp = await worker.handler.context(req)
             handle = resp.handle
             if handle is not None and await request.is_disconnected():

@@ -18,8 +18,10 @@ Lifecycle of one service (start -> serve -> drain -> cleanup; cleanup is idempot
     4 CLEANUP  the exit stack unwinds in reverse: refresh task, registration, transceiver,
                parked blocks, engine
 
-Config: :meth:`RoleSettings.from_config` is the one place that reads a
-:class:`~pdserve.config.WorkerConfig`; everything below gets plain values.
+Config: every part reads the :class:`~pdserve.config.WorkerConfig` it is handed, whole (the
+service keeps it as :attr:`WorkerService.cfg`); derived values are properties of its sections
+(``cfg.engine.scheduler.evicts``, ``cfg.worker.advertised_host``). A setting read by a role is
+one declaration in :mod:`pdserve.settings` and one read such as ``self.cfg.engine.kv_cache.lease_s``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -39,122 +40,59 @@ from fastapi.responses import JSONResponse, Response
 
 from pdserve.metrics import CONTENT_TYPE
 from pdserve.protocol import Role, WorkerLoad, WorkerRecord
-from pdserve.settings import DiscoverySettings
 from pdserve.workers.roles.metrics import WorkerMetrics
 
 if TYPE_CHECKING:
-    from pdserve.config import EngineConfig, WorkerConfig
+    from pdserve.config import WorkerConfig
     from pdserve.discovery import Registration, Watcher
     from pdserve.discovery.events import EventPublisher, ParkedCounts
     from pdserve.security import ClusterKey
-    from pdserve.settings import TransferSettings
     from pdserve.workers.engine.api import EngineFactory, WorkerEngine
 
 log = logging.getLogger(__name__)
 
-RegistrationFactory = Callable[["RoleSettings"], "Registration"]
-WatcherFactory = Callable[["RoleSettings"], "Watcher"]
-"""Builds a worker's own (not yet started) view of discovery."""
-"""``settings -> Registration`` (``discovery_url``, ``registration_ttl_s``, ``cluster_key``,
-``discovery``); the default opens the URL's backend."""
-
-
-@dataclass(frozen=True)
-class RoleSettings:
-    """The values a worker role runs on, read once from its config.
-
-    ``host``/``port``: the request plane's bind address (port 0 picks one);
-    ``advertise_host``: the address peers dial (None: the bind host, or the hostname for a
-    wildcard). ``lease_s``: how long parked KV blocks wait for their decode worker (seconds).
-    ``evicts``: False under the ``guaranteed_no_evict`` capacity policy. ``max_request_s``:
-    every request's deadline is capped at its arrival plus this (seconds). ``cluster_key``: the
-    internal plane's key (guards ``/internal/*``, signs the discovery record); ``discovery``:
-    the discovery section (TLS and credentials toward etcd / NATS).
-    """
-
-    role: Role
-    worker_id: str
-    served_model_name: str
-    model_path: str
-    engine: EngineConfig
-    transfer: TransferSettings
-    host: str
-    port: int
-    advertise_host: str | None
-    discovery_url: str
-    registration_ttl_s: float
-    lease_s: float
-    max_queued_requests: int
-    evicts: bool
-    cluster_key: ClusterKey
-    max_request_s: float = 1800.0
-    discovery: DiscoverySettings = field(default_factory=DiscoverySettings)
-
-    @property
-    def transfer_timeout_s(self) -> float:
-        """How long a KV transfer may take (seconds); also the quarantine of a failed pull."""
-        return self.transfer.timeout_s
-
-    @classmethod
-    def from_config(cls, cfg: WorkerConfig) -> RoleSettings:
-        """The one place that reads a worker's config (a missing ``worker_id`` becomes
-        ``<role>-<8 hex digits>``). Raises :class:`~pdserve.errors.ConfigError` when the
-        cluster secret is not configured or cannot be read."""
-        from pdserve.security import ClusterKey
-
-        role = Role(cfg.role)
-        sched = cfg.engine.scheduler
-        return cls(
-            role=role,
-            worker_id=cfg.worker.worker_id or f"{role.value}-{uuid.uuid4().hex[:8]}",
-            served_model_name=cfg.engine.served_model_name,
-            model_path=str(cfg.engine.model_path),
-            engine=cfg.engine,
-            transfer=cfg.transfer,
-            host=cfg.worker.host,
-            port=cfg.worker.port,
-            advertise_host=cfg.worker.advertise_host,
-            discovery_url=cfg.control_plane,
-            registration_ttl_s=cfg.discovery.registration_ttl_s,
-            lease_s=cfg.engine.kv_cache.lease_s,
-            max_queued_requests=sched.max_queued_requests,
-            max_request_s=sched.max_request_s,
-            evicts=sched.capacity_policy != "guaranteed_no_evict",
-            cluster_key=ClusterKey.from_settings(cfg.security),
-            discovery=cfg.discovery,
-        )
+RegistrationFactory = Callable[["WorkerConfig", "WorkerIdentity"], "Registration"]
+"""``(cfg, identity) -> Registration`` (not yet started): the default opens the backend of
+``cfg.control_plane``, signing with ``identity.key``."""
+WatcherFactory = Callable[["WorkerConfig", "WorkerIdentity"], "Watcher"]
+"""``(cfg, identity) -> Watcher``: a worker's own (not yet started) view of discovery."""
 
 
 @dataclass(frozen=True)
 class WorkerIdentity:
-    """Who this worker is to the rest of the system. ``epoch`` (nanoseconds since the UNIX
-    epoch at start) tells incarnations of one ``worker_id`` apart (fencing)."""
+    """Who this worker is to the rest of the system, and the key it proves it with.
+
+    ``worker_id``: the config's ``worker.worker_id`` (resolved when the config is built);
+    ``http_url``: the request-plane base URL peers dial; ``key``: the internal plane's key
+    (guards ``/internal/*``, signs the discovery record, answers the transceivers'
+    challenge-response), read once from the security section; ``epoch`` (nanoseconds since the
+    UNIX epoch at start) tells incarnations of one ``worker_id`` apart (fencing).
+    """
 
     worker_id: str
     http_url: str
+    key: ClusterKey = field(repr=False)
     epoch: int = field(default_factory=time.time_ns)
 
 
-def default_watcher(settings: RoleSettings) -> Watcher:
-    """A watcher of ``settings.discovery_url`` (the router's registry polled over HTTP, etcd or
-    NATS), keeping the records signed with ``settings.cluster_key``."""
+def default_watcher(cfg: WorkerConfig, identity: WorkerIdentity) -> Watcher:
+    """A watcher of ``cfg.control_plane`` (the router's registry polled over HTTP, etcd or
+    NATS), keeping the records signed with ``identity.key``."""
     from pdserve.discovery import open_watcher
 
-    return open_watcher(
-        settings.discovery_url, key=settings.cluster_key, discovery=settings.discovery
-    )
+    return open_watcher(cfg.control_plane, key=identity.key, discovery=cfg.discovery)
 
 
-def default_registration(settings: RoleSettings) -> Registration:
-    """The discovery backend ``settings.discovery_url`` names (imported on first use), signing
-    with ``settings.cluster_key``, with the discovery section's TLS settings."""
+def default_registration(cfg: WorkerConfig, identity: WorkerIdentity) -> Registration:
+    """The discovery backend ``cfg.control_plane`` names (imported on first use), signing with
+    ``identity.key``, with the discovery section's TTL and TLS settings."""
     from pdserve.discovery import open_registration
 
     return open_registration(
-        settings.discovery_url,
-        ttl_s=settings.registration_ttl_s,
-        key=settings.cluster_key,
-        discovery=settings.discovery,
+        cfg.control_plane,
+        ttl_s=cfg.discovery.registration_ttl_s,
+        key=identity.key,
+        discovery=cfg.discovery,
     )
 
 
@@ -171,12 +109,12 @@ class WorkerService:
     def __init__(
         self,
         *,
-        settings: RoleSettings,
+        cfg: WorkerConfig,
         identity: WorkerIdentity,
         engine: WorkerEngine,
         registration: Registration,
     ) -> None:
-        self.settings = settings
+        self.cfg = cfg
         self.identity = identity
         self.engine = engine
         self.registration = registration
@@ -195,7 +133,7 @@ class WorkerService:
     @classmethod
     async def open(
         cls,
-        settings: RoleSettings,
+        cfg: WorkerConfig,
         identity: WorkerIdentity,
         stack: AsyncExitStack,
         *,
@@ -207,21 +145,17 @@ class WorkerService:
         registered and ready. ``watcher_factory``: this worker's own view of discovery (a
         decode worker's :class:`~pdserve.workers.roles.prefill_directory.PrefillDirectory`). Raises
         ConfigError & co. (the stack then undoes what was built)."""
-        engine = await load_engine(settings, identity, stack, engine_factory)
-        parts = await cls.open_parts(
-            settings, identity, engine, stack, watcher_factory=watcher_factory
-        )
-        registration = registration_factory(settings)
-        service = cls(
-            settings=settings, identity=identity, engine=engine, registration=registration, **parts
-        )
+        engine = await load_engine(cfg, identity, stack, engine_factory)
+        parts = await cls.open_parts(cfg, identity, engine, stack, watcher_factory=watcher_factory)
+        registration = registration_factory(cfg, identity)
+        service = cls(cfg=cfg, identity=identity, engine=engine, registration=registration, **parts)
         await service.serve(stack)
         return service
 
     @classmethod
     async def open_parts(
         cls,
-        settings: RoleSettings,
+        cfg: WorkerConfig,
         identity: WorkerIdentity,
         engine: WorkerEngine,
         stack: AsyncExitStack,
@@ -265,7 +199,7 @@ class WorkerService:
             role=self.role,
             worker_id=self.identity.worker_id,
             epoch=self.identity.epoch,
-            model=self.settings.served_model_name,
+            model=self.cfg.engine.served_model_name,
             http_url=self.identity.http_url,
             communicator=self.communicator(),
             layout=self.engine.layout,
@@ -286,7 +220,7 @@ class WorkerService:
             registration=self.registration,
             worker_id=self.identity.worker_id,
             epoch=self.identity.epoch,
-            settings=self.settings.discovery,
+            settings=self.cfg.discovery,
             stack=stack,
         )
         if kv_events is not None:
@@ -379,7 +313,7 @@ def service_of(request: Request) -> Any:
 
 
 async def load_engine(
-    settings: RoleSettings,
+    cfg: WorkerConfig,
     identity: WorkerIdentity,
     stack: AsyncExitStack,
     engine_factory: EngineFactory,
@@ -388,13 +322,13 @@ async def load_engine(
     ``stack``."""
     log.info(
         "%s %s (epoch %d): loading %s",
-        settings.role,
+        cfg.role,
         identity.worker_id,
         identity.epoch,
-        settings.model_path,
+        cfg.engine.model_path,
     )
     t0 = time.perf_counter()
-    engine = await asyncio.to_thread(engine_factory, settings.engine)
+    engine = await asyncio.to_thread(engine_factory, cfg.engine)
     stack.push_async_callback(asyncio.to_thread, engine.shutdown)
     engine.start()
     pool = engine.kv_cache.pool

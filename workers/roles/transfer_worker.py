@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, TypeVar
 
 from pdserve.protocol import ContextRequest, GenerationRequest
 from pdserve.workers.roles.parking import ParkedBlocks
-from pdserve.workers.roles.service import RoleSettings, WorkerIdentity, WorkerService
+from pdserve.workers.roles.service import WorkerIdentity, WorkerService
 
 if TYPE_CHECKING:
+    from pdserve.config import WorkerConfig
     from pdserve.transfer import Transceiver
     from pdserve.workers.engine.api import WorkerEngine
 
@@ -26,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 async def open_transceiver(
-    settings: RoleSettings,
+    cfg: WorkerConfig,
     identity: WorkerIdentity,
     engine: WorkerEngine,
     parked: ParkedBlocks | None,
@@ -37,14 +38,14 @@ async def open_transceiver(
     from pdserve.transfer import create_transceiver
 
     transceiver = create_transceiver(
-        settings.transfer,
+        cfg.transfer,
         pool=engine.kv_cache.pool,
         layout=engine.layout,
         worker_id=identity.worker_id,
         epoch=identity.epoch,
         parked=parked,
-        key=settings.cluster_key,  # the transceivers' challenge-response (transfer/auth.py)
-        advertise_host=settings.advertise_host,
+        key=identity.key,  # the transceivers' challenge-response (transfer/auth.py)
+        advertise_host=cfg.worker.advertise_host,
     )
     stack.push_async_callback(_close_quietly, transceiver)
     await transceiver.start()
