@@ -20,6 +20,9 @@ Protocol history:
        wrong. Internal HTTP calls (registry, ``/internal/*``) carry the cluster token.
     6: delta transfer: the transfer ``SendBlocks`` carries ``skip_blocks``, the leading parked
        blocks the decode worker's prefix cache already holds (not sent).
+    7: full sampling: ``SamplingParams`` carries ``presence_penalty``, ``frequency_penalty``,
+       ``repetition_penalty``, ``logit_bias``, ``min_p``, ``min_tokens`` and
+       ``stop_token_ids``, applied on the prefill and decode legs alike.
 
 Clocks: deadlines on the wire are wall-clock UNIX seconds (``time.time()``), never monotonic
 readings, because a monotonic clock does not cross processes.
@@ -35,7 +38,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 PROTOCOL_HEADER = "x-pdserve-protocol"
 
 
@@ -125,6 +128,10 @@ MAX_CHOICES = 16
 """Upper bound of ``SamplingParams.n`` (choices per request)."""
 
 
+MAX_REPETITION_PENALTY = 10.0
+"""Largest ``repetition_penalty`` (vLLM sets none; past 2 it already garbles text)."""
+
+
 class SamplingParams(_Msg):
     """Per-request sampling settings.
 
@@ -135,6 +142,16 @@ class SamplingParams(_Msg):
     ``n`` choices share the prompt's KV blocks; choice ``i`` of a seeded request samples as if
     its seed were ``seed + i`` (vLLM's convention), so the choices differ and each repeats.
     ``max_tokens`` bounds each choice.
+
+    Logits processing (:mod:`pdserve.workers.engine.sampler`, in vLLM's order): while fewer
+    than ``min_tokens`` tokens are out, EOS and ``stop_token_ids`` are masked; ``logit_bias``
+    (token id, bias) pairs are added; ``repetition_penalty`` (CTRL's: a logit of a token seen
+    in the prompt or the output is divided by it when positive, multiplied when negative), then
+    ``frequency_penalty`` x count and ``presence_penalty`` (OpenAI's, over the output only) are
+    subtracted; then temperature, ``min_p`` (tokens below ``min_p`` x the top probability are
+    dropped), top-k and top-p. A token of ``stop_token_ids`` ends the choice (``stop``) and its
+    text is not emitted. Every rule reads only the prompt and the output so far, so a
+    disaggregated request samples exactly what a colocated one does.
     """
 
     n: int = Field(default=1, ge=1, le=MAX_CHOICES, description="choices per request")
@@ -142,11 +159,32 @@ class SamplingParams(_Msg):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, description="0 disables top-k")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY)
+    logit_bias: tuple[tuple[int, float], ...] = Field(
+        default=(), description="(token id, bias in [-100, 100]) pairs"
+    )
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=20)
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any rule before temperature changes the logits (penalties, bias, a
+        ``min_tokens`` mask): the sampler's all-greedy fast path needs none."""
+        return bool(
+            self.min_tokens
+            or self.logit_bias
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+        )
 
 
 class TokenLogprob(_Msg):

@@ -4,9 +4,8 @@ Steps, in order (the first failure raises a typed error, nothing is sent to a wo
 
 1. model name: must be the served model, else :class:`ModelNotFoundError` (404).
 2. unsupported fields (:func:`check_unsupported`): a field pdserve does not implement with a
-   value that would change the output (``tools``, a ``response_format`` other than text, a
-   non-empty ``logit_bias``, non-zero penalties, ``echo``, ``suffix``, ``best_of`` other than
-   ``n``, ...) is a 400 ``unsupported`` naming it. Then the limits: ``n`` (choices, default 1)
+   value that would change the output (``tools``, a ``response_format`` other than text,
+   ``echo``, ``suffix``, ``best_of`` other than ``n``, ...) is a 400 ``unsupported`` naming it. Then the limits: ``n`` (choices, default 1)
    in ``[1, max_n]`` (``router.max_n``, at most :data:`MAX_CHOICES`), ``top_logprobs`` only
    with ``logprobs``, at most ``max_messages`` chat messages (``router.max_messages``), a single
    prompt (400).
@@ -151,7 +150,11 @@ class Preprocessor:
         )
         assert ids is not None  # None only past the window, which _max_tokens refused
         sampling = _sampling(
-            req, max_tokens, logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs or 0
+            req,
+            max_tokens,
+            self.vocab_size,
+            logprobs=bool(req.logprobs),
+            top_logprobs=req.top_logprobs or 0,
         )
         return Prepared(ids, sampling)
 
@@ -167,7 +170,11 @@ class Preprocessor:
         )
         assert ids is not None  # None only past the window, which _max_tokens refused
         sampling = _sampling(
-            req, max_tokens, logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0
+            req,
+            max_tokens,
+            self.vocab_size,
+            logprobs=req.logprobs is not None,
+            top_logprobs=req.logprobs or 0,
         )
         return Prepared(ids, sampling)
 
@@ -267,11 +274,6 @@ def check_unsupported(req: _SamplingFields) -> None:
     """Refuse (400 ``unsupported``, ``param`` naming the field) every field pdserve does not
     implement whose value would change the output; :mod:`pdserve.server.schemas` lists them
     and the values accepted."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0):
-            raise _unsupported(name, " (only 0)")
-    if not _empty(req.logit_bias):
-        raise _unsupported("logit_bias", " (only an empty map)")
     if isinstance(req, ChatCompletionRequest):
         _check_chat_unsupported(req)
     elif isinstance(req, CompletionRequest):
@@ -312,18 +314,40 @@ def _check_chat_unsupported(req: ChatCompletionRequest) -> None:
 
 
 def _sampling(
-    req: _SamplingFields, max_tokens: int, *, logprobs: bool, top_logprobs: int
+    req: _SamplingFields, max_tokens: int, vocab_size: int, *, logprobs: bool, top_logprobs: int
 ) -> SamplingParams:
+    """The worker-side settings of ``req``; raises InvalidRequestError for a ``logit_bias`` or
+    ``stop_token_ids`` id outside ``[0, vocab_size)`` and for ``min_tokens > max_tokens``."""
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    bias = tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items())
+    stop_ids = tuple(req.stop_token_ids or ())
+    for name, ids in (("logit_bias", [t for t, _ in bias]), ("stop_token_ids", stop_ids)):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"{name} token ids must lie in [0, {vocab_size}); got {bad[:5]}", param=name
+            )
+    min_tokens = req.min_tokens or 0
+    if min_tokens > max_tokens:
+        raise InvalidRequestError(
+            f"min_tokens ({min_tokens}) exceeds max_tokens ({max_tokens})", param="min_tokens"
+        )
     return SamplingParams(
         n=_choices(req),
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=max(req.top_k or 0, 0),
+        min_p=req.min_p or 0.0,
         seed=req.seed,
         stop=tuple(s for s in stop if s),
+        stop_token_ids=stop_ids,
         ignore_eos=bool(req.ignore_eos),
+        min_tokens=min_tokens,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=bias,
         logprobs=logprobs,
         top_logprobs=top_logprobs if logprobs else 0,
     )

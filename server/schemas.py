@@ -13,10 +13,16 @@ Bounds fixed here (module constants, documented in the OpenAPI schema): at most
 ranges), ``seed`` any integer, ``temperature`` 0..2, ``top_p`` in (0, 1], finite
 numbers only (``NaN``/``Infinity`` are refused).
 
+Sampling beyond OpenAI's temperature/top_p: ``presence_penalty`` and ``frequency_penalty``
+(-2..2), ``logit_bias`` (at most :data:`MAX_LOGIT_BIAS` token ids, biases -100..100), and
+vLLM's extensions ``min_p``, ``min_tokens``, ``repetition_penalty``, ``stop_token_ids`` (at most
+:data:`MAX_STOP_TOKEN_IDS`) and ``ignore_eos``; :class:`pdserve.protocol.SamplingParams` says
+how each is applied.
+
 OpenAI fields pdserve does not implement are declared (so they are documented, and refused
 rather than dropped): ``tools``, ``tool_choice``, ``functions``, ``function_call``,
-``logit_bias``, ``response_format``, ``audio``, ``modalities``, ``reasoning_effort``,
-``web_search_options``, ``echo``, ``suffix``, ``best_of``, the penalties. A value that does
+``response_format``, ``audio``, ``modalities``, ``reasoning_effort``,
+``web_search_options``, ``echo``, ``suffix``, ``best_of``. A value that does
 nothing (an empty list or map, ``"none"``, ``{"type": "text"}``, ``["text"]``, 0) is accepted;
 any other is a 400 ``unsupported`` (:func:`pdserve.server.preprocess.check_unsupported`).
 Fields without effect on the output (``user``, ``store``, ``metadata``, ``service_tier``,
@@ -37,7 +43,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
 
-from pdserve.protocol import MAX_CHOICES
+from pdserve.protocol import MAX_CHOICES, MAX_REPETITION_PENALTY
 
 MAX_STOP_SEQUENCES = 4
 """Most stop strings in one request (OpenAI's limit)."""
@@ -57,13 +63,16 @@ exceed this): validation stops at the first item past it, so a body of tiny mess
 hold the event loop for a second."""
 
 
+MAX_LOGIT_BIAS = 1024
+"""Most ``logit_bias`` entries in one request."""
+
+MAX_STOP_TOKEN_IDS = 64
+"""Most ``stop_token_ids`` in one request."""
+
+
 EXTENSION_DEFAULTS: dict[str, Any] = {
-    "min_p": 0,
-    "repetition_penalty": 1,
-    "min_tokens": 0,
     "length_penalty": 1,
     "use_beam_search": False,
-    "stop_token_ids": [],
     "bad_words": [],
     "allowed_token_ids": None,
     "prompt_logprobs": None,
@@ -154,7 +163,22 @@ class StreamOptions(_Req):
 
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS), AfterValidator(_unicode_text)]
 _UNSUPPORTED = "not supported: refused (400 unsupported) unless "
-_ZERO = _accepts({"type": "number", "minimum": 0, "maximum": 0})
+
+
+def _token_bias(value: dict[str, float]) -> dict[str, float]:
+    """``logit_bias``: keys are token ids written as decimal strings (OpenAI's form), biases in
+    [-100, 100]. The ids' range is checked against the vocabulary in preprocessing."""
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise ValueError(f"keys must be token ids (decimal strings); got {key[:20]!r}")
+        if not -100.0 <= bias <= 100.0:
+            raise ValueError(f"biases must lie in [-100, 100]; got {bias} for token {key}")
+    return value
+
+
+LogitBias = Annotated[
+    dict[str, float], Field(max_length=MAX_LOGIT_BIAS), AfterValidator(_token_bias)
+]
 
 
 class _SamplingFields(_Req):
@@ -187,15 +211,39 @@ class _SamplingFields(_Req):
     n: Annotated[
         int | None, _accepts({"type": "integer", "minimum": 1, "maximum": MAX_CHOICES})
     ] = Field(default=None, description="choices; 1 to router.max_n (default 16)")
-    presence_penalty: Annotated[float | None, _ZERO] = Field(
-        default=None, description=_UNSUPPORTED + "0"
+    presence_penalty: float | None = Field(
+        default=None, ge=-2.0, le=2.0, description="subtracted once from each token in the output"
     )
-    frequency_penalty: Annotated[float | None, _ZERO] = Field(
-        default=None, description=_UNSUPPORTED + "0"
+    frequency_penalty: float | None = Field(
+        default=None,
+        ge=-2.0,
+        le=2.0,
+        description="subtracted from each token's logit once per time it is in the output",
     )
-    logit_bias: Annotated[Any, _accepts({"type": "object", "maxProperties": 0})] = Field(
-        default=None, description=_UNSUPPORTED + "empty"
+    logit_bias: LogitBias | None = Field(
+        default=None,
+        description=f"token id (as a string) -> bias in [-100, 100] added to its logit; at most "
+        f"{MAX_LOGIT_BIAS} entries",
     )
+    min_p: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description="extension: drop tokens below min_p x the most likely one's probability",
+    )
+    min_tokens: int | None = Field(
+        default=None, ge=0, description="extension: EOS and stop_token_ids masked until then"
+    )
+    repetition_penalty: float | None = Field(
+        default=None,
+        gt=0.0,
+        le=MAX_REPETITION_PENALTY,
+        description="extension: a seen token's (prompt or output) logit is divided by it when "
+        "positive, multiplied when negative; 1 is off",
+    )
+    stop_token_ids: (
+        Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS), _FAIL_FAST] | None
+    ) = Field(default=None, description="extension: token ids that end the choice (not emitted)")
     ignore_eos: bool | None = Field(default=False, description="extension (benchmarks)")
     user: str | None = Field(default=None, description="accepted, unused")
 

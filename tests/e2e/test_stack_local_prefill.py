@@ -173,3 +173,38 @@ def test_delta_transfer_sends_only_the_blocks_the_decode_worker_lacks(
     sent = after["pdserve_kv_transfer_bytes_total"] - before["pdserve_kv_transfer_bytes_total"]
     assert sent == moved * block_bytes
     assert delta == full and delta, "greedy text: delta transfer vs a full transfer"
+
+
+PROCESSED: dict[str, object] = dict(
+    temperature=1.0, seed=7, max_tokens=16, presence_penalty=1.5, frequency_penalty=0.5,
+    logit_bias={"50": 3.0},
+    extra_body={"repetition_penalty": 1.3, "min_tokens": 4, "min_p": 0.05},
+)  # fmt: skip
+
+
+def test_every_sampling_rule_gives_the_same_tokens_across_the_split_and_colocated(
+    pd_stack: tuple[Stack, Stack], colocated_stack: Stack
+) -> None:
+    stack, _ = pd_stack
+
+    def complete(url: str, **kw: object) -> openai.types.Completion:
+        return _client(url).completions.create(model=MODEL, prompt=LONG, **kw)  # type: ignore[call-overload,no-any-return]
+
+    handed_off = complete(stack.url, **PROCESSED)
+    colocated = complete(colocated_stack.url, **PROCESSED)
+    assert handed_off.choices[0].text == colocated.choices[0].text
+    assert handed_off.usage and handed_off.usage.completion_tokens >= 4  # min_tokens
+    # A stop token id biased to the top is masked until min_tokens are out, then ends the choice
+    # (its text not emitted): token 1 on the prefill worker, token 2 on the decode worker.
+    stop = dict(temperature=0, max_tokens=8, logit_bias={"50": 100},
+                extra_body={"stop_token_ids": [50], "min_tokens": 2})  # fmt: skip
+    for url in (stack.url, colocated_stack.url):
+        out = complete(url, **stop)
+        assert (out.choices[0].finish_reason, out.usage and out.usage.completion_tokens) == (
+            "stop",
+            3,
+        ), url
+    assert (
+        complete(stack.url, **stop).choices[0].text
+        == complete(colocated_stack.url, **stop).choices[0].text
+    )

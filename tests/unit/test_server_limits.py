@@ -17,9 +17,11 @@ from pdserve.protocol import MAX_CHOICES, Role
 from pdserve.server.errors import validation_error
 from pdserve.server.preprocess import Preprocessor
 from pdserve.server.schemas import (
+    MAX_LOGIT_BIAS,
     MAX_MESSAGES,
     MAX_STOP_CHARS,
     MAX_STOP_SEQUENCES,
+    MAX_STOP_TOKEN_IDS,
     ChatCompletionRequest,
     CompletionRequest,
 )
@@ -227,8 +229,6 @@ UNSUPPORTED = [
     (CHAT_PATH, {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     (CHAT_PATH, {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
     (CHAT_PATH, {"function_call": {"name": "f"}}, "function_call"),
-    (CHAT_PATH, {"logit_bias": {"50": 10}}, "logit_bias"),
-    (COMPLETION_PATH, {"logit_bias": {"50": -100}}, "logit_bias"),
     (CHAT_PATH, {"response_format": {"type": "json_object"}}, "response_format"),
     (CHAT_PATH, {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format"),
@@ -243,15 +243,10 @@ UNSUPPORTED = [
      "messages[0].function_call"),
     (CHAT_PATH, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content"),
-    (CHAT_PATH, {"presence_penalty": 0.5}, "presence_penalty"),
-    (COMPLETION_PATH, {"frequency_penalty": -1}, "frequency_penalty"),
     (COMPLETION_PATH, {"echo": True}, "echo"),
     (COMPLETION_PATH, {"suffix": "end"}, "suffix"),
     (COMPLETION_PATH, {"best_of": 3}, "best_of"),
-    (CHAT_PATH, {"min_p": 0.1}, "min_p"),
-    (COMPLETION_PATH, {"repetition_penalty": 1.2}, "repetition_penalty"),
     (CHAT_PATH, {"guided_json": {"type": "object"}}, "guided_json"),
-    (CHAT_PATH, {"stop_token_ids": [2]}, "stop_token_ids"),
 ]  # fmt: skip
 
 
@@ -278,6 +273,55 @@ NO_OPS = [
     (CHAT_PATH, {"logprobs": None, "top_logprobs": None, "stream": None, "stop": None,
                  "stream_options": {"include_usage": None}, "temperature": 1}),
 ]  # fmt: skip
+
+
+SAMPLING = [
+    # (path, fields, what the prefill worker's SamplingParams carry)
+    (CHAT_PATH, {"logit_bias": {"50": 10}, "presence_penalty": 0.5, "frequency_penalty": -1},
+     {"logit_bias": ((50, 10.0),), "presence_penalty": 0.5, "frequency_penalty": -1.0}),
+    (COMPLETION_PATH, {"logit_bias": {"50": -100}, "min_p": 0.1, "repetition_penalty": 1.2},
+     {"logit_bias": ((50, -100.0),), "min_p": 0.1, "repetition_penalty": 1.2}),
+    (CHAT_PATH, {"stop_token_ids": [2], "min_tokens": 1, "max_tokens": 4},
+     {"stop_token_ids": (2,), "min_tokens": 1, "max_tokens": 4}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "fields", "expected"), SAMPLING)
+async def test_the_sampling_fields_reach_the_workers(cfg, path, fields, expected):
+    worker = await _accepted(cfg, path, {**_base(path), **fields})
+    sampling = worker.contexts[0].sampling
+    assert {k: getattr(sampling, k) for k in expected} == expected
+
+
+BAD_SAMPLING = [
+    # (path, fields, param, fragment of the message)
+    (CHAT_PATH, {"presence_penalty": 2.5}, "presence_penalty", "2"),
+    (CHAT_PATH, {"logit_bias": {"50": 101}}, "logit_bias", "[-100, 100]"),
+    (CHAT_PATH, {"logit_bias": {"fifty": 1}}, "logit_bias", "token ids"),
+    (COMPLETION_PATH, {"logit_bias": {"99999": 1}}, "logit_bias", "must lie in [0, "),
+    (CHAT_PATH, {"stop_token_ids": [99999]}, "stop_token_ids", "must lie in [0, "),
+    (CHAT_PATH, {"min_tokens": 5, "max_tokens": 4}, "min_tokens", "exceeds max_tokens"),
+    (CHAT_PATH, {"repetition_penalty": 0}, "repetition_penalty", ""),
+    (CHAT_PATH, {"min_p": 1.5}, "min_p", ""),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "fields", "param", "fragment"), BAD_SAMPLING)
+async def test_a_sampling_value_out_of_range_is_a_400_naming_it(cfg, path, fields, param, fragment):
+    err = await _refused(cfg, path, {**_base(path), **fields})
+    assert (err["code"], err["param"]) == ("invalid_request", param), err
+    assert fragment in err["message"], err
+
+
+def test_logit_bias_and_stop_token_ids_are_bounded_lists() -> None:
+    body = {"model": "m", "prompt": "x"}
+    too_many = {str(i): 1.0 for i in range(MAX_LOGIT_BIAS + 1)}
+    with pytest.raises(ValidationError, match="logit_bias"):
+        CompletionRequest.model_validate({**body, "logit_bias": too_many})
+    with pytest.raises(ValidationError, match="stop_token_ids"):
+        CompletionRequest.model_validate({**body, "stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)})
+    ok = {**body, "logit_bias": dict(list(too_many.items())[:-1]), "stop_token_ids": [1, 2]}
+    assert len(CompletionRequest.model_validate(ok).logit_bias or {}) == MAX_LOGIT_BIAS
 
 
 @pytest.mark.parametrize(("path", "fields"), NO_OPS)

@@ -165,7 +165,7 @@ class Engine:
         self.limits = RequestLimits(
             self.runner.vocab_size, self.max_model_len, self.kv_cache, cfg.scheduler.capacity_policy
         )
-        self.sampler = Sampler()
+        self.sampler = Sampler(eos_token_ids=self.eos_token_ids)
         self.parked: dict[str, list[int]] = {}
         self._live: dict[str, _Live] = {}  # sequence id -> live sequence
         self._groups: dict[str, list[str]] = {}  # request id -> its live sequence ids
@@ -448,6 +448,7 @@ class Engine:
                 logits,
                 [s.seq.sampling for s in sampling],
                 [s.seq.next_output_position for s in sampling],
+                [s.seq for s in sampling],
             )
         except Exception as exc:
             log.exception("step failed; ending its %d requests", len(batch.items))
@@ -471,7 +472,8 @@ class Engine:
         first = not seq.output_token_ids
         seq.output_token_ids.append(token)
         seq.status = SequenceStatus.DECODE
-        live.detok.append(token)
+        if token not in seq.sampling.stop_token_ids:  # a stop token's text is not emitted
+            live.detok.append(token)
         reason = self._stop_reason(seq, token, live.detok)
         out = EngineOutput(
             seq.group_id,
@@ -495,6 +497,8 @@ class Engine:
     def _stop_reason(
         self, seq: Sequence, token: int, detok: IncrementalDetokenizer
     ) -> FinishReason | None:
+        if token in seq.sampling.stop_token_ids:
+            return FinishReason.STOP
         if token in self.eos_token_ids and not seq.sampling.ignore_eos:
             return FinishReason.STOP
         if detok.stopped is not None:

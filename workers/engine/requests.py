@@ -120,7 +120,8 @@ class RequestLimits:
     ) -> None:
         """Raise :class:`InvalidRequestError` for a malformed request (unknown mode, empty
         prompt, token ids outside the vocabulary, prompt + ``max_tokens`` beyond
-        ``max_model_len``, ``first_token`` missing in resume mode or present elsewhere) and
+        ``max_model_len``, ``first_token`` missing in resume mode or present elsewhere, a
+        ``logit_bias`` or ``stop_token_ids`` id outside the vocabulary) and
         :class:`CapacityError` for one that could never be admitted: its prompt (plus the
         first token it feeds) needs more KV blocks than the whole pool, or, under
         ``guaranteed_no_evict``, its part on this engine (the prompt alone in prefill mode, the
@@ -146,6 +147,15 @@ class RequestLimits:
             raise InvalidRequestError("first_token is required in resume mode and only there")
         if first_token is not None and not 0 <= first_token < vocab:
             raise InvalidRequestError(f"first_token must lie in [0, {vocab})")
+        for name, ids in (
+            ("logit_bias", [t for t, _ in sampling.logit_bias]),
+            ("stop_token_ids", sampling.stop_token_ids),
+        ):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(
+                    f"{name} token ids must lie in [0, {vocab}); got {bad[:5]}"
+                )
         if mode == "resume" and sampling.max_tokens < 2 and sampling.n == 1:
             raise InvalidRequestError("resume needs max_tokens >= 2 (the first token counts)")
         total = self.kv_cache.get_max_resource_count()

@@ -1,4 +1,12 @@
-"""Token sampler: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+"""Token sampler: logits processing, greedy, temperature, min-p, top-k, top-p, per-request
+seeds, logprobs.
+
+Logits processing comes first, in vLLM's order, for the rows that ask for it
+(:attr:`~pdserve.protocol.SamplingParams.processes_logits`): the ``min_tokens`` mask of EOS and
+``stop_token_ids``, ``logit_bias``, the repetition penalty (CTRL, Keskar et al. 2019: over the
+prompt and the output), then OpenAI's frequency and presence penalties (over the output). They
+read only the request's own tokens (:class:`TokenHistory`), so they give the same logits on a
+prefill worker (output position 0), a decode worker, or one engine doing both.
 
 Seeded sampling is position-keyed: the random draw for output position ``i`` of a request with
 seed ``s`` comes from a generator seeded with ``mix(s, i)``, never from a stream shared across
@@ -9,15 +17,16 @@ Sampling uses the exponential-race form (as vLLM's sampler): ``argmax(probs / q)
 ``q ~ Exp(1)`` i.i.d. per vocabulary entry picks token ``t`` with probability ``probs[t]``
 exactly, and needs one noise tensor per row rather than a CDF search.
 
-Logprobs are ``log_softmax`` of the raw logits (before temperature, top-k and top-p), i.e. of the
-model's own distribution, as the OpenAI API reports them.
+Logprobs are ``log_softmax`` of the raw logits (before processing, temperature, min-p, top-k and
+top-p), i.e. of the model's own distribution, as the OpenAI API reports them.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -29,6 +38,17 @@ def position_seed(seed: int, position: int) -> int:
     ``seed`` (a 63-bit hash of both, so nearby seeds and positions give unrelated streams)."""
     digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+class TokenHistory(Protocol):
+    """A row's tokens so far (a :class:`~pdserve.workers.engine.sequence.Sequence` is one):
+    the prompt, and the output including the prefill leg's first token on a decode worker."""
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def output_token_ids(self) -> Sequence[int]: ...
 
 
 @dataclass(frozen=True)
@@ -44,10 +64,13 @@ class Sampler:
     """Samples one token per row of a logits batch.
 
     ``seed`` seeds the generator used for requests without their own seed (None: from OS
-    entropy). Not thread-safe (the unseeded generator is shared): call from the engine thread.
+    entropy). ``eos_token_ids``: the model's end tokens, masked (with each request's
+    ``stop_token_ids``) until its ``min_tokens`` are out. Not thread-safe (the unseeded
+    generator is shared): call from the engine thread.
     """
 
-    def __init__(self, seed: int | None = None):
+    def __init__(self, seed: int | None = None, eos_token_ids: Iterable[int] = ()):
+        self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
         self._rng = torch.Generator(device="cpu")
         if seed is None:
             self._rng.seed()
@@ -59,19 +82,27 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         positions: Sequence[int],
+        history: Sequence[TokenHistory] | None = None,
     ) -> SampleResult:
         """Sample from ``logits`` (``[N, vocab]``, any float dtype, any device; computed on CPU in
         float32) for ``N`` requests with settings ``params[i]`` at output positions
-        ``positions[i]``."""
+        ``positions[i]``; ``history[i]`` is row ``i``'s tokens so far, needed (ValueError
+        otherwise) when a row's settings process the logits."""
         n = logits.shape[0]
         assert len(params) == n and len(positions) == n, "one SamplingParams per logits row"
         greedy = [i for i, p in enumerate(params) if p.temperature == 0.0 or p.top_k == 1]
-        if len(greedy) == n and not any(p.logprobs or p.top_logprobs > 0 for p in params):
+        processed = [i for i, p in enumerate(params) if p.processes_logits]
+        if (
+            len(greedy) == n
+            and not processed
+            and not any(p.logprobs or p.top_logprobs > 0 for p in params)
+        ):
             # all greedy, no logprobs: argmax where the logits are (first maximum on ties, as
             # on CPU) and move N token ids, not [N, vocab] floats, to the host
             return SampleResult(logits.float().argmax(dim=-1).tolist(), [None] * n)
         # CPU: the per-request generators are CPU generators (and [N, vocab] is small to move)
-        logits = logits.float().cpu()
+        raw = logits.float().cpu()
+        logits = self._processed(raw, params, processed, history) if processed else raw
         tokens = torch.empty(n, dtype=torch.long)
         greedy_set = set(greedy)
         sampled = [i for i in range(n) if i not in greedy_set]
@@ -84,7 +115,47 @@ class Sampler:
                 noise[row].exponential_(generator=self._generator(params[i], positions[i]))
             tokens[sampled] = (probs / noise).argmax(dim=-1)
         token_list: list[int] = tokens.tolist()
-        return SampleResult(token_list, self._logprobs(logits, params, token_list))
+        return SampleResult(token_list, self._logprobs(raw, params, token_list))
+
+    def _processed(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        rows: Sequence[int],
+        history: Sequence[TokenHistory] | None,
+    ) -> torch.Tensor:
+        """A copy of ``logits`` (``[N, V]`` float32, CPU) with rows ``rows`` processed (module
+        docstring). Cost per row: O(V + prompt + output tokens)."""
+        if history is None or len(history) != logits.shape[0]:
+            raise ValueError("penalties, logit_bias and min_tokens need each row's token history")
+        x = logits.clone()
+        vocab = x.shape[-1]
+        for i in rows:
+            p, row = params[i], x[i]
+            output = history[i].output_token_ids
+            if len(output) < p.min_tokens:
+                banned = [t for t in (*self.eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab]
+                row[banned] = float("-inf")
+            pairs = [(t, b) for t, b in p.logit_bias if 0 <= t < vocab]
+            if pairs:
+                ids = torch.tensor([t for t, _ in pairs], dtype=torch.long)
+                row.index_add_(0, ids, torch.tensor([b for _, b in pairs], dtype=row.dtype))
+            if p.repetition_penalty != 1.0:
+                seen = torch.zeros(vocab, dtype=torch.bool)
+                for ids_seen in (history[i].prompt_token_ids, output):
+                    if ids_seen:
+                        seen[torch.tensor(ids_seen, dtype=torch.long).clamp_(0, vocab - 1)] = True
+                penalized = torch.where(
+                    row > 0, row / p.repetition_penalty, row * p.repetition_penalty
+                )
+                row.copy_(torch.where(seen, penalized, row))
+            if (p.frequency_penalty or p.presence_penalty) and output:
+                out = torch.tensor(output, dtype=torch.long).clamp_(0, vocab - 1)
+                counts = torch.bincount(out, minlength=vocab).to(row.dtype)
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(
+                    row.dtype
+                )
+        return x
 
     def _generator(self, p: SamplingParams, position: int) -> torch.Generator:
         if p.seed is None:
@@ -95,11 +166,19 @@ class Sampler:
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-        """Temperature, then top-k, then top-p (nucleus) masking; returns probabilities ``[M, V]``
-        with masked entries exactly 0. At least one token (the most likely) always survives."""
+        """Temperature, then min-p, top-k, then top-p (nucleus) masking; returns probabilities
+        ``[M, V]`` with masked entries exactly 0. At least one token (the most likely) always
+        survives."""
         temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
         x = logits / temps.to(logits.device).unsqueeze(1)
         vocab = x.shape[-1]
+        min_ps = [p.min_p for p in params]
+        if max(min_ps) > 0.0:
+            # drop tokens whose probability is below min_p x the row's top probability, i.e.
+            # whose logit is below the top logit + log(min_p)
+            top = x.max(dim=-1, keepdim=True).values
+            floor = torch.tensor(min_ps, dtype=x.dtype).unsqueeze(1).log()
+            x = x.masked_fill(x < top + floor, float("-inf"))
         ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         if min(ks) < vocab:
             kmax = max(ks)
