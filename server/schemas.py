@@ -177,7 +177,17 @@ def _token_bias(value: dict[str, float]) -> dict[str, float]:
 
 
 LogitBias = Annotated[
-    dict[str, float], Field(max_length=MAX_LOGIT_BIAS), AfterValidator(_token_bias)
+    dict[str, float],
+    Field(max_length=MAX_LOGIT_BIAS),
+    AfterValidator(_token_bias),
+    WithJsonSchema(
+        {
+            "type": "object",
+            "maxProperties": MAX_LOGIT_BIAS,
+            "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        }
+    ),
 ]
 
 
