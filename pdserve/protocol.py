@@ -20,9 +20,10 @@ Protocol history:
        wrong. Internal HTTP calls (registry, ``/internal/*``) carry the cluster token.
     6: delta transfer: the transfer ``SendBlocks`` carries ``skip_blocks``, the leading parked
        blocks the decode worker's prefix cache already holds (not sent).
-    7: full sampling: ``SamplingParams`` carries ``presence_penalty``, ``frequency_penalty``,
-       ``repetition_penalty``, ``logit_bias``, ``min_p``, ``min_tokens`` and
-       ``stop_token_ids``, applied on the prefill and decode legs alike.
+    7: full sampling and structured outputs: ``SamplingParams`` carries ``presence_penalty``,
+       ``frequency_penalty``, ``repetition_penalty``, ``logit_bias``, ``min_p``,
+       ``min_tokens``, ``stop_token_ids`` and ``structured`` (a :class:`StructuredOutput`),
+       applied on the prefill and decode legs alike.
 
 Clocks: deadlines on the wire are wall-clock UNIX seconds (``time.time()``), never monotonic
 readings, because a monotonic clock does not cross processes.
@@ -128,6 +129,28 @@ MAX_CHOICES = 16
 """Upper bound of ``SamplingParams.n`` (choices per request)."""
 
 
+class StructuredOutput(_Msg):
+    """A constraint on a choice's text (vLLM's ``structured_outputs`` kinds), enforced token by
+    token by a grammar (:mod:`pdserve.grammar`).
+
+    ``kind``: ``json`` (``spec`` is a JSON Schema, as JSON text; ``json_object`` is the schema
+    ``{"type": "object"}``), ``regex`` (``spec`` is the pattern), ``choice`` (``spec`` is a JSON
+    list of strings: the text is exactly one of them) or ``grammar`` (``spec`` is a Lark
+    grammar, llguidance's dialect, or a GBNF one as vLLM's xgrammar backend takes). ``whitespace``: whether JSON may hold whitespace between
+    tokens; off by default, so output is compact JSON and a model cannot spend ``max_tokens``
+    on newlines inside an unfinished object.
+    """
+
+    kind: Literal["json", "regex", "choice", "grammar"]
+    spec: str
+    whitespace: bool = False
+
+    def key(self) -> str:
+        """A string naming this constraint (equal constraints, equal keys): the cache key of its
+        compiled grammar."""
+        return f"{self.kind}:{int(self.whitespace)}:{self.spec}"
+
+
 MAX_REPETITION_PENALTY = 10.0
 """Largest ``repetition_penalty`` (vLLM sets none; past 2 it already garbles text)."""
 
@@ -152,6 +175,10 @@ class SamplingParams(_Msg):
     dropped), top-k and top-p. A token of ``stop_token_ids`` ends the choice (``stop``) and its
     text is not emitted. Every rule reads only the prompt and the output so far, so a
     disaggregated request samples exactly what a colocated one does.
+
+    ``structured``: the text must match this constraint; tokens that would break it are masked
+    before sampling (on both legs: the decode worker replays the prefill's first token through
+    the grammar before it samples the second).
     """
 
     n: int = Field(default=1, ge=1, le=MAX_CHOICES, description="choices per request")
@@ -171,6 +198,7 @@ class SamplingParams(_Msg):
     logit_bias: tuple[tuple[int, float], ...] = Field(
         default=(), description="(token id, bias in [-100, 100]) pairs"
     )
+    structured: StructuredOutput | None = None
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=20)
 

@@ -44,7 +44,9 @@ from pdserve.errors import (
     ModelNotFoundError,
     UnsupportedFieldError,
 )
-from pdserve.protocol import MAX_CHOICES, SamplingParams
+from pdserve.grammar import JSON_OBJECT_SCHEMA
+from pdserve.grammar import check as check_grammar
+from pdserve.protocol import MAX_CHOICES, SamplingParams, StructuredOutput
 from pdserve.server.schemas import (
     EXTENSION_DEFAULTS,
     ChatCompletionRequest,
@@ -299,8 +301,6 @@ def _check_chat_unsupported(req: ChatCompletionRequest) -> None:
     for name in ("tool_choice", "function_call"):
         if getattr(req, name) not in (None, "none", "auto"):
             raise _unsupported(name, ": tool and function calling are not implemented")
-    if req.response_format not in (None, {"type": "text"}):
-        raise _unsupported("response_format", ' (only {"type": "text"})')
     if req.modalities not in (None, ["text"]):
         raise _unsupported("modalities", ' (only ["text"])')
     for name in ("audio", "reasoning_effort", "web_search_options"):
@@ -332,6 +332,7 @@ def _sampling(
         raise InvalidRequestError(
             f"min_tokens ({min_tokens}) exceeds max_tokens ({max_tokens})", param="min_tokens"
         )
+    structured = structured_output(req)
     return SamplingParams(
         n=_choices(req),
         max_tokens=max_tokens,
@@ -348,9 +349,79 @@ def _sampling(
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=bias,
+        structured=structured,
         logprobs=logprobs,
         top_logprobs=top_logprobs if logprobs else 0,
     )
+
+
+def structured_output(req: _SamplingFields) -> StructuredOutput | None:
+    """The request's constraint from ``response_format`` (chat), ``structured_outputs`` or
+    vLLM's older ``guided_*`` fields (at most one of them), checked by compiling it
+    (:func:`pdserve.grammar.check`). Raises InvalidRequestError naming the field: two
+    constraints, none in a ``structured_outputs`` object, or one that does not compile."""
+    found: list[tuple[str, StructuredOutput]] = []
+    rf = getattr(req, "response_format", None)
+    if rf is not None and rf.type == "json_object":
+        found.append(("response_format", StructuredOutput(kind="json", spec=JSON_OBJECT_SCHEMA)))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise InvalidRequestError(
+                "response_format json_schema needs json_schema.schema",
+                param="response_format.json_schema",
+            )
+        spec = json.dumps(rf.json_schema.schema_)
+        found.append(
+            ("response_format.json_schema.schema", StructuredOutput(kind="json", spec=spec))
+        )
+    so = req.structured_outputs
+    compact = so is None or so.disable_any_whitespace is not False
+    if so is not None:
+        given = [
+            (name, value)
+            for name, value in (
+                ("json", so.json_),
+                ("json_object", so.json_object or None),
+                ("regex", so.regex),
+                ("choice", so.choice),
+                ("grammar", so.grammar),
+            )
+            if value is not None
+        ]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "structured_outputs needs exactly one of json, json_object, regex, choice, "
+                f"grammar (got {len(given)})",
+                param="structured_outputs",
+            )
+        found.append(_constraint(f"structured_outputs.{given[0][0]}", *given[0]))
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        value = getattr(req, name)
+        if value is not None:
+            found.append(_constraint(name, name.removeprefix("guided_"), value))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise InvalidRequestError(
+            f"give one structured output, not {len(found)} ({', '.join(p for p, _ in found)})",
+            param=found[1][0],
+        )
+    param, constraint = found[0]
+    if not compact:
+        constraint = constraint.model_copy(update={"whitespace": True})
+    check_grammar(constraint, param)
+    return constraint
+
+
+def _constraint(param: str, kind: str, value: Any) -> tuple[str, StructuredOutput]:
+    if kind == "json_object":
+        return param, StructuredOutput(kind="json", spec=JSON_OBJECT_SCHEMA)
+    if kind == "json":
+        spec = value if isinstance(value, str) else json.dumps(value)
+        return param, StructuredOutput(kind="json", spec=spec)
+    if kind == "choice":
+        return param, StructuredOutput(kind="choice", spec=json.dumps(value))
+    return param, StructuredOutput(kind=kind, spec=value)
 
 
 def _choices(req: _SamplingFields) -> int:

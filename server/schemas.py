@@ -77,11 +77,6 @@ EXTENSION_DEFAULTS: dict[str, Any] = {
     "allowed_token_ids": None,
     "prompt_logprobs": None,
     "truncate_prompt_tokens": None,
-    "guided_json": None,
-    "guided_regex": None,
-    "guided_choice": None,
-    "guided_grammar": None,
-    "structured_outputs": None,
     "chat_template": None,
     "chat_template_kwargs": None,
     "continue_final_message": False,
@@ -191,6 +186,20 @@ LogitBias = Annotated[
 ]
 
 
+class StructuredOutputs(_Req):
+    """vLLM's ``structured_outputs`` extension: exactly one of ``json`` (a JSON Schema),
+    ``json_object``, ``regex``, ``choice`` or ``grammar`` (Lark, or GBNF as vLLM's xgrammar
+    backend takes). ``disable_any_whitespace`` (default true here, false in vLLM): JSON without
+    whitespace between tokens."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: Text | None = None
+    choice: Annotated[list[Text], Field(min_length=1, max_length=1024), _FAIL_FAST] | None = None
+    grammar: Text | None = None
+    disable_any_whitespace: bool | None = None
+
+
 class _SamplingFields(_Req):
     """Fields shared by both endpoints."""
 
@@ -255,15 +264,41 @@ class _SamplingFields(_Req):
         Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS), _FAIL_FAST] | None
     ) = Field(default=None, description="extension: token ids that end the choice (not emitted)")
     ignore_eos: bool | None = Field(default=False, description="extension (benchmarks)")
+    structured_outputs: StructuredOutputs | None = Field(
+        default=None, description="extension (vLLM's): constrain the text to a schema or grammar"
+    )
+    guided_json: dict[str, Any] | str | None = Field(
+        default=None, description="extension, vLLM's older name of structured_outputs.json"
+    )
+    guided_regex: Text | None = Field(
+        default=None, description="extension, vLLM's older name of structured_outputs.regex"
+    )
+    guided_choice: (
+        Annotated[list[Text], Field(min_length=1, max_length=1024), _FAIL_FAST] | None
+    ) = Field(default=None, description="extension, vLLM's older structured_outputs.choice")
+    guided_grammar: Text | None = Field(
+        default=None, description="extension, vLLM's older name of structured_outputs.grammar"
+    )
     user: str | None = Field(default=None, description="accepted, unused")
 
 
-_TEXT_FORMAT = {
-    "type": "object",
-    "properties": {"type": {"const": "text"}},
-    "required": ["type"],
-    "additionalProperties": False,
-}
+class JSONSchemaFormat(_Req):
+    """``response_format.json_schema``: the schema is enforced whether or not ``strict``."""
+
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Req):
+    """``response_format``: ``text`` (no constraint), ``json_object`` (any JSON object) or
+    ``json_schema`` (``json_schema.schema``; compact JSON)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 _TEXT_ONLY = {"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1}
 
 
@@ -293,8 +328,10 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: Annotated[Any, _NONE_OR_AUTO] = Field(
         default=None, description=_UNSUPPORTED + '"none" or "auto"'
     )
-    response_format: Annotated[Any, _accepts(_TEXT_FORMAT)] = Field(
-        default=None, description=_UNSUPPORTED + '{"type": "text"}'
+    response_format: ResponseFormat | None = Field(
+        default=None,
+        description="text, json_object or json_schema (structured outputs, enforced by a "
+        "grammar on every token)",
     )
     audio: Annotated[Any, _NULL_ONLY] = Field(default=None, description=_UNSUPPORTED + "null")
     modalities: Annotated[Any, _accepts(_TEXT_ONLY)] = Field(

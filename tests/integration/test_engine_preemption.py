@@ -5,6 +5,7 @@ prompt's blocks, the waiting-queue bound and requests without ``max_tokens``."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import defaultdict
 from collections.abc import Iterator
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.errors import CapacityError, QueueFullError
-from pdserve.protocol import SamplingParams
+from pdserve.protocol import SamplingParams, StructuredOutput
 from pdserve.workers.engine.engine import Engine, EngineOutput, EngineRequest
 from tests.support.engine import copy_blocks_bytewise, engine_config, make_engine, run
 
@@ -208,5 +209,53 @@ def test_n_choices_with_one_token_each_park_on_prefill_and_finish_on_decode(
         got = run_choices(decode, [EngineRequest("one", prompt, one, "resume", first.token_ids[0])])
         assert got[("one", 0)] == [] and len(got[("one", 1)]) == 1
         assert decode.kv_cache.get_num_free_blocks() == 32
+    finally:
+        decode.shutdown()
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"note": {"type": "string", "minLength": 30, "maxLength": 30}},
+    "required": ["note"],
+    "additionalProperties": False,
+}
+STRUCTURED = SamplingParams(
+    temperature=0.0,
+    max_tokens=60,
+    structured=StructuredOutput(kind="json", spec=json.dumps(SCHEMA)),
+)
+
+
+def test_structured_output_survives_transfer_and_preemption_token_for_token(
+    tiny_model_dir: Path, roomy: Engine
+) -> None:
+    """Greedy JSON under a schema: a decode engine that resumes each request from the prefill's
+    first token (replayed through the grammar) and preempts under a small pool gives every
+    request the tokens of a solo run, each a valid document."""
+    solo_json = {}
+    for i, prompt in enumerate(prompts(roomy)):
+        (toks,) = run_choices(roomy, [EngineRequest(f"jsolo-{i}", prompt, STRUCTURED)]).values()
+        solo_json[i] = toks
+        assert json.loads(roomy.tokenizer.decode(toks, skip_special_tokens=True))["note"]
+    decode = make_engine(tiny_model_dir, num_blocks=48)  # the prompts take 41
+    try:
+        resumes = []
+        for i, prompt in enumerate(prompts(roomy)):
+            rid = f"jsplit-{i}"
+            (first,) = run(roomy, [EngineRequest(rid, prompt, STRUCTURED, mode="prefill")])[rid]
+            assert first.parked_block_ids is not None
+            dst = decode.reserve(rid, prompt, STRUCTURED).block_ids
+            copy_blocks_bytewise(roomy, first.parked_block_ids, decode, dst)
+            roomy.free_parked(rid)
+            first_token = first.token_ids[0]
+            resumes.append(
+                (first_token, EngineRequest(rid, prompt, STRUCTURED, "resume", first_token))
+            )
+        got = run_choices(decode, [req for _, req in resumes])
+        for i, (first_token, _) in enumerate(resumes):
+            assert [first_token, *got[(f"jsplit-{i}", 0)]] == solo_json[i], TEXTS[i]
+        assert decode.load().preemptions > 0
+        assert decode.grammars.compiled == 1, "one schema, compiled once"
+        assert decode.kv_cache.get_num_free_blocks() == decode.kv_cache.num_blocks
     finally:
         decode.shutdown()

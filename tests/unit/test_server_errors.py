@@ -55,8 +55,11 @@ BAD_REQUESTS = [
      None, "not valid JSON"),
     ("/v1/chat/completions", b"[1, 2]", 400, "invalid_request", None, ""),
     ("/v1/chat/completions", {**CHAT, "n": 17}, 400, "invalid_request", "n", "n must lie in"),
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400,
-     "unsupported", "response_format", "not supported"),
+    ("/v1/chat/completions", {**CHAT, "audio": {"voice": "alloy"}}, 400,
+     "unsupported", "audio", "not supported"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema":
+     {"name": "x", "schema": {"type": "nope"}}}}, 400, "invalid_request",
+     "response_format.json_schema.schema", "does not compile"),
     ("/v1/chat/completions", {**CHAT, "presence_penalty": 2.5}, 400, "invalid_request",
      "presence_penalty", "less than or equal to 2"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "invalid_request",

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from pdserve.config import RouterConfig, load_config
 from pdserve.errors import ConfigError
-from pdserve.protocol import MAX_CHOICES, Role
+from pdserve.protocol import MAX_CHOICES, Role, StructuredOutput
 from pdserve.server.errors import validation_error
 from pdserve.server.preprocess import Preprocessor
 from pdserve.server.schemas import (
@@ -229,10 +229,6 @@ UNSUPPORTED = [
     (CHAT_PATH, {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     (CHAT_PATH, {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
     (CHAT_PATH, {"function_call": {"name": "f"}}, "function_call"),
-    (CHAT_PATH, {"response_format": {"type": "json_object"}}, "response_format"),
-    (CHAT_PATH, {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-     "response_format"),
-    (CHAT_PATH, {"response_format": "text"}, "response_format"),
     (CHAT_PATH, {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     (CHAT_PATH, {"modalities": ["text", "audio"]}, "modalities"),
     (CHAT_PATH, {"reasoning_effort": "low"}, "reasoning_effort"),
@@ -246,7 +242,6 @@ UNSUPPORTED = [
     (COMPLETION_PATH, {"echo": True}, "echo"),
     (COMPLETION_PATH, {"suffix": "end"}, "suffix"),
     (COMPLETION_PATH, {"best_of": 3}, "best_of"),
-    (CHAT_PATH, {"guided_json": {"type": "object"}}, "guided_json"),
 ]  # fmt: skip
 
 
@@ -283,6 +278,10 @@ SAMPLING = [
      {"logit_bias": ((50, -100.0),), "min_p": 0.1, "repetition_penalty": 1.2}),
     (CHAT_PATH, {"stop_token_ids": [2], "min_tokens": 1, "max_tokens": 4},
      {"stop_token_ids": (2,), "min_tokens": 1, "max_tokens": 4}),
+    (CHAT_PATH, {"response_format": {"type": "json_object"}},
+     {"structured": StructuredOutput(kind="json", spec='{"type": "object"}')}),
+    (COMPLETION_PATH, {"guided_json": {"type": "object"}},
+     {"structured": StructuredOutput(kind="json", spec='{"type": "object"}')}),
 ]  # fmt: skip
 
 
@@ -303,6 +302,9 @@ BAD_SAMPLING = [
     (CHAT_PATH, {"min_tokens": 5, "max_tokens": 4}, "min_tokens", "exceeds max_tokens"),
     (CHAT_PATH, {"repetition_penalty": 0}, "repetition_penalty", ""),
     (CHAT_PATH, {"min_p": 1.5}, "min_p", ""),
+    (CHAT_PATH, {"response_format": "text"}, "response_format", ""),
+    (CHAT_PATH, {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema", "json_schema.schema"),
 ]  # fmt: skip
 
 

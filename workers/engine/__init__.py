@@ -4,7 +4,9 @@
   resume for decode workers, park for prefill workers)
 - ``scheduler``: admission by need, preemption, the batch of each step
 - ``sequence``: a sequence's state, the incremental detokenizer
-- ``sampler``: greedy, temperature, top-k/p, seeds, logprobs
+- ``sampler``: logits processing (penalties, bias, min_tokens), greedy, temperature,
+  min-p, top-k/p, seeds, logprobs
+- ``grammar``: structured outputs (per-sequence llguidance matchers, the step's token masks)
 - ``model_runner``: the forward pass over the paged KV cache; ``attention`` (paged attention
   for transformers' attention interface), ``compile`` (torch.compile, oneDNN linears),
   ``cuda_graphs`` (decode-step graphs)

@@ -44,6 +44,11 @@ class WorkerEngine(Protocol):
         """Stop the step thread (waits at most ``timeout`` seconds); idempotent."""
         ...
 
+    def prepare_grammar(self, sampling: SamplingParams) -> None:
+        """Compile ``sampling.structured`` into the engine's grammar cache (a no-op without
+        one); blocking, call it in a thread. Raises InvalidRequestError (does not compile)."""
+        ...
+
     def add_request(self, req: EngineRequest, sink: Sink) -> None:
         """Queue ``req``; its outputs go to ``sink``. Raises InvalidRequestError,
         CapacityError (never fits), QueueFullError (queue at its bound)."""

@@ -62,6 +62,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.errors import ConfigError, InvalidRequestError, QueueFullError
 from pdserve.protocol import FinishReason, KVLayout, SamplingParams, TokenLogprob, WorkerLoad
+from pdserve.workers.engine.grammar import GrammarCompiler, GrammarState
 from pdserve.workers.engine.model_runner import ModelRunner
 from pdserve.workers.engine.requests import (
     EngineOutput,
@@ -69,6 +70,8 @@ from pdserve.workers.engine.requests import (
     RequestLimits,
     Reservation,
     Sink,
+    choice_id,
+    choice_sampling,
 )
 from pdserve.workers.engine.sampler import Sampler
 from pdserve.workers.engine.scheduler import ScheduledBatch, ScheduledSequence, Scheduler
@@ -87,24 +90,12 @@ class _Live:
     seq: Sequence
     sink: Sink
     detok: IncrementalDetokenizer
+    grammar: GrammarState | None = None  # structured output: the sequence's matcher
 
 
 def _model_digest(model_path: Path) -> str:
     config = json.loads((model_path / "config.json").read_text())
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
-
-
-def choice_id(request_id: str, index: int) -> str:
-    """The sequence id of choice ``index`` of ``request_id`` (its block table's key)."""
-    return request_id if index == 0 else f"{request_id}#{index}"
-
-
-def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
-    """Choice ``index``'s sampling: seed ``seed + index`` (vLLM's parallel sampling), so seeded
-    choices are reproducible and differ from each other."""
-    if sampling.seed is None or index == 0:
-        return sampling
-    return sampling.model_copy(update={"seed": sampling.seed + index})
 
 
 class Engine:
@@ -166,6 +157,9 @@ class Engine:
             self.runner.vocab_size, self.max_model_len, self.kv_cache, cfg.scheduler.capacity_policy
         )
         self.sampler = Sampler(eos_token_ids=self.eos_token_ids)
+        self.grammars = GrammarCompiler(
+            self.tokenizer, self.runner.vocab_size, sorted(self.eos_token_ids)
+        )
         self.parked: dict[str, list[int]] = {}
         self._live: dict[str, _Live] = {}  # sequence id -> live sequence
         self._groups: dict[str, list[str]] = {}  # request id -> its live sequence ids
@@ -253,6 +247,8 @@ class Engine:
         prompt = list(req.prompt_token_ids)
         try:
             self.limits.check(req.request_id, prompt, req.sampling, req.mode, req.first_token)
+            replay = [req.first_token] if req.first_token is not None else []
+            grammar = self._grammar(req.sampling, replay)
             with self._lock:
                 if self._shut_down:
                     raise InvalidRequestError("the engine is shut down")
@@ -269,7 +265,7 @@ class Engine:
                     seq = self._resume_from_reservation(req, prompt, detok)
                 else:
                     seq = Sequence(req.request_id, prompt, req.sampling, req.mode, self._need(req))
-                self._live[seq.request_id] = _Live(seq, sink, detok)  # before the engine sees it
+                self._live[seq.request_id] = _Live(seq, sink, detok, grammar)  # engine sees it next
                 self._groups[req.request_id] = [seq.request_id]
                 try:
                     if req.mode == "resume":
@@ -287,6 +283,17 @@ class Engine:
                 self.unreserve(req.request_id)
             raise
         self._wakeup.set()
+
+    def prepare_grammar(self, sampling: SamplingParams) -> None:
+        """Compile ``sampling.structured`` (if any) into the grammar cache, so queueing the
+        request does not (:mod:`.grammar`, step 1). Call off the event loop; raises
+        InvalidRequestError when it does not compile."""
+        if sampling.structured is not None:
+            self.grammars.prepare(sampling.structured)
+
+    def _grammar(self, sampling: SamplingParams, replay: list[int] = []) -> GrammarState | None:  # noqa: B006 (read only)
+        so = sampling.structured
+        return None if so is None else self.grammars.state(so, replay)
 
     def _need(self, req: EngineRequest) -> int:
         max_new = 1 if req.mode == "prefill" else req.sampling.max_tokens
@@ -318,7 +325,7 @@ class Engine:
         Lock held."""
         live = self._live[seq.request_id]
         self._fork_choices(seq, live.sink)
-        reason = self._stop_reason(seq, seq.output_token_ids[0], live.detok)
+        reason = self._stop_reason(seq, seq.output_token_ids[0], live)
         if reason is None:
             self.scheduler.add(seq)
             return
@@ -342,9 +349,8 @@ class Engine:
             seq.block_hashes = parent.block_hashes[: tail // self.kv_cache.tokens_per_block]
             if self.kv_cache.fork(parent.request_id, sid, tail) is not None:
                 seq.num_computed_tokens = tail
-            self._live[sid] = _Live(
-                seq, sink, IncrementalDetokenizer(self.tokenizer, sampling.stop)
-            )
+            detok = IncrementalDetokenizer(self.tokenizer, sampling.stop)
+            self._live[sid] = _Live(seq, sink, detok, self._grammar(sampling))
             self._groups[parent.group_id].append(sid)
             self.scheduler.add(seq, front=True)
 
@@ -449,6 +455,7 @@ class Engine:
                 [s.seq.sampling for s in sampling],
                 [s.seq.next_output_position for s in sampling],
                 [s.seq for s in sampling],
+                [self._live[s.seq.request_id].grammar for s in sampling],
             )
         except Exception as exc:
             log.exception("step failed; ending its %d requests", len(batch.items))
@@ -474,7 +481,9 @@ class Engine:
         seq.status = SequenceStatus.DECODE
         if token not in seq.sampling.stop_token_ids:  # a stop token's text is not emitted
             live.detok.append(token)
-        reason = self._stop_reason(seq, token, live.detok)
+        if live.grammar is not None:
+            live.grammar.consume(token)
+        reason = self._stop_reason(seq, token, live)
         out = EngineOutput(
             seq.group_id,
             [token],
@@ -494,14 +503,14 @@ class Engine:
         else:
             self._emit(live.sink, out)
 
-    def _stop_reason(
-        self, seq: Sequence, token: int, detok: IncrementalDetokenizer
-    ) -> FinishReason | None:
+    def _stop_reason(self, seq: Sequence, token: int, live: _Live) -> FinishReason | None:
         if token in seq.sampling.stop_token_ids:
+            return FinishReason.STOP
+        if live.grammar is not None and live.grammar.done:
             return FinishReason.STOP
         if token in self.eos_token_ids and not seq.sampling.ignore_eos:
             return FinishReason.STOP
-        if detok.stopped is not None:
+        if live.detok.stopped is not None:
             return FinishReason.STOP
         if len(seq.output_token_ids) >= seq.sampling.max_tokens:
             return FinishReason.LENGTH

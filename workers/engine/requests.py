@@ -169,3 +169,16 @@ class RequestLimits:
             raise CapacityError(
                 f"request {request_id} needs {need} KV blocks {what}; the pool has {total}"
             )
+
+
+def choice_id(request_id: str, index: int) -> str:
+    """The sequence id of choice ``index`` of ``request_id`` (its block table's key)."""
+    return request_id if index == 0 else f"{request_id}#{index}"
+
+
+def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index``'s sampling: seed ``seed + index`` (vLLM's parallel sampling), so seeded
+    choices are reproducible and differ from each other."""
+    if sampling.seed is None or index == 0:
+        return sampling
+    return sampling.model_copy(update={"seed": sampling.seed + index})

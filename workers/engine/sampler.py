@@ -17,6 +17,10 @@ Sampling uses the exponential-race form (as vLLM's sampler): ``argmax(probs / q)
 ``q ~ Exp(1)`` i.i.d. per vocabulary entry picks token ``t`` with probability ``probs[t]``
 exactly, and needs one noise tensor per row rather than a CDF search.
 
+Structured outputs: a constrained row's logits outside its grammar's next tokens are ``-inf``
+after processing (:mod:`pdserve.workers.engine.grammar`), so greedy and sampled picks alike stay
+inside the grammar.
+
 Logprobs are ``log_softmax`` of the raw logits (before processing, temperature, min-p, top-k and
 top-p), i.e. of the model's own distribution, as the OpenAI API reports them.
 """
@@ -31,6 +35,7 @@ from typing import Protocol
 import torch
 
 from pdserve.protocol import SamplingParams, TokenLogprob
+from pdserve.workers.engine.grammar import GrammarState, apply_masks
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -83,18 +88,23 @@ class Sampler:
         params: Sequence[SamplingParams],
         positions: Sequence[int],
         history: Sequence[TokenHistory] | None = None,
+        grammars: Sequence[GrammarState | None] | None = None,
     ) -> SampleResult:
         """Sample from ``logits`` (``[N, vocab]``, any float dtype, any device; computed on CPU in
         float32) for ``N`` requests with settings ``params[i]`` at output positions
         ``positions[i]``; ``history[i]`` is row ``i``'s tokens so far, needed (ValueError
-        otherwise) when a row's settings process the logits."""
+        otherwise) when a row's settings process the logits; ``grammars[i]``, when set, limits
+        row ``i`` to the tokens its structured output allows next (the state is read, not
+        advanced: the caller consumes the sampled token)."""
         n = logits.shape[0]
         assert len(params) == n and len(positions) == n, "one SamplingParams per logits row"
         greedy = [i for i, p in enumerate(params) if p.temperature == 0.0 or p.top_k == 1]
         processed = [i for i, p in enumerate(params) if p.processes_logits]
+        constrained = [(i, g) for i, g in enumerate(grammars or ()) if g is not None]
         if (
             len(greedy) == n
             and not processed
+            and not constrained
             and not any(p.logprobs or p.top_logprobs > 0 for p in params)
         ):
             # all greedy, no logprobs: argmax where the logits are (first maximum on ties, as
@@ -103,6 +113,8 @@ class Sampler:
         # CPU: the per-request generators are CPU generators (and [N, vocab] is small to move)
         raw = logits.float().cpu()
         logits = self._processed(raw, params, processed, history) if processed else raw
+        if constrained:
+            logits = self._constrained(raw, logits, constrained)
         tokens = torch.empty(n, dtype=torch.long)
         greedy_set = set(greedy)
         sampled = [i for i in range(n) if i not in greedy_set]
@@ -116,6 +128,22 @@ class Sampler:
             tokens[sampled] = (probs / noise).argmax(dim=-1)
         token_list: list[int] = tokens.tolist()
         return SampleResult(token_list, self._logprobs(raw, params, token_list))
+
+    @staticmethod
+    def _constrained(
+        raw: torch.Tensor, logits: torch.Tensor, constrained: Sequence[tuple[int, GrammarState]]
+    ) -> torch.Tensor:
+        """``logits`` with each constrained row masked to its grammar. A row the processing left
+        no allowed token (``min_tokens`` masking the EOS a complete grammar needs) falls back
+        to its raw logits under the mask: the grammar wins."""
+        x = logits.clone() if logits is raw else logits
+        apply_masks(x, constrained)
+        for i, state in constrained:
+            if not torch.isfinite(x[i]).any():
+                row = raw[i : i + 1].clone()
+                apply_masks(row, [(0, state)])
+                x[i] = row[0]
+        return x
 
     def _processed(
         self,

@@ -171,6 +171,8 @@ class DecodeHandler:
         """
         if req.deadline <= time.time():
             raise DeadlineExceededError(f"request {req.request_id} arrived after its deadline")
+        if req.sampling.structured is not None:  # compiled off the event loop and engine step
+            await asyncio.to_thread(self.engine.prepare_grammar, req.sampling)
         stream = OutputStream(choices=req.sampling.n)
         if req.handle is None:
             self.engine.add_request(EngineRequest.for_leg(req, "full"), stream.sink)

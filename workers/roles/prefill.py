@@ -21,6 +21,7 @@ when that token already ended choice 0.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from contextlib import AsyncExitStack
@@ -72,6 +73,8 @@ class PrefillHandler:
         remaining = req.deadline - time.time()
         if remaining <= 0:
             raise DeadlineExceededError(f"request {req.request_id} arrived after its deadline")
+        if req.sampling.structured is not None:  # compiled off the event loop and engine step
+            await asyncio.to_thread(self.engine.prepare_grammar, req.sampling)
         stream = OutputStream(single=True)
         self.engine.add_request(EngineRequest.for_leg(req, "prefill"), stream.sink)
         try:

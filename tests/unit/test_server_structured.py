@@ -1,0 +1,85 @@
+"""Structured-output fields of the router's OpenAI API: response_format, vLLM's
+structured_outputs and guided_* map to one StructuredOutput (compiled once to check it); a
+malformed one, or two at once, is a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from pdserve.errors import InvalidRequestError
+from pdserve.grammar import JSON_OBJECT_SCHEMA
+from pdserve.protocol import StructuredOutput
+from pdserve.server.preprocess import structured_output
+from pdserve.server.schemas import ChatCompletionRequest, CompletionRequest
+
+CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def chat(**fields: Any) -> StructuredOutput | None:
+    return structured_output(ChatCompletionRequest.model_validate({**CHAT, **fields}))
+
+
+def completion(**fields: Any) -> StructuredOutput | None:
+    body = {"model": "m", "prompt": "x", **fields}
+    return structured_output(CompletionRequest.model_validate(body))
+
+
+def test_each_form_maps_to_its_constraint() -> None:
+    assert chat() is None and chat(response_format={"type": "text"}) is None
+    assert chat(response_format={"type": "json_object"}) == StructuredOutput(
+        kind="json", spec=JSON_OBJECT_SCHEMA
+    )
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}
+    so = chat(response_format=fmt)
+    assert so is not None and (so.kind, json.loads(so.spec), so.whitespace) == (
+        "json",
+        SCHEMA,
+        False,
+    )
+    assert completion(structured_outputs={"json": SCHEMA}) == so
+    assert completion(guided_json=json.dumps(SCHEMA)) == so
+    assert completion(structured_outputs={"regex": "[a-z]+"}) == StructuredOutput(
+        kind="regex", spec="[a-z]+"
+    )
+    assert completion(guided_choice=["a", "b"]) == StructuredOutput(
+        kind="choice", spec='["a", "b"]'
+    )
+    assert completion(structured_outputs={"grammar": 'start: "x"'}) == StructuredOutput(
+        kind="grammar", spec='start: "x"'
+    )
+    spaced = completion(structured_outputs={"json": SCHEMA, "disable_any_whitespace": False})
+    assert spaced is not None and spaced.whitespace
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "fragment"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+         "response_format.json_schema", "needs json_schema.schema"),
+        ({"response_format": {"type": "json_schema",
+                              "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+         "response_format.json_schema.schema", "does not compile"),
+        ({"structured_outputs": {"json": {"$ref": "#/missing"}}}, "structured_outputs.json",
+         "does not compile"),
+        ({"structured_outputs": {"regex": "[unclosed"}}, "structured_outputs.regex",
+         "does not compile"),
+        ({"structured_outputs": {"grammar": "start: ("}}, "structured_outputs.grammar",
+         "does not compile"),
+        ({"guided_json": "{not json"}, "guided_json", "guided_json:"),
+        ({"structured_outputs": {}}, "structured_outputs", "exactly one"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
+         "exactly one"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex",
+         "one structured output"),
+    ],
+)  # fmt: skip
+def test_a_bad_or_doubled_constraint_is_a_400_naming_the_field(
+    fields: dict[str, Any], param: str, fragment: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as err:
+        chat(**fields)
+    assert err.value.param == param and fragment in str(err.value), err.value
