@@ -55,6 +55,7 @@ examples:
   pdserve bench serve                          # TTFT/TPOT: disaggregated vs colocated
   pdserve bench serve --url http://127.0.0.1:8100/v1 --concurrency 1 8 32   # any OpenAI server
   pdserve bench transfer                       # KV transfer GB/s per backend vs socket/memcpy
+  pdserve bench multiturn --compare routing    # KV-aware vs least-loaded routing, multi-turn chat
   pdserve doctor --peer 10.0.0.6:8200          # transfer environment + bandwidth to a worker
 """
 
@@ -209,26 +210,27 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--cache-dir", type=Path, default=None)
     prep.add_argument("--force", action="store_true", help="convert again even if cached")
 
-    bench = sub.add_parser("bench", help="benchmarks that print numbers")
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks that print numbers",
+        description="Benchmarks that print numbers (docs/benchmarks.md has runs of each). "
+        "`pdserve bench NAME --help` describes one.",
+    )
     bsub = bench.add_subparsers(dest="bench_command", required=True)
-    from pdserve.tools.bench import (  # light: no httpx
-        SERVE_DESCRIPTION,
-        add_serve_arguments,
-        add_transfer_arguments,
-    )
+    from pdserve.tools.bench_commands import COMMANDS as BENCH_COMMANDS  # light: no httpx
 
-    bserve = bsub.add_parser(
-        "serve",
-        help="TTFT/ITL/TPOT of an OpenAI server (--url), or pdserve disaggregated vs colocated",
-        description=SERVE_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_serve_arguments(bserve)
-    _add_config_arg(bserve)
-    add_setting_flags(bserve, "bench serve")
-    add_transfer_arguments(
-        bsub.add_parser("transfer", help="KV transfer GB/s per backend vs socket/memcpy")
-    )
+    for command in BENCH_COMMANDS:
+        b = bsub.add_parser(
+            command.name,
+            help=command.help,
+            description=command.description,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        command.add_arguments(b)
+        if command.settings != "none":
+            _add_config_arg(b)
+        if command.settings == "flags":
+            add_setting_flags(b, f"bench {command.name}")
 
     from pdserve.tools.doctor import add_arguments as add_doctor_arguments  # light: no torch
 
@@ -335,11 +337,11 @@ def _dispatch(args: argparse.Namespace) -> int:
             run_worker(wcfg, log_level=args.log_level)
             return 0
         if args.command == "bench":
-            from pdserve.tools import bench
+            from pdserve.tools.bench_commands import BY_NAME
 
-            if args.bench_command == "serve":
-                return bench.serve_main(args, resolve_config(args)[0])
-            return bench.transfer_main(args)
+            command = BY_NAME[args.bench_command]
+            settings = resolve_config(args)[0] if command.settings != "none" else None
+            return command.run(args, settings)
         if args.command == "doctor":
             from pdserve.tools.doctor import run as run_doctor
 

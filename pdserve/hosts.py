@@ -22,7 +22,7 @@ def is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
-        return False
+        return False  # a host name: assume it is reachable from elsewhere
 
 
 def url_host(host: str) -> str:

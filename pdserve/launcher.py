@@ -1,9 +1,13 @@
 """``pdserve up``: a router and N prefill + M decode (+ K colocated) workers on one machine.
 
-Lifecycle (the processes are a :class:`~pdserve.supervisor.ProcessSupervisor`'s)::
+Lifecycle (the processes are a :class:`pdserve.stack.Stack`, the one way pdserve starts a
+stack; ``up`` adds the settings resolved for this host, the port check, the signals, the
+messages and the restart policy)::
 
+    0 CHECK   the router's port is free, else say so and exit 1 (another stack on it would
+              answer our /ready)
     1 START   spawn the router (embedded registry) and the workers as child processes, each in
-              its own session so a terminal Ctrl-C reaches only this supervisor
+              its own session so a terminal Ctrl-C reaches only this process
     2 READY   poll the router until every worker is registered and /ready is 200; print the URL
     3 SERVE   watch the children; one that exits is restarted after a backoff (the same
               argv: a worker keeps its worker id, with a new epoch), up to ``restart_limit``
@@ -14,8 +18,8 @@ Lifecycle (the processes are a :class:`~pdserve.supervisor.ProcessSupervisor`'s)
 
 Secrets: the children share a cluster secret (the user's, else a fresh one,
 :func:`pdserve.security.generate_secret`) and the client API keys given to ``up``, each in a
-0600 file of up's private temporary folder (:func:`write_child_secrets`); the children's config
-file names those files and holds no secret itself.
+0600 file of the stack's private temporary folder (:func:`pdserve.stack.write_child_secrets`);
+the children's config file names those files and holds no secret itself.
 """
 
 from __future__ import annotations
@@ -24,21 +28,24 @@ import os
 import signal
 import socket
 import sys
-import tempfile
 from pathlib import Path
-from typing import Any
-
-import yaml
 
 from pdserve.config import served_model_name
-from pdserve.security import generate_secret, load_api_keys, write_secret_file
-from pdserve.settings import ENV_PREFIX, ROLES, KVCacheSettings, PdserveConfig, settings
-from pdserve.supervisor import ProcessSpec, ProcessSupervisor, RestartPolicy, pdserve_argv
+from pdserve.settings import ROLES, KVCacheSettings, PdserveConfig
+from pdserve.stack import Stack, StackSpec
+from pdserve.supervisor import RestartPolicy
 from pdserve.workers.kv.sizing import available_host_memory
+
+__all__ = [
+    "GRACE_S",
+    "child_config",
+    "gave_up",
+    "run_up",
+    "split_kv_cache",
+]
 
 GRACE_S = 10.0
 """Seconds each stop tier (workers, then the router) gets after SIGTERM before SIGKILL."""
-_ROUTER_TIER, _WORKER_TIER = 0, 1
 
 
 def split_kv_cache(cfg: PdserveConfig, n_workers: int) -> KVCacheSettings:
@@ -84,80 +91,6 @@ def child_config(cfg: PdserveConfig, model_path: Path) -> PdserveConfig:
     )
 
 
-def worker_commands(
-    cfg: PdserveConfig, config_file: Path, log_level: str
-) -> list[tuple[str, list[str]]]:
-    """The (name, argv) of every worker child: ``--config`` plus a distinct ``--worker-id``."""
-    cmds = []
-    for role in ROLES:
-        for i in range(cfg.worker(role).replicas):
-            name = f"{role}-{i}"
-            argv = pdserve_argv(
-                [role, "--config", str(config_file), "--worker-id", name], log_level=log_level
-            )
-            cmds.append((name, argv))
-    return cmds
-
-
-def child_env() -> dict[str, str]:
-    """This environment minus ``PDSERVE_<SECTION>__<FIELD>`` settings and their aliases
-    (``PDSERVE_API_KEY``): the children's config file is already resolved, and a variable would
-    otherwise outrank a flag given to ``up`` (or hand a child a secret the file left out)."""
-    aliases = {s.env_alias.name for s in settings() if s.env_alias is not None}
-    return {
-        k: v
-        for k, v in os.environ.items()
-        if not (k.startswith(ENV_PREFIX) and "__" in k) and k not in aliases
-    }
-
-
-CLUSTER_SECRET_FILE = "cluster-secret"
-API_KEY_FILE = "api-keys"
-
-
-def write_child_secrets(cfg: PdserveConfig, folder: Path) -> PdserveConfig:
-    """``cfg`` with its secrets moved into 0600 files of ``folder`` (a private folder that
-    lives as long as the children), so the children's config file holds none.
-
-    - Cluster secret: ``security.cluster_secret`` when given, else a fresh
-      :func:`~pdserve.security.generate_secret`, is written to ``folder/cluster-secret`` and
-      named by ``security.cluster_secret_file``; a ``cluster_secret_file`` the user gave is
-      kept as it is (other processes may share that secret).
-    - Client API keys: when ``security.api_keys`` holds any (flags, environment, file; a
-      :class:`~pydantic.SecretStr` dumps as ``**********``), they and the lines of
-      ``security.api_key_file`` go to ``folder/api-keys``, named by ``security.api_key_file``,
-      and ``api_keys`` is emptied.
-
-    Raises :class:`~pdserve.errors.ConfigError` when the user's API key file cannot be read.
-    """
-    sec = cfg.security
-    update: dict[str, object] = {"cluster_secret": None}
-    if sec.cluster_secret is not None or sec.cluster_secret_file is None:
-        text = sec.cluster_secret.get_secret_value().strip() if sec.cluster_secret else None
-        path = write_secret_file(folder / CLUSTER_SECRET_FILE, text or generate_secret())
-        update["cluster_secret_file"] = path
-    if sec.api_keys:
-        keys = load_api_keys(sec)
-        update["api_key_file"] = write_secret_file(folder / API_KEY_FILE, "\n".join(keys))
-        update["api_keys"] = []
-    return cfg.model_copy(update={"security": sec.model_copy(update=update)})
-
-
-def write_child_config(cfg: PdserveConfig, folder: Path) -> Path:
-    """Move ``cfg``'s secrets into files (:func:`write_child_secrets`) and write the children's
-    config to ``folder/config.yaml``; returns its path. Raises ConfigError as that does."""
-    child = write_child_secrets(cfg, folder)
-    config_file = folder / "config.yaml"
-    config_file.write_text(yaml.safe_dump(child.model_dump(mode="json"), sort_keys=False))
-    return config_file
-
-
-def all_registered(ready: dict[str, Any], expected: tuple[int, ...]) -> bool:
-    """Whether the router's ``/ready`` body lists at least ``expected`` workers of each role
-    (prefill, decode, then colocated when given), each role on its own."""
-    return all(len(ready.get(role, ())) >= n for role, n in zip(ROLES, expected, strict=False))
-
-
 def gave_up(name: str, returncode: int | None, policy: RestartPolicy) -> str:
     """The line ``up`` prints when it stops the stack because ``name`` exited once too often."""
     if policy.limit == 0:
@@ -188,7 +121,6 @@ def run_up(
 ) -> int:
     """Run the whole stack until Ctrl-C; returns the exit code."""
     cfg = child_config(cfg, model_path)
-    url = cfg.router_url
     name = cfg.model.served_name
     expected = tuple(cfg.worker(role).replicas for role in ROLES)
     stopping = False
@@ -209,37 +141,30 @@ def run_up(
         return 1
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
-    supervisor = ProcessSupervisor(
-        grace_s=GRACE_S, poll_s=0.5, notify=lambda line: print(f"pdserve: {line}", file=sys.stderr)
+    spec = StackSpec(
+        cfg,
+        log_level=log_level,
+        new_session=True,
+        grace_s=GRACE_S,
+        poll_s=0.5,
+        notify=lambda line: print(f"pdserve: {line}", file=sys.stderr),
     )
-    with tempfile.TemporaryDirectory(prefix="pdserve-up-") as tmp, supervisor:
-        config_file = write_child_config(cfg, Path(tmp))
-        env = child_env()
+    with Stack(spec) as stack:
+        url = stack.url
+        stack.write_config()  # ConfigError (an unreadable API key file) goes up: exit 2
         try:
-            router_argv = pdserve_argv(
-                ["router", "--config", str(config_file)], log_level=log_level
-            )
-            supervisor.spawn(
-                ProcessSpec("router", router_argv, env, new_session=True, tier=_ROUTER_TIER)
-            )
-            for wname, argv in worker_commands(cfg, config_file, log_level):
-                supervisor.spawn(ProcessSpec(wname, argv, env, new_session=True, tier=_WORKER_TIER))
+            stack.start()
             workers = " + ".join(f"{n} {role}" for role, n in zip(ROLES, expected, strict=True))
             print(f"pdserve: starting router + {workers} worker(s) for {name} ...", file=sys.stderr)
-            if supervisor.wait_ready(
-                url,
-                timeout_s=ready_timeout_s,
-                what="the stack",
-                accept=lambda r: all_registered(r.json(), expected),
-                stopping=lambda: stopping,
-            ):
+            # ready: every worker of each role registered, not just a first pair
+            if stack.wait_ready(ready_timeout_s, stopping=lambda: stopping):
                 print(
                     f"pdserve: ready. OpenAI-compatible endpoint: {url}/v1  "
                     f"(model {name!r}; Ctrl-C stops)"
                 )
             sys.stdout.flush()
             policy = RestartPolicy.from_settings(cfg.supervisor)
-            if (dead := supervisor.watch(lambda: stopping, policy)) is not None:
+            if (dead := stack.supervisor.watch(lambda: stopping, policy)) is not None:
                 print(f"pdserve: {gave_up(dead.name, dead.returncode, policy)}", file=sys.stderr)
                 return 1
             print("pdserve: stopping ...", file=sys.stderr)

@@ -1,6 +1,6 @@
-"""Child processes started, waited for, watched and stopped in one way: the supervisor behind
-``pdserve up`` (:mod:`pdserve.launcher`), ``pdserve bench serve`` (:mod:`pdserve.tools.bench`)
-and the tests' stack (``tests/support/stack.py``).
+"""Child processes started, waited for, watched and stopped in one way: the supervisor under
+every stack (:mod:`pdserve.stack`, which ``pdserve up``, the benchmarks and the tests' stack
+build on).
 
 Lifecycle of the processes of one :class:`ProcessSupervisor`::
 

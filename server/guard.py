@@ -17,7 +17,6 @@ scrapers carry no key. The key, like every secret, is never logged.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 
 from starlette.requests import Request
@@ -29,6 +28,7 @@ from pdserve.errors import (
     PdserveError,
     RequestTooLargeError,
 )
+from pdserve.hosts import is_loopback
 from pdserve.security import APIKeys, bearer
 from pdserve.server.errors import error_response, request_id
 
@@ -41,16 +41,6 @@ PUBLIC_PREFIX = "/v1"
 def is_public(path: str) -> bool:
     """Whether ``path`` is on the public ``/v1`` plane."""
     return path == PUBLIC_PREFIX or path.startswith(PUBLIC_PREFIX + "/")
-
-
-def is_loopback(host: str) -> bool:
-    """Whether a bind address only accepts connections from this machine."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a host name: assume it is reachable from elsewhere
 
 
 def log_auth_mode(api_keys: APIKeys, host: str) -> None:

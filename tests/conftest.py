@@ -30,6 +30,7 @@ pytest_plugins = [
     "tests.support.models",
     "tests.support.servers",
     "tests.support.stack",
+    "tests.support.kv_peer",  # after servers, which it imports (assertions rewritten there)
 ]
 
 FOLDER_MARKERS = ("unit", "integration", "e2e", "chaos", "container", "deploy", "gpu")

@@ -179,6 +179,11 @@ _REGISTRY: dict[str, str] = {
 """Backend name -> ``module:class``; a backend's module is imported only when it is chosen."""
 
 
+def registered_backends() -> tuple[str, ...]:
+    """The backend names this build registers (their modules are not imported)."""
+    return tuple(_REGISTRY)
+
+
 def _load(name: str) -> type[Backend]:
     module, _, attr = _REGISTRY[name].partition(":")
     cls: type[Backend] = getattr(importlib.import_module(module), attr)

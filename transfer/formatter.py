@@ -248,7 +248,7 @@ class ConvertingFormatter(Formatter):
     matched pull over NIXL, the zero-copy descriptor list 8 ms and 26 ms (UCX pays per
     descriptor: 1920 and 7680 of 12 KiB); over TCP they were even at 512 tokens and staging
     ahead at 2048 (a zero-copy variant of this class, measured beside the staged one with
-    ``python -m pdserve.tools.bench_formatter``, then dropped).
+    ``pdserve bench formatter``, then dropped).
     """
 
     staged = True

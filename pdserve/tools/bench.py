@@ -23,17 +23,17 @@ import itertools
 import json
 import os
 import random
-import socket
 import sys
+import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pdserve.settings import PdserveConfig
-    from pdserve.supervisor import ProcessSpec
+    from pdserve.stack import Stack
 
 SERVE_DESCRIPTION = """\
 With --url: drive an already running OpenAI-compatible server (pdserve, vLLM, ...) with a
@@ -264,24 +264,52 @@ def url_main(args: argparse.Namespace) -> int:
 
 # --- without --url: start pdserve, disaggregated vs colocated ------------------------------------
 
-_GRACE_S = 15.0
+GRACE_S = 15.0
 """Seconds a stopping benchmark process gets after SIGTERM before SIGKILL."""
-_READY_TIMEOUT_S = 300.0
+READY_TIMEOUT_S = 300.0
+"""Seconds a benchmark stack may take to become ready (model load and compile included)."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def stack_settings(
+    cfg: PdserveConfig, model_path: Path, workers: Mapping[str, int]
+) -> PdserveConfig:
+    """The settings of a benchmark stack on this machine: ``workers[role]`` workers of each role
+    (a role left out: none), resolved as ``pdserve up`` resolves them
+    (:func:`pdserve.launcher.child_config`: threads and KV memory split between the workers,
+    model pinned, UCX on loopback), the router on a free port (``router.port`` 0, no
+    ``router.url``), every other setting from ``cfg``."""
+    from pdserve.launcher import child_config
+    from pdserve.settings import ROLES
+    from pdserve.stack import with_replicas
+
+    sized = with_replicas(cfg, {role: workers.get(role, 0) for role in ROLES})
+    child = child_config(sized, model_path)
+    router = child.router.model_copy(update={"port": 0, "url": None})
+    return child.model_copy(update={"router": router})
 
 
-def _spec(name: str, args: list[str], log: Path, tier: int, env: dict[str, str]) -> ProcessSpec:
-    """A pdserve process of the comparison, in its own session, logging into ``log``; the
-    router is tier 0, the workers tier 1 (stopped first)."""
-    from pdserve.supervisor import ProcessSpec, pdserve_argv
+def bench_stack(
+    settings: PdserveConfig,
+    log_dir: Path,
+    *,
+    args: Mapping[str, Sequence[str]] | None = None,
+    grace_s: float = GRACE_S,
+) -> Stack:
+    """A benchmark's :class:`pdserve.stack.Stack` of ``settings`` (:func:`stack_settings`):
+    every child in its own session, logging at ``warning`` into ``log_dir/<name>.log``, its
+    secrets in a private temporary folder removed at the end; ``args`` as the stack takes them
+    (by role or process name)."""
+    from pdserve.stack import Stack, StackSpec
 
-    argv = pdserve_argv(args, log_level="warning")
-    return ProcessSpec(name, argv, env=env, log_path=log, new_session=True, tier=tier)
+    spec = StackSpec(
+        settings,
+        log_dir=log_dir,
+        log_level="warning",
+        args=args or {},
+        new_session=True,
+        grace_s=grace_s,
+    )
+    return Stack(spec)
 
 
 async def _one_colocated(client, url: str, ids: list[int], args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -325,63 +353,23 @@ def _token_prompts(rng: random.Random, n: int, length: int) -> list[list[int]]:
     return [[rng.randrange(100, 10100) for _ in range(length)] for _ in range(n)]
 
 
-def _stack_config(cfg: PdserveConfig, model_path: Path, workers: dict[str, int], file: Path,
-                  secrets: Path) -> PdserveConfig:  # fmt: skip
-    """Write the children's resolved config for a stack of ``workers`` (replicas per role) into
-    ``file`` (:func:`pdserve.launcher.child_config`: threads and KV memory split between the
-    workers, model pinned, UCX on loopback) and return that config. The cluster
-    secret (a fresh one unless ``cfg`` names one) and any API keys go to 0600 files in the
-    private folder ``secrets`` (:func:`pdserve.launcher.write_child_secrets`), never into
-    ``file``. Raises ConfigError when an API key file of ``cfg`` cannot be read."""
-    import yaml
-
-    from pdserve.launcher import child_config, write_child_secrets
-
-    sized = cfg.model_copy(
-        update={
-            role: cfg.worker(role).model_copy(update={"replicas": n}) for role, n in workers.items()
-        }
-    )
-    child = write_child_secrets(child_config(sized, model_path), secrets)
-    file.write_text(yaml.safe_dump(child.model_dump(mode="json"), sort_keys=False))
-    return child
-
-
 def compare_main(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path) -> int:
     """Start the disaggregated stack, then a colocated worker (each on its share of this
-    machine, every other setting from ``cfg``); the same prompts through both. The processes'
-    secrets live in a private temporary folder, deleted at the end."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="pdserve-bench-secrets-") as secrets:
-        return _compare(args, cfg, model_path, Path(secrets))
-
-
-def _compare(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path, secrets: Path) -> int:
-    import tempfile
-
-    from pdserve.launcher import child_env
-    from pdserve.security import ClusterKey, load_api_keys
-    from pdserve.supervisor import ProcessSupervisor
+    machine, every other setting from ``cfg``); the same prompts through both. Each stack's
+    secrets and config file live in a private temporary folder, deleted when it stops; the
+    logs stay in a temporary folder printed at the end. Raises ConfigError (an unreadable API key file),
+    ProcessExitedError or ReadyTimeoutError when a stack does not start."""
+    from pdserve.stack import free_port
     from pdserve.tools import bench_serve as bs
 
     cores = os.cpu_count() or 2
     logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
-    disagg_cfg, coloc_cfg = logs / "disaggregated.yaml", logs / "colocated.yaml"
-    child = _stack_config(cfg, model_path, {"prefill": 1, "decode": 1}, disagg_cfg, secrets)
-    child = _stack_config(cfg, model_path, {"prefill": 0, "decode": 0}, coloc_cfg, secrets)
-    name = str(child.model.served_name)
-    # Requests to the router carry a client API key when any is set; to the colocated worker's
-    # /internal/generate, the internal token of the cluster secret (both files just written).
-    keys = load_api_keys(child.security)
-    router_headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
-    internal_headers = ClusterKey.from_settings(child.security).http_headers()
-    env = child_env()
     rng = random.Random(args.seed)
     warm = _token_prompts(rng, args.warmup, args.input_len)
     prompts = [_token_prompts(rng, n, args.input_len) for n in _counts(args)]
     runs: list[dict[str, Any]] = []
     started = _now()
+    name = ""
 
     def measure(label: str, url: str, one_fn, headers: dict[str, str]) -> None:  # type: ignore[no-untyped-def]
         async def main() -> list[dict[str, Any]]:
@@ -396,33 +384,30 @@ def _compare(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path, sec
                 "ignore_eos": args.ignore_eos}  # fmt: skip
         return bs.stream_openai(client, f"{url}/v1/completions", body, kind="completions")
 
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    config = ["--config", str(disagg_cfg)]
-    with ProcessSupervisor(grace_s=_GRACE_S) as stack:
-        # local prefill off: every request of this arm takes the prefill -> decode hand-off
-        router = ["router", *config, "--port", str(port), "--local-prefill-max-tokens", "0"]
-        stack.spawn(_spec("router", router, logs / "router.log", 0, env))
-        for role in ("prefill", "decode"):
-            worker = [role, *config, "--discovery", url]
-            stack.spawn(_spec(role, worker, logs / f"{role}.log", 1, env))
-        stack.wait_ready(url, timeout_s=_READY_TIMEOUT_S, what="the disaggregated stack")
-        measure("disaggregated", url, openai_one, router_headers)
+    # local prefill off: every request of this arm takes the prefill -> decode hand-off
+    disagg = stack_settings(cfg, model_path, {"prefill": 1, "decode": 1})
+    router = {"router": ["--local-prefill-max-tokens", "0"]}
+    with bench_stack(disagg, logs / "disaggregated", args=router) as stack:
+        stack.start()
+        stack.wait_ready(READY_TIMEOUT_S, what="the disaggregated stack")
+        name, url = str(stack.settings.model.served_name), stack.url
+        # Requests to the router carry a client API key when any is set.
+        measure("disaggregated", url, openai_one, stack.api_headers())
 
-    port, reg = _free_port(), _free_port()
+    # Requests to the colocated worker's /internal/generate: the cluster secret's token.
+    port = free_port()
     coloc = f"http://127.0.0.1:{port}"
-    config = ["--config", str(coloc_cfg)]
-    worker = ["colocated", *config, "--port", str(port), "--discovery", f"http://127.0.0.1:{reg}"]
-    with ProcessSupervisor(grace_s=_GRACE_S) as stack:
-        router = ["router", *config, "--port", str(reg)]
-        stack.spawn(_spec("router", router, logs / "router2.log", 0, env))
-        stack.spawn(_spec("colocated", worker, logs / "colocated.log", 1, env))
-        stack.wait_ready(coloc, timeout_s=_READY_TIMEOUT_S, what="the colocated worker")
+    coloc_cfg = stack_settings(cfg, model_path, {"colocated": 1})
+    with bench_stack(
+        coloc_cfg, logs / "colocated", args={"colocated": ["--port", str(port)]}
+    ) as stack:
+        stack.start()
+        stack.wait_ready(READY_TIMEOUT_S, what="the colocated worker")
         measure(
             "colocated",
             coloc,
             lambda client, ids: _one_colocated(client, coloc, ids, args),
-            internal_headers,
+            stack.cluster_key.http_headers(),
         )
 
     print(f"\nmodel {name}, {args.input_len}-token prompts, {args.output_len} output tokens, "

@@ -1,7 +1,7 @@
 """What layout conversion costs: the staging kernel alone, and a whole pull between processes.
 
-``python -m pdserve.tools.bench_formatter [--tokens 512 2048] [--backends tcp nixl]
-[--threads 1]``
+``pdserve bench formatter [--tokens 512 2048] [--backends tcp nixl] [--threads 1]`` (options:
+:mod:`pdserve.tools.bench_commands`)
 
 Two measurements on SmolLM2's KV layout (30 layers, 3 KV heads, head dim 64), one request of
 ``tokens`` tokens each, medians of repeated runs (1 GB = 1e9 bytes):
@@ -13,8 +13,9 @@ Two measurements on SmolLM2's KV layout (30 layers, 3 KV heads, head dim 64), on
    as a decode worker does (handshake once, then SendBlocks -> bytes -> Release per request),
    for matched layouts (the zero-copy path) and each mixed pair, per backend. The difference to
    the matched row of the same prefill dtype is what the formatter adds end to end. Integrity
-   digests are off here, so the figures isolate the conversion (``pdserve.tools.bench_transfer``
-   measures the backends themselves).
+   digests are off here, so the figures isolate the conversion (``pdserve bench transfer``
+   measures the backends themselves). The prefill side serves every request as parked
+   (:class:`pdserve.tools.bench_transfer_peers.AllParked`).
 """
 
 from __future__ import annotations
@@ -25,17 +26,16 @@ import functools
 import multiprocessing as mp
 import statistics
 import time
-import uuid
 from collections.abc import Callable
 from multiprocessing.connection import Connection as Pipe
 from typing import Any
 
 import torch
 
-from pdserve.errors import HandleError
 from pdserve.protocol import KVLayout, TransferHandle
 from pdserve.security import ClusterKey, generate_secret
 from pdserve.settings import TransferSettings
+from pdserve.tools.bench_transfer_peers import BENCH_EPOCH, AllParked, transfer_settings
 from pdserve.transfer.formatter import Formatter, PoolGeometry
 from pdserve.transfer.transceiver import create_transceiver
 
@@ -55,7 +55,6 @@ PAIRS = [  # (prefill, decode): matched rows first, each the baseline of its pre
     ("bf16/16", "bf16/16"),
     ("bf16/16", "f32/16"),
 ]
-_EPOCH = 1
 _MIN_REPS, _MAX_REPS, _MIN_SECONDS = 5, 50, 0.5
 
 
@@ -104,22 +103,8 @@ def bench_stage(tokens: int) -> list[dict[str, Any]]:
     return rows
 
 
-class _AllParked:
-    """Every request ``fmt-<n>-<uuid>`` has blocks 0..n-1 parked (timing excludes parking)."""
-
-    def lookup(self, request_id: str, epoch: int, lease_id: str) -> list[int]:
-        if epoch != _EPOCH or not request_id.startswith("fmt-"):
-            raise HandleError(f"unknown request {request_id}")
-        return list(range(int(request_id.split("-")[1])))
-
-    def release(self, request_id: str, lease_id: str | None = None) -> None:
-        pass
-
-
 def _cfg(backend: str) -> TransferSettings:
-    return TransferSettings.model_validate(
-        {"backend": backend, "ucx_devices": "lo", "integrity": False}
-    )
+    return transfer_settings(backend, ucx_devices="lo", integrity=False)
 
 
 def _prefill_peer(pipe: Pipe, backend: str, tokens: int, threads: int, secret: str) -> None:
@@ -131,7 +116,7 @@ def _prefill_peer(pipe: Pipe, backend: str, tokens: int, threads: int, secret: s
         for name, layout in PREFILL.items():
             t = create_transceiver(
                 _cfg(backend), pool=_pool(layout, tokens), layout=layout,
-                worker_id=f"fmt-prefill-{name}", epoch=_EPOCH, parked=_AllParked(),
+                worker_id=f"fmt-prefill-{name}", epoch=BENCH_EPOCH, parked=AllParked(),
                 key=ClusterKey(secret.encode()),
             )  # fmt: skip
             await t.start()
@@ -153,7 +138,7 @@ async def _pull_pairs(
         src, dst = PREFILL[src_name], DECODE[dst_name]
         pool = _pool(dst, tokens).zero_()
         t = create_transceiver(
-            _cfg(backend), pool=pool, layout=dst, worker_id="fmt-decode", epoch=_EPOCH,
+            _cfg(backend), pool=pool, layout=dst, worker_id="fmt-decode", epoch=BENCH_EPOCH,
             parked=None, key=key,
         )  # fmt: skip
         await t.start()
@@ -164,8 +149,8 @@ async def _pull_pairs(
         try:
             for rep in range(_MAX_REPS + 1):
                 handle = TransferHandle(
-                    worker_id=f"fmt-prefill-{src_name}", epoch=_EPOCH,
-                    request_id=f"fmt-{n_src}-{uuid.uuid4().hex[:8]}", lease_id="bench",
+                    worker_id=f"fmt-prefill-{src_name}", epoch=BENCH_EPOCH,
+                    request_id=f"bench-{n_src}-{rep}", lease_id="bench",
                     block_ids=tuple(range(n_src)), num_tokens=tokens,
                     lease_deadline=time.time() + 60, layout=src, backend=served,
                     transfer_endpoint=endpoint,
@@ -206,12 +191,8 @@ def bench_pull(backend: str, tokens: int, threads: int = 1) -> list[dict[str, An
             proc.kill()
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[512, 2048])
-    parser.add_argument("--backends", nargs="+", default=["tcp", "nixl"])
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (stage, prefill)")
-    args = parser.parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """``pdserve bench formatter``: the staging table, then the pull table; 0."""
     torch.set_num_threads(args.threads)
     print(f"torch threads: {args.threads}")
     print(f"{'stage':<20}{'tokens':>7}{'out MiB':>9}{'reps':>6}{'ms':>9}{'GB/s':>7}{'copy ms':>9}")
@@ -229,7 +210,4 @@ def main(argv: list[str] | None = None) -> None:
                     f"{r['backend']:<8}{r['pair']:<20}{r['tokens']:>7}{r['src_mib']:>7.1f}"
                     f"{r['dst_mib']:>7.1f}{r['reps']:>6}{r['ms']:>9.2f}"
                 )
-
-
-if __name__ == "__main__":
-    main()
+    return 0

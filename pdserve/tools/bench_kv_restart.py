@@ -1,12 +1,14 @@
 """Restart benchmark of the KV cache connector's disk tier.
 
-``python -m pdserve.tools.bench_kv_restart`` starts the stack ``pdserve bench serve`` starts
-(router + 1 prefill worker + 1 decode worker, the SmolLM2 default model, the children's config
-written by :func:`pdserve.tools.bench._stack_config`) with ``--kv-disk-cache-dir`` pointing at
+``pdserve bench kv-restart`` starts the stack ``pdserve bench serve`` starts (router + 1
+prefill worker + 1 decode worker, the SmolLM2 default model, settings from ``--config`` and
+``PDSERVE_*`` variables resolved by :func:`pdserve.tools.bench.stack_settings`, started by
+:func:`pdserve.tools.bench.bench_stack`) with ``kv_cache.disk_cache_dir`` pointing at
 a fresh temporary directory, sends one long prompt (about 4,000 tokens by the model's
 tokenizer: :func:`pdserve.tools.bench_multiturn.system_prompt`) and times its TTFT: the cold
 run, nothing cached anywhere. It waits until the prefill worker's disk tier has written every
-queued block (``pdserve_kv_tier_pending_saves`` 0), stops the whole stack (router and every
+queued block (``pdserve_kv_tier_pending_saves`` 0 on its ``/metrics``,
+:mod:`pdserve.tools.scrape`), stops the whole stack (router and every
 worker, SIGTERM), starts it again on the same directory and sends the same prompt: the warm
 run, the first request after the restart. Before each measured request a short warm-up
 request that shares no prefix with it goes through the stack and is not counted.
@@ -27,7 +29,6 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,8 +45,9 @@ async def _send(args: argparse.Namespace, router: str, prefill: str, model: str,
     the TTFT (s), prompt tokens and the prefill worker's metrics after the request."""
     import httpx
 
-    from pdserve.tools.bench_multiturn import chat_request, scrape
+    from pdserve.tools.bench_multiturn import chat_request
     from pdserve.tools.bench_serve import stream_openai
+    from pdserve.tools.scrape import scrape
 
     url = f"{router}/v1/chat/completions"
     async with httpx.AsyncClient(
@@ -69,43 +71,29 @@ async def _send(args: argparse.Namespace, router: str, prefill: str, model: str,
 
 
 def run_stack(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path, label: str,
-              text: str, logs: Path) -> dict[str, Any]:  # fmt: skip
-    """Start router + 1 prefill + 1 decode with ``cfg`` (its disk tier set), send ``text``
-    (:func:`_send`), stop the stack; returns that run's numbers. Secrets live in a private
-    temporary folder."""
-    from pdserve.launcher import child_env
-    from pdserve.security import load_api_keys
-    from pdserve.supervisor import ProcessSupervisor
-    from pdserve.tools.bench import _GRACE_S, _READY_TIMEOUT_S, _free_port, _spec, _stack_config
+              text: str, log_dir: Path) -> dict[str, Any]:  # fmt: skip
+    """Start router + 1 prefill + 1 decode with ``cfg`` (its disk tier set; the prefill worker
+    on a port of its own for its metrics), send ``text`` (:func:`_send`), stop the stack (30 s
+    grace at least: the disk tier finishes its writes); returns that run's numbers. Logs go to
+    ``log_dir``. Raises ProcessExitedError or ReadyTimeoutError when the stack does not start,
+    RuntimeError when a request fails."""
+    from pdserve.stack import free_port
+    from pdserve.tools.bench import GRACE_S, READY_TIMEOUT_S, bench_stack, stack_settings
 
-    with tempfile.TemporaryDirectory(prefix="pdserve-bench-secrets-") as secrets:
-        file = logs / f"stack-{label}.yaml"
-        child = _stack_config(cfg, model_path, {"prefill": 1, "decode": 1}, file, Path(secrets))
-        keys = load_api_keys(child.security)
-        headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
-        env = child_env()
-        port, pport, dport = _free_port(), _free_port(), _free_port()
-        router, prefill = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{pport}"
-        config = ["--config", str(file)]
-        print(f"{label}: router + 1 prefill + 1 decode, disk tier {cfg.kv_cache.disk_cache_dir}",
-              flush=True)  # fmt: skip
-        started = time.perf_counter()
-        with ProcessSupervisor(grace_s=max(_GRACE_S, 30.0)) as stack:
-            stack.spawn(_spec("router", ["router", *config, "--port", str(port)],
-                              logs / f"router-{label}.log", 0, env))  # fmt: skip
-            for role, p in (("prefill", pport), ("decode", dport)):
-                argv = [role, *config, "--discovery", router, "--port", str(p)]
-                stack.spawn(_spec(role, argv, logs / f"{role}-{label}.log", 1, env))
-            stack.wait_ready(
-                router,
-                timeout_s=_READY_TIMEOUT_S,
-                what=f"the {label} stack",
-                accept=lambda r: bool(r.json()["prefill"]) and bool(r.json()["decode"]),
-            )
-            start_s = time.perf_counter() - started
-            out = asyncio.run(
-                _send(args, router, prefill, str(child.model.served_name), headers, text)
-            )
+    settings = stack_settings(cfg, model_path, {"prefill": 1, "decode": 1})
+    pport = free_port()
+    prefill = f"http://127.0.0.1:{pport}"
+    print(f"{label}: router + 1 prefill + 1 decode, disk tier {cfg.kv_cache.disk_cache_dir}",
+          flush=True)  # fmt: skip
+    started = time.perf_counter()
+    with bench_stack(
+        settings, log_dir, args={"prefill-0": ["--port", str(pport)]}, grace_s=max(GRACE_S, 30.0)
+    ) as stack:
+        stack.start()
+        stack.wait_ready(READY_TIMEOUT_S, what=f"the {label} stack")
+        start_s = time.perf_counter() - started
+        model = str(stack.settings.model.served_name)
+        out = asyncio.run(_send(args, stack.url, prefill, model, stack.api_headers(), text))
     m = out.pop("prefill")
     out.update(
         label=label,
@@ -139,45 +127,18 @@ def format_result(cold: dict[str, Any], warm: dict[str, Any], files: int, size: 
     ])  # fmt: skip
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The options of ``python -m pdserve.tools.bench_kv_restart``."""
-    p = argparse.ArgumentParser(
-        prog="python -m pdserve.tools.bench_kv_restart",
-        description=__doc__.split("\n\n")[1] if __doc__ else None,
-    )
-    p.add_argument(
-        "--prompt-tokens", type=int, default=4000,
-        help="tokens of the long prompt's text by the model's tokenizer (default: 4000)",
-    )  # fmt: skip
-    p.add_argument("--max-tokens", type=int, default=8, help="max_tokens (default: 8)")
-    p.add_argument(
-        "--model", default=None,
-        help="local model folder the stacks serve (default: the converted SmolLM2 in the cache)",
-    )  # fmt: skip
-    p.add_argument(
-        "--disk-dir", default=None,
-        help="the disk tier's directory; must be empty or absent (default: a fresh temporary "
-        "directory, removed at the end)",
-    )  # fmt: skip
-    p.add_argument(
-        "--request-timeout-s", type=float, default=600.0, help="per-request timeout, seconds"
-    )
-    p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Cold run, restart, warm run; print the comparison. 0, or 1 when the target is missed
-    or the warm run loaded nothing from the disk tier; 2 when ``--disk-dir`` is not empty."""
-    from pdserve.config import load_config
+def run(args: argparse.Namespace, cfg: PdserveConfig) -> int:
+    """``pdserve bench kv-restart`` (options: :mod:`pdserve.tools.bench_commands`): cold run,
+    restart, warm run on ``cfg`` (the resolved settings, its disk tier replaced); print the
+    comparison. 0, or 1 when the target is missed or the warm run loaded nothing from the disk
+    tier; 2 when ``--disk-dir`` is not empty. Raises as :func:`run_stack` does."""
     from pdserve.models import resolve_model
-    from pdserve.tools.bench_multiturn import _counter, system_prompt
+    from pdserve.tools.bench_multiturn import system_prompt, token_counter
     from pdserve.tools.bench_serve import write_json
 
-    args = build_parser().parse_args(argv)
-    cfg, _ = load_config(None)
-    model_path = resolve_model(args.model, cache_dir=cfg.model.cache_dir)
-    text = system_prompt(args.prompt_tokens, _counter(model_path))
+    path = args.model or (str(cfg.model.path) if cfg.model.path is not None else None)
+    model_path = resolve_model(path, cache_dir=cfg.model.cache_dir)
+    text = system_prompt(args.prompt_tokens, token_counter(model_path))
     logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-kv-restart-"))
     with tempfile.TemporaryDirectory(prefix="pdserve-kv-disk-") as tmp:
         disk = Path(args.disk_dir) if args.disk_dir else Path(tmp)
@@ -187,17 +148,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         tiered = cfg.model_copy(
             update={"kv_cache": cfg.kv_cache.model_copy(update={"disk_cache_dir": disk})}
         )
-        print(f"bench kv_restart: one {args.prompt_tokens}-token prompt, max_tokens "
+        print(f"bench kv-restart: one {args.prompt_tokens}-token prompt, max_tokens "
               f"{args.max_tokens}, {os.cpu_count()} cores, model {model_path}", flush=True)  # fmt: skip
-        cold = run_stack(args, tiered, model_path, "cold (empty disk tier)", text, logs)
-        warm = run_stack(args, tiered, model_path, "after restart (disk tier)", text, logs)
+        cold = run_stack(args, tiered, model_path, "cold (empty disk tier)", text, logs / "cold")
+        warm = run_stack(args, tiered, model_path, "after restart (disk tier)", text, logs / "warm")
         files, size = dir_usage(disk)
     print(format_result(cold, warm, files, size))
     ratio = warm["ttft_s"] / cold["ttft_s"]
     if args.json:
         write_json(Path(args.json), {
-            "tool": "python -m pdserve.tools.bench_kv_restart",
-            "argv": sys.argv[1:] if argv is None else list(argv),
+            "tool": "pdserve bench kv-restart",
+            "argv": sys.argv[1:],
             "host": {"cpus": os.cpu_count()},
             "model": str(model_path),
             "runs": [cold, warm],
@@ -208,7 +169,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote {args.json}")
     print(f"logs: {logs}")
     return 0 if ratio <= TARGET_RATIO and warm["disk_hit_tokens"] > 0 else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,9 @@
 """Multi-turn chat benchmark: the prefix cache on against off (:data:`TARGET_RATIO`).
 
-``python -m pdserve.tools.bench_multiturn`` starts two stacks in turn, each the one ``pdserve
-bench serve`` starts (router + 1 prefill worker + 1 decode worker, the SmolLM2 default model,
-the children's config written by :func:`pdserve.tools.bench._stack_config`), the first with
+``pdserve bench multiturn`` starts two stacks in turn, each the one ``pdserve bench serve``
+starts (router + 1 prefill worker + 1 decode worker, the SmolLM2 default model, settings from
+``--config`` and ``PDSERVE_*`` variables resolved by :func:`pdserve.tools.bench.stack_settings`,
+started by :func:`pdserve.tools.bench.bench_stack`), the first with
 ``--prefix-caching``, the second with ``--no-prefix-caching``, and runs the same workload on
 each. The router runs with ``--local-prefill-max-tokens 0``: every turn goes through the prefill
 worker and the KV hand-off, so the prefill worker's prefix cache sees every prompt.
@@ -18,7 +19,8 @@ that shares no prefix with the workload) go first and are not counted.
 Reported per arm: TTFT (send -> first content delta, :func:`pdserve.tools.bench_serve.
 stream_openai`) p50/p90 on turn 1 and on turns 2+; prompt tokens (the responses' ``usage``);
 tokens the prefill worker computed (``pdserve_prefix_cache_query_tokens_total`` minus
-``pdserve_prefix_cache_hit_tokens_total`` on its ``/metrics``, the workload's delta; with the
+``pdserve_prefix_cache_hit_tokens_total`` on its ``/metrics``, :mod:`pdserve.tools.scrape`, the
+workload's delta; with the
 cache off there are no lookups and every prompt token is computed) and the hit rate; then
 cache-on / cache-off TTFT p50 on turns 2+ against the issue's target (at most 0.3x).
 
@@ -47,6 +49,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+# The metrics reading the benchmarks share, importable from here too (stack tests use it).
+from pdserve.tools.scrape import parse_metrics as parse_metrics
 
 if TYPE_CHECKING:
     import httpx
@@ -252,29 +257,6 @@ async def run_workload(client: httpx.AsyncClient, url: str, model: str, wl: Work
     return out, time.perf_counter() - t0
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> ``{sample: value}``, a sample named ``name`` or ``name{k="v",...}``."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = float(s.value)
-    return out
-
-
-async def scrape(client: httpx.AsyncClient, url: str) -> dict[str, float]:
-    """``GET {url}/metrics``, parsed (:func:`parse_metrics`)."""
-    r = await client.get(f"{url}/metrics")
-    r.raise_for_status()
-    return parse_metrics(r.text)
-
-
-def _delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
-    return after.get(name, 0.0) - before.get(name, 0.0)
-
-
 def _pcts(values_s: Sequence[float]) -> dict[str, float | None]:
     from pdserve.tools.bench_serve import percentile
 
@@ -327,6 +309,7 @@ async def _measure(args: argparse.Namespace, router: str, workers: Sequence[str]
     import httpx
 
     from pdserve.tools.bench_serve import stream_openai
+    from pdserve.tools.scrape import delta, scrape
 
     url = f"{router}/v1/chat/completions"
     n = args.concurrency + 4
@@ -346,61 +329,37 @@ async def _measure(args: argparse.Namespace, router: str, workers: Sequence[str]
         before = [await scrape(client, u) for u in urls]
         turns, wall = await run_workload(client, url, model, wl, args.concurrency, args.max_tokens)
         after = [await scrape(client, u) for u in urls]
-    return (
-        turns,
-        wall,
-        [{k: _delta(b, a, k) for k in a} for b, a in zip(before, after, strict=True)],
-    )
+    return turns, wall, [delta(b, a) for b, a in zip(before, after, strict=True)]
 
 
 def run_arm(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path, wl: Workload,
             spec: Arm, logs: Path) -> dict[str, Any]:  # fmt: skip
     """Start router + ``spec.prefill_workers`` prefill + 1 decode (the prefix cache on or off,
-    ``spec.router_args``), run ``wl``, stop the stack; returns :func:`summarize_arm`'s dict
-    (prefill metrics summed over the prefill workers). Secrets live in a private temporary
-    folder."""
-    from pdserve.launcher import child_env
-    from pdserve.security import load_api_keys
-    from pdserve.supervisor import ProcessSupervisor
-    from pdserve.tools.bench import _GRACE_S, _READY_TIMEOUT_S, _free_port, _spec, _stack_config
+    ``spec.router_args``; every worker on a port of its own for its metrics), run ``wl``, stop
+    the stack; returns :func:`summarize_arm`'s dict (prefill metrics summed over the prefill
+    workers). Logs go to ``logs/<spec.tag>/``. Raises ProcessExitedError or ReadyTimeoutError
+    when the stack does not start, RuntimeError when the warm-up fails."""
+    from pdserve.stack import free_port
+    from pdserve.tools.bench import READY_TIMEOUT_S, bench_stack, stack_settings
 
     label, tag, n = spec.label, spec.tag, spec.prefill_workers
     caching = {"prefix_caching": spec.prefix_caching}
     arm_cfg = cfg.model_copy(update={"kv_cache": cfg.kv_cache.model_copy(update=caching)})
-    with tempfile.TemporaryDirectory(prefix="pdserve-bench-secrets-") as secrets:
-        file = logs / f"stack-{tag}.yaml"
-        workers = {"prefill": n, "decode": 1}
-        child = _stack_config(arm_cfg, model_path, workers, file, Path(secrets))
-        keys = load_api_keys(child.security)
-        headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
-        env = child_env()
-        port = _free_port()
-        router = f"http://127.0.0.1:{port}"
-        procs = [(f"prefill-{i}", "prefill", _free_port()) for i in range(n)]
-        procs.append(("decode-0", "decode", _free_port()))
-        config = ["--config", str(file)]
-        flag = "--prefix-caching" if spec.prefix_caching else "--no-prefix-caching"
-        print(f"{label}: router {' '.join(spec.router_args)} + {n} prefill + 1 decode, {flag}, "
-              f"logs in {logs}", flush=True)  # fmt: skip
-        with ProcessSupervisor(grace_s=_GRACE_S) as stack:
-            argv = ["router", *config, "--port", str(port), "--local-prefill-max-tokens", "0"]
-            stack.spawn(
-                _spec("router", [*argv, *spec.router_args], logs / f"router-{tag}.log", 0, env)
-            )
-            for name, role, p in procs:
-                argv = [role, *config, "--discovery", router, "--port", str(p), "--worker-id", name]
-                stack.spawn(_spec(name, argv, logs / f"{name}-{tag}.log", 1, env))
-            stack.wait_ready(
-                router,
-                timeout_s=_READY_TIMEOUT_S,
-                what=f"the {label} stack",
-                accept=lambda r: len(r.json()["prefill"]) >= n and bool(r.json()["decode"]),
-            )
-            model = str(child.model.served_name)
-            urls = [f"http://127.0.0.1:{p}" for _, _, p in procs]
-            turns, wall, (rdelta, *pdeltas, ddelta) = asyncio.run(
-                _measure(args, router, urls, model, headers, wl)
-            )
+    settings = stack_settings(arm_cfg, model_path, {"prefill": n, "decode": 1})
+    ports = {f"prefill-{i}": free_port() for i in range(n)} | {"decode-0": free_port()}
+    stack_args = {name: ["--port", str(p)] for name, p in ports.items()}
+    stack_args["router"] = ["--local-prefill-max-tokens", "0", *spec.router_args]
+    flag = "--prefix-caching" if spec.prefix_caching else "--no-prefix-caching"
+    print(f"{label}: router {' '.join(spec.router_args)} + {n} prefill + 1 decode, {flag}, "
+          f"logs in {logs / tag}", flush=True)  # fmt: skip
+    with bench_stack(settings, logs / tag, args=stack_args) as stack:
+        stack.start()
+        stack.wait_ready(READY_TIMEOUT_S, what=f"the {label} stack")
+        model = str(stack.settings.model.served_name)
+        urls = [f"http://127.0.0.1:{p}" for p in ports.values()]  # prefill-0.., decode-0
+        turns, wall, (rdelta, *pdeltas, ddelta) = asyncio.run(
+            _measure(args, stack.url, urls, model, stack.api_headers(), wl)
+        )
     pdelta = {k: sum(d.get(k, 0.0) for d in pdeltas) for k in pdeltas[0]}
     arm = summarize_arm(label, turns, wall, pdelta, rdelta)
     arm["prefill_workers"] = n
@@ -486,51 +445,7 @@ def routing_ratios(arms: Sequence[dict[str, Any]]) -> dict[str, float | None]:
     return out
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The options of ``python -m pdserve.tools.bench_multiturn``."""
-    p = argparse.ArgumentParser(
-        prog="python -m pdserve.tools.bench_multiturn",
-        description=__doc__.split("\n\n")[1] if __doc__ else None,
-    )
-    p.add_argument("--conversations", type=int, default=8, help="conversations (default: 8)")
-    p.add_argument("--turns", type=int, default=4, help="turns per conversation (default: 4)")
-    p.add_argument(
-        "--system-tokens", type=int, default=1000,
-        help="tokens of the shared system prompt (default: 1000)",
-    )  # fmt: skip
-    p.add_argument(
-        "--concurrency", type=int, default=4, help="conversations in flight (default: 4)"
-    )
-    p.add_argument(
-        "--max-tokens", type=int, default=32, help="max_tokens of each reply (default: 32)"
-    )
-    p.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
-    p.add_argument(
-        "--model", default=None,
-        help="local model folder the stacks serve (default: the converted SmolLM2 in the cache)",
-    )  # fmt: skip
-    p.add_argument(
-        "--request-timeout-s", type=float, default=600.0, help="per-request timeout, seconds"
-    )
-    p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
-    p.add_argument(
-        "--compare", choices=("cache", "routing"), default="cache",
-        help="cache: prefix cache on vs off (1 prefill worker); routing: KV-aware vs "
-        "least-loaded routing (--prefill-workers prefill workers, cache on) (default: cache)",
-    )  # fmt: skip
-    p.add_argument(
-        "--prefill-workers", type=int, default=2,
-        help="prefill workers of each stack with --compare routing (default: 2)",
-    )  # fmt: skip
-    p.add_argument(
-        "--distinct-system-prompts", action="store_true",
-        help="every conversation gets a system prompt of its own (no prefix shared between "
-        "conversations)",
-    )  # fmt: skip
-    return p
-
-
-def _counter(model_path: Path) -> Callable[[str], int]:
+def token_counter(model_path: Path) -> Callable[[str], int]:
     """Token count by the model's tokenizer, or :func:`approx_tokens` when it has none."""
     from pdserve.tools.bench_serve import load_tokenizer
 
@@ -540,17 +455,17 @@ def _counter(model_path: Path) -> Callable[[str], int]:
     return lambda text: len(tok(text, add_special_tokens=False)["input_ids"])
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run both arms and print the table; 0, or 1 when an arm had failed turns."""
-    from pdserve.config import load_config
+def run(args: argparse.Namespace, cfg: PdserveConfig) -> int:
+    """``pdserve bench multiturn`` (options: :mod:`pdserve.tools.bench_commands`): run both
+    arms on ``cfg`` (the resolved settings) and print the table; 0, or 1 when an arm had failed
+    turns. Raises as :func:`run_arm` does."""
     from pdserve.models import resolve_model
     from pdserve.tools.bench_serve import write_json
 
-    args = build_parser().parse_args(argv)
-    cfg, _ = load_config(None)
-    model_path = resolve_model(args.model, cache_dir=cfg.model.cache_dir)
+    path = args.model or (str(cfg.model.path) if cfg.model.path is not None else None)
+    model_path = resolve_model(path, cache_dir=cfg.model.cache_dir)
     wl = make_workload(
-        args.conversations, args.turns, args.system_tokens, args.seed, _counter(model_path),
+        args.conversations, args.turns, args.system_tokens, args.seed, token_counter(model_path),
         distinct=args.distinct_system_prompts,
     )  # fmt: skip
     specs = CACHE_ARMS if args.compare == "cache" else routing_arms(args.prefill_workers)
@@ -567,8 +482,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_table(arms, args.compare))
     if args.json:
         report = {
-            "tool": "python -m pdserve.tools.bench_multiturn",
-            "argv": sys.argv[1:] if argv is None else list(argv),
+            "tool": "pdserve bench multiturn",
+            "argv": sys.argv[1:],
             "started": started,
             "host": {"cpus": os.cpu_count()},
             "model": str(model_path),
@@ -588,7 +503,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote {args.json}")
     print(f"logs: {logs}")
     return 1 if any(a["errors"] for a in arms) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

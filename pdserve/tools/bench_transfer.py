@@ -174,7 +174,7 @@ def resolve_cases(names: Sequence[str]) -> list[Case]:
 
 def unavailable(case: Case) -> str | None:
     """Why ``case`` cannot run in this installation (None: it can)."""
-    if case.backend not in backend_registry._REGISTRY:
+    if case.backend not in backend_registry.registered_backends():
         return f"no {case.backend!r} transfer backend is registered in this build"
     try:
         TransferSettings.model_validate({"backend": case.backend})

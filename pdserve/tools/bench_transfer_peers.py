@@ -17,6 +17,10 @@ The transceivers authenticate each other like workers do (:mod:`pdserve.transfer
 the cluster secret the parent hands down in :data:`SECRET_ENV` (a fresh one per case); the
 handshake runs once per connection, so the timed pulls carry no authentication cost.
 
+:class:`PatternPeer` is the same serving side for ``pdserve bench gpu`` and the GPU tests: a
+spawned process whose pool lives on a chosen device (CPU or CUDA) filled with :func:`pattern`,
+with the blocks to serve parked through a pipe, so the calling process can pull and check them.
+
 Results are one line ``PDSERVE-BENCH <json>`` on stdout (libraries may print there too). Every
 timing is a list of seconds per repetition after one warm-up: at least ``min_reps`` and until
 ``min_seconds`` have passed (at most ``max_reps``). Timing starts right before the call that
@@ -27,12 +31,15 @@ are in the destination buffer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import multiprocessing as mp
 import os
 import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
@@ -41,7 +48,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pdserve.errors import HandleError
 from pdserve.protocol import KVLayout, TransferHandle
-from pdserve.security import ClusterKey
+from pdserve.security import ClusterKey, generate_secret
 from pdserve.settings import TransferSettings
 from pdserve.transfer.control import SOCKET_BUFFER_BYTES
 from pdserve.transfer.transceiver import create_transceiver
@@ -50,7 +57,8 @@ RESULT_PREFIX = "PDSERVE-BENCH "
 SECRET_ENV = "PDSERVE_SECURITY__CLUSTER_SECRET"
 """The environment variable that carries the cluster secret to the serve and pull roles (the
 same variable as a worker's ``security.cluster_secret``; never on the command line)."""
-_EPOCH = 1
+BENCH_EPOCH = 1
+"""The epoch of every benchmark transceiver :class:`AllParked` serves."""
 
 
 class PeerSpec(BaseModel):
@@ -84,16 +92,40 @@ def emit(result: dict[str, Any]) -> None:
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
-def _pool(layout: KVLayout, num_blocks: int, fill: float) -> torch.Tensor:
+def empty_pool(layout: KVLayout, num_blocks: int, device: str = "cpu") -> torch.Tensor:
+    """Zeroed pool ``[L, num_blocks, 2, tpb, kvh, hd]`` of ``layout.dtype`` on ``device``."""
     shape = (layout.num_layers, num_blocks, 2, layout.tokens_per_block, layout.num_kv_heads)
-    return torch.full((*shape, layout.head_dim), fill, dtype=getattr(torch, layout.dtype))
+    return torch.zeros((*shape, layout.head_dim), dtype=getattr(torch, layout.dtype), device=device)
+
+
+def pattern(layout: KVLayout, num_blocks: int, device: str = "cpu") -> torch.Tensor:
+    """A pool whose element i is (i mod 2**24) + 1 (exact in float32; distinct for pools under
+    2**24 elements, which a misplaced byte then shows): what :class:`PatternPeer` serves."""
+    pool = empty_pool(layout, num_blocks, device)
+    values = torch.arange(pool.numel(), dtype=torch.float32, device=device) % (1 << 24) + 1
+    pool.view(-1).copy_(values)
+    return pool
+
+
+def transfer_settings(
+    backend: str,
+    *,
+    ucx_devices: str | None = None,
+    integrity: bool | None = None,
+    timeout_s: float | None = None,
+) -> TransferSettings:
+    """Transfer settings of a benchmark transceiver: ``backend``, ``ucx_devices`` and, when
+    given, ``integrity`` and ``timeout_s`` (seconds); the rest default."""
+    fields: dict[str, Any] = {"backend": backend, "ucx_devices": ucx_devices}
+    if integrity is not None:
+        fields["integrity"] = integrity
+    if timeout_s is not None:
+        fields["timeout_s"] = timeout_s
+    return TransferSettings.model_validate(fields)
 
 
 def _config(spec: PeerSpec, integrity: bool | None = None) -> TransferSettings:
-    fields: dict[str, Any] = {"backend": spec.backend, "ucx_devices": spec.ucx_devices}
-    if integrity is not None:
-        fields["integrity"] = integrity
-    return TransferSettings.model_validate(fields)
+    return transfer_settings(spec.backend, ucx_devices=spec.ucx_devices, integrity=integrity)
 
 
 def cluster_key() -> ClusterKey:
@@ -110,7 +142,7 @@ class AllParked:
 
     def lookup(self, request_id: str, epoch: int, lease_id: str | None = None) -> list[int]:
         parts = request_id.split("-")
-        if epoch != _EPOCH or len(parts) != 3 or parts[0] != "bench":
+        if epoch != BENCH_EPOCH or len(parts) != 3 or parts[0] != "bench":
             raise HandleError(f"unknown request {request_id}")
         return list(range(int(parts[1])))
 
@@ -134,13 +166,13 @@ async def _times(spec: PeerSpec, once: Callable[[], Awaitable[None]]) -> list[fl
 
 async def serve(spec: PeerSpec) -> None:
     """Role ``serve``: prefill transceiver until stdin closes."""
-    pool = _pool(spec.layout, max(spec.blocks), 1.0)
+    pool = empty_pool(spec.layout, max(spec.blocks)).fill_(1.0)
     t = create_transceiver(
         _config(spec),
         pool=pool,
         layout=spec.layout,
         worker_id="bench-prefill",
-        epoch=_EPOCH,
+        epoch=BENCH_EPOCH,
         parked=AllParked(),
         key=cluster_key(),
     )
@@ -157,13 +189,13 @@ async def pull(spec: PeerSpec) -> None:
     {blocks: [seconds]}}``. Raises RuntimeError if the bytes did not arrive."""
     settings: list[bool | None] = [*spec.integrity] or [None]
     for integrity in settings:
-        pool = _pool(spec.layout, max(spec.blocks), 0.0)
+        pool = empty_pool(spec.layout, max(spec.blocks))
         t = create_transceiver(
             _config(spec, integrity),
             pool=pool,
             layout=spec.layout,
             worker_id="bench-decode",
-            epoch=_EPOCH,
+            epoch=BENCH_EPOCH,
             parked=None,
             key=cluster_key(),
         )
@@ -186,7 +218,7 @@ def _puller(t: Any, spec: PeerSpec, n: int) -> Callable[[], Awaitable[None]]:
     ids = list(range(n))
     handle = TransferHandle(
         worker_id="bench-prefill",
-        epoch=_EPOCH,
+        epoch=BENCH_EPOCH,
         request_id=f"bench-{n}-0",
         lease_id="bench",
         block_ids=tuple(ids),
@@ -262,6 +294,126 @@ async def memcpy_times(spec: PeerSpec) -> dict[int, list[float]]:
 async def memcpy(spec: PeerSpec) -> None:
     """Role ``memcpy``: ``{"times": {blocks: [seconds]}}`` of :func:`memcpy_times`."""
     emit({"times": await memcpy_times(spec)})
+
+
+# --- a serving side on any device, driven through a pipe ------------------------------------------
+
+PATTERN_PEER_ID = "pattern-prefill"
+PATTERN_EPOCH = 11
+
+
+class _ParkedTable:
+    """The pattern peer's parked blocks: what the parent parked, by request id; release keeps
+    them (the same handle can be pulled again, as the benchmark's loops do)."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[str, list[int]] = {}
+
+    def lookup(self, request_id: str, epoch: int, lease_id: str | None = None) -> list[int]:
+        if epoch != PATTERN_EPOCH or request_id not in self.blocks:
+            raise HandleError(f"no parked request {request_id} at epoch {epoch}")
+        return self.blocks[request_id]
+
+    def release(self, request_id: str, lease_id: str | None = None) -> None:
+        pass
+
+
+def _pattern_child(
+    pipe: Connection, backend: str, layout: KVLayout, num_blocks: int, device: str, secret: str
+) -> None:  # pragma: no cover - runs in the spawned process
+    asyncio.run(_pattern_serve(pipe, backend, layout, num_blocks, device, secret))
+
+
+async def _pattern_serve(
+    pipe: Connection, backend: str, layout: KVLayout, num_blocks: int, device: str, secret: str
+) -> None:  # pragma: no cover - runs in the spawned process
+    parked = _ParkedTable()
+    t = create_transceiver(
+        transfer_settings(backend, ucx_devices="lo"),
+        pool=pattern(layout, num_blocks, device),
+        layout=layout,
+        worker_id=PATTERN_PEER_ID,
+        epoch=PATTERN_EPOCH,
+        parked=parked,
+        key=ClusterKey(secret.encode()),
+    )
+    await t.start()
+    pipe.send((t.endpoint, t.backend))
+    loop = asyncio.get_running_loop()
+    while (msg := await loop.run_in_executor(None, pipe.recv))[0] != "stop":
+        if msg[0] == "park":
+            parked.blocks[msg[1]] = list(msg[2])
+            pipe.send("ok")
+        elif msg[0] == "errors":
+            pipe.send([f"{type(e).__name__}: {e.message}" for e in t.recent_errors])
+    await t.close()
+
+
+class PatternPeer:
+    """A prefill-side transceiver in a spawned process, its pool of ``num_blocks`` blocks of
+    ``layout`` on ``device`` filled with :func:`pattern`, UCX on loopback; the caller plays the
+    decode side with :attr:`key` (of ``secret``, a fresh one when None; it reaches the child
+    through the pipe, never a command line). Owns the process: :meth:`stop` ends it. Raises
+    RuntimeError when it does not start within 120 s (CUDA initialisation and a NIXL agent
+    included)."""
+
+    def __init__(
+        self,
+        backend: str,
+        layout: KVLayout,
+        num_blocks: int,
+        device: str,
+        secret: str | None = None,
+    ) -> None:
+        self.layout = layout
+        secret = secret or generate_secret()
+        self.key = ClusterKey(secret.encode())
+        ctx = mp.get_context("spawn")
+        self._pipe, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=_pattern_child,
+            args=(child, backend, layout, num_blocks, device, secret),
+            daemon=True,
+        )
+        self.proc.start()
+        if not self._pipe.poll(120):
+            self.stop()
+            raise RuntimeError("the pattern peer did not start within 120 s")
+        self.endpoint, self.backend = self._pipe.recv()
+
+    def park(self, request_id: str, block_ids: list[int]) -> TransferHandle:
+        """Park ``block_ids`` (all full: ``len * tpb`` tokens) under ``request_id``; the handle
+        that pulls them (lease one hour)."""
+        self._pipe.send(("park", request_id, block_ids))
+        if self._pipe.recv() != "ok":
+            raise RuntimeError("the pattern peer did not park the blocks")
+        return TransferHandle(
+            worker_id=PATTERN_PEER_ID,
+            epoch=PATTERN_EPOCH,
+            request_id=request_id,
+            lease_id="pattern-lease",
+            block_ids=tuple(block_ids),
+            num_tokens=len(block_ids) * self.layout.tokens_per_block,
+            lease_deadline=time.time() + 3600,
+            layout=self.layout,
+            backend=self.backend,
+            transfer_endpoint=self.endpoint,
+        )
+
+    def errors(self) -> list[str]:
+        """The transfer errors the peer's serving side recorded, as ``"Type: message"``."""
+        self._pipe.send(("errors",))
+        errors: list[str] = self._pipe.recv()
+        return errors
+
+    def stop(self) -> None:
+        """End the process (SIGKILL after 15 s); idempotent."""
+        with contextlib.suppress(OSError, BrokenPipeError):
+            self._pipe.send(("stop",))
+        self.proc.join(15)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -95,7 +95,7 @@ def _nixl_facts() -> BackendFacts:
 
 def _ucx_facts() -> BackendFacts:
     """ucxx imports (its UCX version) and pdserve has the backend registered."""
-    from pdserve.transfer.backend import _REGISTRY
+    from pdserve.transfer.backend import registered_backends
 
     try:
         ucxx = importlib.import_module("ucxx")
@@ -103,7 +103,7 @@ def _ucx_facts() -> BackendFacts:
     except Exception as exc:
         return BackendFacts("ucx", False, None, f"ucxx: {type(exc).__name__}: {exc}")
     version = str(getattr(ucxx, "__version__", "")) or None
-    if "ucx" not in _REGISTRY:
+    if "ucx" not in registered_backends():
         return BackendFacts("ucx", False, version, "this pdserve build has no ucx backend")
     return BackendFacts("ucx", True, version, f"(ucxx, UCX {ucx_version})")
 

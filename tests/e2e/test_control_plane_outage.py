@@ -201,7 +201,7 @@ async def test_requests_flow_through_a_control_plane_outage(
         while time.monotonic() - down < OUTAGE_S:  # the outage lasts OUTAGE_S: sampled, no wait
             router_ready.append(httpx.get(f"{stack.url}/ready", timeout=5.0).status_code)
             decode_ready.append(worker_ready(before["decode-0"]))
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # the sampling pace during the outage
         up = time.monotonic()
         server.start()
 

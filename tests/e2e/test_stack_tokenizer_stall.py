@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from pdserve.config import RouterConfig
 from pdserve.errors import InvalidRequestError
 from pdserve.server.preprocess import Preprocessor, context_window, load_tokenizer
 from pdserve.server.schemas import ChatCompletionRequest, CompletionRequest
+from tests.support.servers import wait_until_sync
 from tests.support.stack import Stack, start_stack
 
 MODEL = "tiny-llama"
@@ -65,14 +66,16 @@ def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     stack.stop()
 
 
-def _stream_gaps(url: str) -> list[float]:
-    """One streamed completion; the seconds between consecutive chunks (after the first)."""
+def _stream_gaps(url: str, on_chunk: Callable[[], None] = lambda: None) -> list[float]:
+    """One streamed completion; the seconds between consecutive chunks (after the first).
+    ``on_chunk`` is called at each chunk."""
     times = []
     with httpx.stream("POST", f"{url}/v1/completions", json=STREAM, timeout=60) as resp:
         assert resp.status_code == 200, resp.read()
         for line in resp.iter_lines():
             if line.startswith("data: {"):
                 times.append(time.perf_counter())
+                on_chunk()
                 assert "error" not in json.loads(line[6:]), line
     assert len(times) >= STREAM["max_tokens"], f"only {len(times)} chunks"
     return [b - a for a, b in zip(times, times[1:], strict=False)]
@@ -80,25 +83,28 @@ def _stream_gaps(url: str) -> list[float]:
 
 class _Streamer(threading.Thread):
     """Streams completions back to back until :meth:`finish`; ``gaps`` collects every stream's
-    inter-chunk gaps, ``streams`` counts the completed streams, ``error`` what broke it."""
+    inter-chunk gaps, ``chunks`` counts the chunks relayed so far, ``streams`` the completed
+    streams, ``error`` what broke it."""
 
     def __init__(self, url: str) -> None:
         super().__init__(daemon=True)
         self.url = url
         self.gaps: list[float] = []
+        self.chunks = 0
         self.streams = 0
-        self.started_one = threading.Event()
         self._finish = threading.Event()
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
             while not self._finish.is_set():
-                self.started_one.set()
-                self.gaps += _stream_gaps(self.url)
+                self.gaps += _stream_gaps(self.url, self._counted)
                 self.streams += 1
         except BaseException as exc:  # reported by the test
             self.error = exc
+
+    def _counted(self) -> None:
+        self.chunks += 1
 
     def finish(self) -> None:
         self._finish.set()
@@ -138,8 +144,7 @@ def test_a_5mb_prompt_does_not_stall_a_concurrent_stream(
 
     streamer = _Streamer(stack.url)
     streamer.start()
-    assert streamer.started_one.wait(30)
-    time.sleep(0.2)  # the stream is relaying tokens
+    wait_until_sync(lambda: streamer.chunks >= 10, 30, what="the stream to relay tokens")
     started = time.perf_counter()
     big = httpx.post(f"{stack.url}/v1/{route}", json=BIG[route], timeout=120)
     big_s = time.perf_counter() - started

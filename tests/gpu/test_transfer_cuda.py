@@ -26,7 +26,7 @@ from pdserve.transfer import create_transceiver
 from pdserve.transfer.formatter import Formatter, PoolGeometry
 from pdserve.transfer.integrity import BlockDigester
 from tests.support.cuda_peer import PatternPeer, empty_pool, pattern, transfer_cfg
-from tests.support.kv_peer import TEST_KEY
+from tests.support.transfer import TEST_KEY
 
 pytestmark = [
     pytest.mark.timeout(180),

@@ -13,10 +13,10 @@ from pdserve.discovery import EmbeddedRegistry, open_registration
 from pdserve.protocol import Role, WorkerRecord
 from pdserve.security import write_secret_file
 from tests.support.fakes import TEST_SECRET, registry_app
-from tests.support.kv_peer import TEST_KEY
 from tests.support.servers import free_port, serve_app, wait_until
-from tests.support.transfer import LAYOUT_SMALL as LAYOUT
-from tests.support.transfer import serving_transceiver as transceiver
+from tests.support.transfer import TEST_KEY
+from tests.support.transfer_inproc import LAYOUT_SMALL as LAYOUT
+from tests.support.transfer_inproc import serving_transceiver as transceiver
 
 
 async def _doctor(*args: str) -> tuple[int | None, str]:

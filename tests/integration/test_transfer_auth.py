@@ -13,69 +13,31 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
-import torch
 
 from pdserve.errors import TransferError
-from pdserve.security import ClusterKey, nonce
-from pdserve.transfer import Transceiver, create_transceiver, wire
+from pdserve.security import nonce
+from pdserve.transfer import wire
 from pdserve.transfer.auth import Exchange
-from pdserve.transfer.backend import open_backend
 from pdserve.transfer.control import Connection, split_endpoint
-from pdserve.transfer.formatter import PoolGeometry
-from pdserve.transfer.handshake import LocalSide
-from tests.support.kv_peer import (
-    LAYOUT,
-    OTHER_KEY,
-    OTHER_SECRET,
-    TEST_KEY,
-    PeerState,
-    PrefillProcess,
-    cfg,
-    empty_pool,
-    pattern,
-)
-from tests.support.transfer import BACKENDS
+from tests.support.kv_peer import PeerState, PrefillProcess
+from tests.support.transfer import OTHER_KEY, OTHER_SECRET, TEST_KEY, assert_landed
+from tests.support.transfer_inproc import DecodeSide, bare_side, decode_side
 
 pytestmark = pytest.mark.timeout(90)
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def prefill(request: pytest.FixtureRequest) -> Iterator[PrefillProcess]:
-    peer = PrefillProcess(request.param)
-    yield peer
-    peer.stop()
-
-
-@pytest.fixture(autouse=True)
-def _fresh_prefill(prefill: PrefillProcess) -> None:
-    prefill.call("reset")  # nothing parked, no counts, no recorded errors
-
-
-Decode = tuple[Transceiver, torch.Tensor]
-
-
-async def _decode(backend: str, key: ClusterKey, worker_id: str = "decode-a") -> Decode:
-    pool = empty_pool()
-    t = create_transceiver(
-        cfg(backend), pool=pool, layout=LAYOUT, worker_id=worker_id, epoch=1, parked=None, key=key
-    )
-    await t.start()
-    return t, pool
+@pytest.fixture
+def prefill(prefill_process: PrefillProcess) -> PrefillProcess:
+    return prefill_process.reset()  # nothing parked, no counts, no recorded errors
 
 
 @pytest.fixture
-async def decode(prefill: PrefillProcess) -> AsyncIterator[Decode]:
-    t, pool = await _decode(prefill.backend, TEST_KEY)
-    yield t, pool
-    await t.close()
-
-
-def _rid() -> str:
-    return f"req-{uuid.uuid4().hex[:8]}"
+async def decode(prefill: PrefillProcess) -> AsyncIterator[DecodeSide]:
+    async with decode_side(prefill.backend, worker_id="decode-a") as side:
+        yield side
 
 
 def _untouched(state: PeerState, parked: int) -> None:
@@ -86,77 +48,77 @@ def _untouched(state: PeerState, parked: int) -> None:
     assert state.errors == [], "an unauthenticated peer must not fill the recent errors"
 
 
-async def _served_afterwards(prefill: PrefillProcess, decode: Decode) -> None:
+async def _served_afterwards(prefill: PrefillProcess, decode: DecodeSide) -> None:
     """The prefill worker still serves a peer that holds the secret."""
     t, pool = decode
     parked = prefill.state().parked
-    handle = prefill.park(_rid(), num_tokens=4)
+    handle = prefill.park(num_tokens=4)
     await t.pull(handle, [5])
-    assert torch.equal(pool[:, 5], pattern()[:, handle.block_ids[0]])
+    assert_landed(pool, handle.block_ids, [5])
     state = prefill.wait_state(lambda s: s.parked == parked)  # released
     assert state.peers_added == 1 and state.lookups == 1
 
 
-async def test_decode_with_another_secret_is_refused_and_touches_nothing(prefill, decode):
-    handle = prefill.park(_rid(), num_tokens=4)
-    impostor, pool = await _decode(prefill.backend, OTHER_KEY, "decode-impostor")
-    try:
+async def test_decode_with_another_secret_is_refused_and_touches_nothing(
+    prefill: PrefillProcess, decode: DecodeSide
+) -> None:
+    handle = prefill.park(num_tokens=4)
+    impostor = decode_side(prefill.backend, worker_id="decode-impostor", key=OTHER_KEY)
+    async with impostor as (t, pool):
         with pytest.raises(TransferError, match="could not prove") as err:
-            await impostor.pull(handle, [3])
+            await t.pull(handle, [3])
         assert err.value.code == "kv_auth_failed"
-    finally:
-        await impostor.close()
     state = prefill.wait_state(lambda s: s.auth_failures == 1)
     _untouched(state, parked=1)
     assert not pool.any()
     await _served_afterwards(prefill, decode)
 
 
-async def test_wrong_proof_gets_a_bare_refusal_and_the_pipelined_requests_are_ignored(prefill):
+async def test_wrong_proof_gets_a_bare_refusal_and_the_pipelined_requests_are_ignored(
+    prefill: PrefillProcess,
+) -> None:
     """An impostor that skips the check of the prefill proof and answers with a proof under
     another secret, followed at once by Hello, SendBlocks and Release (as a real decode side
     pipelines its Hello): AuthRefused carrying nothing else, then EOF; none of it is served."""
-    handle = prefill.park(_rid(), num_tokens=4)
-    pool = empty_pool()
-    geometry = PoolGeometry.from_pool(pool, LAYOUT)
-    backend = open_backend(
-        cfg(prefill.backend), pool=pool, geometry=geometry, agent_name=f"imp-{uuid.uuid4().hex}"
-    )
-    local = LocalSide("decode-imp", 1, LAYOUT, geometry, backend, key=OTHER_KEY)
-    conn = await Connection.open(prefill.endpoint, 10.0)
-    try:
-        n_d = nonce()
-        await conn.send(wire.AuthHello(peer_id="decode-imp", nonce=n_d.hex()))
-        challenge = await conn.recv()
-        assert isinstance(challenge, wire.AuthChallenge) and challenge.worker_id == "prefill-fenced"
-        exchange = Exchange(
-            "decode-imp", n_d, challenge.worker_id, challenge.epoch, bytes.fromhex(challenge.nonce)
-        )
-        await conn.send(wire.AuthProof(proof=exchange.dialer_proof(OTHER_KEY).hex()))
-        await conn.send(local.hello())
-        await conn.send(
-            wire.SendBlocks(
-                request_id=handle.request_id, epoch=handle.epoch, lease_id=handle.lease_id,
-                transfer_id="t-imp", src_block_ids=handle.block_ids, dst_block_ids=(0,),
-            )
-        )  # fmt: skip
-        await conn.send(wire.Release(request_id=handle.request_id, lease_id=handle.lease_id))
-        refusal = await conn.recv()
-        assert refusal == wire.AuthRefused()
-        assert refusal.model_dump() == {
-            "type": "auth_refused", "code": "kv_auth_failed", "message": "authentication failed"
-        }  # fmt: skip
-        with pytest.raises(TransferError, match="closed the connection"):
-            await conn.recv()  # EOF, not a reset: the listener drained the pipelined frames
-    finally:
-        conn.close()
-        backend.close()
+    handle = prefill.park(num_tokens=4)
+    with bare_side(prefill.backend, worker_id="decode-imp", key=OTHER_KEY) as (local, pool):
+        conn = await Connection.open(prefill.endpoint, 10.0)
+        try:
+            n_d = nonce()
+            await conn.send(wire.AuthHello(peer_id="decode-imp", nonce=n_d.hex()))
+            challenge = await conn.recv()
+            assert isinstance(challenge, wire.AuthChallenge)
+            assert challenge.worker_id == "prefill-fenced"
+            exchange = Exchange(
+                "decode-imp", n_d, challenge.worker_id, challenge.epoch,
+                bytes.fromhex(challenge.nonce),
+            )  # fmt: skip
+            await conn.send(wire.AuthProof(proof=exchange.dialer_proof(OTHER_KEY).hex()))
+            await conn.send(local.hello())
+            await conn.send(
+                wire.SendBlocks(
+                    request_id=handle.request_id, epoch=handle.epoch, lease_id=handle.lease_id,
+                    transfer_id="t-imp", src_block_ids=handle.block_ids, dst_block_ids=(0,),
+                )
+            )  # fmt: skip
+            await conn.send(wire.Release(request_id=handle.request_id, lease_id=handle.lease_id))
+            refusal = await conn.recv()
+            assert refusal == wire.AuthRefused()
+            assert refusal.model_dump() == {
+                "type": "auth_refused", "code": "kv_auth_failed", "message": "authentication failed"
+            }  # fmt: skip
+            with pytest.raises(TransferError, match="closed the connection"):
+                await conn.recv()  # EOF, not a reset: the listener drained the pipelined frames
+        finally:
+            conn.close()
     state = prefill.wait_state(lambda s: s.auth_failures == 1)
     _untouched(state, parked=1)
     assert not pool.any()
 
 
-async def test_replayed_proof_of_an_earlier_connection_is_refused(prefill, decode):
+async def test_replayed_proof_of_an_earlier_connection_is_refused(
+    prefill: PrefillProcess, decode: DecodeSide
+) -> None:
     """Nonces from both sides: a proof seen on the wire is worthless on a new connection, even
     with the same dialer nonce."""
     conn = await Connection.open(prefill.endpoint, 10.0)
@@ -192,22 +154,23 @@ async def test_replayed_proof_of_an_earlier_connection_is_refused(prefill, decod
     await _served_afterwards(prefill, decode)
 
 
-async def test_prefill_with_another_secret_is_detected_by_the_decode_side(prefill):
+async def test_prefill_with_another_secret_is_detected_by_the_decode_side(
+    prefill: PrefillProcess,
+) -> None:
     """The decode side checks the prefill proof first: against a prefill worker of another
     deployment it raises kv_auth_failed and sends neither its proof nor its Hello (so no
     NIXL metadata or UCX address reaches it)."""
     other = PrefillProcess(prefill.backend, secret=OTHER_SECRET)
-    t, pool = await _decode(prefill.backend, TEST_KEY)
     try:
-        handle = other.park(_rid(), num_tokens=4)
-        with pytest.raises(TransferError, match="could not prove") as err:
-            await t.pull(handle, [3])
-        assert err.value.code == "kv_auth_failed"
-        state = other.wait_state(lambda s: s.auth_failures == 1)
-        _untouched(state, parked=1)
-        assert not pool.any()
+        async with decode_side(prefill.backend, worker_id="decode-a") as (t, pool):
+            handle = other.park(num_tokens=4)
+            with pytest.raises(TransferError, match="could not prove") as err:
+                await t.pull(handle, [3])
+            assert err.value.code == "kv_auth_failed"
+            state = other.wait_state(lambda s: s.auth_failures == 1)
+            _untouched(state, parked=1)
+            assert not pool.any()
     finally:
-        await t.close()
         other.stop()
 
 
@@ -238,8 +201,8 @@ def _closed_by_peer(sock: socket.socket) -> bytes:
     ],
 )
 async def test_garbage_or_an_oversized_frame_before_authentication_is_disconnected(
-    prefill, decode, first_bytes
-):
+    prefill: PrefillProcess, decode: DecodeSide, first_bytes: bytes
+) -> None:
     """The connection is closed without an answer; an oversized header is refused on sight,
     before its payload (never sent here) is read or allocated."""
     sock = await asyncio.to_thread(_raw, prefill.endpoint)
@@ -252,21 +215,17 @@ async def test_garbage_or_an_oversized_frame_before_authentication_is_disconnect
     await _served_afterwards(prefill, decode)
 
 
-async def test_hello_before_authentication_is_disconnected_and_adds_no_peer(prefill, decode):
+async def test_hello_before_authentication_is_disconnected_and_adds_no_peer(
+    prefill: PrefillProcess, decode: DecodeSide
+) -> None:
     """The previous protocol's first message (Hello, carrying a NIXL agent / UCX address) is
     not read as one before authentication: no backend peer is prepared for it."""
-    pool = empty_pool()
-    geometry = PoolGeometry.from_pool(pool, LAYOUT)
-    backend = open_backend(
-        cfg(prefill.backend), pool=pool, geometry=geometry, agent_name=f"old-{uuid.uuid4().hex}"
-    )
-    local = LocalSide("decode-old", 1, LAYOUT, geometry, backend, key=TEST_KEY)
-    sock = await asyncio.to_thread(_raw, prefill.endpoint)
-    try:
-        sock.sendall(wire.encode(local.hello()))
-        assert await asyncio.to_thread(_closed_by_peer, sock) == b""
-    finally:
-        sock.close()
-        backend.close()
+    with bare_side(prefill.backend, worker_id="decode-old") as (local, _):
+        sock = await asyncio.to_thread(_raw, prefill.endpoint)
+        try:
+            sock.sendall(wire.encode(local.hello()))
+            assert await asyncio.to_thread(_closed_by_peer, sock) == b""
+        finally:
+            sock.close()
     _untouched(prefill.wait_state(lambda s: s.auth_failures == 1), parked=0)
     await _served_afterwards(prefill, decode)

@@ -15,16 +15,11 @@ import time
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
-import torch
 
 from pdserve.errors import HandleError, LayoutMismatchError, TransferError
-from pdserve.transfer import Transceiver, create_transceiver
-from tests.support.kv_peer import TEST_KEY
 from tests.support.servers import wait_until
 from tests.support.transfer import (
     BACKENDS,
-    BIG,
-    BIG_BLOCKS,
     EPOCH,
     HAVE_NIXL,
     HAVE_UCXX,
@@ -32,8 +27,11 @@ from tests.support.transfer import (
     PrefillPeer,
     assert_landed,
     backend_cfg,
-    decode_transceiver,
-    zeros_pool,
+)
+from tests.support.transfer_inproc import (
+    DecodeSide,
+    assert_pull_fails_fast_when_the_peer_dies,
+    decode_side,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -47,13 +45,14 @@ def prefill(request: pytest.FixtureRequest) -> Iterator[PrefillPeer]:
 
 
 @pytest.fixture
-async def decode(prefill: PrefillPeer) -> AsyncIterator[tuple[Transceiver, torch.Tensor]]:
-    t, pool = await decode_transceiver(prefill.backend)
-    yield t, pool
-    await t.close()
+async def decode(prefill: PrefillPeer) -> AsyncIterator[DecodeSide]:
+    async with decode_side(prefill.backend) as side:
+        yield side
 
 
-async def test_pull_copies_every_layer_into_other_block_ids_and_releases(prefill, decode):
+async def test_pull_copies_every_layer_into_other_block_ids_and_releases(
+    prefill: PrefillPeer, decode: DecodeSide
+) -> None:
     t, pool = decode
     src, dst = [3, 4, 5, 9, 12], [10, 11, 0, 2, 7]
     await t.pull(prefill.park("r1", src), dst)
@@ -62,7 +61,9 @@ async def test_pull_copies_every_layer_into_other_block_ids_and_releases(prefill
     assert t.communicator() == {"backend": prefill.backend, "endpoint": t.endpoint}
 
 
-async def test_concurrent_pulls_reuse_connections_and_land_in_their_blocks(prefill, decode):
+async def test_concurrent_pulls_reuse_connections_and_land_in_their_blocks(
+    prefill: PrefillPeer, decode: DecodeSide
+) -> None:
     t, pool = decode
     pairs = {"c1": ([0, 1], [4, 5]), "c2": ([8], [9]), "c3": ([13, 14, 15], [1, 2, 3])}
     handles = {rid: prefill.park(rid, src) for rid, (src, _) in pairs.items()}
@@ -73,7 +74,9 @@ async def test_concurrent_pulls_reuse_connections_and_land_in_their_blocks(prefi
     assert_landed(pool, srcs, dsts, LAYOUT)
 
 
-async def test_unknown_request_raises_handle_error_and_connection_stays_usable(prefill, decode):
+async def test_unknown_request_raises_handle_error_and_connection_stays_usable(
+    prefill: PrefillPeer, decode: DecodeSide
+) -> None:
     t, pool = decode
     good = prefill.park("u1", [2])
     with pytest.raises(HandleError, match="no parked request nope"):
@@ -82,7 +85,9 @@ async def test_unknown_request_raises_handle_error_and_connection_stays_usable(p
     assert_landed(pool, [2], [3], LAYOUT)
 
 
-async def test_handle_of_another_epoch_raises_handle_error(prefill, decode):
+async def test_handle_of_another_epoch_raises_handle_error(
+    prefill: PrefillPeer, decode: DecodeSide
+) -> None:
     t, pool = decode
     stale = prefill.park("e1", [1], epoch=EPOCH - 1)
     with pytest.raises(HandleError, match="epoch"):
@@ -90,48 +95,45 @@ async def test_handle_of_another_epoch_raises_handle_error(prefill, decode):
     assert not pool.any()
 
 
-async def test_wrong_destination_count_raises_transfer_error(prefill, decode):
+async def test_wrong_destination_count_raises_transfer_error(
+    prefill: PrefillPeer, decode: DecodeSide
+) -> None:
     t, _ = decode
     with pytest.raises(TransferError, match="destination blocks"):
         await t.pull(prefill.park("w1", [1, 2]), [5])
 
 
-async def test_layout_mismatch_is_refused_on_both_sides_naming_the_field(prefill):
+async def test_layout_mismatch_is_refused_on_both_sides_naming_the_field(
+    prefill: PrefillPeer,
+) -> None:
     other = LAYOUT.model_copy(update={"num_kv_heads": 4})  # tokens/block, dtype: converted
-    t, pool = await decode_transceiver(prefill.backend, layout=other)
-    try:
+    async with decode_side(prefill.backend, other) as (t, pool):
         with pytest.raises(LayoutMismatchError, match="num_kv_heads: 2 != 4"):
             await t.pull(prefill.park("m1", [1]), [1])
-    finally:
-        await t.close()
     _, errors = prefill.state()
     assert any(name == "LayoutMismatchError" and "num_kv_heads" in msg for name, msg in errors)
     assert not pool.any()
 
 
 @pytest.mark.skipif(not HAVE_NIXL, reason="no nixl")
-async def test_backend_mismatch_is_refused_clearly(prefill):
+async def test_backend_mismatch_is_refused_clearly(prefill: PrefillPeer) -> None:
     other = "tcp" if prefill.backend == "nixl" else "nixl"
-    t, _ = await decode_transceiver(other)
-    try:
+    async with decode_side(other) as (t, _):
         with pytest.raises(TransferError, match="same transfer backend"):
             await t.pull(prefill.park("b1", [1]), [1])
-    finally:
-        await t.close()
 
 
-async def test_unresponsive_peer_times_out_with_transfer_error(prefill):
-    t, _ = await decode_transceiver(prefill.backend, timeout_s=1.0)
-    handle = prefill.park("s1", [1])
-    os.kill(prefill.proc.pid, signal.SIGSTOP)
-    try:
-        started = time.monotonic()
-        with pytest.raises(TransferError, match="timed out"):
-            await t.pull(handle, [1])
-        assert time.monotonic() - started < 5
-    finally:
-        os.kill(prefill.proc.pid, signal.SIGCONT)
-        await t.close()
+async def test_unresponsive_peer_times_out_with_transfer_error(prefill: PrefillPeer) -> None:
+    async with decode_side(backend_cfg(prefill.backend, timeout_s=1.0)) as (t, _):
+        handle = prefill.park("s1", [1])
+        os.kill(prefill.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(TransferError, match="timed out"):
+                await t.pull(handle, [1])
+            assert time.monotonic() - started < 5
+        finally:
+            os.kill(prefill.pid, signal.SIGCONT)
 
 
 def _gave_up_count(prefill: PrefillPeer) -> int:
@@ -139,9 +141,10 @@ def _gave_up_count(prefill: PrefillPeer) -> int:
     return sum("gave up on" in message for _, message in prefill.state()[1])
 
 
-async def test_pull_that_gives_up_gets_nothing_written_into_its_blocks(prefill):
-    t, pool = await decode_transceiver(prefill.backend, timeout_s=0.5)
-    try:
+async def test_pull_that_gives_up_gets_nothing_written_into_its_blocks(
+    prefill: PrefillPeer,
+) -> None:
+    async with decode_side(backend_cfg(prefill.backend, timeout_s=0.5)) as (t, pool):
         handle = prefill.park("g1", [1, 2])
         prefill.call("slow", "g1", 1.0)  # the answer comes after the decode gave up
         gave_up = _gave_up_count(prefill)
@@ -158,18 +161,13 @@ async def test_pull_that_gives_up_gets_nothing_written_into_its_blocks(prefill):
             )
         assert not pool[:, [3, 4]].any()
         assert_landed(pool, [5], [6], LAYOUT)
-    finally:
-        await t.close()
 
 
-async def test_unreachable_peer_raises_transfer_error(prefill):
-    t, _ = await decode_transceiver(prefill.backend)
+async def test_unreachable_peer_raises_transfer_error(prefill: PrefillPeer) -> None:
     handle = prefill.park("x1", [1]).model_copy(update={"transfer_endpoint": "127.0.0.1:9"})
-    try:
+    async with decode_side(prefill.backend) as (t, _):
         with pytest.raises(TransferError, match="unreachable"):
             await t.pull(handle, [1])
-    finally:
-        await t.close()
 
 
 @pytest.mark.parametrize(
@@ -183,26 +181,7 @@ async def test_unreachable_peer_raises_transfer_error(prefill):
         pytest.param("ucx", None, marks=pytest.mark.skipif(not HAVE_UCXX, reason="no ucxx")),
     ],
 )
-async def test_peer_dying_mid_transfer_raises_transfer_error(backend, delay):
-    peer = PrefillPeer(backend, layout=BIG, num_blocks=BIG_BLOCKS)
-    pool = zeros_pool(BIG, BIG_BLOCKS)
-    t = create_transceiver(
-        backend_cfg(backend),
-        pool=pool,
-        layout=BIG,
-        worker_id="decode-1",
-        epoch=1,
-        parked=None,
-        key=TEST_KEY,
-    )
-    try:
-        await t.start()
-        handle = peer.park("d1", list(range(BIG_BLOCKS)))
-        peer.call("die", "d1", delay)
-        started = time.monotonic()
-        with pytest.raises(TransferError, match="closed the connection|lost"):
-            await t.pull(handle, list(range(BIG_BLOCKS)))
-        assert time.monotonic() - started < 5
-    finally:
-        await t.close()
-        peer.stop()
+async def test_peer_dying_mid_transfer_raises_transfer_error(
+    backend: str, delay: float | str | None
+) -> None:
+    await assert_pull_fails_fast_when_the_peer_dies(backend, delay)

@@ -18,65 +18,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
-import torch
 
 from pdserve.errors import IntegrityError
-from pdserve.transfer import Transceiver, create_transceiver, wire
-from tests.support.kv_peer import (
-    LAYOUT,
-    NUM_BLOCKS,
-    TEST_KEY,
-    PrefillProcess,
-    cfg,
-    empty_pool,
-    pattern,
-)
-from tests.support.transfer import BACKENDS
+from pdserve.transfer import Transceiver, wire
+from tests.support.kv_peer import PrefillProcess
+from tests.support.transfer import NUM_BLOCKS, assert_landed, backend_cfg
+from tests.support.transfer_inproc import DecodeSide, decode_side
 
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def prefill(request: pytest.FixtureRequest) -> Iterator[PrefillProcess]:
-    peer = PrefillProcess(request.param)
-    yield peer
-    peer.stop()
+@pytest.fixture
+def prefill(prefill_process: PrefillProcess) -> PrefillProcess:
+    return prefill_process.reset()  # nothing parked, pattern intact, true clock, no recorded errors
 
 
 @pytest.fixture
-def fresh(prefill: PrefillProcess) -> PrefillProcess:
-    prefill.call("reset")  # nothing parked, pattern intact, true clock, no recorded errors
-    return prefill
-
-
-async def _decode(backend: str, integrity: bool = True) -> tuple[Transceiver, torch.Tensor]:
-    pool = empty_pool()
-    t = create_transceiver(
-        cfg(backend, integrity=integrity),
-        pool=pool,
-        layout=LAYOUT,
-        worker_id="decode-i",
-        epoch=1,
-        parked=None,
-        key=TEST_KEY,
-    )
-    await t.start()
-    return t, pool
-
-
-@pytest.fixture
-async def decode(fresh: PrefillProcess) -> AsyncIterator[tuple[Transceiver, torch.Tensor]]:
-    t, pool = await _decode(fresh.backend)
-    yield t, pool
-    await t.close()
-
-
-def _rid() -> str:
-    return f"req-{uuid.uuid4().hex[:8]}"
+async def decode(prefill: PrefillProcess) -> AsyncIterator[DecodeSide]:
+    async with decode_side(prefill.backend, worker_id="decode-i") as side:
+        yield side
 
 
 async def _later_release_arrives(prefill: PrefillProcess, t: Transceiver) -> None:
@@ -84,17 +47,19 @@ async def _later_release_arrives(prefill: PrefillProcess, t: Transceiver) -> Non
     more request directly and wait until its own Release reached the prefill side (and freed
     its park), so the earlier one is not merely in flight when the test asserts its absence."""
     before = prefill.state()
-    handle = prefill.park(_rid(), num_tokens=4)
+    handle = prefill.park(num_tokens=4)
     await t.pull(handle, [NUM_BLOCKS - 1])
     prefill.wait_state(
         lambda s: s.released_total == before.released_total + 1 and s.parked == before.parked
     )
 
 
-async def test_byte_flipped_after_the_digest_fails_the_pull_naming_the_block(prefill, decode):
+async def test_byte_flipped_after_the_digest_fails_the_pull_naming_the_block(
+    prefill: PrefillProcess, decode: DecodeSide
+) -> None:
     t, _ = decode
     released = prefill.state().released_total
-    handle = prefill.park(_rid(), num_tokens=4)  # one block: 3 layers, the flip hits layer 0
+    handle = prefill.park(num_tokens=4)  # one block: 3 layers, the flip hits layer 0
     prefill.call("corrupt_next")
     with pytest.raises(
         IntegrityError,
@@ -111,29 +76,30 @@ async def test_byte_flipped_after_the_digest_fails_the_pull_naming_the_block(pre
     assert prefill.call("reap") == 1, "the lease still frees the blocks"
 
 
-async def test_intact_pull_after_a_corrupted_one_succeeds_on_the_same_transceiver(prefill, decode):
+async def test_intact_pull_after_a_corrupted_one_succeeds_on_the_same_transceiver(
+    prefill: PrefillProcess, decode: DecodeSide
+) -> None:
     t, pool = decode
     prefill.call("corrupt_next")
     with pytest.raises(IntegrityError):
-        await t.pull(prefill.park(_rid(), num_tokens=8), [5, 6])
-    prefill.call("reset")  # heal the corrupted source
-    handle = prefill.park(_rid(), num_tokens=8)
+        await t.pull(prefill.park(num_tokens=8), [5, 6])
+    prefill.reset()  # heal the corrupted source
+    handle = prefill.park(num_tokens=8)
     await t.pull(handle, [5, 6])
-    assert torch.equal(pool[:, [5, 6]], pattern()[:, list(handle.block_ids)])
+    assert_landed(pool, handle.block_ids, [5, 6])
 
 
-async def test_with_integrity_off_no_digest_is_asked_for_or_computed(fresh):
-    prefill = fresh
-    t, pool = await _decode(prefill.backend, integrity=False)
-    try:
-        handle = prefill.park(_rid(), num_tokens=4)
+async def test_with_integrity_off_no_digest_is_asked_for_or_computed(
+    prefill: PrefillProcess,
+) -> None:
+    unchecked = backend_cfg(prefill.backend, integrity=False)
+    async with decode_side(unchecked, worker_id="decode-i") as (t, pool):
+        handle = prefill.park(num_tokens=4)
         before = prefill.state().digests_computed
         prefill.call("corrupt_next")  # armed, but it only fires when a digest is computed
         await t.pull(handle, [7])
         assert prefill.state().digests_computed == before
-        assert torch.equal(pool[:, 7], pattern()[:, handle.block_ids[0]])
-    finally:
-        await t.close()
+        assert_landed(pool, handle.block_ids, [7])
 
 
 class FlippingProxy:
@@ -194,24 +160,23 @@ class FlippingProxy:
 async def test_byte_flipped_on_the_tcp_wire_fails_the_pull_naming_the_block() -> None:
     prefill = PrefillProcess("tcp")
     proxy = FlippingProxy(prefill.endpoint)
-    t, pool = await _decode("tcp")
     try:
-        via_proxy = await proxy.start()
-        good = prefill.park(_rid(), num_tokens=4)
-        await t.pull(good.model_copy(update={"transfer_endpoint": via_proxy}), [1])
-        assert torch.equal(pool[:, 1], pattern()[:, good.block_ids[0]]), "the proxy is faithful"
-        bad = prefill.park(_rid(), num_tokens=4)
-        proxy.armed = True  # the stream is 3 layers of one block: its middle is in layer 1
-        with pytest.raises(
-            IntegrityError,
-            match=rf"request {bad.request_id}: layer 1, decode block 2 "
-            rf"\(prefill block {bad.block_ids[0]}\) arrived corrupted",
-        ):
-            await t.pull(bad.model_copy(update={"transfer_endpoint": via_proxy}), [2])
-        assert proxy.flipped == 1
-        await _later_release_arrives(prefill, t)
-        assert prefill.state().parked == 1, "the corrupted request stays parked (no Release)"
+        async with decode_side("tcp", worker_id="decode-i") as (t, pool):
+            via_proxy = await proxy.start()
+            good = prefill.park(num_tokens=4)
+            await t.pull(good.model_copy(update={"transfer_endpoint": via_proxy}), [1])
+            assert_landed(pool, good.block_ids, [1])  # the proxy is faithful
+            bad = prefill.park(num_tokens=4)
+            proxy.armed = True  # the stream is 3 layers of one block: its middle is in layer 1
+            with pytest.raises(
+                IntegrityError,
+                match=rf"request {bad.request_id}: layer 1, decode block 2 "
+                rf"\(prefill block {bad.block_ids[0]}\) arrived corrupted",
+            ):
+                await t.pull(bad.model_copy(update={"transfer_endpoint": via_proxy}), [2])
+            assert proxy.flipped == 1
+            await _later_release_arrives(prefill, t)
+            assert prefill.state().parked == 1, "the corrupted request stays parked (no Release)"
     finally:
-        await t.close()
         await proxy.close()
         prefill.stop()

@@ -11,56 +11,30 @@ HandleError with a message that names the reason, and moves no byte.
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
-import torch
 
 from pdserve.errors import HandleError, TransferError
 from pdserve.protocol import TransferHandle
-from pdserve.transfer import Transceiver, create_transceiver, wire
-from pdserve.transfer.backend import open_backend
+from pdserve.transfer import wire
 from pdserve.transfer.control import Connection
-from pdserve.transfer.formatter import PoolGeometry
-from pdserve.transfer.handshake import LocalSide
-from tests.support.kv_peer import LAYOUT, TEST_KEY, PrefillProcess, cfg, empty_pool, pattern
-from tests.support.transfer import BACKENDS
+from tests.support.kv_peer import PrefillProcess
+from tests.support.transfer import assert_landed
+from tests.support.transfer_inproc import DecodeSide, bare_side, decode_side
 
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def prefill(request: pytest.FixtureRequest) -> Iterator[PrefillProcess]:
-    peer = PrefillProcess(request.param)
-    yield peer
-    peer.stop()
-
-
-@pytest.fixture(autouse=True)
-def _fresh_prefill(prefill: PrefillProcess) -> None:
-    prefill.call("reset")  # nothing parked, pattern intact, true clock, no recorded errors
+@pytest.fixture
+def prefill(prefill_process: PrefillProcess) -> PrefillProcess:
+    return prefill_process.reset()  # nothing parked, pattern intact, true clock, no recorded errors
 
 
 @pytest.fixture
-async def decode(prefill: PrefillProcess) -> AsyncIterator[tuple[Transceiver, torch.Tensor]]:
-    pool = empty_pool()
-    t = create_transceiver(
-        cfg(prefill.backend),
-        pool=pool,
-        layout=LAYOUT,
-        worker_id="decode-f",
-        epoch=1,
-        parked=None,
-        key=TEST_KEY,
-    )
-    await t.start()
-    yield t, pool
-    await t.close()
-
-
-def _rid() -> str:
-    return f"req-{uuid.uuid4().hex[:8]}"
+async def decode(prefill: PrefillProcess) -> AsyncIterator[DecodeSide]:
+    async with decode_side(prefill.backend, worker_id="decode-f") as side:
+        yield side
 
 
 def _refused_by_prefill(prefill: PrefillProcess, match: str) -> None:
@@ -68,12 +42,14 @@ def _refused_by_prefill(prefill: PrefillProcess, match: str) -> None:
     assert errors and errors[-1][0] == "HandleError" and match in errors[-1][1], errors
 
 
-async def test_pull_under_a_valid_lease_copies_the_blocks_and_releases_the_park(prefill, decode):
+async def test_pull_under_a_valid_lease_copies_the_blocks_and_releases_the_park(
+    prefill: PrefillProcess, decode: DecodeSide
+) -> None:
     t, pool = decode
-    handle = prefill.park(_rid(), num_tokens=10)
+    handle = prefill.park(num_tokens=10)
     free_before = prefill.state().free_blocks
     await t.pull(handle, [20, 21, 22])
-    assert torch.equal(pool[:, [20, 21, 22]], pattern()[:, list(handle.block_ids)])
+    assert_landed(pool, handle.block_ids, [20, 21, 22])
     state = prefill.wait_state(lambda s: s.parked == 0)
     assert state.parked == 0 and state.released_total == 1
     assert state.free_blocks == free_before + 3
@@ -84,10 +60,10 @@ async def test_pull_under_a_valid_lease_copies_the_blocks_and_releases_the_park(
 
 
 async def test_handle_of_another_epoch_is_refused_by_the_decode_side_after_the_handshake(
-    prefill, decode
-):
+    prefill: PrefillProcess, decode: DecodeSide
+) -> None:
     t, pool = decode
-    handle = prefill.park(_rid(), num_tokens=4)
+    handle = prefill.park(num_tokens=4)
     stale = handle.model_copy(update={"epoch": prefill.epoch - 1})
     with pytest.raises(HandleError, match=f"epoch {prefill.epoch - 1}.*serves .* epoch 7"):
         await t.pull(stale, [3])
@@ -96,9 +72,11 @@ async def test_handle_of_another_epoch_is_refused_by_the_decode_side_after_the_h
     await t.pull(handle, [3])  # the real handle still works: nothing was released or freed
 
 
-async def test_expired_lease_is_refused_by_the_decode_side_without_asking(prefill, decode):
+async def test_expired_lease_is_refused_by_the_decode_side_without_asking(
+    prefill: PrefillProcess, decode: DecodeSide
+) -> None:
     t, pool = decode
-    handle = prefill.park(_rid(), num_tokens=4)
+    handle = prefill.park(num_tokens=4)
     expired = handle.model_copy(update={"lease_deadline": handle.lease_deadline - 120})
     with pytest.raises(HandleError, match="expired .* ago"):
         await t.pull(expired, [3])
@@ -107,9 +85,11 @@ async def test_expired_lease_is_refused_by_the_decode_side_without_asking(prefil
     assert not pool.any()
 
 
-async def test_block_ids_outside_the_prefill_pool_are_refused_by_the_decode_side(prefill, decode):
+async def test_block_ids_outside_the_prefill_pool_are_refused_by_the_decode_side(
+    prefill: PrefillProcess, decode: DecodeSide
+) -> None:
     t, pool = decode
-    handle = prefill.park(_rid(), num_tokens=8)
+    handle = prefill.park(num_tokens=8)
     foreign = handle.model_copy(update={"block_ids": (handle.block_ids[0], 4096)})
     with pytest.raises(HandleError, match=r"names KV blocks .*4096.* has blocks 0\.\.31"):
         await t.pull(foreign, [3, 4])
@@ -124,28 +104,24 @@ async def ask_bare(prefill: PrefillProcess, **send_blocks: object) -> wire.Messa
     """A decode side that skips its own checks: a bare connection that authenticates, says
     Hello, sends one SendBlocks with ``send_blocks`` and returns the prefill side's answer
     (its own pool, untouched by a refusal, is checked empty)."""
-    pool = empty_pool()
-    geometry = PoolGeometry.from_pool(pool, LAYOUT)
-    backend = open_backend(
-        cfg(prefill.backend), pool=pool, geometry=geometry, agent_name=f"raw-{uuid.uuid4().hex}"
-    )
-    conn = await Connection.open(prefill.endpoint, 10.0)
-    try:
-        local = LocalSide("decode-raw", 1, LAYOUT, geometry, backend, key=TEST_KEY)
-        await local.connect(conn)  # authenticates both ways, then Hello / HelloAck
-        await conn.send(wire.SendBlocks.model_validate({"transfer_id": "t-raw", **send_blocks}))
-        answer = await conn.recv()
-    finally:
-        conn.close()
-        backend.close()
+    with bare_side(prefill.backend, worker_id="decode-raw") as (local, pool):
+        conn = await Connection.open(prefill.endpoint, 10.0)
+        try:
+            await local.connect(conn)  # authenticates both ways, then Hello / HelloAck
+            await conn.send(wire.SendBlocks.model_validate({"transfer_id": "t-raw", **send_blocks}))
+            answer = await conn.recv()
+        finally:
+            conn.close()
     assert not pool.any()
     return answer
 
 
-async def test_send_blocks_naming_an_old_epoch_is_refused_by_the_prefill_side(prefill):
+async def test_send_blocks_naming_an_old_epoch_is_refused_by_the_prefill_side(
+    prefill: PrefillProcess,
+) -> None:
     """A decode side that skipped its own check is still refused by the prefill worker's
     lease table."""
-    handle = prefill.park(_rid(), num_tokens=4)
+    handle = prefill.park(num_tokens=4)
     answer = await ask_bare(
         prefill, request_id=handle.request_id, epoch=prefill.epoch - 1, lease_id=handle.lease_id,
         src_block_ids=handle.block_ids, dst_block_ids=(0,),
@@ -157,9 +133,11 @@ async def test_send_blocks_naming_an_old_epoch_is_refused_by_the_prefill_side(pr
     assert prefill.state().parked == 1, "a refused handle frees nothing"
 
 
-async def test_expired_lease_is_refused_by_the_prefill_side_and_its_blocks_freed(prefill, decode):
+async def test_expired_lease_is_refused_by_the_prefill_side_and_its_blocks_freed(
+    prefill: PrefillProcess, decode: DecodeSide
+) -> None:
     t, pool = decode
-    handle = prefill.park(_rid(), num_tokens=4)
+    handle = prefill.park(num_tokens=4)
     prefill.call("skew", 61.0)  # the prefill worker's lease ran out; the handle claims otherwise
     before = prefill.state()
     with pytest.raises(HandleError, match="expired before the transfer"):
@@ -170,9 +148,11 @@ async def test_expired_lease_is_refused_by_the_prefill_side_and_its_blocks_freed
     assert not pool.any()
 
 
-async def test_handle_with_another_lease_id_is_refused_by_the_prefill_side(prefill, decode):
+async def test_handle_with_another_lease_id_is_refused_by_the_prefill_side(
+    prefill: PrefillProcess, decode: DecodeSide
+) -> None:
     t, pool = decode
-    handle = prefill.park(_rid(), num_tokens=4)
+    handle = prefill.park(num_tokens=4)
     forged = handle.model_copy(update={"lease_id": "0" * 32})
     with pytest.raises(HandleError, match="no KV blocks are parked under this handle") as err:
         await t.pull(forged, [3])
@@ -181,16 +161,17 @@ async def test_handle_with_another_lease_id_is_refused_by_the_prefill_side(prefi
     assert str(handle.block_ids[0]) not in str(err.value)
     assert not pool.any()
     await t.pull(handle, [3])  # the genuine handle is unaffected
-    assert torch.equal(pool[:, 3], pattern()[:, handle.block_ids[0]])
+    assert_landed(pool, handle.block_ids, [3])
 
 
-async def test_handle_of_a_previous_park_of_the_same_request_is_refused(prefill, decode):
+async def test_handle_of_a_previous_park_of_the_same_request_is_refused(
+    prefill: PrefillProcess, decode: DecodeSide
+) -> None:
     t, pool = decode
-    rid = _rid()
-    first = prefill.park(rid, num_tokens=4)
+    first = prefill.park(num_tokens=4)
     await t.pull(first, [3])  # pulled and released
     prefill.wait_state(lambda s: s.parked == 0)
-    second = prefill.park(rid, num_tokens=4)  # same request id parked again (a retry)
+    second = prefill.park(4, first.request_id)  # same request id parked again (a retry)
     with pytest.raises(HandleError, match="no KV blocks are parked under this handle") as err:
         await t.pull(first, [4])
     assert second.lease_id not in str(err.value)
@@ -199,10 +180,10 @@ async def test_handle_of_a_previous_park_of_the_same_request_is_refused(prefill,
 
 
 async def test_block_ids_that_are_not_the_parked_ones_are_refused_by_the_prefill_side(
-    prefill, decode
-):
+    prefill: PrefillProcess, decode: DecodeSide
+) -> None:
     t, pool = decode
-    handle = prefill.park(_rid(), num_tokens=8)
+    handle = prefill.park(num_tokens=8)
     other = tuple(b for b in range(8) if b not in handle.block_ids)[:2]
     with pytest.raises(HandleError, match="blocks asked for .* are not the handle's") as err:
         await t.pull(handle.model_copy(update={"block_ids": other}), [3, 4])
@@ -211,9 +192,11 @@ async def test_block_ids_that_are_not_the_parked_ones_are_refused_by_the_prefill
     assert not pool.any()
 
 
-async def test_block_freed_and_reallocated_after_the_park_is_never_sent(prefill, decode):
+async def test_block_freed_and_reallocated_after_the_park_is_never_sent(
+    prefill: PrefillProcess, decode: DecodeSide
+) -> None:
     t, pool = decode
-    handle = prefill.park(_rid(), num_tokens=8)
+    handle = prefill.park(num_tokens=8)
     stolen = prefill.call("steal", handle.request_id)  # freed, then given to another request
     assert set(handle.block_ids) <= set(stolen)
     with pytest.raises(HandleError, match="a KV block of the handle .* reallocated"):
@@ -222,71 +205,68 @@ async def test_block_freed_and_reallocated_after_the_park_is_never_sent(prefill,
     assert not pool.any(), "not one byte of the other request's blocks arrived"
 
 
-async def test_handle_from_before_a_prefill_restart_is_refused_after_re_handshaking(prefill):
+async def test_handle_from_before_a_prefill_restart_is_refused_after_re_handshaking(
+    prefill: PrefillProcess,
+) -> None:
     """The decode side holds a handshaken session with the old incarnation; the prefill worker
     restarts on the same endpoint with a new epoch; the old handle is refused (the new
     incarnation's handles work)."""
     first = PrefillProcess(prefill.backend, epoch=100)
     port = int(first.endpoint.rsplit(":", 1)[1])
-    pool = empty_pool()
-    t = create_transceiver(
-        cfg(prefill.backend),
-        pool=pool,
-        layout=LAYOUT,
-        worker_id="decode-r",
-        epoch=1,
-        parked=None,
-        key=TEST_KEY,
-    )
     second: PrefillProcess | None = None
     try:
-        await t.start()
-        await t.pull(first.park(_rid(), num_tokens=4), [0])  # session with epoch 100
-        old = first.park(_rid(), num_tokens=4)
-        first.stop()
-        second = PrefillProcess(prefill.backend, epoch=200, port=port)
-        with pytest.raises(HandleError, match=r"epoch 100, but .* serves .* epoch 200"):
-            await t.pull(old, [1])
-        assert not pool[:, 1].any()
-        await t.pull(second.park(_rid(), num_tokens=4), [2])
-        assert pool[:, 2].any()
+        async with decode_side(prefill.backend, worker_id="decode-r") as (t, pool):
+            await t.pull(first.park(num_tokens=4), [0])  # session with epoch 100
+            old = first.park(num_tokens=4)
+            first.stop()
+            second = PrefillProcess(prefill.backend, epoch=200, port=port)
+            with pytest.raises(HandleError, match=r"epoch 100, but .* serves .* epoch 200"):
+                await t.pull(old, [1])
+            assert not pool[:, 1].any()
+            await t.pull(second.park(num_tokens=4), [2])
+            assert pool[:, 2].any()
     finally:
-        await t.close()
         first.stop()
         if second is not None:
             second.stop()
 
 
-def test_handles_name_the_lease_they_were_issued_under(prefill):
-    a, b = prefill.park(_rid(), num_tokens=4), prefill.park(_rid(), num_tokens=4)
+def test_handles_name_the_lease_they_were_issued_under(prefill: PrefillProcess) -> None:
+    a, b = prefill.park(num_tokens=4), prefill.park(num_tokens=4)
     assert isinstance(a, TransferHandle) and a.lease_id != b.lease_id
 
 
 # --- delta transfer: the decode side already holds the leading blocks ---------------------------
 
 
-async def test_delta_pull_moves_only_the_blocks_after_the_skipped_ones(prefill, decode):
+async def test_delta_pull_moves_only_the_blocks_after_the_skipped_ones(
+    prefill: PrefillProcess, decode: DecodeSide
+) -> None:
     t, pool = decode
-    handle = prefill.park(_rid(), num_tokens=10)  # 3 blocks at 4 tokens per block
+    handle = prefill.park(num_tokens=10)  # 3 blocks at 4 tokens per block
     released = prefill.state().released_total
     await t.pull(handle, [20, 21, 22], skip_blocks=2)
-    assert torch.equal(pool[:, 22], pattern()[:, handle.block_ids[2]])
     assert not pool[:, [20, 21]].any(), "the skipped blocks were not sent"
+    assert_landed(pool, handle.block_ids[2:], [22])
     state = prefill.wait_state(lambda s: s.parked == 0)
     assert state.released_total == released + 1 and state.errors == []
 
 
-async def test_delta_pull_that_would_move_nothing_is_refused_before_asking(prefill, decode):
+async def test_delta_pull_that_would_move_nothing_is_refused_before_asking(
+    prefill: PrefillProcess, decode: DecodeSide
+) -> None:
     t, pool = decode
-    handle = prefill.park(_rid(), num_tokens=8)
+    handle = prefill.park(num_tokens=8)
     with pytest.raises(TransferError, match="skipping 2 of 2 blocks"):
         await t.pull(handle, [3, 4], skip_blocks=2)
     assert prefill.state().lookups == 0
     assert not pool.any()
 
 
-async def test_delta_request_naming_blocks_other_than_the_parked_tail_is_refused(prefill):
-    handle = prefill.park(_rid(), num_tokens=12)
+async def test_delta_request_naming_blocks_other_than_the_parked_tail_is_refused(
+    prefill: PrefillProcess,
+) -> None:
+    handle = prefill.park(num_tokens=12)
     answer = await ask_bare(
         prefill, request_id=handle.request_id, epoch=handle.epoch, lease_id=handle.lease_id,
         src_block_ids=handle.block_ids[:2],  # the head, not the tail after the skip

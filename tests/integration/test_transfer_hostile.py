@@ -20,18 +20,17 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
-from pdserve.transfer import Transceiver, create_transceiver, wire
+from pdserve.protocol import PROTOCOL_VERSION
+from pdserve.transfer import wire
 from pdserve.transfer.admission import MAX_UNPROVEN_PER_HOST
 from pdserve.transfer.auth import dial
-from pdserve.transfer.backend import open_backend
 from pdserve.transfer.control import FRAME_TIMEOUT_S, Connection, split_endpoint
-from pdserve.transfer.formatter import PoolGeometry
-from pdserve.transfer.handshake import LocalSide
 from pdserve.transfer.sender import AUTH_START_S
-from tests.support.kv_peer import LAYOUT, TEST_KEY, PrefillProcess, cfg, empty_pool, pattern
+from tests.support.kv_peer import PrefillProcess
 from tests.support.servers import wait_until
+from tests.support.transfer import LAYOUT, TEST_KEY, assert_landed
+from tests.support.transfer_inproc import DecodeSide, bare_side, decode_side
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -52,15 +51,9 @@ def _fresh_prefill(prefill: PrefillProcess) -> None:
 
 
 @pytest.fixture
-async def decode() -> AsyncIterator[tuple[Transceiver, torch.Tensor]]:
-    pool = empty_pool()
-    t = create_transceiver(
-        cfg("tcp"), pool=pool, layout=LAYOUT, worker_id="decode-ok", epoch=1, parked=None,
-        key=TEST_KEY,
-    )  # fmt: skip
-    await t.start()
-    yield t, pool
-    await t.close()
+async def decode() -> AsyncIterator[DecodeSide]:
+    async with decode_side("tcp", worker_id="decode-ok") as side:
+        yield side
 
 
 def rss_mib(pid: int, field: str = "VmRSS") -> float:
@@ -72,13 +65,27 @@ def rss_mib(pid: int, field: str = "VmRSS") -> float:
     raise AssertionError(f"no {field} for pid {pid}")
 
 
-async def pull_completes(prefill: PrefillProcess, decode: tuple[Transceiver, torch.Tensor]) -> str:
+def unread_bytes(endpoint: str, conns: list[Connection]) -> int | None:
+    """Bytes the worker at ``endpoint`` has yet to read from ``conns`` (the receive queues of
+    its ends, from ``/proc/net/tcp``); None while it has not accepted all of them."""
+    port = split_endpoint(endpoint)[1]
+    ours = {conn.sock.getsockname()[1] for conn in conns}
+    found, queued = 0, 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        _, local, remote, _, queues, *_ = line.split()
+        if int(local.rsplit(":", 1)[1], 16) == port and int(remote.rsplit(":", 1)[1], 16) in ours:
+            found += 1
+            queued += int(queues.split(":")[1], 16)
+    return queued if found == len(conns) else None
+
+
+async def pull_completes(prefill: PrefillProcess, decode: DecodeSide) -> str:
     """A correct decode worker's pull of freshly parked blocks lands intact; returns its lease
     id (so a test can check the attacker never saw it)."""
     t, pool = decode
-    handle = prefill.park(f"ok-{uuid.uuid4().hex[:6]}", num_tokens=8)
+    handle = prefill.park(8, f"ok-{uuid.uuid4().hex[:6]}")
     await t.pull(handle, [3, 4])
-    assert torch.equal(pool[:, [3, 4]], pattern()[:, list(handle.block_ids)])
+    assert_landed(pool, handle.block_ids, [3, 4])
     return handle.lease_id
 
 
@@ -116,16 +123,22 @@ def frame(payload: dict[str, object]) -> bytes:
     return wire.HEADER.pack(len(body)) + body
 
 
-async def test_frame_headers_announcing_16_mib_allocate_nothing_up_front(prefill, decode):
+async def test_frame_headers_announcing_16_mib_allocate_nothing_up_front(
+    prefill: PrefillProcess, decode: DecodeSide
+) -> None:
     """Authenticated peers announce 16 MiB control frames and send 100 bytes of each: the
     worker buffers what arrived, not what was announced, and drops each connection once the
     frame has not completed within the frame timeout."""
-    before = rss_mib(prefill.proc.pid, "VmSize")
+    before = rss_mib(prefill.pid, "VmSize")
     conns = [await authenticated(prefill.endpoint) for _ in range(40)]  # 640 MiB announced
     for conn in conns:
         conn.sock.send(wire.HEADER.pack(wire.MAX_FRAME_BYTES) + b"{" + b" " * 99)
-    await asyncio.sleep(0.5)
-    grown = rss_mib(prefill.proc.pid, "VmSize") - before
+    await wait_until(
+        lambda: unread_bytes(prefill.endpoint, conns) == 0,
+        10.0,
+        what="the worker to read every byte sent (where it would allocate up front)",
+    )
+    grown = rss_mib(prefill.pid, "VmSize") - before
     lease = await pull_completes(prefill, decode)
     t0 = time.monotonic()
     answers = await asyncio.gather(*(read_until_closed(c, FRAME_TIMEOUT_S + 10) for c in conns))
@@ -135,11 +148,13 @@ async def test_frame_headers_announcing_16_mib_allocate_nothing_up_front(prefill
     await pull_completes(prefill, decode)
 
 
-async def test_a_thousand_connections_from_one_host_are_capped(prefill, decode):
+async def test_a_thousand_connections_from_one_host_are_capped(
+    prefill: PrefillProcess, decode: DecodeSide
+) -> None:
     """Beyond MAX_UNPROVEN_PER_HOST unauthenticated connections from one address, the worker
     evicts the oldest (before reading a byte of it); the rest close at the authentication
     start deadline; a decode worker at another address is served."""
-    before = rss_mib(prefill.proc.pid)
+    before = rss_mib(prefill.pid)
     conns = await asyncio.gather(*(attacker(prefill.endpoint) for _ in range(1000)))
     try:
         lease = await pull_completes(prefill, decode)  # during the flood
@@ -147,7 +162,7 @@ async def test_a_thousand_connections_from_one_host_are_capped(prefill, decode):
             lambda s: s.auth_failures >= 1000 - MAX_UNPROVEN_PER_HOST, timeout=60
         )  # generous: a burst past the listen backlog waits for the kernel's SYN-ACK retries
         assert state.lookups == 1 and state.peers_added == 1, "only the decode worker got in"
-        grown = rss_mib(prefill.proc.pid) - before
+        grown = rss_mib(prefill.pid) - before
         assert grown < 64, f"{grown:.0f} MiB for 1000 connections"
         prefill.wait_state(lambda s: s.auth_failures == 1000, timeout=AUTH_START_S + 10)
     finally:
@@ -166,7 +181,9 @@ def still_open(conn: Connection) -> bool:
         return False
 
 
-async def test_a_silent_flood_from_the_decode_workers_own_address_does_not_starve_it(prefill):
+async def test_a_silent_flood_from_the_decode_workers_own_address_does_not_starve_it(
+    prefill: PrefillProcess,
+) -> None:
     """300 connections that never authenticate, from the address the decode worker dials
     from: they hold at most MAX_UNPROVEN_PER_HOST unproven slots (older ones are evicted), none
     outlives the authentication start deadline, and every pull the decode worker makes
@@ -185,15 +202,8 @@ async def test_a_silent_flood_from_the_decode_workers_own_address_does_not_starv
         leases = []
         for _ in range(3):
             # A decode transceiver of its own each time: every pull dials into the flood.
-            pool = empty_pool()
-            t = create_transceiver(
-                cfg("tcp"), pool=pool, layout=LAYOUT, worker_id="decode-ok", epoch=1,
-                parked=None, key=TEST_KEY,
-            )  # fmt: skip
-            try:
-                leases.append(await pull_completes(prefill, (t, pool)))
-            finally:
-                await t.close()
+            async with decode_side("tcp", worker_id="decode-ok") as decode:
+                leases.append(await pull_completes(prefill, decode))
             flood += [await silent() for _ in range(100)]
         prefill.wait_state(lambda s: s.auth_failures >= len(flood) - MAX_UNPROVEN_PER_HOST)
         # The evictions' closes reach this side well before the held ones' 2 s deadline.
@@ -210,12 +220,14 @@ async def test_a_silent_flood_from_the_decode_workers_own_address_does_not_starv
             conn.close()
 
 
-async def test_a_hello_with_an_absurd_layout_is_refused_before_any_allocation(prefill, decode):
+async def test_a_hello_with_an_absurd_layout_is_refused_before_any_allocation(
+    prefill: PrefillProcess, decode: DecodeSide
+) -> None:
     """A proven peer says it has 2**20 tokens per block (a converting formatter would stage
     tens of GB for it) or 2**40 blocks: the Hello fails validation, the connection closes."""
-    before = rss_mib(prefill.proc.pid)
+    before = rss_mib(prefill.pid)
     hello = {
-        "type": "hello", "protocol_version": wire.PROTOCOL_VERSION, "worker_id": "decode-hostile",
+        "type": "hello", "protocol_version": PROTOCOL_VERSION, "worker_id": "decode-hostile",
         "epoch": 1, "layout": {**LAYOUT.model_dump(), "tokens_per_block": 1 << 20},
         "backend": "tcp", "num_blocks": 4,
     }  # fmt: skip
@@ -225,13 +237,15 @@ async def test_a_hello_with_an_absurd_layout_is_refused_before_any_allocation(pr
         assert await read_until_closed(conn, 10) == b""
     errors = prefill.wait_state(lambda s: len(s.errors) == 2).errors
     assert "tokens_per_block" in errors[0][1] and "num_blocks" in errors[1][1], errors
-    assert rss_mib(prefill.proc.pid) - before < 64
+    assert rss_mib(prefill.pid) - before < 64
     state = prefill.state()
     assert state.peers_added == 0 and state.lookups == 0
     await pull_completes(prefill, decode)
 
 
-async def test_a_probe_before_the_handshake_gets_no_byte(prefill, decode):
+async def test_a_probe_before_the_handshake_gets_no_byte(
+    prefill: PrefillProcess, decode: DecodeSide
+) -> None:
     conn = await attacker(prefill.endpoint)
     conn.sock.send(wire.encode(wire.Probe(nbytes=wire.PROBE_MAX_BYTES)))
     assert await read_until_closed(conn, 15) == b""
@@ -239,36 +253,33 @@ async def test_a_probe_before_the_handshake_gets_no_byte(prefill, decode):
     await pull_completes(prefill, decode)
 
 
-async def test_a_release_without_the_lease_frees_nothing_and_leaks_nothing(prefill, decode):
+async def test_a_release_without_the_lease_frees_nothing_and_leaks_nothing(
+    prefill: PrefillProcess, decode: DecodeSide
+) -> None:
     """A proven peer past the handshake knows a parked request's id (ids are logged) but not
     its lease: a Release with a guessed lease id frees nothing, one without a lease id is
     malformed (the connection closes), and the parked blocks still reach their decode worker."""
     t, pool = decode
-    handle = prefill.park("victim", num_tokens=8)
-    ours = empty_pool()
-    geometry = PoolGeometry.from_pool(ours, LAYOUT)
-    backend = open_backend(
-        cfg("tcp"), pool=ours, geometry=geometry, agent_name=f"h-{uuid.uuid4().hex}"
-    )
-    conn = await attacker(prefill.endpoint)
-    try:
-        await LocalSide("decode-hostile", 1, LAYOUT, geometry, backend, key=TEST_KEY).connect(conn)
-        await conn.send(wire.Release(request_id="victim", lease_id=uuid.uuid4().hex))
-        await conn.send(
-            wire.SendBlocks(
-                request_id="victim", epoch=handle.epoch, lease_id=uuid.uuid4().hex,
-                transfer_id="t-guess", src_block_ids=handle.block_ids, dst_block_ids=(0, 1),
-            )
-        )  # fmt: skip
-        refusal = await conn.recv()
-        assert isinstance(refusal, wire.TransferFailed) and refusal.code == "kv_handle_invalid"
-        conn.sock.send(frame({"type": "release", "request_id": "victim"}))
-        received = refusal.model_dump_json().encode() + await read_until_closed(conn, 10)
-    finally:
-        conn.close()
-        backend.close()
+    handle = prefill.park(8, "victim")
+    with bare_side("tcp", worker_id="decode-hostile") as (local, _):
+        conn = await attacker(prefill.endpoint)
+        try:
+            await local.connect(conn)
+            await conn.send(wire.Release(request_id="victim", lease_id=uuid.uuid4().hex))
+            await conn.send(
+                wire.SendBlocks(
+                    request_id="victim", epoch=handle.epoch, lease_id=uuid.uuid4().hex,
+                    transfer_id="t-guess", src_block_ids=handle.block_ids, dst_block_ids=(0, 1),
+                )
+            )  # fmt: skip
+            refusal = await conn.recv()
+            assert isinstance(refusal, wire.TransferFailed) and refusal.code == "kv_handle_invalid"
+            conn.sock.send(frame({"type": "release", "request_id": "victim"}))
+            received = refusal.model_dump_json().encode() + await read_until_closed(conn, 10)
+        finally:
+            conn.close()
     assert handle.lease_id.encode() not in received
     assert json.dumps(list(handle.block_ids)).encode() not in received
     assert prefill.state().parked == 1, "the victim's blocks are still parked"
     await t.pull(handle, [5, 6])
-    assert torch.equal(pool[:, [5, 6]], pattern()[:, list(handle.block_ids)])
+    assert_landed(pool, handle.block_ids, [5, 6])

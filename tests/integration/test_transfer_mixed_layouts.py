@@ -10,8 +10,7 @@ decode pool is then compared with the prefill pool token by token.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from multiprocessing.connection import Connection as Pipe
 from typing import Any
 
@@ -22,10 +21,19 @@ from pdserve.errors import LayoutMismatchError
 from pdserve.protocol import KVLayout, TransferHandle
 from pdserve.settings import TransferSettings
 from pdserve.transfer import Transceiver, create_transceiver
+from pdserve.workers.kv.manager import blocks_for_tokens
 from pdserve.workers.roles.parking import ParkedBlocks
-from tests.support.kv_peer import TEST_KEY
 from tests.support.servers import wait_until_sync
-from tests.support.transfer import BACKENDS
+from tests.support.transfer import (
+    BACKENDS,
+    TEST_KEY,
+    SpawnedPeer,
+    backend_cfg,
+    random_pool,
+    serve_commands,
+    token_kv,
+)
+from tests.support.transfer_inproc import DecodeSide, decode_transceiver
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -41,33 +49,7 @@ EPOCH = 11
 
 
 def _cfg(backend: str) -> TransferSettings:
-    return TransferSettings.model_validate(
-        {"backend": backend, "ucx_devices": "lo", "timeout_s": 20}
-    )
-
-
-def _pool(layout: KVLayout, *, seed: int | None = None) -> torch.Tensor:
-    """``NUM_BLOCKS`` blocks of ``layout``: seeded random K/V (the same in every process), or
-    zeros."""
-    shape = (
-        layout.num_layers,
-        NUM_BLOCKS,
-        2,
-        layout.tokens_per_block,
-        layout.num_kv_heads,
-        layout.head_dim,
-    )
-    if seed is None:
-        return torch.zeros(shape, dtype=getattr(torch, layout.dtype))
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=gen).to(getattr(torch, layout.dtype))
-
-
-def _tokens(pool: torch.Tensor, block_ids: list[int], num_tokens: int) -> torch.Tensor:
-    """K/V of a request's first ``num_tokens`` tokens: ``[L, 2, num_tokens, kvh, hd]``."""
-    L, _, _, tpb, kvh, hd = pool.shape
-    seq = pool[:, block_ids].permute(0, 2, 1, 3, 4, 5).reshape(L, 2, len(block_ids) * tpb, kvh, hd)
-    return seq[:, :, :num_tokens]
+    return backend_cfg(backend, timeout_s=20)
 
 
 def _prefill_process(pipe: Pipe, backend: str) -> None:
@@ -82,7 +64,7 @@ async def _prefill_main(pipe: Pipe, backend: str) -> None:
         parked[name] = ParkedBlocks(epoch=EPOCH, lease_s=60, free_blocks=lambda rid: None)
         transceivers[name] = t = create_transceiver(
             _cfg(backend),
-            pool=_pool(layout, seed=seed),
+            pool=random_pool(layout, NUM_BLOCKS, seed),
             layout=layout,
             worker_id=f"prefill-{name}",
             epoch=EPOCH,
@@ -90,42 +72,34 @@ async def _prefill_main(pipe: Pipe, backend: str) -> None:
             key=TEST_KEY,
         )
         await t.start()
-    pipe.send({name: (t.endpoint, t.backend) for name, t in transceivers.items()})
-    loop = asyncio.get_running_loop()
-    while True:
-        cmd, *args = await loop.run_in_executor(None, pipe.recv)
+
+    async def command(cmd: str, args: list[Any]) -> object:
         if cmd == "park":
             name, request_id, block_ids, num_tokens = args
             lease = parked[name].park(request_id, block_ids, num_tokens)
-            pipe.send((lease.lease_id, lease.deadline))
-        elif cmd == "state":
-            name = args[0]
-            errors = [(type(e).__name__, e.message) for e in transceivers[name].recent_errors]
-            pipe.send((len(parked[name]), errors))
-        elif cmd == "stop":
-            break
+            return lease.lease_id, lease.deadline
+        assert cmd == "state", cmd
+        name = args[0]
+        errors = [(type(e).__name__, e.message) for e in transceivers[name].recent_errors]
+        return len(parked[name]), errors
+
+    endpoints = {name: (t.endpoint, t.backend) for name, t in transceivers.items()}
+    await serve_commands(pipe, endpoints, command)
     for t in transceivers.values():
         await t.close()
 
 
-class Prefill:
+class Prefill(SpawnedPeer):
     """Handle on the spawned prefill process (one per backend)."""
 
     def __init__(self, backend: str):
-        ctx = mp.get_context("spawn")
-        self._pipe, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_prefill_process, args=(child, backend), daemon=True)
-        self.proc.start()
-        if not self._pipe.poll(60):
-            raise RuntimeError("prefill process did not start")
-        self.endpoints: dict[str, tuple[str, str]] = self._pipe.recv()
+        super().__init__(_prefill_process, backend)
+        self.endpoints: dict[str, tuple[str, str]] = self.greeting
         self.backend = next(iter(self.endpoints.values()))[1]
 
-    def call(self, *cmd: Any) -> Any:
-        self._pipe.send(cmd)
-        return self._pipe.recv()
-
-    def park(self, name: str, request_id: str, block_ids: list[int], num_tokens: int):
+    def park(
+        self, name: str, request_id: str, block_ids: list[int], num_tokens: int
+    ) -> TransferHandle:
         """Park ``block_ids`` of the ``name`` transceiver; returns the handle a router passes."""
         lease_id, deadline = self.call("park", name, request_id, block_ids, num_tokens)
         return TransferHandle(
@@ -144,7 +118,7 @@ class Prefill:
     def expected(self, name: str, block_ids: list[int], num_tokens: int) -> torch.Tensor:
         """What the prefill pool ``name`` holds for those blocks (regenerated from its seed)."""
         seed = list(PREFILL_LAYOUTS).index(name)
-        return _tokens(_pool(PREFILL_LAYOUTS[name], seed=seed), block_ids, num_tokens)
+        return token_kv(random_pool(PREFILL_LAYOUTS[name], NUM_BLOCKS, seed), block_ids, num_tokens)
 
     def wait_released(self, name: str, timeout: float = 5.0) -> int:
         """How many requests stay parked in pool ``name`` once none does (AssertionError after
@@ -157,13 +131,6 @@ class Prefill:
         )
         return int(self.call("state", name)[0])
 
-    def stop(self) -> None:
-        self._pipe.send(("stop",))
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
-
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def prefill(request: pytest.FixtureRequest) -> Iterator[Prefill]:
@@ -172,35 +139,22 @@ def prefill(request: pytest.FixtureRequest) -> Iterator[Prefill]:
     peer.stop()
 
 
-class Decode:
-    def __init__(self, transceiver: Transceiver, pool: torch.Tensor, layout: KVLayout):
-        self.t, self.pool, self.layout = transceiver, pool, layout
-
-    def tokens(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
-        return _tokens(self.pool, block_ids, num_tokens)
+DecodeFactory = Callable[[KVLayout], Awaitable[DecodeSide]]
+"""Opens a decode side of a layout (closed after the test)."""
 
 
 @pytest.fixture
-async def decode_factory(prefill: Prefill) -> AsyncIterator[Any]:
+async def decode_factory(prefill: Prefill) -> AsyncIterator[DecodeFactory]:
     made: list[Transceiver] = []
 
-    async def make(layout: KVLayout) -> Decode:
-        pool = _pool(layout)
-        t = create_transceiver(
-            _cfg(prefill.backend), pool=pool, layout=layout, worker_id="decode-0", epoch=1,
-            parked=None, key=TEST_KEY
-        )  # fmt: skip
-        made.append(t)
-        await t.start()
-        return Decode(t, pool, layout)
+    async def make(layout: KVLayout) -> DecodeSide:
+        side = await decode_transceiver(_cfg(prefill.backend), layout, NUM_BLOCKS)
+        made.append(side.transceiver)
+        return side
 
     yield make
     for t in made:
         await t.close()
-
-
-def _blocks(num_tokens: int, tpb: int) -> int:
-    return -(-num_tokens // tpb)
 
 
 @pytest.mark.parametrize(
@@ -213,40 +167,48 @@ def _blocks(num_tokens: int, tpb: int) -> int:
     ],
 )
 async def test_mixed_layouts_land_every_token_in_the_decode_layout(
-    prefill, decode_factory, src, dst_layout, num_tokens
-):
+    prefill: Prefill, decode_factory: DecodeFactory, src: str, dst_layout: KVLayout, num_tokens: int
+) -> None:
     decode = await decode_factory(dst_layout)
-    src_ids = [40, 3, 17, 18, 60][: _blocks(num_tokens, PREFILL_LAYOUTS[src].tokens_per_block)]
-    dst_ids = [9, 2, 30, 31, 5][: _blocks(num_tokens, dst_layout.tokens_per_block)]
-    await decode.t.pull(prefill.park(src, f"m-{src}-{num_tokens}", src_ids, num_tokens), dst_ids)
+    src_ids = [40, 3, 17, 18, 60][
+        : blocks_for_tokens(num_tokens, PREFILL_LAYOUTS[src].tokens_per_block)
+    ]
+    dst_ids = [9, 2, 30, 31, 5][: blocks_for_tokens(num_tokens, dst_layout.tokens_per_block)]
+    await decode.transceiver.pull(
+        prefill.park(src, f"m-{src}-{num_tokens}", src_ids, num_tokens), dst_ids
+    )
     expected = prefill.expected(src, src_ids, num_tokens).to(decode.pool.dtype)
-    assert torch.equal(decode.tokens(dst_ids, num_tokens), expected)
+    assert torch.equal(token_kv(decode.pool, dst_ids, num_tokens), expected)
     untouched = [b for b in range(NUM_BLOCKS) if b not in dst_ids]
     assert not decode.pool[:, untouched].any()
     assert prefill.wait_released(src) == 0
 
 
 async def test_concurrent_and_growing_converting_sends_land_in_their_own_blocks(
-    prefill, decode_factory
-):
+    prefill: Prefill, decode_factory: DecodeFactory
+) -> None:
     decode = await decode_factory(F32_32)
     # Three at once (one staging buffer each), then one far larger (the buffer grows).
     jobs = {"c1": ([0, 1, 2], [0, 1], 33), "c2": ([5], [4], 16), "c3": ([7, 9], [6], 20)}
     handles = {rid: prefill.park("f32-16", rid, s, n) for rid, (s, _, n) in jobs.items()}
-    await asyncio.gather(*(decode.t.pull(handles[rid], d) for rid, (_, d, _) in jobs.items()))
+    pulls = (decode.transceiver.pull(handles[rid], d) for rid, (_, d, _) in jobs.items())
+    await asyncio.gather(*pulls)
     big_src, big_dst = list(range(20, 84)), list(range(10, 42))  # 1024 tokens, 3 MiB staged
     jobs["big"] = (big_src, big_dst, 1024)
-    await decode.t.pull(prefill.park("f32-16", "big", big_src, 1024), big_dst)
+    await decode.transceiver.pull(prefill.park("f32-16", "big", big_src, 1024), big_dst)
     for src_ids, dst_ids, n in jobs.values():
-        assert torch.equal(decode.tokens(dst_ids, n), prefill.expected("f32-16", src_ids, n))
+        landed = token_kv(decode.pool, dst_ids, n)
+        assert torch.equal(landed, prefill.expected("f32-16", src_ids, n))
     assert prefill.wait_released("f32-16") == 0
 
 
-async def test_unmappable_layout_is_refused_at_handshake_on_both_sides(prefill, decode_factory):
+async def test_unmappable_layout_is_refused_at_handshake_on_both_sides(
+    prefill: Prefill, decode_factory: DecodeFactory
+) -> None:
     decode = await decode_factory(F32_16.model_copy(update={"num_kv_heads": 4}))
     handle = prefill.park("bf16-16", "u1", [1], 10)
     with pytest.raises(LayoutMismatchError, match="num_kv_heads: 2 != 4"):
-        await decode.t.pull(handle, [1])
+        await decode.transceiver.pull(handle, [1])
     assert not decode.pool.any()
     _, errors = prefill.call("state", "bf16-16")
     assert any(name == "LayoutMismatchError" and "num_kv_heads" in msg for name, msg in errors)

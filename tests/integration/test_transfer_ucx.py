@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,20 +14,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pdserve.errors import TransferError
-from pdserve.transfer import create_transceiver
-from tests.support.kv_peer import TEST_KEY
 from tests.support.stack import Stack, start_stack
-from tests.support.transfer import (
-    BIG,
-    BIG_BLOCKS,
-    LAYOUT,
-    PrefillPeer,
-    assert_landed,
-    backend_cfg,
-    decode_transceiver,
-    zeros_pool,
-)
+from tests.support.transfer import LAYOUT, PrefillPeer, assert_landed
+from tests.support.transfer_inproc import assert_pull_fails_fast_when_the_peer_dies, decode_side
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -43,45 +31,25 @@ def tcp_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("UCX_TLS", "tcp")
 
 
-async def test_pulls_over_tcp_as_between_hosts_land_every_byte(tcp_only):
+async def test_pulls_over_tcp_as_between_hosts_land_every_byte(tcp_only: None) -> None:
     peer = PrefillPeer("ucx")
-    t, pool = await decode_transceiver("ucx")
     try:
-        pairs = {"h1": ([3, 4, 5, 9], [10, 11, 0, 2]), "h2": ([12, 13], [5, 6]), "h3": ([1], [15])}
-        handles = {rid: peer.park(rid, src) for rid, (src, _) in pairs.items()}
-        await asyncio.gather(*(t.pull(handles[rid], dst) for rid, (_, dst) in pairs.items()))
-        srcs = [b for src, _ in pairs.values() for b in src]
-        dsts = [b for _, dst in pairs.values() for b in dst]
-        assert_landed(pool, srcs, dsts, LAYOUT)
-        assert set(pairs) <= set(peer.wait_released("h3"))
+        async with decode_side("ucx") as (t, pool):
+            pairs = {
+                "h1": ([3, 4, 5, 9], [10, 11, 0, 2]), "h2": ([12, 13], [5, 6]), "h3": ([1], [15])
+            }  # fmt: skip
+            handles = {rid: peer.park(rid, src) for rid, (src, _) in pairs.items()}
+            await asyncio.gather(*(t.pull(handles[rid], dst) for rid, (_, dst) in pairs.items()))
+            srcs = [b for src, _ in pairs.values() for b in src]
+            dsts = [b for _, dst in pairs.values() for b in dst]
+            assert_landed(pool, srcs, dsts, LAYOUT)
+            assert set(pairs) <= set(peer.wait_released("h3"))
     finally:
-        await t.close()
         peer.stop()
 
 
-async def test_peer_dying_mid_transfer_over_tcp_raises_transfer_error(tcp_only):
-    peer = PrefillPeer("ucx", layout=BIG, num_blocks=BIG_BLOCKS)
-    pool = zeros_pool(BIG, BIG_BLOCKS)
-    t = create_transceiver(
-        backend_cfg("ucx"),
-        pool=pool,
-        layout=BIG,
-        worker_id="decode-1",
-        epoch=1,
-        parked=None,
-        key=TEST_KEY,
-    )
-    try:
-        await t.start()
-        handle = peer.park("d1", list(range(BIG_BLOCKS)))
-        peer.call("die", "d1", 0.005)  # sends posted, 48 MiB on the way
-        started = time.monotonic()
-        with pytest.raises(TransferError, match="closed the connection|lost"):
-            await t.pull(handle, list(range(BIG_BLOCKS)))
-        assert time.monotonic() - started < 5
-    finally:
-        await t.close()
-        peer.stop()
+async def test_peer_dying_mid_transfer_over_tcp_raises_transfer_error(tcp_only: None) -> None:
+    await assert_pull_fails_fast_when_the_peer_dies("ucx", 0.005)  # sends posted, 48 MiB on the way
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,16 @@ from here (never from one another).
 - ``servers``: etcd / NATS servers really started, ``wait_until``, ``free_port``, uvicorn
   helpers; ``pki``: certificates for TLS tests; ``netns``: network-namespace hosts
 - ``stack``: a real stack (router + worker processes) on the product's supervisor
-- ``engine``: engine construction and completion helpers; ``kv_peer``: a prefill transfer peer
-  in a process of its own; ``cuda_peer``: its CUDA variant; ``kv_connector_child``: a worker
+- ``engine``: engine construction and completion helpers; ``kv_connector_child``: a worker
   engine in a child process (KV tiers across restarts); ``discovery_backends``: the discovery
   contract's backends and records
+- the transfer rig: ``transfer`` (what every transfer test shares: the backends under test,
+  keys, layout, settings, pools, the checks of what landed, a peer spawned behind a pipe, and
+  ``PrefillPeer``, a prefill side with fault levers in a process); ``transfer_inproc`` (both
+  sides in the test's process: ``LocalPrefill`` with the real KV manager and lease table, the
+  decode side, a bare side for wire-level tests, a serving transceiver); ``kv_peer``
+  (``LocalPrefill`` in a process of its own, with levers and counters; fixture
+  ``prefill_process``); ``cuda_peer``: the GPU tests' peer
 - ``chaos``: the fault harness against ``pdserve up``; ``podman_stack``: compose stacks under
-  podman; ``transfer``: the transfer backends under test
+  podman
 """

@@ -1,9 +1,9 @@
 """A prefill worker's transfer side in its own process, with the real parked-block table.
 
-:class:`PrefillProcess` spawns a process that runs what a prefill worker runs on the transfer
-path, minus the model: a real :class:`~pdserve.workers.kv.manager.KVCacheManager` (its pool
-filled with a known pattern), a real :class:`~pdserve.workers.roles.parking.ParkedBlocks` wired to the
-manager's block generations, and a real transceiver. The test process plays the decode worker.
+:class:`PrefillProcess` spawns a process that runs the in-process rig's prefill side
+(:class:`tests.support.transfer_inproc.LocalPrefill`: a real KV cache manager whose pool holds
+the pattern, the real ``ParkedBlocks`` wired to its block generations, a real transceiver);
+the test process plays the decode worker.
 
 The child's cluster secret is a constructor argument (default: the suite's; another one plays a
 prefill worker of another deployment, or an impostor). Its state reports what an authentication
@@ -11,67 +11,33 @@ test must see untouched: backend peers added (``Backend.add_peer``, which is NIX
 ``add_remote_agent`` / UCX's endpoint), lease lookups, and refused connections.
 
 Test-only levers, all applied inside the child by commands on a pipe (none is a production
-flag): a clock skew for the lease table (expire leases without waiting), an ownership bug that
-frees parked blocks and hands them to another request (``steal``), and a one-shot fault hook that
-flips one byte of the source right after the sender digested it and before the backend moves it
-(``corrupt_next``, a monkeypatch of ``BlockDigester.source``; it works the same on every backend).
+flag): the ``LocalPrefill`` ones (``skew``: expire leases without waiting; ``steal``: an
+ownership bug; ``reset``), the lease table's ``reap``, and a one-shot fault hook that flips one
+byte of the source right after the sender digested it and before the backend moves it
+(``corrupt_next``, a monkeypatch of ``BlockDigester.source``; it works the same on every
+backend).
+
+Fixture ``prefill_process``: a peer per transfer backend, shared by a test module's tests.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import multiprocessing as mp
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection as Pipe
 from typing import Any
 
-import torch
+import pytest
 
-from pdserve.protocol import KVLayout, TransferHandle
+from pdserve.protocol import TransferHandle
 from pdserve.security import ClusterKey
-from pdserve.settings import TransferSettings
 from tests.support.fakes import TEST_SECRET
 from tests.support.servers import wait_until_sync
+from tests.support.transfer import BACKENDS, SpawnedPeer, backend_cfg, serve_commands
+from tests.support.transfer_inproc import LocalPrefill
 
-TEST_KEY = ClusterKey(TEST_SECRET.encode())
-"""The key of every transceiver in the transfer tests (this module's spawned peers included),
-from the suite's cluster secret."""
-OTHER_SECRET = "another-deployment-secret-0123456789abcdef"
-OTHER_KEY = ClusterKey(OTHER_SECRET.encode())
-"""A different, equally valid secret: a peer of another deployment, or an attacker's guess."""
-
-LAYOUT = KVLayout(
-    model="tiny-test", num_layers=3, num_kv_heads=2, head_dim=8, tokens_per_block=4, dtype="float32"
-)
-NUM_BLOCKS = 32
 PREFILL_ID = "prefill-fenced"
-
-
-def cfg(backend: str, *, integrity: bool = True, port: int = 0, timeout_s: float = 10.0) -> Any:
-    return TransferSettings.model_validate(
-        {
-            "backend": backend,
-            "ucx_devices": "lo",
-            "integrity": integrity,
-            "port": port,
-            "timeout_s": timeout_s,
-        }
-    )
-
-
-def pattern(num_blocks: int = NUM_BLOCKS) -> torch.Tensor:
-    """The prefill pool's content: every element distinct (exact in float32 below 2**24)."""
-    pool = empty_pool(num_blocks)
-    pool.view(-1).copy_(torch.arange(pool.numel(), dtype=torch.float32) % (1 << 24) + 1)
-    return pool
-
-
-def empty_pool(num_blocks: int = NUM_BLOCKS) -> torch.Tensor:
-    shape = (LAYOUT.num_layers, num_blocks, 2, LAYOUT.tokens_per_block, LAYOUT.num_kv_heads)
-    return torch.zeros((*shape, LAYOUT.head_dim), dtype=torch.float32)
 
 
 @dataclass(frozen=True)
@@ -94,31 +60,16 @@ def _child(pipe: Pipe, backend: str, epoch: int, port: int, secret: str) -> None
 
 
 async def _serve(pipe: Pipe, backend: str, epoch: int, port: int, secret: str) -> None:
-    from pdserve.transfer import create_transceiver, integrity
+    from pdserve.transfer import integrity
     from pdserve.transfer.formatter import pool_bytes
-    from pdserve.workers.kv.manager import KVCacheManager
-    from pdserve.workers.roles.parking import ParkedBlocks
 
-    kv = KVCacheManager(LAYOUT, NUM_BLOCKS)
-    kv.pool.copy_(pattern())
-    skew = [0.0]
-    parked = ParkedBlocks(
-        epoch=epoch,
-        lease_s=60.0,
-        free_blocks=kv.free,
-        generations=kv.generations,
-        send_grace_s=0.0,
-        clock=lambda: time.time() + skew[0],
-    )
-    t = create_transceiver(
-        cfg(backend, port=port),
-        pool=kv.pool,
-        layout=LAYOUT,
+    prefill = LocalPrefill(
+        backend_cfg(backend, port=port),
         worker_id=PREFILL_ID,
         epoch=epoch,
-        parked=parked,
         key=ClusterKey(secret.encode()),
     )
+    t, parked = prefill.transceiver, prefill.parked
     counts = {"add_peer": 0, "lookup": 0}
 
     def counted(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
@@ -141,24 +92,18 @@ async def _serve(pipe: Pipe, backend: str, epoch: int, port: int, secret: str) -
         if corrupt[0]:
             corrupt[0] = False
             assert plan.source is None, "the hook corrupts the pool (identity layouts)"
-            pool_bytes(kv.pool)[int(plan.src_offsets[0] + plan.lengths[0] // 2)] ^= 0x10
+            pool_bytes(prefill.kv.pool)[int(plan.src_offsets[0] + plan.lengths[0] // 2)] ^= 0x10
         return digests
 
     integrity.BlockDigester.source = source  # type: ignore[method-assign]
 
     async def command(cmd: str, args: list[Any]) -> Any:
         if cmd == "park":
-            request_id, num_tokens = args
-            blocks = kv.allocate(request_id, num_tokens)
-            lease = parked.park(request_id, blocks, num_tokens)
-            return blocks, lease.lease_id, lease.deadline - skew[0]
-        if cmd == "steal":  # an ownership bug: the parked blocks go to another request
-            kv.free(args[0])
-            stolen = kv.allocate(f"thief-{args[0]}", kv.get_num_free_blocks() * 4)
-            kv.pool[:, stolen] = -1.0
-            return stolen
+            return prefill.park(args[0], request_id=args[1])
+        if cmd == "steal":
+            return prefill.steal(args[0])
         if cmd == "skew":  # the lease table's clock runs ahead (leases expire; no reaper runs)
-            skew[0] = args[0]
+            prefill.skew = args[0]
             return None
         if cmd == "reap":
             return parked.reap()
@@ -170,58 +115,37 @@ async def _serve(pipe: Pipe, backend: str, epoch: int, port: int, secret: str) -
                 len(parked),
                 parked.released_total,
                 parked.expired_total,
-                kv.get_num_free_blocks(),
+                prefill.kv.get_num_free_blocks(),
                 digested[0],
                 [(type(e).__name__, e.message) for e in t.recent_errors],
                 counts["add_peer"],
                 counts["lookup"],
                 t.auth_failures.total,
             )
-        if cmd == "reset":  # between tests: nothing parked, pattern intact, true clock
-            await parked.close()
-            for holder in kv.holders():
-                kv.free(holder)
-            kv.pool.copy_(pattern())
-            skew[0], corrupt[0] = 0.0, False
-            t.recent_errors.clear()
+        if cmd == "reset":  # between tests
+            await prefill.reset()
+            corrupt[0] = False
             counts.update(add_peer=0, lookup=0)
-            t.auth_failures.total = 0
             return None
         raise ValueError(f"unknown command {cmd!r}")
 
-    await t.start()
-    pipe.send((t.endpoint, t.backend))
-    loop = asyncio.get_running_loop()
-    while (msg := await loop.run_in_executor(None, pipe.recv))[0] != "stop":
-        try:
-            pipe.send(await command(msg[0], list(msg[1:])))
-        except Exception as exc:  # handed to the test, which raises it
-            pipe.send(exc)
-    await t.close()
+    async with prefill:
+        await serve_commands(pipe, (t.endpoint, t.backend), command)
 
 
-class PrefillProcess:
+class PrefillProcess(SpawnedPeer):
     """Handle on a spawned prefill transfer peer (see the module docstring)."""
 
     def __init__(self, backend: str, *, epoch: int = 7, port: int = 0, secret: str = TEST_SECRET):
+        super().__init__(_child, backend, epoch, port, secret)
         self.epoch = epoch
-        ctx = mp.get_context("spawn")
-        self._pipe, child = ctx.Pipe()
-        self.proc = ctx.Process(
-            target=_child, args=(child, backend, epoch, port, secret), daemon=True
-        )
-        self.proc.start()
-        if not self._pipe.poll(60):
-            raise RuntimeError("prefill process did not start")
-        self.endpoint, self.backend = self._pipe.recv()
+        self.endpoint, self.backend = self.greeting
 
-    def call(self, *cmd: Any) -> Any:
-        """Run one command in the child; raises what the command raised there."""
-        self._pipe.send(cmd)
-        answer = self._pipe.recv()
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
+    def reset(self) -> PrefillProcess:
+        """Start over (nothing parked, the pattern intact, the true clock, no recorded errors or
+        counts); returns this peer."""
+        self.call("reset")
+        return self
 
     def wait_state(self, done: Callable[[PeerState], bool], timeout: float = 5.0) -> PeerState:
         """Poll :meth:`state` until ``done`` (Release travels asynchronously after a pull) and
@@ -235,30 +159,21 @@ class PrefillProcess:
         wait_until_sync(reached, timeout, interval_s=0.01, what="the prefill peer's state")
         return seen[-1]
 
-    def park(self, request_id: str, num_tokens: int) -> TransferHandle:
-        """Allocate and park blocks for ``num_tokens`` tokens; the handle a prefill worker
-        would answer with."""
-        blocks, lease_id, deadline = self.call("park", request_id, num_tokens)
-        return TransferHandle(
-            worker_id=PREFILL_ID,
-            epoch=self.epoch,
-            request_id=request_id,
-            lease_id=lease_id,
-            block_ids=tuple(blocks),
-            num_tokens=num_tokens,
-            lease_deadline=deadline,
-            layout=LAYOUT,
-            backend=self.backend,
-            transfer_endpoint=self.endpoint,
-        )
+    def park(self, num_tokens: int, request_id: str | None = None) -> TransferHandle:
+        """:meth:`LocalPrefill.park <tests.support.transfer_inproc.LocalPrefill.park>` in the
+        child: the handle a prefill worker would answer with."""
+        handle: TransferHandle = self.call("park", num_tokens, request_id)
+        return handle
 
     def state(self) -> PeerState:
-        return self.call("state")
+        state: PeerState = self.call("state")
+        return state
 
-    def stop(self) -> None:
-        with contextlib.suppress(OSError, BrokenPipeError):
-            self._pipe.send(("stop",))
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def prefill_process(request: pytest.FixtureRequest) -> Iterator[PrefillProcess]:
+    """A :class:`PrefillProcess` per transfer backend, shared by a test module's tests (a
+    fixture of every test: tests/conftest.py loads this module as a plugin)."""
+    peer = PrefillProcess(request.param)
+    yield peer
+    peer.stop()

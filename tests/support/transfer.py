@@ -1,9 +1,17 @@
-"""The transfer rig of the process-level transfer tests: a prefill peer in a spawned process
-(a real transceiver over a pool holding a known pattern; a tiny ParkedLookup plays the engine's
-parked-block table), the decode side in the test's process, and the checks of what landed.
+"""The transfer tests' shared pieces, and the process-level prefill peer.
 
-``BACKENDS`` lists the backends this machine can run (tcp always; nixl and ucx when they
-import)."""
+Shared by every transfer test, in-process (:mod:`tests.support.transfer_inproc`) or between
+processes (:class:`PrefillPeer` here, :mod:`tests.support.kv_peer`): the backends this machine
+can run (``BACKENDS``: tcp always; nixl and ucx when they import), the cluster keys, the layout
+and pool size, transfer settings (:func:`backend_cfg`), pools (zeros, the pattern, seeded random
+K/V), what a plan moves (:func:`apply_plan`), the checks of what landed (:func:`assert_landed`,
+:func:`token_kv`), what a router hands a decode worker (:func:`handed_generation`), and a peer
+in a spawned process driven through a pipe (:class:`SpawnedPeer`, :func:`serve_commands`).
+
+:class:`PrefillPeer` is a prefill side in a spawned process: a real transceiver over a pool
+holding the pattern, with a tiny parked-block table standing in for the engine's (its levers: a
+peer that dies, at once, later or mid-stream, and one whose lookup blocks its loop).
+"""
 
 from __future__ import annotations
 
@@ -13,8 +21,7 @@ import importlib.util
 import multiprocessing as mp
 import os
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Sequence
 from multiprocessing.connection import Connection as Pipe
 from typing import Any
 
@@ -22,10 +29,12 @@ import pytest
 import torch
 
 from pdserve.errors import HandleError
-from pdserve.protocol import KVLayout, TransferHandle
+from pdserve.protocol import GenerationRequest, KVLayout, SamplingParams, TransferHandle
+from pdserve.security import ClusterKey
 from pdserve.settings import TransferSettings
-from pdserve.transfer import Transceiver, create_transceiver
-from tests.support.kv_peer import TEST_KEY
+from pdserve.transfer import create_transceiver
+from pdserve.transfer.formatter import TransferPlan, pool_bytes
+from tests.support.fakes import CLUSTER_KEY
 from tests.support.servers import wait_until_sync
 
 HAVE_NIXL = importlib.util.find_spec("nixl") is not None
@@ -36,30 +45,168 @@ BACKENDS = [
     pytest.param("ucx", marks=pytest.mark.skipif(not HAVE_UCXX, reason="no ucxx")),
 ]
 
+TEST_KEY = CLUSTER_KEY
+"""The key of every transceiver in the transfer tests (spawned peers included): the suite's
+cluster secret's."""
+OTHER_SECRET = "another-deployment-secret-0123456789abcdef"
+OTHER_KEY = ClusterKey(OTHER_SECRET.encode())
+"""A different, equally valid secret: a peer of another deployment, or an attacker's guess."""
+
 LAYOUT = KVLayout(
     model="tiny-test", num_layers=3, num_kv_heads=2, head_dim=8, tokens_per_block=4, dtype="float32"
 )
-NUM_BLOCKS = 16
+NUM_BLOCKS = 32
+"""The blocks of every pool of :data:`LAYOUT`, on either side."""
 PREFILL_ID = "prefill-0"
 EPOCH = 7
 
 
-def backend_cfg(backend: str, timeout_s: float = 10.0) -> TransferSettings:
-    return TransferSettings.model_validate(
-        {"backend": backend, "ucx_devices": "lo", "timeout_s": timeout_s}
-    )
+def backend_cfg(
+    backend: str, *, timeout_s: float = 10.0, integrity: bool = True, port: int = 0
+) -> TransferSettings:
+    """Transfer settings of a test transceiver on loopback (``ucx_devices="lo"``). ``inproc``
+    is a registered backend but not a config choice: it bypasses the choice's validation."""
+    fields = {"ucx_devices": "lo", "timeout_s": timeout_s, "integrity": integrity, "port": port}
+    if backend == "inproc":
+        return TransferSettings.model_validate(fields).model_copy(update={"backend": backend})
+    return TransferSettings.model_validate({"backend": backend, **fields})
 
 
 def zeros_pool(layout: KVLayout, num_blocks: int) -> torch.Tensor:
+    """A pool ``[L, num_blocks, 2, tpb, kvh, hd]`` of ``layout.dtype``, all zeros."""
     shape = (layout.num_layers, num_blocks, 2, layout.tokens_per_block, layout.num_kv_heads)
     return torch.zeros((*shape, layout.head_dim), dtype=getattr(torch, layout.dtype))
 
 
+def pattern_blocks(layout: KVLayout, block_ids: Sequence[int]) -> torch.Tensor:
+    """Blocks ``block_ids`` (in that order) of the pattern every prefill pool holds: every
+    element distinct (exact in float32 below 2**24), so a misplaced byte shows; a block holds
+    the same values whatever the size of its pool."""
+    L, tpb = layout.num_layers, layout.tokens_per_block
+    per_block = 2 * tpb * layout.num_kv_heads * layout.head_dim
+    blocks = torch.tensor(list(block_ids), dtype=torch.int64).view(1, -1, 1)
+    layers = torch.arange(L, dtype=torch.int64).view(-1, 1, 1)
+    index = (blocks * L + layers) * per_block + torch.arange(per_block, dtype=torch.int64)
+    values = (index % (1 << 24) + 1).to(torch.float32)
+    shape = (L, len(block_ids), 2, tpb, layout.num_kv_heads, layout.head_dim)
+    return values.view(shape).to(getattr(torch, layout.dtype))
+
+
 def pattern_pool(layout: KVLayout, num_blocks: int) -> torch.Tensor:
-    """Every element distinct (exact in float32 below 2**24), so a misplaced byte shows."""
-    pool = zeros_pool(layout, num_blocks)
-    pool.view(-1).copy_(torch.arange(pool.numel(), dtype=torch.float32) % (1 << 24) + 1)
-    return pool
+    """A pool of ``num_blocks`` blocks of the pattern (:func:`pattern_blocks`)."""
+    return pattern_blocks(layout, range(num_blocks))
+
+
+def random_pool(layout: KVLayout, num_blocks: int, seed: int) -> torch.Tensor:
+    """A pool of seeded random K/V (the same in every process for a seed), distinct enough that
+    any misplaced token or K/V swap shows."""
+    shape = (layout.num_layers, num_blocks, 2, layout.tokens_per_block, layout.num_kv_heads)
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randn((*shape, layout.head_dim), generator=gen)
+    return values.to(getattr(torch, layout.dtype))
+
+
+def token_kv(pool: torch.Tensor, block_ids: Sequence[int], num_tokens: int) -> torch.Tensor:
+    """K/V of a request's first ``num_tokens`` tokens: ``[L, 2, num_tokens, kvh, hd]``."""
+    L, _, _, tpb, kvh, hd = pool.shape
+    seq = pool[:, list(block_ids)].permute(0, 2, 1, 3, 4, 5)
+    return seq.reshape(L, 2, len(block_ids) * tpb, kvh, hd)[:, :, :num_tokens]
+
+
+def apply_plan(plan: TransferPlan, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """What a backend does: copy every segment of ``plan`` from its source (``plan.source``, a
+    staging buffer, or else the pool ``src``) into the pool ``dst``."""
+    source = pool_bytes(src if plan.source is None else plan.source)
+    target = pool_bytes(dst)
+    segments = zip(
+        plan.src_offsets.tolist(), plan.dst_offsets.tolist(), plan.lengths.tolist(), strict=True
+    )
+    for s, d, n in segments:
+        target[d : d + n] = source[s : s + n]
+
+
+def assert_landed(
+    pool: torch.Tensor, src: Sequence[int], dst: Sequence[int], layout: KVLayout = LAYOUT
+) -> None:
+    """The decode ``pool`` holds the pattern's blocks ``src`` at ``dst``, and zeros in every
+    other block."""
+    landed = pool[:, list(dst)]
+    assert torch.equal(landed, pattern_blocks(layout, src)), f"blocks {dst} are not {src}"
+    untouched = [b for b in range(pool.shape[1]) if b not in dst]
+    assert not pool[:, untouched].any(), f"a block other than {dst} was written"
+
+
+def handed_generation(
+    prompt_len: int, layout: KVLayout, /, **handle_fields: object
+) -> GenerationRequest:
+    """What a router asks a decode worker: request ``r`` of ``prompt_len`` tokens, its first
+    token sampled, with a transfer handle for as many tokens of ``layout`` in blocks 0, 1, 2 (a
+    30 s lease, a TCP endpoint nobody listens on); ``handle_fields`` change the handle."""
+    fields: dict[str, object] = {
+        "worker_id": "p", "epoch": 1, "request_id": "r", "lease_id": "l1",
+        "block_ids": (0, 1, 2), "num_tokens": prompt_len, "lease_deadline": time.time() + 30,
+        "layout": layout, "backend": "tcp", "transfer_endpoint": "127.0.0.1:1",
+        **handle_fields,
+    }  # fmt: skip
+    return GenerationRequest(
+        request_id="r",
+        prompt_token_ids=tuple(range(prompt_len)),
+        sampling=SamplingParams(),
+        deadline=time.time() + 60,
+        first_token=5,
+        handle=TransferHandle.model_validate(fields),
+    )
+
+
+class SpawnedPeer:
+    """A transfer peer in a spawned process, driven through a pipe: ``target(pipe, *args)``
+    runs there (under :func:`serve_commands`), sends one greeting once it serves (kept as
+    ``greeting``; the peers send their endpoint and backend), then answers each command."""
+
+    def __init__(self, target: Callable[..., None], *args: Any) -> None:
+        ctx = mp.get_context("spawn")
+        self._pipe, child = ctx.Pipe()
+        self.proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+        self.proc.start()
+        if not self._pipe.poll(60):
+            raise RuntimeError("prefill process did not start")
+        self.greeting: Any = self._pipe.recv()
+
+    @property
+    def pid(self) -> int:
+        """The process id of the peer."""
+        assert self.proc.pid is not None, "started in __init__"
+        return self.proc.pid
+
+    def call(self, *cmd: Any) -> Any:
+        """Run one command in the child; raises what the command raised there."""
+        self._pipe.send(cmd)
+        answer = self._pipe.recv()
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):  # it may have just died on purpose
+            self._pipe.send(("stop",))
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+
+async def serve_commands(
+    pipe: Pipe, greeting: object, command: Callable[[str, list[Any]], Awaitable[object]]
+) -> None:
+    """The child's side of :class:`SpawnedPeer`: send ``greeting``, then answer every command
+    with what ``command(name, args)`` returns (or the exception it raised) until ``stop``."""
+    pipe.send(greeting)
+    loop = asyncio.get_running_loop()
+    while (msg := await loop.run_in_executor(None, pipe.recv))[0] != "stop":
+        try:
+            pipe.send(await command(msg[0], list(msg[1:])))
+        except Exception as exc:  # handed to the test, which raises it
+            pipe.send(exc)
 
 
 class _Parked:
@@ -84,7 +231,7 @@ class _Parked:
             if delay == "mid":
                 _die_after_half_of_the_bytes()
             else:
-                asyncio.get_running_loop().call_later(delay, os._exit, 3)
+                asyncio.get_running_loop().call_later(float(delay), os._exit, 3)
         return self.blocks[request_id]
 
     def release(self, request_id: str, lease_id: str | None = None) -> None:
@@ -95,16 +242,16 @@ class _Parked:
 def _die_after_half_of_the_bytes() -> None:
     """Make this (prefill) process exit once the first half of a TCP KV stream is out: a
     death mid-stream, whatever the speed of the machine."""
-    from pdserve.transfer import tcp
+    from pdserve.transfer.control import Connection  # the TCP backend's
 
-    original = tcp.Connection.send_segments
+    original = Connection.send_segments
 
     async def half_then_exit(self, pool, offsets, lengths, header=None):  # type: ignore[no-untyped-def]
         k = max(1, len(offsets) // 2)
         await original(self, pool, offsets[:k], lengths[:k], header)
         os._exit(3)
 
-    tcp.Connection.send_segments = half_then_exit  # type: ignore[method-assign]
+    Connection.send_segments = half_then_exit  # type: ignore[method-assign]
 
 
 def _prefill_process(pipe: Pipe, backend: str, layout: KVLayout, num_blocks: int) -> None:
@@ -113,52 +260,39 @@ def _prefill_process(pipe: Pipe, backend: str, layout: KVLayout, num_blocks: int
 
 async def _prefill_main(pipe: Pipe, backend: str, layout: KVLayout, num_blocks: int) -> None:
     parked = _Parked(EPOCH)
-    pool = pattern_pool(layout, num_blocks)
     t = create_transceiver(
         backend_cfg(backend),
-        pool=pool,
+        pool=pattern_pool(layout, num_blocks),
         layout=layout,
         worker_id=PREFILL_ID,
         epoch=EPOCH,
         parked=parked,
         key=TEST_KEY,
     )
-    await t.start()
-    pipe.send((t.endpoint, t.backend))
-    loop = asyncio.get_running_loop()
-    while True:
-        cmd, *args = await loop.run_in_executor(None, pipe.recv)
+
+    async def command(cmd: str, args: list[Any]) -> object:
         if cmd == "park":
             parked.blocks[args[0]] = args[1]
-            pipe.send("ok")
         elif cmd == "die":
             parked.die[args[0]] = args[1]
-            pipe.send("ok")
         elif cmd == "slow":
             parked.slow[args[0]] = args[1]
-            pipe.send("ok")
         elif cmd == "state":
-            errors = [(type(e).__name__, e.message) for e in t.recent_errors]
-            pipe.send((list(parked.released), errors))
-        elif cmd == "stop":
-            break
+            return list(parked.released), [(type(e).__name__, e.message) for e in t.recent_errors]
+        return "ok"
+
+    await t.start()
+    await serve_commands(pipe, (t.endpoint, t.backend), command)
     await t.close()
 
 
-class PrefillPeer:
-    """Handle on a spawned prefill process."""
+class PrefillPeer(SpawnedPeer):
+    """Handle on a spawned prefill process (see the module docstring)."""
 
     def __init__(self, backend: str, layout: KVLayout = LAYOUT, num_blocks: int = NUM_BLOCKS):
+        super().__init__(_prefill_process, backend, layout, num_blocks)
         self.layout = layout
-        ctx = mp.get_context("spawn")
-        self._pipe, child = ctx.Pipe()
-        self.proc = ctx.Process(
-            target=_prefill_process, args=(child, backend, layout, num_blocks), daemon=True
-        )
-        self.proc.start()
-        if not self._pipe.poll(60):
-            raise RuntimeError("prefill process did not start")
-        self.endpoint, self.backend = self._pipe.recv()
+        self.endpoint, self.backend = self.greeting
 
     def park(self, request_id: str, block_ids: list[int], epoch: int = EPOCH) -> TransferHandle:
         self.call("park", request_id, block_ids)
@@ -175,12 +309,9 @@ class PrefillPeer:
             transfer_endpoint=self.endpoint,
         )
 
-    def call(self, *cmd: Any) -> Any:
-        self._pipe.send(cmd)
-        return self._pipe.recv()
-
     def state(self) -> tuple[list[str], list[tuple[str, str]]]:
-        return self.call("state")
+        released, errors = self.call("state")
+        return released, errors
 
     def wait_released(self, request_id: str, timeout: float = 5.0) -> list[str]:
         """The released request ids once ``request_id`` is among them (AssertionError after
@@ -194,71 +325,6 @@ class PrefillPeer:
         wait_until_sync(arrived, timeout, interval_s=0.02, what=f"the Release of {request_id}")
         return released
 
-    def stop(self) -> None:
-        with contextlib.suppress(OSError):  # it may have just died on purpose
-            self._pipe.send(("stop",))
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
-
-
-async def decode_transceiver(
-    backend: str, layout: KVLayout = LAYOUT, timeout_s: float = 10.0
-) -> tuple[Transceiver, torch.Tensor]:
-    pool = zeros_pool(layout, NUM_BLOCKS)
-    t = create_transceiver(
-        backend_cfg(backend, timeout_s),
-        pool=pool,
-        layout=layout,
-        worker_id="decode-0",
-        epoch=1,
-        parked=None,
-        key=TEST_KEY,
-    )
-    await t.start()
-    return t, pool
-
-
-def assert_landed(pool: torch.Tensor, src: list[int], dst: list[int], layout: KVLayout) -> None:
-    expected = pattern_pool(layout, NUM_BLOCKS)
-    assert torch.equal(pool[:, dst], expected[:, src])
-    untouched = [b for b in range(pool.shape[1]) if b not in dst]
-    assert not pool[:, untouched].any()
-
 
 BIG = LAYOUT.model_copy(update={"num_kv_heads": 4, "head_dim": 64, "tokens_per_block": 16})
 BIG_BLOCKS = 512  # 3 layers * 512 blocks * 32 KiB = 48 MiB
-
-
-LAYOUT_SMALL = KVLayout(
-    model="tiny", num_layers=2, num_kv_heads=2, head_dim=8, tokens_per_block=4, dtype="float32"
-)
-"""A small layout for tests of a transceiver's serving side in this process."""
-
-
-@asynccontextmanager
-async def serving_transceiver(fill: float = 1.0) -> AsyncIterator[Transceiver]:
-    """A real TCP-backend transceiver over a pool full of ``fill`` (standing for KV data)."""
-    shape = (
-        LAYOUT_SMALL.num_layers,
-        4,
-        2,
-        LAYOUT_SMALL.tokens_per_block,
-        LAYOUT_SMALL.num_kv_heads,
-        LAYOUT_SMALL.head_dim,
-    )
-    t = create_transceiver(
-        TransferSettings(backend="tcp"),
-        pool=torch.full(shape, fill),
-        layout=LAYOUT_SMALL,
-        worker_id="prefill-doc",
-        epoch=42,
-        parked=None,
-        key=TEST_KEY,
-    )
-    await t.start()
-    try:
-        yield t
-    finally:
-        await t.close()

@@ -1,9 +1,10 @@
-"""``python -m pdserve.tools.bench_multiturn``: the workload generator (deterministic for a seed,
+"""``pdserve bench multiturn``: the workload generator (deterministic for a seed,
 each turn's prompt extends the previous one), the metrics parser and the table's ratio."""
 
 from __future__ import annotations
 
 from pdserve.tools import bench_multiturn as bm
+from pdserve.tools.scrape import delta, parse_metrics
 
 
 def test_the_workload_is_deterministic_for_a_seed() -> None:
@@ -50,9 +51,16 @@ def test_metrics_deltas_and_the_table() -> None:
         "pdserve_prefix_cache_query_tokens_total 1000.0\n"
         '# TYPE pdserve_router_decisions counter\npdserve_router_decisions_total{path="disaggregated"} 4.0\n'
     )
-    m = bm.parse_metrics(text)
+    m = parse_metrics(text)
     assert m["pdserve_prefix_cache_query_tokens_total"] == 1000.0
     assert m['pdserve_router_decisions_total{path="disaggregated"}'] == 4.0
+    assert bm.parse_metrics is parse_metrics  # one reading of /metrics for every benchmark
+    later = {**m, "pdserve_prefix_cache_query_tokens_total": 1500.0, "pdserve_new_total": 2.0}
+    assert delta(m, later) == {
+        "pdserve_prefix_cache_query_tokens_total": 500.0,
+        'pdserve_router_decisions_total{path="disaggregated"}': 0.0,
+        "pdserve_new_total": 2.0,
+    }
     arm = {"ttft_turn1_ms": {"p50": 100.0, "p90": 120.0}, "prompt_tokens": 10,
            "prefill_computed_tokens": 5.0, "hit_rate": 0.5}  # fmt: skip
     on = {**arm, "label": "cache on", "ttft_later_ms": {"p50": 20.0, "p90": 30.0}}

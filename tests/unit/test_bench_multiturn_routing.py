@@ -1,4 +1,4 @@
-"""``python -m pdserve.tools.bench_multiturn --compare routing``: the two arms, distinct system
+"""``pdserve bench multiturn --compare routing``: the two arms, distinct system
 prompts per conversation, and the KV-aware / least-loaded ratios."""
 
 from __future__ import annotations

@@ -21,8 +21,9 @@ from pdserve.config import (
     router_config,
     worker_config,
 )
-from pdserve.launcher import all_registered, child_config, child_env, worker_commands
+from pdserve.launcher import child_config
 from pdserve.settings import ROLES, SchedulerSettings, Setting, settings
+from pdserve.stack import all_registered, child_env, worker_commands
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
 MODEL = Path("/models/m")

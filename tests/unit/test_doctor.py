@@ -29,9 +29,9 @@ from pdserve.tools.doctor_facts import BackendFacts, Facts, parse_ucx_info
 from pdserve.transfer import auth, wire
 from pdserve.transfer.control import Connection
 from pdserve.transfer.probe import chunks
-from tests.support.kv_peer import OTHER_KEY, TEST_KEY
 from tests.support.servers import wait_until
-from tests.support.transfer import serving_transceiver as transceiver
+from tests.support.transfer import OTHER_KEY, TEST_KEY
+from tests.support.transfer_inproc import serving_transceiver as transceiver
 
 TRANSPORTS = {"tcp": ("eth0", "lo"), "cma": ("memory",), "posix": ("memory",), "self": ("memory",)}
 BACKENDS = (

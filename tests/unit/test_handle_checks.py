@@ -14,25 +14,16 @@ from pdserve.protocol import GenerationRequest, KVLayout, SamplingParams, Transf
 from pdserve.settings import TransferSettings
 from pdserve.workers.engine.requests import Reservation
 from pdserve.workers.roles.decode import DecodeHandler, check_handle
+from tests.support.transfer import handed_generation
 
 LAYOUT = KVLayout(model="m", num_layers=2, num_kv_heads=2, head_dim=8, tokens_per_block=4,
                   dtype="float32")  # fmt: skip
 ENGINE = SimpleNamespace(layout=LAYOUT)
 
 
-def _req(n_tokens: int = 10, **handle_kw) -> GenerationRequest:
-    fields = dict(worker_id="p", epoch=1, request_id="r", lease_id="l1", block_ids=(0, 1, 2),
-                  num_tokens=n_tokens, lease_deadline=time.time() + 30, layout=LAYOUT,
-                  backend="tcp", transfer_endpoint="127.0.0.1:1")  # fmt: skip
-    fields.update(handle_kw)
-    return GenerationRequest(
-        request_id="r",
-        prompt_token_ids=tuple(range(10)),
-        sampling=SamplingParams(),
-        deadline=time.time() + 60,
-        first_token=5,
-        handle=TransferHandle(**fields),
-    )
+def _req(n_tokens: int = 10, **handle_fields: object) -> GenerationRequest:
+    """A request of 10 prompt tokens whose handle claims ``n_tokens`` tokens."""
+    return handed_generation(10, LAYOUT, num_tokens=n_tokens, **handle_fields)
 
 
 def test_matching_handle_is_accepted() -> None:

@@ -1,6 +1,7 @@
 """`pdserve up`'s own decisions: the KV memory share split between its workers, a router port
-that is already taken, the children's secrets (files, never the config) and the give-up line;
-``bench serve`` stacks get secret files the same way."""
+that is already taken, the children's secrets (files, never the config: :mod:`pdserve.stack`,
+which every stack uses) and the give-up line; ``bench serve`` stacks get secret files the same
+way."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve import launcher
+from pdserve import launcher, stack
 from pdserve.settings import PdserveConfig
 
 GIB = 2**30
@@ -55,17 +56,17 @@ def _read_back(config_file: Path) -> PdserveConfig:
 def test_up_gives_its_children_a_fresh_cluster_secret_in_a_private_file(tmp_path: Path) -> None:
     from pdserve.security import MIN_SECRET_CHARS, load_cluster_secret
 
-    config_file = launcher.write_child_config(PdserveConfig(), tmp_path)
+    config_file = stack.write_child_config(PdserveConfig(), tmp_path)
     child = _read_back(config_file)
     secret_file = child.security.cluster_secret_file
-    assert secret_file == tmp_path / launcher.CLUSTER_SECRET_FILE
+    assert secret_file == tmp_path / stack.CLUSTER_SECRET_FILE
     assert secret_file.stat().st_mode & 0o777 == 0o600
     secret = load_cluster_secret(child.security).decode()
     assert len(secret) >= MIN_SECRET_CHARS
     assert secret not in config_file.read_text()
     # Every stack gets its own.
     (tmp_path / "other").mkdir()
-    other = launcher.write_child_secrets(PdserveConfig(), tmp_path / "other")
+    other = stack.write_child_secrets(PdserveConfig(), tmp_path / "other")
     assert load_cluster_secret(other.security).decode() != secret
 
 
@@ -73,13 +74,13 @@ def test_client_api_keys_move_to_a_private_file_and_out_of_the_config(tmp_path: 
     from pdserve.security import load_api_keys, load_cluster_secret
 
     given = {"security": {"api_keys": ["key-one-abc", "key-two-def"], "cluster_secret": "s" * 40}}
-    config_file = launcher.write_child_config(PdserveConfig.model_validate(given), tmp_path)
+    config_file = stack.write_child_config(PdserveConfig.model_validate(given), tmp_path)
     text = config_file.read_text()
     assert "key-one" not in text and "key-two" not in text and "s" * 40 not in text
     assert "**********" not in text  # no masked secret either: the keys are not in the file
     child = _read_back(config_file)
     assert child.security.api_keys == [] and child.security.cluster_secret is None
-    assert child.security.api_key_file == tmp_path / launcher.API_KEY_FILE
+    assert child.security.api_key_file == tmp_path / stack.API_KEY_FILE
     assert child.security.api_key_file.stat().st_mode & 0o777 == 0o600
     assert load_api_keys(child.security) == ("key-one-abc", "key-two-def")
     assert load_cluster_secret(child.security) == b"s" * 40  # the user's secret, not a new one
@@ -91,10 +92,10 @@ def test_a_cluster_secret_file_given_to_up_is_kept_and_no_keys_means_no_key_file
     mine = tmp_path / "mine"
     mine.write_text("m" * 64)
     cfg = PdserveConfig.model_validate({"security": {"cluster_secret_file": str(mine)}})
-    child = launcher.write_child_secrets(cfg, tmp_path)
+    child = stack.write_child_secrets(cfg, tmp_path)
     assert child.security.cluster_secret_file == mine
     assert child.security.api_key_file is None
-    assert not (tmp_path / launcher.API_KEY_FILE).exists()
+    assert not (tmp_path / stack.API_KEY_FILE).exists()
 
 
 def test_children_do_not_inherit_setting_variables_or_the_api_key_alias(
@@ -103,14 +104,14 @@ def test_children_do_not_inherit_setting_variables_or_the_api_key_alias(
     monkeypatch.setenv("PDSERVE_API_KEY", "k")
     monkeypatch.setenv("PDSERVE_SECURITY__CLUSTER_SECRET", "x" * 40)
     monkeypatch.setenv("PDSERVE_CACHE_DIR", "/cache")
-    env = launcher.child_env()
+    env = stack.child_env()
     assert "PDSERVE_API_KEY" not in env and "PDSERVE_SECURITY__CLUSTER_SECRET" not in env
     assert env["PDSERVE_CACHE_DIR"] == "/cache"
 
 
 def test_bench_serve_stacks_get_secret_files_too(tmp_path: Path) -> None:
     from pdserve.security import load_cluster_secret
-    from pdserve.tools.bench import _stack_config
+    from pdserve.tools.bench import stack_settings
 
     model = tmp_path / "model"
     model.mkdir()
@@ -118,15 +119,18 @@ def test_bench_serve_stacks_get_secret_files_too(tmp_path: Path) -> None:
         {"kv_cache": {"budget_mb": 8}, "security": {"api_keys": ["bench-key-123"]}}
     )
     secrets = tmp_path / "secrets"
-    secrets.mkdir(mode=0o700)
-    file = tmp_path / "stack.yaml"
-    child = _stack_config(cfg, model, {"prefill": 1, "decode": 1}, file, secrets)
+    settings = stack_settings(cfg, model, {"prefill": 1, "decode": 1})
+    bench = stack.Stack(stack.StackSpec(settings, config_dir=secrets))
+    file = bench.write_config()
+    child = bench.settings
+    assert secrets.stat().st_mode & 0o777 == 0o700
+    assert bench.api_headers() == {"Authorization": "Bearer bench-key-123"}
     assert "bench-key-123" not in file.read_text()
     back = _read_back(file)
-    assert back.security.cluster_secret_file == secrets / launcher.CLUSTER_SECRET_FILE
-    assert back.security.api_key_file == secrets / launcher.API_KEY_FILE
+    assert back.security.cluster_secret_file == secrets / stack.CLUSTER_SECRET_FILE
+    assert back.security.api_key_file == secrets / stack.API_KEY_FILE
     assert load_cluster_secret(back.security) == load_cluster_secret(child.security)
-    assert (secrets / launcher.CLUSTER_SECRET_FILE).stat().st_mode & 0o777 == 0o600
+    assert (secrets / stack.CLUSTER_SECRET_FILE).stat().st_mode & 0o777 == 0o600
 
 
 def test_give_up_line_names_the_limit() -> None:

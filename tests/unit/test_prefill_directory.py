@@ -13,17 +13,22 @@ from pdserve.errors import HandleError
 from pdserve.protocol import Role, TransferHandle, WorkerRecord
 from pdserve.workers.roles.prefill_directory import PrefillDirectory
 from tests.support.fakes import layout
+from tests.support.servers import wait_until
 
 
 class ListWatcher:
+    """A discovery view of ``records``; ``lookups`` counts the reads of it."""
+
     def __init__(self) -> None:
         self.records: dict[str, WorkerRecord] = {}
+        self.lookups = 0
 
     async def start(self) -> None: ...
 
     async def close(self) -> None: ...
 
     def workers(self) -> dict[str, WorkerRecord]:
+        self.lookups += 1
         return dict(self.records)
 
 
@@ -77,8 +82,8 @@ async def test_anything_else_is_refused_without_a_connection(
 async def test_a_prefill_worker_registered_a_moment_ago_is_waited_for() -> None:
     watcher = ListWatcher()
 
-    async def registers_soon() -> None:
-        await asyncio.sleep(0.05)
+    async def registers_soon() -> None:  # once the directory looked, found nothing, looks again
+        await wait_until(lambda: watcher.lookups >= 2, 2.0, interval_s=0.005, what="a 2nd look")
         watcher.records["prefill-0"] = record()
 
     task = asyncio.create_task(registers_soon())

@@ -79,7 +79,7 @@ async def test_headers_trickled_byte_by_byte_are_cut_at_the_deadline(port: int) 
     async def trickle() -> None:
         for byte in request():
             writer.write(bytes([byte]))
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # the trickle's pace: a slow client on purpose
 
     sender = asyncio.create_task(trickle())
     took = await closed_within(reader, DEADLINE_S + 5)
@@ -100,7 +100,7 @@ async def test_a_slow_body_after_prompt_headers_is_served(port: int) -> None:
     writer.write(request(body)[: -len(body)])  # the headers, complete
     for i in range(len(body)):  # the body over 4 deadlines
         writer.write(body[i : i + 1])
-        await asyncio.sleep(DEADLINE_S * 4 / len(body))
+        await asyncio.sleep(DEADLINE_S * 4 / len(body))  # the slow body's pace, on purpose
     assert await response(reader) == b'{"bytes":20}'
     writer.close()
 

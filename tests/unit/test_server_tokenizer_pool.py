@@ -14,6 +14,7 @@ import pytest
 from pdserve.errors import InvalidRequestError, QueueFullError
 from pdserve.server import app as server_app
 from pdserve.server.tokenizer_pool import TokenizerPool
+from tests.support.servers import wait_until
 
 
 @pytest.fixture
@@ -30,11 +31,7 @@ def _blocked(gate: threading.Event, value: int) -> int:
 
 
 async def _until(predicate: Callable[[], bool]) -> None:
-    for _ in range(500):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition never held")
+    await wait_until(predicate, 5.0, interval_s=0.01)
 
 
 async def test_work_runs_on_a_pool_thread_and_returns_its_result() -> None:

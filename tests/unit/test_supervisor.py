@@ -27,6 +27,7 @@ def python(name: str, code: str, log: Path | None = None, tier: int = 0) -> Proc
     return ProcessSpec(name, [sys.executable, "-c", code], log_path=log, tier=tier)
 
 
+# Children that stay up: their sleep is what they do (the supervisor stops them), not a wait.
 SLEEPER = "import time; time.sleep(60)"
 STUBBORN = (
     "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
@@ -109,6 +110,7 @@ def test_a_process_killed_on_purpose_is_not_a_crash() -> None:
 
 # --- restarts (WATCH with a RestartPolicy) -------------------------------------------------------
 
+# Stays up (its sleep, as SLEEPER's) once it crashed ``crashes`` times.
 COUNT_RUNS = (
     "import os, pathlib, sys, time; log = pathlib.Path(sys.argv[1]); "
     "log.open('a').write(os.environ['PDSERVE_RESTARTS'] + '\\n'); "

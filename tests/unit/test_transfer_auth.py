@@ -6,29 +6,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import pydantic
 import pytest
-import torch
 
 from pdserve.errors import TransferError
-from pdserve.protocol import KVLayout, TransferHandle
 from pdserve.security import nonce
-from pdserve.settings import TransferSettings
-from pdserve.tools.bench_transfer_peers import AllParked
 from pdserve.transfer import auth, wire
 from pdserve.transfer.auth import AuthFailures, Exchange
 from pdserve.transfer.control import Connection
-from pdserve.transfer.transceiver import Transceiver, create_transceiver
-from tests.support.kv_peer import OTHER_KEY, TEST_KEY
 from tests.support.servers import wait_until
-
-LAYOUT = KVLayout(
-    model="tiny", num_layers=2, num_kv_heads=2, head_dim=8, tokens_per_block=4, dtype="float32"
+from tests.support.transfer import OTHER_KEY, TEST_KEY, backend_cfg
+from tests.support.transfer_inproc import LAYOUT_SMALL as LAYOUT
+from tests.support.transfer_inproc import (
+    SERVING_EPOCH,
+    SERVING_ID,
+    LocalPrefill,
+    decode_side,
 )
+from tests.support.transfer_inproc import serving_transceiver as transceiver
 
 
 def _exchange(**changes: object) -> Exchange:
@@ -87,7 +83,7 @@ def test_refusal_frame_carries_nothing_but_the_fact() -> None:
         "type": "auth_refused", "code": "kv_auth_failed", "message": "authentication failed"
     }  # fmt: skip
     with pytest.raises(pydantic.ValidationError):
-        wire.AuthRefused(message="wrong secret for worker prefill-0")  # type: ignore[arg-type]
+        wire.AuthRefused(message="wrong secret for worker prefill-0")
 
 
 def test_frame_limit_before_authentication_is_64_kib() -> None:
@@ -118,21 +114,6 @@ def test_refusals_are_counted_and_logged_at_most_once_per_interval(
 
 
 # ------------------------------------------------------------------ against real sockets
-
-
-@asynccontextmanager
-async def transceiver(timeout_s: float = 10.0) -> AsyncIterator[Transceiver]:
-    """A TCP-backend transceiver with the suite's key, serving no parked blocks."""
-    shape = (LAYOUT.num_layers, 4, 2, LAYOUT.tokens_per_block, LAYOUT.num_kv_heads, LAYOUT.head_dim)
-    t = create_transceiver(
-        TransferSettings(backend="tcp", timeout_s=timeout_s), pool=torch.zeros(shape),
-        layout=LAYOUT, worker_id="prefill-u", epoch=5, parked=None, key=TEST_KEY,
-    )  # fmt: skip
-    await t.start()
-    try:
-        yield t
-    finally:
-        await t.close()
 
 
 async def test_dialer_facing_a_listener_without_the_secret_sends_nothing_after_its_hello() -> None:
@@ -180,7 +161,7 @@ async def test_after_authentication_a_hello_may_exceed_the_pre_authentication_li
         conn = await Connection.open(t.endpoint, 5.0)
         try:
             challenge = await auth.dial(conn, TEST_KEY, "decode-0")
-            assert (challenge.worker_id, challenge.epoch) == ("prefill-u", 5)
+            assert (challenge.worker_id, challenge.epoch) == (SERVING_ID, SERVING_EPOCH)
             hello = wire.Hello(
                 worker_id="decode-0", epoch=1, layout=LAYOUT, backend="tcp", num_blocks=4,
                 ucx=wire.UcxPeerInfo(address_b64="A" * (wire.PREAUTH_MAX_FRAME_BYTES + 1)),
@@ -222,34 +203,16 @@ async def test_authentication_runs_once_per_connection_not_per_pull(
         sent.append(getattr(msg, "type", "?"))
         await original(self, msg)
 
-    shape = (LAYOUT.num_layers, 4, 2, LAYOUT.tokens_per_block, LAYOUT.num_kv_heads, LAYOUT.head_dim)
-    cfg = TransferSettings(backend="tcp", integrity=False)
-    prefill = create_transceiver(
-        cfg, pool=torch.ones(shape), layout=LAYOUT, worker_id="bench-prefill", epoch=1,
-        parked=AllParked(), key=TEST_KEY,
-    )  # fmt: skip
-    decode = create_transceiver(
-        cfg, pool=torch.zeros(shape), layout=LAYOUT, worker_id="decode-0", epoch=1,
-        parked=None, key=TEST_KEY,
-    )  # fmt: skip
-    await prefill.start()
-    await decode.start()
-    try:
-        handle = TransferHandle(
-            worker_id="bench-prefill", epoch=1, request_id="bench-2-0", lease_id="l",
-            block_ids=(0, 1), num_tokens=2 * LAYOUT.tokens_per_block,
-            lease_deadline=time.time() + 60, layout=LAYOUT, backend="tcp",
-            transfer_endpoint=prefill.endpoint,
-        )  # fmt: skip
+    cfg = backend_cfg("tcp", integrity=False)
+    async with LocalPrefill(cfg) as prefill, decode_side(cfg) as (decode, _):
+        first_handle = prefill.park(2 * prefill.layout.tokens_per_block)
+        second_handle = prefill.park(2 * prefill.layout.tokens_per_block)
         monkeypatch.setattr(Connection, "send", spy)
-        await decode.pull(handle, [2, 3])
+        await decode.pull(first_handle, [2, 3])
         first = list(sent)
         sent.clear()
-        await decode.pull(handle, [0, 1])
+        await decode.pull(second_handle, [0, 1])
         second = list(sent)
-    finally:
-        await decode.close()
-        await prefill.close()
     handshake = ["auth_hello", "auth_challenge", "auth_proof", "hello", "hello_ack"]
     assert first == [*handshake, "send_blocks", "release"], first  # both sides' control frames
     assert second == ["send_blocks", "release"], second  # (BlockData goes with the bytes)

@@ -21,37 +21,14 @@ from pdserve.transfer.formatter import (
     IdentityFormatter,
     PoolGeometry,
     TransferPlan,
-    pool_bytes,
 )
+from pdserve.workers.kv.manager import blocks_for_tokens
 from tests.support.fakes import layout
+from tests.support.transfer import apply_plan, random_pool, token_kv, zeros_pool
 
 shaped = functools.partial(layout, model="m", num_layers=3, head_dim=4)  # the shared factory
 BASE = shaped()  # 2 KV heads, 16-token float32 blocks
 SRC_BLOCKS, DST_BLOCKS = 24, 20
-
-
-def _pool(layout: KVLayout, num_blocks: int, *, seed: int | None = None) -> torch.Tensor:
-    """A pool of ``layout``; with a seed, random values (distinct enough that any misplaced
-    token or K/V swap shows), else zeros."""
-    shape = (
-        layout.num_layers,
-        num_blocks,
-        2,
-        layout.tokens_per_block,
-        layout.num_kv_heads,
-        layout.head_dim,
-    )
-    if seed is None:
-        return torch.zeros(shape, dtype=getattr(torch, layout.dtype))
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=gen).to(getattr(torch, layout.dtype))
-
-
-def _tokens(pool: torch.Tensor, block_ids: list[int], num_tokens: int) -> torch.Tensor:
-    """K/V of a request's first ``num_tokens`` tokens: ``[L, 2, num_tokens, kvh, hd]``."""
-    L, _, _, tpb, kvh, hd = pool.shape
-    seq = pool[:, block_ids].permute(0, 2, 1, 3, 4, 5).reshape(L, 2, len(block_ids) * tpb, kvh, hd)
-    return seq[:, :, :num_tokens]
 
 
 def _formatter(src: KVLayout, dst: KVLayout, src_pool: torch.Tensor) -> Formatter:
@@ -68,17 +45,10 @@ def _send(
     if formatter.staged:
         buf = torch.full((formatter.staging_nbytes(len(dst_ids)),), 0xEE, dtype=torch.uint8)
         plan = plan.with_source(formatter.stage(src_pool, src_ids, len(dst_ids), buf))
-    source = pool_bytes(src_pool if plan.source is None else plan.source)
     assert isinstance(formatter, ConvertingFormatter)
-    dst_pool = _pool(formatter.dst_layout, DST_BLOCKS)
-    target = pool_bytes(dst_pool)
-    for s, d, n in zip(plan.src_offsets, plan.dst_offsets, plan.lengths, strict=True):
-        target[d : d + n] = source[s : s + n]
+    dst_pool = zeros_pool(formatter.dst_layout, DST_BLOCKS)
+    apply_plan(plan, src_pool, dst_pool)
     return dst_pool, plan
-
-
-def _blocks(num_tokens: int, tpb: int) -> int:
-    return -(-num_tokens // tpb)
 
 
 @pytest.mark.parametrize(
@@ -96,14 +66,14 @@ def _blocks(num_tokens: int, tpb: int) -> int:
 )
 def test_reblocking_reproduces_every_token_in_the_destination_blocks(src_tpb, dst_tpb, num_tokens):
     src, dst = shaped(tokens_per_block=src_tpb), shaped(tokens_per_block=dst_tpb)
-    src_pool = _pool(src, SRC_BLOCKS, seed=1)
-    src_ids = [7, 2, 19, 3, 4, 11, 0][: _blocks(num_tokens, src_tpb)]
-    dst_ids = [9, 10, 4, 15, 1][: _blocks(num_tokens, dst_tpb)]
+    src_pool = random_pool(src, SRC_BLOCKS, 1)
+    src_ids = [7, 2, 19, 3, 4, 11, 0][: blocks_for_tokens(num_tokens, src_tpb)]
+    dst_ids = [9, 10, 4, 15, 1][: blocks_for_tokens(num_tokens, dst_tpb)]
     formatter = _formatter(src, dst, src_pool)
     assert isinstance(formatter, ConvertingFormatter)
     dst_pool, _ = _send(formatter, src_pool, src_ids, dst_ids)
     assert torch.equal(
-        _tokens(dst_pool, dst_ids, num_tokens), _tokens(src_pool, src_ids, num_tokens)
+        token_kv(dst_pool, dst_ids, num_tokens), token_kv(src_pool, src_ids, num_tokens)
     )
     others = [b for b in range(DST_BLOCKS) if b not in dst_ids]
     assert not dst_pool[:, others].any()
@@ -111,7 +81,7 @@ def test_reblocking_reproduces_every_token_in_the_destination_blocks(src_tpb, ds
 
 def test_destination_slots_past_the_source_blocks_are_zeroed():
     src, dst = shaped(tokens_per_block=16), shaped(tokens_per_block=32)
-    src_pool = _pool(src, SRC_BLOCKS, seed=2)
+    src_pool = random_pool(src, SRC_BLOCKS, 2)
     dst_pool, _ = _send(_formatter(src, dst, src_pool), src_pool, [5, 6, 7], [3, 8])
     # 3 source blocks = 48 slots; destination block 8 holds tokens 32..63, 48..63 have no source
     assert torch.equal(dst_pool[:, 8, :, :16], src_pool[:, 7])
@@ -129,14 +99,14 @@ def test_dtype_conversion_equals_tensor_to_for_every_token(src_dtype, dst_dtype,
         shaped(tokens_per_block=src_tpb, dtype=src_dtype),
         shaped(tokens_per_block=dst_tpb, dtype=dst_dtype),
     )
-    src_pool = _pool(src, SRC_BLOCKS, seed=3)
+    src_pool = random_pool(src, SRC_BLOCKS, 3)
     num_tokens = 45
-    src_ids = [12, 13, 14, 1][: _blocks(num_tokens, src_tpb)]
-    dst_ids = [0, 6, 7][: _blocks(num_tokens, dst_tpb)]
+    src_ids = [12, 13, 14, 1][: blocks_for_tokens(num_tokens, src_tpb)]
+    dst_ids = [0, 6, 7][: blocks_for_tokens(num_tokens, dst_tpb)]
     dst_pool, _ = _send(_formatter(src, dst, src_pool), src_pool, src_ids, dst_ids)
     assert dst_pool.dtype == getattr(torch, dst_dtype)
-    expected = _tokens(src_pool, src_ids, num_tokens).to(dst_pool.dtype)
-    assert torch.equal(_tokens(dst_pool, dst_ids, num_tokens), expected)
+    expected = token_kv(src_pool, src_ids, num_tokens).to(dst_pool.dtype)
+    assert torch.equal(token_kv(dst_pool, dst_ids, num_tokens), expected)
 
 
 def test_bfloat16_into_float32_keeps_every_bit():
@@ -144,9 +114,11 @@ def test_bfloat16_into_float32_keeps_every_bit():
         shaped(tokens_per_block=16, dtype="bfloat16"),
         shaped(tokens_per_block=32, dtype="float32"),
     )
-    src_pool = _pool(src, SRC_BLOCKS, seed=4)
+    src_pool = random_pool(src, SRC_BLOCKS, 4)
     dst_pool, _ = _send(_formatter(src, dst, src_pool), src_pool, [1, 2], [3])
-    assert torch.equal(_tokens(dst_pool, [3], 32).to(torch.bfloat16), _tokens(src_pool, [1, 2], 32))
+    assert torch.equal(
+        token_kv(dst_pool, [3], 32).to(torch.bfloat16), token_kv(src_pool, [1, 2], 32)
+    )
 
 
 def test_converting_plan_is_one_segment_per_layer_per_destination_run():
@@ -154,7 +126,7 @@ def test_converting_plan_is_one_segment_per_layer_per_destination_run():
         shaped(tokens_per_block=16),
         shaped(tokens_per_block=32, dtype="bfloat16"),
     )
-    f = _formatter(src, dst, _pool(src, SRC_BLOCKS))
+    f = _formatter(src, dst, zeros_pool(src, SRC_BLOCKS))
     plan = f.plan([0, 9, 4, 5, 6, 2], [10, 11, 3])  # destination runs (10, 11) and (3,)
     bb = dst.block_bytes_per_layer  # staging blocks are destination blocks
     assert plan.lengths.tolist() == [2 * bb, bb] * 3
@@ -167,11 +139,11 @@ def test_converting_plan_is_one_segment_per_layer_per_destination_run():
 
 
 def test_equal_layouts_keep_the_zero_copy_identity_path():
-    f = _formatter(BASE, BASE, _pool(BASE, SRC_BLOCKS))
+    f = _formatter(BASE, BASE, zeros_pool(BASE, SRC_BLOCKS))
     assert isinstance(f, IdentityFormatter) and not f.staged
     assert f.staging_nbytes(4) == 0
     with pytest.raises(TransferError, match="nothing to stage"):
-        f.stage(_pool(BASE, SRC_BLOCKS), [1], 1, torch.empty(0, dtype=torch.uint8))
+        f.stage(zeros_pool(BASE, SRC_BLOCKS), [1], 1, torch.empty(0, dtype=torch.uint8))
 
 
 @pytest.mark.parametrize(
@@ -187,7 +159,9 @@ def test_unmappable_layouts_are_refused_at_negotiation_naming_only_those_fields(
     other = BASE.model_copy(update=update)
     geometry = PoolGeometry(other.num_layers, DST_BLOCKS, other.block_bytes_per_layer)
     with pytest.raises(LayoutMismatchError, match="cannot be mapped") as info:
-        Formatter.negotiate(BASE, other, PoolGeometry.from_pool(_pool(BASE, 4), BASE), geometry)
+        Formatter.negotiate(
+            BASE, other, PoolGeometry.from_pool(zeros_pool(BASE, 4), BASE), geometry
+        )
     assert named in info.value.message
     assert "tokens_per_block:" not in info.value.message and "dtype:" not in info.value.message
     assert not BASE.can_map_to(other)
@@ -215,7 +189,7 @@ def test_converting_plan_refuses_block_counts_and_ids_that_cannot_be_a_request(
 ):
     src, dst = shaped(tokens_per_block=16), shaped(tokens_per_block=32)
     with pytest.raises(TransferError, match=match):
-        _formatter(src, dst, _pool(src, SRC_BLOCKS)).plan(src_ids, dst_ids)
+        _formatter(src, dst, zeros_pool(src, SRC_BLOCKS)).plan(src_ids, dst_ids)
 
 
 @pytest.mark.parametrize("scratch_rows", [1, 3, 7])
@@ -226,10 +200,10 @@ def test_conversion_in_scratch_sized_chunks_reproduces_every_token(monkeypatch, 
     )
     row_bytes = 16 * src.num_kv_heads * src.head_dim * 4  # gcd(16, 32) tokens of float32
     monkeypatch.setattr(convert, "SCRATCH_BYTES", scratch_rows * row_bytes)
-    src_pool = _pool(src, SRC_BLOCKS, seed=5)
+    src_pool = random_pool(src, SRC_BLOCKS, 5)
     src_ids, dst_ids = [3, 9, 10, 11, 0], [1, 7, 8]  # 80 tokens
     formatter = _formatter(src, dst, src_pool)
     assert formatter.staging_nbytes(3) < 3 * 3 * dst.block_bytes_per_layer + 64 + 8 * row_bytes
     dst_pool, _ = _send(formatter, src_pool, src_ids, dst_ids)
-    expected = _tokens(src_pool, src_ids, 80).to(torch.bfloat16)
-    assert torch.equal(_tokens(dst_pool, dst_ids, 80), expected)
+    expected = token_kv(src_pool, src_ids, 80).to(torch.bfloat16)
+    assert torch.equal(token_kv(dst_pool, dst_ids, 80), expected)

@@ -4,19 +4,19 @@ with the backend exactly while they exist; and the decode side's handle check un
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from pdserve.errors import LayoutMismatchError, TransferError
-from pdserve.protocol import GenerationRequest, KVLayout, SamplingParams, TransferHandle
+from pdserve.protocol import KVLayout
 from pdserve.transfer.backend import Backend, Outbound, Peer
 from pdserve.transfer.control import Connection
 from pdserve.transfer.formatter import Formatter, PoolGeometry, TransferPlan
 from pdserve.transfer.staging import StagingPool
 from pdserve.workers.roles.decode import check_handle
+from tests.support.transfer import handed_generation, random_pool
 
 P = KVLayout(
     model="m", num_layers=2, num_kv_heads=4, head_dim=64, tokens_per_block=16, dtype="bfloat16"
@@ -50,14 +50,9 @@ class _RecordingBackend(Backend):
         raise NotImplementedError
 
 
-def _pool(layout: KVLayout, num_blocks: int) -> torch.Tensor:
-    shape = (layout.num_layers, num_blocks, 2, layout.tokens_per_block, layout.num_kv_heads)
-    return torch.randn((*shape, layout.head_dim)).to(getattr(torch, layout.dtype))
-
-
 @pytest.fixture
 def setup() -> tuple[StagingPool, _RecordingBackend, Formatter]:
-    pool = _pool(P, 64)
+    pool = random_pool(P, 64, seed=0)
     backend = _RecordingBackend()
     dst = PoolGeometry(D.num_layers, 64, D.block_bytes_per_layer)
     formatter = Formatter.negotiate(P, D, PoolGeometry.from_pool(pool, P), dst)
@@ -71,7 +66,7 @@ def _fill(staging: StagingPool, formatter: Formatter, n_src: int) -> TransferPla
 
 
 def test_identity_sends_from_the_pool_and_allocates_nothing():
-    pool = _pool(P, 8)
+    pool = random_pool(P, 8, seed=0)
     backend = _RecordingBackend()
     identity = Formatter.negotiate(P, P, PoolGeometry.from_pool(pool, P), PoolGeometry(2, 8, 1))
     staging = StagingPool(pool, backend)
@@ -137,37 +132,14 @@ def test_a_failed_staging_lends_nothing_and_keeps_the_buffer_for_the_next_send(s
     assert len(backend.registered) == 1 and backend.deregistered == 0
 
 
-def _request(handle_layout: KVLayout, block_ids: tuple[int, ...]) -> GenerationRequest:
-    handle = TransferHandle(
-        worker_id="p",
-        epoch=1,
-        request_id="r",
-        lease_id="l",
-        block_ids=block_ids,
-        num_tokens=40,
-        lease_deadline=time.time() + 30,
-        layout=handle_layout,
-        backend="tcp",
-        transfer_endpoint="127.0.0.1:1",
-    )
-    return GenerationRequest(
-        request_id="r",
-        prompt_token_ids=tuple(range(40)),
-        sampling=SamplingParams(),
-        deadline=time.time() + 60,
-        first_token=5,
-        handle=handle,
-    )
-
-
 def test_decode_accepts_a_handle_whose_layout_the_formatter_maps():
-    req = _request(P, (0, 1, 2))  # 40 tokens at 16 per block, into a 32-per-block engine
+    req = handed_generation(40, P)  # 40 tokens at 16 per block, into a 32-per-block engine
     assert req.handle is not None
     check_handle(req, req.handle, SimpleNamespace(layout=D))  # type: ignore[arg-type]
 
 
 def test_decode_refuses_an_unmappable_handle_naming_the_field():
-    req = _request(P.model_copy(update={"num_kv_heads": 3}), (0, 1, 2))
+    req = handed_generation(40, P.model_copy(update={"num_kv_heads": 3}))
     assert req.handle is not None
     with pytest.raises(LayoutMismatchError, match="num_kv_heads: 3 != 4"):
         check_handle(req, req.handle, SimpleNamespace(layout=D))  # type: ignore[arg-type]

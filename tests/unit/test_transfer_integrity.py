@@ -22,6 +22,7 @@ from pdserve.settings import TransferSettings
 from pdserve.transfer import integrity
 from pdserve.transfer.formatter import Formatter, PoolGeometry, TransferPlan, pool_bytes
 from pdserve.transfer.integrity import BlockDigester
+from tests.support.transfer import apply_plan, pattern_pool, zeros_pool
 
 LAYOUT = KVLayout(
     model="m", num_layers=3, num_kv_heads=2, head_dim=4, tokens_per_block=4, dtype="float32"
@@ -30,30 +31,12 @@ NUM_BLOCKS = 12
 BLOCK_BYTES = LAYOUT.block_bytes_per_layer
 
 
-def _pool(fill: bool) -> torch.Tensor:
-    shape = (LAYOUT.num_layers, NUM_BLOCKS, 2, LAYOUT.tokens_per_block, LAYOUT.num_kv_heads)
-    pool = torch.zeros((*shape, LAYOUT.head_dim), dtype=torch.float32)
-    if fill:
-        pool.view(-1).copy_(torch.arange(pool.numel(), dtype=torch.float32) + 1)
-    return pool
-
-
 def _plan(src_ids: list[int], dst_ids: list[int]) -> TransferPlan:
-    src, dst = _pool(False), _pool(False)
+    src, dst = zeros_pool(LAYOUT, NUM_BLOCKS), zeros_pool(LAYOUT, NUM_BLOCKS)
     formatter = Formatter.negotiate(
         LAYOUT, LAYOUT, PoolGeometry.from_pool(src, LAYOUT), PoolGeometry.from_pool(dst, LAYOUT)
     )
     return formatter.plan(src_ids, dst_ids)
-
-
-def _move(src: torch.Tensor, dst: torch.Tensor, plan: TransferPlan) -> None:
-    """What a backend does: copy every segment of ``plan`` from ``src`` into ``dst``."""
-    a, b = pool_bytes(src), pool_bytes(dst)
-    segments = zip(
-        plan.src_offsets.tolist(), plan.dst_offsets.tolist(), plan.lengths.tolist(), strict=True
-    )
-    for s, d, n in segments:
-        b[d : d + n] = a[s : s + n]
 
 
 def _check(dst: torch.Tensor, plan: TransferPlan, digests: str, src_ids, dst_ids) -> None:
@@ -68,7 +51,7 @@ def _check(dst: torch.Tensor, plan: TransferPlan, digests: str, src_ids, dst_ids
 
 @pytest.fixture
 def pools() -> tuple[torch.Tensor, torch.Tensor]:
-    return _pool(True), _pool(False)
+    return pattern_pool(LAYOUT, NUM_BLOCKS), zeros_pool(LAYOUT, NUM_BLOCKS)
 
 
 def test_bytes_moved_intact_to_other_block_ids_pass_the_check(pools) -> None:
@@ -76,7 +59,7 @@ def test_bytes_moved_intact_to_other_block_ids_pass_the_check(pools) -> None:
     src_ids, dst_ids = [3, 4, 5, 9], [10, 11, 0, 2]
     plan = _plan(src_ids, dst_ids)
     digests = BlockDigester(src).source(plan)
-    _move(src, dst, plan)
+    apply_plan(plan, src, dst)
     _check(dst, plan, digests, src_ids, dst_ids)
     assert len(base64.b64decode(digests)) == 8 * len(plan) == 8 * 3 * 3  # 3 layers x 3 runs
 
@@ -86,7 +69,7 @@ def test_one_flipped_byte_raises_integrity_error_naming_request_layer_and_blocks
     src_ids, dst_ids = [3, 4, 5, 9], [10, 11, 0, 2]
     plan = _plan(src_ids, dst_ids)
     digests = BlockDigester(src).source(plan)
-    _move(src, dst, plan)
+    apply_plan(plan, src, dst)
     flat = pool_bytes(dst)
     offset = (1 * NUM_BLOCKS + 2) * BLOCK_BYTES + 5  # layer 1, decode block 2 <- prefill 9
     flat[offset] ^= 0x40
@@ -102,7 +85,7 @@ def test_corruption_inside_a_run_names_every_block_of_the_run(pools) -> None:
     src, dst = pools
     plan = _plan([3, 4, 5], [10, 11, 0])  # runs: 3,4 -> 10,11 and 5 -> 0
     digests = BlockDigester(src).source(plan)
-    _move(src, dst, plan)
+    apply_plan(plan, src, dst)
     pool_bytes(dst)[(2 * NUM_BLOCKS + 11) * BLOCK_BYTES] ^= 1  # layer 2, block 11
     with pytest.raises(
         IntegrityError, match=r"layer 2, decode blocks \[10, 11\] \(prefill blocks \[3, 4\]\)"
@@ -115,7 +98,7 @@ def test_a_source_changed_after_the_digest_is_caught_on_arrival(pools) -> None:
     plan = _plan([1], [1])
     digests = BlockDigester(src).source(plan)
     src[0, 1, 0, 0, 0, 0] += 1  # the block changed under the transfer
-    _move(src, dst, plan)
+    apply_plan(plan, src, dst)
     with pytest.raises(IntegrityError, match="layer 0, decode block 1"):
         _check(dst, plan, digests, [1], [1])
 

@@ -31,7 +31,7 @@ from pdserve.transfer.ucx import (
     UcxWorker,
     transfer_tag,
 )
-from tests.support.kv_peer import TEST_KEY
+from tests.support.transfer import TEST_KEY
 
 pytest.importorskip("ucxx")
 

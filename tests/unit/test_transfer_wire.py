@@ -19,6 +19,7 @@ from pdserve.transfer.formatter import (
     coalesce_runs,
     pool_bytes,
 )
+from tests.support.transfer import zeros_pool
 
 LAYOUT = KVLayout(
     model="m", num_layers=3, num_kv_heads=2, head_dim=8, tokens_per_block=4, dtype="float32"
@@ -169,13 +170,8 @@ def test_unmappable_layouts_are_refused_naming_every_unmappable_field():
     assert "num_layers" not in info.value.message and "dtype:" not in info.value.message
 
 
-def _pool(layout: KVLayout, num_blocks: int) -> torch.Tensor:
-    shape = (layout.num_layers, num_blocks, 2, layout.tokens_per_block, layout.num_kv_heads)
-    return torch.zeros((*shape, layout.head_dim), dtype=getattr(torch, layout.dtype))
-
-
 def test_pool_geometry_matches_the_documented_offsets():
-    pool = _pool(LAYOUT, 5)
+    pool = zeros_pool(LAYOUT, 5)
     g = PoolGeometry.from_pool(pool, LAYOUT)
     assert (g.num_blocks, g.block_bytes, g.nbytes) == (5, BB, pool.numel() * 4)
     pool[2, 3] = 1.0  # layer 2, block 3
@@ -199,7 +195,7 @@ def test_pool_that_does_not_match_the_layout_is_a_config_error(pool, match):
 
 def test_pool_bytes_views_bfloat16_without_copying():
     layout = LAYOUT.model_copy(update={"dtype": "bfloat16"})
-    pool = _pool(layout, 2)
+    pool = zeros_pool(layout, 2)
     view = pool_bytes(pool)
     assert len(view) == pool.numel() * 2
     view[0:2] = bytes([0x80, 0x3F])  # bfloat16 1.0, little endian

@@ -39,6 +39,7 @@ from pdserve.workers.roles.decode import DecodeHandler
 from tests.support.fake_engine import FakeEngine, token_at
 from tests.support.fakes import CLUSTER_KEY, INTERNAL_AUTH, layout
 from tests.support.servers import wait_until
+from tests.support.transfer import backend_cfg
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -81,11 +82,6 @@ class MemoryRegistration:
         self.state = RegistrationState.CLOSED
 
 
-INPROC = TransferSettings().model_copy(update={"backend": "inproc"})
-"""The in-process test backend (registered by :mod:`pdserve.transfer.inproc`, not a choice
-the settings offer users, hence set without validation)."""
-
-
 def worker_cfg(role: Role, *, lease_s: float = 30.0, timeout_s: float = 2.0) -> WorkerConfig:
     """A worker config for the fake engine (which reads none of the engine section)."""
     return WorkerConfig(
@@ -96,7 +92,7 @@ def worker_cfg(role: Role, *, lease_s: float = 30.0, timeout_s: float = 2.0) -> 
             kv_cache=KVCacheSettings(lease_s=lease_s),
             scheduler=SchedulerSettings(max_queued_requests=4),
         ),
-        transfer=INPROC.model_copy(update={"timeout_s": timeout_s}),
+        transfer=backend_cfg("inproc", timeout_s=timeout_s),
         worker=WorkerSettings(worker_id=f"{role.value}-0"),
         control_plane="memory://",
     )

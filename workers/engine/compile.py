@@ -6,7 +6,7 @@ a step is ``aten::mm``, and torch's CPU build sends float32 GEMMs to MKL, which 
 on AMD CPUs (about 110 GFLOP/s on one core here) where oneDNN runs AVX-512 (about 250). The rest
 is transformers' Python and small elementwise kernels (RMSNorm, RoPE, SiLU, residuals) and the
 paged attention. So the compiled forward does two things, as vLLM's CPU backend does (measured
-with ``tests/bench_compile.py``: prepacking alone takes prefill and decode to 0.55-0.7x of the
+with ``pdserve bench compile``: prepacking alone takes prefill and decode to 0.55-0.7x of the
 eager time; compiling on top of it takes decode a further 7-14 % and prefill 0-3 %):
 
 1. **Prepacking** (:func:`prepack_linears`): every ``nn.Linear`` becomes a :class:`OneDNNLinear`

@@ -1,4 +1,4 @@
-"""Eager vs compiled forward of the model runner, in one process (not part of the test suite).
+"""``pdserve bench compile``: eager vs compiled forward of the model runner, in one process.
 
 Prints, for each thread count: the prefill time of one 286-token prompt and the decode step
 time at batch 1, 8 and 32 (each sequence at a 300-token context) for three runners built from
@@ -13,12 +13,16 @@ Calls alternate between the runners (``--rounds`` rounds, median of each), so lo
 processes hits all three alike; the ratios are the figures to quote. Start-up compile time is
 measured in child processes: once with an empty inductor cache (cold) and once reusing it (warm).
 
-    python tests/bench_compile.py [--model DIR] [--threads 1 2] [--rounds 7]
+    pdserve bench compile [--model DIR] [--threads 1 2] [--rounds 7]
+
+Importing this module is light (torch and the engine load when the benchmark runs); the options
+live in :mod:`pdserve.tools.bench_commands`.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import subprocess
@@ -27,40 +31,44 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from pdserve.models import prepare_default_model
-from pdserve.protocol import KVLayout, SamplingParams
-from pdserve.settings import default_cache_dir
-from pdserve.workers.engine.compile import prepack_linears
-from pdserve.workers.engine.model_runner import ModelRunner
-from pdserve.workers.engine.scheduler import ScheduledBatch, ScheduledSequence
-from pdserve.workers.engine.sequence import Sequence
-from pdserve.workers.kv.manager import KVCacheManager
-from tests.support.engine import engine_config
+if TYPE_CHECKING:
+    from pdserve.workers.engine.model_runner import ModelRunner
+    from pdserve.workers.engine.scheduler import ScheduledBatch
+    from pdserve.workers.engine.sequence import Sequence
 
 PREFILL_TOKENS = 286
 DECODE_CONTEXT = 300
 DECODE_BATCHES = (1, 8, 32)
 TOKENS_PER_BLOCK = 16
-SAMPLING = SamplingParams(temperature=0.0, max_tokens=64)
 
 STARTUP_CHILD = """
-import sys, time, torch
+import sys, torch
 from pathlib import Path
-from pdserve.workers.engine.model_runner import ModelRunner
-from tests.support.engine import engine_config
+from pdserve.tools.bench_compile import runner
 torch.set_num_threads(int(sys.argv[2]))
-r = ModelRunner(engine_config(Path(sys.argv[1]), compile=True))
-print(f"{r.compiled.compile_s:.2f}")
+print(f"{runner(Path(sys.argv[1]), compile=True).compiled.compile_s:.2f}")
 """
+
+
+def runner(model: Path, *, compile: bool) -> ModelRunner:
+    """A model runner of the model folder ``model``, ``model.compile`` as given, every other
+    setting its default (CPU, the model's dtype)."""
+    from pdserve.config import EngineConfig
+    from pdserve.settings import ModelSettings
+    from pdserve.workers.engine.model_runner import ModelRunner
+
+    return ModelRunner(EngineConfig(model_path=model, model=ModelSettings(compile=compile)))
 
 
 class Steps:
     """Scheduled batches over one KV pool shared by the runners (same layout, same blocks)."""
 
     def __init__(self, runner: ModelRunner):
+        from pdserve.protocol import KVLayout
+        from pdserve.workers.kv.manager import KVCacheManager
+
         layout = KVLayout(
             model="bench",
             num_layers=runner.num_layers,
@@ -75,8 +83,12 @@ class Steps:
         self.vocab = runner.vocab_size
 
     def _seq(self, rid: str, prompt_len: int, computed: int) -> Sequence:
+        from pdserve.protocol import SamplingParams
+        from pdserve.workers.engine.sequence import Sequence
+
         prompt = [(7 * i + 11) % self.vocab for i in range(prompt_len)]
-        seq = Sequence(rid, prompt, SAMPLING, "full", need_blocks=0)
+        sampling = SamplingParams(temperature=0.0, max_tokens=64)
+        seq = Sequence(rid, prompt, sampling, "full", need_blocks=0)
         if computed > prompt_len - 1:
             seq.output_token_ids = [42] * (computed - prompt_len + 1)
         seq.num_computed_tokens = computed
@@ -85,10 +97,14 @@ class Steps:
         return seq
 
     def prefill(self) -> ScheduledBatch:
+        from pdserve.workers.engine.scheduler import ScheduledBatch, ScheduledSequence
+
         seq = self._seq("prefill", PREFILL_TOKENS, 0)
         return ScheduledBatch(prefill=[ScheduledSequence.of(seq, PREFILL_TOKENS)])
 
     def decode(self, batch: int) -> ScheduledBatch:
+        from pdserve.workers.engine.scheduler import ScheduledBatch, ScheduledSequence
+
         seqs = [self._seq(f"decode-{i}", DECODE_CONTEXT, DECODE_CONTEXT) for i in range(batch)]
         return ScheduledBatch(decode=[ScheduledSequence.of(s, 1) for s in seqs])
 
@@ -107,6 +123,7 @@ def interleaved_ms(fns: dict[str, Callable[[], object]], rounds: int) -> dict[st
 
 
 def startup_s(model: Path, threads: int, cache_dir: str) -> float:
+    """Seconds a fresh process takes to compile the runner, inductor cache in ``cache_dir``."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
     out = subprocess.run(
         [sys.executable, "-c", STARTUP_CHILD, str(model), str(threads)],
@@ -118,13 +135,16 @@ def startup_s(model: Path, threads: int, cache_dir: str) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, default=None, help="default: SmolLM2 (cached)")
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--skip-startup", action="store_true")
-    args = parser.parse_args()
+def run(args: argparse.Namespace) -> int:
+    """``pdserve bench compile`` (options: :mod:`pdserve.tools.bench_commands`): start-up
+    compile times, then the table per thread count; 0. Raises CalledProcessError when a
+    start-up child fails."""
+    import torch
+
+    from pdserve.models import prepare_default_model
+    from pdserve.settings import default_cache_dir
+    from pdserve.workers.engine.compile import prepack_linears
+
     model = args.model or prepare_default_model(default_cache_dir())
 
     if not args.skip_startup:
@@ -138,9 +158,9 @@ def main() -> None:
                 )
 
     runners = {
-        "eager": ModelRunner(engine_config(model, compile=False)),
-        "prepacked": ModelRunner(engine_config(model, compile=False)),
-        "compiled": ModelRunner(engine_config(model, compile=True)),
+        "eager": runner(model, compile=False),
+        "prepacked": runner(model, compile=False),
+        "compiled": runner(model, compile=True),
     }
     prepack_linears(runners["prepacked"].model)
     steps = Steps(runners["eager"])
@@ -153,11 +173,10 @@ def main() -> None:
             f"\n{threads} thread(s)   " + "".join(f"{n:>12}" for n in runners) + "   compiled/eager"
         )
         for case, batch in cases.items():
-            fns = {n: (lambda r=r, b=batch: r.execute(b, steps.kv)) for n, r in runners.items()}
+            fns: dict[str, Callable[[], object]] = {
+                n: functools.partial(r.execute, batch, steps.kv) for n, r in runners.items()
+            }
             ms = interleaved_ms(fns, args.rounds)
             cells = "".join(f"{ms[n]:>9.1f} ms" for n in runners)
             print(f"{case:<14}{cells}   {ms['compiled'] / ms['eager']:.2f}")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

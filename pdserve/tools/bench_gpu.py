@@ -1,11 +1,9 @@
-"""GPU figures for docs/benchmarks.md: engine step time (TPOT) and KV transfer GB/s.
+"""``pdserve bench gpu``: engine step time (TPOT) and KV transfer GB/s on a GPU (the CPU side of
+the comparison runs the same code with ``--device cpu``)::
 
-Run from the repository root (the CPU side of the comparison runs the same code with
-``--device cpu``)::
-
-    python -m tests.gpu.bench_gpu engine --device cuda --model smollm2-like --dtype float32 bfloat16 \
+    pdserve bench gpu engine --device cuda --model smollm2-like --dtype float32 bfloat16 \
         --cuda-graphs on off
-    python -m tests.gpu.bench_gpu transfer --backends tcp nixl --devices cuda:cuda cpu:cpu
+    pdserve bench gpu transfer --backends tcp nixl --devices cuda:cuda cpu:cpu
 
 ``engine``: one Engine in this process; per concurrency level ``c``, ``c`` requests of
 ``--prompt-tokens`` random token ids are submitted together and generate ``--max-tokens`` tokens
@@ -15,13 +13,18 @@ every request decoding in lockstep, TPOT is the decode step time at batch ``c``.
 off`` runs each dtype twice, with and without CUDA graphs of decode steps (``EngineConfig.
 cuda_graphs``; no effect on CPU); graphs are captured in the first pass of a level.
 
-``transfer``: a spawned prefill peer (:class:`tests.support.cuda_peer.PatternPeer`) and a decode
-transceiver in this process, pools on the given devices, SmolLM2's KV layout (30 layers, 3 KV
-heads, head dim 64, 16 tokens per block, float32: 720 KiB per block). Each size is pulled once
+The models are built on the spot with random weights (:mod:`pdserve.tools.bench_models`: the
+tiny one, or one with SmolLM2-135M's architecture), so nothing is downloaded.
+
+``transfer``: a spawned prefill peer (:class:`pdserve.tools.bench_transfer_peers.PatternPeer`)
+and a decode transceiver in this process, pools on the given devices, SmolLM2's KV layout (30
+layers, 3 KV heads, head dim 64, 16 tokens per block, float32: 720 KiB per block). Each size is pulled once
 to warm up, then at least 5 times and for at least 0.5 s; GB/s at the median. The bytes are
 checked after the timed pulls.
 
-Prints one ``PDSERVE-GPU <json>`` line per result and a markdown table at the end.
+Prints one ``PDSERVE-GPU <json>`` line per result and a markdown table at the end. Importing
+this module is light (torch loads when a benchmark runs); the options live in
+:mod:`pdserve.tools.bench_commands`.
 """
 
 from __future__ import annotations
@@ -34,9 +37,12 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+    from pdserve.config import EngineConfig
 
 RESULT_PREFIX = "PDSERVE-GPU "
 SMOL_LAYOUT = {
@@ -54,6 +60,8 @@ def _emit(result: dict[str, Any]) -> None:
 
 
 def _device_name(device: str) -> str:
+    import torch
+
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(torch.device(device))
     return f"cpu ({torch.get_num_threads()} torch threads)"
@@ -63,13 +71,44 @@ def _device_name(device: str) -> str:
 
 
 def _model_dir(name: str, root: Path) -> Path:
+    from pdserve.tools.bench_models import build_random_llama, build_smollm2_like
+
     if name == "tiny":
-        from tests.support.models import build_tiny_model
-
-        return build_tiny_model(root / "tiny", seed=0)
-    from tests.support.gpu_models import build_smollm2_like
-
+        return build_random_llama(root / "tiny", seed=0)
     return build_smollm2_like(root / "smollm2-like", seed=0)
+
+
+def engine_config(
+    model_dir: Path,
+    *,
+    device: str,
+    dtype: str,
+    num_blocks: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    cuda_graphs: bool,
+    tokens_per_block: int = 16,
+    compile: bool | None = None,
+) -> EngineConfig:
+    """The engine of one benchmark run: the model's ``device`` and ``dtype``, a pool of exactly
+    ``num_blocks`` blocks, the scheduler's bounds, CUDA graphs of decode steps on or off,
+    ``model.compile`` when given; every other setting its default."""
+    from pdserve.config import EngineConfig
+    from pdserve.settings import KVCacheSettings, ModelSettings, SchedulerSettings
+
+    model: dict[str, Any] = {"device": device, "dtype": dtype}
+    if compile is not None:
+        model["compile"] = compile
+    return EngineConfig(
+        model_path=model_dir,
+        model=ModelSettings.model_validate(model),
+        kv_cache=KVCacheSettings(tokens_per_block=tokens_per_block, num_blocks=num_blocks),
+        scheduler=SchedulerSettings(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            cuda_graphs=cuda_graphs,
+        ),
+    )
 
 
 def _run_level(engine: Any, prompts: list[list[int]], max_tokens: int) -> list[tuple[float, float]]:
@@ -99,6 +138,9 @@ def _run_level(engine: Any, prompts: list[list[int]], max_tokens: int) -> list[t
 
 
 def bench_engine(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every ``--dtype`` x ``--cuda-graphs`` engine on the stand-in ``--model``."""
+    import torch
+
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = _model_dir(args.model, Path(tmp))
@@ -113,8 +155,9 @@ def _bench_engine_config(
     args: argparse.Namespace, model_dir: Path, gen: torch.Generator, dtype: str, graphs: bool
 ) -> list[dict[str, Any]]:
     """One engine (``dtype``, CUDA graphs on or off), every concurrency level."""
+    import torch
+
     from pdserve.workers.engine.engine import Engine
-    from tests.support.engine import engine_config
 
     results = []
     top = max(args.concurrency)
@@ -187,21 +230,22 @@ async def _time_pulls(t: Any, handle: Any, ids: list[int], min_s: float) -> list
 async def _pull_sizes(
     backend: str, dst_device: str, peer: Any, sizes: list[int], integrity: bool
 ) -> dict[int, list[float]]:
+    import torch
+
     from pdserve.protocol import KVLayout
+    from pdserve.tools.bench_transfer_peers import empty_pool, pattern, transfer_settings
     from pdserve.transfer import create_transceiver
-    from tests.support.cuda_peer import empty_pool, pattern, transfer_cfg
-    from tests.support.kv_peer import TEST_KEY
 
     layout = KVLayout(**SMOL_LAYOUT)
     pool = empty_pool(layout, max(sizes), dst_device)
     t = create_transceiver(
-        transfer_cfg(backend, integrity=integrity),
+        transfer_settings(backend, ucx_devices="lo", integrity=integrity),
         pool=pool,
         layout=layout,
         worker_id="gpu-bench-decode",
         epoch=1,
         parked=None,
-        key=TEST_KEY,
+        key=peer.key,
     )
     await t.start()
     try:
@@ -220,8 +264,9 @@ async def _pull_sizes(
 
 
 def bench_transfer(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every ``--backends`` x ``--devices`` pair, integrity off then on, each ``--blocks``."""
     from pdserve.protocol import KVLayout
-    from tests.support.cuda_peer import PatternPeer
+    from pdserve.tools.bench_transfer_peers import PatternPeer
 
     layout = KVLayout(**SMOL_LAYOUT)
     block = layout.block_bytes_per_layer * layout.num_layers
@@ -288,37 +333,16 @@ def _table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tests.gpu.bench_gpu")
-    sub = parser.add_subparsers(dest="what", required=True)
-    eng = sub.add_parser("engine")
-    eng.add_argument("--device", default="cuda")
-    eng.add_argument("--model", choices=["tiny", "smollm2-like"], default="smollm2-like")
-    eng.add_argument("--dtype", nargs="+", default=["float32"])
-    eng.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    eng.add_argument("--prompt-tokens", type=int, default=256)
-    eng.add_argument("--max-tokens", type=int, default=32)
-    eng.add_argument("--threads", type=int, default=None, help="torch threads (CPU runs)")
-    eng.add_argument(
-        "--cuda-graphs",
-        nargs="+",
-        choices=["on", "off"],
-        default=["on"],
-        help="engines to run: with CUDA graphs for decode steps (CUDA only), without, or both",
-    )
-    tr = sub.add_parser("transfer")
-    tr.add_argument("--backends", nargs="+", default=["tcp", "nixl"])
-    tr.add_argument("--devices", nargs="+", default=["cuda:cuda"], help="SRC:DST pool devices")
-    tr.add_argument("--blocks", type=int, nargs="+", default=[1, 16, 64])
-    args = parser.parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """``pdserve bench gpu engine|transfer`` (options: :mod:`pdserve.tools.bench_commands`):
+    print each result as it comes and the table at the end; 0."""
     if args.what == "engine":
         if args.threads:
+            import torch
+
             torch.set_num_threads(args.threads)
         results = bench_engine(args)
     else:
         results = bench_transfer(args)
     print(_table(results))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,0 +1,379 @@
+"""The ``pdserve bench`` subcommands: name, help, options and what runs each (:data:`COMMANDS`).
+
+The CLI (:mod:`pdserve.cli`) builds one subparser per :class:`BenchCommand` and dispatches to
+its ``run``. Importing this module is light (argparse only; no httpx, no torch): each ``run``
+imports its benchmark when the command runs. Where a benchmark starts pdserve itself (``serve``
+without ``--url``, ``multiturn``, ``kv-restart``), its stacks take their settings from
+``--config`` and the ``PDSERVE_*`` variables (``serve`` also from its setting flags) and start
+through :class:`pdserve.stack.Stack` (:func:`pdserve.tools.bench.bench_stack`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from pdserve.settings import PdserveConfig
+
+Settings = Literal["none", "config", "flags"]
+"""What pdserve settings a subcommand takes: none; ``--config`` and the environment; those and
+the setting flags of the ``bench serve`` command (:func:`pdserve.cli.add_setting_flags`)."""
+
+
+@dataclass(frozen=True)
+class BenchCommand:
+    """One ``pdserve bench NAME``: ``run(args, cfg)`` returns the exit code; ``cfg`` is the
+    resolved settings when ``settings`` is not ``"none"``, else None."""
+
+    name: str
+    help: str
+    description: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace, PdserveConfig | None], int]
+    settings: Settings = "none"
+
+
+def _need(cfg: PdserveConfig | None) -> PdserveConfig:
+    if cfg is None:
+        raise AssertionError("this benchmark takes settings; the CLI resolves them")
+    return cfg
+
+
+# --- serve, transfer (options in pdserve.tools.bench) -----------------------------------------
+
+
+def _serve_arguments(p: argparse.ArgumentParser) -> None:
+    from pdserve.tools.bench import add_serve_arguments
+
+    add_serve_arguments(p)
+
+
+def _run_serve(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
+    from pdserve.tools.bench import serve_main
+
+    return serve_main(args, _need(cfg))
+
+
+def _transfer_arguments(p: argparse.ArgumentParser) -> None:
+    from pdserve.tools.bench import add_transfer_arguments
+
+    add_transfer_arguments(p)
+
+
+def _run_transfer(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
+    from pdserve.tools.bench import transfer_main
+
+    return transfer_main(args)
+
+
+TRANSFER_DESCRIPTION = """\
+KV transfer GB/s per backend (tcp, NIXL over TCP and shared memory, ucx) beside a raw-socket
+stream and a memcpy of the same byte counts, in one run: each case moves KV blocks of SmolLM2's
+layout between two fresh processes, as workers do (handshake once, then per request SendBlocks
+-> bytes -> Release), with integrity digests off and on. Prints p50 times per size, a fit of the
+fixed cost per transfer and the bandwidth, and the targets met or missed.
+"""
+
+
+# --- multiturn ----------------------------------------------------------------------------------
+
+MULTITURN_DESCRIPTION = """\
+Multi-turn chat against pdserve stacks it starts itself: C conversations of T turns, each turn's
+prompt extending the previous one (a shared system prompt of about S tokens, then the earlier
+turns), K conversations at once, streamed greedy chat completions; every turn goes through the
+prefill worker (router --local-prefill-max-tokens 0). --compare cache: router + 1 prefill + 1
+decode with the prefix cache on, then off. --compare routing: router + --prefill-workers prefill
+workers + 1 decode, KV-aware routing against least-loaded routing (both with the cache on).
+
+Reported per stack: TTFT p50/p90 on turn 1 and on turns 2+, prompt tokens, tokens the prefill
+workers computed and their prefix cache hit rate (from their /metrics); then the ratios against
+the targets (cache on / off TTFT p50 on turns 2+ at most 0.3x; KV-aware hit rate at least 2x
+least-loaded). The stacks take their settings from --config and PDSERVE_* variables.
+"""
+
+
+def _multiturn_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--conversations", type=int, default=8, help="conversations (default: 8)")
+    p.add_argument("--turns", type=int, default=4, help="turns per conversation (default: 4)")
+    p.add_argument(
+        "--system-tokens", type=int, default=1000,
+        help="tokens of the shared system prompt (default: 1000)",
+    )  # fmt: skip
+    p.add_argument(
+        "--concurrency", type=int, default=4, help="conversations in flight (default: 4)"
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=32, help="max_tokens of each reply (default: 32)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    _model_argument(p)
+    _timeout_json_arguments(p)
+    p.add_argument(
+        "--compare", choices=("cache", "routing"), default="cache",
+        help="cache: prefix cache on vs off (1 prefill worker); routing: KV-aware vs "
+        "least-loaded routing (--prefill-workers prefill workers, cache on) (default: cache)",
+    )  # fmt: skip
+    p.add_argument(
+        "--prefill-workers", type=int, default=2,
+        help="prefill workers of each stack with --compare routing (default: 2)",
+    )  # fmt: skip
+    p.add_argument(
+        "--distinct-system-prompts", action="store_true",
+        help="every conversation gets a system prompt of its own (no prefix shared between "
+        "conversations)",
+    )  # fmt: skip
+
+
+def _model_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", default=None, metavar="DIR",
+        help="local model folder the stacks serve (default: model.path of the settings, else "
+        "the converted SmolLM2 in the cache)",
+    )  # fmt: skip
+
+
+def _timeout_json_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--request-timeout-s", type=float, default=600.0,
+        help="per-request timeout, seconds (default: 600)",
+    )  # fmt: skip
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+
+
+def _run_multiturn(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
+    from pdserve.tools.bench_multiturn import run
+
+    return run(args, _need(cfg))
+
+
+# --- kv-restart ---------------------------------------------------------------------------------
+
+KV_RESTART_DESCRIPTION = """\
+The first request after a restart, with the KV cache's disk tier: starts router + 1 prefill + 1
+decode with kv_cache.disk_cache_dir set to an empty directory, times the TTFT of one long prompt
+(cold), waits until the prefill worker wrote every block to disk, stops the whole stack, starts
+it again on the same directory and times the same prompt (warm). A short warm-up request that
+shares no prefix goes first each time and is not counted.
+
+Reported: both TTFTs, warm / cold against the target (at most 0.5x), prompt tokens, tokens the
+restarted prefill worker loaded from the disk tier, and the directory's files and bytes. Exit 1
+when the target is missed or nothing was loaded from disk, 2 when --disk-dir is not empty. The
+stacks take their other settings from --config and PDSERVE_* variables.
+"""
+
+
+def _kv_restart_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--prompt-tokens", type=int, default=4000,
+        help="tokens of the long prompt's text by the model's tokenizer (default: 4000)",
+    )  # fmt: skip
+    p.add_argument("--max-tokens", type=int, default=8, help="max_tokens (default: 8)")
+    _model_argument(p)
+    p.add_argument(
+        "--disk-dir", default=None, metavar="DIR",
+        help="the disk tier's directory; must be empty or absent (default: a fresh temporary "
+        "directory, removed at the end)",
+    )  # fmt: skip
+    _timeout_json_arguments(p)
+
+
+def _run_kv_restart(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
+    from pdserve.tools.bench_kv_restart import run
+
+    return run(args, _need(cfg))
+
+
+# --- compile, formatter, gpu: one process, no stack ---------------------------------------------
+
+COMPILE_DESCRIPTION = """\
+Eager vs compiled forward of the model runner, in this process: for each thread count, the
+prefill time of one 286-token prompt and the decode step time at batch 1, 8 and 32 (each
+sequence at a 300-token context) for three runners of the same model folder: eager
+(transformers' forward), prepacked (the same with oneDNN-prepacked linears only) and compiled
+(model.compile: prepacked + torch.compile). Calls alternate between the runners, medians of
+--rounds rounds; the ratios are the figures to quote. First the start-up compile time, in child
+processes: with an empty inductor cache (cold) and reusing it (warm).
+"""
+
+
+def _compile_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", type=Path, default=None, metavar="DIR",
+        help="model folder (default: the converted SmolLM2 in the cache)",
+    )  # fmt: skip
+    p.add_argument(
+        "--threads", type=int, nargs="+", default=[1, 2],
+        help="torch thread counts, one table each (default: 1 2)",
+    )  # fmt: skip
+    p.add_argument("--rounds", type=int, default=7, help="rounds per case (default: 7)")
+    p.add_argument(
+        "--skip-startup", action="store_true", help="skip the start-up compile measurement"
+    )
+
+
+def _run_compile(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
+    from pdserve.tools.bench_compile import run
+
+    return run(args)
+
+
+FORMATTER_DESCRIPTION = """\
+What KV layout conversion costs, on SmolLM2's layout: the staging kernel alone (gather + convert
+into the staging buffer, beside a plain copy of the same bytes) for each mixed pair of block
+sizes and dtypes, then whole pulls between two processes per backend, matched layouts (the
+zero-copy path) beside each mixed pair. Integrity digests are off, so the figures isolate the
+conversion. Medians; 1 GB = 1e9 bytes.
+"""
+
+
+def _formatter_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tokens", type=int, nargs="+", default=[512, 2048],
+        help="tokens per request (default: 512 2048)",
+    )  # fmt: skip
+    p.add_argument(
+        "--backends", nargs="+", default=["tcp", "nixl"],
+        help="transfer backends of the pulls (default: tcp nixl)",
+    )  # fmt: skip
+    p.add_argument(
+        "--threads", type=int, default=1,
+        help="torch threads of the staging kernel and the prefill process (default: 1)",
+    )  # fmt: skip
+
+
+def _run_formatter(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
+    from pdserve.tools.bench_formatter import run
+
+    return run(args)
+
+
+GPU_DESCRIPTION = """\
+GPU figures: engine step time and KV transfer GB/s, on models built on the spot with random
+weights (tiny, or SmolLM2-135M's architecture), so nothing is downloaded.
+
+engine: one engine in this process; per concurrency level c, c requests of --prompt-tokens
+random token ids generate --max-tokens tokens each (ignore_eos), twice, the second pass
+reported: TTFT and TPOT p50 (with every request decoding in lockstep, TPOT is the decode step
+time at batch c), per --dtype, with and without CUDA graphs (--cuda-graphs on off).
+
+transfer: a spawned prefill peer and a decode transceiver here, pools on the --devices given
+(SRC:DST, e.g. cuda:cuda cpu:cuda), SmolLM2's KV layout; each size pulled at least 5 times and
+for 0.5 s, GB/s at the median, integrity off and on, the bytes checked.
+
+Prints one PDSERVE-GPU <json> line per result and a markdown table at the end.
+"""
+
+
+def _gpu_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="what", required=True, metavar="{engine,transfer}")
+    eng = sub.add_parser("engine", help="engine TTFT and TPOT per dtype and CUDA graphs")
+    eng.add_argument("--device", default="cuda", help="torch device (default: cuda)")
+    eng.add_argument(
+        "--model", choices=["tiny", "smollm2-like"], default="smollm2-like",
+        help="the stand-in model (default: smollm2-like)",
+    )  # fmt: skip
+    eng.add_argument(
+        "--dtype", nargs="+", default=["float32"], help="model dtypes (default: float32)"
+    )
+    eng.add_argument(
+        "--concurrency", type=int, nargs="+", default=[1, 8, 32],
+        help="requests decoding together, one level after another (default: 1 8 32)",
+    )  # fmt: skip
+    eng.add_argument(
+        "--prompt-tokens", type=int, default=256, help="tokens per prompt (default: 256)"
+    )
+    eng.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default: 32)")
+    eng.add_argument("--threads", type=int, default=None, help="torch threads (CPU runs)")
+    eng.add_argument(
+        "--cuda-graphs", nargs="+", choices=["on", "off"], default=["on"],
+        help="engines to run: with CUDA graphs for decode steps (CUDA only), without, or both "
+        "(default: on)",
+    )  # fmt: skip
+    tr = sub.add_parser("transfer", help="KV transfer GB/s between pools on CPU or GPU")
+    tr.add_argument(
+        "--backends", nargs="+", default=["tcp", "nixl"],
+        help="transfer backends (default: tcp nixl)",
+    )  # fmt: skip
+    tr.add_argument(
+        "--devices", nargs="+", default=["cuda:cuda"],
+        help="SRC:DST pool devices, e.g. cuda:cuda cpu:cuda (default: cuda:cuda)",
+    )  # fmt: skip
+    tr.add_argument(
+        "--blocks", type=int, nargs="+", default=[1, 16, 64],
+        help="request sizes in KV blocks (default: 1 16 64)",
+    )  # fmt: skip
+
+
+def _run_gpu(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
+    from pdserve.tools.bench_gpu import run
+
+    return run(args)
+
+
+def _serve_description() -> str:
+    from pdserve.tools.bench import SERVE_DESCRIPTION
+
+    return SERVE_DESCRIPTION
+
+
+COMMANDS: tuple[BenchCommand, ...] = (
+    BenchCommand(
+        "serve",
+        "TTFT/ITL/TPOT of an OpenAI server (--url), or pdserve disaggregated vs colocated",
+        _serve_description(),
+        _serve_arguments,
+        _run_serve,
+        "flags",
+    ),
+    BenchCommand(
+        "transfer",
+        "KV transfer GB/s per backend vs socket/memcpy",
+        TRANSFER_DESCRIPTION,
+        _transfer_arguments,
+        _run_transfer,
+    ),
+    BenchCommand(
+        "multiturn",
+        "multi-turn chat on stacks it starts: prefix cache on vs off, or KV-aware routing",
+        MULTITURN_DESCRIPTION,
+        _multiturn_arguments,
+        _run_multiturn,
+        "config",
+    ),
+    BenchCommand(
+        "kv-restart",
+        "TTFT of the first request after a restart, from the KV disk tier",
+        KV_RESTART_DESCRIPTION,
+        _kv_restart_arguments,
+        _run_kv_restart,
+        "config",
+    ),
+    BenchCommand(
+        "compile",
+        "eager vs compiled forward of the model runner (prefill, decode steps)",
+        COMPILE_DESCRIPTION,
+        _compile_arguments,
+        _run_compile,
+    ),
+    BenchCommand(
+        "formatter",
+        "what KV layout conversion costs (staging kernel, pulls)",
+        FORMATTER_DESCRIPTION,
+        _formatter_arguments,
+        _run_formatter,
+    ),
+    BenchCommand(
+        "gpu",
+        "engine TTFT/TPOT and KV transfer GB/s on a GPU (random-weight models)",
+        GPU_DESCRIPTION,
+        _gpu_arguments,
+        _run_gpu,
+    ),
+)
+"""Every ``pdserve bench`` subcommand, in the order ``--help`` lists them."""
+
+BY_NAME = {c.name: c for c in COMMANDS}

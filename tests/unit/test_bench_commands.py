@@ -1,0 +1,62 @@
+"""Every benchmark is a ``pdserve bench`` subcommand with a helpful ``--help``, and building the
+command line imports no benchmark's heavy dependencies (torch, httpx)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.cli import build_parser
+from pdserve.tools.bench_commands import BY_NAME, COMMANDS
+
+HELP = {
+    "serve": ("--url", "--concurrency", "TTFT", "--config", "--compile"),
+    "transfer": ("--backends", "--integrity", "raw-socket", "memcpy"),
+    "multiturn": ("--conversations", "--compare", "--prefill-workers", "--config", "hit rate"),
+    "kv-restart": ("--prompt-tokens", "--disk-dir", "--config", "0.5x", "disk tier"),
+    "compile": ("--threads", "--rounds", "--skip-startup", "eager", "torch.compile"),
+    "formatter": ("--tokens", "--backends", "--threads", "staging"),
+    "gpu": ("engine", "transfer", "random", "PDSERVE-GPU"),
+    "gpu engine": ("--device", "--dtype", "--cuda-graphs", "smollm2-like"),
+    "gpu transfer": ("--backends", "--devices", "--blocks"),
+}
+
+
+def test_every_benchmark_is_a_subcommand() -> None:
+    assert [c.name for c in COMMANDS] == [
+        "serve", "transfer", "multiturn", "kv-restart", "compile", "formatter", "gpu",
+    ]  # fmt: skip
+    assert {c.settings for c in COMMANDS} == {"none", "config", "flags"}
+    assert BY_NAME["serve"].settings == "flags" and BY_NAME["multiturn"].settings == "config"
+
+
+@pytest.mark.parametrize("command", list(HELP))
+def test_help_describes_each_benchmark(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", *command.split(), "--help"])
+    text = capsys.readouterr().out
+    for fragment in HELP[command]:
+        assert fragment in text, fragment
+
+
+def test_the_options_parse_with_their_defaults() -> None:
+    args = build_parser().parse_args(["bench", "multiturn", "--compare", "routing"])
+    assert (args.conversations, args.turns, args.prefill_workers) == (8, 4, 2)
+    args = build_parser().parse_args(["bench", "kv-restart"])
+    assert (args.prompt_tokens, args.max_tokens, args.disk_dir) == (4000, 8, None)
+    args = build_parser().parse_args(["bench", "gpu", "transfer", "--blocks", "1", "4"])
+    assert (args.what, args.blocks, args.devices) == ("transfer", [1, 4], ["cuda:cuda"])
+    args = build_parser().parse_args(["bench", "compile", "--threads", "2"])
+    assert (args.threads, args.rounds, args.model) == ([2], 7, None)
+
+
+def test_building_the_command_line_imports_no_benchmark() -> None:
+    code = (
+        "import sys; from pdserve.cli import build_parser; build_parser(); "
+        "print(sorted(m for m in ('torch', 'httpx', 'pdserve.tools.bench_gpu', "
+        "'pdserve.tools.bench_multiturn') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
