@@ -10,15 +10,8 @@ objects, so no default is stored twice. The design follows SGLang's ``ServerArgs
 (``add_cli_args``/``from_cli_args``: flags generated from one declaration) and mini-sglang's
 frozen configs.
 
-Adding a setting is a one-place change, e.g. in ``SchedulerSettings``::
-
-    foo_s: Annotated[float, Flag("--foo-s", SERVING)] = Field(
-        default=1.0, gt=0, description="what it does"
-    )
-
-gives the file key ``scheduler.foo_s``, the variable ``PDSERVE_SCHEDULER__FOO_S`` and the flag
-``--foo-s`` on ``up``, ``prefill``, ``decode`` and ``colocated``; the engine reads
-``cfg.scheduler.foo_s``.
+Adding a setting read by a component is two edits, its declaration here and its read
+(``cfg.scheduler.foo_s``): docs/architecture.md, "Configuration", works one example through.
 """
 
 from __future__ import annotations
@@ -33,6 +26,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic.fields import FieldInfo
 
+from pdserve.flags import OWN_SECTION, EnvAlias, Flag
 from pdserve.hosts import WILDCARD_HOSTS, advertised_host, is_loopback, url_host
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -42,7 +36,6 @@ Role = Literal["prefill", "decode", "colocated"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "colocated")
 SERVING = ("up", "bench serve", *ROLES)  # the subcommands that run an engine
 EVERY = ("up", "router", *ROLES)  # every subcommand that serves
-OWN_SECTION = "{section}"  # a flag on the subcommand named like the section (worker roles)
 HOST_CACHE_CUDA_MB = 4096  # kv_cache.host_cache_mb null on CUDA
 
 
@@ -50,31 +43,6 @@ def default_cache_dir() -> Path:
     """Where converted models live: ``$PDSERVE_CACHE_DIR`` or ``~/.cache/pdserve``."""
     env = os.environ.get("PDSERVE_CACHE_DIR")
     return Path(env) if env else Path.home() / ".cache" / "pdserve"
-
-
-@dataclass(frozen=True)
-class Flag:
-    """The command-line flag of a setting, attached with ``Annotated[type, Flag(...)]``.
-
-    ``name`` is the flag (``--kv-cache-mb``; ``{section}`` is replaced by the section name),
-    ``commands`` the subcommands that take it (:data:`OWN_SECTION`: the subcommand named like
-    the section), ``sections`` limits a section class used for several sections (the worker
-    roles) to some of them. A ``bool`` setting gets ``--name/--no-name``. The flag's help is
-    the field's description plus its default, file key and environment variable.
-    """
-
-    name: str
-    commands: tuple[str, ...]
-    sections: tuple[str, ...] | None = None
-
-
-@dataclass(frozen=True)
-class EnvAlias:
-    """A second environment variable for a setting, attached with ``Annotated[type,
-    EnvAlias("PDSERVE_API_KEY")]``: a short name where a deployment convention expects one.
-    ``PDSERVE_<SECTION>__<FIELD>`` outranks it when both are set."""
-
-    name: str
 
 
 class _Section(BaseModel):
@@ -386,6 +354,13 @@ class RouterSettings(_Section):
         gt=0,
         le=16384,
         description="most messages in one chat request (at most 16384, the schema's bound)",
+    )
+    tool_call_parser: Annotated[
+        Literal["hermes", "llama3_json"], Flag("--tool-call-parser", ("up", "router"))
+    ] = Field(
+        default="hermes",
+        description="how tool_choice auto replies are read: hermes (<tool_call> tags, also what "
+        "a model whose chat template cannot render tools is told to use) or llama3_json",
     )
     max_n: Annotated[int, Flag("--max-n", ("up", "router"))] = Field(
         default=16, gt=0, le=16, description="most choices (n) in one request (at most 16)"

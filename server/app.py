@@ -221,6 +221,7 @@ async def _start(
             max_model_len=max_model_len,
             max_n=cfg.router.max_n,
             max_messages=cfg.router.max_messages,
+            tool_call_parser=cfg.router.tool_call_parser,
         ),
         tokenizer_pool=tokenizer_pool,
         tokens=TokenFormatter(tokenizer),
@@ -306,7 +307,7 @@ def _add_routes(app: FastAPI, *, secured: bool) -> None:
             await _body_size(request), st.preprocessor.chat, body
         )
         info = _info(f"chatcmpl-{uuid.uuid4().hex}", st, prepared, bool(body.logprobs), body)
-        fmt = ChatFormatter(info, st.tokens)
+        fmt = ChatFormatter(info, st.tokens, prepared.tools)
         return await _serve(request, st, prepared, fmt, stream=bool(body.stream))
 
     @app.post(
@@ -406,7 +407,8 @@ async def _sse(txn: Transaction, fmt: ResponseFormatter) -> AsyncIterator[bytes]
             yield encode_event(start)
         async with aclosing(txn.events()) as events:
             async for event in events:
-                yield encode_event(fmt.chunk(event))
+                for chunk in fmt.chunks(event):
+                    yield encode_event(chunk)
         if fmt.info.include_usage:
             yield encode_event(fmt.usage_chunk())
     except PdserveError as exc:

@@ -40,10 +40,14 @@ from pdserve.server.schemas import (
     CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
+    FunctionCallDelta,
+    ToolCall,
+    ToolCallDelta,
     TopLogprob,
     Usage,
 )
 from pdserve.server.tokens import TokenFormatter
+from pdserve.server.tools import StreamDelta, ToolPlan, ToolStream
 
 
 @dataclass
@@ -105,6 +109,53 @@ class _Formatter:
 
 
 class ChatFormatter(_Formatter):
+    """Chat responses and chunks; with a :class:`~pdserve.server.tools.ToolPlan` each choice's
+    text is read for tool calls (:mod:`pdserve.server.tools`)."""
+
+    def __init__(self, info: RequestInfo, tokens: TokenFormatter, tools: ToolPlan | None = None):
+        super().__init__(info, tokens)
+        self.tools = tools
+        self._streams = [ToolStream(tools) for _ in range(info.n)] if tools else []
+
+    def chunks(self, event: TokenEvent) -> list[dict[str, Any]]:
+        """The stream chunks of ``event``: one, or with tools as many as the parsed deltas
+        (none while text that may open a call is held back)."""
+        if self.tools is None:
+            return [self.chunk(event)]
+        self.add(event)
+        stream = self._streams[event.index]
+        deltas = stream.feed(event.text)
+        finish = str(event.finish_reason) if event.finish_reason is not None else None
+        if finish is not None:
+            deltas += stream.finish()
+            if finish == "stop" and stream.calls:
+                finish = "tool_calls"
+        out = [self._tool_chunk(event.index, d) for d in deltas]
+        if finish is not None:
+            if out:
+                out[-1]["choices"][0]["finish_reason"] = finish
+            else:
+                out.append(self._chunk(event.index, DeltaMessage(), None, finish))
+        return out
+
+    def _tool_chunk(self, index: int, d: StreamDelta) -> dict[str, Any]:
+        if d.index is None:
+            return self._chunk(index, DeltaMessage(content=d.content), None, None)
+        if d.call is not None:
+            call = ToolCallDelta(
+                index=d.index,
+                id=d.call.id,
+                type="function",
+                function=FunctionCallDelta(name=d.call.name, arguments=""),
+            )
+        else:
+            call = ToolCallDelta(index=d.index, function=FunctionCallDelta(arguments=d.arguments))
+        out = self._chunk(index, DeltaMessage(tool_calls=[call]), None, None)
+        delta = out["choices"][0]["delta"]
+        delta.pop("content", None)
+        delta["tool_calls"] = [call.model_dump(mode="json", exclude_none=True)]
+        return out
+
     def _chat_logprobs(self, items: list[TokenLogprob]) -> ChatLogprobs | None:
         if not self.info.logprobs:
             return None
@@ -160,29 +211,48 @@ class ChatFormatter(_Formatter):
         out = self._dump_chunk(chunk)
         if delta.role is None:
             out["choices"][0]["delta"].pop("role")
+        if delta.tool_calls is None:
+            out["choices"][0]["delta"].pop("tool_calls")
         return out
 
     def response(self) -> dict[str, Any]:
-        choices = [
-            ChatChoice(
-                index=i,
-                message=AssistantMessage(content=c.text),
-                logprobs=self._chat_logprobs(c.logprobs),
-                finish_reason=c.finish_reason,
+        choices = []
+        for i, c in enumerate(self.choices):
+            message, finish = AssistantMessage(content=c.text), c.finish_reason
+            if self.tools is not None:
+                content, calls = self.tools.parse(c.text)
+                if calls:
+                    message = AssistantMessage(
+                        content=content,
+                        tool_calls=[ToolCall.model_validate(x.message()) for x in calls],
+                    )
+                    finish = "tool_calls" if finish == "stop" else finish
+            choices.append(
+                ChatChoice(
+                    index=i,
+                    message=message,
+                    logprobs=self._chat_logprobs(c.logprobs),
+                    finish_reason=finish,
+                )
             )
-            for i, c in enumerate(self.choices)
-        ]
         resp = ChatCompletionResponse(
             id=self.info.response_id,
             created=self.info.created,
             model=self.info.model,
             choices=choices,
             usage=self.usage(),
-        )
-        return resp.model_dump(mode="json")
+        ).model_dump(mode="json")
+        for choice in resp["choices"]:  # as OpenAI: the key only when there are calls
+            if choice["message"]["tool_calls"] is None:
+                del choice["message"]["tool_calls"]
+        return resp
 
 
 class CompletionFormatter(_Formatter):
+    def chunks(self, event: TokenEvent) -> list[dict[str, Any]]:
+        """The stream chunk of ``event``."""
+        return [self.chunk(event)]
+
     def _logprobs_for(
         self, choice: _Choice, items: list[TokenLogprob]
     ) -> CompletionLogprobs | None:

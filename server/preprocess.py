@@ -50,9 +50,12 @@ from pdserve.protocol import MAX_CHOICES, SamplingParams, StructuredOutput
 from pdserve.server.schemas import (
     EXTENSION_DEFAULTS,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
+    NamedToolChoice,
     _SamplingFields,
 )
+from pdserve.server.tools import PARSERS, ToolPlan, prompt_messages, renders_tools
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +69,7 @@ class Prepared:
 
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    tools: ToolPlan | None = None  # chat with tools (tool_choice other than none)
 
 
 def load_tokenizer(model_path: Path) -> Any:
@@ -108,6 +112,7 @@ class Preprocessor:
         max_model_len: int,
         max_n: int = MAX_CHOICES,
         max_messages: int = 2048,
+        tool_call_parser: str = "hermes",
     ) -> None:
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
@@ -118,6 +123,10 @@ class Preprocessor:
         self.max_messages = max_messages
         self.vocab_size = len(tokenizer)
         self._fast = _fast_backend(tokenizer)
+        if tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {PARSERS}")
+        self.tool_call_parser = tool_call_parser
+        self.template_renders_tools = renders_tools(tokenizer)
 
     def chat(self, req: ChatCompletionRequest) -> Prepared:
         """Validate a chat request and apply the chat template; raises a typed error."""
@@ -131,13 +140,16 @@ class Preprocessor:
                 f"too many messages: {len(req.messages)}, at most {self.max_messages}",
                 param="messages",
             )
-        messages = [
-            {"role": m.role, "content": _content_text(m.content, i)}
-            for i, m in enumerate(req.messages)
-        ]
+        plan = self._tool_plan(req)
+        messages = prompt_messages(
+            [_message(m, i) for i, m in enumerate(req.messages)],
+            plan,
+            self.template_renders_tools,
+        )
+        tools = list(plan.tools) if plan is not None and self.template_renders_tools else None
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
+                messages, tools=tools, add_generation_prompt=True, tokenize=False
             )
         except (TemplateError, ValueError, TypeError) as exc:
             raise InvalidRequestError(
@@ -157,8 +169,38 @@ class Preprocessor:
             self.vocab_size,
             logprobs=bool(req.logprobs),
             top_logprobs=req.top_logprobs or 0,
+            tools=plan,
         )
-        return Prepared(ids, sampling)
+        return Prepared(ids, sampling, plan)
+
+    def _tool_plan(self, req: ChatCompletionRequest) -> ToolPlan | None:
+        """How the request's tools are served (None: no tools, or ``tool_choice`` none).
+        Raises InvalidRequestError: ``tool_choice`` without tools, a named function that is no
+        tool, two tools of one name."""
+        choice = req.tool_choice
+        if not req.tools:
+            if choice not in (None, "none", "auto"):
+                raise InvalidRequestError(
+                    f"tool_choice {choice!r} needs tools", param="tool_choice"
+                )
+            return None
+        if choice == "none":
+            return None
+        names = [t.function.name for t in req.tools]
+        if len(set(names)) < len(names):
+            raise InvalidRequestError("two tools share a name", param="tools")
+        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        if named is not None and named not in names:
+            raise InvalidRequestError(
+                f"tool_choice names {named!r}, which is no tool", param="tool_choice"
+            )
+        return ToolPlan(
+            mode="named" if named else "required" if choice == "required" else "auto",
+            tools=tuple(t.model_dump(mode="json", exclude_none=True) for t in req.tools),
+            named=named,
+            parallel=req.parallel_tool_calls is not False,
+            parser=self.tool_call_parser,
+        )
 
     def completion(self, req: CompletionRequest) -> Prepared:
         """Validate a completion request and tokenize its prompt; raises a typed error."""
@@ -295,29 +337,32 @@ def check_unsupported(req: _SamplingFields) -> None:
 
 
 def _check_chat_unsupported(req: ChatCompletionRequest) -> None:
-    for name in ("tools", "functions"):
-        if not _empty(getattr(req, name)):
-            raise _unsupported(name, ": tool and function calling are not implemented")
-    for name in ("tool_choice", "function_call"):
-        if getattr(req, name) not in (None, "none", "auto"):
-            raise _unsupported(name, ": tool and function calling are not implemented")
+    if not _empty(req.functions):
+        raise _unsupported("functions", ": the deprecated form; send tools")
+    if req.function_call not in (None, "none", "auto"):
+        raise _unsupported("function_call", ": the deprecated form; send tool_choice")
     if req.modalities not in (None, ["text"]):
         raise _unsupported("modalities", ' (only ["text"])')
     for name in ("audio", "reasoning_effort", "web_search_options"):
         if getattr(req, name) is not None:
             raise _unsupported(name, "")
     for i, m in enumerate(req.messages):
-        if not _empty(m.tool_calls):
-            raise _unsupported(f"messages[{i}].tool_calls", ": tool calling is not implemented")
         if m.function_call is not None:
             raise _unsupported(f"messages[{i}].function_call", ": functions are not implemented")
 
 
 def _sampling(
-    req: _SamplingFields, max_tokens: int, vocab_size: int, *, logprobs: bool, top_logprobs: int
+    req: _SamplingFields,
+    max_tokens: int,
+    vocab_size: int,
+    *,
+    logprobs: bool,
+    top_logprobs: int,
+    tools: ToolPlan | None = None,
 ) -> SamplingParams:
     """The worker-side settings of ``req``; raises InvalidRequestError for a ``logit_bias`` or
-    ``stop_token_ids`` id outside ``[0, vocab_size)`` and for ``min_tokens > max_tokens``."""
+    ``stop_token_ids`` id outside ``[0, vocab_size)``, for ``min_tokens > max_tokens``, and
+    for a structured output beside a ``tool_choice`` that constrains the output too."""
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     bias = tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items())
     stop_ids = tuple(req.stop_token_ids or ())
@@ -333,6 +378,16 @@ def _sampling(
             f"min_tokens ({min_tokens}) exceeds max_tokens ({max_tokens})", param="min_tokens"
         )
     structured = structured_output(req)
+    calls = tools.constraint() if tools is not None else None
+    if calls is not None:
+        if structured is not None:
+            raise InvalidRequestError(
+                "a structured output and tool_choice required or named both constrain the "
+                "output; send one",
+                param="tool_choice",
+            )
+        check_grammar(calls, "tools")
+        structured = calls
     return SamplingParams(
         n=_choices(req),
         max_tokens=max_tokens,
@@ -427,6 +482,17 @@ def _constraint(param: str, kind: str, value: Any) -> tuple[str, StructuredOutpu
 def _choices(req: _SamplingFields) -> int:
     """The number of choices asked for (``n``, default 1)."""
     return 1 if req.n is None else req.n
+
+
+def _message(m: ChatMessage, index: int) -> dict[str, Any]:
+    """A chat message as the template takes it (content text, earlier calls, the call a tool
+    result answers)."""
+    out: dict[str, Any] = {"role": m.role, "content": _content_text(m.content, index)}
+    if m.tool_calls:
+        out["tool_calls"] = [c.model_dump(mode="json") for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
 
 
 def _content_text(content: Any, index: int) -> str:

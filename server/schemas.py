@@ -20,7 +20,7 @@ vLLM's extensions ``min_p``, ``min_tokens``, ``repetition_penalty``, ``stop_toke
 how each is applied.
 
 OpenAI fields pdserve does not implement are declared (so they are documented, and refused
-rather than dropped): ``tools``, ``tool_choice``, ``functions``, ``function_call``,
+rather than dropped): ``functions``, ``function_call``,
 ``response_format``, ``audio``, ``modalities``, ``reasoning_effort``,
 ``web_search_options``, ``echo``, ``suffix``, ``best_of``. A value that does
 nothing (an empty list or map, ``"none"``, ``{"type": "text"}``, ``["text"]``, 0) is accepted;
@@ -134,20 +134,68 @@ class TextPart(_Req):
     text: Text | None = None
 
 
+FUNCTION_NAME = r"^[a-zA-Z0-9_.-]{1,64}$"
+MAX_TOOLS = 128
+"""Most tools in one request."""
+
+
+class CalledFunction(_Req):
+    """An earlier call's function: its name and its arguments as JSON text."""
+
+    name: str = Field(pattern=FUNCTION_NAME)
+    arguments: Text = Field(description="JSON text")
+
+
+class ToolCallIn(_Req):
+    """An assistant message's earlier tool call."""
+
+    id: str | None = Field(default=None, max_length=128)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Req):
-    """One chat message. ``tool_calls`` / ``function_call`` (an assistant's earlier calls) are
-    refused when set: tools are not supported."""
+    """One chat message. An assistant message may carry its earlier ``tool_calls``, and a
+    ``tool`` message the result of one (``tool_call_id``); ``function_call`` (the deprecated
+    form) is refused when set."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | Annotated[list[TextPart], _FAIL_FAST] | None = None
     name: Text | None = None
-    tool_call_id: str | None = Field(default=None, description="accepted, unused")
-    tool_calls: Annotated[Any, _EMPTY_LIST] = Field(
-        default=None, description="not supported: refused unless empty"
+    tool_call_id: str | None = Field(
+        default=None, max_length=128, description="the call a tool message answers"
     )
+    tool_calls: Annotated[list[ToolCallIn], Field(max_length=MAX_TOOLS), _FAIL_FAST] | None = None
     function_call: Annotated[Any, _NULL_ONLY] = Field(
         default=None, description="not supported: refused unless null"
     )
+
+
+class FunctionDef(_Req):
+    """A tool's function: ``parameters`` is its arguments' JSON Schema."""
+
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = Field(default=None, description="the schema is enforced either way")
+
+
+class ToolDef(_Req):
+    """One tool (``tools[]``)."""
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Req):
+    name: str = Field(pattern=FUNCTION_NAME)
+
+
+class NamedToolChoice(_Req):
+    """``tool_choice`` naming the function to call."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(_Req):
@@ -319,11 +367,18 @@ class ChatCompletionRequest(_SamplingFields):
         le=MAX_TOP_LOGPROBS_CHAT,
         description="only with logprobs=true",
     )
-    tools: Annotated[Any, _EMPTY_LIST] = Field(default=None, description=_UNSUPPORTED + "empty")
-    tool_choice: Annotated[Any, _NONE_OR_AUTO] = Field(
-        default=None, description=_UNSUPPORTED + '"none" or "auto"'
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS), _FAIL_FAST] | None = Field(
+        default=None, description=f"functions the model may call (at most {MAX_TOOLS})"
     )
-    parallel_tool_calls: bool | None = Field(default=None, description="accepted, no effect")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None,
+        description="none, auto (the default with tools: the model chooses; its text is "
+        "parsed by router.tool_call_parser), required (at least one call, constrained to the "
+        "tools' schemas) or a named function (one call to it, constrained to its schema)",
+    )
+    parallel_tool_calls: bool | None = Field(
+        default=None, description="false: at most one call per choice"
+    )
     functions: Annotated[Any, _EMPTY_LIST] = Field(default=None, description=_UNSUPPORTED + "empty")
     function_call: Annotated[Any, _NONE_OR_AUTO] = Field(
         default=None, description=_UNSUPPORTED + '"none" or "auto"'
@@ -421,9 +476,21 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -442,9 +509,22 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

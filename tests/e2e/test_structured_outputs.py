@@ -13,13 +13,13 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import jsonschema
 import openai
 import pytest
 
+from tests.support.models import build_tiny_model
 from tests.support.stack import Stack, start_stack
 
 MODEL = "tiny-llama"
@@ -41,10 +41,12 @@ JSON_SCHEMA_FORMAT = {
 
 
 @pytest.fixture(scope="module")
-def stacks(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Stack, Stack]]:
-    """(router + 1 prefill + 1 decode, router + 1 colocated)."""
+def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Stack]]:
+    """(router + 1 prefill + 1 decode, router + 1 colocated) on the tiny model with a 2048-token
+    window (the tools' prompt in bytes outgrows the usual 512)."""
+    tiny_model_dir = build_tiny_model(
+        tmp_path_factory.mktemp("tiny-2k"), arch={"max_position_embeddings": 2048}
+    )
     pd = start_stack(tiny_model_dir, MODEL, tmp_path_factory.mktemp("pd"))
     try:
         colocated = start_stack(
@@ -135,3 +137,82 @@ def test_vllm_structured_outputs_constrain_the_text(
         )
         text = out.choices[0].text
         assert out.choices[0].finish_reason == "stop" and check(text), (extra, text)
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Oslo", "Lima"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}  # fmt: skip
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER_TOOL, TIME_TOOL)}
+
+
+def _check_calls(calls: Any) -> None:
+    assert calls, "at least one call"
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+        assert call.id.startswith("call_") and call.type == "function"
+
+
+def test_required_tool_calls_are_schema_valid_across_the_split(stacks: tuple[Stack, Stack]) -> None:
+    pd, colocated = stacks
+    tools = [WEATHER_TOOL, TIME_TOOL]
+    for seed in range(5):
+        kw = dict(
+            tools=tools,
+            tool_choice="required",
+            parallel_tool_calls=False,  # one call: the array closes after it
+            temperature=1.0,
+            seed=seed,
+            max_tokens=120,
+        )
+        choice = _chat(pd, **kw).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert len(choice.message.tool_calls) == 1
+        _check_calls(choice.message.tool_calls)
+        alone = _chat(colocated, **kw).choices[0].message.tool_calls
+        assert [(c.function.name, c.function.arguments) for c in alone] == [
+            (c.function.name, c.function.arguments) for c in choice.message.tool_calls
+        ], "seeded: the same calls colocated"
+    several = _chat(pd, tools=tools, tool_choice="required", temperature=1.0, seed=1,
+                    max_tokens=400).choices[0]  # fmt: skip
+    assert several.finish_reason == "tool_calls"
+    _check_calls(several.message.tool_calls)
+
+
+def test_a_named_tool_call_streams_as_tool_call_deltas_that_parse(
+    stacks: tuple[Stack, Stack],
+) -> None:
+    pd, _ = stacks
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    whole = _chat(
+        pd, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=named, temperature=0, max_tokens=80
+    )
+    choice = whole.choices[0]
+    assert (
+        choice.finish_reason == "tool_calls"
+        and choice.message.tool_calls[0].function.name == "get_weather"
+    )
+    _check_calls(choice.message.tool_calls)
+    chunks = list(_chat(pd, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=named, temperature=0,
+                        max_tokens=80, stream=True))  # fmt: skip
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    pieces = [t for d in deltas for t in (d.tool_calls or [])]
+    assert pieces[0].function.name == "get_weather" and pieces[0].id
+    assert len(pieces) > 2, "the arguments arrive in pieces"
+    arguments = "".join(p.function.arguments or "" for p in pieces)
+    assert arguments == choice.message.tool_calls[0].function.arguments
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"

@@ -220,21 +220,15 @@ def test_max_n_cannot_exceed_what_the_workers_take():
 
 # --- unsupported fields ----------------------------------------------------------------------
 
-TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 UNSUPPORTED = [
     # (path, fields, param)
-    (CHAT_PATH, {"tools": [TOOL]}, "tools"),
-    (CHAT_PATH, {"tool_choice": "required"}, "tool_choice"),
-    (CHAT_PATH, {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     (CHAT_PATH, {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
     (CHAT_PATH, {"function_call": {"name": "f"}}, "function_call"),
     (CHAT_PATH, {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     (CHAT_PATH, {"modalities": ["text", "audio"]}, "modalities"),
     (CHAT_PATH, {"reasoning_effort": "low"}, "reasoning_effort"),
     (CHAT_PATH, {"web_search_options": {}}, "web_search_options"),
-    (CHAT_PATH, {"messages": [{"role": "assistant", "tool_calls": [{"id": "1"}]}]},
-     "messages[0].tool_calls"),
     (CHAT_PATH, {"messages": [{"role": "assistant", "function_call": {"name": "f"}}]},
      "messages[0].function_call"),
     (CHAT_PATH, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
