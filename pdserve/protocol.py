@@ -23,7 +23,9 @@ Protocol history:
     7: full sampling and structured outputs: ``SamplingParams`` carries ``presence_penalty``,
        ``frequency_penalty``, ``repetition_penalty``, ``logit_bias``, ``min_p``,
        ``min_tokens``, ``stop_token_ids`` and ``structured`` (a :class:`StructuredOutput`),
-       applied on the prefill and decode legs alike.
+       applied on the prefill and decode legs alike; ``ContextResponse.cached_tokens`` and
+       ``GenerationChunk.cached_tokens``: the prompt tokens the prefix cache served where the
+       prompt was prefilled.
 
 Clocks: deadlines on the wire are wall-clock UNIX seconds (``time.time()``), never monotonic
 readings, because a monotonic clock does not cross processes.
@@ -280,6 +282,7 @@ class ContextResponse(_Msg):
     logprob: TokenLogprob | None = None
     finish_reason: FinishReason | None = None
     handle: TransferHandle | None = None
+    cached_tokens: int = Field(default=0, ge=0, description="prompt tokens the prefix cache held")
 
 
 class GenerationRequest(_Msg):
@@ -309,6 +312,12 @@ class GenerationChunk(_Msg):
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: FinishReason | None = None
     error: str | None = None
+    cached_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        description="on a choice's first chunk when this worker prefilled the prompt: the "
+        "prompt tokens its prefix cache held",
+    )
 
 
 WORKER_KEEPALIVE_S = 30.0

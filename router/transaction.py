@@ -101,13 +101,15 @@ class RouterParts(Protocol):
 class TokenEvent:
     """One step of output of choice ``index``: new token ids, their text and (if asked)
     logprobs. Each choice's last event in a successful transaction has ``finish_reason`` STOP
-    or LENGTH."""
+    or LENGTH. ``cached_tokens``, on the first event of the worker that prefilled the prompt:
+    the prompt tokens its prefix cache held (``usage.prompt_tokens_details.cached_tokens``)."""
 
     token_ids: tuple[int, ...]
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: FinishReason | None = None
     index: int = 0
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -202,6 +204,7 @@ class Transaction:
                     (ctx.logprob,) if ctx.logprob is not None else (),
                     ctx.finish_reason,
                     index=0,
+                    cached_tokens=ctx.cached_tokens,
                 )
             pending, self._pending = self._pending, []
             for event in pending:
@@ -331,7 +334,14 @@ class Transaction:
                 "decode" if self.context is not None else str(self.route.path),
                 (time.monotonic() - self._t_leg) * 1e3,
             )
-        return TokenEvent(chunk.token_ids, chunk.text, chunk.logprobs, chunk.finish_reason, index=i)
+        return TokenEvent(
+            chunk.token_ids,
+            chunk.text,
+            chunk.logprobs,
+            chunk.finish_reason,
+            index=i,
+            cached_tokens=chunk.cached_tokens if self.context is None else None,
+        )
 
     def _other_decode(self, tried: set[str]) -> WorkerRecord | None:
         """The least loaded usable decode worker not in ``tried`` that P's KV layout maps to

@@ -41,6 +41,7 @@ from pdserve.server.schemas import (
     CompletionResponse,
     DeltaMessage,
     FunctionCallDelta,
+    PromptTokensDetails,
     ToolCall,
     ToolCallDelta,
     TopLogprob,
@@ -82,12 +83,15 @@ class _Formatter:
         self.info = info
         self.tokens = tokens
         self.completion_tokens = 0
+        self.cached_tokens = 0
         self.choices = [_Choice() for _ in range(info.n)]
 
     def add(self, event: TokenEvent) -> None:
         """Account for one event (both paths call this)."""
         choice = self.choices[event.index]
         self.completion_tokens += len(event.token_ids)
+        if event.cached_tokens is not None and event.index == 0:
+            self.cached_tokens = event.cached_tokens
         choice.texts.append(event.text)
         if self.info.logprobs:
             choice.logprobs.extend(event.logprobs)
@@ -99,6 +103,7 @@ class _Formatter:
             prompt_tokens=self.info.prompt_tokens,
             completion_tokens=self.completion_tokens,
             total_tokens=self.info.prompt_tokens + self.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
         )
 
     def _dump_chunk(self, model: BaseModel) -> dict[str, Any]:

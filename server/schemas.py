@@ -446,10 +446,15 @@ class CompletionRequest(_SamplingFields):
 # --- responses ---------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens served by the prefix cache")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class TopLogprob(BaseModel):

@@ -208,3 +208,18 @@ def test_every_sampling_rule_gives_the_same_tokens_across_the_split_and_colocate
         complete(stack.url, **stop).choices[0].text
         == complete(colocated_stack.url, **stop).choices[0].text
     )
+
+
+def test_cached_tokens_report_the_prefix_cache_where_the_prompt_was_prefilled(
+    pd_stack: tuple[Stack, Stack], colocated_stack: Stack
+) -> None:
+    stack, _ = pd_stack
+    prompt = list(range(140, 220))  # 80 tokens: 5 full blocks of 16, a prompt no test sent
+    for url in (stack.url, colocated_stack.url):
+        client = _client(url)
+        first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+        again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+        assert first.usage and again.usage
+        assert first.usage.prompt_tokens_details.cached_tokens == 0, url  # type: ignore[union-attr]
+        # the last prompt token is always recomputed (its logits give the first token)
+        assert again.usage.prompt_tokens_details.cached_tokens == 64, url  # type: ignore[union-attr]

@@ -220,6 +220,7 @@ class FakeWorker:
     fail_after: int | None = None  # decode: an error chunk after this many streamed tokens
     token_delay_s: float = 0.0
     context_delay_s: float = 0.0
+    cached_tokens: int = 0  # what its prefix cache "held" of every prompt it prefills
     http_url: str = ""
     cluster_key: ClusterKey = CLUSTER_KEY  # whose token /internal/* requires
     contexts: list[ContextRequest] = field(default_factory=list)
@@ -274,6 +275,7 @@ class FakeWorker:
                 logprob=self._logprob(token, req.sampling),
                 finish_reason=finish,
                 handle=handle,
+                cached_tokens=self.cached_tokens,
             )
 
         @app.post("/internal/release")
@@ -319,6 +321,7 @@ class FakeWorker:
                     text=text,
                     logprobs=(lp,) if lp else (),
                     finish_reason=finish,
+                    cached_tokens=self.cached_tokens if first == 0 and i == 0 else None,
                 )
                 done = last
                 yield chunk.model_dump_json().encode() + b"\n"

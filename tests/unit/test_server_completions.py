@@ -59,6 +59,7 @@ async def test_chat_completion_returns_the_text_and_usage(cfg, workers):
         "prompt_tokens": len(prompt_ids),
         "completion_tokens": len(REPLY_TEXT),
         "total_tokens": len(prompt_ids) + len(REPLY_TEXT),
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
 
 
@@ -224,3 +225,26 @@ async def test_router_loads_the_shared_tiny_model_folder(tiny_model_dir, reply):
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == REPLY_TEXT[:3]
     assert models["data"][0]["max_model_len"] > 0
+
+
+@pytest.mark.parametrize("local_prefill", [False, True])
+async def test_cached_tokens_come_from_the_worker_that_prefilled_the_prompt(
+    model_dir, reply, local_prefill: bool
+) -> None:
+    """Handed off, the prefill worker's count is reported; prefilled on the decode worker (a
+    short prompt under local prefill), the decode worker's; streamed, in the usage chunk."""
+    cfg = RouterConfig(model_path=model_dir, served_model_name=MODEL)
+    if local_prefill:
+        cfg = cfg.model_copy(
+            update={"router": cfg.router.model_copy(update={"local_prefill_max_tokens": 10_000})}
+        )
+    p = FakeWorker("p0", Role.PREFILL, reply, cached_tokens=16)
+    d = FakeWorker("d0", Role.DECODE, reply, cached_tokens=8)
+    async with router_harness(cfg, [p, d]) as h:
+        whole = await h.client.post("/v1/chat/completions", json=CHAT)
+        body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+        streamed = sse_events((await h.client.post("/v1/chat/completions", json=body)).text)
+    want = 8 if local_prefill else 16
+    assert whole.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": want}
+    assert streamed[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": want}
+    assert (len(p.contexts) == 0) is local_prefill

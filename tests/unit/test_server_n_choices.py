@@ -213,6 +213,7 @@ async def test_chat_with_n_returns_every_choice_with_its_index_and_summed_usage(
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
 
 

@@ -34,6 +34,7 @@ class Out:
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     parked_block_ids: list[int] | None = None
+    cached_tokens: int | None = None
 
 
 def feed(stream: OutputStream, outs: list[Out]) -> None:

@@ -491,6 +491,7 @@ class Engine:
             [lp] if lp is not None else [],
             reason,
             index=seq.index,
+            cached_tokens=seq.num_cached_tokens if first else None,
         )
         if seq.mode == "prefill":
             self._end_prefill_leg(seq, out)

@@ -64,7 +64,8 @@ class EngineOutput:
     ``parked_block_ids`` is set only on a prefill-mode output without ``finish_reason``:
     ownership of those blocks passes to the caller, who must call ``Engine.free_parked``.
     ``error`` is set with ``finish_reason == ERROR``. ``index`` is the choice (``n > 1``);
-    each choice ends with its own output carrying ``finish_reason``.
+    each choice ends with its own output carrying ``finish_reason``. ``cached_tokens`` (on a
+    sequence's first sampled token only): the prompt tokens its prefix cache lookup served.
     """
 
     request_id: str
@@ -75,6 +76,7 @@ class EngineOutput:
     error: str | None = None
     parked_block_ids: list[int] | None = None
     index: int = 0
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)

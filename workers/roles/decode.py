@@ -314,6 +314,7 @@ def _chunk(request_id: str, out: EngineOutput) -> GenerationChunk:
         logprobs=tuple(out.logprobs),
         finish_reason=finish,
         error=out.error,
+        cached_tokens=out.cached_tokens,
     )
 
 

@@ -94,6 +94,7 @@ class PrefillHandler:
             logprob=out.logprobs[0] if out.logprobs else None,
             finish_reason=out.finish_reason,
             handle=handle,
+            cached_tokens=out.cached_tokens or 0,
         )
 
     def _park(self, req: ContextRequest, block_ids: list[int]) -> TransferHandle:
