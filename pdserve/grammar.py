@@ -63,7 +63,11 @@ def grammar_of(so: StructuredOutput) -> str:
         return str(LLMatcher.grammar_from_lark("start: " + " | ".join(map(json.dumps, options))))
     from llguidance.gbnf_to_lark import any_to_lark
 
-    return str(LLMatcher.grammar_from_lark(any_to_lark(so.spec)))  # Lark, or GBNF converted
+    try:
+        lark = any_to_lark(so.spec)  # Lark as it is, or GBNF converted
+    except Exception as exc:  # the converter raises its own error types (and plain Exception)
+        raise ValueError(f"not a Lark or GBNF grammar: {exc}") from None
+    return str(LLMatcher.grammar_from_lark(lark))
 
 
 def check(so: StructuredOutput, param: str) -> None:
@@ -72,7 +76,7 @@ def check(so: StructuredOutput, param: str) -> None:
     Cost: linear in the spec's size; call it off the event loop for large ones."""
     try:
         grammar = grammar_of(so)
-    except ValueError as exc:  # json.JSONDecodeError included
+    except Exception as exc:  # ValueError, json.JSONDecodeError, or the library's own: a 400
         raise InvalidRequestError(f"{param}: {exc}", param=param) from None
     from llguidance import LLMatcher
 

@@ -6,8 +6,9 @@ Lifecycle (the lifespan)::
     1 START  load the tokenizer (local files only), work out the context window and start the
              tokenizer pool (:mod:`.tokenizer_pool`); start the embedded registry (if this app created it) and the discovery watcher (if this app
              opened it); open the httpx client for the worker request plane (if not injected)
-    2 SERVE  /v1/chat/completions, /v1/completions, /v1/models, /health, /ready, /metrics
-             (+ /registry/... when an embedded registry is mounted)
+    2 SERVE  /v1/chat/completions, /v1/completions, /v1/responses (:mod:`.responses`),
+             /v1/models, /tokenize, /detokenize, /health, /ready, /metrics (+ /registry/...
+             when an embedded registry is mounted)
     3 STOP   close what step 1 opened, in reverse order; injected objects are left alone
 
 Request path: the client API key and the body limit on ``/v1`` (:mod:`.guard`, before the body
@@ -17,7 +18,8 @@ pool's threads, never on the event loop (a full pool: 429 ``tokenizer_busy``), r
 first token (``Router.start``: the prefill leg, or a one-leg stream's start; its failure is an
 HTTP error status), then relay the rest as one JSON body or as SSE (a failure after the first byte is an in-band error event, :mod:`.sse`). A
 request for ``n`` choices is one transaction whose events name their choice; the formatter
-(:mod:`.output`) sorts them into the ``n`` choices.
+(:mod:`.output`) sorts them into the ``n`` choices. A completion of several prompts runs one
+transaction per prompt, merged (:mod:`.batch`).
 
 The OpenAPI document declares every status each route returns and, with API keys, the bearer
 scheme on ``/v1`` (:mod:`.openapi`).
@@ -50,23 +52,33 @@ from pdserve.router.client import WorkerClient
 from pdserve.router.kv_index import follow_kv_events
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.router import Router
-from pdserve.router.transaction import Transaction
 from pdserve.router.view import WorkerSource, WorkerView
 from pdserve.security import APIKeys, ClusterKey
+from pdserve.server.batch import BatchTransaction, Started
 from pdserve.server.errors import install_error_handlers, internal_error, log_failure
 from pdserve.server.guard import PublicPlaneGuard, log_auth_mode
-from pdserve.server.openapi import completion_responses, install_openapi, v1_errors
+from pdserve.server.openapi import (
+    completion_responses,
+    install_openapi,
+    tokenizer_responses,
+    v1_errors,
+)
 from pdserve.server.output import ChatFormatter, CompletionFormatter, RequestInfo
 from pdserve.server.preprocess import Prepared, Preprocessor, context_window, load_tokenizer
+from pdserve.server.responses import add_responses_routes
 from pdserve.server.schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     Health,
     ModelCard,
     ModelList,
     Readiness,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from pdserve.server.sse import DONE, SSEResponse, encode_error, encode_event
 from pdserve.server.tokenizer_pool import TokenizerPool, backlog_bytes
@@ -156,6 +168,7 @@ def create_app(
     if registry is not None:
         app.include_router(registry.api_router())
     _add_routes(app, secured=api_keys.enabled)
+    add_responses_routes(app, secured=api_keys.enabled, collect=_collect)
     return app
 
 
@@ -318,12 +331,47 @@ def _add_routes(app: FastAPI, *, secured: bool) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """OpenAI text completion, streamed (SSE) or not."""
         st = _state(request)
-        prepared = await st.tokenizer_pool.run(
-            await _body_size(request), st.preprocessor.completion, body
+        batch = await st.tokenizer_pool.run(
+            await _body_size(request), st.preprocessor.completions, body
         )
-        info = _info(f"cmpl-{uuid.uuid4().hex}", st, prepared, body.logprobs is not None, body)
-        fmt = CompletionFormatter(info, st.tokens)
-        return await _serve(request, st, prepared, fmt, stream=bool(body.stream))
+        info = _info(f"cmpl-{uuid.uuid4().hex}", st, batch[0], body.logprobs is not None, body)
+        info.n, info.prompt_tokens = (
+            info.n * len(batch),
+            sum(len(p.prompt_token_ids) for p in batch),
+        )
+        echo = [p.echo or "" for p in batch for _ in range(p.sampling.n)] if body.echo else None
+        fmt = CompletionFormatter(info, st.tokens, echo)
+        return await _serve(request, st, batch, fmt, stream=bool(body.stream))
+
+    @app.post(
+        "/tokenize",
+        response_model=TokenizeResponse,
+        responses=tokenizer_responses(TokenizeResponse, secured=secured),
+    )
+    async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+        """vLLM's tokenizer route: a prompt's (or chat messages') token ids and their count."""
+        st = _state(request)
+        ids = await st.tokenizer_pool.run(await _body_size(request), st.preprocessor.tokenize, body)
+        strs = [st.tokens.text(t) for t in ids] if body.return_token_strs else None
+        return {
+            "count": len(ids),
+            "max_model_len": st.max_model_len,
+            "tokens": ids,
+            "token_strs": strs,
+        }
+
+    @app.post(
+        "/detokenize",
+        response_model=DetokenizeResponse,
+        responses=tokenizer_responses(DetokenizeResponse, secured=secured),
+    )
+    async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, str]:
+        """vLLM's detokenizer route: token ids back to text."""
+        st = _state(request)
+        text = await st.tokenizer_pool.run(
+            await _body_size(request), st.preprocessor.detokenize, body
+        )
+        return {"prompt": text}
 
 
 async def _body_size(request: Request) -> int:
@@ -352,18 +400,31 @@ def _info(
 
 
 async def _serve(
-    request: Request, st: ServerState, prepared: Prepared, fmt: ResponseFormatter, *, stream: bool
+    request: Request,
+    st: ServerState,
+    prepared: Prepared | list[Prepared],
+    fmt: ResponseFormatter,
+    *,
+    stream: bool,
 ) -> Response:
-    """Run the transaction; errors before the first byte raise (-> HTTP status)."""
+    """Run the transaction (a list of several prompts: one per prompt, as one
+    :class:`~pdserve.server.batch.BatchTransaction`); errors before the first byte raise (->
+    HTTP status)."""
     request_id = fmt.info.response_id
+    batch = prepared if isinstance(prepared, list) else [prepared]
     log.debug(
-        "req %s: %d prompt tokens, %s, stream=%s",
+        "req %s: %s prompt tokens, %s, stream=%s",
         request_id,
-        len(prepared.prompt_token_ids),
-        prepared.sampling,
+        "+".join(str(len(p.prompt_token_ids)) for p in batch),
+        batch[0].sampling,
         stream,
     )
-    txn = await st.router.start(request_id, prepared.prompt_token_ids, prepared.sampling)
+    txn: Started
+    if len(batch) == 1:
+        txn = await st.router.start(request_id, batch[0].prompt_token_ids, batch[0].sampling)
+    else:
+        pairs = [(p.prompt_token_ids, p.sampling) for p in batch]
+        txn = await BatchTransaction.start(st.router, request_id, pairs)
     if stream:
         return SSEResponse(
             _sse(txn, fmt), headers={"x-request-id": request_id}, on_close=txn.aclose
@@ -375,7 +436,7 @@ async def _serve(
     return JSONResponse(fmt.response(), headers={"x-request-id": request_id})
 
 
-async def _collect(request: Request, txn: Transaction, fmt: ResponseFormatter) -> None:
+async def _collect(request: Request, txn: Started, fmt: ResponseFormatter) -> None:
     """Feed every event to ``fmt``. A client that disconnects (checked every
     ``DISCONNECT_POLL_S``) abandons the transaction, so the workers stop generating for nobody."""
 
@@ -399,7 +460,7 @@ async def _collect(request: Request, txn: Transaction, fmt: ResponseFormatter) -
     task.result()  # raises the transaction's typed error, if any
 
 
-async def _sse(txn: Transaction, fmt: ResponseFormatter) -> AsyncIterator[bytes]:
+async def _sse(txn: Started, fmt: ResponseFormatter) -> AsyncIterator[bytes]:
     """The SSE body: chunks, the usage chunk if asked, ``[DONE]``; a failure becomes an error
     event followed by ``[DONE]``. The transaction is closed however this ends."""
     try:

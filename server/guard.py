@@ -38,9 +38,13 @@ PUBLIC_PREFIX = "/v1"
 """The routes the guard protects (the OpenAI API)."""
 
 
+TOKENIZER_PATHS = ("/tokenize", "/detokenize")
+"""vLLM's tokenizer routes: on the public plane too (they cost tokenizer time)."""
+
+
 def is_public(path: str) -> bool:
-    """Whether ``path`` is on the public ``/v1`` plane."""
-    return path == PUBLIC_PREFIX or path.startswith(PUBLIC_PREFIX + "/")
+    """Whether ``path`` is on the public plane: ``/v1`` and :data:`TOKENIZER_PATHS`."""
+    return path == PUBLIC_PREFIX or path.startswith(PUBLIC_PREFIX + "/") or path in TOKENIZER_PATHS
 
 
 def log_auth_mode(api_keys: APIKeys, host: str) -> None:

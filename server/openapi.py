@@ -18,6 +18,9 @@ and where they come from:
 
 A 499 (the client left before its answer) is never seen by a client, so it is not declared;
 404/405 for unknown routes and methods are app-wide, not per route.
+
+``POST /v1/responses`` returns the same statuses; its 200 stream is named events
+(:func:`responses_api_responses`).
 """
 
 from __future__ import annotations
@@ -91,6 +94,56 @@ def completion_responses(model: type[Any], *, secured: bool) -> Responses:
         504: _error("the request deadline passed (deadline_exceeded)"),
         **v1_errors(secured=secured),
     }  # fmt: skip
+
+
+def tokenizer_responses(model: type[Any], *, secured: bool) -> Responses:
+    """Every status ``/tokenize`` and ``/detokenize`` return: 200 is ``model``."""
+    return {
+        200: {"model": model, "description": "the token ids, or the text"},
+        400: _error("invalid request; param names the field"),
+        404: _error("unknown model (code model_not_found)"),
+        413: _error("request body over router.max_request_bytes (code request_too_large)"),
+        429: _error("the router's tokenizer is busy (code tokenizer_busy)", headers=_RETRY_AFTER),
+        **v1_errors(secured=secured),
+    }
+
+
+RESPONSES_SSE_EVENT = {
+    "type": "object",
+    "description": "one named server-sent event of the Responses API (OpenAPI 3.1: the schema "
+    "of each event)",
+    "required": ["event", "data"],
+    "properties": {
+        "event": {
+            "type": "string",
+            "description": "the event's type: response.created, response.in_progress, "
+            "response.output_item.added, response.content_part.added, "
+            "response.output_text.delta, response.output_text.done, "
+            "response.content_part.done, response.function_call_arguments.delta, "
+            "response.function_call_arguments.done, response.output_item.done, then "
+            "response.completed or response.incomplete (after a failure: error, "
+            "response.failed)",
+        },
+        "data": {
+            "type": "string",
+            "description": "the event as JSON: its type, sequence_number and fields",
+        },
+    },
+}
+
+
+def responses_api_responses(model: type[Any], *, secured: bool) -> Responses:
+    """Every status ``POST /v1/responses`` returns: those of a completion route (module
+    docstring), 200 being ``model`` as JSON or, with ``stream: true``, named server-sent
+    events (:mod:`pdserve.server.responses`)."""
+    out = completion_responses(model, secured=secured)
+    out[200] = {
+        "model": model,
+        "description": "the response; with stream=true a text/event-stream of named events "
+        "ending with response.completed, response.incomplete or response.failed",
+        "content": {"text/event-stream": {"schema": RESPONSES_SSE_EVENT}},
+    }
+    return out
 
 
 def install_openapi(app: FastAPI, *, secured: bool) -> None:

@@ -254,6 +254,23 @@ class ChatFormatter(_Formatter):
 
 
 class CompletionFormatter(_Formatter):
+    """Completion responses and chunks. ``echo``: per choice, the prompt text its text starts
+    with (``echo: true``), sent with the choice's first chunk."""
+
+    def __init__(
+        self, info: RequestInfo, tokens: TokenFormatter, echo: list[str] | None = None
+    ) -> None:
+        super().__init__(info, tokens)
+        self.echo = echo
+        self._echoed: set[int] = set()
+
+    def _echo(self, index: int) -> str:
+        """The echo of choice ``index`` the first time it is asked for, else ''."""
+        if self.echo is None or index in self._echoed:
+            return ""
+        self._echoed.add(index)
+        return self.echo[index]
+
     def chunks(self, event: TokenEvent) -> list[dict[str, Any]]:
         """The stream chunk of ``event``."""
         return [self.chunk(event)]
@@ -283,7 +300,7 @@ class CompletionFormatter(_Formatter):
         self.add(event)
         choice = CompletionChoice(
             index=event.index,
-            text=event.text,
+            text=self._echo(event.index) + event.text,
             logprobs=self._logprobs_for(self.choices[event.index], list(event.logprobs)),
             finish_reason=str(event.finish_reason) if event.finish_reason is not None else None,
         )
@@ -299,7 +316,7 @@ class CompletionFormatter(_Formatter):
             choices.append(
                 CompletionChoice(
                     index=i,
-                    text=c.text,
+                    text=self._echo(i) + c.text,
                     logprobs=self._logprobs_for(c, c.logprobs),
                     finish_reason=c.finish_reason,
                 )

@@ -49,15 +49,24 @@ from pdserve.grammar import check as check_grammar
 from pdserve.protocol import MAX_CHOICES, SamplingParams, StructuredOutput
 from pdserve.server.schemas import (
     EXTENSION_DEFAULTS,
+    MAX_PROMPTS,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    DetokenizeRequest,
     NamedToolChoice,
+    TokenizeRequest,
     _SamplingFields,
 )
 from pdserve.server.tools import PARSERS, ToolPlan, prompt_messages, renders_tools
 
 log = logging.getLogger(__name__)
+
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tools", "tokenize", "add_generation_prompt",
+     "continue_final_message", "chat_template", "return_dict", "documents"}
+)  # fmt: skip
+"""``apply_chat_template`` arguments ``chat_template_kwargs`` may not set (they have fields)."""
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 _UNSET_MODEL_MAX = 10**8  # transformers' "no limit" placeholder is ~1e30
@@ -70,6 +79,7 @@ class Prepared:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     tools: ToolPlan | None = None  # chat with tools (tool_choice other than none)
+    echo: str | None = None  # completions with echo: the prompt's text
 
 
 def load_tokenizer(model_path: Path) -> Any:
@@ -133,28 +143,7 @@ class Preprocessor:
         self._check_common(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs=true", param="top_logprobs")
-        if not req.messages:
-            raise InvalidRequestError("messages must not be empty", param="messages")
-        if len(req.messages) > self.max_messages:
-            raise InvalidRequestError(
-                f"too many messages: {len(req.messages)}, at most {self.max_messages}",
-                param="messages",
-            )
-        plan = self._tool_plan(req)
-        messages = prompt_messages(
-            [_message(m, i) for i, m in enumerate(req.messages)],
-            plan,
-            self.template_renders_tools,
-        )
-        tools = list(plan.tools) if plan is not None and self.template_renders_tools else None
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=False
-            )
-        except (TemplateError, ValueError, TypeError) as exc:
-            raise InvalidRequestError(
-                f"cannot apply the chat template: {exc}", param="messages"
-            ) from exc
+        text, plan = self.render_chat(req)
         n, ids = self._encode(text, add_special_tokens=False)
         max_tokens = self._max_tokens(
             n,
@@ -172,6 +161,80 @@ class Preprocessor:
             tools=plan,
         )
         return Prepared(ids, sampling, plan)
+
+    def render_chat(self, req: ChatCompletionRequest) -> tuple[str, ToolPlan | None]:
+        """The prompt text of ``req``'s messages (and tools) through the chat template, with
+        ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs``; and
+        how its tools are served. Raises InvalidRequestError naming the field."""
+        if not req.messages:
+            raise InvalidRequestError("messages must not be empty", param="messages")
+        if len(req.messages) > self.max_messages:
+            raise InvalidRequestError(
+                f"too many messages: {len(req.messages)}, at most {self.max_messages}",
+                param="messages",
+            )
+        plan = self._tool_plan(req)
+        messages = prompt_messages(
+            [_message(m, i) for i, m in enumerate(req.messages)],
+            plan,
+            self.template_renders_tools,
+        )
+        tools = list(plan.tools) if plan is not None and self.template_renders_tools else None
+        kwargs = dict(req.chat_template_kwargs or {})
+        reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {reserved}: they have their own fields",
+                param="chat_template_kwargs",
+            )
+        generation = req.add_generation_prompt is not False
+        if generation and req.continue_final_message:
+            raise InvalidRequestError(
+                "continue_final_message needs add_generation_prompt false",
+                param="continue_final_message",
+            )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                tools=tools,
+                add_generation_prompt=generation,
+                continue_final_message=bool(req.continue_final_message),
+                tokenize=False,
+                **kwargs,
+            )
+        except (TemplateError, ValueError, TypeError) as exc:
+            raise InvalidRequestError(
+                f"cannot apply the chat template: {exc}", param="messages"
+            ) from exc
+        return str(text), plan
+
+    def tokenize(self, req: TokenizeRequest) -> list[int]:
+        """``/tokenize``: all the token ids of ``req``'s prompt or rendered messages (no
+        context-window cut: the count is the answer). Raises a typed error naming the field."""
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
+        if req.prompt is not None:
+            text, special = req.prompt, req.add_special_tokens is not False
+        else:
+            chat = ChatCompletionRequest.model_validate(
+                req.model_dump(exclude={"prompt", "add_special_tokens", "return_token_strs"})
+            )
+            check_unsupported(chat)  # what a chat request refuses (a function_call message)
+            text, _ = self.render_chat(chat)
+            special = bool(req.add_special_tokens)
+        return list(self.tokenizer.encode(text, add_special_tokens=special))
+
+    def detokenize(self, req: DetokenizeRequest) -> str:
+        """``/detokenize``: the text of ``req.tokens`` (special tokens kept). Raises
+        InvalidRequestError for an id outside the vocabulary."""
+        self.check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token ids must be in [0, {self.vocab_size}); got {bad[:5]}", param="tokens"
+            )
+        return str(self.tokenizer.decode(req.tokens, clean_up_tokenization_spaces=False))
 
     def _tool_plan(self, req: ChatCompletionRequest) -> ToolPlan | None:
         """How the request's tools are served (None: no tools, or ``tool_choice`` none).
@@ -203,34 +266,58 @@ class Preprocessor:
         )
 
     def completion(self, req: CompletionRequest) -> Prepared:
-        """Validate a completion request and tokenize its prompt; raises a typed error."""
+        """Validate a completion request of one prompt and tokenize it; raises a typed error
+        (a list of several prompts: :meth:`completions`)."""
+        (one,) = self.completions(req, most=1)
+        return one
+
+    def completions(self, req: CompletionRequest, most: int = MAX_PROMPTS) -> list[Prepared]:
+        """Validate a completion request and tokenize its prompts (a list of prompts is a
+        batch, at most ``most``): one :class:`Prepared` per prompt, in order. Raises a typed
+        error naming the field (``prompt[i]`` for one prompt of a list)."""
         self._check_common(req)
-        n, ids = self._prompt_ids(req.prompt)
-        max_tokens = self._max_tokens(
-            n,
-            req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS,
-            param="max_tokens",
-            prompt_param="prompt",
-        )
-        assert ids is not None  # None only past the window, which _max_tokens refused
-        sampling = _sampling(
-            req,
-            max_tokens,
-            self.vocab_size,
-            logprobs=req.logprobs is not None,
-            top_logprobs=req.logprobs or 0,
-        )
-        return Prepared(ids, sampling)
+        prompts = _prompt_list(req.prompt)
+        if len(prompts) > most:
+            raise InvalidRequestError(
+                f"at most {most} prompt(s) per request here, got {len(prompts)}", param="prompt"
+            )
+        out = []
+        for i, prompt in enumerate(prompts):
+            param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            n, ids = self._prompt_ids(prompt, param)
+            max_tokens = self._max_tokens(
+                n,
+                req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS,
+                param="max_tokens",
+                prompt_param=param,
+            )
+            assert ids is not None  # None only past the window, which _max_tokens refused
+            sampling = _sampling(
+                req,
+                max_tokens,
+                self.vocab_size,
+                logprobs=req.logprobs is not None,
+                top_logprobs=req.logprobs or 0,
+            )
+            echo = None
+            if req.echo:
+                echo = prompt if isinstance(prompt, str) else str(self.tokenizer.decode(ids))
+            out.append(Prepared(ids, sampling, echo=echo))
+        return out
 
     # --- steps -------------------------------------------------------------------------------
 
-    def _check_common(self, req: _SamplingFields) -> None:
-        if req.model != self.served_model_name:
+    def check_model(self, model: str) -> None:
+        """Raise ModelNotFoundError (404) unless ``model`` is the served model's name."""
+        if model != self.served_model_name:
             raise ModelNotFoundError(
-                f"The model {req.model!r} does not exist; this server serves "
+                f"The model {model!r} does not exist; this server serves "
                 f"{self.served_model_name!r}",
                 param="model",
             )
+
+    def _check_common(self, req: _SamplingFields) -> None:
+        self.check_model(req.model)
         check_unsupported(req)
         if not 1 <= _choices(req) <= self.max_n:
             raise InvalidRequestError(f"n must lie in [1, {self.max_n}], got n={req.n}", param="n")
@@ -246,26 +333,16 @@ class Preprocessor:
         n = len(encoding)
         return n, (list(encoding.ids) if n < self.max_model_len else None)
 
-    def _prompt_ids(
-        self, prompt: str | list[int] | list[str] | list[list[int]]
-    ) -> tuple[int, list[int] | None]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) > 1:
-                raise InvalidRequestError(
-                    f"batched prompts are not supported (got {len(prompt)}); send one prompt "
-                    "per request",
-                    param="prompt",
-                )
-            prompt = prompt[0]  # a batch of one
+    def _prompt_ids(self, prompt: str | list[int], param: str) -> tuple[int, list[int] | None]:
         if isinstance(prompt, str):
             return self._encode(prompt, add_special_tokens=True)
         bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(
                 f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}",
-                param="prompt",
+                param=param,
             )
-        return len(prompt), list(prompt)  # type: ignore[arg-type]
+        return len(prompt), list(prompt)
 
     def _max_tokens(self, n: int, requested: int | None, *, param: str, prompt_param: str) -> int:
         """Check the context window for a prompt of ``n`` tokens; return max_tokens."""
@@ -306,6 +383,15 @@ def _fast_backend(tokenizer: Any) -> Any | None:
     return backend
 
 
+def _prompt_list(
+    prompt: str | list[int] | list[str] | list[list[int]],
+) -> list[str | list[int]]:
+    """A completion's prompts: one string or id list, or each of a list of them."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        return list(prompt)
+    return [prompt]  # type: ignore[list-item]
+
+
 def _unsupported(param: str, what: str) -> UnsupportedFieldError:
     return UnsupportedFieldError(f"{param} is not supported{what}", param=param)
 
@@ -321,8 +407,8 @@ def check_unsupported(req: _SamplingFields) -> None:
     if isinstance(req, ChatCompletionRequest):
         _check_chat_unsupported(req)
     elif isinstance(req, CompletionRequest):
-        if req.echo:
-            raise _unsupported("echo", "")
+        if req.echo and req.logprobs is not None:
+            raise _unsupported("echo", " with logprobs (prompt logprobs are not served yet)")
         if req.suffix:
             raise _unsupported("suffix", "")
         if req.best_of not in (None, _choices(req)):

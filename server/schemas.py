@@ -78,9 +78,6 @@ EXTENSION_DEFAULTS: dict[str, Any] = {
     "prompt_logprobs": None,
     "truncate_prompt_tokens": None,
     "chat_template": None,
-    "chat_template_kwargs": None,
-    "continue_final_message": False,
-    "add_generation_prompt": True,
 }
 """Extension fields of other OpenAI-compatible servers (vLLM, SGLang) that change the output,
 with the one value pdserve's behaviour matches; any other value is refused (``unsupported``)."""
@@ -398,11 +395,27 @@ class ChatCompletionRequest(_SamplingFields):
     web_search_options: Annotated[Any, _NULL_ONLY] = Field(
         default=None, description=_UNSUPPORTED + "null"
     )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None,
+        description="extension: more variables for the chat template (e.g. enable_thinking)",
+    )
+    add_generation_prompt: bool | None = Field(
+        default=None,
+        description="extension: end the prompt with the assistant's turn (default true)",
+    )
+    continue_final_message: bool | None = Field(
+        default=None,
+        description="extension: continue the last (assistant) message instead of starting a new "
+        "one; needs add_generation_prompt false",
+    )
     prediction: Any = Field(default=None, description="accepted, ignored (latency hint only)")
     store: bool | None = Field(default=None, description="accepted, unused")
     metadata: dict[str, Any] | None = Field(default=None, description="accepted, unused")
     service_tier: str | None = Field(default=None, description="accepted, unused")
 
+
+MAX_PROMPTS = 64
+"""Most prompts in one ``/v1/completions`` request (each runs as its own transaction)."""
 
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 _PROMPT = WithJsonSchema(
@@ -411,8 +424,8 @@ _PROMPT = WithJsonSchema(
             {"type": "string", "minLength": 1},
             _TOKEN_IDS,
             {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
-             "maxItems": 1},
-            {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 1},
+             "maxItems": MAX_PROMPTS},
+            {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": MAX_PROMPTS},
         ]
     }
 )  # fmt: skip
@@ -428,12 +441,14 @@ class CompletionRequest(_SamplingFields):
         | Annotated[list[Annotated[list[int], _FAIL_FAST]], _FAIL_FAST],
         _PROMPT,
     ] = Field(
-        description="a string, or token ids; a list of several prompts is refused (batches "
-        "are not supported)"
+        description=f"a string or token ids, or a list of up to {MAX_PROMPTS} of either: each "
+        "prompt gets n choices, listed prompt by prompt (choice index = prompt index x n + i)"
     )
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS_COMPLETIONS)
-    echo: Annotated[bool | None, _accepts({"const": False})] = Field(
-        default=False, description=_UNSUPPORTED + "false"
+    echo: bool | None = Field(
+        default=False,
+        description="each choice's text starts with its prompt (not with logprobs: prompt "
+        "logprobs are not served yet)",
     )
     best_of: Annotated[int | None, _accepts({"type": "integer", "minimum": 1})] = Field(
         default=None, description=_UNSUPPORTED + "equal to n"
@@ -441,6 +456,47 @@ class CompletionRequest(_SamplingFields):
     suffix: Annotated[str | None, _accepts({"type": "string", "maxLength": 0})] = Field(
         default=None, description=_UNSUPPORTED + "empty"
     )
+
+
+class TokenizeRequest(_Req):
+    """``POST /tokenize`` (vLLM's): exactly one of ``prompt`` (text) or ``messages`` (through the
+    chat template, with ``tools`` and the template options of a chat request)."""
+
+    model: str
+    prompt: Text | None = None
+    messages: Annotated[list[ChatMessage], _FAIL_FAST] | None = Field(
+        default=None, max_length=MAX_MESSAGES
+    )
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS), _FAIL_FAST] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = Field(
+        default=None, description="messages only; default true"
+    )
+    continue_final_message: bool | None = None
+    add_special_tokens: bool | None = Field(
+        default=None,
+        description="add the tokenizer's special tokens (BOS); default true for a prompt, false "
+        "for messages (the template writes them)",
+    )
+    return_token_strs: bool | None = Field(default=False, description="also each token's text")
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Req):
+    """``POST /detokenize`` (vLLM's): token ids back to text."""
+
+    model: str
+    tokens: Annotated[list[int], _FAIL_FAST]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 # --- responses ---------------------------------------------------------------------------------

@@ -10,6 +10,9 @@ response ends, however it ends (finished, client disconnected, server shutting d
 generator's cleanup (closing the decode stream, releasing KV blocks) runs promptly instead of
 whenever the garbage collector finalizes it, and then runs its ``on_close`` callback (which
 covers a body that never started).
+
+The Responses API (:mod:`.responses`) names its events instead: ``event: <type>`` before each
+data line (:func:`encode_named_event`), and no ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,13 @@ DONE = b"data: [DONE]\n\n"
 def encode_event(payload: dict[str, Any]) -> bytes:
     """One SSE data event carrying ``payload`` as compact JSON."""
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def encode_named_event(name: str, payload: dict[str, Any]) -> bytes:
+    """One named SSE event (the Responses API's form): ``event: <name>`` and the data line
+    carrying ``payload``. ``name`` is one line (an event type, no newline)."""
+    assert "\n" not in name and "\r" not in name
+    return b"event: " + name.encode() + b"\n" + encode_event(payload)
 
 
 def encode_error(exc: PdserveError, rid: str | None = None, *, public: bool = False) -> bytes:

@@ -93,22 +93,23 @@ CHECKS = [
 
 def bound(case: Any) -> None:
     """Keep the request cheap without changing whether it is valid: name the served model
-    (when the model is a string), and lower (or add) ``max_tokens`` to :data:`MAX_TOKENS`
-    when it is a valid integer above it or absent."""
+    (when the model is a string), and lower (or add) ``max_tokens`` (``max_output_tokens``
+    for ``/v1/responses``) to :data:`MAX_TOKENS` when it is a valid integer above it or
+    absent."""
     body = case.body
     if not isinstance(body, dict):
         return
     if isinstance(body.get("model"), str):
         body["model"] = SERVED
     present = False
-    for name in ("max_tokens", "max_completion_tokens"):
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = body.get(name)
         if name in body:
             present = True
         if isinstance(value, int) and not isinstance(value, bool) and value > MAX_TOKENS:
             body[name] = MAX_TOKENS
-    if not present:
-        body["max_tokens"] = MAX_TOKENS
+    if not present:  # a Responses request (it has input) names it max_output_tokens
+        body["max_output_tokens" if "input" in body else "max_tokens"] = MAX_TOKENS
 
 
 def fuzz(operation: Any, mode: GenerationMode, base_url: str, statuses: Counter[str]) -> None:

@@ -127,3 +127,26 @@ def test_shared_prompt_blocks_are_all_freed(tiny_stack: Stack) -> None:
     wait_until_sync(
         lambda: all(_idle(w) for w in workers), 5, interval_s=0.1, what="every worker to be idle"
     )
+
+
+def test_a_list_of_prompts_gives_each_its_n_choices_in_order(tiny_stack: Stack) -> None:
+    """Choice ``k * n + i`` of a batch is choice ``i`` of prompt ``k`` alone (seeded), whole and
+    streamed; ``echo`` puts each prompt's text first."""
+    client = _client(tiny_stack)
+    prompts = [PROMPT, PROMPT[:9], PROMPT[3:]]
+    batch = client.completions.create(prompt=prompts, **SAMPLED)
+    assert [c.index for c in batch.choices] == list(range(len(prompts) * N))
+    for k, prompt in enumerate(prompts):
+        alone = client.completions.create(prompt=prompt, **SAMPLED)
+        assert [c.text for c in batch.choices[k * N : (k + 1) * N]] == [
+            c.text for c in alone.choices
+        ], f"prompt {k}"
+    assert batch.usage is not None and batch.usage.prompt_tokens == sum(map(len, prompts))
+    chunks = list(client.completions.create(prompt=prompts, stream=True, **SAMPLED))
+    texts: dict[int, str] = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert [texts[i] for i in range(len(prompts) * N)] == [c.text for c in batch.choices]
+    echoed = client.completions.create(prompt=["Hello", "World"], echo=True, **SAMPLED)
+    assert [c.text[:5] for c in echoed.choices] == ["Hello"] * N + ["World"] * N

@@ -216,3 +216,80 @@ def test_a_named_tool_call_streams_as_tool_call_deltas_that_parse(
     arguments = "".join(p.function.arguments or "" for p in pieces)
     assert arguments == choice.message.tool_calls[0].function.arguments
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+# --- the Responses API (POST /v1/responses) on the same stacks ----------------------------------
+
+TEXT_FORMAT = {
+    "format": {"type": "json_schema", "name": "person", "schema": SCHEMA, "strict": True}
+}
+FLAT_TOOLS = [{"type": "function", **t["function"]} for t in (WEATHER_TOOL, TIME_TOOL)]
+
+
+def _respond(stack: Stack, **kw: Any) -> Any:
+    return _client(stack).responses.create(model=MODEL, input="Describe a person as JSON.", **kw)
+
+
+def test_responses_create_returns_output_text_within_max_output_tokens(
+    stacks: tuple[Stack, Stack],
+) -> None:
+    pd, _ = stacks
+    resp = _respond(pd, max_output_tokens=20, temperature=0)
+    assert resp.object == "response" and resp.id.startswith("resp_")
+    (message,) = resp.output
+    assert message.type == "message" and message.content[0].text == resp.output_text
+    assert resp.output_text, "the tiny model's noise is text"
+    assert resp.usage is not None and 0 < resp.usage.output_tokens <= 20
+    if resp.status == "incomplete":
+        assert resp.usage.output_tokens == 20
+        assert resp.incomplete_details is not None
+        assert resp.incomplete_details.reason == "max_output_tokens"
+    else:
+        assert resp.status == "completed"
+    assert resp.max_output_tokens == 20 and resp.store is False
+
+
+def test_responses_json_schema_is_valid_and_equal_across_the_split_and_colocated(
+    stacks: tuple[Stack, Stack],
+) -> None:
+    pd, colocated = stacks
+    kw = dict(text=TEXT_FORMAT, temperature=0, max_output_tokens=80)
+    split, alone = _respond(pd, **kw), _respond(colocated, **kw)
+    assert split.status == "completed" and split.output_text == alone.output_text
+    _valid(split.output_text)
+    chat = _chat(pd, response_format=JSON_SCHEMA_FORMAT, temperature=0, max_tokens=80)
+    assert split.output_text == chat.choices[0].message.content, "the same request as chat's"
+
+
+def test_responses_required_tool_call_is_a_schema_valid_function_call(
+    stacks: tuple[Stack, Stack],
+) -> None:
+    pd, colocated = stacks
+    kw = dict(
+        tools=FLAT_TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_output_tokens=120,
+    )
+    resp = _respond(pd, **kw)
+    assert resp.status == "completed" and resp.output_text == ""
+    (call,) = resp.output
+    assert call.type == "function_call" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), PARAMS[call.name])
+    (other,) = _respond(colocated, **kw).output
+    assert (other.name, other.arguments) == (call.name, call.arguments)
+
+
+def test_responses_stream_ends_with_the_completed_response_of_the_deltas(
+    stacks: tuple[Stack, Stack],
+) -> None:
+    pd, _ = stacks
+    events = list(_respond(pd, text=TEXT_FORMAT, temperature=0, max_output_tokens=80, stream=True))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].type == "response.completed"
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert events[-1].response.output_text == deltas
+    _valid(deltas)
+    assert deltas == _respond(pd, text=TEXT_FORMAT, temperature=0, max_output_tokens=80).output_text

@@ -1,4 +1,5 @@
-"""docs/api.md lists every request field the schemas declare, and every refused extension."""
+"""docs/api.md lists every request field the schemas declare (chat, completions, responses),
+and every refused extension."""
 
 from __future__ import annotations
 
@@ -8,6 +9,14 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
+from pdserve.server.responses_schemas import (
+    ContentPart,
+    FunctionTool,
+    FunctionToolChoice,
+    InputItem,
+    ResponsesRequest,
+    TextFormat,
+)
 from pdserve.server.schemas import (
     EXTENSION_DEFAULTS,
     ChatCompletionRequest,
@@ -21,10 +30,20 @@ NAMED = set(re.findall(r"`([a-z_]+(?:\[\])?(?:\.[a-z_]+)?)`", DOC))
 
 @pytest.mark.parametrize(
     ("model", "prefix"),
-    [(ChatCompletionRequest, ""), (CompletionRequest, ""), (ChatMessage, "messages[].")],
+    [
+        (ChatCompletionRequest, ""),
+        (CompletionRequest, ""),
+        (ChatMessage, "messages[]."),
+        (ResponsesRequest, ""),
+        (InputItem, "input[]."),
+        (ContentPart, "input[].content[]."),
+        (FunctionTool, "tools[]."),
+        (FunctionToolChoice, "tool_choice."),
+        (TextFormat, "text.format."),
+    ],
 )
 def test_every_declared_field_is_in_the_api_doc(model: type[BaseModel], prefix: str) -> None:
-    fields = {f"{prefix}{name}" for name in model.model_fields}
+    fields = {f"{prefix}{f.alias or name}" for name, f in model.model_fields.items()}
     missing = sorted(f for f in fields if f not in NAMED and f.split(".")[-1] not in NAMED)
     assert not missing, f"docs/api.md does not list {missing}"
 

@@ -13,6 +13,7 @@ from pydantic import SecretStr
 
 from pdserve.config import RouterConfig
 from pdserve.protocol import Role
+from pdserve.server.guard import TOKENIZER_PATHS
 from pdserve.settings import RouterSettings, SecuritySettings
 from tests.support.fakes import MODEL, FakeWorker, build_tokenizer_dir, router_harness
 
@@ -170,7 +171,7 @@ async def test_an_open_v1_is_logged_and_warned_about_off_loopback(model_dir, cap
     assert record.levelno == level
 
 
-async def test_openapi_declares_the_bearer_scheme_on_v1_only(cfg):
+async def test_openapi_declares_the_bearer_scheme_on_the_public_plane_only(cfg):
     async with router_harness(cfg, workers()) as h:
         schema = (await h.client.get("/openapi.json")).json()
     scheme = schema["components"]["securitySchemes"]["bearerAuth"]
@@ -178,7 +179,7 @@ async def test_openapi_declares_the_bearer_scheme_on_v1_only(cfg):
     for path, item in schema["paths"].items():
         for op in item.values():
             secured = op.get("security") == [{"bearerAuth": []}]
-            assert secured == path.startswith("/v1/"), path
+            assert secured == (path.startswith("/v1/") or path in TOKENIZER_PATHS), path
             if secured:
                 assert "401" in op["responses"], path
 

@@ -248,3 +248,30 @@ async def test_cached_tokens_come_from_the_worker_that_prefilled_the_prompt(
     assert whole.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": want}
     assert streamed[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": want}
     assert (len(p.contexts) == 0) is local_prefill
+
+
+async def test_a_list_of_prompts_runs_each_with_its_choices_in_order(cfg, workers) -> None:
+    """(The fake workers serve one choice; n > 1 per prompt: tests/e2e/test_stack_n_choices.)"""
+    prompts = ["alpha", "beta", "gamma"]
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 16, "echo": True}
+    async with router_harness(cfg, workers) as h:
+        whole = await h.client.post("/v1/completions", json=body)
+        streamed = await h.client.post("/v1/completions", json={**body, "stream": True,
+                                       "stream_options": {"include_usage": True}})  # fmt: skip
+        sent = [c.prompt_token_ids for c in h.workers["p0"].contexts]
+    assert whole.status_code == 200, whole.text
+    choices = whole.json()["choices"]
+    assert [c["index"] for c in choices] == list(range(3))
+    # choice k belongs to prompt k; echo puts the prompt first
+    assert [c["text"] for c in choices] == [p + REPLY_TEXT for p in prompts]
+    assert sorted(map(len, sent)) == sorted(len(p) for p in prompts for _ in range(2))
+    usage = whole.json()["usage"]
+    assert usage["completion_tokens"] == 3 * len(REPLY_TEXT)
+    assert usage["prompt_tokens"] == sum(len(p) for p in prompts)
+    events = sse_events(streamed.text)
+    texts: dict[int, str] = {}
+    for e in events[:-1]:
+        (c,) = e["choices"]
+        texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert [texts[i] for i in range(3)] == [c["text"] for c in choices]
+    assert events[-1]["usage"] == usage

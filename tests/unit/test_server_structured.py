@@ -70,6 +70,8 @@ def test_each_form_maps_to_its_constraint() -> None:
         ({"structured_outputs": {"grammar": "start: ("}}, "structured_outputs.grammar",
          "does not compile"),
         ({"guided_json": "{not json"}, "guided_json", "guided_json:"),
+        ({"guided_grammar": "J"}, "guided_grammar", "not a Lark or GBNF grammar"),
+        ({"guided_grammar": "a ::= b"}, "guided_grammar", "guided_grammar"),
         ({"structured_outputs": {}}, "structured_outputs", "exactly one"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
          "exactly one"),

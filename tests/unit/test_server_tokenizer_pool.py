@@ -146,13 +146,13 @@ async def test_the_router_answers_429_tokenizer_busy_when_the_backlog_is_full(
         served_model_name=MODEL,
         router=RouterSettings(max_request_bytes=max_bytes, tokenizer_threads=1),
     )
-    real = Preprocessor.completion
+    real = Preprocessor.completions
 
     def held(self: Preprocessor, req: object) -> object:
         assert gate.wait(10)
         return real(self, req)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(Preprocessor, "completion", held)
+    monkeypatch.setattr(Preprocessor, "completions", held)
     pools: list[TokenizerPool] = []
 
     class Recorded(TokenizerPool):

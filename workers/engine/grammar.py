@@ -133,7 +133,7 @@ class GrammarCompiler:
 
         try:
             grammar = grammar_of(so)
-        except ValueError as exc:
+        except Exception as exc:  # ValueError, or the library's own error types: a 400
             raise InvalidRequestError(f"structured output: {exc}") from None
         matcher = LLMatcher(tokenizer, grammar, log_level=0)  # parses; GIL released
         if matcher.is_error():

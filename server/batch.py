@@ -1,0 +1,109 @@
+"""Several prompts in one ``/v1/completions`` request: one router transaction per prompt, their
+events merged into one stream.
+
+Each prompt runs as its own request (its own route, legs and deadline; id
+``<request id>-<k>``), so the prompts of a batch spread over the workers like separate requests
+would. Choice ``i`` of prompt ``k`` is choice ``k * n + i`` of the response (OpenAI's order).
+Events reach the formatter as each transaction yields them, interleaved. A transaction that
+fails ends the batch with its error (the others are closed); closing the batch closes all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import replace
+from typing import Protocol
+
+from pdserve.protocol import SamplingParams
+from pdserve.router.transaction import TokenEvent, Transaction
+
+
+class Started(Protocol):
+    """What the server reads of a started transaction (a router :class:`Transaction`)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    def events(self) -> AsyncGenerator[TokenEvent, None]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class Starter(Protocol):
+    """The router (:meth:`pdserve.router.router.Router.start`)."""
+
+    async def start(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+    ) -> Transaction: ...
+
+
+class BatchTransaction:
+    """The transactions of a batch's prompts as one (:class:`Started`); ``n`` choices each."""
+
+    def __init__(self, request_id: str, txns: Sequence[Started], n: int):
+        self._request_id = request_id
+        self.txns = list(txns)
+        self.n = n
+
+    @property
+    def request_id(self) -> str:
+        return self._request_id
+
+    @classmethod
+    async def start(
+        cls,
+        router: Starter,
+        request_id: str,
+        prompts: Sequence[tuple[Sequence[int], SamplingParams]],
+    ) -> BatchTransaction:
+        """Start every prompt's transaction (concurrently); if one cannot start, close the
+        others and raise its error (nothing has reached the client yet)."""
+        results = await asyncio.gather(
+            *(router.start(f"{request_id}-{k}", ids, s) for k, (ids, s) in enumerate(prompts)),
+            return_exceptions=True,
+        )
+        txns = [r for r in results if not isinstance(r, BaseException)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for txn in txns:
+                await txn.aclose()
+            raise errors[0]
+        return cls(request_id, txns, prompts[0][1].n)
+
+    async def events(self) -> AsyncGenerator[TokenEvent, None]:
+        """Every transaction's events as they come, each choice renumbered ``k * n + i``."""
+        queue: asyncio.Queue[TokenEvent | BaseException | None] = asyncio.Queue()
+
+        async def pump(k: int, txn: Started) -> None:
+            try:
+                async for event in txn.events():
+                    await queue.put(replace(event, index=k * self.n + event.index))
+                await queue.put(None)
+            except BaseException as exc:  # cancellation included: the consumer is gone
+                await queue.put(exc)
+                raise
+
+        tasks = [asyncio.create_task(pump(k, t)) for k, t in enumerate(self.txns)]
+        try:
+            running = len(tasks)
+            while running:
+                item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(BaseException):
+                    await task
+
+    async def aclose(self) -> None:
+        """Close every transaction (idempotent, as each one's ``aclose`` is)."""
+        for txn in self.txns:
+            await txn.aclose()
