@@ -320,6 +320,27 @@ def _serve_description() -> str:
     return SERVE_DESCRIPTION
 
 
+def _structured_arguments(p: argparse.ArgumentParser) -> None:
+    from pdserve.tools.bench_structured import add_arguments
+
+    add_arguments(p)
+
+
+def _run_structured(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
+    from pdserve.tools.bench_structured import main
+
+    return main(args)
+
+
+STRUCTURED_DESCRIPTION = """\
+Structured outputs and tool calls against a running OpenAI-compatible server (--url: pdserve,
+vLLM, ...): how many of --tries seeded requests return schema-valid tool calls (tool_choice
+required), JSON that parses and validates (response_format json_schema) and streamed named
+calls whose deltas join into valid arguments; ITL p50 under a json_schema vs unconstrained at
+--concurrency; pdserve's grammar compile time per schema.
+"""
+
+
 COMMANDS: tuple[BenchCommand, ...] = (
     BenchCommand(
         "serve",
@@ -365,6 +386,13 @@ COMMANDS: tuple[BenchCommand, ...] = (
         FORMATTER_DESCRIPTION,
         _formatter_arguments,
         _run_formatter,
+    ),
+    BenchCommand(
+        "structured",
+        "valid tool calls and JSON per tries, the grammar's ITL cost, compile times",
+        STRUCTURED_DESCRIPTION,
+        _structured_arguments,
+        _run_structured,
     ),
     BenchCommand(
         "gpu",
