@@ -105,6 +105,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     p.add_argument("--label", default=None, help="name of this run in the tables and the JSON")
+    p.add_argument(
+        "--json-schema", action="store_true",
+        help="with --url: every request under response_format json_schema (one string of about "
+        "3 x --output-len characters, so about --output-len tokens) to measure the grammar's "
+        "cost against a run without it; ignore_eos is not sent (the grammar ends the output)",
+    )  # fmt: skip
     # Without --url, the started stack takes the settings: --config, PDSERVE_* variables and
     # the setting flags pdserve.cli adds to this command (--transfer-backend, --compile, ...).
 
@@ -132,6 +138,9 @@ def serve_main(args: argparse.Namespace, cfg: PdserveConfig) -> int:
     settings: ``--config``, ``PDSERVE_*`` variables, setting flags) and compare."""
     if args.url:
         return url_main(args)
+    if args.json_schema:
+        print("bench serve: --json-schema needs --url (a running server)", file=sys.stderr)
+        return 2
     from pdserve.models import resolve_model
 
     path = args.model or (str(cfg.model.path) if cfg.model.path is not None else None)
@@ -243,6 +252,16 @@ def url_main(args: argparse.Namespace) -> int:
 
             def one(prompt: str) -> Awaitable[bs.RequestResult]:
                 body = bs.chat_body(model, prompt, args.output_len, args.ignore_eos)
+                if args.json_schema:  # the grammar's cost: output constrained, about as long
+                    from pdserve.tools.bench_structured import long_schema
+
+                    schema = long_schema(max(8, 3 * args.output_len))
+                    body["response_format"] = {
+                        "type": "json_schema",
+                        "json_schema": {"name": "story", "schema": schema},
+                    }
+                    body.pop("ignore_eos", None)  # the grammar ends the output
+                    body["max_tokens"] = 2 * max(args.output_len, 1)
                 return bs.stream_openai(client, url, body)
 
             return model, await _levels(args, one, warm, prompts, args.label)
