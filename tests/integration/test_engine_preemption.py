@@ -57,6 +57,26 @@ def run_choices(
     return dict(tokens)
 
 
+def split_run(
+    prefill: Engine, decode: Engine, sampling: SamplingParams, tag: str
+) -> dict[int, list[int]]:
+    """Every prompt prefilled on ``prefill`` (first token, parked blocks), its blocks copied
+    into ``decode``'s reservation, then all resumed together on ``decode``: each prompt's
+    tokens, the first one included."""
+    resumes = []
+    for i, prompt in enumerate(prompts(prefill)):
+        rid = f"{tag}-{i}"
+        (first,) = run(prefill, [EngineRequest(rid, prompt, sampling, mode="prefill")])[rid]
+        assert first.parked_block_ids is not None
+        dst = decode.reserve(rid, prompt, sampling).block_ids  # the prompt's blocks only
+        copy_blocks_bytewise(prefill, first.parked_block_ids, decode, dst)
+        prefill.free_parked(rid)
+        token = first.token_ids[0]
+        resumes.append((token, EngineRequest(rid, prompt, sampling, "resume", token)))
+    got = run_choices(decode, [req for _, req in resumes])
+    return {i: [token, *got[(f"{tag}-{i}", 0)]] for i, (token, _) in enumerate(resumes)}
+
+
 @pytest.fixture(scope="module")
 def roomy(tiny_model_dir: Path) -> Iterator[Engine]:
     engine = make_engine(tiny_model_dir, num_blocks=512)
@@ -95,23 +115,9 @@ def test_preemption_on_a_decode_engine_after_transfer_keeps_outputs_equal(
 ) -> None:
     decode = make_engine(tiny_model_dir, num_blocks=48)  # the prompts take 41
     try:
-        resumes = []
-        for i, prompt in enumerate(prompts(roomy)):
-            rid = f"split-{i}"
-            (first,) = run(roomy, [EngineRequest(rid, prompt, GREEDY, mode="prefill")])[rid]
-            assert first.parked_block_ids is not None
-            dst = decode.reserve(rid, prompt, GREEDY).block_ids  # the prompt's blocks only
-            copy_blocks_bytewise(roomy, first.parked_block_ids, decode, dst)
-            roomy.free_parked(rid)
-            resumes.append(
-                (
-                    first.token_ids[0],
-                    EngineRequest(rid, prompt, GREEDY, "resume", first.token_ids[0]),
-                )
-            )
-        got = run_choices(decode, [req for _, req in resumes])
-        for i, (first_token, _) in enumerate(resumes):
-            assert [first_token, *got[(f"split-{i}", 0)]] == solo[i], TEXTS[i]
+        got = split_run(roomy, decode, GREEDY, "split")
+        for i in range(len(TEXTS)):
+            assert got[i] == solo[i], TEXTS[i]
         assert decode.load().preemptions > 0
         assert decode.kv_cache.get_num_free_blocks() == decode.kv_cache.num_blocks
     finally:
@@ -239,21 +245,9 @@ def test_structured_output_survives_transfer_and_preemption_token_for_token(
         assert json.loads(roomy.tokenizer.decode(toks, skip_special_tokens=True))["note"]
     decode = make_engine(tiny_model_dir, num_blocks=48)  # the prompts take 41
     try:
-        resumes = []
-        for i, prompt in enumerate(prompts(roomy)):
-            rid = f"jsplit-{i}"
-            (first,) = run(roomy, [EngineRequest(rid, prompt, STRUCTURED, mode="prefill")])[rid]
-            assert first.parked_block_ids is not None
-            dst = decode.reserve(rid, prompt, STRUCTURED).block_ids
-            copy_blocks_bytewise(roomy, first.parked_block_ids, decode, dst)
-            roomy.free_parked(rid)
-            first_token = first.token_ids[0]
-            resumes.append(
-                (first_token, EngineRequest(rid, prompt, STRUCTURED, "resume", first_token))
-            )
-        got = run_choices(decode, [req for _, req in resumes])
-        for i, (first_token, _) in enumerate(resumes):
-            assert [first_token, *got[(f"jsplit-{i}", 0)]] == solo_json[i], TEXTS[i]
+        got = split_run(roomy, decode, STRUCTURED, "jsplit")
+        for i in range(len(TEXTS)):
+            assert got[i] == solo_json[i], TEXTS[i]
         assert decode.load().preemptions > 0
         assert decode.grammars.compiled == 1, "one schema, compiled once"
         assert decode.kv_cache.get_num_free_blocks() == decode.kv_cache.num_blocks
