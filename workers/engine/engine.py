@@ -247,7 +247,7 @@ class Engine:
         prompt = list(req.prompt_token_ids)
         try:
             self.limits.check(req.request_id, prompt, req.sampling, req.mode, req.first_token)
-            replay = [req.first_token] if req.first_token is not None else []
+            replay = (req.first_token,) if req.first_token is not None else ()
             grammar = self._grammar(req.sampling, replay)
             with self._lock:
                 if self._shut_down:
@@ -291,7 +291,9 @@ class Engine:
         if sampling.structured is not None:
             self.grammars.prepare(sampling.structured)
 
-    def _grammar(self, sampling: SamplingParams, replay: list[int] = []) -> GrammarState | None:  # noqa: B006 (read only)
+    def _grammar(
+        self, sampling: SamplingParams, replay: tuple[int, ...] = ()
+    ) -> GrammarState | None:
         so = sampling.structured
         return None if so is None else self.grammars.state(so, replay)
 
