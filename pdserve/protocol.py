@@ -25,7 +25,8 @@ Protocol history:
        ``min_tokens``, ``stop_token_ids`` and ``structured`` (a :class:`StructuredOutput`),
        applied on the prefill and decode legs alike; ``ContextResponse.cached_tokens`` and
        ``GenerationChunk.cached_tokens``: the prompt tokens the prefix cache served where the
-       prompt was prefilled.
+       prompt was prefilled; ``SamplingParams.prompt_logprobs`` and, where the prompt was
+       prefilled, ``ContextResponse.prompt_logprobs`` / the first chunk's.
 
 Clocks: deadlines on the wire are wall-clock UNIX seconds (``time.time()``), never monotonic
 readings, because a monotonic clock does not cross processes.
@@ -203,6 +204,13 @@ class SamplingParams(_Msg):
     structured: StructuredOutput | None = None
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=20)
+    prompt_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=20,
+        description="the logprob of every prompt token after the first (the prompt is then "
+        "computed whole, no prefix-cache reuse) with this many top alternatives; None: none",
+    )
 
     @property
     def processes_logits(self) -> bool:
@@ -283,6 +291,9 @@ class ContextResponse(_Msg):
     finish_reason: FinishReason | None = None
     handle: TransferHandle | None = None
     cached_tokens: int = Field(default=0, ge=0, description="prompt tokens the prefix cache held")
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = Field(
+        default=(), description="with sampling.prompt_logprobs: one per prompt token (None first)"
+    )
 
 
 class GenerationRequest(_Msg):
@@ -317,6 +328,9 @@ class GenerationChunk(_Msg):
         ge=0,
         description="on a choice's first chunk when this worker prefilled the prompt: the "
         "prompt tokens its prefix cache held",
+    )
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = Field(
+        default=(), description="as ContextResponse.prompt_logprobs, where this worker prefilled"
     )
 
 

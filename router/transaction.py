@@ -110,6 +110,7 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     index: int = 0
     cached_tokens: int | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()  # with cached_tokens, when asked
 
 
 @dataclass(frozen=True)
@@ -205,6 +206,7 @@ class Transaction:
                     ctx.finish_reason,
                     index=0,
                     cached_tokens=ctx.cached_tokens,
+                    prompt_logprobs=ctx.prompt_logprobs,
                 )
             pending, self._pending = self._pending, []
             for event in pending:
@@ -341,6 +343,7 @@ class Transaction:
             chunk.finish_reason,
             index=i,
             cached_tokens=chunk.cached_tokens if self.context is None else None,
+            prompt_logprobs=chunk.prompt_logprobs if self.context is None else (),
         )
 
     def _other_decode(self, tried: set[str]) -> WorkerRecord | None:

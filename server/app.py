@@ -335,12 +335,14 @@ def _add_routes(app: FastAPI, *, secured: bool) -> None:
             await _body_size(request), st.preprocessor.completions, body
         )
         info = _info(f"cmpl-{uuid.uuid4().hex}", st, batch[0], body.logprobs is not None, body)
-        info.n, info.prompt_tokens = (
-            info.n * len(batch),
-            sum(len(p.prompt_token_ids) for p in batch),
-        )
+        info.n, info.prompts = info.n * len(batch), len(batch)
+        info.prompt_tokens = sum(len(p.prompt_token_ids) for p in batch)
         echo = [p.echo or "" for p in batch for _ in range(p.sampling.n)] if body.echo else None
-        fmt = CompletionFormatter(info, st.tokens, echo)
+        wanted = batch[0].sampling.prompt_logprobs is not None
+        prompts = [list(p.prompt_token_ids) for p in batch] if wanted else None
+        fmt = CompletionFormatter(
+            info, st.tokens, echo, prompts, prompt_logprobs=body.prompt_logprobs is not None
+        )
         return await _serve(request, st, batch, fmt, stream=bool(body.stream))
 
     @app.post(

@@ -41,6 +41,7 @@ from pdserve.server.schemas import (
     CompletionResponse,
     DeltaMessage,
     FunctionCallDelta,
+    PromptLogprob,
     PromptTokensDetails,
     ToolCall,
     ToolCallDelta,
@@ -61,6 +62,7 @@ class RequestInfo:
     logprobs: bool = False
     include_usage: bool = False
     n: int = 1
+    prompts: int = 1  # a completion of several prompts: n // prompts choices each
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -84,14 +86,15 @@ class _Formatter:
         self.tokens = tokens
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self.per_prompt = max(1, info.n // info.prompts)
         self.choices = [_Choice() for _ in range(info.n)]
 
     def add(self, event: TokenEvent) -> None:
         """Account for one event (both paths call this)."""
         choice = self.choices[event.index]
         self.completion_tokens += len(event.token_ids)
-        if event.cached_tokens is not None and event.index == 0:
-            self.cached_tokens = event.cached_tokens
+        if event.cached_tokens is not None and event.index % self.per_prompt == 0:
+            self.cached_tokens += event.cached_tokens  # each prompt's first choice
         choice.texts.append(event.text)
         if self.info.logprobs:
             choice.logprobs.extend(event.logprobs)
@@ -255,14 +258,29 @@ class ChatFormatter(_Formatter):
 
 class CompletionFormatter(_Formatter):
     """Completion responses and chunks. ``echo``: per choice, the prompt text its text starts
-    with (``echo: true``), sent with the choice's first chunk."""
+    with (``echo: true``), sent with the choice's first chunk. ``prompts``: each prompt's token
+    ids, when its prompt logprobs are wanted (``echo`` with ``logprobs``: they open the choice's
+    logprobs; ``prompt_logprobs``, vLLM's: the choice's ``prompt_logprobs`` list)."""
 
     def __init__(
-        self, info: RequestInfo, tokens: TokenFormatter, echo: list[str] | None = None
+        self,
+        info: RequestInfo,
+        tokens: TokenFormatter,
+        echo: list[str] | None = None,
+        prompts: list[list[int]] | None = None,
+        prompt_logprobs: bool = False,
     ) -> None:
         super().__init__(info, tokens)
         self.echo = echo
+        self.prompts = prompts
+        self.prompt_logprobs = prompt_logprobs
+        self._prompt_lps: dict[int, tuple[TokenLogprob | None, ...]] = {}
         self._echoed: set[int] = set()
+
+    def add(self, event: TokenEvent) -> None:
+        super().add(event)
+        if event.prompt_logprobs:
+            self._prompt_lps[event.index // self.per_prompt] = event.prompt_logprobs
 
     def _echo(self, index: int) -> str:
         """The echo of choice ``index`` the first time it is asked for, else ''."""
@@ -270,6 +288,55 @@ class CompletionFormatter(_Formatter):
             return ""
         self._echoed.add(index)
         return self.echo[index]
+
+    def _prompt_part(self, index: int, choice: _Choice) -> CompletionLogprobs | None:
+        """The echoed prompt's logprobs for choice ``index`` (None unless echo with
+        logprobs); advances the choice's text offset past the prompt's tokens."""
+        if self.echo is None or not self.info.logprobs or self.prompts is None:
+            return None
+        group = index // self.per_prompt
+        lps = self._prompt_lps.get(group, ())
+        t, out = self.tokens, CompletionLogprobs()
+        for i, token in enumerate(self.prompts[group]):
+            lp = lps[i] if i < len(lps) else None
+            text = t.text(token)
+            out.tokens.append(text)
+            out.token_logprobs.append(None if lp is None else lp.logprob)
+            out.top_logprobs.append(None if lp is None else {t.text(k): v for k, v in lp.top})
+            out.text_offset.append(choice.offset)
+            choice.offset += len(text)
+        return out
+
+    def _vllm_prompt_logprobs(self, index: int) -> list[dict[str, PromptLogprob] | None] | None:
+        """vLLM's ``prompt_logprobs`` list of choice ``index``'s prompt (None: not asked)."""
+        if not self.prompt_logprobs:
+            return None
+        t = self.tokens
+        out: list[dict[str, PromptLogprob] | None] = []
+        for lp in self._prompt_lps.get(index // self.per_prompt, ()):
+            if lp is None:
+                out.append(None)
+                continue
+            entries = [(lp.token_id, lp.logprob), *lp.top]
+            out.append(
+                {str(k): PromptLogprob(logprob=v, decoded_token=t.text(k)) for k, v in entries}
+            )
+        return out
+
+    def _opening(self, index: int, choice: _Choice, items: list[TokenLogprob]) -> Any:
+        """Choice ``index``'s echo text and logprobs (prompt part first) for ``items``."""
+        first = index not in self._echoed
+        text = self._echo(index)
+        head = self._prompt_part(index, choice) if first else None
+        tail = self._logprobs_for(choice, items)
+        if head is not None and tail is not None:
+            head.tokens += tail.tokens
+            head.token_logprobs += tail.token_logprobs
+            head.top_logprobs += tail.top_logprobs
+            head.text_offset += tail.text_offset
+            tail = head
+        prompt = self._vllm_prompt_logprobs(index) if first else None
+        return text, tail, prompt
 
     def chunks(self, event: TokenEvent) -> list[dict[str, Any]]:
         """The stream chunk of ``event``."""
@@ -298,13 +365,16 @@ class CompletionFormatter(_Formatter):
 
     def chunk(self, event: TokenEvent) -> dict[str, Any]:
         self.add(event)
+        c = self.choices[event.index]
+        echo, logprobs, prompt = self._opening(event.index, c, list(event.logprobs))
         choice = CompletionChoice(
             index=event.index,
-            text=self._echo(event.index) + event.text,
-            logprobs=self._logprobs_for(self.choices[event.index], list(event.logprobs)),
+            text=echo + event.text,
+            logprobs=logprobs,
             finish_reason=str(event.finish_reason) if event.finish_reason is not None else None,
+            prompt_logprobs=prompt,
         )
-        return self._dump_chunk(self._wrap([choice], None))
+        return _without_prompt_logprobs(self._dump_chunk(self._wrap([choice], None)))
 
     def usage_chunk(self) -> dict[str, Any]:
         return self._wrap([], self.usage()).model_dump(mode="json")
@@ -313,15 +383,17 @@ class CompletionFormatter(_Formatter):
         choices = []
         for i, c in enumerate(self.choices):
             c.offset = 0
+            echo, logprobs, prompt = self._opening(i, c, c.logprobs)
             choices.append(
                 CompletionChoice(
                     index=i,
-                    text=self._echo(i) + c.text,
-                    logprobs=self._logprobs_for(c, c.logprobs),
+                    text=echo + c.text,
+                    logprobs=logprobs,
                     finish_reason=c.finish_reason,
+                    prompt_logprobs=prompt,
                 )
             )
-        return self._wrap(choices, self.usage()).model_dump(mode="json")
+        return _without_prompt_logprobs(self._wrap(choices, self.usage()).model_dump(mode="json"))
 
     def _wrap(self, choices: list[CompletionChoice], usage: Usage | None) -> CompletionResponse:
         return CompletionResponse(
@@ -331,3 +403,12 @@ class CompletionFormatter(_Formatter):
             choices=choices,
             usage=usage,
         )
+
+
+def _without_prompt_logprobs(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` with each choice's ``prompt_logprobs`` key dropped where it is null (it is
+    vLLM's extension: a plain client never sees it)."""
+    for choice in body.get("choices", ()):
+        if choice.get("prompt_logprobs", 0) is None:
+            del choice["prompt_logprobs"]
+    return body

@@ -299,6 +299,9 @@ class Preprocessor:
                 logprobs=req.logprobs is not None,
                 top_logprobs=req.logprobs or 0,
             )
+            if req.prompt_logprobs is not None or (req.echo and req.logprobs is not None):
+                top = max(req.prompt_logprobs or 0, (req.logprobs or 0) if req.echo else 0)
+                sampling = sampling.model_copy(update={"prompt_logprobs": top})
             echo = None
             if req.echo:
                 echo = prompt if isinstance(prompt, str) else str(self.tokenizer.decode(ids))
@@ -407,8 +410,6 @@ def check_unsupported(req: _SamplingFields) -> None:
     if isinstance(req, ChatCompletionRequest):
         _check_chat_unsupported(req)
     elif isinstance(req, CompletionRequest):
-        if req.echo and req.logprobs is not None:
-            raise _unsupported("echo", " with logprobs (prompt logprobs are not served yet)")
         if req.suffix:
             raise _unsupported("suffix", "")
         if req.best_of not in (None, _choices(req)):

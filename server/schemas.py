@@ -75,7 +75,7 @@ EXTENSION_DEFAULTS: dict[str, Any] = {
     "use_beam_search": False,
     "bad_words": [],
     "allowed_token_ids": None,
-    "prompt_logprobs": None,
+    "prompt_logprobs": None,  # chat (completions declare it)
     "truncate_prompt_tokens": None,
     "chat_template": None,
 }
@@ -447,8 +447,15 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS_COMPLETIONS)
     echo: bool | None = Field(
         default=False,
-        description="each choice's text starts with its prompt (not with logprobs: prompt "
-        "logprobs are not served yet)",
+        description="each choice's text starts with its prompt; with logprobs, the logprobs "
+        "start with the prompt's (the first token's is null)",
+    )
+    prompt_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS_CHAT,
+        description="extension (vLLM's): each choice carries the prompt tokens' logprobs with "
+        "this many alternatives (the prompt is computed whole: no prefix-cache reuse)",
     )
     best_of: Annotated[int | None, _accepts({"type": "integer", "minimum": 1})] = Field(
         default=None, description=_UNSUPPORTED + "equal to n"
@@ -531,10 +538,19 @@ class ChatLogprobs(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """With ``echo``, the prompt's tokens come first; the first has no logprob (None)."""
+
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's prompt logprob entry (keyed by token id)."""
+
+    logprob: float
+    decoded_token: str
 
 
 class FunctionCall(BaseModel):
@@ -609,6 +625,9 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        default=None, description="with prompt_logprobs (vLLM's): one entry per prompt token"
+    )
 
 
 class CompletionResponse(BaseModel):

@@ -223,3 +223,31 @@ def test_cached_tokens_report_the_prefix_cache_where_the_prompt_was_prefilled(
         assert first.usage.prompt_tokens_details.cached_tokens == 0, url  # type: ignore[union-attr]
         # the last prompt token is always recomputed (its logits give the first token)
         assert again.usage.prompt_tokens_details.cached_tokens == 64, url  # type: ignore[union-attr]
+
+
+def test_echo_with_logprobs_reports_the_prompt_tokens_where_they_were_prefilled(
+    pd_stack: tuple[Stack, Stack], colocated_stack: Stack
+) -> None:
+    stack, _ = pd_stack
+    kw = dict(model=MODEL, prompt=LONG, max_tokens=3, temperature=0, echo=True, logprobs=2)
+    split = _client(stack.url).completions.create(**kw).choices[0]  # type: ignore[call-overload]
+    alone = _client(colocated_stack.url).completions.create(**kw).choices[0]  # type: ignore[call-overload]
+    lp = split.logprobs
+    assert lp is not None and len(lp.tokens) == len(LONG) + 3
+    assert lp.token_logprobs[0] is None and all(v is not None for v in lp.token_logprobs[1:])
+    assert lp.top_logprobs[0] is None and len(lp.top_logprobs[1]) == 2
+    assert lp.text_offset == sorted(lp.text_offset) and split.text.startswith(
+        "".join(lp.tokens[:5])
+    )
+    assert alone.logprobs is not None
+    assert alone.logprobs.token_logprobs == pytest.approx(lp.token_logprobs, abs=1e-4)
+    vllm = (
+        _client(stack.url)
+        .completions.create(
+            model=MODEL, prompt=LONG, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 1}
+        )
+        .choices[0]
+    )
+    entries = vllm.model_extra["prompt_logprobs"]  # type: ignore[index]
+    assert entries[0] is None and len(entries) == len(LONG)
+    assert str(LONG[1]) in entries[1] and len(entries[1]) <= 2

@@ -75,8 +75,8 @@ BAD_REQUESTS = [
      "prompt", "token ids must be in"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "invalid_request", "prompt",
      "empty"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, 400,
-     "unsupported", "echo", "not supported"),
+    ("/v1/chat/completions", {**CHAT, "prompt_logprobs": 1}, 400, "unsupported",
+     "prompt_logprobs", "not supported"),
     # A lone surrogate (valid JSON, no Unicode text): refused by the schema, not a 500.
     ("/v1/chat/completions",
      b'{"model": "tiny-test", "messages": [{"role": "user", "content": "hi \\ud800"}]}', 400,

@@ -233,7 +233,6 @@ UNSUPPORTED = [
      "messages[0].function_call"),
     (CHAT_PATH, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content"),
-    (COMPLETION_PATH, {"echo": True, "logprobs": 1}, "echo"),
     (COMPLETION_PATH, {"suffix": "end"}, "suffix"),
     (COMPLETION_PATH, {"best_of": 3}, "best_of"),
 ]  # fmt: skip

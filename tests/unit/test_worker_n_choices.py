@@ -35,6 +35,7 @@ class Out:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     parked_block_ids: list[int] | None = None
     cached_tokens: int | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def feed(stream: OutputStream, outs: list[Out]) -> None:

@@ -35,23 +35,20 @@ at its longest cached prefix, in every mode. KV cache connector (``kv_cache.host
 host or disk tier are loaded before the admitting step's forward; completed blocks are queued
 for the disk tier after each step; :meth:`Engine.shutdown` writes what is queued.
 
-Each step (nano-vllm's ``LLMEngine.step``): the scheduler picks every running decode sequence
-plus prefill chunks and allocates their blocks (preempting if the pool runs short), the model
-runner runs one forward, the sampler picks one token per sequence that reached its last known
-token, and the engine appends it, checks the stop conditions, emits an :class:`EngineOutput` to
-the request's sink, and frees, parks or keeps the sequence. A failing step ends the sequences of
-that step with an error output and frees their blocks; the loop carries on.
+Each step (nano-vllm's ``LLMEngine.step``): the scheduler picks the running decode sequences and
+prefill chunks and allocates their blocks (preempting if short), the runner runs one forward
+(a chunk asking for prompt logprobs keeps every position's logits), the sampler picks a token per
+sequence at its last known token, and the engine appends it, checks the stop conditions, emits
+an :class:`EngineOutput` and frees, parks or keeps the sequence. A failing step ends its
+sequences with an error output and frees their blocks; the loop carries on.
 
 Thread-safety: every public method may be called from any thread. Sinks run on the engine thread
-(a resumed choice 0 that its first token already finished: on the caller's) and must not block.
-Aborts of queued or running requests are applied by the engine thread between steps, so blocks
-are never freed under a running forward.
+(a resumed choice 0 its first token finished: on the caller's) and must not block. Aborts are
+applied by the engine thread between steps, so blocks are never freed under a running forward.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import threading
 from dataclasses import dataclass, replace
@@ -63,7 +60,7 @@ from pdserve.config import EngineConfig
 from pdserve.errors import ConfigError, InvalidRequestError, QueueFullError
 from pdserve.protocol import FinishReason, KVLayout, SamplingParams, TokenLogprob, WorkerLoad
 from pdserve.workers.engine.grammar import GrammarCompiler, GrammarState
-from pdserve.workers.engine.model_runner import ModelRunner
+from pdserve.workers.engine.model_runner import ModelRunner, kept_rows, model_digest
 from pdserve.workers.engine.requests import (
     EngineOutput,
     EngineRequest,
@@ -73,7 +70,7 @@ from pdserve.workers.engine.requests import (
     choice_id,
     choice_sampling,
 )
-from pdserve.workers.engine.sampler import Sampler
+from pdserve.workers.engine.sampler import Sampler, record_prompt_logprobs
 from pdserve.workers.engine.scheduler import ScheduledBatch, ScheduledSequence, Scheduler
 from pdserve.workers.engine.sequence import IncrementalDetokenizer, Sequence, SequenceStatus
 from pdserve.workers.kv.connector import KVConnectorStats, build_connector
@@ -91,11 +88,7 @@ class _Live:
     sink: Sink
     detok: IncrementalDetokenizer
     grammar: GrammarState | None = None  # structured output: the sequence's matcher
-
-
-def _model_digest(model_path: Path) -> str:
-    config = json.loads((model_path / "config.json").read_text())
-    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
+    prompt_lps: list[TokenLogprob | None] | None = None  # prompt logprobs, by position
 
 
 class Engine:
@@ -127,7 +120,7 @@ class Engine:
             eos_ids.add(self.tokenizer.eos_token_id)
         self.eos_token_ids: frozenset[int] = frozenset(eos_ids)
         self.layout = KVLayout(
-            model=f"{cfg.served_model_name}-{_model_digest(path)}",
+            model=f"{cfg.served_model_name}-{model_digest(path)}",
             num_layers=self.runner.num_layers,
             num_kv_heads=self.runner.num_kv_heads,
             head_dim=self.runner.head_dim,
@@ -452,6 +445,13 @@ class Engine:
             if self.connector is not None:  # tier hits go into their blocks first
                 self.connector.start_step(batch.items)
             logits = self.runner.execute(batch, self.kv_cache)
+            rows, prompt_rows = kept_rows(batch)
+            if prompt_rows:  # a prefill chunk kept every position: its prompt logprobs
+                for s, row in prompt_rows:
+                    live = self._live[s.request_id]
+                    chunk = logits[row : row + s.num_new_tokens]
+                    live.prompt_lps = record_prompt_logprobs(live.prompt_lps, s, chunk)
+                logits = logits[rows]
             result = self.sampler.sample(
                 logits,
                 [s.seq.sampling for s in sampling],
@@ -494,6 +494,7 @@ class Engine:
             reason,
             index=seq.index,
             cached_tokens=seq.num_cached_tokens if first else None,
+            prompt_logprobs=live.prompt_lps if first and seq.index == 0 else None,
         )
         if seq.mode == "prefill":
             self._end_prefill_leg(seq, out)

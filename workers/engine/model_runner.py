@@ -14,6 +14,8 @@ transformers' ``AttentionInterface`` and passes ``**kwargs`` down to it runs her
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from pathlib import Path
 
@@ -31,7 +33,7 @@ from pdserve.workers.engine.attention import (
 )
 from pdserve.workers.engine.compile import CompiledForward
 from pdserve.workers.engine.cuda_graphs import DecodeGraphs
-from pdserve.workers.engine.scheduler import ScheduledBatch
+from pdserve.workers.engine.scheduler import ScheduledBatch, ScheduledSequence
 from pdserve.workers.kv.manager import KVCacheManager
 
 log = logging.getLogger(__name__)
@@ -100,8 +102,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, kv_cache: KVCacheManager) -> torch.Tensor:
         """Run ``batch`` (its blocks already allocated by ``prepare_resources``): writes the
-        step's K/V into the pool and returns float32 logits ``[len(batch.sampling), vocab]``, one
-        row per sampling sequence in ``batch.sampling`` order. Steps run through
+        step's K/V into the pool and returns float32 logits ``[rows, vocab]``: one row per
+        sampling sequence in ``batch.sampling`` order, except that a prefill chunk of a request
+        asking for prompt logprobs keeps a row for each of its positions (:func:`kept_rows`
+        says where each row belongs). Steps run through
         :attr:`compiled` when set (CPU); decode-only steps through :attr:`graphs` when set (CUDA
         graphs); other steps, and shapes that cannot be captured, run eagerly. A compiled step
         that raises is logged and run eagerly, and the runner stays eager from then on."""
@@ -167,7 +171,9 @@ class ModelRunner:
             k_slots.append(block_ids[pos // tpb] * 2 * tpb + pos % tpb)
             mask = None if start == 0 else bottom_right_causal_mask(n, ctx)
             chunks.append(PrefillChunk(row, n, ctx, block_ids, mask))
-            if s.samples:
+            if s.seq.sampling.prompt_logprobs is not None:
+                keep.extend(range(row, row + n))  # every position: prompt logprobs
+            elif s.samples:
                 keep.append(row + n - 1)
             row += n
 
@@ -245,3 +251,30 @@ class ModelRunner:
             self._workspace = None  # release the old one first
             ws = self._workspace = torch.empty(size, dtype=pool.dtype, device=pool.device)
         return ws
+
+
+def kept_rows(batch: ScheduledBatch) -> tuple[list[int], list[tuple[ScheduledSequence, int]]]:
+    """Where :meth:`ModelRunner.execute`'s logits rows belong: the row of each sampling
+    sequence (in ``batch.sampling`` order) and, for each prefill chunk of a request asking for
+    prompt logprobs, ``(chunk, first row)`` (its ``num_new_tokens`` rows follow in position
+    order)."""
+    sampling: list[int] = list(range(len(batch.decode)))
+    prompt: list[tuple[ScheduledSequence, int]] = []
+    row = len(batch.decode)
+    for s in batch.prefill:
+        if s.seq.sampling.prompt_logprobs is not None:
+            prompt.append((s, row))
+            row += s.num_new_tokens
+            if s.samples:
+                sampling.append(row - 1)
+        elif s.samples:
+            sampling.append(row)
+            row += 1
+    return sampling, prompt
+
+
+def model_digest(model_path: Path) -> str:
+    """12 hex digits of the model folder's ``config.json`` (sorted keys): part of the KV
+    layout's model name, so two workers only exchange blocks of the same architecture."""
+    config = json.loads((model_path / "config.json").read_text())
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]

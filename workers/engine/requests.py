@@ -77,6 +77,7 @@ class EngineOutput:
     parked_block_ids: list[int] | None = None
     index: int = 0
     cached_tokens: int | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # first output, when asked
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -250,3 +250,52 @@ class Sampler:
                 top = tuple(zip(ids, vals, strict=True))
             out[i] = TokenLogprob(token_id=tokens[i], logprob=chosen_list[row], top=top)
         return out
+
+
+class PromptChunk(Protocol):
+    """A prefill chunk (:class:`~pdserve.workers.engine.scheduler.ScheduledSequence`)."""
+
+    @property
+    def seq(self) -> Any: ...
+
+    @property
+    def start_position(self) -> int: ...
+
+    @property
+    def num_new_tokens(self) -> int: ...
+
+
+def record_prompt_logprobs(
+    store: list[TokenLogprob | None] | None, chunk: PromptChunk, logits: torch.Tensor
+) -> list[TokenLogprob | None]:
+    """``store`` (one entry per prompt token, None until known; the first token's stays None)
+    with the entries ``chunk``'s positions predict filled in, from ``logits`` (one row per
+    position it fed). A recomputed chunk writes the same entries again."""
+    seq = chunk.seq
+    prompt, start = seq.prompt_token_ids, chunk.start_position
+    out: list[TokenLogprob | None] = store if store is not None else [None] * len(prompt)
+    targets = prompt[start + 1 : start + 1 + chunk.num_new_tokens]  # within the prompt only
+    if targets:
+        top = seq.sampling.prompt_logprobs or 0
+        found = prompt_logprobs(logits[: len(targets)], targets, top)
+        out[start + 1 : start + 1 + len(found)] = found
+    return out
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: Sequence[int], top: int) -> list[TokenLogprob]:
+    """The logprob of each of ``targets`` (the prompt tokens after the positions whose logits
+    are the rows of ``logits``, ``[len(targets), vocab]``), of the raw distribution, with its
+    ``top`` most likely alternatives (vLLM's prompt logprobs)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(targets, dtype=torch.long, device=lp.device).unsqueeze(1))
+    values = chosen.squeeze(1).tolist()
+    tops: list[tuple[tuple[int, float], ...]] = [()] * len(targets)
+    if top:
+        vals, ids = lp.topk(top, dim=-1)
+        tops = [
+            tuple(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)
+        ]
+    return [
+        TokenLogprob(token_id=t, logprob=v, top=k)
+        for t, v, k in zip(targets, values, tops, strict=True)
+    ]

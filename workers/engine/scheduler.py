@@ -384,6 +384,8 @@ class Scheduler:
         kv = self.kv_cache
         if not kv.prefix_caching or seq.reserved or seq.num_computed_tokens:
             return False
+        if seq.sampling.prompt_logprobs is not None:
+            return False  # every prompt position's logits are wanted: compute it whole
         if kv.num_allocated(seq.request_id):
             return False
         cached = kv.acquire_prefix(seq.request_id, kv.hasher.extend(seq), seq.num_tokens)

@@ -315,6 +315,7 @@ def _chunk(request_id: str, out: EngineOutput) -> GenerationChunk:
         finish_reason=finish,
         error=out.error,
         cached_tokens=out.cached_tokens,
+        prompt_logprobs=tuple(out.prompt_logprobs or ()),
     )
 
 

@@ -95,6 +95,7 @@ class PrefillHandler:
             finish_reason=out.finish_reason,
             handle=handle,
             cached_tokens=out.cached_tokens or 0,
+            prompt_logprobs=tuple(out.prompt_logprobs or ()),
         )
 
     def _park(self, req: ContextRequest, block_ids: list[int]) -> TransferHandle:
