@@ -65,18 +65,20 @@ from pdserve.server.openapi import (
 )
 from pdserve.server.output import ChatFormatter, CompletionFormatter, RequestInfo
 from pdserve.server.preprocess import Prepared, Preprocessor, context_window, load_tokenizer
-from pdserve.server.responses import add_responses_routes
-from pdserve.server.schemas import (
-    ChatCompletionRequest,
+from pdserve.server.replies import (
     ChatCompletionResponse,
-    CompletionRequest,
     CompletionResponse,
-    DetokenizeRequest,
-    DetokenizeResponse,
     Health,
     ModelCard,
     ModelList,
     Readiness,
+)
+from pdserve.server.responses import add_responses_routes
+from pdserve.server.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
 )

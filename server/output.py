@@ -28,7 +28,7 @@ from pydantic import BaseModel
 
 from pdserve.protocol import TokenLogprob
 from pdserve.router.transaction import TokenEvent
-from pdserve.server.schemas import (
+from pdserve.server.replies import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,

@@ -3,21 +3,20 @@
 Steps, in order (the first failure raises a typed error, nothing is sent to a worker):
 
 1. model name: must be the served model, else :class:`ModelNotFoundError` (404).
-2. unsupported fields (:func:`check_unsupported`): a field pdserve does not implement with a
-   value that would change the output (``tools``, a ``response_format`` other than text,
-   ``echo``, ``suffix``, ``best_of`` other than ``n``, ...) is a 400 ``unsupported`` naming it. Then the limits: ``n`` (choices, default 1)
-   in ``[1, max_n]`` (``router.max_n``, at most :data:`MAX_CHOICES`), ``top_logprobs`` only
-   with ``logprobs``, at most ``max_messages`` chat messages (``router.max_messages``), a single
-   prompt (400).
-3. prompt -> token ids: chat messages through the tokenizer's chat template
-   (``add_generation_prompt=True``, the template supplies any BOS), a completion prompt string
-   through ``encode`` with the tokenizer's special tokens, or the client's own token ids
-   (checked against the vocabulary).
+2. unsupported fields (:func:`check_unsupported`: ``functions``, ``audio``, ``suffix``, ...)
+   are a 400 ``unsupported`` naming the field; then the limits: ``n`` in ``[1, max_n]``,
+   ``top_logprobs`` only with ``logprobs``, at most ``max_messages`` messages.
+3. prompt -> token ids: chat messages (and tools, :mod:`.tools`) through the chat template
+   (its options: ``chat_template_kwargs``, ``add_generation_prompt``,
+   ``continue_final_message``), a completion prompt (or each of a list) through ``encode``, or
+   the client's own token ids (checked against the vocabulary).
 4. context window: ``len(prompt) + max_tokens <= max_model_len``, else 400 with the numbers.
    Chat without ``max_tokens`` gets the rest of the window; completions default to 16.
+5. sampling: the sampling fields, the structured output (:func:`structured_output`, compiled
+   once to check it) or a tool choice's constraint, into :class:`SamplingParams`.
 
 Step 3 is the costly one (seconds for a multi-megabyte prompt): the router runs
-:meth:`Preprocessor.chat` and :meth:`Preprocessor.completion` on its tokenizer pool
+:meth:`Preprocessor.chat` and :meth:`Preprocessor.completions` on its tokenizer pool
 (:mod:`.tokenizer_pool`), never on the event loop. A Hugging Face fast tokenizer is called
 through its backend's ``encode_batch_fast`` (the Rust encode, GIL released throughout, no
 offsets computed: the same ids as ``encode``), and a prompt already past the context window is
