@@ -40,9 +40,9 @@ import time
 from enum import StrEnum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 PROTOCOL_HEADER = "x-pdserve-protocol"
 
 
@@ -64,14 +64,24 @@ A peer's layout arrives in a handshake: bounding it keeps what a converting form
 for that peer proportional to the request's own tokens."""
 MAX_LAYOUT_DIM = 4096
 """Upper bound of a layout's layers, KV heads and head size (far above any model's)."""
+MAX_TP_SIZE = 64
+"""Upper bound of ``KVLayout.tp_size`` (and of ``model.tensor_parallel_size``)."""
 
 
 class KVLayout(_Msg):
-    """Geometry of a worker's KV cache pool.
+    """Geometry of a worker's KV cache pool, its tensor parallel ranks included.
 
-    The pool is one contiguous tensor ``[num_layers, num_blocks, 2, tokens_per_block,
-    num_kv_heads, head_dim]`` (index 0 of dim 2 is K, 1 is V); one KV block of one layer is
-    ``block_bytes_per_layer`` contiguous bytes. Keys are stored after rotary embedding.
+    With ``tp_size`` 1 the pool is one contiguous tensor ``[num_layers, num_blocks, 2,
+    tokens_per_block, num_kv_heads, head_dim]`` (index 0 of dim 2 is K, 1 is V); one KV block of
+    one layer is ``block_bytes_per_layer`` contiguous bytes. Keys are stored after rotary
+    embedding. With ``tp_size`` N > 1 each rank owns a *shard* holding only its KV heads
+    (:meth:`rank_heads`), and the pool is the shards rank-major in one buffer
+    ``[N, num_layers, num_blocks, 2, tokens_per_block, kv_heads_per_rank, head_dim]``;
+    ``block_bytes_per_layer`` is then one shard's block. ``num_kv_heads`` is always the model's.
+
+    Heads per rank follow vLLM: ``num_kv_heads / N`` when N divides the KV heads; when the KV
+    heads are fewer than the ranks (N a multiple of them) every rank holds one KV head, the one
+    its query heads attend to, so each KV head is replicated on ``N / num_kv_heads`` ranks.
     """
 
     model: str = Field(max_length=512, description="model identity (name + config digest)")
@@ -82,6 +92,34 @@ class KVLayout(_Msg):
     dtype: Literal["float32", "float16", "bfloat16"] = Field(
         description="torch dtype name without the prefix, e.g. 'float32'"
     )
+    tp_size: int = Field(
+        default=1, gt=0, le=MAX_TP_SIZE, description="tensor parallel ranks holding the pool"
+    )
+
+    @model_validator(mode="after")
+    def _check_ranks(self) -> KVLayout:
+        kvh, tp = self.num_kv_heads, self.tp_size
+        if kvh % tp and tp % kvh:
+            raise ValueError(
+                f"{kvh} KV heads cannot be split over tp_size {tp} ranks (one must divide the "
+                "other)"
+            )
+        return self
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        """KV heads in one rank's shard: ``num_kv_heads // tp_size``, at least 1."""
+        return max(1, self.num_kv_heads // self.tp_size)
+
+    def rank_heads(self, rank: int) -> range:
+        """The model's KV heads (global indices) rank ``rank`` holds, in shard order; e.g. 3
+        heads over 3 ranks: rank 1 -> ``range(1, 2)``; 2 heads over 4 ranks: rank 3 ->
+        ``range(1, 2)`` (replicated on ranks 2 and 3)."""
+        if not 0 <= rank < self.tp_size:
+            raise ValueError(f"rank {rank} outside tp_size {self.tp_size}")
+        n = self.kv_heads_per_rank
+        first = rank * n if self.num_kv_heads >= self.tp_size else rank * self.num_kv_heads // self.tp_size
+        return range(first, first + n)
 
     @property
     def itemsize(self) -> int:
@@ -89,13 +127,20 @@ class KVLayout(_Msg):
 
     @property
     def block_bytes_per_layer(self) -> int:
-        """Bytes of one block in one layer (K and V): ``2 * tpb * kv_heads * head_dim * itemsize``."""
-        return 2 * self.tokens_per_block * self.num_kv_heads * self.head_dim * self.itemsize
+        """Bytes of one block of one layer in one rank's shard (K and V):
+        ``2 * tpb * kv_heads_per_rank * head_dim * itemsize`` (all KV heads when tp_size 1)."""
+        return 2 * self.tokens_per_block * self.kv_heads_per_rank * self.head_dim * self.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block id across every layer and rank (what a block costs the pool)."""
+        return self.tp_size * self.num_layers * self.block_bytes_per_layer
 
     @property
     def bytes_per_token(self) -> int:
-        """KV bytes one token occupies across all layers."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.itemsize
+        """KV bytes one token occupies across all layers and ranks (replicated heads count
+        once per rank that holds them)."""
+        return self.block_bytes // self.tokens_per_block
 
     def compat_hash(self) -> str:
         """Short digest of every field; equal hashes mean byte-compatible pools."""
@@ -114,7 +159,8 @@ class KVLayout(_Msg):
         """The differences that no KV formatter can bridge when this (prefill) layout is sent
         into ``dst`` (decode), as :meth:`describe_mismatch` writes them; ``""`` when it can.
         ``tokens_per_block`` and ``dtype`` may differ (``pdserve.transfer.formatter`` re-blocks
-        and converts); model identity, layers, KV heads and head size must be equal."""
+        and converts, and maps KV heads between tensor parallel layouts, ``tp_size``); model
+        identity, layers, KV heads and head size must be equal."""
         fields = ("model", "num_layers", "num_kv_heads", "head_dim")
         return ", ".join(
             f"{name}: {getattr(self, name)!r} != {getattr(dst, name)!r}"

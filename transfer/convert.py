@@ -58,11 +58,14 @@ def reblock(
     src_ids: Sequence[int],
     out: torch.Tensor,
     scratch: torch.Tensor | None = None,
+    heads: range | None = None,
 ) -> None:
     """Write the K/V held by ``pool`` blocks ``src_ids`` (token order) into ``out``.
 
     ``pool``: ``[L, nb, 2, p, kvh, hd]`` contiguous, any dtype. ``out``: ``[L, n_dst, 2, d,
-    kvh, hd]`` contiguous, destination dtype; token ``t`` goes to ``out[:, t // d, :, t % d]``.
+    h, hd]`` contiguous, destination dtype; token ``t`` goes to ``out[:, t // d, :, t % d]``.
+    ``heads``: the pool's KV heads to take (``h = len(heads)``, a tensor parallel shard's part,
+    read in place); None: all of them (``h = kvh``).
     ``scratch``: 1-D, the pool's dtype, :func:`scratch_nbytes` bytes; required when the dtypes
     differ: rows are gathered into it a chunk at a time (a few MiB, so they are converted from
     cache, not re-read from memory) and converted into ``out``. Slots of ``out`` beyond
@@ -73,7 +76,10 @@ def reblock(
     """
     L, nb, _, p, kvh, hd = pool.shape
     n_dst, d = out.shape[1], out.shape[3]
-    if out.shape != (L, n_dst, 2, d, kvh, hd) or not out.is_contiguous():
+    if heads is not None and len(heads) == kvh:
+        heads = None  # every head: whole rows
+    h = kvh if heads is None else len(heads)
+    if out.shape != (L, n_dst, 2, d, h, hd) or not out.is_contiguous():
         raise TransferError(
             f"staging shape {tuple(out.shape)} does not fit pool {tuple(pool.shape)}"
         )
@@ -87,8 +93,12 @@ def reblock(
     layer = torch.arange(L).view(L, 1, 1, 1) * (nb * 2 * ks)
     kv = torch.arange(2).view(1, 1, 2, 1) * ks
     rows = (layer + kv + base).view(-1).to(pool.device)
-    width = g * kvh * hd
-    src_rows, out_rows = pool.view(-1, width), out.view(-1, width)
+    width = g * h * hd
+    if heads is None:
+        src_rows, out_rows = pool.view(-1, width), out.view(-1, width)
+    else:  # a strided view of the chosen heads; index_select reads it without a copy
+        src_rows = pool.view(-1, g, kvh, hd)[:, :, heads.start : heads.stop]
+        out_rows = out.view(-1, g, h, hd)
     if pool.dtype == out.dtype:
         torch.index_select(src_rows, 0, rows, out=out_rows)
     else:
@@ -98,8 +108,9 @@ def reblock(
         buf = scratch[: step * width].view(step, width)
         for start in range(0, rows.numel(), step):
             part = rows[start : start + step]
-            torch.index_select(src_rows, 0, part, out=buf[: part.numel()])
-            out_rows[start : start + part.numel()].copy_(buf[: part.numel()])
+            got = buf[: part.numel()].view(part.numel(), *out_rows.shape[1:])
+            torch.index_select(src_rows, 0, part, out=got)
+            out_rows[start : start + part.numel()].copy_(got)
     pad = n_dst * kd - n_src * ks  # chunks with no source token, at the end of token order
     if pad > 0:
         chunks = out.view(L, n_dst, 2, kd, width)

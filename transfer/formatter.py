@@ -34,6 +34,7 @@ A converting transfer's source is the staging buffer ``[num_layers, n_dst, 2, ds
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -52,10 +53,12 @@ _ALIGN = 64
 
 @dataclass(frozen=True)
 class PoolGeometry:
-    """Where one worker's pool lies: enough to turn (layer, block) into a byte offset.
+    """Where one worker's pool lies: enough to turn (rank, layer, block) into a byte offset.
 
     ``base_addr`` is the pool's data pointer (process-local; meaningful to NIXL only),
-    ``block_bytes`` = ``layout.block_bytes_per_layer``, ``device`` a torch device string.
+    ``block_bytes`` = ``layout.block_bytes_per_layer`` (one rank's shard), ``device`` a torch
+    device string, ``num_shards`` = ``layout.tp_size`` (the shards lie rank-major, each
+    ``shard_nbytes`` long).
     """
 
     num_layers: int
@@ -63,26 +66,35 @@ class PoolGeometry:
     block_bytes: int
     base_addr: int = 0
     device: str = "cpu"
+    num_shards: int = 1
+
+    @property
+    def shard_nbytes(self) -> int:
+        return self.num_layers * self.num_blocks * self.block_bytes
 
     @property
     def nbytes(self) -> int:
-        return self.num_layers * self.num_blocks * self.block_bytes
+        return self.num_shards * self.shard_nbytes
 
     @classmethod
     def from_pool(cls, pool: torch.Tensor, layout: KVLayout) -> PoolGeometry:
         """Check ``pool`` against ``layout`` (shape, dtype, contiguity); raises ConfigError."""
-        expected = (layout.num_layers, 2, layout.tokens_per_block, layout.num_kv_heads)
+        tp = layout.tp_size
+        shard = (layout.num_layers, 2, layout.tokens_per_block, layout.kv_heads_per_rank)
         shape = tuple(pool.shape)
+        lead = (tp,) if tp > 1 else ()
+        rank_dims = len(lead)
         if (
-            pool.dim() != 6
-            or (shape[0], *shape[2:5]) != expected
-            or shape[5] != layout.head_dim
-            or pool.shape[1] <= 0
+            pool.dim() != 6 + rank_dims
+            or shape[:rank_dims] != lead
+            or (shape[rank_dims], *shape[rank_dims + 2 : rank_dims + 5]) != shard
+            or shape[-1] != layout.head_dim
+            or shape[rank_dims + 1] <= 0
         ):
             raise ConfigError(
-                f"KV pool shape {shape} does not match layout [num_layers={layout.num_layers}, "
-                f"num_blocks, 2, {layout.tokens_per_block}, {layout.num_kv_heads}, "
-                f"{layout.head_dim}]"
+                f"KV pool shape {shape} does not match layout [{f'tp_size={tp}, ' if lead else ''}"
+                f"num_layers={layout.num_layers}, num_blocks, 2, {layout.tokens_per_block}, "
+                f"{layout.kv_heads_per_rank}, {layout.head_dim}]"
             )
         if str(pool.dtype).removeprefix("torch.") != layout.dtype:
             raise ConfigError(f"KV pool dtype {pool.dtype} != layout dtype {layout.dtype}")
@@ -90,10 +102,22 @@ class PoolGeometry:
             raise ConfigError("KV pool must be one contiguous tensor")
         return cls(
             num_layers=layout.num_layers,
-            num_blocks=int(pool.shape[1]),
+            num_blocks=int(pool.shape[rank_dims + 1]),
             block_bytes=layout.block_bytes_per_layer,
             base_addr=int(pool.data_ptr()),
             device=str(pool.device),
+            num_shards=tp,
+        )
+
+    @classmethod
+    def of_layout(cls, layout: KVLayout, num_blocks: int) -> PoolGeometry:
+        """A peer's pool geometry as far as offsets go (its address is the backend's
+        business), from its handshake's layout and block count."""
+        return cls(
+            num_layers=layout.num_layers,
+            num_blocks=num_blocks,
+            block_bytes=layout.block_bytes_per_layer,
+            num_shards=layout.tp_size,
         )
 
 
@@ -186,7 +210,7 @@ class Formatter(ABC):
         raise LayoutMismatchError(
             "KV layouts cannot be mapped (prefill vs decode): "
             f"{src_layout.describe_unmappable(dst_layout)}; the formatter converts only "
-            "tokens_per_block and dtype"
+            "tokens_per_block, dtype and the tensor parallel split (tp_size)"
         )
 
     @abstractmethod
@@ -223,8 +247,52 @@ class IdentityFormatter(Formatter):
         return _run_plan(self.src, self.dst, src_ids, dst_ids)
 
 
+@dataclass(frozen=True)
+class HeadPart:
+    """Part of one destination rank's KV heads that one source rank holds: source shard
+    ``src_rank``'s local heads ``src_heads`` go to the destination shard's local heads
+    ``dst_heads`` (equal lengths, consecutive on both sides)."""
+
+    src_rank: int
+    src_heads: range
+    dst_heads: range
+
+
+def head_map(src: KVLayout, dst: KVLayout) -> tuple[tuple[HeadPart, ...], ...]:
+    """For each destination rank, where its KV heads come from (the Formatter's mapping
+    between tensor parallel layouts, as TensorRT-LLM's and vLLM's heterogeneous-TP transfers
+    do it). A head several source ranks hold (replicated) is read from the first of them.
+
+    Example, 3 KV heads: TP 1 -> 3 gives rank ``r`` ``(HeadPart(0, range(r, r+1),
+    range(0, 1)),)`` (a split); TP 3 -> 1 gives rank 0 three parts, one per source rank (a
+    merge). Raises LayoutMismatchError when the layouts hold different KV heads."""
+    if src.num_kv_heads != dst.num_kv_heads:
+        raise LayoutMismatchError(f"num_kv_heads: {src.num_kv_heads} != {dst.num_kv_heads}")
+    owner: dict[int, tuple[int, int]] = {}  # global head -> (source rank, local index)
+    for rank in range(src.tp_size):
+        for local, head in enumerate(src.rank_heads(rank)):
+            owner.setdefault(head, (rank, local))
+    result: list[tuple[HeadPart, ...]] = []
+    for rank in range(dst.tp_size):
+        parts: list[HeadPart] = []
+        for local, head in enumerate(dst.rank_heads(rank)):
+            s_rank, s_local = owner[head]
+            last = parts[-1] if parts else None
+            if last and last.src_rank == s_rank and last.src_heads.stop == s_local:
+                parts[-1] = HeadPart(
+                    s_rank,
+                    range(last.src_heads.start, s_local + 1),
+                    range(last.dst_heads.start, local + 1),
+                )
+            else:
+                parts.append(HeadPart(s_rank, range(s_local, s_local + 1), range(local, local + 1)))
+        result.append(tuple(parts))
+    return tuple(result)
+
+
 class ConvertingFormatter(Formatter):
-    """Layouts equal but for ``tokens_per_block`` (p -> d) and/or ``dtype``: re-block + convert.
+    """Layouts equal but for ``tokens_per_block`` (p -> d), ``dtype`` and/or ``tp_size``:
+    re-block, convert and map KV heads between rank layouts in one staging pass.
 
     Token ``t`` of a request lives in source block ``src_ids[t // p]`` slot ``t % p`` and goes
     to destination block ``dst_ids[t // d]`` slot ``t % d``. With p=16, d=32::
@@ -239,8 +307,18 @@ class ConvertingFormatter(Formatter):
     past the source's are zeroed. Values convert as ``Tensor.to`` does (round to nearest even
     when narrowing, exact when widening: bfloat16 -> float32 reproduces every bit).
 
-    The plan's source is the staging buffer ``[num_layers, n_dst, 2, d, kvh, hd]`` of the
-    destination dtype (:meth:`stage`), one run per run of consecutive ``dst_ids``.
+    Tensor parallel layouts (:func:`head_map`): destination rank ``r``'s shard is staged from
+    the source shards that hold its KV heads. When one source shard holds all of them (same
+    split, or a finer one: TP 1 -> 3), they are gathered straight into the output (one pass,
+    the source's head slice read in place); when several do (a coarser split: TP 3 -> 1),
+    each source's heads are gathered into the scratch area and copied into their head slice::
+
+        src  rank 0: [h0 h1 h2]                      dst rank 0: [h0]  rank 1: [h1]  rank 2: [h2]
+        (TP 1 -> 3: split)  each decode rank receives exactly the one head it owns
+
+    The plan's source is the staging buffer ``[tp_dst, num_layers, n_dst, 2, d, kvh_r, hd]``
+    of the destination dtype (:meth:`stage`; no leading dim when tp_dst is 1), one run per run
+    of consecutive ``dst_ids`` per destination shard.
 
     Why stage even when only the block size differs (a zero-copy plan of one segment per K or
     V of each source block would do): measured on this machine's loopback, SmolLM2 layout, f32
@@ -261,61 +339,88 @@ class ConvertingFormatter(Formatter):
             raise LayoutMismatchError(src_layout.describe_unmappable(dst_layout))
         self.src_layout = src_layout
         self.dst_layout = dst_layout
+        self.heads = head_map(src_layout, dst_layout)
 
     def plan(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> TransferPlan:
         p, d = self.src_layout.tokens_per_block, self.dst_layout.tokens_per_block
         n_dst = len(dst_ids)
         _check_token_counts(len(src_ids), p, n_dst, d)
         _check_ids(src_ids, dst_ids, self.src.num_blocks, self.dst.num_blocks)
-        staging = PoolGeometry(self.dst.num_layers, n_dst, self.dst.block_bytes)
+        staging = PoolGeometry(
+            self.dst.num_layers, n_dst, self.dst.block_bytes, num_shards=self.dst.num_shards
+        )
         return _run_plan(staging, self.dst, range(n_dst), dst_ids)
 
     def _output_nbytes(self, num_dst_blocks: int) -> int:
-        return self.dst.num_layers * num_dst_blocks * self.dst.block_bytes
+        return self.dst.num_shards * self.dst.num_layers * num_dst_blocks * self.dst.block_bytes
 
     def staging_nbytes(self, num_dst_blocks: int) -> int:
-        """Output area (destination layout) plus, when the dtype changes, a scratch area of at
-        most ``convert.SCRATCH_BYTES`` in the source dtype (the gather lands there in chunks
-        before converting)."""
+        """Output area (destination layout, every destination shard) plus a scratch area in
+        the source dtype: the converting gather's chunks (at most ``convert.SCRATCH_BYTES``)
+        when the dtype changes, one source shard's heads of the request when shards merge."""
         out = self._output_nbytes(num_dst_blocks)
-        if self.src_layout.dtype == self.dst_layout.dtype:
+        scratch = self._scratch_nbytes(num_dst_blocks) + self._merge_nbytes(num_dst_blocks)
+        if not scratch:
             return out
-        return -(-out // _ALIGN) * _ALIGN + self._scratch_nbytes(num_dst_blocks)
+        return -(-out // _ALIGN) * _ALIGN + scratch
 
-    def _out_shape(self, num_dst_blocks: int) -> tuple[int, int, int, int, int, int]:
+    def _out_shape(self, num_dst_blocks: int, heads: int | None = None) -> tuple[int, ...]:
+        """One destination shard's staged blocks: ``[L, n_dst, 2, d, heads, hd]``."""
         dst = self.dst_layout
         return (
             dst.num_layers,
             num_dst_blocks,
             2,
             dst.tokens_per_block,
-            dst.num_kv_heads,
+            dst.kv_heads_per_rank if heads is None else heads,
             dst.head_dim,
         )
 
     def _scratch_nbytes(self, num_dst_blocks: int) -> int:
+        if self.src_layout.dtype == self.dst_layout.dtype:
+            return 0
         return convert.scratch_nbytes(
             convert.torch_dtype(self.src_layout.dtype),
             self._out_shape(num_dst_blocks),
             self.src_layout.tokens_per_block,
         )
 
+    def _merge_nbytes(self, num_dst_blocks: int) -> int:
+        widest = max((len(p.src_heads) for r in self.heads if len(r) > 1 for p in r), default=0)
+        if not widest:
+            return 0
+        numel = math.prod(self._out_shape(num_dst_blocks, widest))
+        return -(-numel * self.src_layout.itemsize // _ALIGN) * _ALIGN
+
     def stage(
         self, pool: torch.Tensor, src_ids: Sequence[int], num_dst_blocks: int, buf: torch.Tensor
     ) -> torch.Tensor:
         """Fill ``buf`` (1-D uint8, at least ``staging_nbytes(num_dst_blocks)`` bytes, on the
-        pool's device) from ``pool`` (the sender's ``[L, nb, 2, p, kvh, hd]`` pool), for the
-        ids the plan was made from. Returns the output area, the first
-        ``L * num_dst_blocks * dst_block_bytes`` bytes of ``buf``."""
+        pool's device) from ``pool`` (the sender's pool: ``[L, nb, 2, p, kvh, hd]``, or
+        ``[tp_src, L, nb, 2, p, kvh_r, hd]`` when tensor parallel), for the ids the plan was
+        made from. Returns the output area, the first ``_output_nbytes`` bytes of ``buf``."""
         n_out = self._output_nbytes(num_dst_blocks)
         shape = self._out_shape(num_dst_blocks)
-        out = buf[:n_out].view(convert.torch_dtype(self.dst_layout.dtype)).view(shape)
-        scratch = None
-        if self.src_layout.dtype != self.dst_layout.dtype:
-            start = -(-n_out // _ALIGN) * _ALIGN
-            scratch = buf[start : start + self._scratch_nbytes(num_dst_blocks)]
-            scratch = scratch.view(convert.torch_dtype(self.src_layout.dtype))
-        convert.reblock(pool, src_ids, out, scratch)
+        dst_dtype = convert.torch_dtype(self.dst_layout.dtype)
+        src_dtype = convert.torch_dtype(self.src_layout.dtype)
+        out = buf[:n_out].view(dst_dtype).view(self.dst.num_shards, *shape)
+        start = -(-n_out // _ALIGN) * _ALIGN
+        n_scratch = self._scratch_nbytes(num_dst_blocks)
+        scratch = buf[start : start + n_scratch].view(src_dtype) if n_scratch else None
+        merge = buf[start + n_scratch :]
+        shards = pool.unbind(0) if self.src_layout.tp_size > 1 else (pool,)
+        for rank, parts in enumerate(self.heads):
+            if len(parts) == 1:  # one source shard holds every head of this rank
+                (part,) = parts
+                convert.reblock(shards[part.src_rank], src_ids, out[rank], scratch, part.src_heads)
+                continue
+            for part in parts:  # a merge: gather each source's heads, then place them
+                numel = math.prod(self._out_shape(num_dst_blocks, len(part.src_heads)))
+                tmp = merge[: numel * src_dtype.itemsize].view(src_dtype)
+                tmp = tmp.view(self._out_shape(num_dst_blocks, len(part.src_heads)))
+                convert.reblock(shards[part.src_rank], src_ids, tmp, None, part.src_heads)
+                heads = slice(part.dst_heads.start, part.dst_heads.stop)
+                out[rank, ..., heads, :].copy_(tmp)
         return buf[:n_out]
 
 
@@ -323,13 +428,17 @@ def _run_plan(
     src: PoolGeometry, dst: PoolGeometry, src_ids: Sequence[int], dst_ids: Sequence[int]
 ) -> TransferPlan:
     """Identity-shaped plan: block ``src_ids[i]`` of ``src`` -> ``dst_ids[i]`` of ``dst``, blocks
-    of ``dst.block_bytes``, one segment per layer per run."""
+    of ``dst.block_bytes``, one segment per shard per layer per run (shard ``r`` of ``src`` into
+    shard ``r`` of ``dst``: equal shard counts)."""
+    if src.num_shards != dst.num_shards:
+        raise TransferError(f"{src.num_shards} source shards but {dst.num_shards} destination")
     src_starts, dst_starts, counts = coalesce_runs(src_ids, dst_ids)
     bb = dst.block_bytes
-    layers = np.arange(dst.num_layers, dtype=np.int64)[:, None]
-    src_off = (layers * src.num_blocks + src_starts[None, :]) * bb
-    dst_off = (layers * dst.num_blocks + dst_starts[None, :]) * bb
-    lengths = np.broadcast_to(counts[None, :] * bb, src_off.shape)
+    shards = np.arange(dst.num_shards, dtype=np.int64)[:, None, None]
+    layers = np.arange(dst.num_layers, dtype=np.int64)[None, :, None]
+    src_off = shards * src.shard_nbytes + (layers * src.num_blocks + src_starts[None, None, :]) * bb
+    dst_off = shards * dst.shard_nbytes + (layers * dst.num_blocks + dst_starts[None, None, :]) * bb
+    lengths = np.broadcast_to(counts[None, None, :] * bb, src_off.shape)
     return TransferPlan(src_off.ravel(), dst_off.ravel(), np.ascontiguousarray(lengths).ravel())
 
 

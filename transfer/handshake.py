@@ -11,8 +11,10 @@ refusal raises on BOTH sides with the same message:
 
 1. protocol version equal        else TransferError code ``kv_protocol_mismatch``
 2. backend name equal            else TransferError code ``kv_backend_mismatch``
-3. :meth:`Formatter.negotiate`   identity, or a converting formatter when only tokens per block
-                                 and/or dtype differ; else LayoutMismatchError naming the
+3. :meth:`Formatter.negotiate`   identity, or a converting formatter when only tokens per block,
+                                 dtype and/or the tensor parallel split (``tp_size``: each side's
+                                 rank layout travels in its layout) differ; else
+                                 LayoutMismatchError naming the
                                  fields no formatter maps (e.g. ``num_kv_heads: 3 != 6``)
 4. prefill side only: the backend prepares the peer (NIXL: ``add_remote_agent``; UCX: keeps
    the decode worker's UCX address for its endpoint)
@@ -94,7 +96,7 @@ class LocalSide:
             )
         self._check(hello.protocol_version, hello.backend, hello.worker_id, role="decode")
         formatter = Formatter.negotiate(
-            self.layout, hello.layout, self.geometry, _geometry(hello.layout, hello.num_blocks)
+            self.layout, hello.layout, self.geometry, PoolGeometry.of_layout(hello.layout, hello.num_blocks)
         )
         return formatter, self.backend.add_peer(hello)
 
@@ -118,7 +120,7 @@ class LocalSide:
             raise wire.error_from_wire(ack.code, ack.message)
         self._check(ack.protocol_version, ack.backend, ack.worker_id, role="prefill")
         return Formatter.negotiate(
-            ack.layout, self.layout, _geometry(ack.layout, ack.num_blocks), self.geometry
+            ack.layout, self.layout, PoolGeometry.of_layout(ack.layout, ack.num_blocks), self.geometry
         )
 
     def _check(self, version: int, backend: str, peer: str, *, role: str) -> None:
@@ -136,11 +138,3 @@ class LocalSide:
                 code=wire.BACKEND_MISMATCH,
             )
 
-
-def _geometry(layout: KVLayout, num_blocks: int) -> PoolGeometry:
-    """A peer's pool geometry as far as offsets go (its address is the backend's business)."""
-    return PoolGeometry(
-        num_layers=layout.num_layers,
-        num_blocks=num_blocks,
-        block_bytes=layout.block_bytes_per_layer,
-    )

@@ -163,13 +163,16 @@ def describe_segment(
     offset: int, length: int, geometry: PoolGeometry, block_map: Mapping[int, int]
 ) -> str:
     """Name the blocks a segment of ``geometry``'s pool covers, e.g. ``"layer 2, decode blocks
-    [10, 11] (prefill blocks [3, 4])"``. ``block_map``: local block id -> peer block id."""
+    [10, 11] (prefill blocks [3, 4])"`` (``"rank 1, layer 2, ..."`` in a tensor parallel pool). ``block_map``: local block id -> peer block id."""
+    shard, offset = divmod(offset, geometry.shard_nbytes)
     stride = geometry.num_blocks * geometry.block_bytes
     layer, start = divmod(offset, stride)
     first = start // geometry.block_bytes
     last = (start + max(length, 1) - 1) // geometry.block_bytes
     local = list(range(first, last + 1))
     text = f"layer {layer}, decode block{'s' if len(local) > 1 else ''} {_ids(local)}"
+    if geometry.num_shards > 1:
+        text = f"rank {shard}, {text}"
     peer = [block_map[b] for b in local if b in block_map]
     if peer:
         text += f" (prefill block{'s' if len(peer) > 1 else ''} {_ids(peer)})"

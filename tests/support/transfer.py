@@ -73,9 +73,21 @@ def backend_cfg(
 
 
 def zeros_pool(layout: KVLayout, num_blocks: int) -> torch.Tensor:
-    """A pool ``[L, num_blocks, 2, tpb, kvh, hd]`` of ``layout.dtype``, all zeros."""
-    shape = (layout.num_layers, num_blocks, 2, layout.tokens_per_block, layout.num_kv_heads)
-    return torch.zeros((*shape, layout.head_dim), dtype=getattr(torch, layout.dtype))
+    """A pool ``[L, num_blocks, 2, tpb, kvh, hd]`` of ``layout.dtype``, all zeros
+    (``[tp, L, num_blocks, 2, tpb, kvh_r, hd]`` when ``layout.tp_size`` > 1)."""
+    shape = (layout.num_layers, num_blocks, 2, layout.tokens_per_block, layout.kv_heads_per_rank)
+    ranks = (layout.tp_size,) if layout.tp_size > 1 else ()
+    return torch.zeros((*ranks, *shape, layout.head_dim), dtype=getattr(torch, layout.dtype))
+
+
+def shard_pool(full: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+    """The rank-major pool of ``layout`` (its ``tp_size``) holding the K/V of ``full``, a pool
+    ``[L, nb, 2, tpb, num_kv_heads, hd]`` with every head: each rank gets its heads
+    (:meth:`KVLayout.rank_heads`). ``full`` itself when tp_size is 1."""
+    if layout.tp_size == 1:
+        return full
+    shards = [full[..., r.start : r.stop, :] for r in map(layout.rank_heads, range(layout.tp_size))]
+    return torch.stack(shards).contiguous()
 
 
 def pattern_blocks(layout: KVLayout, block_ids: Sequence[int]) -> torch.Tensor:
@@ -99,11 +111,12 @@ def pattern_pool(layout: KVLayout, num_blocks: int) -> torch.Tensor:
 
 def random_pool(layout: KVLayout, num_blocks: int, seed: int) -> torch.Tensor:
     """A pool of seeded random K/V (the same in every process for a seed), distinct enough that
-    any misplaced token or K/V swap shows."""
+    any misplaced token or K/V swap shows; a tensor parallel layout gets the same heads'
+    values split over its ranks (:func:`shard_pool`)."""
     shape = (layout.num_layers, num_blocks, 2, layout.tokens_per_block, layout.num_kv_heads)
     gen = torch.Generator().manual_seed(seed)
     values = torch.randn((*shape, layout.head_dim), generator=gen)
-    return values.to(getattr(torch, layout.dtype))
+    return shard_pool(values.to(getattr(torch, layout.dtype)), layout)
 
 
 def token_kv(pool: torch.Tensor, block_ids: Sequence[int], num_tokens: int) -> torch.Tensor:

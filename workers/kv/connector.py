@@ -343,13 +343,17 @@ def build_connector(settings: KVCacheSettings, kv_cache: KVCacheManager) -> KVCo
     """The connector of ``settings`` (``host_cache_mb``, ``disk_cache_dir``,
     ``disk_cache_mb``) over ``kv_cache``, or None when no tier is on or prefix caching is off
     (a warning then: the tiers name blocks by their prefix-cache hash). Raises OSError when the
-    disk directory cannot be created."""
+    disk directory cannot be created. Tensor parallel pools (``tp_size`` > 1) get no tier
+    (warned)."""
     host_bytes = settings.host_cache_bytes(str(kv_cache.pool.device))
     disk_dir = settings.disk_cache_dir
     if not host_bytes and disk_dir is None:
         return None
     if not kv_cache.prefix_caching:
         log.warning("KV cache tiers need the prefix cache; --no-prefix-caching turns them off")
+        return None
+    if kv_cache.layout.tp_size > 1:  # the tiers copy whole blocks of a one-shard pool
+        log.warning("KV cache tiers do not hold tensor parallel pools yet; tiers off")
         return None
     host = HostTier(host_bytes) if host_bytes else None
     disk = None

@@ -112,7 +112,7 @@ def blocks_for_tokens(num_tokens: int, tokens_per_block: int) -> int:
 
 def num_blocks_for_budget(layout: KVLayout, budget_bytes: int) -> int:
     """How many blocks (across all layers) fit in ``budget_bytes`` bytes of pool."""
-    return budget_bytes // (layout.block_bytes_per_layer * layout.num_layers)
+    return budget_bytes // layout.block_bytes
 
 
 class KVCacheManager:
@@ -142,26 +142,27 @@ class KVCacheManager:
     ):
         if num_blocks <= 0:
             raise CapacityError(
-                f"KV cache budget holds no block of {layout.block_bytes_per_layer * layout.num_layers}"
-                " bytes; raise kv_cache.budget_mb (--kv-cache-mb) or kv_cache.num_blocks"
+                f"KV cache budget holds no block of {layout.block_bytes} bytes; raise "
+                "kv_cache.budget_mb (--kv-cache-mb) or kv_cache.num_blocks"
             )
         self.layout = layout
         self.num_blocks = num_blocks
         self.tokens_per_block = layout.tokens_per_block
         # Zero-filled rather than empty: attention reads padded (masked) slots of the block
         # table, and a NaN bit pattern there would survive the zero attention weight.
-        self.pool = torch.zeros(
-            (
-                layout.num_layers,
-                num_blocks,
-                2,
-                layout.tokens_per_block,
-                layout.num_kv_heads,
-                layout.head_dim,
-            ),
-            dtype=_TORCH_DTYPES[layout.dtype],
-            device=device,
+        shard = (
+            layout.num_layers,
+            num_blocks,
+            2,
+            layout.tokens_per_block,
+            layout.kv_heads_per_rank,
+            layout.head_dim,
         )
+        ranks = (layout.tp_size,) if layout.tp_size > 1 else ()
+        self.pool = torch.zeros((*ranks, *shard), dtype=_TORCH_DTYPES[layout.dtype], device=device)
+        if ranks and self.pool.device.type == "cpu":
+            self.pool.share_memory_()  # the tensor parallel ranks write their shards in place
+        self._blocks: tuple[slice, ...] = (slice(None),) * (len(ranks) + 1)  # index up to blocks
         self._lock = threading.Lock()
         self._free: deque[int] = deque(range(num_blocks))
         self._tables: dict[str, list[int]] = {}
@@ -290,7 +291,7 @@ class KVCacheManager:
                 self._refs[block] += 1
             if private:
                 (copy,) = self._take(1)
-                self.pool[:, copy] = self.pool[:, src[shared]]
+                self.pool[(*self._blocks, copy)] = self.pool[(*self._blocks, src[shared])]
                 table = table + [copy]
             self._tables[dst_id] = table
             self._registered[dst_id] = min(shared, self._registered.get(src_id, 0))
@@ -455,10 +456,15 @@ class KVCacheManager:
         with self._lock:
             return {rid: list(self._tables.get(rid, ())) for rid in request_ids}
 
-    def get_buffers(self, layer: int) -> torch.Tensor:
-        """``pool[layer]``: a view ``[num_blocks, 2, tokens_per_block, num_kv_heads, head_dim]``
-        sharing storage with :attr:`pool`."""
-        return self.pool[layer]
+    def get_buffers(self, layer: int, rank: int = 0) -> torch.Tensor:
+        """Layer ``layer`` of rank ``rank``'s shard: a view ``[num_blocks, 2, tokens_per_block,
+        kv_heads_per_rank, head_dim]`` sharing storage with :attr:`pool`."""
+        return self.shard(rank)[layer]
+
+    def shard(self, rank: int = 0) -> torch.Tensor:
+        """Rank ``rank``'s pool shard ``[num_layers, num_blocks, 2, tpb, kv_heads_per_rank,
+        head_dim]``, a contiguous view of :attr:`pool` (the pool itself when tp_size is 1)."""
+        return self.pool[rank] if self.layout.tp_size > 1 else self.pool
 
     def get_num_free_blocks(self) -> int:
         """Blocks that can be allocated now: the free list plus evictable cached blocks (no
@@ -476,9 +482,18 @@ class KVCacheManager:
     # --- transfer helpers ------------------------------------------------------------------------
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """Copy of the K/V of ``block_ids``: ``[num_layers, len(block_ids), 2, tpb, kvh, hd]``."""
-        return self.pool[:, block_ids].clone()
+        """Copy of the K/V of ``block_ids``: ``[num_layers, len(block_ids), 2, tpb, kvh, hd]``
+        where ``kvh`` is every rank's heads side by side (rank-major, ``tp_size *
+        kv_heads_per_rank``)."""
+        data = self.pool[(*self._blocks, block_ids)]
+        if self.layout.tp_size > 1:  # [tp, L, n, 2, tpb, h, hd] -> [L, n, 2, tpb, tp * h, hd]
+            data = data.permute(1, 2, 3, 4, 0, 5, 6).flatten(4, 5)
+        return data.clone()
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Write ``data`` (shaped as :meth:`read_blocks` returns) into ``block_ids``."""
-        self.pool[:, block_ids] = data.to(self.pool.dtype)
+        data = data.to(self.pool.dtype)
+        if self.layout.tp_size > 1:
+            L, n, _, tpb, _, hd = data.shape
+            data = data.view(L, n, 2, tpb, self.layout.tp_size, -1, hd).permute(4, 0, 1, 2, 3, 5, 6)
+        self.pool[(*self._blocks, block_ids)] = data
