@@ -68,6 +68,20 @@ MAX_TP_SIZE = 64
 """Upper bound of ``KVLayout.tp_size`` (and of ``model.tensor_parallel_size``)."""
 
 
+def rank_kv_heads(num_kv_heads: int, tp_size: int, rank: int) -> range:
+    """The KV heads (global indices) tensor parallel rank ``rank`` of ``tp_size`` holds:
+    ``num_kv_heads // tp_size`` consecutive heads, or, when the heads are fewer than the ranks,
+    the one head its query heads attend to (vLLM's replication). Raises ValueError for a rank
+    outside ``[0, tp_size)``."""
+    if not 0 <= rank < tp_size:
+        raise ValueError(f"rank {rank} outside tp_size {tp_size}")
+    if num_kv_heads >= tp_size:
+        n = num_kv_heads // tp_size
+        return range(rank * n, (rank + 1) * n)
+    first = rank * num_kv_heads // tp_size
+    return range(first, first + 1)
+
+
 class KVLayout(_Msg):
     """Geometry of a worker's KV cache pool, its tensor parallel ranks included.
 
@@ -115,11 +129,7 @@ class KVLayout(_Msg):
         """The model's KV heads (global indices) rank ``rank`` holds, in shard order; e.g. 3
         heads over 3 ranks: rank 1 -> ``range(1, 2)``; 2 heads over 4 ranks: rank 3 ->
         ``range(1, 2)`` (replicated on ranks 2 and 3)."""
-        if not 0 <= rank < self.tp_size:
-            raise ValueError(f"rank {rank} outside tp_size {self.tp_size}")
-        n = self.kv_heads_per_rank
-        first = rank * n if self.num_kv_heads >= self.tp_size else rank * self.num_kv_heads // self.tp_size
-        return range(first, first + n)
+        return rank_kv_heads(self.num_kv_heads, self.tp_size, rank)
 
     @property
     def itemsize(self) -> int:

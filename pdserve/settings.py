@@ -28,6 +28,7 @@ from pydantic.fields import FieldInfo
 
 from pdserve.flags import OWN_SECTION, EnvAlias, Flag
 from pdserve.hosts import WILDCARD_HOSTS, advertised_host, is_loopback, url_host
+from pdserve.protocol import MAX_TP_SIZE
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 ENV_PREFIX = "PDSERVE_"
@@ -76,6 +77,15 @@ class ModelSettings(_Section):
     )
     max_model_len: Annotated[int | None, Flag("--max-model-len", EVERY)] = Field(
         default=None, gt=0, description="context window cap in tokens; default: the model's"
+    )
+    tensor_parallel_size: Annotated[int, Flag("--tensor-parallel-size", SERVING)] = Field(
+        default=1,
+        ge=1,
+        le=MAX_TP_SIZE,
+        description="ranks (processes) one worker splits the model and its KV heads over "
+        "(CPU, gloo); it must divide the attention heads and the MLP width, and the KV heads "
+        "or a multiple of them. Prefill and decode workers may differ: the KV transfer maps "
+        "heads between the splits",
     )
     compile: Annotated[bool, Flag("--compile", SERVING)] = Field(
         default=True,

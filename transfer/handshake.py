@@ -96,7 +96,10 @@ class LocalSide:
             )
         self._check(hello.protocol_version, hello.backend, hello.worker_id, role="decode")
         formatter = Formatter.negotiate(
-            self.layout, hello.layout, self.geometry, PoolGeometry.of_layout(hello.layout, hello.num_blocks)
+            self.layout,
+            hello.layout,
+            self.geometry,
+            PoolGeometry.of_layout(hello.layout, hello.num_blocks),
         )
         return formatter, self.backend.add_peer(hello)
 
@@ -120,7 +123,10 @@ class LocalSide:
             raise wire.error_from_wire(ack.code, ack.message)
         self._check(ack.protocol_version, ack.backend, ack.worker_id, role="prefill")
         return Formatter.negotiate(
-            ack.layout, self.layout, PoolGeometry.of_layout(ack.layout, ack.num_blocks), self.geometry
+            ack.layout,
+            self.layout,
+            PoolGeometry.of_layout(ack.layout, ack.num_blocks),
+            self.geometry,
         )
 
     def _check(self, version: int, backend: str, peer: str, *, role: str) -> None:
@@ -137,4 +143,3 @@ class LocalSide:
                 "transfer backend",
                 code=wire.BACKEND_MISMATCH,
             )
-

@@ -126,6 +126,7 @@ class Engine:
             head_dim=self.runner.head_dim,
             tokens_per_block=cfg.kv_cache.tokens_per_block,
             dtype=cfg.cache_dtype,
+            tp_size=cfg.model.tensor_parallel_size,
         )
         size = pool_size(
             self.layout,
@@ -225,6 +226,7 @@ class Engine:
                 log.warning("engine thread did not stop within %.1f s", timeout)
                 return
         self._drain()
+        self.runner.close()  # the other tensor parallel ranks, if any
         if self.connector is not None:
             self.connector.shutdown()  # writes the queued disk tier saves
 

@@ -17,12 +17,17 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import pickle
+from dataclasses import replace
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
 
 from pdserve.config import EngineConfig
 from pdserve.errors import ConfigError
+from pdserve.workers.engine import parallel
 from pdserve.workers.engine.attention import (
     METADATA_KWARG,
     PagedAttentionMetadata,
@@ -43,11 +48,18 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 
 class ModelRunner:
     """Owns the model. ``num_layers``, ``num_kv_heads``, ``head_dim``, ``vocab_size`` and
-    ``max_position_embeddings`` describe it for the KV layout. ``compiled`` is the compiled
-    forward (None: eager), compiled in the constructor (``compiled.compile_s`` seconds, logged).
-    Not thread-safe: run steps from one thread (the engine thread)."""
+    ``max_position_embeddings`` describe it for the KV layout (the whole model's, whatever
+    the tensor parallel split). ``compiled`` is the compiled forward (None: eager), compiled in
+    the constructor (``compiled.compile_s`` seconds, logged).
 
-    def __init__(self, cfg: EngineConfig):
+    Tensor parallel (``model.tensor_parallel_size`` N > 1, CPU): the runner of rank 0 spawns
+    ranks 1..N-1 (``ranks``, :class:`~pdserve.workers.engine.parallel.RankGroup`) and every
+    runner holds its rank's shard of the model (``rank``); rank 0 sends each step to the other
+    ranks before running it. The forward is then eager (no compiled forward, no CUDA graphs).
+    Not thread-safe: run steps from one thread (the engine thread). :meth:`close` stops the
+    ranks."""
+
+    def __init__(self, cfg: EngineConfig, *, rank: int = 0):
         from transformers import AutoModelForCausalLM
 
         if cfg.scheduler.threads:
@@ -57,7 +69,24 @@ class ModelRunner:
         path = Path(cfg.model_path)
         if not (path / "config.json").is_file():
             raise ConfigError(f"model folder {path} has no config.json")
-        self.model = AutoModelForCausalLM.from_pretrained(
+        self.rank, self.tp_size = rank, cfg.model.tensor_parallel_size
+        self.tp_group = parallel.GroupRef()
+        self.ranks: parallel.RankGroup | None = None
+        if self.tp_size > 1 and self.device.type != "cpu":
+            raise ConfigError(
+                "tensor_parallel_size > 1 runs on CPU (gloo) in this version; CUDA ranks "
+                "(NCCL, one device each) are not built yet"
+            )
+        if self.tp_size > 1 and rank == 0:  # the ranks load their shards while this one does
+            self.ranks = parallel.RankGroup(cfg, rank_main)
+        try:
+            self._load(cfg, path, AutoModelForCausalLM)
+        except BaseException:
+            self.close()
+            raise
+
+    def _load(self, cfg: EngineConfig, path: Path, auto: type) -> None:
+        self.model = auto.from_pretrained(
             path,
             dtype=self.dtype,
             attn_implementation=register_paged_attention(),
@@ -79,6 +108,16 @@ class ModelRunner:
         )
         self.vocab_size: int = text.vocab_size
         self.max_position_embeddings: int = text.max_position_embeddings
+        if self.tp_size > 1:
+            parallel.check_shardable(text, self.tp_size, path)
+            parallel.shard_model(
+                self.model, self.tp_size, self.rank, self.head_dim, self.num_kv_heads,
+                self.tp_group,
+            )  # fmt: skip
+            if self.ranks is not None:
+                self.tp_group.group = self.ranks.join()
+                log.info("tensor parallel: %d ranks joined (gloo); forward runs eagerly",
+                         self.tp_size)  # fmt: skip
         self.graphs: DecodeGraphs | None = None
         if cfg.scheduler.cuda_graphs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(
@@ -86,7 +125,7 @@ class ModelRunner:
             )
         self._workspace: torch.Tensor | None = None  # PagedAttentionMetadata.workspace
         self.compiled: CompiledForward | None = None
-        if cfg.model.compile and self.device.type == "cpu":
+        if cfg.model.compile and self.device.type == "cpu" and self.tp_size == 1:
             self.compiled = self._compile()
 
     def _compile(self) -> CompiledForward | None:
@@ -114,6 +153,8 @@ class ModelRunner:
             if replayed is not None:
                 return replayed
         ids, positions, meta, keep = self.prepare_inputs(batch, kv_cache)
+        if self.ranks is not None:
+            self.ranks.run_step(parallel.step_for_ranks(ids, positions, meta), kv_cache.pool)
         if self.compiled is not None:
             try:
                 return self.compiled(ids, positions, keep, meta).float()
@@ -129,6 +170,25 @@ class ModelRunner:
         )
         logits: torch.Tensor = out.logits[0].float()
         return logits
+
+    @torch.inference_mode()
+    def run_rank_step(self, step: parallel.Step, shard: torch.Tensor) -> None:
+        """Ranks 1..N-1: run rank 0's ``step`` over this rank's pool ``shard`` (``[L, nb, 2,
+        tpb, kv_heads_per_rank, hd]``), writing its K/V; no logits are kept (rank 0 samples)."""
+        ws = self._workspace_for(shard, step.workspace_numel) if step.workspace_numel else None
+        meta = replace(step.meta, pool=shard, workspace=ws)
+        self.model(
+            input_ids=step.ids.unsqueeze(0),
+            position_ids=step.positions.unsqueeze(0),
+            use_cache=False,
+            logits_to_keep=torch.zeros(0, dtype=torch.long),
+            **{METADATA_KWARG: meta},
+        )
+
+    def close(self) -> None:
+        """Stop the other tensor parallel ranks (idempotent; nothing without them)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     def prepare_inputs(
         self, batch: ScheduledBatch, kv_cache: KVCacheManager
@@ -213,11 +273,12 @@ class ModelRunner:
             nd * (tables_t.shape[1] if tables_t is not None else 0),
             chunk_blocks,
             tpb,
-            self.num_kv_heads,
+            kv_cache.layout.kv_heads_per_rank,
             self.head_dim,
         )
+        pool = kv_cache.shard(self.rank)
         return PagedAttentionMetadata(
-            pool=kv_cache.pool,
+            pool=pool,
             k_slots=k_slots,
             v_slots=k_slots + tpb,
             num_decode=nd,
@@ -234,7 +295,7 @@ class ModelRunner:
                 )
                 for c in chunks
             ),
-            workspace=self._workspace_for(kv_cache.pool, need) if need else None,
+            workspace=self._workspace_for(pool, need) if need else None,
         )
 
     def _workspace_for(self, pool: torch.Tensor, numel: int) -> torch.Tensor:
@@ -251,6 +312,41 @@ class ModelRunner:
             self._workspace = None  # release the old one first
             ws = self._workspace = torch.empty(size, dtype=pool.dtype, device=pool.device)
         return ws
+
+
+def rank_main(cfg: EngineConfig, rank: int, port: int, pipe: Connection) -> None:
+    """Rank ``rank`` (>= 1): load and shard the model, join the group, then run every step
+    rank 0 sends until the pipe closes. Exits non-zero on any failure (rank 0's watchdog
+    notices)."""
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank{rank} %(name)s: %(message)s"
+    )
+    try:
+        runner = ModelRunner(cfg, rank=rank)
+        size = cfg.model.tensor_parallel_size
+        store = torch.distributed.TCPStore(
+            "127.0.0.1", port, size, is_master=False, timeout=parallel.GROUP_TIMEOUT
+        )
+        runner.tp_group.group = parallel.new_group(store, rank, size)
+    except ConfigError as exc:
+        pipe.send(("config_error", str(exc)))
+        raise SystemExit(2) from exc
+    except Exception as exc:
+        log.exception("rank %d failed to start", rank)
+        pipe.send(("error", repr(exc)))
+        raise SystemExit(1) from exc
+    pipe.send(("ready", None))
+    try:
+        pool: torch.Tensor = pipe.recv()
+        shard = pool[rank]
+        while True:
+            step: parallel.Step = pickle.loads(pipe.recv_bytes())
+            runner.run_rank_step(step, shard)
+    except EOFError:  # rank 0 closed the pipe or exited: stop
+        return
+    except Exception:
+        log.exception("rank %d: step failed", rank)
+        os._exit(1)
 
 
 def kept_rows(batch: ScheduledBatch) -> tuple[list[int], list[tuple[ScheduledSequence, int]]]:

@@ -1,0 +1,294 @@
+"""Tensor parallel ranks of one worker: the model's sharding, the rank processes, the step fan-out.
+
+Design origin: Megatron-LM's column/row parallel split of a transformer layer, as vLLM shards
+Llama-family models, and vLLM's executor pattern: one scheduler (rank 0, the worker process)
+decides each step, every rank executes the same step on its shard, and the row-parallel layers'
+partial sums are all-reduced over ``torch.distributed`` (gloo on CPU). Rank layout of a worker
+with ``tensor_parallel_size`` N (docs/architecture.md, "Tensor parallel workers")::
+
+    worker process = rank 0                     rank 1 .. N-1: spawned processes
+      HTTP, scheduler, sampler, transfer          model shard, no scheduler, no HTTP
+      model shard (heads/ffn of rank 0)           step = pipe.recv_bytes(); forward(step)
+      step -> pipe to every rank  ------------>   (logits discarded: rank 0 samples)
+      forward; all_reduce after o_proj/down_proj <-> same collectives (gloo process group)
+      KV pool: one shared-memory buffer of N shards, rank r writes only shard r
+      [N, L, num_blocks, 2, tpb, kv_heads_per_rank, hd] (KVLayout.tp_size = N)
+
+Sharding of each decoder layer (column = output rows split, row = input columns split and the
+outputs all-reduced; embeddings, norms and the LM head stay whole on every rank):
+
+    q_proj  column: rank r keeps query heads [r*H/N, (r+1)*H/N)
+    k_proj, v_proj  column: the KV heads :meth:`KVLayout.rank_heads` gives rank r
+                    (KV heads fewer than ranks: each rank keeps the one its query heads use)
+    o_proj  row   + all_reduce          gate_proj, up_proj  column      down_proj  row + all_reduce
+
+Why our own sharding rather than transformers' ``tp_plan``: the plan shards ``k_proj``/``v_proj``
+column-wise only when the ranks divide the KV heads (SmolLM2's 3 KV heads over 4 ranks have no
+plan), goes through DTensor, and launches through ``torchrun``; the runner already owns the
+forward and the layers to split are seven linears per layer. Every rank loads the full
+checkpoint and drops what it does not keep (simple; fine for the models one host serves).
+
+Steps go to the ranks through pipes (pickled inputs and attention metadata, a few KiB) rather
+than a collective, so idle ranks wait without a collective timeout and a dead rank 0 ends them
+(EOF). A rank that dies is noticed by rank 0's watchdog: the group is marked failed, every later
+step raises :class:`RankFailedError`, and ``on_death`` runs (the worker process stops itself,
+and the supervisor restarts it).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import pickle
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from pdserve.errors import ConfigError, PdserveError
+from pdserve.protocol import rank_kv_heads
+
+if TYPE_CHECKING:
+    from pdserve.config import EngineConfig
+    from pdserve.workers.engine.attention import PagedAttentionMetadata
+
+log = logging.getLogger(__name__)
+
+GROUP_TIMEOUT = datetime.timedelta(seconds=120)
+"""How long a collective (and the group's rendezvous at start-up) waits for the other ranks."""
+READY_TIMEOUT_S = 600.0
+"""How long rank 0 waits for every rank to load its shard."""
+
+
+class RankFailedError(PdserveError):
+    """A tensor parallel rank of this worker died or failed: the worker cannot run steps."""
+
+
+def check_shardable(text_config: Any, tp: int, path: object) -> None:
+    """Raise ConfigError unless ``tp`` ranks split the model's query heads, KV heads (one
+    divides the other) and MLP width; e.g. SmolLM2's 9 query heads over 2 ranks."""
+    heads = text_config.num_attention_heads
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+    ffn = getattr(text_config, "intermediate_size", 0)
+    problems = []
+    if heads % tp:
+        problems.append(f"{heads} attention heads")
+    if kv_heads % tp and tp % kv_heads:
+        problems.append(f"{kv_heads} KV heads (neither divides the other)")
+    if ffn % tp:
+        problems.append(f"intermediate size {ffn}")
+    if problems:
+        raise ConfigError(
+            f"{path}: tensor_parallel_size {tp} does not divide the model's "
+            f"{', '.join(problems)}; pick a tensor parallel size that divides them"
+        )
+
+
+def _linears(layer: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    found = {}
+    for owner, names in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (mlp, _MLP)):
+        for name in names:
+            mod = getattr(owner, name, None) if owner is not None else None
+            if not isinstance(mod, torch.nn.Linear):
+                raise ConfigError(
+                    f"tensor parallel needs Llama-style decoder layers (self_attn.{{q,k,v,o}}_proj, "
+                    f"mlp.{{gate,up,down}}_proj); {type(layer).__name__} has no {name}"
+                )
+            found[name] = mod
+    return found
+
+
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def _keep_rows(linear: torch.nn.Linear, rows: torch.Tensor) -> None:
+    linear.weight = torch.nn.Parameter(linear.weight.detach()[rows].clone(), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = torch.nn.Parameter(linear.bias.detach()[rows].clone(), requires_grad=False)
+    linear.out_features = int(rows.numel())
+
+
+def _keep_cols(linear: torch.nn.Linear, cols: torch.Tensor, keep_bias: bool) -> None:
+    weight = linear.weight.detach()[:, cols].clone()
+    linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if linear.bias is not None and not keep_bias:  # the bias is added once, after the sum
+        linear.bias = torch.nn.Parameter(torch.zeros_like(linear.bias), requires_grad=False)
+    linear.in_features = int(cols.numel())
+
+
+def _head_rows(heads: range, head_dim: int) -> torch.Tensor:
+    return torch.arange(heads.start * head_dim, heads.stop * head_dim)
+
+
+class GroupRef:
+    """The process group a rank's all-reduce hooks use, set once the group is formed."""
+
+    group: Any = None
+
+
+def shard_model(
+    model: torch.nn.Module, tp: int, rank: int, head_dim: int, num_kv_heads: int, ref: GroupRef
+) -> None:
+    """Cut ``model`` (a loaded transformers causal LM, checked by :func:`check_shardable`)
+    down to rank ``rank``'s shard of ``tp`` in place (the table of the module docstring) and
+    hook an all-reduce over ``ref.group`` after each row-parallel linear. Raises ConfigError
+    for layers it cannot split."""
+    text = model.config.get_text_config()
+    hd = head_dim
+    q_per_rank = text.num_attention_heads // tp
+    q_rows = _head_rows(range(rank * q_per_rank, (rank + 1) * q_per_rank), hd)
+    kv_rows = _head_rows(rank_kv_heads(num_kv_heads, tp, rank), hd)
+    ffn = text.intermediate_size // tp
+    ffn_rows = torch.arange(rank * ffn, (rank + 1) * ffn)
+
+    def all_reduce(_mod: torch.nn.Module, _inp: object, out: torch.Tensor) -> torch.Tensor:
+        ref.group.allreduce([out]).wait()
+        return out
+
+    for layer in model.model.layers:  # type: ignore[union-attr]
+        lin = _linears(layer)
+        _keep_rows(lin["q_proj"], q_rows)
+        _keep_rows(lin["k_proj"], kv_rows)
+        _keep_rows(lin["v_proj"], kv_rows)
+        _keep_cols(lin["o_proj"], q_rows, keep_bias=rank == 0)
+        _keep_rows(lin["gate_proj"], ffn_rows)
+        _keep_rows(lin["up_proj"], ffn_rows)
+        _keep_cols(lin["down_proj"], ffn_rows, keep_bias=rank == 0)
+        lin["o_proj"].register_forward_hook(all_reduce)
+        lin["down_proj"].register_forward_hook(all_reduce)
+
+
+def new_group(store: dist.Store, rank: int, size: int) -> Any:
+    """A gloo process group of its own (not the process-global default group, so several
+    workers' engines can live in one process, e.g. tests). Blocks until every rank joined."""
+    return dist.ProcessGroupGloo(dist.PrefixStore("pdserve-tp", store), rank, size, GROUP_TIMEOUT)
+
+
+@dataclass(frozen=True)
+class Step:
+    """What every rank runs for one step: flattened inputs (``ids``, ``positions``: ``[T]``
+    long), the attention metadata without pool or workspace (each rank has its own), and the
+    workspace elements the step needs (0: none)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    meta: PagedAttentionMetadata
+    workspace_numel: int
+
+
+class RankGroup:
+    """Rank 0's side of a tensor parallel worker: spawns ranks 1..N-1 (each loads and shards
+    the model in ``target``), forms the gloo group with them, lends them the KV pool
+    once, sends them every step, watches them.
+
+    Thread-safety: :meth:`run_step` from the engine thread only; ``on_death`` runs on the
+    watchdog thread. Raises RankFailedError (a rank died or failed to start) and ConfigError
+    (a rank found the model unshardable) from :meth:`join`."""
+
+    def __init__(self, cfg: EngineConfig, target: Callable[..., None]) -> None:
+        """Start ranks 1..N-1 as spawned processes running ``target(cfg, rank, store_port,
+        pipe)`` (:func:`pdserve.workers.engine.model_runner.rank_main`)."""
+        import torch.multiprocessing as tmp  # registers the shared-memory tensor pickling
+
+        self.size = cfg.model.tensor_parallel_size
+        self.on_death: Callable[[str], None] | None = None
+        self.failure: str | None = None
+        self._closing = False
+        self._pool: torch.Tensor | None = None
+        self.store = dist.TCPStore(
+            "127.0.0.1", 0, self.size, is_master=True, timeout=GROUP_TIMEOUT,
+            wait_for_workers=False,
+        )  # fmt: skip
+        ctx = tmp.get_context("spawn")
+        self._pipes: list[Connection] = []
+        self._procs: list[Any] = []
+        for rank in range(1, self.size):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(
+                target=target,
+                args=(cfg, rank, self.store.port, theirs),
+                name=f"pdserve-tp-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            theirs.close()
+            self._pipes.append(ours)
+            self._procs.append(proc)
+        log.info("tensor parallel: started ranks 1-%d (pids %s)", self.size - 1,
+                 [p.pid for p in self._procs])  # fmt: skip
+        self.group: Any = None
+
+    def join(self) -> Any:
+        """Form the process group with every rank and wait until each has its shard loaded;
+        returns the group (rank 0's all-reduce hooks use it)."""
+        self.group = new_group(self.store, 0, self.size)
+        for rank, pipe in enumerate(self._pipes, start=1):
+            if not pipe.poll(READY_TIMEOUT_S):
+                raise RankFailedError(f"tensor parallel rank {rank} did not load within "
+                                      f"{READY_TIMEOUT_S:.0f} s")  # fmt: skip
+            try:
+                kind, detail = pipe.recv()
+            except EOFError:
+                raise RankFailedError(f"tensor parallel rank {rank} exited while loading") from None
+            if kind == "config_error":
+                raise ConfigError(detail)
+            if kind != "ready":
+                raise RankFailedError(f"tensor parallel rank {rank} failed to start: {detail}")
+        threading.Thread(target=self._watch, name="pdserve-tp-watchdog", daemon=True).start()
+        return self.group
+
+    def run_step(self, step: Step, pool: torch.Tensor) -> None:
+        """Send ``step`` to every rank (and the shared ``pool``, the first time: each rank
+        keeps its shard). Raises RankFailedError when a rank is gone."""
+        if self.failure is not None:
+            raise RankFailedError(self.failure)
+        try:
+            if pool is not self._pool:
+                for pipe in self._pipes:
+                    pipe.send(pool)  # shared memory: the ranks map the same pages
+                self._pool = pool
+            payload = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
+            for pipe in self._pipes:
+                pipe.send_bytes(payload)
+        except (BrokenPipeError, ConnectionResetError, EOFError) as exc:
+            raise RankFailedError(f"a tensor parallel rank is gone: {exc!r}") from exc
+
+    def _watch(self) -> None:
+        sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self._procs, start=1)}
+        ready = wait(list(sentinels))
+        if self._closing:
+            return
+        rank, proc = sentinels[ready[0]]  # type: ignore[index]
+        proc.join(1.0)
+        self.failure = (
+            f"tensor parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+        )
+        log.error("%s: this worker cannot run steps any more", self.failure)
+        if self.on_death is not None:
+            self.on_death(self.failure)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop every rank (idempotent): closing the pipes ends their loops."""
+        self._closing = True
+        for pipe in self._pipes:
+            pipe.close()
+        for proc in self._procs:
+            proc.join(timeout)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout)
+
+
+def step_for_ranks(
+    ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata
+) -> Step:
+    """The :class:`Step` of rank 0's inputs: the metadata travels without the pool and the
+    workspace (an empty tensor in the pool's place; each rank substitutes its own shard)."""
+    ws = meta.workspace.numel() if meta.workspace is not None else 0
+    bare = replace(meta, pool=torch.empty(0, dtype=meta.pool.dtype), workspace=None)
+    return Step(ids.cpu(), positions.cpu(), bare, ws)
