@@ -1,4 +1,5 @@
-"""KV transfer between real processes whose pools differ in tokens per block or KV dtype.
+"""KV transfer between real processes whose pools differ in tokens per block, KV dtype or
+tensor parallel split (``tp_size``: the pool holds one shard of KV heads per rank).
 
 A spawned prefill process runs one real transceiver per prefill layout below, over pools filled
 with seeded random K/V, with the real ``ParkedBlocks`` lease table; this test process is the
@@ -43,7 +44,9 @@ F32_16 = KVLayout(
 )  # fmt: skip
 F32_32 = F32_16.model_copy(update={"tokens_per_block": 32})
 BF16_16 = F32_16.model_copy(update={"dtype": "bfloat16"})
-PREFILL_LAYOUTS = {"f32-16": F32_16, "f32-32": F32_32, "bf16-16": BF16_16}
+TP2_16 = KVLayout(**{**F32_16.model_dump(), "tp_size": 2})  # one KV head per rank
+TP4_32 = KVLayout(**{**F32_32.model_dump(), "tp_size": 4})  # each KV head on two ranks
+PREFILL_LAYOUTS = {"f32-16": F32_16, "f32-32": F32_32, "bf16-16": BF16_16, "tp2-16": TP2_16}
 NUM_BLOCKS = 96
 EPOCH = 11
 
@@ -120,6 +123,15 @@ class Prefill(SpawnedPeer):
         seed = list(PREFILL_LAYOUTS).index(name)
         return token_kv(random_pool(PREFILL_LAYOUTS[name], NUM_BLOCKS, seed), block_ids, num_tokens)
 
+    def expected_heads(self, name: str, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        """:meth:`expected` with every KV head side by side, whatever the pool's rank split
+        (``[L, 2, num_tokens, num_kv_heads, hd]``; random_pool draws the same values for every
+        split and gives each rank its heads)."""
+        layout = PREFILL_LAYOUTS[name]
+        whole = KVLayout(**{**layout.model_dump(), "tp_size": 1})
+        seed = list(PREFILL_LAYOUTS).index(name)
+        return token_kv(random_pool(whole, NUM_BLOCKS, seed), block_ids, num_tokens)
+
     def wait_released(self, name: str, timeout: float = 5.0) -> int:
         """How many requests stay parked in pool ``name`` once none does (AssertionError after
         ``timeout`` seconds)."""
@@ -181,6 +193,37 @@ async def test_mixed_layouts_land_every_token_in_the_decode_layout(
     assert torch.equal(token_kv(decode.pool, dst_ids, num_tokens), expected)
     untouched = [b for b in range(NUM_BLOCKS) if b not in dst_ids]
     assert not decode.pool[:, untouched].any()
+    assert prefill.wait_released(src) == 0
+
+
+@pytest.mark.parametrize(
+    ("src", "dst_layout", "num_tokens"),
+    [
+        ("f32-16", TP2_16, 40),  # TP 1 -> 2: split, each decode rank gets its own head
+        ("tp2-16", F32_16, 40),  # TP 2 -> 1: merge
+        ("tp2-16", TP4_32, 70),  # TP 2 -> 4 (replicated heads) and 16 -> 32 tokens per block
+        ("tp2-16", TP2_16, 40),  # equal rank layouts: shard by shard, zero-copy
+    ],
+)
+async def test_tensor_parallel_layouts_land_each_rank_its_heads(
+    prefill: Prefill, decode_factory: DecodeFactory, src: str, dst_layout: KVLayout, num_tokens: int
+) -> None:
+    decode = await decode_factory(dst_layout)
+    src_ids = [40, 3, 17, 18, 60][
+        : blocks_for_tokens(num_tokens, PREFILL_LAYOUTS[src].tokens_per_block)
+    ]
+    dst_ids = [9, 2, 30, 31, 5][: blocks_for_tokens(num_tokens, dst_layout.tokens_per_block)]
+    await decode.transceiver.pull(
+        prefill.park(src, f"tp-{src}-{dst_layout.tp_size}", src_ids, num_tokens), dst_ids
+    )
+    full = prefill.expected_heads(src, src_ids, num_tokens)  # [L, 2, T, all heads, hd]
+    shards = decode.pool.unbind(0) if dst_layout.tp_size > 1 else (decode.pool,)
+    untouched = [b for b in range(NUM_BLOCKS) if b not in dst_ids]
+    for rank, shard in enumerate(shards):
+        heads = dst_layout.rank_heads(rank)
+        want = full[..., heads.start : heads.stop, :]
+        assert torch.equal(token_kv(shard, dst_ids, num_tokens), want), f"decode rank {rank}"
+        assert not shard[:, untouched].any()
     assert prefill.wait_released(src) == 0
 
 

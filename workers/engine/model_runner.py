@@ -78,6 +78,10 @@ class ModelRunner:
                 "(NCCL, one device each) are not built yet"
             )
         if self.tp_size > 1 and rank == 0:  # the ranks load their shards while this one does
+            from transformers import AutoConfig
+
+            text = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()
+            parallel.check_shardable(text, self.tp_size, path)
             self.ranks = parallel.RankGroup(cfg, rank_main)
         try:
             self._load(cfg, path, AutoModelForCausalLM)
@@ -109,7 +113,6 @@ class ModelRunner:
         self.vocab_size: int = text.vocab_size
         self.max_position_embeddings: int = text.max_position_embeddings
         if self.tp_size > 1:
-            parallel.check_shardable(text, self.tp_size, path)
             parallel.shard_model(
                 self.model, self.tp_size, self.rank, self.head_dim, self.num_kv_heads,
                 self.tp_group,

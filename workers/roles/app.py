@@ -42,6 +42,7 @@ from pdserve.protocol import PROTOCOL_HEADER, PROTOCOL_VERSION, WORKER_KEEPALIVE
 from pdserve.security import ClusterKey
 from pdserve.server.errors import install_error_handlers
 from pdserve.workers.engine.api import default_engine_factory
+from pdserve.workers.roles import service
 from pdserve.workers.roles.colocated import ColocatedWorker
 from pdserve.workers.roles.decode import DecodeWorker
 from pdserve.workers.roles.prefill import PrefillWorker
@@ -203,3 +204,5 @@ def run_worker(cfg: WorkerConfig, *, log_level: str = "info") -> None:
         )
     )
     server.run(sockets=[sock])
+    if service.FATAL:  # stopped itself: exit non-zero so that the restart is visible
+        raise SystemExit(f"worker stopped: {service.FATAL[0]}")

@@ -201,9 +201,7 @@ class DecodeHandler:
             if self.metrics is not None:
                 self.metrics.transfer_seconds.observe(elapsed)
                 layout = self.engine.layout
-                self.metrics.transfer_bytes.inc(
-                    moved * layout.num_layers * layout.block_bytes_per_layer
-                )
+                self.metrics.transfer_bytes.inc(moved * layout.block_bytes)
                 self.metrics.transfer_blocks_skipped.inc(dst.cached_blocks)
         except BaseException as exc:
             if self.metrics is not None and not isinstance(exc, asyncio.CancelledError):

@@ -29,6 +29,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
@@ -50,6 +52,20 @@ if TYPE_CHECKING:
     from pdserve.workers.engine.api import EngineFactory, WorkerEngine
 
 log = logging.getLogger(__name__)
+
+FATAL: list[str] = []
+"""Why this worker process stopped itself (:func:`stop_worker`); empty while it may serve."""
+
+
+def stop_worker(reason: str) -> None:
+    """Stop this worker process because a part it cannot serve without failed (a tensor
+    parallel rank died): record ``reason`` in :data:`FATAL` and send the process SIGTERM (the
+    usual drain, short since every step now fails at once; ``run_worker`` then exits non-zero
+    and the supervisor or orchestrator restarts the worker). Callable from any thread."""
+    log.critical("stopping this worker: %s", reason)
+    FATAL.append(reason)
+    os.kill(os.getpid(), signal.SIGTERM)
+
 
 RegistrationFactory = Callable[["WorkerConfig", "WorkerIdentity"], "Registration"]
 """``(cfg, identity) -> Registration`` (not yet started): the default opens the backend of
@@ -330,6 +346,9 @@ async def load_engine(
     t0 = time.perf_counter()
     engine = await asyncio.to_thread(engine_factory, cfg.engine)
     stack.push_async_callback(asyncio.to_thread, engine.shutdown)
+    ranks = getattr(getattr(engine, "runner", None), "ranks", None)  # tensor parallel only
+    if ranks is not None:
+        ranks.on_death = stop_worker
     engine.start()
     pool = engine.kv_cache.pool
     log.info(
