@@ -18,6 +18,7 @@ only in how the sums of the row-parallel layers are split.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -103,6 +104,32 @@ def test_tiny_model_tensor_parallel_pairs_equal_tp1(tiny: Stack) -> None:
         _swap(tiny, role, new, tp, old)
         layouts = _tp(tiny)
         assert texts() == reference, f"prefill/decode TP {sorted(layouts.items())}"
+
+
+def _rank_pids(worker_pid: int) -> list[int]:
+    """The spawned rank processes of a worker (children running multiprocessing's spawn_main;
+    any of the worker's threads may have started them, so every thread's children count)."""
+    pids = []
+    for task in Path(f"/proc/{worker_pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+                pids.append(int(child))
+    return pids
+
+
+def test_a_dead_rank_takes_its_worker_down(tiny: Stack) -> None:
+    """Kill one rank of the TP=2 decode worker: the worker stops itself with a non-zero exit
+    (the supervisor of ``pdserve up`` restarts such a worker) and leaves the registry."""
+    name = "d-tp2b"
+    worker = tiny.procs[name]
+    ranks = _rank_pids(worker.pid)
+    assert len(ranks) == 1, ranks
+    os.kill(ranks[0], signal.SIGKILL)
+    worker.popen.wait(60)
+    assert worker.returncode not in (0, None)
+    wait_until_sync(lambda: name not in _tp(tiny), 60.0, interval_s=0.2, what=f"{name} to leave")
+    assert "tensor parallel rank 1" in worker.log()
 
 
 def test_indivisible_tensor_parallel_size_is_refused_before_serving(
