@@ -28,7 +28,6 @@ from pydantic.fields import FieldInfo
 
 from pdserve.flags import OWN_SECTION, EnvAlias, Flag
 from pdserve.hosts import WILDCARD_HOSTS, advertised_host, is_loopback, url_host
-from pdserve.protocol import MAX_TP_SIZE
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 ENV_PREFIX = "PDSERVE_"
@@ -81,7 +80,7 @@ class ModelSettings(_Section):
     tensor_parallel_size: Annotated[int, Flag("--tensor-parallel-size", SERVING)] = Field(
         default=1,
         ge=1,
-        le=MAX_TP_SIZE,
+        le=64,  # KVLayout.tp_size has the same bound (pdserve.protocol.MAX_TP_SIZE)
         description="ranks (processes) one worker splits the model and its KV heads over "
         "(CPU, gloo); it must divide the attention heads and the MLP width, and the KV heads "
         "or a multiple of them. Prefill and decode workers may differ: the KV transfer maps "

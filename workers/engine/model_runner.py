@@ -22,6 +22,7 @@ import pickle
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -89,7 +90,7 @@ class ModelRunner:
             self.close()
             raise
 
-    def _load(self, cfg: EngineConfig, path: Path, auto: type) -> None:
+    def _load(self, cfg: EngineConfig, path: Path, auto: Any) -> None:
         self.model = auto.from_pretrained(
             path,
             dtype=self.dtype,
@@ -327,10 +328,7 @@ def rank_main(cfg: EngineConfig, rank: int, port: int, pipe: Connection) -> None
     try:
         runner = ModelRunner(cfg, rank=rank)
         size = cfg.model.tensor_parallel_size
-        store = torch.distributed.TCPStore(
-            "127.0.0.1", port, size, is_master=False, timeout=parallel.GROUP_TIMEOUT
-        )
-        runner.tp_group.group = parallel.new_group(store, rank, size)
+        runner.tp_group.group = parallel.new_group(parallel.open_store(port, size), rank, size)
     except ConfigError as exc:
         pipe.send(("config_error", str(exc)))
         raise SystemExit(2) from exc

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import PrefixStore, ProcessGroupGloo, Store
 
 from pdserve.errors import ConfigError, PdserveError
 from pdserve.protocol import rank_kv_heads
@@ -132,7 +133,7 @@ class GroupRef:
 
 
 def shard_model(
-    model: torch.nn.Module, tp: int, rank: int, head_dim: int, num_kv_heads: int, ref: GroupRef
+    model: Any, tp: int, rank: int, head_dim: int, num_kv_heads: int, ref: GroupRef
 ) -> None:
     """Cut ``model`` (a loaded transformers causal LM, checked by :func:`check_shardable`)
     down to rank ``rank``'s shard of ``tp`` in place (the table of the module docstring) and
@@ -150,7 +151,7 @@ def shard_model(
         ref.group.allreduce([out]).wait()
         return out
 
-    for layer in model.model.layers:  # type: ignore[union-attr]
+    for layer in model.model.layers:
         lin = _linears(layer)
         _keep_rows(lin["q_proj"], q_rows)
         _keep_rows(lin["k_proj"], kv_rows)
@@ -163,10 +164,21 @@ def shard_model(
         lin["down_proj"].register_forward_hook(all_reduce)
 
 
-def new_group(store: dist.Store, rank: int, size: int) -> Any:
+def open_store(port: int, size: int) -> Store:
+    """The rendezvous store of a worker's ranks on loopback: rank 0 opens it (``port`` 0: a
+    free port, read back from ``.port``), the other ranks connect to rank 0's ``port``."""
+    tcp_store: Any = dist.TCPStore  # type: ignore[attr-defined]  # exported, not declared so
+    master = port == 0
+    return tcp_store(  # type: ignore[no-any-return]
+        "127.0.0.1", port, size, is_master=master, timeout=GROUP_TIMEOUT,
+        wait_for_workers=False,
+    )  # fmt: skip
+
+
+def new_group(store: Store, rank: int, size: int) -> Any:
     """A gloo process group of its own (not the process-global default group, so several
     workers' engines can live in one process, e.g. tests). Blocks until every rank joined."""
-    return dist.ProcessGroupGloo(dist.PrefixStore("pdserve-tp", store), rank, size, GROUP_TIMEOUT)
+    return ProcessGroupGloo(PrefixStore("pdserve-tp", store), rank, size, GROUP_TIMEOUT)
 
 
 @dataclass(frozen=True)
@@ -200,10 +212,7 @@ class RankGroup:
         self.failure: str | None = None
         self._closing = False
         self._pool: torch.Tensor | None = None
-        self.store = dist.TCPStore(
-            "127.0.0.1", 0, self.size, is_master=True, timeout=GROUP_TIMEOUT,
-            wait_for_workers=False,
-        )  # fmt: skip
+        self.store = open_store(0, self.size)
         ctx = tmp.get_context("spawn")
         self._pipes: list[Connection] = []
         self._procs: list[Any] = []
@@ -211,7 +220,7 @@ class RankGroup:
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(
                 target=target,
-                args=(cfg, rank, self.store.port, theirs),
+                args=(cfg, rank, self.store.port, theirs),  # type: ignore[attr-defined]
                 name=f"pdserve-tp-rank{rank}",
                 daemon=True,
             )
@@ -263,7 +272,7 @@ class RankGroup:
         ready = wait(list(sentinels))
         if self._closing:
             return
-        rank, proc = sentinels[ready[0]]  # type: ignore[index]
+        rank, proc = sentinels[ready[0]]
         proc.join(1.0)
         self.failure = (
             f"tensor parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"

@@ -54,7 +54,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -291,7 +291,7 @@ class KVCacheManager:
                 self._refs[block] += 1
             if private:
                 (copy,) = self._take(1)
-                self.pool[(*self._blocks, copy)] = self.pool[(*self._blocks, src[shared])]
+                self.pool[self._at(copy)] = self.pool[self._at(src[shared])]
                 table = table + [copy]
             self._tables[dst_id] = table
             self._registered[dst_id] = min(shared, self._registered.get(src_id, 0))
@@ -461,6 +461,10 @@ class KVCacheManager:
         kv_heads_per_rank, head_dim]`` sharing storage with :attr:`pool`."""
         return self.shard(rank)[layer]
 
+    def _at(self, blocks: int | list[int]) -> tuple[Any, ...]:
+        """Index of ``blocks`` in :attr:`pool` (block dim 1, or 2 behind the rank dim)."""
+        return (*self._blocks, blocks)
+
     def shard(self, rank: int = 0) -> torch.Tensor:
         """Rank ``rank``'s pool shard ``[num_layers, num_blocks, 2, tpb, kv_heads_per_rank,
         head_dim]``, a contiguous view of :attr:`pool` (the pool itself when tp_size is 1)."""
@@ -485,7 +489,7 @@ class KVCacheManager:
         """Copy of the K/V of ``block_ids``: ``[num_layers, len(block_ids), 2, tpb, kvh, hd]``
         where ``kvh`` is every rank's heads side by side (rank-major, ``tp_size *
         kv_heads_per_rank``)."""
-        data = self.pool[(*self._blocks, block_ids)]
+        data = self.pool[self._at(block_ids)]
         if self.layout.tp_size > 1:  # [tp, L, n, 2, tpb, h, hd] -> [L, n, 2, tpb, tp * h, hd]
             data = data.permute(1, 2, 3, 4, 0, 5, 6).flatten(4, 5)
         return data.clone()
@@ -496,4 +500,4 @@ class KVCacheManager:
         if self.layout.tp_size > 1:
             L, n, _, tpb, _, hd = data.shape
             data = data.view(L, n, 2, tpb, self.layout.tp_size, -1, hd).permute(4, 0, 1, 2, 3, 5, 6)
-        self.pool[(*self._blocks, block_ids)] = data
+        self.pool[self._at(block_ids)] = data
