@@ -308,10 +308,13 @@ class ConvertingFormatter(Formatter):
     when narrowing, exact when widening: bfloat16 -> float32 reproduces every bit).
 
     Tensor parallel layouts (:func:`head_map`): destination rank ``r``'s shard is staged from
-    the source shards that hold its KV heads. When one source shard holds all of them (same
-    split, or a finer one: TP 1 -> 3), they are gathered straight into the output (one pass,
-    the source's head slice read in place); when several do (a coarser split: TP 3 -> 1),
-    each source's heads are gathered into the scratch area and copied into their head slice::
+    the source shards that hold its KV heads. With equal block sizes every part is one strided
+    copy per run of source blocks, from the source shard's head slice into the destination
+    shard's (:func:`convert.copy_heads`; one pass, dtype converted on the way). When the block
+    size changes too, a rank whose heads one source shard holds (same split, or a finer one:
+    TP 1 -> 3) is gathered straight into the output (the source's head slice read in place);
+    one whose heads several hold (a coarser split: TP 3 -> 1) is gathered per source into the
+    scratch area and copied into its head slice::
 
         src  rank 0: [h0 h1 h2]                      dst rank 0: [h0]  rank 1: [h1]  rank 2: [h2]
         (TP 1 -> 3: split)  each decode rank receives exactly the one head it owns
@@ -386,6 +389,8 @@ class ConvertingFormatter(Formatter):
         )
 
     def _merge_nbytes(self, num_dst_blocks: int) -> int:
+        if self.src_layout.tokens_per_block == self.dst_layout.tokens_per_block:
+            return 0  # strided copies straight into the head slices
         widest = max((len(p.src_heads) for r in self.heads if len(r) > 1 for p in r), default=0)
         if not widest:
             return 0
@@ -409,7 +414,15 @@ class ConvertingFormatter(Formatter):
         scratch = buf[start : start + n_scratch].view(src_dtype) if n_scratch else None
         merge = buf[start + n_scratch :]
         shards = pool.unbind(0) if self.src_layout.tp_size > 1 else (pool,)
+        same_blocks = self.src_layout.tokens_per_block == self.dst_layout.tokens_per_block
         for rank, parts in enumerate(self.heads):
+            if same_blocks:  # strided copies, straight into each part's head slice
+                for part in parts:
+                    heads = slice(part.dst_heads.start, part.dst_heads.stop)
+                    convert.copy_heads(
+                        shards[part.src_rank], src_ids, out[rank, ..., heads, :], part.src_heads
+                    )
+                continue
             if len(parts) == 1:  # one source shard holds every head of this rank
                 (part,) = parts
                 convert.reblock(shards[part.src_rank], src_ids, out[rank], scratch, part.src_heads)

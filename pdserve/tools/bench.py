@@ -131,6 +131,12 @@ def add_transfer_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--min-seconds", type=float, default=0.3, help="measuring time per size")
     p.add_argument("--rounds", type=int, default=1, help="measure everything N times, pooled")
+    p.add_argument(
+        "--tp-pairs", nargs="+", default=None, metavar="M:N",
+        help="also hand off from a prefill pool split over M tensor parallel ranks into a "
+        "decode pool split over N (e.g. 1:3 3:1 3:3 on SmolLM2's 3 KV heads), each compared "
+        "with the unmapped hand-off of the same bytes",
+    )  # fmt: skip
 
 
 def serve_main(args: argparse.Namespace, cfg: PdserveConfig) -> int:

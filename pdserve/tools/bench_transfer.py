@@ -20,7 +20,11 @@ backend), and ``memcpy``, ``numpy.copyto`` of the same byte counts in one proces
 benchmark's own, while no peer runs).
 
 Every case is measured with integrity digests off and on when ``TransferSettings`` has the
-``integrity`` field. Per case a fit ``t = c + bytes / B`` (least squares on the p50 times,
+``integrity`` field. With ``tp_pairs`` (``--tp-pairs 1:3 3:1``), every case also moves the same
+requests from a prefill pool split over M tensor parallel ranks into a decode pool split over
+N (series ``<case> tpM>N``): the Formatter maps the KV heads (staging on the prefill side;
+M = N stays zero-copy, shard by shard), and each such series is compared with the case's
+unmapped series of the same bytes. Per case a fit ``t = c + bytes / B`` (least squares on the p50 times,
 weighted by 1/t^2 so every size counts by its relative error) gives the fixed cost per
 transfer ``c`` in microseconds and the bandwidth ``B``. GB/s are 1e9 bytes per second.
 """
@@ -111,6 +115,8 @@ class Series:
     path: Literal["tcp", "same-host", "reference"]
     times: dict[int, list[float]]
     integrity: bool | None = None
+    baseline: str | None = None
+    """A mapped series (tensor parallel layouts): the unmapped series it is compared with."""
 
     def p50(self, blocks: int) -> float:
         return statistics.median(self.times[blocks])
@@ -198,12 +204,15 @@ def run_transfer_benchmark(
     integrity: Literal["off", "on", "both"] = "both",
     min_seconds: float = 0.3,
     rounds: int = 1,
+    tp_pairs: Sequence[tuple[int, int]] = (),
 ) -> Result:
     """Measure the references and every case (see the module docstring) ``rounds`` times, in
     turn, pooling the repetitions of all rounds (on a shared machine the load drifts; rounds
     spread every series over the same stretch of time). Call it outside an event loop. A case
     whose backend is missing is skipped (``Result.skipped``); a case that fails raises
-    RuntimeError with its processes' stderr."""
+    RuntimeError with its processes' stderr. ``tp_pairs``: (prefill, decode) tensor parallel
+    sizes to measure beside the unmapped case; each must split ``layout``'s KV heads (else
+    pydantic's ValidationError)."""
     blocks = sorted(set(blocks))
     spec = PeerSpec(layout=layout, blocks=blocks, min_seconds=min_seconds)
     result = Result(layout, blocks, [], {})
@@ -213,24 +222,37 @@ def run_transfer_benchmark(
             result.skipped[case.name] = why
         else:
             runnable.append(case)
+    pairs = [(layout, None, "")]
+    for m, n in tp_pairs:
+        src = KVLayout(**{**layout.model_dump(), "tp_size": m})
+        dst = KVLayout(**{**layout.model_dump(), "tp_size": n})
+        pairs.append((src, dst, f" tp{m}>{n}"))
     for _ in range(rounds):
-        _round(result, spec, runnable, integrity_settings(integrity))
+        _round(result, spec, runnable, integrity_settings(integrity), pairs)
     return result
 
 
-def _round(result: Result, spec: PeerSpec, cases: Sequence[Case], integrity: list[bool]) -> None:
+def _round(
+    result: Result,
+    spec: PeerSpec,
+    cases: Sequence[Case],
+    integrity: list[bool],
+    pairs: Sequence[tuple[KVLayout, KVLayout | None, str]],
+) -> None:
     """One measurement of every series, added to ``result`` (new series or more repetitions)."""
     env = _env({})
     _add(result, Series("memcpy", "reference", asyncio.run(memcpy_times(spec))))
     with _Server("source", spec, env) as server:
         times = _run_one("sink", spec.model_copy(update={"endpoint": server.endpoint}), env)
     _add(result, Series("raw-socket", "reference", times[0]["times"]))
-    for case in cases:
+    for case, (src, dst, label) in ((c, p) for c in cases for p in pairs):
         case_spec = spec.model_copy(
             update={
                 "backend": case.backend,
                 "ucx_devices": case.ucx_devices,
                 "integrity": integrity,
+                "layout": src,
+                "dst_layout": dst,
             }
         )
         case_env = _env(case.env)
@@ -239,8 +261,11 @@ def _round(result: Result, spec: PeerSpec, cases: Sequence[Case], integrity: lis
                 "pull", case_spec.model_copy(update={"endpoint": server.endpoint}), case_env
             )
         for r in pulled:
-            name = case.name + ("+xxh3" if r["integrity"] else "")
-            _add(result, Series(name, case.path, r["times"], r["integrity"]))
+            digests = "+xxh3" if r["integrity"] else ""
+            base = case.name + digests
+            name = case.name + label + digests
+            series = Series(name, case.path, r["times"], r["integrity"], base if label else None)
+            _add(result, series)
 
 
 def _add(result: Result, series: Series) -> None:

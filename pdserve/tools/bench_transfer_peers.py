@@ -66,12 +66,15 @@ class PeerSpec(BaseModel):
 
     ``blocks``: request sizes in KV blocks of ``layout`` (one block = all layers); ``backend``:
     a transfer backend name (serve/pull); ``integrity``: the settings to pull with (only when
-    ``TransferSettings`` has the field); ``ucx_devices``: ``TransferSettings.ucx_devices``.
+    ``TransferSettings`` has the field); ``ucx_devices``: ``TransferSettings.ucx_devices``;
+    ``dst_layout``: the decode (pulling) side's layout when it differs from the prefill
+    side's ``layout`` (another tensor parallel split; the same tokens per block).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     layout: KVLayout
+    dst_layout: KVLayout | None = None
     blocks: list[int]
     backend: str = "tcp"
     ucx_devices: str | None = None
@@ -83,8 +86,8 @@ class PeerSpec(BaseModel):
 
 
 def block_bytes(layout: KVLayout) -> int:
-    """Bytes of one KV block across all layers (``layout.block_bytes_per_layer * layers``)."""
-    return layout.block_bytes_per_layer * layout.num_layers
+    """Bytes of one KV block across all layers and ranks (``layout.block_bytes``)."""
+    return layout.block_bytes
 
 
 def emit(result: dict[str, Any]) -> None:
@@ -93,9 +96,17 @@ def emit(result: dict[str, Any]) -> None:
 
 
 def empty_pool(layout: KVLayout, num_blocks: int, device: str = "cpu") -> torch.Tensor:
-    """Zeroed pool ``[L, num_blocks, 2, tpb, kvh, hd]`` of ``layout.dtype`` on ``device``."""
-    shape = (layout.num_layers, num_blocks, 2, layout.tokens_per_block, layout.num_kv_heads)
-    return torch.zeros((*shape, layout.head_dim), dtype=getattr(torch, layout.dtype), device=device)
+    """Zeroed pool ``[L, num_blocks, 2, tpb, kvh, hd]`` of ``layout.dtype`` on ``device``
+    (``[tp, L, num_blocks, 2, tpb, kvh_r, hd]`` for a tensor parallel layout)."""
+    shape = (layout.num_layers, num_blocks, 2, layout.tokens_per_block, layout.kv_heads_per_rank)
+    ranks = (layout.tp_size,) if layout.tp_size > 1 else ()
+    dtype = getattr(torch, layout.dtype)
+    return torch.zeros((*ranks, *shape, layout.head_dim), dtype=dtype, device=device)
+
+
+def _blocks(pool: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+    """``pool`` with the block dimension first (every rank, layer and element behind it)."""
+    return pool.movedim(2 if layout.tp_size > 1 else 1, 0)
 
 
 def pattern(layout: KVLayout, num_blocks: int, device: str = "cpu") -> torch.Tensor:
@@ -188,12 +199,14 @@ async def pull(spec: PeerSpec) -> None:
     """Role ``pull``: one result per integrity setting: ``{"integrity", "backend", "times":
     {blocks: [seconds]}}``. Raises RuntimeError if the bytes did not arrive."""
     settings: list[bool | None] = [*spec.integrity] or [None]
+    layout = spec.dst_layout or spec.layout
     for integrity in settings:
-        pool = empty_pool(spec.layout, max(spec.blocks))
+        pool = empty_pool(layout, max(spec.blocks))
+        blocks = _blocks(pool, layout)
         t = create_transceiver(
             _config(spec, integrity),
             pool=pool,
-            layout=spec.layout,
+            layout=layout,
             worker_id="bench-decode",
             epoch=BENCH_EPOCH,
             parked=None,
@@ -204,9 +217,9 @@ async def pull(spec: PeerSpec) -> None:
             times = {}
             for n in spec.blocks:
                 times[n] = await _times(spec, _puller(t, spec, n))
-                if not bool(pool[-1, n - 1].eq(1.0).all()):
+                if not bool(blocks[n - 1].eq(1.0).all()):
                     raise RuntimeError(f"{n}-block pulls did not deliver the bytes")
-                pool[:, :n].zero_()
+                blocks[:n].zero_()
         finally:
             await t.close()
         emit({"integrity": integrity, "backend": t.backend, "times": times})

@@ -6,6 +6,8 @@ digest cost is shown beside them, not counted against the transport)::
     tcp path     the best TCP-path case reaches >= 0.9x the raw socket at every size >= 1 MiB
     same host    the best same-host case reaches >= 0.8x memcpy at the largest size
     fixed cost   the fitted fixed cost per transfer is <= 50 us (checked per case)
+    mapped       a hand-off between tensor parallel layouts (--tp-pairs) takes <= 1.3x the
+                 time of the unmapped one of the same bytes, at every size >= 1 MiB
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import math
 from dataclasses import dataclass
 
+from pdserve.protocol import KVLayout
 from pdserve.tools.bench_transfer import (
     DEFAULT_BLOCKS,
     SMOLLM2_LAYOUT,
@@ -27,6 +30,7 @@ from pdserve.tools.bench_transfer_peers import block_bytes
 TCP_RATIO = 0.9
 SAME_HOST_RATIO = 0.8
 FIXED_COST_US = 50.0
+MAPPED_RATIO = 1.3
 _MIB = 2**20
 
 
@@ -40,8 +44,20 @@ class Target:
 
 
 def _transport_series(result: Result, path: str) -> list[Series]:
-    """The cases of ``path`` measured without digests (integrity off or not available)."""
-    return [s for s in result.series if s.path == path and not s.integrity]
+    """The unmapped cases of ``path`` measured without digests (integrity off or not
+    available)."""
+    return [s for s in result.series if s.path == path and not s.integrity and not s.baseline]
+
+
+def mapped_ratios(result: Result) -> dict[str, dict[int, float]]:
+    """Per mapped series (tensor parallel layouts): p50 time / its unmapped baseline's p50
+    time, per size in blocks (> 1: the mapping costs time)."""
+    out: dict[str, dict[int, float]] = {}
+    for s in result.series:
+        base = result.get(s.baseline) if s.baseline else None
+        if base is not None:
+            out[s.name] = {n: s.p50(n) / base.p50(n) for n in result.blocks}
+    return out
 
 
 def check_targets(result: Result) -> list[Target]:
@@ -74,6 +90,17 @@ def check_targets(result: Result) -> list[Target]:
                 f"({memcpy.gbps(top, layout):.2f} GB/s memcpy)",
             )
         )
+    for name, ratios in mapped_ratios(result).items():
+        if name.endswith("+xxh3") or not big:
+            continue
+        worst = max(ratios[n] for n in big)
+        targets.append(
+            Target(
+                f"mapped hand-off <= {MAPPED_RATIO}x unmapped ({name})",
+                worst <= MAPPED_RATIO,
+                f"highest time ratio {worst:.2f} over {len(big)} sizes >= 1 MiB",
+            )
+        )
     for s in [*tcp, *local]:
         fit = s.fit(layout)
         targets.append(
@@ -101,7 +128,7 @@ def format_table(result: Result) -> str:
         row = f"{n * block_bytes(layout) / _MIB:>7.1f}{n:>7}"
         row += "".join(f"{s.gbps(n, layout):>{width[s.name]}.2f}" for s in result.series)
         lines.append(row)
-    ratios = [s for s in result.series if s.path != "reference"]
+    ratios = [s for s in result.series if s.path != "reference" and not s.baseline]
     if ratios:
         lines += ["", "ratio to the reference (tcp path: raw-socket; same host: memcpy)"]
         lines.append(
@@ -114,6 +141,22 @@ def format_table(result: Result) -> str:
                 value = s.gbps(n, layout) / ref.gbps(n, layout) if ref else math.nan
                 row += f"{value:>{width[s.name]}.2f}"
             lines.append(row)
+    return "\n".join(lines)
+
+
+def format_mapped(result: Result) -> str:
+    """Time of each mapped series over its unmapped baseline's, per size ("" when none)."""
+    ratios = mapped_ratios(result)
+    if not ratios:
+        return ""
+    layout = result.layout
+    width = {n: max(len(n), 7) + 2 for n in ratios}
+    lines = ["mapped / unmapped time at p50 (tensor parallel layouts; same bytes)"]
+    lines.append(f"{'MiB':>7}{'blocks':>7}" + "".join(f"{n:>{width[n]}}" for n in ratios))
+    for b in result.blocks:
+        row = f"{b * block_bytes(layout) / _MIB:>7.1f}{b:>7}"
+        row += "".join(f"{ratios[n][b]:>{width[n]}.2f}" for n in ratios)
+        lines.append(row)
     return "\n".join(lines)
 
 
@@ -151,6 +194,8 @@ def print_results(result: Result) -> None:
     print("-tcp: UCX_TLS=tcp on loopback; -shm: UCX default transports (CMA / shared memory); "
           "+xxh3: integrity digests on")  # fmt: skip
     print(format_table(result), end="\n\n")
+    if mapped := format_mapped(result):
+        print(mapped, end="\n\n")
     print(format_fits(result), end="\n\n")
     for name, why in result.skipped.items():
         print(f"skipped {name}: {why}")
@@ -159,9 +204,9 @@ def print_results(result: Result) -> None:
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Run with the parsed flags of ``pdserve bench transfer`` (``sizes_mib``, ``backends``,
-    ``integrity``, ``min_seconds``, ``rounds``; see :mod:`pdserve.cli`) and print. Returns 0
-    when it ran (targets met or missed: they are reported, not an error), 2 for an unknown case
-    name."""
+    ``integrity``, ``min_seconds``, ``rounds``, ``tp_pairs``; see :mod:`pdserve.cli`) and print.
+    Returns 0 when it ran (targets met or missed: they are reported, not an error), 2 for an
+    unknown case name or a tensor parallel pair that does not split the layout's KV heads."""
     layout = SMOLLM2_LAYOUT
     if args.sizes_mib:
         blocks = [max(1, math.ceil(m * _MIB / block_bytes(layout))) for m in args.sizes_mib]
@@ -169,6 +214,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         blocks = DEFAULT_BLOCKS
     try:
         cases = resolve_cases(args.backends)
+        pairs = [parse_tp_pair(text, layout) for text in args.tp_pairs or ()]
     except ValueError as exc:
         print(f"pdserve bench transfer: {exc}")
         return 2
@@ -179,6 +225,20 @@ def run_from_args(args: argparse.Namespace) -> int:
         integrity=args.integrity,
         min_seconds=args.min_seconds,
         rounds=args.rounds,
+        tp_pairs=pairs,
     )
     print_results(result)
     return 0
+
+
+def parse_tp_pair(text: str, layout: KVLayout) -> tuple[int, int]:
+    """``"1:3"`` -> ``(1, 3)``; raises ValueError for another form or sizes that do not split
+    ``layout``'s KV heads (one must divide the other)."""
+    m, sep, n = text.partition(":")
+    if not sep or not m.isdigit() or not n.isdigit() or int(m) < 1 or int(n) < 1:
+        raise ValueError(f"--tp-pairs takes PREFILL:DECODE sizes such as 1:3, got {text!r}")
+    heads = layout.num_kv_heads
+    for size in (int(m), int(n)):
+        if heads % size and size % heads:
+            raise ValueError(f"tensor parallel size {size} does not split {heads} KV heads")
+    return int(m), int(n)
