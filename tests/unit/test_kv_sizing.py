@@ -27,6 +27,15 @@ def test_explicit_block_count_then_bytes_win_over_the_machine() -> None:
     assert size.source == "budget_mb=10"
 
 
+def test_a_tensor_parallel_block_costs_every_rank_its_shard() -> None:
+    """TP=3: each rank holds 1 of the 3 heads, a block id costs the same bytes as at TP=1;
+    TP=6 on 3 KV heads replicates each head twice, so a block id costs twice as much."""
+    tp3 = KVLayout(**{**LAYOUT.model_dump(), "tp_size": 3})
+    tp6 = KVLayout(**{**LAYOUT.model_dump(), "tp_size": 6})
+    assert pool_size(tp3, KVCacheSettings(budget_mb=10), device="cpu").num_blocks == 14
+    assert pool_size(tp6, KVCacheSettings(budget_mb=10), device="cpu").num_blocks == 7
+
+
 def test_cpu_default_is_a_share_of_available_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kv_sizing, "available_host_memory", lambda: 8 * GIB)
     size = pool_size(LAYOUT, KVCacheSettings(memory_fraction=0.25), device="cpu")

@@ -99,7 +99,7 @@ def pool_size(
     budget on CUDA (from :func:`cuda_kv_budget`, measured by the model runner); on CPU it is
     derived here from :func:`available_host_memory` and ``settings.memory_fraction``.
     """
-    block_bytes = layout.block_bytes_per_layer * layout.num_layers
+    block_bytes = layout.block_bytes  # every layer and tensor parallel rank
     if settings.num_blocks is not None:
         return PoolSize(settings.num_blocks, "num_blocks")
     if settings.budget_bytes is not None:
@@ -117,7 +117,7 @@ def pool_size(
 def log_pool(size: PoolSize, layout: KVLayout, max_model_len: int) -> None:
     """The start-up line: blocks, tokens, bytes, concurrency at a full window."""
     tokens = size.num_blocks * layout.tokens_per_block
-    nbytes = size.num_blocks * layout.block_bytes_per_layer * layout.num_layers
+    nbytes = size.num_blocks * layout.block_bytes
     log.info(
         "KV pool: %d blocks x %d tokens = %d tokens, %.2f GiB %s (%s); holds %.1f requests "
         "at the full %d-token window",
