@@ -72,10 +72,12 @@ def split_kv_cache(cfg: PdserveConfig, n_workers: int) -> KVCacheSettings:
 
 def child_config(cfg: PdserveConfig, model_path: Path) -> PdserveConfig:
     """The fully resolved config the children read: the model path and name pinned,
-    ``scheduler.threads`` split evenly across the workers, the KV memory share split too
+    ``scheduler.threads`` split evenly across the workers' processes (a tensor parallel worker
+    runs ``model.tensor_parallel_size`` of them), the KV memory share split too
     (:func:`split_kv_cache`), and UCX on loopback when unset."""
     n_workers = max(1, sum(cfg.worker(role).replicas for role in ROLES))
-    threads = cfg.scheduler.threads or max(1, (os.cpu_count() or 1) // n_workers)
+    n_procs = n_workers * cfg.model.tensor_parallel_size
+    threads = cfg.scheduler.threads or max(1, (os.cpu_count() or 1) // n_procs)
     return cfg.model_copy(
         update={
             "model": cfg.model.model_copy(

@@ -222,7 +222,7 @@ def run_transfer_benchmark(
             result.skipped[case.name] = why
         else:
             runnable.append(case)
-    pairs = [(layout, None, "")]
+    pairs: list[tuple[KVLayout, KVLayout | None, str]] = [(layout, None, "")]
     for m, n in tp_pairs:
         src = KVLayout(**{**layout.model_dump(), "tp_size": m})
         dst = KVLayout(**{**layout.model_dump(), "tp_size": n})

@@ -27,7 +27,10 @@ SECRET_VAR = (
 )
 
 
-def _docker_compose_config(profile: str | None, **env: str) -> subprocess.CompletedProcess[str]:
+def _docker_compose_config(
+    profile: str | None, *, quiet: bool = True, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """``docker-compose config``: ``-q`` only validates; without it, prints the resolved file."""
     if shutil.which("docker-compose") is None:
         pytest.skip("docker-compose is not installed (apt-get install docker-compose)")
     cmd = ["docker-compose", "-f", str(COMPOSE_FILE)]
@@ -35,7 +38,11 @@ def _docker_compose_config(profile: str | None, **env: str) -> subprocess.Comple
         cmd += ["--profile", profile]
     environ = {k: v for k, v in os.environ.items() if k != "PDSERVE_CLUSTER_SECRET"} | env
     return subprocess.run(
-        [*cmd, "config", "-q"], capture_output=True, text=True, check=False, env=environ
+        [*cmd, "config", *(["-q"] if quiet else [])],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=environ,
     )
 
 
@@ -94,6 +101,46 @@ def test_compose_topology_scales_and_checks_health() -> None:
     )
     assert default_config, mount
     assert (COMPOSE_FILE.parent / default_config.group(1)).resolve().is_file()
+
+
+TP_VARIABLE = "${{PDSERVE_{role}_TENSOR_PARALLEL_SIZE:-1}}"
+
+
+def test_workers_take_their_tensor_parallel_size_from_a_variable_and_get_shared_memory() -> None:
+    """Each worker's size comes from its own compose variable (default 1: one process), and
+    /dev/shm, where a tensor parallel worker's ranks share the KV pool, is larger than Docker's
+    64 MiB default and holds the config's KV budget (the whole pool, every rank's shard)."""
+    services = _compose()["services"]
+    assert "PDSERVE_MODEL__TENSOR_PARALLEL_SIZE" not in services["router"]["environment"]
+    budget_mb = yaml.safe_load((ROOT / "configs" / "1p1d-etcd.yaml").read_text())["kv_cache"][
+        "budget_mb"
+    ]
+    for name in ("prefill", "decode"):
+        env = services[name]["environment"]
+        assert env["PDSERVE_MODEL__TENSOR_PARALLEL_SIZE"] == TP_VARIABLE.format(role=name.upper())
+        m = re.fullmatch(r"(\d+)(mb|gb)", str(services[name]["shm_size"]))
+        assert m, services[name]["shm_size"]
+        shm_mb = int(m[1]) * (1024 if m[2] == "gb" else 1)
+        assert shm_mb >= budget_mb, f"{name}: shm_size {shm_mb} MiB"
+
+
+def test_a_tensor_parallel_prefill_resolves_to_a_valid_config() -> None:
+    """PDSERVE_PREFILL_TENSOR_PARALLEL_SIZE=3 reaches the prefill worker only, and the mounted
+    config plus the container's environment is one pdserve accepts (SmolLM2: 9 heads, 3 KV
+    heads, so 3 divides them)."""
+    from pdserve.config import load_config
+
+    proc = _docker_compose_config(
+        None, quiet=False, PDSERVE_CLUSTER_SECRET="0" * 64, PDSERVE_PREFILL_TENSOR_PARALLEL_SIZE="3"
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    services = yaml.safe_load(proc.stdout)["services"]
+    sizes = {}
+    for name in ("prefill", "decode"):
+        env = {k: str(v) for k, v in services[name]["environment"].items()}
+        cfg, _ = load_config(ROOT / "configs" / "1p1d-etcd.yaml", env=env)
+        sizes[name] = cfg.model.tensor_parallel_size
+    assert sizes == {"prefill": 3, "decode": 1}
 
 
 def test_prometheus_scrapes_every_pdserve_role_on_its_port() -> None:

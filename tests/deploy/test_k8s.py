@@ -36,6 +36,8 @@ from tests.support.k8s import (
     render,
 )
 
+TP_TARGET = "overlays/tensor-parallel"
+
 pytestmark = pytest.mark.skipif(
     KUBECTL is None,
     reason="kubectl not found: `kubectl kustomize` renders deploy/k8s (Debian/Ubuntu package "
@@ -212,6 +214,54 @@ def test_every_container_has_requests_within_limits(target: str) -> None:
                 limit = res["limits"].get(resource)
                 if limit is not None:
                     assert quantity(resource, req) <= quantity(resource, limit), what
+
+
+# SmolLM2-135M-Instruct, the model every target serves (model.path null): 9 attention heads,
+# 3 KV heads, MLP width 1536.
+SMOLLM2 = {"num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_tensor_parallel_workers_divide_the_model_and_get_cpus_and_shared_memory(
+    target: str, cfg_root: Path
+) -> None:
+    """A worker of N ranks: N divides SmolLM2's heads (else it refuses to start), it runs on
+    CPU, asks for N x scheduler.threads CPUs, and mounts a memory-backed /dev/shm (the ranks
+    share the KV pool there; a container's default is 64 MiB) that holds the KV budget (the
+    whole pool, every rank's shard), within the memory limit."""
+    from types import SimpleNamespace
+
+    from pdserve.workers.engine.parallel import check_shardable
+
+    r = render(target)
+    for role in WORKERS:
+        cfg = effective_config(target, role, cfg_root)
+        tp = cfg.model.tensor_parallel_size
+        assert cfg.model.path is None, "SMOLLM2 describes the default model only"
+        check_shardable(SimpleNamespace(**SMOLLM2), tp, f"{target} {role}")
+        res = r.container(role)["resources"]
+        threads = cfg.scheduler.threads
+        assert threads, f"{role}: set scheduler.threads to size the CPU request"
+        assert quantity("cpu", res["requests"]["cpu"]) >= tp * threads, f"{role}: {res}"
+        if tp == 1:
+            continue
+        assert cfg.model.device == "cpu", f"{role}: tensor parallel runs on CPU only"
+        pod = r.deployment(role)["spec"]["template"]["spec"]
+        mount = next(m for m in r.container(role)["volumeMounts"] if m["mountPath"] == "/dev/shm")
+        volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+        assert volume["emptyDir"]["medium"] == "Memory"
+        shm = quantity("memory", volume["emptyDir"]["sizeLimit"])
+        assert cfg.kv_cache.budget_mb is not None
+        assert shm >= cfg.kv_cache.budget_mb * 2**20, f"{role}: /dev/shm {shm:.0f} bytes"
+        assert quantity("memory", res["limits"]["memory"]) > shm
+
+
+def test_the_tensor_parallel_overlay_splits_prefill_only(cfg_root: Path) -> None:
+    sizes = {
+        role: effective_config(TP_TARGET, role, cfg_root).model.tensor_parallel_size
+        for role in WORKERS
+    }
+    assert sizes == {"prefill": 3, "decode": 1}
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -24,7 +24,7 @@ ROLES = ("router", "prefill", "decode")
 WORKERS = ("prefill", "decode")
 
 TARGETS = ["base", "overlays/nats", "overlays/gpu", "overlays/gpu-nats"]
-TARGETS += ["overlays/external-etcd", "overlays/external-nats"]
+TARGETS += ["overlays/external-etcd", "overlays/external-nats", "overlays/tensor-parallel"]
 GPU_TARGETS = {"overlays/gpu", "overlays/gpu-nats"}
 DISCOVERY = {  # target -> (scheme, in-cluster StatefulSet serving it or None for external)
     "base": ("etcd", "etcd"),
@@ -33,6 +33,7 @@ DISCOVERY = {  # target -> (scheme, in-cluster StatefulSet serving it or None fo
     "overlays/gpu-nats": ("nats", "nats"),
     "overlays/external-etcd": ("etcd", None),
     "overlays/external-nats": ("nats", None),
+    "overlays/tensor-parallel": ("etcd", "etcd"),
 }
 
 

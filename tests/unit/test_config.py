@@ -48,6 +48,28 @@ def test_the_topologies_use_the_discovery_they_are_named_after() -> None:
     nats = by_name["2p2d-nats.yaml"]
     assert nats.discovery.url.startswith("nats://")
     assert (nats.prefill.replicas, nats.decode.replicas) == (2, 2)
+    assert by_name["1p1d-tp3.yaml"].discovery.url.startswith("etcd://")
+
+
+def test_the_tensor_parallel_example_splits_prefill_only_as_its_header_says() -> None:
+    """configs/1p1d-tp3.yaml: the prefill worker runs 3 ranks (SmolLM2's 9 heads and 3 KV
+    heads divide), the decode worker started with ``--tensor-parallel-size 1`` runs one."""
+    from types import SimpleNamespace
+
+    from pdserve.workers.engine.parallel import check_shardable
+
+    path = str(Path(__file__).parents[2] / "configs" / "1p1d-tp3.yaml")
+    sizes = {}
+    for role, flags in (("prefill", []), ("decode", ["--tensor-parallel-size", "1"])):
+        args = build_parser().parse_args([role, "--config", path, *flags])
+        cfg, _ = resolve_config(args, role, env={})
+        sizes[role] = worker_config(cfg, role, MODEL).engine.model.tensor_parallel_size
+    assert sizes == {"prefill": 3, "decode": 1}
+    assert load_file(Path(path)).model.device == "cpu"  # tensor parallel runs on CPU only
+    smollm2 = SimpleNamespace(num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536)
+    check_shardable(smollm2, sizes["prefill"], path)
+    with pytest.raises(ConfigError, match="9 attention heads"):
+        check_shardable(smollm2, 2, path)
 
 
 def test_config_validate_cli_accepts_the_examples(capsys: pytest.CaptureFixture[str]) -> None:

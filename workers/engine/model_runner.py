@@ -327,16 +327,20 @@ def rank_main(cfg: EngineConfig, rank: int, port: int, pipe: Connection) -> None
     )
     try:
         runner = ModelRunner(cfg, rank=rank)
-        size = cfg.model.tensor_parallel_size
-        runner.tp_group.group = parallel.new_group(parallel.open_store(port, size), rank, size)
     except ConfigError as exc:
         pipe.send(("config_error", str(exc)))
         raise SystemExit(2) from exc
     except Exception as exc:
-        log.exception("rank %d failed to start", rank)
+        log.exception("rank %d failed to load", rank)
         pipe.send(("error", repr(exc)))
         raise SystemExit(1) from exc
-    pipe.send(("ready", None))
+    pipe.send(("loaded", None))  # rank 0 forms the group once every rank has loaded
+    try:
+        size = cfg.model.tensor_parallel_size
+        runner.tp_group.group = parallel.new_group(parallel.open_store(port, size), rank, size)
+    except Exception:
+        log.exception("rank %d could not join the group", rank)
+        raise SystemExit(1) from None
     try:
         pool: torch.Tensor = pipe.recv()
         shard = pool[rank]

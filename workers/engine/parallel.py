@@ -233,9 +233,9 @@ class RankGroup:
         self.group: Any = None
 
     def join(self) -> Any:
-        """Form the process group with every rank and wait until each has its shard loaded;
-        returns the group (rank 0's all-reduce hooks use it)."""
-        self.group = new_group(self.store, 0, self.size)
+        """Wait until every rank has loaded its shard (a rank that fails to load is reported
+        at once), then form the process group with them; returns the group (rank 0's
+        all-reduce hooks use it)."""
         for rank, pipe in enumerate(self._pipes, start=1):
             if not pipe.poll(READY_TIMEOUT_S):
                 raise RankFailedError(f"tensor parallel rank {rank} did not load within "
@@ -246,8 +246,9 @@ class RankGroup:
                 raise RankFailedError(f"tensor parallel rank {rank} exited while loading") from None
             if kind == "config_error":
                 raise ConfigError(detail)
-            if kind != "ready":
+            if kind != "loaded":
                 raise RankFailedError(f"tensor parallel rank {rank} failed to start: {detail}")
+        self.group = new_group(self.store, 0, self.size)  # every rank is joining it now
         threading.Thread(target=self._watch, name="pdserve-tp-watchdog", daemon=True).start()
         return self.group
 

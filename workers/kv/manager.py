@@ -51,9 +51,11 @@ generation moved (freed, maybe reallocated) before its transfer starts
 
 from __future__ import annotations
 
+import shutil
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -115,6 +117,25 @@ def num_blocks_for_budget(layout: KVLayout, budget_bytes: int) -> int:
     return budget_bytes // layout.block_bytes
 
 
+SHM_DIR = Path("/dev/shm")
+"""Where torch's shared-memory tensors live on Linux (a tensor parallel pool)."""
+
+
+def _check_shared_memory(nbytes: int) -> None:
+    """Raise CapacityError when ``SHM_DIR`` cannot hold ``nbytes`` (containers get 64 MiB by
+    default; a write past it would kill the worker with SIGBUS, not raise)."""
+    if not SHM_DIR.is_dir():
+        return
+    free = shutil.disk_usage(SHM_DIR).free
+    if free < nbytes:
+        raise CapacityError(
+            f"a tensor parallel KV pool of {nbytes / 2**20:.0f} MiB lives in shared memory, but "
+            f"{SHM_DIR} has {free / 2**20:.0f} MiB free: lower kv_cache.budget_mb "
+            "(--kv-cache-mb) or give the container more shared memory (docker --shm-size, "
+            "compose shm_size, a memory-backed emptyDir at /dev/shm in Kubernetes)"
+        )
+
+
 class KVCacheManager:
     """Owns the KV pool tensor and the block tables of the requests that hold blocks.
 
@@ -159,8 +180,11 @@ class KVCacheManager:
             layout.head_dim,
         )
         ranks = (layout.tp_size,) if layout.tp_size > 1 else ()
+        shared = bool(ranks) and torch.device(device).type == "cpu"
+        if shared:
+            _check_shared_memory(num_blocks * layout.block_bytes)
         self.pool = torch.zeros((*ranks, *shard), dtype=_TORCH_DTYPES[layout.dtype], device=device)
-        if ranks and self.pool.device.type == "cpu":
+        if shared:
             self.pool.share_memory_()  # the tensor parallel ranks write their shards in place
         self._blocks: tuple[slice, ...] = (slice(None),) * (len(ranks) + 1)  # index up to blocks
         self._lock = threading.Lock()
