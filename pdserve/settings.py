@@ -86,6 +86,13 @@ class ModelSettings(_Section):
         "or a multiple of them. Prefill and decode workers may differ: the KV transfer maps "
         "heads between the splits",
     )
+    load_check: Annotated[bool, Flag("--load-check", SERVING)] = Field(
+        default=True,
+        description="at start-up, run a 48-token prompt through the paged attention and "
+        "through transformers' eager attention and refuse to serve a model whose logits "
+        "differ (a family whose attention the engine does not reproduce); --no-load-check "
+        "skips the comparison (the check that every layer reaches the paged attention stays)",
+    )
     compile: Annotated[bool, Flag("--compile", SERVING)] = Field(
         default=True,
         description="CPU: oneDNN-prepacked weights + torch.compile'd forward, compiled at "

@@ -31,9 +31,19 @@ kwarg; the attention function then calls the same computation as the opaque cust
 ``torch.ops.pdserve.paged_attention`` (vLLM's ``unified_attention`` pattern), which inductor
 leaves as an extern call between the compiled pieces of each layer.
 
+Layer variants, read from the keyword arguments transformers' attention modules pass (the
+eager reference of each family defines the semantics): ``sliding_window=W`` (Mistral, Qwen2,
+Gemma 2/3's local layers, gpt-oss: a query at position ``p`` sees keys ``p - W < j <= p``),
+``softcap=c`` (Gemma 2: scores become ``c * tanh(scores / c)`` before the softmax) and
+``s_aux`` (gpt-oss's attention sinks: one learned logit per head joins each softmax's
+denominator and takes no value). ``scaling`` carries the families' own scales (Gemma's
+``query_pre_attn_scalar``, Granite's ``attention_multiplier``). Plain layers and windowed ones go
+through SDPA (a window is a boolean mask); soft-capping and sinks through :func:`_attend_eager`,
+the explicit ``softmax(q k^T)`` of transformers' eager attention.
+
 Requirements on the model: attention modules carry ``layer_idx`` (the pool layer they use) and
-pass ``**kwargs`` to the attention function, as transformers' Llama-family models do; all layers
-are full causal attention (the model runner refuses sliding-window layer types).
+pass ``**kwargs`` to the attention function, as transformers' decoder families do; the model
+runner refuses layer types other than full and sliding-window attention.
 """
 
 from __future__ import annotations
@@ -145,34 +155,117 @@ def paged_attention_forward(
 
     ``query`` ``[1, H, T, hd]``, ``key``/``value`` ``[1, kvh, T, hd]`` (batch 1, ``T`` flattened
     step tokens, keys after RoPE). Returns ``([1, T, H, hd], None)``. ``attention_mask`` is
-    ignored (the mask function returns None). The metadata comes from
+    ignored (the mask function returns None). ``kwargs`` may carry the layer variants of the
+    module docstring (``sliding_window``, ``softcap``, ``s_aux``). The metadata comes from
     ``kwargs["paged_attention_metadata"]`` (eager forwards, CUDA graphs) or, when that kwarg is
     absent, from :func:`bind_metadata` through the opaque op ``torch.ops.pdserve.paged_attention``
     (the compiled forward of :mod:`pdserve.workers.engine.compile`). Raises ``KeyError`` when a forward
     runs with neither.
     """
+    window = kwargs.get("sliding_window")
+    softcap = kwargs.get("softcap")
+    sinks = kwargs.get("s_aux")
+    variant = Variant(
+        int(window) if isinstance(window, int) and window > 0 else None,
+        float(softcap) if isinstance(softcap, int | float) and softcap else None,
+        sinks if isinstance(sinks, torch.Tensor) else None,
+    )
+    layer_idx: int = module.layer_idx  # type: ignore[assignment]  # set by transformers
+    probe = None if torch.compiler.is_compiling() else _PROBE.get()  # dynamo cannot trace it
+    if probe is not None:
+        probe.calls.append((layer_idx, tuple(key.shape), tuple(value.shape)))
+        if probe.capture_only:  # the probe's first pass: shapes only, no pool
+            return query.new_zeros(1, query.shape[2], query.shape[1], query.shape[3]), None
     meta = kwargs.get(METADATA_KWARG)
     if meta is None:  # compiled forward: one opaque op per layer, metadata bound to the step
-        layer = torch.ops.pdserve.paged_attention(query, key, value, module.layer_idx, scaling)
+        layer = torch.ops.pdserve.paged_attention(
+            query, key, value, layer_idx, scaling, variant.window, variant.softcap, variant.sinks
+        )
         return layer, None
     assert isinstance(meta, PagedAttentionMetadata)
-    layer_idx: int = module.layer_idx  # type: ignore[assignment]  # set by transformers
-    return paged_attention(meta, layer_idx, query, key, value, scaling), None
+    return paged_attention(meta, layer_idx, query, key, value, scaling, variant), None
 
 
-def _attend_cached(
+@dataclass(frozen=True)
+class Variant:
+    """A layer's attention variant (module docstring): ``window`` in tokens, ``softcap``,
+    ``sinks`` ``[H]`` (one logit per query head); all None for plain causal attention."""
+
+    window: int | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+
+    @property
+    def eager(self) -> bool:
+        """Needs the explicit softmax (SDPA has no soft-capping and no sinks)."""
+        return self.softcap is not None or self.sinks is not None
+
+
+PLAIN = Variant()
+
+
+def _attend(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor | None,
     scaling: float | None,
+    variant: Variant,
+    *,
+    causal: bool = False,
 ) -> torch.Tensor:
-    """SDPA of ``q`` (model dtype) over K/V gathered from the cache (cache dtype, cast here),
-    with an explicit ``mask`` (None: attend to every gathered position); ``scaling`` None is
-    SDPA's default, ``1/sqrt(head_dim)``."""
-    return F.scaled_dot_product_attention(
-        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scaling, enable_gqa=True
-    )
+    """Attention of ``q`` ``[B, H, Q, hd]`` over ``k``/``v`` ``[B, kvh, K, hd]`` (any dtype, cast
+    to q's), ``mask`` broadcastable to ``[B, H, Q, K]`` (True = attend; None: all, or plain
+    causal when ``causal``). SDPA unless the variant needs :func:`_attend_eager`."""
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    if not variant.eager:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scaling,
+            enable_gqa=True,
+        )  # fmt: skip
+    if causal and mask is None:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    return _attend_eager(q, k, v, mask, scaling, variant)
+
+
+def _attend_eager(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float | None,
+    variant: Variant,
+) -> torch.Tensor:
+    """transformers' eager attention with soft-capping and sinks (Gemma 2's and gpt-oss's
+    ``eager_attention_forward``): scores in the query dtype, softmax in float32."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if variant.softcap is not None:
+        scores = torch.tanh(scores / variant.softcap) * variant.softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    if variant.sinks is not None:
+        sink = variant.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, sink], dim=-1)
+        scores = scores - scores.amax(dim=-1, keepdim=True)
+        probs = scores.float().softmax(dim=-1)[..., :-1].to(q.dtype)
+    else:
+        probs = scores.float().softmax(dim=-1).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def _window_mask(
+    q_len: int, ctx_len: int, window: int | None, device: torch.device
+) -> torch.Tensor:
+    """``[q_len, ctx_len]`` bool: the last ``q_len`` positions of a ``ctx_len`` context
+    attending causally (bottom-right aligned), within ``window`` tokens when given."""
+    mask = torch.ones(q_len, ctx_len, dtype=torch.bool, device=device).tril(ctx_len - q_len)
+    if window is not None:
+        mask = mask.triu(ctx_len - q_len - window + 1)
+    return mask
 
 
 def paged_attention(
@@ -182,10 +275,23 @@ def paged_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     scaling: float | None,
+    variant: Variant = PLAIN,
 ) -> torch.Tensor:
-    """The paged attention of one layer (steps 1 and 2 of the module docstring): writes the
-    step's K/V into ``meta.pool[layer_idx]`` and returns ``[1, T, H, hd]`` (a view)."""
+    """The paged attention of one layer (steps 1 and 2 of the module docstring, with the
+    layer's ``variant``): writes the step's K/V into ``meta.pool[layer_idx]`` and returns
+    ``[1, T, H, hd]`` (a view). Raises ValueError when the attention receives K/V of another
+    shape than the pool holds (a layout the engine cannot serve)."""
     cache = meta.pool[layer_idx]  # [num_blocks, 2, tpb, kvh, hd]
+    if (
+        key.shape[1] != cache.shape[-2]
+        or key.shape[-1] != cache.shape[-1]
+        or (value.shape[1:2] + value.shape[-1:] != key.shape[1:2] + key.shape[-1:])
+    ):
+        raise ValueError(
+            f"layer {layer_idx}: attention receives K {tuple(key.shape)} and V "
+            f"{tuple(value.shape)} ([1, kv_heads, tokens, head_size]) but the KV pool holds "
+            f"{cache.shape[-2]} heads of {cache.shape[-1]}"
+        )
     flat_cache = cache.view(-1, cache.shape[-2], cache.shape[-1])
     k_tok = key[0].transpose(0, 1)  # [T, kvh, hd]
     v_tok = value[0].transpose(0, 1)
@@ -196,6 +302,7 @@ def paged_attention(
     flat_cache.index_copy_(0, meta.v_slots, v_tok.to(cache.dtype))
 
     num_tokens, num_heads, head_dim = query.shape[2], query.shape[1], query.shape[3]
+    window = variant.window
     parts: list[torch.Tensor] = []
     nd = meta.num_decode
     if nd:
@@ -203,23 +310,33 @@ def paged_attention(
         q = query[0, :, :nd].transpose(0, 1).unsqueeze(2)  # [nd, H, 1, hd]
         k = _gather(cache, meta.decode_block_tables, 0, meta.workspace)  # [nd, kvh, L, hd]
         v = _gather(cache, meta.decode_block_tables, 1, meta.workspace)
-        if meta.decode_mask is None:
-            k, v = k[:, :, : meta.decode_ctx_len], v[:, :, : meta.decode_ctx_len]
-        out = _attend_cached(q, k, v, meta.decode_mask, scaling)
+        mask = meta.decode_mask
+        if mask is None:  # one sequence: cut to its context (and to its window)
+            lo = 0 if window is None else max(0, meta.decode_ctx_len - window)
+            k, v = k[:, :, lo : meta.decode_ctx_len], v[:, :, lo : meta.decode_ctx_len]
+        elif window is not None:  # keys j >= ctx - window, ctx = the row's context length
+            ctx = mask.sum(dim=-1, keepdim=True)
+            keys = torch.arange(mask.shape[-1], device=mask.device)
+            mask = mask & (keys >= ctx - window)
+        out = _attend(q, k, v, mask, scaling, variant)
         parts.append(out.reshape(nd, num_heads, head_dim))
     for chunk in meta.prefill:
         rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
         q = query[:, :, rows]  # [1, H, q_len, hd]
         if chunk.mask is None:  # whole prompt: attend to the fresh K/V, plain causal
             k, v = key[:, :, rows], value[:, :, rows]
-            out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=scaling, enable_gqa=True
-            )
+            mask = None
+            if window is not None and window < chunk.q_len:
+                mask = _window_mask(chunk.q_len, chunk.q_len, window, q.device)
+            out = _attend(q, k, v, mask, scaling, variant, causal=True)
         else:  # continued chunk: earlier chunks' K/V come from the cache
             # (the workspace is free again: the decode rows' attention is computed)
             k = _gather(cache, chunk.block_ids, 0, meta.workspace)[:, : chunk.ctx_len]
             v = _gather(cache, chunk.block_ids, 1, meta.workspace)[:, : chunk.ctx_len]
-            out = _attend_cached(q, k.unsqueeze(0), v.unsqueeze(0), chunk.mask, scaling)
+            mask = chunk.mask
+            if window is not None:
+                mask = _window_mask(chunk.q_len, chunk.ctx_len, window, q.device)
+            out = _attend(q, k.unsqueeze(0), v.unsqueeze(0), mask, scaling, variant)
         parts.append(out[0].transpose(0, 1))  # [q_len, H, hd]
     attn = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     assert attn.shape[0] == num_tokens
@@ -232,6 +349,31 @@ def paged_attention(
 _BOUND_METADATA: ContextVar[PagedAttentionMetadata | None] = ContextVar(
     "pdserve_paged_attention_metadata", default=None
 )
+Call = tuple[int, tuple[int, ...], tuple[int, ...]]
+"""One recorded attention call: ``(layer_idx, K shape, V shape)``."""
+
+
+@dataclass
+class _Recording:
+    calls: list[Call]
+    capture_only: bool
+
+
+_PROBE: ContextVar[_Recording | None] = ContextVar("pdserve_paged_attention_probe", default=None)
+
+
+@contextmanager
+def record_calls(*, capture_only: bool = False) -> Iterator[list[Call]]:
+    """Record every call of the paged attention function in this context (this thread):
+    ``(layer_idx, K shape, V shape)`` per call, for the engine's load-time probe (which layers
+    reach the paged kernel, and the K/V heads and sizes they really pass). ``capture_only``:
+    the attention returns zeros without touching any pool (the forward needs no metadata)."""
+    recording = _Recording([], capture_only)
+    token = _PROBE.set(recording)
+    try:
+        yield recording.calls
+    finally:
+        _PROBE.reset(token)
 
 
 @contextmanager
@@ -248,7 +390,8 @@ def bind_metadata(meta: PagedAttentionMetadata) -> Iterator[None]:
 @torch.library.custom_op(
     "pdserve::paged_attention",
     mutates_args=(),
-    schema="(Tensor query, Tensor key, Tensor value, int layer_idx, float? scaling) -> Tensor",
+    schema="(Tensor query, Tensor key, Tensor value, int layer_idx, float? scaling, "
+    "int? window, float? softcap, Tensor? sinks) -> Tensor",
 )
 def _paged_attention_op(
     query: torch.Tensor,
@@ -256,6 +399,9 @@ def _paged_attention_op(
     value: torch.Tensor,
     layer_idx: int,
     scaling: float | None,
+    window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """:func:`paged_attention` as one opaque op for ``torch.compile`` (after vLLM's
     ``unified_attention`` op): the compiled graph keeps it as an extern call, so the Python
@@ -266,7 +412,8 @@ def _paged_attention_op(
     meta = _BOUND_METADATA.get()
     if meta is None:
         raise KeyError(f"{METADATA_KWARG}: no metadata bound to this forward")
-    return paged_attention(meta, layer_idx, query, key, value, scaling).contiguous()
+    variant = Variant(window, softcap, sinks)
+    return paged_attention(meta, layer_idx, query, key, value, scaling, variant).contiguous()
 
 
 @_paged_attention_op.register_fake
@@ -276,6 +423,9 @@ def _paged_attention_fake(
     value: torch.Tensor,
     layer_idx: int,
     scaling: float | None,
+    window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     return query.new_empty((1, query.shape[2], query.shape[1], query.shape[3]))
 

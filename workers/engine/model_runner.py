@@ -28,7 +28,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.errors import ConfigError
-from pdserve.workers.engine import parallel
+from pdserve.workers.engine import parallel, probe
 from pdserve.workers.engine.attention import (
     METADATA_KWARG,
     PagedAttentionMetadata,
@@ -43,6 +43,10 @@ from pdserve.workers.engine.scheduler import ScheduledBatch, ScheduledSequence
 from pdserve.workers.kv.manager import KVCacheManager
 
 log = logging.getLogger(__name__)
+
+SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+"""``config.layer_types`` values the paged attention serves (sliding windows: the ``sliding_window``
+kwarg each such layer passes)."""
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -99,20 +103,21 @@ class ModelRunner:
         )
         torch.nn.Module.to(self.model, self.device).train(False)  # eval mode
         text = self.model.config.get_text_config()
-        if any(kind != "full_attention" for kind in getattr(text, "layer_types", None) or ()):
+        other = sorted(set(getattr(text, "layer_types", None) or ()) - SUPPORTED_LAYER_TYPES)
+        if other:
             raise ConfigError(
-                f"{path}: layers other than full causal attention (sliding window, linear) are "
-                "not supported by the paged attention"
+                f"{path}: {type(self.model).__name__} has {', '.join(other)} layers; the paged "
+                f"attention serves {' and '.join(sorted(SUPPORTED_LAYER_TYPES))} layers only"
             )
         self.num_layers: int = text.num_hidden_layers
-        self.num_kv_heads: int = getattr(text, "num_key_value_heads", None) or (
-            text.num_attention_heads
-        )
-        self.head_dim: int = getattr(text, "head_dim", None) or (
-            text.hidden_size // text.num_attention_heads
-        )
         self.vocab_size: int = text.vocab_size
         self.max_position_embeddings: int = text.max_position_embeddings
+        self._workspace: torch.Tensor | None = None  # PagedAttentionMetadata.workspace
+        shape = probe.capture_kv_shapes(self.model, self.device, self.num_layers)
+        self.num_kv_heads: int = shape.num_kv_heads  # what the attention receives
+        self.head_dim: int = shape.head_dim
+        if self.rank == 0 and cfg.model.load_check:
+            probe.check_against_reference(self, shape)
         if self.tp_size > 1:
             parallel.shard_model(
                 self.model, self.tp_size, self.rank, self.head_dim, self.num_kv_heads,
@@ -127,7 +132,6 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 self.model, self.device, max_num_seqs=cfg.scheduler.max_num_seqs
             )
-        self._workspace: torch.Tensor | None = None  # PagedAttentionMetadata.workspace
         self.compiled: CompiledForward | None = None
         if cfg.model.compile and self.device.type == "cpu" and self.tp_size == 1:
             self.compiled = self._compile()
