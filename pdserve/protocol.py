@@ -103,8 +103,9 @@ class KVLayout(_Msg):
     num_kv_heads: int = Field(gt=0, le=MAX_LAYOUT_DIM)
     head_dim: int = Field(gt=0, le=MAX_LAYOUT_DIM)
     tokens_per_block: int = Field(gt=0, le=MAX_TOKENS_PER_BLOCK)
-    dtype: Literal["float32", "float16", "bfloat16"] = Field(
-        description="torch dtype name without the prefix, e.g. 'float32'"
+    dtype: Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = Field(
+        description="KV storage dtype: a torch dtype name without the prefix, e.g. 'float32', "
+        "or fp8_e4m3 / fp8_e5m2 (torch's float8_e4m3fn / float8_e5m2, scale 1.0)"
     )
     tp_size: int = Field(
         default=1, gt=0, le=MAX_TP_SIZE, description="tensor parallel ranks holding the pool"
@@ -133,7 +134,7 @@ class KVLayout(_Msg):
 
     @property
     def itemsize(self) -> int:
-        return {"float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
+        return {"float32": 4, "float16": 2, "bfloat16": 2}.get(self.dtype, 1)
 
     @property
     def block_bytes_per_layer(self) -> int:

@@ -50,6 +50,9 @@ class _Section(BaseModel):
 
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+KVDtype = Literal["float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"]
+"""KV storage dtypes: the model dtypes, and FP8 (``fp8_e4m3``: torch's float8_e4m3fn, range
++-448; ``fp8_e5m2``: range +-57344), stored unscaled (scale 1.0) and saturated at the range."""
 Backend = Literal["auto", "nixl", "ucx", "tcp"]
 
 
@@ -137,10 +140,12 @@ class KVCacheSettings(_Section):
     tokens_per_block: Annotated[int, Flag("--tokens-per-block", SERVING)] = Field(
         default=16, gt=0, le=4096, description="tokens per KV block"
     )
-    dtype: Annotated[Dtype | None, Flag("--kv-dtype", SERVING)] = Field(
+    dtype: Annotated[KVDtype | None, Flag("--kv-dtype", SERVING)] = Field(
         default=None,
-        description="KV storage dtype; default: model.dtype. Prefill and decode workers may "
-        "differ (the transfer formatter converts)",
+        description="KV storage dtype; default: model.dtype. fp8_e4m3 / fp8_e5m2 store one byte "
+        "per value (half of bfloat16's pool, a quarter of float32's), unscaled, saturated at "
+        "the format's range. Prefill and decode workers may differ (the transfer formatter "
+        "converts)",
     )
     lease_s: Annotated[float, Flag("--lease-s", SERVING)] = Field(
         default=30.0,

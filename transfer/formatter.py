@@ -96,7 +96,7 @@ class PoolGeometry:
                 f"num_layers={layout.num_layers}, num_blocks, 2, {layout.tokens_per_block}, "
                 f"{layout.kv_heads_per_rank}, {layout.head_dim}]"
             )
-        if str(pool.dtype).removeprefix("torch.") != layout.dtype:
+        if pool.dtype != convert.torch_dtype(layout.dtype):
             raise ConfigError(f"KV pool dtype {pool.dtype} != layout dtype {layout.dtype}")
         if not pool.is_contiguous():
             raise ConfigError("KV pool must be one contiguous tensor")
@@ -433,7 +433,7 @@ class ConvertingFormatter(Formatter):
                 tmp = tmp.view(self._out_shape(num_dst_blocks, len(part.src_heads)))
                 convert.reblock(shards[part.src_rank], src_ids, tmp, None, part.src_heads)
                 heads = slice(part.dst_heads.start, part.dst_heads.stop)
-                out[rank, ..., heads, :].copy_(tmp)
+                convert.convert_into(out[rank, ..., heads, :], tmp)
         return buf[:n_out]
 
 

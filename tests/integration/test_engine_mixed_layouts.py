@@ -94,6 +94,13 @@ def _split(prefill: Engine, decode: Engine, rid: str, prompt: list[int]) -> list
         # the matched prefill engine rounds when it writes its own bfloat16 cache
         ((("float32", "float32", 16), ("float32", "bfloat16", 16)),
          (("float32", "bfloat16", 16), ("float32", "bfloat16", 16))),
+        # FP8: a float32 prefill cache narrowed into an FP8 decode cache (and re-blocked) rounds
+        # (and saturates) as an FP8 prefill engine does when it writes its own cache
+        ((("float32", "float32", 16), ("float32", "fp8_e4m3", 32)),
+         (("float32", "fp8_e4m3", 16), ("float32", "fp8_e4m3", 16))),
+        # FP8 into FP8 of another block size: the bytes move unchanged
+        ((("float32", "fp8_e5m2", 16), ("float32", "fp8_e5m2", 32)),
+         (("float32", "fp8_e5m2", 16), ("float32", "fp8_e5m2", 16))),
     ],
 )  # fmt: skip
 def test_mixed_layouts_give_the_same_greedy_tokens_as_matched_layouts(engines, mixed, matched):

@@ -46,7 +46,10 @@ F32_32 = F32_16.model_copy(update={"tokens_per_block": 32})
 BF16_16 = F32_16.model_copy(update={"dtype": "bfloat16"})
 TP2_16 = KVLayout(**{**F32_16.model_dump(), "tp_size": 2})  # one KV head per rank
 TP4_32 = KVLayout(**{**F32_32.model_dump(), "tp_size": 4})  # each KV head on two ranks
-PREFILL_LAYOUTS = {"f32-16": F32_16, "f32-32": F32_32, "bf16-16": BF16_16, "tp2-16": TP2_16}
+FP8_16 = F32_16.model_copy(update={"dtype": "fp8_e4m3"})  # one byte a value
+PREFILL_LAYOUTS = {
+    "f32-16": F32_16, "f32-32": F32_32, "bf16-16": BF16_16, "tp2-16": TP2_16, "fp8-16": FP8_16,
+}  # fmt: skip
 NUM_BLOCKS = 96
 EPOCH = 11
 
@@ -176,6 +179,7 @@ async def decode_factory(prefill: Prefill) -> AsyncIterator[DecodeFactory]:
         ("f32-32", F32_16, 40),  # 2 blocks of 32 -> 3 blocks of 16
         ("bf16-16", F32_16, 40),  # bfloat16 prefill into float32 decode
         ("bf16-16", F32_32, 70),  # both at once
+        ("fp8-16", F32_32, 40),  # an FP8 prefill cache widened (exactly) and re-blocked
     ],
 )
 async def test_mixed_layouts_land_every_token_in_the_decode_layout(

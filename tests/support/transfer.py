@@ -33,6 +33,7 @@ from pdserve.protocol import GenerationRequest, KVLayout, SamplingParams, Transf
 from pdserve.security import ClusterKey
 from pdserve.settings import TransferSettings
 from pdserve.transfer import create_transceiver
+from pdserve.transfer.convert import torch_dtype
 from pdserve.transfer.formatter import TransferPlan, pool_bytes
 from tests.support.fakes import CLUSTER_KEY
 from tests.support.servers import wait_until_sync
@@ -77,7 +78,7 @@ def zeros_pool(layout: KVLayout, num_blocks: int) -> torch.Tensor:
     (``[tp, L, num_blocks, 2, tpb, kvh_r, hd]`` when ``layout.tp_size`` > 1)."""
     shape = (layout.num_layers, num_blocks, 2, layout.tokens_per_block, layout.kv_heads_per_rank)
     ranks = (layout.tp_size,) if layout.tp_size > 1 else ()
-    return torch.zeros((*ranks, *shape, layout.head_dim), dtype=getattr(torch, layout.dtype))
+    return torch.zeros((*ranks, *shape, layout.head_dim), dtype=torch_dtype(layout.dtype))
 
 
 def shard_pool(full: torch.Tensor, layout: KVLayout) -> torch.Tensor:
@@ -101,7 +102,7 @@ def pattern_blocks(layout: KVLayout, block_ids: Sequence[int]) -> torch.Tensor:
     index = (blocks * L + layers) * per_block + torch.arange(per_block, dtype=torch.int64)
     values = (index % (1 << 24) + 1).to(torch.float32)
     shape = (L, len(block_ids), 2, tpb, layout.num_kv_heads, layout.head_dim)
-    return values.view(shape).to(getattr(torch, layout.dtype))
+    return values.view(shape).to(torch_dtype(layout.dtype))
 
 
 def pattern_pool(layout: KVLayout, num_blocks: int) -> torch.Tensor:
@@ -116,7 +117,7 @@ def random_pool(layout: KVLayout, num_blocks: int, seed: int) -> torch.Tensor:
     shape = (layout.num_layers, num_blocks, 2, layout.tokens_per_block, layout.num_kv_heads)
     gen = torch.Generator().manual_seed(seed)
     values = torch.randn((*shape, layout.head_dim), generator=gen)
-    return shard_pool(values.to(getattr(torch, layout.dtype)), layout)
+    return shard_pool(values.to(torch_dtype(layout.dtype)), layout)
 
 
 def token_kv(pool: torch.Tensor, block_ids: Sequence[int], num_tokens: int) -> torch.Tensor:

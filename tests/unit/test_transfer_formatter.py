@@ -109,6 +109,33 @@ def test_dtype_conversion_equals_tensor_to_for_every_token(src_dtype, dst_dtype,
     assert torch.equal(token_kv(dst_pool, dst_ids, num_tokens), expected)
 
 
+@pytest.mark.parametrize(
+    ("src_dtype", "dst_dtype", "src_tpb", "dst_tpb"),
+    [("float32", "fp8_e4m3", 16, 16), ("float32", "fp8_e4m3", 16, 32),
+     ("bfloat16", "fp8_e5m2", 16, 16), ("fp8_e4m3", "float32", 16, 32),
+     ("fp8_e5m2", "bfloat16", 16, 16), ("fp8_e4m3", "fp8_e4m3", 16, 32)],
+)  # fmt: skip
+def test_fp8_kv_converts_like_tensor_to_and_moves_as_bytes(src_dtype, dst_dtype, src_tpb, dst_tpb):
+    """FP8 pools (one byte a value) convert to and from the other dtypes as ``Tensor.to``
+    does; FP8 into FP8 (another block size) moves the bytes unchanged."""
+    src = shaped(tokens_per_block=src_tpb, dtype=src_dtype)
+    dst = shaped(tokens_per_block=dst_tpb, dtype=dst_dtype)
+    src_pool = random_pool(src, SRC_BLOCKS, 5)
+    src_ids, dst_ids = (
+        [12, 13, 14][: blocks_for_tokens(45, src_tpb)],
+        [0, 6, 7][: blocks_for_tokens(45, dst_tpb)],
+    )
+    dst_pool, _ = _send(_formatter(src, dst, src_pool), src_pool, src_ids, dst_ids)
+    assert dst_pool.dtype == convert.torch_dtype(dst_dtype)
+    expected = token_kv(src_pool, src_ids, 45).to(dst_pool.dtype)
+    got = token_kv(dst_pool, dst_ids, 45)
+    assert (
+        torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+        if dst_pool.dtype.itemsize == 1
+        else torch.equal(got, expected)
+    )
+
+
 def test_bfloat16_into_float32_keeps_every_bit():
     src, dst = (
         shaped(tokens_per_block=16, dtype="bfloat16"),

@@ -132,13 +132,37 @@ def _gather(
     tpb, kvh, hd = cache.shape[2:]
     ids = block_ids.reshape(-1)
     if workspace is None:
-        blocks = cache[:, kv].index_select(0, ids)  # [B * nb, tpb, kvh, hd], a copy
+        blocks = bits(cache[:, kv]).index_select(0, ids).view(cache.dtype)  # a copy
     else:
         n = ids.numel() * tpb * kvh * hd
         blocks = workspace[kv * n : (kv + 1) * n].view(ids.numel(), tpb, kvh, hd)
-        torch.index_select(cache[:, kv], 0, ids, out=blocks)
+        torch.index_select(bits(cache[:, kv]), 0, ids, out=bits(blocks))
     flat = blocks.view(*block_ids.shape[:-1], block_ids.shape[-1] * tpb, kvh, hd)
     return flat.transpose(-3, -2)
+
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or for an FP8 tensor its bytes as ``uint8`` (same shape and strides):
+    torch's CPU index kernels (``index_copy_``, ``index_select``) have no FP8 variant, and
+    moving FP8 values is moving their bytes."""
+    return t.view(torch.uint8) if t.dtype in FP8 else t
+
+
+def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` cast to the cache ``dtype``; FP8 saturates at the format's largest value (a plain
+    cast would turn an out-of-range value into NaN) and is stored unscaled (scale 1.0, vLLM's
+    default without calibrated scales)."""
+    if dtype in FP8:
+        limit = torch.finfo(dtype).max
+        return x.clamp(-limit, limit).to(dtype)
+    return x.to(dtype)
+
+
+def _store(flat_cache: torch.Tensor, slots: torch.Tensor, tok: torch.Tensor) -> None:
+    bits(flat_cache).index_copy_(0, slots, bits(to_cache(tok, flat_cache.dtype)))
 
 
 def paged_attention_forward(
@@ -298,8 +322,8 @@ def paged_attention(
     if meta.write_rows is not None:
         k_tok = k_tok.index_select(0, meta.write_rows)
         v_tok = v_tok.index_select(0, meta.write_rows)
-    flat_cache.index_copy_(0, meta.k_slots, k_tok.to(cache.dtype))
-    flat_cache.index_copy_(0, meta.v_slots, v_tok.to(cache.dtype))
+    _store(flat_cache, meta.k_slots, k_tok)
+    _store(flat_cache, meta.v_slots, v_tok)
 
     num_tokens, num_heads, head_dim = query.shape[2], query.shape[1], query.shape[3]
     window = variant.window

@@ -65,7 +65,14 @@ from pdserve.errors import CapacityError
 from pdserve.protocol import KVLayout
 from pdserve.workers.kv.prefix_cache import PrefixCacheStats, PrefixCounters
 
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+KV_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+"""``KVLayout.dtype`` name -> the pool's torch dtype."""
 
 
 class KVCacheListener(Protocol):
@@ -183,7 +190,7 @@ class KVCacheManager:
         shared = bool(ranks) and torch.device(device).type == "cpu"
         if shared:
             _check_shared_memory(num_blocks * layout.block_bytes)
-        self.pool = torch.zeros((*ranks, *shard), dtype=_TORCH_DTYPES[layout.dtype], device=device)
+        self.pool = torch.zeros((*ranks, *shard), dtype=KV_DTYPES[layout.dtype], device=device)
         if shared:
             self.pool.share_memory_()  # the tensor parallel ranks write their shards in place
         self._blocks: tuple[slice, ...] = (slice(None),) * (len(ranks) + 1)  # index up to blocks

@@ -49,6 +49,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from pdserve.protocol import KVLayout
+from pdserve.workers.kv.manager import KV_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,6 @@ _SUFFIX = ".safetensors"
 _NAME = re.compile(r"^[0-9a-f]{32}\.safetensors$")
 _STALE_TMP_S = 600.0  # a temporary file this old was left by a crashed writer
 _LOW_WATER = 0.9  # cleanup removes files down to this share of the cap
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def block_nbytes(layout: KVLayout) -> int:
@@ -175,7 +175,7 @@ class DiskTier:
         self.capacity_bytes = capacity_bytes
         self.max_pending_bytes = max_pending_bytes
         self.layout_key = layout.compat_hash()
-        self.dtype = _DTYPES[layout.dtype]
+        self.dtype = KV_DTYPES[layout.dtype]
         self.shape = (
             layout.num_layers, 2, layout.tokens_per_block, layout.num_kv_heads, layout.head_dim
         )  # fmt: skip
