@@ -199,7 +199,7 @@ def paged_attention_forward(
     if probe is not None:
         probe.calls.append((layer_idx, tuple(key.shape), tuple(value.shape)))
         if probe.capture_only:  # the probe's first pass: shapes only, no pool
-            return query.new_zeros(1, query.shape[2], query.shape[1], query.shape[3]), None
+            return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[3]), None
     meta = kwargs.get(METADATA_KWARG)
     if meta is None:  # compiled forward: one opaque op per layer, metadata bound to the step
         layer = torch.ops.pdserve.paged_attention(
