@@ -341,6 +341,26 @@ calls whose deltas join into valid arguments; ITL p50 under a json_schema vs unc
 """
 
 
+def _kv_dtype_arguments(p: argparse.ArgumentParser) -> None:
+    from pdserve.tools.bench_kv_dtype import add_arguments
+
+    add_arguments(p)
+
+
+def _run_kv_dtype(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
+    from pdserve.tools.bench_kv_dtype import main
+
+    return main(args)
+
+
+KV_DTYPE_DESCRIPTION = """\
+KV storage dtypes side by side on one model (in-process engines, no server): the pool's blocks
+for --kv-cache-mb, greedy answers to four chat prompts compared with the first dtype's, and the
+decode step time of --batch sequences generating --tokens tokens together (FP8: fp8_e4m3,
+fp8_e5m2).
+"""
+
+
 COMMANDS: tuple[BenchCommand, ...] = (
     BenchCommand(
         "serve",
@@ -393,6 +413,13 @@ COMMANDS: tuple[BenchCommand, ...] = (
         STRUCTURED_DESCRIPTION,
         _structured_arguments,
         _run_structured,
+    ),
+    BenchCommand(
+        "kv-dtype",
+        "KV storage dtypes (FP8 included): pool capacity, answers, decode step time",
+        KV_DTYPE_DESCRIPTION,
+        _kv_dtype_arguments,
+        _run_kv_dtype,
     ),
     BenchCommand(
         "gpu",

@@ -36,6 +36,18 @@ def test_a_tensor_parallel_block_costs_every_rank_its_shard() -> None:
     assert pool_size(tp6, KVCacheSettings(budget_mb=10), device="cpu").num_blocks == 7
 
 
+def test_an_fp8_pool_holds_four_times_float32_and_twice_bfloat16() -> None:
+    sizes = {
+        dtype: pool_size(
+            KVLayout(**{**LAYOUT.model_dump(), "dtype": dtype}),
+            KVCacheSettings(budget_mb=64),
+            device="cpu",
+        ).num_blocks
+        for dtype in ("float32", "bfloat16", "fp8_e4m3", "fp8_e5m2")
+    }
+    assert sizes["fp8_e4m3"] == sizes["fp8_e5m2"] == 2 * sizes["bfloat16"] == 4 * sizes["float32"]
+
+
 def test_cpu_default_is_a_share_of_available_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kv_sizing, "available_host_memory", lambda: 8 * GIB)
     size = pool_size(LAYOUT, KVCacheSettings(memory_fraction=0.25), device="cpu")
