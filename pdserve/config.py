@@ -52,8 +52,10 @@ class EngineConfig(_Runtime):
     ``model_path`` is the resolved local Hugging Face model folder (config.json, safetensors,
     tokenizer). The KV pool gets exactly ``kv_cache.num_blocks`` blocks when set, else
     ``kv_cache.budget_mb``, else a share of the machine (:mod:`pdserve.workers.kv.sizing`), of
-    :attr:`cache_dtype` elements (attention computes in the model dtype and casts K/V on write
-    and read, so a narrower KV dtype halves the pool and the transfer at some precision).
+    ``kv_cache.dtype`` elements, else the model dtype's (attention computes in the model dtype
+    and casts K/V on write and read, so a narrower KV dtype halves the pool and the transfer at
+    some precision). ``model.dtype`` may be ``auto``: the runner resolves it
+    (:func:`pdserve.hardware.choose_dtype`).
     """
 
     model_path: Path
@@ -61,11 +63,6 @@ class EngineConfig(_Runtime):
     model: ModelSettings = ModelSettings()
     kv_cache: KVCacheSettings = KVCacheSettings()
     scheduler: SchedulerSettings = SchedulerSettings()
-
-    @property
-    def cache_dtype(self) -> str:
-        """The KV pool's dtype name: ``kv_cache.dtype``, else ``model.dtype``."""
-        return self.kv_cache.dtype or self.model.dtype
 
 
 class WorkerConfig(_Runtime):

@@ -50,6 +50,7 @@ class _Section(BaseModel):
 
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
 KVDtype = Literal["float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"]
 """KV storage dtypes: the model dtypes, and FP8 (``fp8_e4m3``: torch's float8_e4m3fn, range
 +-448; ``fp8_e5m2``: range +-57344), stored unscaled (scale 1.0) and saturated at the range."""
@@ -71,8 +72,11 @@ class ModelSettings(_Section):
         default=None,
         description="converted models; default: $PDSERVE_CACHE_DIR or ~/.cache/pdserve",
     )
-    dtype: Annotated[Dtype, Flag("--dtype", SERVING)] = Field(
-        default="float32", description="weights and activations"
+    dtype: Annotated[ModelDtype, Flag("--dtype", SERVING)] = Field(
+        default="auto",
+        description="weights and activations; auto: the checkpoint's dtype where the device "
+        "computes it natively (bfloat16 on CPUs with AMX, on GPUs with bf16), float16 for "
+        "other checkpoints on CUDA, else float32; the choice and its reason are logged",
     )
     device: Annotated[str, Flag("--device", SERVING)] = Field(
         default="cpu", description="'cpu', 'cuda' or 'cuda:N'"

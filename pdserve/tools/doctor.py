@@ -238,6 +238,22 @@ def check_cpus(facts: Facts) -> list[Finding]:
     return [Finding(Level.OK, "cpus", f"{facts.cpu_count} CPUs")]
 
 
+def check_cpu_features(flags: frozenset[str] | None = None) -> list[Finding]:
+    """The CPU's model and the features pdserve's CPU paths use (:mod:`pdserve.hardware`), and
+    what ``--dtype auto`` picks for a bfloat16 checkpoint here."""
+    from pdserve.hardware import CPU_FEATURES, cpu_flags, cpu_half_dtype, cpu_model
+
+    flags = cpu_flags() if flags is None else flags
+    have = [f for f in CPU_FEATURES if f in flags]
+    missing = [f for f in CPU_FEATURES if f not in flags]
+    bf16 = cpu_half_dtype(flags)
+    detail = f"{cpu_model()}: {' '.join(have) or 'none of ' + ' '.join(CPU_FEATURES)}"
+    if missing:
+        detail += f" (no {' '.join(missing)})"
+    detail += f"; --dtype auto runs a bfloat16 checkpoint in {bf16} here"
+    return [Finding(Level.OK, "cpu features", detail)]
+
+
 def check_environment(facts: Facts, wanted: str = "auto") -> list[Finding]:
     """All environment checks, in report order."""
     return [
@@ -247,6 +263,7 @@ def check_environment(facts: Facts, wanted: str = "auto") -> list[Finding]:
         *check_net_devices(facts),
         *check_progress(facts),
         *check_cpus(facts),
+        *check_cpu_features(),
     ]
 
 

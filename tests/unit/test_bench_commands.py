@@ -13,7 +13,8 @@ from pdserve.tools.bench_commands import BY_NAME, COMMANDS
 
 HELP = {
     "serve": ("--url", "--concurrency", "TTFT", "--config", "--compile"),
-    "transfer": ("--backends", "--integrity", "raw-socket", "memcpy"),
+    "transfer": ("--backends", "--integrity", "raw-socket", "memcpy", "--tp-pairs"),
+    "kv-dtype": ("--kv-dtypes", "--kv-cache-mb", "--batch", "fp8_e4m3"),
     "multiturn": ("--conversations", "--compare", "--prefill-workers", "--config", "hit rate"),
     "kv-restart": ("--prompt-tokens", "--disk-dir", "--config", "0.5x", "disk tier"),
     "compile": ("--threads", "--rounds", "--skip-startup", "eager", "torch.compile"),
@@ -26,7 +27,8 @@ HELP = {
 
 def test_every_benchmark_is_a_subcommand() -> None:
     assert [c.name for c in COMMANDS] == [
-        "serve", "transfer", "multiturn", "kv-restart", "compile", "formatter", "structured", "gpu",
+        "serve", "transfer", "multiturn", "kv-restart", "compile", "formatter", "structured",
+        "kv-dtype", "gpu",
     ]  # fmt: skip
     assert {c.settings for c in COMMANDS} == {"none", "config", "flags"}
     assert BY_NAME["serve"].settings == "flags" and BY_NAME["multiturn"].settings == "config"

@@ -125,7 +125,7 @@ class Engine:
             num_kv_heads=self.runner.num_kv_heads,
             head_dim=self.runner.head_dim,
             tokens_per_block=cfg.kv_cache.tokens_per_block,
-            dtype=cfg.cache_dtype,
+            dtype=cfg.kv_cache.dtype or self.runner.dtype_name,
             tp_size=cfg.model.tensor_parallel_size,
         )
         size = pool_size(

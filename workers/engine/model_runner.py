@@ -28,6 +28,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.errors import ConfigError
+from pdserve.hardware import choose_dtype
 from pdserve.workers.engine import parallel, probe
 from pdserve.workers.engine.attention import (
     METADATA_KWARG,
@@ -70,8 +71,12 @@ class ModelRunner:
         if cfg.scheduler.threads:
             torch.set_num_threads(cfg.scheduler.threads)  # process-wide intra-op pool
         self.device = torch.device(cfg.model.device)
-        self.dtype = TORCH_DTYPES[cfg.model.dtype]
         path = Path(cfg.model_path)
+        choice = choose_dtype(cfg.model.dtype, path, cfg.model.device)
+        if rank == 0:
+            log.info("model dtype %s: %s", choice.dtype, choice.reason)
+        self.dtype_name: str = choice.dtype
+        self.dtype = TORCH_DTYPES[choice.dtype]
         if not (path / "config.json").is_file():
             raise ConfigError(f"model folder {path} has no config.json")
         self.rank, self.tp_size = rank, cfg.model.tensor_parallel_size

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -34,8 +34,20 @@ from pdserve.workers.engine.scheduler import ScheduledBatch, ScheduledSequence
 from pdserve.workers.engine.sequence import Sequence
 from pdserve.workers.kv.manager import KVCacheManager
 
-if TYPE_CHECKING:
-    from pdserve.workers.engine.model_runner import ModelRunner
+
+class Runner(Protocol):
+    """What the probe needs of :class:`~pdserve.workers.engine.model_runner.ModelRunner`."""
+
+    model: Any
+    device: torch.device
+    dtype: torch.dtype
+    vocab_size: int
+    max_position_embeddings: int
+
+    def prepare_inputs(
+        self, batch: ScheduledBatch, kv_cache: KVCacheManager
+    ) -> tuple[torch.Tensor, torch.Tensor, Any, torch.Tensor]: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +108,7 @@ def capture_kv_shapes(model: Any, device: torch.device, num_layers: int) -> KVSh
 
 
 @torch.inference_mode()
-def check_against_reference(runner: ModelRunner, shape: KVShape) -> float:
+def check_against_reference(runner: Runner, shape: KVShape) -> float:
     """Pass 2 of the module docstring on ``runner`` (rank 0, before sharding and compiling).
     Returns the largest relative logit difference; raises ConfigError naming the family and
     the step when it exceeds :data:`TOLERANCE`."""

@@ -1,0 +1,99 @@
+"""What the machine computes natively, and the model dtype ``--dtype auto`` picks from it.
+
+Design origin: vLLM's ``--dtype auto`` (the checkpoint's dtype; on CUDA FP16 for FP32 and FP16
+checkpoints, BF16 for BF16 ones), with a CPU rule of our own: a half-precision checkpoint runs in
+bfloat16 only where the CPU has AMX tiles (``amx_bf16``: Intel Sapphire Rapids and later), since
+there oneDNN's bfloat16 GEMMs outrun float32; elsewhere it runs in float32. Measured on the
+AMD EPYC development machine (Zen 4: ``avx512_bf16``, no AMX), the compiled SmolLM2 decode step
+at batch 8 took 71 ms in bfloat16 against 51 ms in float32 (docs/benchmarks.md), so AVX-512 BF16
+alone is not enough. Torch-free unless a CUDA device is asked about.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
+"""The ``/proc/cpuinfo`` flags that decide pdserve's CPU paths (what ``pdserve doctor`` prints)."""
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``'s first ``flags`` line; empty elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or ``"unknown CPU"``."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def checkpoint_dtype(model_path: Path) -> str | None:
+    """The dtype a model folder's ``config.json`` declares (``dtype``, or the older
+    ``torch_dtype``), e.g. ``"bfloat16"``; None when it declares none or cannot be read."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = config.get("dtype") or config.get("torch_dtype")
+    return str(value).removeprefix("torch.") if value else None
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """The model dtype to run in (``float32``, ``bfloat16`` or ``float16``) and why."""
+
+    dtype: str
+    reason: str
+
+
+def choose_dtype(
+    requested: str, model_path: Path, device: str, flags: frozenset[str] | None = None
+) -> DtypeChoice:
+    """Resolve ``model.dtype`` (``requested``; ``"auto"`` by the rules of the module docstring,
+    anything else as given) for a model folder on ``device`` (``cpu``, ``cuda``, ``cuda:N``).
+    ``flags``: the CPU's (default: this machine's)."""
+    if requested != "auto":
+        return DtypeChoice(requested, "set by model.dtype / --dtype")
+    ckpt = checkpoint_dtype(model_path)
+    half = ckpt in ("bfloat16", "float16")
+    if device.startswith("cuda"):
+        if ckpt == "bfloat16" and _cuda_bf16(device):
+            return DtypeChoice("bfloat16", "the checkpoint's bfloat16, native on this GPU")
+        return DtypeChoice("float16", f"checkpoint {ckpt or 'dtype unknown'}: float16 on CUDA")
+    if not half:
+        return DtypeChoice("float32", f"the checkpoint's {ckpt or 'float32 (none declared)'}")
+    if cpu_half_dtype(cpu_flags() if flags is None else flags) == "bfloat16":
+        return DtypeChoice("bfloat16", f"checkpoint {ckpt}; this CPU has AMX (amx_bf16)")
+    return DtypeChoice(
+        "float32",
+        f"checkpoint {ckpt}, but this CPU has no AMX: bfloat16 without AMX tiles decodes slower "
+        "than float32 (set --dtype bfloat16 to force it)",
+    )
+
+
+def cpu_half_dtype(flags: frozenset[str]) -> str:
+    """What a half-precision checkpoint runs in on a CPU with ``flags``: ``bfloat16`` with AMX
+    (``amx_bf16``), else ``float32``."""
+    return "bfloat16" if "amx_bf16" in flags else "float32"
+
+
+def _cuda_bf16(device: str) -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
