@@ -1,6 +1,6 @@
-"""Every common decoder family through the whole disaggregated path: router + prefill + decode
-worker processes (eager, ``--no-compile``; the router hands every request off) serve each
-family's tiny random model (:mod:`tests.support.families`) with transformers' greedy tokens and
+"""Every common decoder family through the whole disaggregated path: router + prefill (compiled
+forward) + decode (eager, ``--no-compile``) worker processes (the router hands every request
+off) serve each family's tiny random model (:mod:`tests.support.families`) with transformers' greedy tokens and
 logprobs, read from the completions API (prompt as token ids, ``ignore_eos``, ``logprobs=0``).
 
 Every family listed is supported (docs/models.md): a worker that refuses its model at load or
@@ -29,7 +29,7 @@ from tests.support.families import (
     hf_reference,
     mismatches,
 )
-from tests.support.stack import Stack, start_stack
+from tests.support.stack import Stack
 
 
 @dataclass
@@ -43,16 +43,24 @@ class FamilyStack:
 def family_stack(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[FamilyStack]:
-    """Router + 1 prefill + 1 decode (eager) on one family's tiny model."""
+    """Router + 1 prefill (compiled forward) + 1 decode (eager) on one family's tiny model:
+    the tokens cross both forwards and the hand-off."""
     family: str = request.param
     model_dir = family_model_dir(tmp_path_factory, family)
     started = time.perf_counter()
-    stack = start_stack(
-        model_dir,
-        family,
-        tmp_path_factory.mktemp(f"stack-{family}"),
-        extra_worker_args=("--no-compile",),
+    stack = Stack(
+        model_dir=model_dir,
+        served_model_name=family,
+        log_dir=tmp_path_factory.mktemp(f"stack-{family}"),
     )
+    try:
+        stack.start_router()
+        stack.start_worker("prefill", "prefill-0", ("--compile",))
+        stack.start_worker("decode", "decode-0", ("--no-compile",))
+        stack.wait_ready(2)
+    except BaseException:
+        stack.stop()
+        raise
     print(f"\n[{family}] stack ready in {time.perf_counter() - started:.1f} s")
     try:
         yield FamilyStack(family, stack, model_dir)
@@ -93,3 +101,11 @@ def test_greedy_completions_equal_transformers_generate(family_stack: FamilyStac
     assert not bad, f"{fs.family}: {len(bad)} of {len(prompts)} prompts differ\n  " + "\n  ".join(
         bad
     )
+
+
+def test_the_prefill_worker_runs_the_compiled_forward(family_stack: FamilyStack) -> None:
+    """The completions above crossed the compiled forward: the prefill worker compiled it at
+    start-up and never fell back to eager."""
+    log = family_stack.stack.procs["prefill-0"].log()
+    assert "compiled the model forward in" in log, f"{family_stack.family}: not compiled"
+    assert "running eagerly" not in log, f"{family_stack.family}: fell back to eager"
