@@ -85,32 +85,10 @@ def byte_tokenizer() -> Any:
 
 def build_random_llama(path: Path, *, seed: int = 0, arch: dict[str, Any] | None = None) -> Path:
     """Write a randomly initialised float32 ``LlamaForCausalLM`` (:data:`TINY_ARCH` with
-    ``arch`` over it) and :func:`byte_tokenizer` into the folder ``path``; return ``path``.
-    Deterministic for a given ``seed``; the global torch RNG is left untouched."""
-    import torch
-    import transformers
-
-    hf: Any = transformers  # no complete annotations
-    path.mkdir(parents=True, exist_ok=True)
-    tok = byte_tokenizer()
-    ids = {t: tok.convert_tokens_to_ids(t) for t in BYTE_SPECIAL_TOKENS}
-    config = hf.LlamaConfig(
-        **{"vocab_size": len(tok), **TINY_ARCH, **(arch or {})},
-        bos_token_id=ids["<|bos|>"],
-        eos_token_id=ids["<|eos|>"],
-        pad_token_id=ids["<|pad|>"],
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = hf.LlamaForCausalLM(config).to(torch.float32).eval()
-    model.generation_config = hf.GenerationConfig(
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
-    )
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    ``arch`` over it) and :func:`byte_tokenizer` into the folder ``path``; return ``path``
+    (:func:`build_random_model` of the ``llama`` family). Deterministic for a given ``seed``;
+    the global torch RNG is left untouched."""
+    return build_random_model(path, "llama", seed=seed, arch=arch)
 
 
 def build_smollm2_like(path: Path, *, seed: int = 0, init_std: float = 0.02) -> Path:
@@ -206,10 +184,13 @@ sqrt(hidden) and built with std 0.25 / sqrt(hidden) (:func:`build_random_model`)
 head would turn into near-tied logits."""
 
 
-def build_random_model(path: Path, family: str, *, seed: int = 0) -> Path:
+def build_random_model(
+    path: Path, family: str, *, seed: int = 0, arch: dict[str, Any] | None = None
+) -> Path:
     """Write a randomly initialised float32 model of decoder ``family`` (a key of
     :data:`FAMILY_ARCH`: :data:`TINY_ARCH`, less the fields its config class does not declare,
-    with the family's fields over it) and :func:`byte_tokenizer` into the folder ``path``;
+    with the family's fields over it, and ``arch`` over those) and :func:`byte_tokenizer` into
+    the folder ``path``;
     return ``path``. Weights follow the model's own init with ``initializer_range`` 0.25 (as
     :func:`build_random_llama`), and bias vectors (zero at init, e.g. Qwen2's q/k/v biases)
     get the same N(0, 0.25) so that loading them is exercised too. An embedding the model scales
@@ -229,9 +210,9 @@ def build_random_model(path: Path, family: str, *, seed: int = 0) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     tok = byte_tokenizer()
     ids = {t: tok.convert_tokens_to_ids(t) for t in BYTE_SPECIAL_TOKENS}
-    arch = {k: v for k, v in TINY_ARCH.items() if k in declared}
+    base = {k: v for k, v in TINY_ARCH.items() if k in declared}
     config = config_cls(
-        **{"vocab_size": len(tok), **arch, **overrides},
+        **{"vocab_size": len(tok), **base, **overrides, **(arch or {})},
         bos_token_id=ids["<|bos|>"],
         eos_token_id=ids["<|eos|>"],
         pad_token_id=ids["<|pad|>"],

@@ -122,16 +122,11 @@ class Prefill(SpawnedPeer):
         )
 
     def expected(self, name: str, block_ids: list[int], num_tokens: int) -> torch.Tensor:
-        """What the prefill pool ``name`` holds for those blocks (regenerated from its seed)."""
-        seed = list(PREFILL_LAYOUTS).index(name)
-        return token_kv(random_pool(PREFILL_LAYOUTS[name], NUM_BLOCKS, seed), block_ids, num_tokens)
-
-    def expected_heads(self, name: str, block_ids: list[int], num_tokens: int) -> torch.Tensor:
-        """:meth:`expected` with every KV head side by side, whatever the pool's rank split
-        (``[L, 2, num_tokens, num_kv_heads, hd]``; random_pool draws the same values for every
-        split and gives each rank its heads)."""
-        layout = PREFILL_LAYOUTS[name]
-        whole = KVLayout(**{**layout.model_dump(), "tp_size": 1})
+        """What the prefill pool ``name`` holds for those blocks, regenerated from its seed,
+        every KV head side by side whatever the pool's rank split (``[L, 2, num_tokens,
+        num_kv_heads, hd]``: random_pool draws the same values for every split and gives each
+        rank its heads)."""
+        whole = KVLayout(**{**PREFILL_LAYOUTS[name].model_dump(), "tp_size": 1})
         seed = list(PREFILL_LAYOUTS).index(name)
         return token_kv(random_pool(whole, NUM_BLOCKS, seed), block_ids, num_tokens)
 
@@ -180,47 +175,25 @@ async def decode_factory(prefill: Prefill) -> AsyncIterator[DecodeFactory]:
         ("bf16-16", F32_16, 40),  # bfloat16 prefill into float32 decode
         ("bf16-16", F32_32, 70),  # both at once
         ("fp8-16", F32_32, 40),  # an FP8 prefill cache widened (exactly) and re-blocked
-    ],
-)
-async def test_mixed_layouts_land_every_token_in_the_decode_layout(
-    prefill: Prefill, decode_factory: DecodeFactory, src: str, dst_layout: KVLayout, num_tokens: int
-) -> None:
-    decode = await decode_factory(dst_layout)
-    src_ids = [40, 3, 17, 18, 60][
-        : blocks_for_tokens(num_tokens, PREFILL_LAYOUTS[src].tokens_per_block)
-    ]
-    dst_ids = [9, 2, 30, 31, 5][: blocks_for_tokens(num_tokens, dst_layout.tokens_per_block)]
-    await decode.transceiver.pull(
-        prefill.park(src, f"m-{src}-{num_tokens}", src_ids, num_tokens), dst_ids
-    )
-    expected = prefill.expected(src, src_ids, num_tokens).to(decode.pool.dtype)
-    assert torch.equal(token_kv(decode.pool, dst_ids, num_tokens), expected)
-    untouched = [b for b in range(NUM_BLOCKS) if b not in dst_ids]
-    assert not decode.pool[:, untouched].any()
-    assert prefill.wait_released(src) == 0
-
-
-@pytest.mark.parametrize(
-    ("src", "dst_layout", "num_tokens"),
-    [
         ("f32-16", TP2_16, 40),  # TP 1 -> 2: split, each decode rank gets its own head
         ("tp2-16", F32_16, 40),  # TP 2 -> 1: merge
         ("tp2-16", TP4_32, 70),  # TP 2 -> 4 (replicated heads) and 16 -> 32 tokens per block
         ("tp2-16", TP2_16, 40),  # equal rank layouts: shard by shard, zero-copy
     ],
 )
-async def test_tensor_parallel_layouts_land_each_rank_its_heads(
+async def test_mixed_layouts_land_every_token_in_each_decode_rank(
     prefill: Prefill, decode_factory: DecodeFactory, src: str, dst_layout: KVLayout, num_tokens: int
 ) -> None:
+    """Every token's K/V lands in the decode layout, each decode rank holding exactly its KV
+    heads (the whole pool when the decode side is one rank); no other block is written."""
     decode = await decode_factory(dst_layout)
     src_ids = [40, 3, 17, 18, 60][
         : blocks_for_tokens(num_tokens, PREFILL_LAYOUTS[src].tokens_per_block)
     ]
     dst_ids = [9, 2, 30, 31, 5][: blocks_for_tokens(num_tokens, dst_layout.tokens_per_block)]
-    await decode.transceiver.pull(
-        prefill.park(src, f"tp-{src}-{dst_layout.tp_size}", src_ids, num_tokens), dst_ids
-    )
-    full = prefill.expected_heads(src, src_ids, num_tokens)  # [L, 2, T, all heads, hd]
+    rid = f"m-{src}-{dst_layout.tp_size}-{dst_layout.tokens_per_block}-{num_tokens}"
+    await decode.transceiver.pull(prefill.park(src, rid, src_ids, num_tokens), dst_ids)
+    full = prefill.expected(src, src_ids, num_tokens).to(decode.pool.dtype)
     shards = decode.pool.unbind(0) if dst_layout.tp_size > 1 else (decode.pool,)
     untouched = [b for b in range(NUM_BLOCKS) if b not in dst_ids]
     for rank, shard in enumerate(shards):

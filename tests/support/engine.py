@@ -102,8 +102,11 @@ def copy_blocks_bytewise(
 def split_complete(
     prefill: Engine, decode: Engine, rid: str, prompt: list[int], sampling: SamplingParams
 ) -> Completion:
-    """Prefill leg on ``prefill`` (parks the blocks), reserve + copy + resume on ``decode``."""
-    (first,) = run(prefill, [EngineRequest(rid, prompt, sampling, mode="prefill")])[rid]
+    """Prefill leg on ``prefill`` (parks the blocks), reserve + copy + resume on ``decode``.
+    Raises AssertionError naming the leg when an output carries an engine error."""
+    outs = run(prefill, [EngineRequest(rid, prompt, sampling, mode="prefill")])[rid]
+    _no_errors(outs, "prefill")
+    (first,) = outs
     assert len(first.token_ids) == 1
     if first.finish_reason is not None:
         assert first.parked_block_ids is None
@@ -114,7 +117,14 @@ def split_complete(
     prefill.free_parked(rid)
     resume = EngineRequest(rid, prompt, sampling, mode="resume", first_token=first.token_ids[0])
     rest = run(decode, [resume])[rid]
+    _no_errors(rest, "decode")
     return joined([first, *rest])
+
+
+def _no_errors(outs: list[EngineOutput], leg: str) -> None:
+    for out in outs:
+        if out.error is not None:
+            raise AssertionError(f"{leg} leg failed: {out.error}")
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:  # noqa: ANN001

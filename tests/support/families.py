@@ -21,8 +21,8 @@ import torch
 
 from pdserve.protocol import SamplingParams
 from pdserve.tools.bench_models import FAMILY_ARCH, build_random_model
-from pdserve.workers.engine.engine import Engine, EngineOutput, EngineRequest
-from tests.support.engine import Completion, copy_blocks_bytewise, joined, run, tiny_prompts
+from pdserve.workers.engine.engine import Engine
+from tests.support.engine import Completion, split_complete, tiny_prompts
 
 FAMILIES: tuple[str, ...] = tuple(FAMILY_ARCH)
 """Family names (keys of :data:`pdserve.tools.bench_models.FAMILY_ARCH`)."""
@@ -160,12 +160,6 @@ def mismatches(
     return bad
 
 
-def _check(outs: list[EngineOutput], leg: str) -> None:
-    for out in outs:
-        if out.error is not None:
-            raise AssertionError(f"{leg} leg failed: {out.error}")
-
-
 def split_greedy(
     prefill: Engine,
     decode: Engine,
@@ -173,20 +167,5 @@ def split_greedy(
     prompt: list[int],
     sampling: SamplingParams = GREEDY,
 ) -> Completion:
-    """:func:`tests.support.engine.split_complete` with the legs' errors in the failure: the
-    prefill leg parks its blocks, they are copied byte-wise, the decode engine resumes."""
-    outs = run(prefill, [EngineRequest(rid, prompt, sampling, mode="prefill")])[rid]
-    _check(outs, "prefill")
-    (first,) = outs
-    assert len(first.token_ids) == 1
-    if first.finish_reason is not None:
-        assert first.parked_block_ids is None
-        return joined([first])
-    assert first.parked_block_ids is not None
-    dst = decode.reserve(rid, prompt, sampling).block_ids
-    copy_blocks_bytewise(prefill, first.parked_block_ids, decode, dst)
-    prefill.free_parked(rid)
-    resume = EngineRequest(rid, prompt, sampling, mode="resume", first_token=first.token_ids[0])
-    rest = run(decode, [resume])[rid]
-    _check(rest, "decode")
-    return joined([first, *rest])
+    """:func:`tests.support.engine.split_complete`, greedy by default."""
+    return split_complete(prefill, decode, rid, prompt, sampling)
