@@ -22,7 +22,6 @@ import pickle
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -66,8 +65,6 @@ class ModelRunner:
     ranks."""
 
     def __init__(self, cfg: EngineConfig, *, rank: int = 0):
-        from transformers import AutoModelForCausalLM
-
         if cfg.scheduler.threads:
             torch.set_num_threads(cfg.scheduler.threads)  # process-wide intra-op pool
         self.device = torch.device(cfg.model.device)
@@ -94,13 +91,16 @@ class ModelRunner:
             parallel.check_shardable(text, self.tp_size, path)
             self.ranks = parallel.RankGroup(cfg, rank_main)
         try:
-            self._load(cfg, path, AutoModelForCausalLM)
+            self._load(cfg, path)
         except BaseException:
             self.close()
             raise
 
-    def _load(self, cfg: EngineConfig, path: Path, auto: Any) -> None:
-        self.model = auto.from_pretrained(
+    def _load(self, cfg: EngineConfig, path: Path) -> None:
+        """Load, check (:mod:`~pdserve.workers.engine.probe`), shard and compile the model."""
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(
             path,
             dtype=self.dtype,
             attn_implementation=register_paged_attention(),
