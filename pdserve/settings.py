@@ -93,6 +93,13 @@ class ModelSettings(_Section):
         "or a multiple of them. Prefill and decode workers may differ: the KV transfer maps "
         "heads between the splits",
     )
+    quantization: Annotated[Literal["none", "int8"], Flag("--quantization", SERVING)] = Field(
+        default="none",
+        description="int8: weight-only int8 of every linear layer but the LM head (torchao's "
+        "Int8WeightOnlyConfig; pip install 'pdserve[int8]'): a quarter of float32's weight "
+        "memory, at the quality cost docs/benchmarks.md reports; the forward then runs eagerly "
+        "(the compiled CPU forward prepacks float weights)",
+    )
     load_check: Annotated[bool, Flag("--load-check", SERVING)] = Field(
         default=True,
         description="at start-up, run a 48-token prompt through the paged attention and "

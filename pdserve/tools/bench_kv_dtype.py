@@ -1,8 +1,9 @@
-"""``pdserve bench kv-dtype``: what a KV storage dtype costs and keeps, in one run.
+"""``pdserve bench kv-dtype``: what a KV storage dtype (and int8 weights) cost and keep, in one run.
 
-For each ``--kv-dtypes`` value, one in-process engine over the same model (the default model
-unless ``--model``): the pool's blocks for ``--kv-cache-mb``, greedy answers to a few chat
-prompts compared with the first dtype's (the reference), and the decode step time of
+For each ``--quantization`` x ``--kv-dtypes`` pair, one in-process engine over the same model
+(the default model unless ``--model``): the pool's blocks for ``--kv-cache-mb``, greedy
+answers to a few chat prompts compared with the first pair's (the reference), the perplexity
+of a fixed English text (from the engine's prompt logprobs), and the decode step time of
 ``--batch`` sequences generating ``--tokens`` tokens together (after a warm-up). Diagnostic
 code: it builds engines directly, never a server.
 """
@@ -10,6 +11,7 @@ code: it builds engines directly, never a server.
 from __future__ import annotations
 
 import argparse
+import math
 import threading
 import time
 from pathlib import Path
@@ -17,6 +19,15 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pdserve.workers.engine.engine import Engine, EngineOutput, EngineRequest
+
+TEXT = (
+    "The prefill phase computes the key and value tensors of every prompt token in one "
+    "forward pass, while the decode phase produces one token per step and reads the whole "
+    "cache each time. Serving systems therefore separate the two phases onto different "
+    "workers, move the cache between them over the network, and tune each pool for its own "
+    "bottleneck: compute for prefill, memory bandwidth for decode."
+)
+"""The fixed text whose perplexity the benchmark reports."""
 
 PROMPTS = (
     "What is the capital of France?",
@@ -38,6 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=128, help="tokens each sequence decodes")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="eager forward")
+    p.add_argument(
+        "--quantization", nargs="+", default=["none"], choices=["none", "int8"],
+        help="weights: none (the model dtype) and/or int8 (weight-only, torchao)",
+    )  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
@@ -49,13 +64,15 @@ def main(args: argparse.Namespace) -> int:
     from pdserve.workers.engine.engine import Engine, EngineRequest
 
     path = resolve_model(args.model, cache_dir=None)
-    answers: dict[str, list[list[int]]] = {}
+    answers: dict[tuple[str, str], list[list[int]]] = {}
     print(f"model {Path(path).name}, {args.kv_cache_mb} MiB pool, {args.batch} x {args.tokens}")
-    print(f"{'kv dtype':<10}{'blocks':>8}{'answers = ref':>15}{'ms/step':>9}")
-    for dtype in args.kv_dtypes:
+    print(
+        f"{'weights':<8}{'kv dtype':<10}{'blocks':>8}{'answers = ref':>15}{'ppl':>8}{'ms/step':>9}"
+    )
+    for weights, dtype in ((w, d) for w in args.quantization for d in args.kv_dtypes):
         cfg = EngineConfig(
             model_path=path,
-            model=ModelSettings(compile=args.compile),
+            model=ModelSettings(compile=args.compile, quantization=weights),
             kv_cache=KVCacheSettings(dtype=dtype, budget_mb=args.kv_cache_mb),
             scheduler=SchedulerSettings(threads=args.threads, max_num_seqs=max(args.batch, 4)),
         )
@@ -64,10 +81,11 @@ def main(args: argparse.Namespace) -> int:
         try:
             prompts = [_chat(engine, q) for q in PROMPTS]
             greedy = SamplingParams(max_tokens=32, temperature=0.0)
-            answers[dtype] = [
+            answers[weights, dtype] = [
                 _tokens(_run(engine, [EngineRequest(f"a{i}", p, greedy)])[0])
                 for i, p in enumerate(prompts)
             ]
+            ppl = _perplexity(engine)
             long = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
             _run(engine, [EngineRequest(f"w{i}", prompts[i % 4], long) for i in range(2)])
             started = time.perf_counter()
@@ -75,10 +93,11 @@ def main(args: argparse.Namespace) -> int:
             step_ms = (time.perf_counter() - started) / args.tokens * 1e3
         finally:
             engine.shutdown()
-        ref = answers[args.kv_dtypes[0]]
-        same = sum(a == b for a, b in zip(answers[dtype], ref, strict=True))
+        ref = answers[args.quantization[0], args.kv_dtypes[0]]
+        same = sum(a == b for a, b in zip(answers[weights, dtype], ref, strict=True))
         blocks = engine.kv_cache.num_blocks
-        print(f"{dtype:<10}{blocks:>8}{f'{same} of {len(ref)}':>15}{step_ms:>9.1f}", flush=True)
+        print(f"{weights:<8}{dtype:<10}{blocks:>8}{f'{same} of {len(ref)}':>15}{ppl:>8.2f}"
+              f"{step_ms:>9.1f}", flush=True)  # fmt: skip
     return 0
 
 
@@ -107,6 +126,18 @@ def _run(engine: Engine, reqs: list[EngineRequest]) -> list[list[EngineOutput]]:
     if not done.wait(600):
         raise TimeoutError("the benchmark's requests did not finish within 600 s")
     return [outs[r.request_id] for r in reqs]
+
+
+def _perplexity(engine: Engine) -> float:
+    """exp of the mean negative log-likelihood of :data:`TEXT`'s tokens after the first."""
+    from pdserve.protocol import SamplingParams
+    from pdserve.workers.engine.engine import EngineRequest
+
+    ids = list(engine.tokenizer(TEXT, add_special_tokens=False)["input_ids"])
+    sampling = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    (first, *_) = _run(engine, [EngineRequest("ppl", ids, sampling)])[0]
+    lps = [lp.logprob for lp in first.prompt_logprobs or () if lp is not None]
+    return math.exp(-sum(lps) / len(lps)) if lps else math.nan
 
 
 def _tokens(outs: list[EngineOutput]) -> list[int]:

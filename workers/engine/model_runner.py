@@ -114,6 +114,8 @@ class ModelRunner:
                 f"{path}: {type(self.model).__name__} has {', '.join(other)} layers; the paged "
                 f"attention serves {' and '.join(sorted(SUPPORTED_LAYER_TYPES))} layers only"
             )
+        if cfg.model.quantization == "int8":
+            quantize_int8(self.model, self.tp_size)
         self.num_layers: int = text.num_hidden_layers
         self.vocab_size: int = text.vocab_size
         self.max_position_embeddings: int = text.max_position_embeddings
@@ -139,7 +141,10 @@ class ModelRunner:
             )
         self.compiled: CompiledForward | None = None
         if cfg.model.compile and self.device.type == "cpu" and self.tp_size == 1:
-            self.compiled = self._compile()
+            if cfg.model.quantization == "none":
+                self.compiled = self._compile()
+            else:
+                log.info("int8 weights: the forward runs eagerly (prepacking needs float weights)")
 
     def _compile(self) -> CompiledForward | None:
         """Prepack and compile now (start-up), or None (eager) when that fails."""
@@ -325,6 +330,28 @@ class ModelRunner:
             self._workspace = None  # release the old one first
             ws = self._workspace = torch.empty(size, dtype=pool.dtype, device=pool.device)
         return ws
+
+
+def quantize_int8(model: torch.nn.Module, tp_size: int) -> None:
+    """Weight-only int8 for every ``nn.Linear`` of ``model`` but the LM head, in place
+    (torchao's ``Int8WeightOnlyConfig``: per-channel scales, activations stay in the model
+    dtype). Raises ConfigError when torchao is missing or the worker is tensor parallel (the
+    sharding slices float weights)."""
+    if tp_size > 1:
+        raise ConfigError("--quantization int8 with --tensor-parallel-size > 1 is not supported")
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    except ImportError as exc:
+        raise ConfigError(
+            f"--quantization int8 needs torchao: pip install 'pdserve[int8]' ({exc})"
+        ) from exc
+    head = getattr(model, "lm_head", None)
+
+    def keep(module: torch.nn.Module, name: str) -> bool:
+        return isinstance(module, torch.nn.Linear) and module is not head
+
+    quantize_(model, Int8WeightOnlyConfig(), filter_fn=keep)
+    log.info("weights quantized to int8 (weight-only; the LM head stays %s)", model.dtype)
 
 
 def rank_main(cfg: EngineConfig, rank: int, port: int, pipe: Connection) -> None:
