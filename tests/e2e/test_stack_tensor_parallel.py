@@ -119,9 +119,11 @@ def _rank_pids(worker_pid: int) -> list[int]:
 
 
 def test_a_dead_rank_takes_its_worker_down(tiny: Stack) -> None:
-    """Kill one rank of the TP=2 decode worker: the worker stops itself with a non-zero exit
+    """Kill one rank of a TP=2 decode worker: the worker stops itself with a non-zero exit
     (the supervisor of ``pdserve up`` restarts such a worker) and leaves the registry."""
-    name = "d-tp2b"
+    name = "d-doomed"
+    tiny.start_worker("decode", name, ("--tensor-parallel-size", "2"))
+    wait_until_sync(lambda: name in _tp(tiny), 120.0, interval_s=0.2, what=f"{name} to register")
     worker = tiny.procs[name]
     ranks = _rank_pids(worker.pid)
     assert len(ranks) == 1, ranks
