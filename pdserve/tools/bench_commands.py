@@ -361,6 +361,26 @@ fp8_e5m2).
 """
 
 
+def _router_arguments(p: argparse.ArgumentParser) -> None:
+    from pdserve.tools.bench_router import add_arguments
+
+    add_arguments(p)
+
+
+def _run_router(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
+    from pdserve.tools.bench_router import main
+
+    return main(args)
+
+
+ROUTER_DESCRIPTION = """\
+What the router adds to a request: a scripted worker (no model, --tokens NDJSON chunks at once)
+and a real router in a child process; the same streamed requests straight to the worker's
+request plane and through the router's /v1/completions, p50 latency of each and the difference
+per --concurrency, and the router's completed requests per second.
+"""
+
+
 COMMANDS: tuple[BenchCommand, ...] = (
     BenchCommand(
         "serve",
@@ -420,6 +440,13 @@ COMMANDS: tuple[BenchCommand, ...] = (
         KV_DTYPE_DESCRIPTION,
         _kv_dtype_arguments,
         _run_kv_dtype,
+    ),
+    BenchCommand(
+        "router",
+        "the router's added latency and request rate, over a scripted worker",
+        ROUTER_DESCRIPTION,
+        _router_arguments,
+        _run_router,
     ),
     BenchCommand(
         "gpu",

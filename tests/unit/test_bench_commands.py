@@ -14,6 +14,7 @@ from pdserve.tools.bench_commands import BY_NAME, COMMANDS
 HELP = {
     "serve": ("--url", "--concurrency", "TTFT", "--config", "--compile"),
     "transfer": ("--backends", "--integrity", "raw-socket", "memcpy", "--tp-pairs"),
+    "router": ("--concurrency", "--requests", "scripted worker", "difference"),
     "kv-dtype": ("--kv-dtypes", "--kv-cache-mb", "--batch", "fp8_e4m3"),
     "multiturn": ("--conversations", "--compare", "--prefill-workers", "--config", "hit rate"),
     "kv-restart": ("--prompt-tokens", "--disk-dir", "--config", "0.5x", "disk tier"),
@@ -28,7 +29,7 @@ HELP = {
 def test_every_benchmark_is_a_subcommand() -> None:
     assert [c.name for c in COMMANDS] == [
         "serve", "transfer", "multiturn", "kv-restart", "compile", "formatter", "structured",
-        "kv-dtype", "gpu",
+        "kv-dtype", "router", "gpu",
     ]  # fmt: skip
     assert {c.settings for c in COMMANDS} == {"none", "config", "flags"}
     assert BY_NAME["serve"].settings == "flags" and BY_NAME["multiturn"].settings == "config"

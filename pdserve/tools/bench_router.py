@@ -1,0 +1,219 @@
+"""``pdserve bench router``: what the router adds to a request, and how many it can route.
+
+A child process serves, in one event loop, a scripted colocated worker (its request plane
+answers every ``/internal/generate`` at once with ``--tokens`` NDJSON chunks, no model) and
+a real router app (``pdserve.server.app.create_app``) whose discovery view holds that worker.
+This process sends the same streamed requests two ways, at each ``--concurrency``: through
+the router's ``/v1/completions`` (prompt as token ids) and straight to the worker's
+``/internal/generate`` (what the router itself sends). The router's added latency is the
+difference of the two p50s; its request rate is the router path's completed requests per
+second. Client, router and worker share the machine: on few cores the figures include their
+contention (the CPU model is printed). Diagnostic code: the scripted worker is the
+benchmark's own, never a serving path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+SECRET_ENV = "PDSERVE_BENCH_ROUTER_SECRET"
+_PREFIX = "BENCH-ROUTER "
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``pdserve bench router``."""
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--requests", type=int, default=200, help="requests per concurrency and path")
+    p.add_argument("--tokens", type=int, default=16, help="tokens each stream carries")
+    p.add_argument("--prompt-tokens", type=int, default=256, help="prompt length (token ids)")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Start the child, measure both paths per concurrency, print the table; returns 0."""
+    from pdserve.hardware import cpu_model
+    from pdserve.security import generate_secret
+
+    env = {**os.environ, SECRET_ENV: generate_secret()}
+    cmd = [sys.executable, "-m", "pdserve.tools.bench_router", str(args.tokens)]
+    child = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        line = child.stdout.readline()
+        if not line.startswith(_PREFIX):
+            raise RuntimeError(f"the benchmark's server did not start: {line!r}")
+        urls = json.loads(line[len(_PREFIX) :])
+        rows = asyncio.run(_measure(args, urls, env[SECRET_ENV]))
+    finally:
+        if child.stdin is not None:
+            child.stdin.close()
+        child.wait(15)
+    print(f"router overhead on {cpu_model()} ({os.cpu_count()} CPUs), {args.tokens}-token "
+          f"streams, {args.prompt_tokens}-token prompts, {args.requests} requests per row")  # fmt: skip
+    print(
+        f"{'conc':>5}{'direct p50 ms':>15}{'router p50 ms':>15}{'added ms':>10}{'router req/s':>14}"
+    )
+    for c, direct, routed, rate in rows:
+        print(f"{c:>5}{direct:>15.2f}{routed:>15.2f}{routed - direct:>10.2f}{rate:>14.1f}")
+    return 0
+
+
+async def _measure(
+    args: argparse.Namespace, urls: dict[str, str], secret: str
+) -> list[tuple[int, float, float, float]]:
+    import httpx
+
+    from pdserve.protocol import GenerationRequest, SamplingParams
+    from pdserve.security import ClusterKey
+
+    key = ClusterKey(secret.encode())
+    prompt = [1000 + i % 5000 for i in range(args.prompt_tokens)]
+    sampling = SamplingParams(max_tokens=args.tokens, temperature=0.0)
+    rows = []
+    limits = httpx.Limits(max_connections=max(args.concurrency) + 4)
+    # Without TCP_NODELAY the client's request body waits for the ACK of its headers, which the
+    # server delays by 40 ms (Nagle + delayed ACK): that would be the figure, not the router.
+    nodelay = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
+    transport = httpx.AsyncHTTPTransport(limits=limits, socket_options=nodelay)
+    async with httpx.AsyncClient(timeout=60, transport=transport, trust_env=False) as http:
+
+        async def direct(i: int) -> None:
+            req = GenerationRequest(
+                request_id=f"d{i}", prompt_token_ids=tuple(prompt), sampling=sampling,
+                deadline=time.time() + 60,
+            )  # fmt: skip
+            headers = {**key.http_headers(), "content-type": "application/json"}
+            async with http.stream(
+                "POST", f"{urls['worker']}/internal/generate", content=req.model_dump_json(),
+                headers=headers,
+            ) as resp:  # fmt: skip
+                resp.raise_for_status()
+                async for _ in resp.aiter_lines():
+                    pass
+
+        async def routed(i: int) -> None:
+            body = {"model": urls["model"], "prompt": prompt, "max_tokens": args.tokens,
+                    "temperature": 0, "stream": True}  # fmt: skip
+            async with http.stream("POST", f"{urls['router']}/v1/completions", json=body) as resp:
+                resp.raise_for_status()
+                async for _ in resp.aiter_lines():
+                    pass
+
+        for c in args.concurrency:
+            d, _ = await _run(direct, args.requests, c)
+            r, seconds = await _run(routed, args.requests, c)
+            rows.append((c, d, r, args.requests / seconds))
+    return rows
+
+
+async def _run(one: Any, n: int, concurrency: int) -> tuple[float, float]:
+    """Run ``one(i)`` for i < n, ``concurrency`` at a time; (p50 latency ms, wall seconds)."""
+    times: list[float] = []
+    sem = asyncio.Semaphore(concurrency)
+
+    async def timed(i: int) -> None:
+        async with sem:
+            start = time.perf_counter()
+            await one(i)
+            times.append(time.perf_counter() - start)
+
+    await asyncio.gather(*(timed(i) for i in range(min(concurrency, n))))  # warm-up
+    times.clear()
+    start = time.perf_counter()
+    await asyncio.gather(*(timed(i) for i in range(n)))
+    return statistics.median(times) * 1e3, time.perf_counter() - start
+
+
+async def _serve(tokens: int) -> None:
+    """The child: the scripted worker and the router, until stdin closes."""
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response, StreamingResponse
+    from starlette.routing import Route
+
+    from pdserve.config import RouterConfig
+    from pdserve.models import resolve_model
+    from pdserve.protocol import (
+        FinishReason,
+        GenerationChunk,
+        GenerationRequest,
+        KVLayout,
+        Role,
+        WorkerLoad,
+        WorkerRecord,
+    )  # fmt: skip
+    from pdserve.security import ClusterKey
+    from pdserve.server.app import create_app
+    from pdserve.workers.roles.app import bind_socket
+
+    key = ClusterKey(os.environ[SECRET_ENV].encode())
+
+    async def generate(request: Request) -> Response:
+        if not key.check_http(request.headers.get("authorization")):
+            return Response(status_code=401)
+        req = GenerationRequest.model_validate_json(await request.body())
+
+        async def stream() -> Any:
+            for i in range(tokens):
+                last = i == tokens - 1
+                yield GenerationChunk(
+                    request_id=req.request_id, token_ids=(65 + i % 26,), text=chr(65 + i % 26),
+                    finish_reason=FinishReason.LENGTH if last else None,
+                ).model_dump_json().encode() + b"\n"  # fmt: skip
+
+        return StreamingResponse(stream(), media_type="application/x-ndjson")
+
+    worker = Starlette(routes=[Route("/internal/generate", generate, methods=["POST"])])
+
+    socks = [bind_socket("127.0.0.1", 0) for _ in range(2)]  # the workers' listening socket
+    worker_url, router_url = (f"http://127.0.0.1:{s.getsockname()[1]}" for s in socks)
+    model_path = resolve_model(None)
+    layout = KVLayout(model="bench", num_layers=1, num_kv_heads=1, head_dim=8,
+                      tokens_per_block=16, dtype="float32")  # fmt: skip
+    record = key.sign_record(
+        WorkerRecord(
+            role=Role.COLOCATED,
+            worker_id="bench-worker",
+            epoch=1,
+            model="bench",
+            http_url=worker_url,
+            layout=layout,
+            load=WorkerLoad(free_blocks=1 << 20, total_blocks=1 << 20),
+        )  # fmt: skip
+    )
+
+    class Watcher:
+        def workers(self) -> dict[str, WorkerRecord]:
+            return {record.worker_id: record}
+
+        def subscribe(self, callback: Any) -> None:
+            pass
+
+    cfg = RouterConfig(model_path=model_path, served_model_name="bench")
+    router = create_app(cfg, watcher=Watcher(), cluster_key=key)
+    servers = [
+        uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+        for app in (worker, router)
+    ]
+    tasks = [asyncio.create_task(s.serve(sockets=[k])) for s, k in zip(servers, socks, strict=True)]
+    while not all(s.started for s in servers):
+        await asyncio.sleep(0.05)
+    print(_PREFIX + json.dumps({"worker": worker_url, "router": router_url, "model": "bench"}),
+          flush=True)  # fmt: skip
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    for s in servers:
+        s.should_exit = True
+    await asyncio.gather(*tasks)
+
+
+if __name__ == "__main__":
+    asyncio.run(_serve(int(sys.argv[1])))

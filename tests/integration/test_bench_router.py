@@ -1,0 +1,22 @@
+"""``pdserve bench router`` measures both paths against its scripted worker and prints rows."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pdserve.tools.bench_router import add_arguments, main
+
+
+def test_rows_for_each_concurrency(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--requests", "6", "--concurrency", "1", "3", "--tokens", "2"])
+    assert main(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in out[2:]]
+    assert [r[0] for r in rows] == ["1", "3"]
+    for _, direct, routed, added, rate in rows:
+        assert float(direct) > 0 and float(routed) > 0 and float(rate) > 0
+        assert abs(float(routed) - float(direct) - float(added)) < 0.02
