@@ -149,9 +149,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
     TCP_NODELAY is set on it (accepted connections inherit it). asyncio sets it only on sockets
     whose ``proto`` is ``IPPROTO_TCP``, which a plain ``socket.socket()`` is not: without it, a
-    response's second small write (the first NDJSON chunk right after the headers) waited for
-    the router's delayed ACK, 40 ms on Linux (``pdserve bench router``: a scripted worker's
-    16-token stream took 44 ms, 0.9 ms with it)."""
+    response's second small write can wait for the peer's delayed ACK, 40 ms on Linux (``pdserve
+    bench router``: a scripted worker's 16-token stream to an httpx client took 44 ms, 1.4 ms
+    with it; the stack's own TTFT did not move, 141.9 vs 142.5 ms p50, as the router's
+    connections happened not to meet the stall)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
