@@ -67,12 +67,16 @@ def rss_mib(pid: int, field: str = "VmRSS") -> float:
 
 def unread_bytes(endpoint: str, conns: list[Connection]) -> int | None:
     """Bytes the worker at ``endpoint`` has yet to read from ``conns`` (the receive queues of
-    its ends, from ``/proc/net/tcp``); None while it has not accepted all of them."""
+    its ends, from ``/proc/net/tcp``); None while it has not accepted all of them. Only
+    established sockets count: an earlier test's connection that the worker closed may linger
+    in TIME_WAIT with a client port the kernel gave one of ``conns`` again."""
     port = split_endpoint(endpoint)[1]
     ours = {conn.sock.getsockname()[1] for conn in conns}
     found, queued = 0, 0
     for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        _, local, remote, _, queues, *_ = line.split()
+        _, local, remote, state, queues, *_ = line.split()
+        if state != "01":  # TCP_ESTABLISHED
+            continue
         if int(local.rsplit(":", 1)[1], 16) == port and int(remote.rsplit(":", 1)[1], 16) in ours:
             found += 1
             queued += int(queues.split(":")[1], 16)
