@@ -18,7 +18,6 @@ import hashlib
 import json
 import logging
 import os
-import pickle
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -381,7 +380,7 @@ def rank_main(cfg: EngineConfig, rank: int, port: int, pipe: Connection) -> None
         pool: torch.Tensor = pipe.recv()
         shard = pool[rank]
         while True:
-            step: parallel.Step = pickle.loads(pipe.recv_bytes())
+            step = parallel.decode_step(pipe.recv_bytes())
             runner.run_rank_step(step, shard)
     except EOFError:  # rank 0 closed the pipe or exited: stop
         return

@@ -28,7 +28,8 @@ plan), goes through DTensor, and launches through ``torchrun``; the runner alrea
 forward and the layers to split are seven linears per layer. Every rank loads the full
 checkpoint and drops what it does not keep (simple; fine for the models one host serves).
 
-Steps go to the ranks through pipes (pickled inputs and attention metadata, a few KiB) rather
+Steps go to the ranks through pipes (inputs and attention metadata, a few KiB, as plain
+tensors and numbers that ``torch.load(weights_only=True)`` reads: no code runs) rather
 than a collective, so idle ranks wait without a collective timeout and a dead rank 0 ends them
 (EOF). A rank that dies is noticed by rank 0's watchdog: the group is marked failed, every later
 step raises :class:`RankFailedError`, and ``on_death`` runs (the worker process stops itself,
@@ -38,8 +39,8 @@ and the supervisor restarts it).
 from __future__ import annotations
 
 import datetime
+import io
 import logging
-import pickle
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -262,7 +263,7 @@ class RankGroup:
                 for pipe in self._pipes:
                     pipe.send(pool)  # shared memory: the ranks map the same pages
                 self._pool = pool
-            payload = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
+            payload = encode_step(step)
             for pipe in self._pipes:
                 pipe.send_bytes(payload)
         except (BrokenPipeError, ConnectionResetError, EOFError) as exc:
@@ -292,6 +293,32 @@ class RankGroup:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout)
+
+
+def encode_step(step: Step) -> bytes:
+    """``step`` as bytes of plain tensors, numbers and lists (:func:`decode_step` reads them
+    with ``torch.load(weights_only=True)``, which builds no other object)."""
+    m = step.meta
+    chunks = [[c.q_start, c.q_len, c.ctx_len, c.block_ids, c.mask] for c in m.prefill]
+    meta = [m.pool, m.k_slots, m.v_slots, m.num_decode, m.decode_block_tables, m.decode_mask,
+            m.decode_ctx_len, chunks, m.write_rows]  # fmt: skip
+    buf = io.BytesIO()
+    torch.save([step.ids, step.positions, meta, step.workspace_numel], buf)
+    return buf.getvalue()
+
+
+def decode_step(data: bytes) -> Step:
+    """The :class:`Step` :func:`encode_step` wrote. Raises what ``torch.load`` raises for
+    anything but its plain types."""
+    from pdserve.workers.engine.attention import PagedAttentionMetadata, PrefillChunk
+
+    ids, positions, meta, workspace = torch.load(io.BytesIO(data), weights_only=True)
+    pool, k_slots, v_slots, nd, tables, mask, ctx, chunks, write_rows = meta
+    prefill = tuple(PrefillChunk(*c) for c in chunks)
+    bare = PagedAttentionMetadata(
+        pool, k_slots, v_slots, nd, tables, mask, ctx, prefill, write_rows
+    )
+    return Step(ids, positions, bare, int(workspace))
 
 
 def step_for_ranks(
