@@ -401,8 +401,9 @@ ROUTER_KEEPALIVE_S = WORKER_KEEPALIVE_S / 2
 
 
 class WorkerLoad(_Msg):
-    """A worker's load: sequences running and waiting, requests parked, KV blocks, and the
-    recompute preemptions since start (a counter)."""
+    """A worker's load: sequences running and waiting, requests parked, KV blocks, and
+    counters since start: recompute preemptions, and speculative decoding's verifying steps,
+    drafts proposed and drafts accepted."""
 
     running: int = 0
     waiting: int = 0
@@ -410,6 +411,9 @@ class WorkerLoad(_Msg):
     free_blocks: int = 0
     total_blocks: int = 0
     preemptions: int = 0
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class WorkerRecord(_Msg):

@@ -268,6 +268,8 @@ def _example(setting: Setting) -> tuple[list[str], object]:
         return [name if value else "--no-" + name[2:]], value
     if setting.path == "discovery.url":
         return [name, "etcd://e:2379"], "etcd://e:2379"
+    if setting.path == "scheduler.speculative_ngram_min":  # at most speculative_ngram_max
+        return [name, "3"], 3
     choices = [a for a in typing.get_args(setting.info.annotation) if isinstance(a, str)]
     literal = [
         c for a in typing.get_args(setting.info.annotation) for c in typing.get_args(a)

@@ -71,11 +71,12 @@ from pdserve.workers.engine.requests import (
     choice_sampling,
 )
 from pdserve.workers.engine.sampler import Sampler, record_prompt_logprobs
-from pdserve.workers.engine.scheduler import ScheduledBatch, ScheduledSequence, Scheduler
+from pdserve.workers.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.workers.engine.sequence import IncrementalDetokenizer, Sequence, SequenceStatus
+from pdserve.workers.engine.speculative import SpecDecodeStats, accepted
 from pdserve.workers.kv.connector import KVConnectorStats, build_connector
 from pdserve.workers.kv.manager import KVCacheManager
-from pdserve.workers.kv.sizing import cuda_kv_budget, log_pool, pool_size
+from pdserve.workers.kv.sizing import log_pool, pool_size
 
 __all__ = ["Engine", "EngineOutput", "EngineRequest", "Sink"]
 
@@ -132,7 +133,13 @@ class Engine:
             self.layout,
             cfg.kv_cache,
             device=cfg.model.device,
-            auto_bytes=self._profile_cuda_budget() if cfg.model.device.startswith("cuda") else None,
+            auto_bytes=self.runner.profile_cuda_budget(
+                self.layout,
+                min(cfg.scheduler.max_num_batched_tokens, self.max_model_len - 1),
+                cfg.kv_cache.gpu_memory_utilization,
+            )
+            if cfg.model.device.startswith("cuda")
+            else None,
         )
         self.kv_cache = KVCacheManager(
             self.layout,
@@ -151,6 +158,7 @@ class Engine:
             self.runner.vocab_size, self.max_model_len, self.kv_cache, cfg.scheduler.capacity_policy
         )
         self.sampler = Sampler(eos_token_ids=self.eos_token_ids)
+        self.spec = SpecDecodeStats()
         self.grammars = GrammarCompiler(
             self.tokenizer, self.runner.vocab_size, sorted(self.eos_token_ids)
         )
@@ -163,42 +171,6 @@ class Engine:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._shut_down = False
-
-    @torch.inference_mode()
-    def _profile_cuda_budget(self) -> int:
-        """CUDA: run the largest step (``max_num_batched_tokens`` prompt tokens) on a scratch
-        pool, then apply :func:`cuda_kv_budget` to the device's memory (bytes)."""
-        cfg, dev = self.cfg, torch.device(self.cfg.model.device)
-        num_tokens = min(cfg.scheduler.max_num_batched_tokens, self.max_model_len - 1)
-        scratch = KVCacheManager(
-            self.layout, -(-num_tokens // cfg.kv_cache.tokens_per_block), cfg.model.device
-        )
-        seq = Sequence("profile", [0] * num_tokens, SamplingParams(max_tokens=1), "prefill", 0)
-        scratch.allocate(seq.request_id, num_tokens)
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        base = torch.cuda.memory_allocated(dev)
-        self.runner.execute(
-            ScheduledBatch(prefill=[ScheduledSequence.of(seq, num_tokens)]), scratch
-        )
-        torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev) - base
-        del scratch
-        torch.cuda.empty_cache()
-        _, total = torch.cuda.mem_get_info(dev)
-        in_use = torch.cuda.memory_reserved(dev)
-        budget = cuda_kv_budget(total, in_use, peak, cfg.kv_cache.gpu_memory_utilization)
-        log.info(
-            "CUDA memory: %.2f GiB total, %.2f GiB held (weights), %.2f GiB peak step of %d "
-            "tokens; KV budget at utilization %.2f: %.2f GiB",
-            total / 2**30,
-            in_use / 2**30,
-            peak / 2**30,
-            num_tokens,
-            cfg.kv_cache.gpu_memory_utilization,
-            budget / 2**30,
-        )
-        return budget
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -417,6 +389,9 @@ class Engine:
             free_blocks=self.kv_cache.get_num_free_blocks(),
             total_blocks=self.kv_cache.get_max_resource_count(),
             preemptions=self.scheduler.num_preemptions,
+            spec_drafts=self.spec.drafts,
+            spec_draft_tokens=self.spec.draft_tokens,
+            spec_accepted_tokens=self.spec.accepted_tokens,
         )
 
     def kv_connector_stats(self) -> KVConnectorStats | None:
@@ -454,31 +429,46 @@ class Engine:
                     chunk = logits[row : row + s.num_new_tokens]
                     live.prompt_lps = record_prompt_logprobs(live.prompt_lps, s, chunk)
                 logits = logits[rows]
+            picks = [(s, j) for s in sampling for j in range(s.num_rows)]  # drafts: k + 1 rows
             result = self.sampler.sample(
                 logits,
-                [s.seq.sampling for s in sampling],
-                [s.seq.next_output_position for s in sampling],
-                [s.seq for s in sampling],
-                [self._live[s.seq.request_id].grammar for s in sampling],
+                [s.seq.sampling for s, _ in picks],
+                [s.seq.next_output_position + j for s, j in picks],
+                [s.seq for s, _ in picks],
+                [self._live[s.seq.request_id].grammar for s, _ in picks],
             )
         except Exception as exc:
             log.exception("step failed; ending its %d requests", len(batch.items))
             for s in batch.items:
                 self._end(s.seq, FinishReason.ERROR, error=f"engine step failed: {exc!r}")
             return
-        self.kv_cache.update_resources(batch.items)
+        self.kv_cache.update_resources(batch.items)  # drafts' blocks: once verified
         if self.connector is not None:
             self.connector.finish_step()  # queue the completed blocks for the disk tier
+        first = 0
         for s in batch.items:
             s.seq.num_computed_tokens = s.num_kv_tokens_after_step
-        for s, token, lp in zip(sampling, result.token_ids, result.logprobs, strict=True):
-            try:
-                self._append_token(s.seq, token, lp)
-            except Exception as exc:
-                log.exception("output processing of %s failed", s.request_id)
-                self._end(s.seq, FinishReason.ERROR, error=f"output processing failed: {exc!r}")
+        for s in sampling:
+            tokens = result.token_ids[first : first + s.num_rows]
+            lps = result.logprobs[first : first + s.num_rows]
+            first += s.num_rows
+            if s.draft:  # keep the verified prefix: its K/V is the sequence's now
+                n = accepted(s.draft, tokens)
+                self.spec.record(len(s.draft), n - 1)
+                s.seq.num_computed_tokens += n - 1
+                tokens, lps = tokens[:n], lps[:n]
+            for token, lp in zip(tokens, lps, strict=True):
+                try:
+                    if self._append_token(s.seq, token, lp):
+                        break  # finished: the rest of its tokens are dropped
+                except Exception as exc:
+                    log.exception("output processing of %s failed", s.request_id)
+                    self._end(s.seq, FinishReason.ERROR, error=f"output processing failed: {exc!r}")
+                    break
 
-    def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> None:
+    def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> bool:
+        """Append ``token`` to ``seq``, emit it; True when that ended the sequence's work here
+        (finished, or a prefill leg's one token)."""
         live = self._live[seq.request_id]
         first = not seq.output_token_ids
         seq.output_token_ids.append(token)
@@ -500,14 +490,15 @@ class Engine:
         )
         if seq.mode == "prefill":
             self._end_prefill_leg(seq, out)
-            return
+            return True
         if first and seq.mode == "full" and seq.index == 0 and seq.sampling.n > 1:
             with self._lock:
                 self._fork_choices(seq, live.sink)
         if reason is not None:
             self._retire(seq, out)
-        else:
-            self._emit(live.sink, out)
+            return True
+        self._emit(live.sink, out)
+        return False
 
     def _stop_reason(self, seq: Sequence, token: int, live: _Live) -> FinishReason | None:
         if token in seq.sampling.stop_token_ids:

@@ -27,6 +27,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.errors import ConfigError
 from pdserve.hardware import choose_dtype
+from pdserve.protocol import KVLayout, SamplingParams
 from pdserve.workers.engine import parallel, probe
 from pdserve.workers.engine.attention import (
     METADATA_KWARG,
@@ -39,7 +40,9 @@ from pdserve.workers.engine.attention import (
 from pdserve.workers.engine.compile import CompiledForward
 from pdserve.workers.engine.cuda_graphs import DecodeGraphs
 from pdserve.workers.engine.scheduler import ScheduledBatch, ScheduledSequence
+from pdserve.workers.engine.sequence import Sequence
 from pdserve.workers.kv.manager import KVCacheManager
+from pdserve.workers.kv.sizing import cuda_kv_budget
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +205,35 @@ class ModelRunner:
             **{METADATA_KWARG: meta},
         )
 
+    @torch.inference_mode()
+    def profile_cuda_budget(self, layout: KVLayout, num_tokens: int, utilization: float) -> int:
+        """CUDA: the KV budget in bytes, :func:`cuda_kv_budget` at ``utilization`` of the
+        device's memory after the largest step (``num_tokens`` prompt tokens, e.g.
+        ``max_num_batched_tokens``) ran on a scratch pool of ``layout``; logged."""
+        dev = self.device
+        tpb = layout.tokens_per_block
+        scratch = KVCacheManager(layout, -(-num_tokens // tpb), str(dev))
+        seq = Sequence("profile", [0] * num_tokens, SamplingParams(max_tokens=1), "prefill", 0)
+        scratch.allocate(seq.request_id, num_tokens)
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        self.execute(ScheduledBatch(prefill=[ScheduledSequence.of(seq, num_tokens)]), scratch)
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base
+        del scratch
+        torch.cuda.empty_cache()
+        _, total = torch.cuda.mem_get_info(dev)
+        in_use = torch.cuda.memory_reserved(dev)
+        budget = cuda_kv_budget(total, in_use, peak, utilization)
+        log.info(
+            "CUDA memory: %.2f GiB total, %.2f GiB held (weights), %.2f GiB peak step of %d "
+            "tokens; KV budget at utilization %.2f: %.2f GiB",
+            *(total / 2**30, in_use / 2**30, peak / 2**30, num_tokens, utilization),
+            budget / 2**30,
+        )
+        return budget
+
     def close(self) -> None:
         """Stop the other tensor parallel ranks (idempotent; nothing without them)."""
         if self.ranks is not None:
@@ -248,8 +280,8 @@ class ModelRunner:
             k_slots.append(block_ids[pos // tpb] * 2 * tpb + pos % tpb)
             mask = None if start == 0 else bottom_right_causal_mask(n, ctx)
             chunks.append(PrefillChunk(row, n, ctx, block_ids, mask))
-            if s.seq.sampling.prompt_logprobs is not None:
-                keep.extend(range(row, row + n))  # every position: prompt logprobs
+            if s.draft or s.seq.sampling.prompt_logprobs is not None:
+                keep.extend(range(row, row + n))  # every row: drafts, or prompt logprobs
             elif s.samples:
                 keep.append(row + n - 1)
             row += n
@@ -390,15 +422,18 @@ def rank_main(cfg: EngineConfig, rank: int, port: int, pipe: Connection) -> None
 
 
 def kept_rows(batch: ScheduledBatch) -> tuple[list[int], list[tuple[ScheduledSequence, int]]]:
-    """Where :meth:`ModelRunner.execute`'s logits rows belong: the row of each sampling
-    sequence (in ``batch.sampling`` order) and, for each prefill chunk of a request asking for
-    prompt logprobs, ``(chunk, first row)`` (its ``num_new_tokens`` rows follow in position
-    order)."""
+    """Where :meth:`ModelRunner.execute`'s logits rows belong: the rows of each sampling
+    sequence (in ``batch.sampling`` order; one each, ``num_rows`` for a sequence with drafts)
+    and, for each prefill chunk of a request asking for prompt logprobs, ``(chunk, first row)``
+    (its ``num_new_tokens`` rows follow in position order)."""
     sampling: list[int] = list(range(len(batch.decode)))
     prompt: list[tuple[ScheduledSequence, int]] = []
     row = len(batch.decode)
     for s in batch.prefill:
-        if s.seq.sampling.prompt_logprobs is not None:
+        if s.draft:  # speculative: every fed row samples
+            sampling.extend(range(row, row + s.num_new_tokens))
+            row += s.num_new_tokens
+        elif s.seq.sampling.prompt_logprobs is not None:
             prompt.append((s, row))
             row += s.num_new_tokens
             if s.samples:

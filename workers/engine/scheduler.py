@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pdserve.errors import CapacityError, InvalidRequestError
 from pdserve.workers.engine.sequence import Sequence, SequenceStatus
+from pdserve.workers.engine.speculative import NgramProposer, speculates
 from pdserve.workers.kv.manager import KVCacheManager
 
 if TYPE_CHECKING:
@@ -73,17 +74,25 @@ CapacityPolicy = Literal["max_utilization", "guaranteed_no_evict"]
 class ScheduledSequence:
     """One sequence's work in a step, fixed when scheduled: feed ``num_new_tokens`` tokens from
     position ``start_position``; ``samples`` when the step ends on the sequence's last known
-    token (so its logits give the next token). Build with :meth:`of`."""
+    token (so its logits give the next token). Build with :meth:`of`.
+
+    ``draft``: speculative decoding (:mod:`pdserve.workers.engine.speculative`): tokens proposed
+    to follow the last known token, fed after it and counted in ``num_new_tokens``; every fed
+    row is sampled and the drafts are verified after the forward."""
 
     seq: Sequence
     num_new_tokens: int
     start_position: int
     samples: bool
+    draft: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, seq: Sequence, num_new_tokens: int) -> ScheduledSequence:
+    def of(
+        cls, seq: Sequence, num_new_tokens: int, draft: tuple[int, ...] = ()
+    ) -> ScheduledSequence:
         start = seq.num_computed_tokens
-        return cls(seq, num_new_tokens, start, start + num_new_tokens == seq.num_tokens)
+        samples = start + num_new_tokens == seq.num_tokens
+        return cls(seq, num_new_tokens + len(draft), start, samples, draft)
 
     @property
     def request_id(self) -> str:
@@ -91,12 +100,20 @@ class ScheduledSequence:
 
     @property
     def num_kv_tokens_after_step(self) -> int:
-        return self.start_position + self.num_new_tokens
+        """Tokens whose K/V is known right after the forward: the drafts' K/V only counts once
+        verified (the engine then reports the accepted ones)."""
+        return self.start_position + self.num_new_tokens - len(self.draft)
+
+    @property
+    def num_rows(self) -> int:
+        """Logits rows this sequence samples: one per fed row when it has drafts, else one."""
+        return len(self.draft) + 1
 
     def token_ids(self) -> list[int]:
-        """The tokens this step feeds: a prompt chunk, the last output token, or (recompute
-        after preemption) a chunk that may span prompt and output tokens."""
-        return self.seq.token_slice(self.start_position, self.num_new_tokens)
+        """The tokens this step feeds: a prompt chunk, the last output token (and its drafts),
+        or (recompute after preemption) a chunk that may span prompt and output tokens."""
+        known = self.seq.token_slice(self.start_position, self.num_new_tokens - len(self.draft))
+        return known + list(self.draft) if self.draft else known
 
 
 @dataclass(eq=False)
@@ -131,9 +148,13 @@ class Scheduler:
     ``settings``: the scheduler section, read whole (``max_num_seqs``,
     ``max_num_batched_tokens``; ``capacity_policy``: ``max_utilization``, admission by current
     need with recompute preemption, or ``guaranteed_no_evict``, admission by the whole
-    completion that never preempts; see the module docstring). ``watermark_blocks``: free blocks a ``max_utilization`` admission leaves for the
-    running sequences to grow into (default: 1 % of the pool, at least 1, as vLLM's watermark).
-    ``num_preemptions`` counts preemptions since start.
+    completion that never preempts; see the module docstring; ``speculative_tokens`` and the
+    other ``speculative_*`` fields: n-gram drafts for generation-phase sequences, see
+    :mod:`pdserve.workers.engine.speculative`). ``watermark_blocks``: free blocks a
+    ``max_utilization`` admission leaves for the running sequences to grow into (default: 1 %
+    of the pool, at least 1, as vLLM's watermark). ``num_preemptions`` counts preemptions since
+    start. Drafts never cause a preemption: a sequence whose drafts' blocks are not free runs
+    without them.
     """
 
     def __init__(
@@ -155,6 +176,15 @@ class Scheduler:
         self.reserved: dict[str, Sequence] = {}
         self.num_preemptions = 0
         self.connector = connector
+        self.proposer = (
+            NgramProposer(
+                settings.speculative_tokens,
+                settings.speculative_ngram_max,
+                settings.speculative_ngram_min,
+            )
+            if settings.speculative_tokens
+            else None
+        )
         self._lock = threading.RLock()
 
     # --- capacity ------------------------------------------------------------------------------
@@ -274,6 +304,8 @@ class Scheduler:
                 if not seq.in_context_phase and budget > 0:
                     plan[id(seq)] = 1
                     budget -= 1
+            drafts = self._propose(plan, budget) if self.proposer is not None else {}
+            budget -= sum(len(d) for d in drafts.values())
             for seq in self.running:  # context phase continues in chunks
                 if seq.in_context_phase and budget > 0:
                     n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -285,10 +317,17 @@ class Scheduler:
             while index < len(self.running):  # allocate in admission order, preempt the tail
                 seq = self.running[index]
                 n = plan.get(id(seq), 0)
-                if n and not self._allocate(seq, seq.num_computed_tokens + n):
+                draft = drafts.get(id(seq), ())
+                if draft:  # drafts only where their blocks are free: they never preempt
+                    missing = self.kv_cache.blocks_for_tokens(seq.num_tokens + len(draft))
+                    if not self.kv_cache.can_allocate(
+                        missing - self.kv_cache.num_allocated(seq.request_id)
+                    ):
+                        draft = ()
+                if n and not self._allocate(seq, seq.num_computed_tokens + n + len(draft)):
                     break  # seq itself was preempted: it was the tail
                 if n:
-                    scheduled.append(ScheduledSequence.of(seq, n))
+                    scheduled.append(ScheduledSequence.of(seq, n, draft))
                 index += 1
             if self.num_preemptions == preemptions:  # vLLM: no admission in a preempting step
                 budget = self.settings.max_num_batched_tokens - sum(
@@ -296,9 +335,32 @@ class Scheduler:
                 )
                 scheduled += self._admit(budget)
             batch = ScheduledBatch()
-            for s in scheduled:
-                (batch.prefill if s.seq.in_context_phase else batch.decode).append(s)
+            for s in scheduled:  # a drafted sequence feeds several rows: a chunk
+                (batch.prefill if s.seq.in_context_phase or s.draft else batch.decode).append(s)
             return batch
+
+    def _propose(self, plan: dict[int, int], budget: int) -> dict[int, tuple[int, ...]]:
+        """N-gram drafts (``id(seq)`` -> tokens) for the generation-phase sequences in
+        ``plan`` that may be speculated, within ``budget`` tokens; none when more than
+        ``speculative_max_batch`` sequences are in the generation phase."""
+        assert self.proposer is not None
+        gen = [seq for seq in self.running if id(seq) in plan]
+        if len(gen) > self.settings.speculative_max_batch:
+            return {}
+        drafts: dict[int, tuple[int, ...]] = {}
+        for seq in gen:
+            if budget <= 0:
+                break
+            if seq.mode == "prefill" or not speculates(seq.sampling):
+                continue
+            room = seq.sampling.max_tokens - len(seq.output_token_ids) - 1
+            draft = self.proposer.propose(
+                seq.prompt_token_ids + seq.output_token_ids, min(room, budget)
+            )
+            if draft:
+                drafts[id(seq)] = tuple(draft)
+                budget -= len(draft)
+        return drafts
 
     def _allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow ``seq``'s blocks to ``num_tokens`` tokens, preempting running sequences from the

@@ -156,6 +156,12 @@ class _LoadCollector(Collector):
                 "Sequences preempted (blocks freed, recomputed later) because the KV pool ran short",
                 value=load.preemptions,
             )
+            for name, doc, value in (
+                ("num_drafts", "Sequence steps that verified n-gram drafts", load.spec_drafts),
+                ("num_draft_tokens", "Draft tokens proposed and verified", load.spec_draft_tokens),
+                ("num_accepted_tokens", "Draft tokens accepted", load.spec_accepted_tokens),
+            ):
+                yield CounterMetricFamily(f"pdserve_spec_decode_{name}", doc, value=value)
         yield CounterMetricFamily(
             "pdserve_kv_lease_expired",
             "Parked KV leases that expired unclaimed",
