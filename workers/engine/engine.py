@@ -61,6 +61,7 @@ from pdserve.errors import ConfigError, InvalidRequestError, QueueFullError
 from pdserve.protocol import FinishReason, KVLayout, SamplingParams, TokenLogprob, WorkerLoad
 from pdserve.workers.engine.grammar import GrammarCompiler, GrammarState
 from pdserve.workers.engine.model_runner import ModelRunner, kept_rows, model_digest
+from pdserve.workers.engine.omp import in_fresh_thread
 from pdserve.workers.engine.requests import (
     EngineOutput,
     EngineRequest,
@@ -99,10 +100,15 @@ class Engine:
     ``tokenizer``, ``kv_cache`` (:class:`KVCacheManager`, ``.pool`` is the tensor),
     ``max_model_len``, ``eos_token_ids``, ``parked`` (request id -> block ids).
     Raises :class:`ConfigError` for an unusable model folder or ``max_model_len``, or a KV
-    budget that holds no block.
+    budget that holds no block. The construction runs on a short-lived thread
+    (:mod:`pdserve.workers.engine.omp`: the step thread then owns the process's only OpenMP
+    team).
     """
 
     def __init__(self, cfg: EngineConfig):
+        in_fresh_thread(lambda: self._setup(cfg))
+
+    def _setup(self, cfg: EngineConfig) -> None:
         from transformers import AutoTokenizer
 
         self.cfg = cfg
