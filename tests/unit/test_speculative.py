@@ -8,7 +8,14 @@ from pdserve.protocol import SamplingParams
 from pdserve.settings import SchedulerSettings
 from pdserve.workers.engine.scheduler import Scheduler
 from pdserve.workers.engine.sequence import Sequence
-from pdserve.workers.engine.speculative import NgramProposer, accepted, speculates
+from pdserve.workers.engine.speculative import (
+    MAX_BACKOFF,
+    NgramProposer,
+    accepted,
+    record_outcome,
+    speculates,
+    take_turn,
+)
 from pdserve.workers.kv.manager import KVCacheManager
 from tests.unit.test_scheduler import LAYOUT, TPB
 
@@ -113,3 +120,20 @@ def test_no_drafts_in_a_full_batch_or_without_free_blocks() -> None:
     batch = tight.schedule()
     (item,) = batch.decode  # drafts would need a third block: none is free
     assert item.draft == () and tight.num_preemptions == 0
+
+
+def test_back_off_after_misses_and_reset_on_a_match() -> None:
+    seq = Sequence("a", [1], SamplingParams(), "full", 0)
+    assert take_turn(seq)
+    skipped = []
+    for _ in range(7):  # seven misses in a row: skip 1, 2, 4, 8, 16, 32, 32 steps
+        record_outcome(seq, 0)
+        n = 0
+        while not take_turn(seq):
+            n += 1
+        skipped.append(n)
+    assert skipped == [1, 2, 4, 8, 16, MAX_BACKOFF, MAX_BACKOFF]
+    record_outcome(seq, 2)
+    assert take_turn(seq) and seq.spec_backoff == 0
+    record_outcome(seq, 0)
+    assert not take_turn(seq) and take_turn(seq)  # back to one step

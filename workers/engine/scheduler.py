@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pdserve.errors import CapacityError, InvalidRequestError
 from pdserve.workers.engine.sequence import Sequence, SequenceStatus
-from pdserve.workers.engine.speculative import NgramProposer, speculates
+from pdserve.workers.engine.speculative import NgramProposer, speculates, take_turn
 from pdserve.workers.kv.manager import KVCacheManager
 
 if TYPE_CHECKING:
@@ -351,7 +351,7 @@ class Scheduler:
         for seq in gen:
             if budget <= 0:
                 break
-            if seq.mode == "prefill" or not speculates(seq.sampling):
+            if seq.mode == "prefill" or not speculates(seq.sampling) or not take_turn(seq):
                 continue
             room = seq.sampling.max_tokens - len(seq.output_token_ids) - 1
             draft = self.proposer.propose(

@@ -65,6 +65,8 @@ class Sequence:
     arrival_s: float = field(default_factory=time.monotonic)
     block_hashes: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
+    spec_backoff: int = 0  # speculative decoding: steps to skip after the next miss
+    spec_skip: int = 0  # steps left without proposals (speculative.Backoff)
 
     def __post_init__(self) -> None:
         if not self.group_id:

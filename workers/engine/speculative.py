@@ -27,6 +27,11 @@ Chen et al. 2023) for a deterministic proposal: accept ``d`` with probability ``
 otherwise sample from ``p`` without ``d``, which is the same as sampling ``t ~ p`` and keeping
 ``d`` when ``t == d``.
 
+Back-off: a sequence whose drafts were all rejected gets no proposals for the next 1, 2, 4, ...
+(at most :data:`MAX_BACKOFF`) steps, doubling with each further miss and reset by any accepted
+draft, so text with nothing to copy (where short n-grams still match by chance) pays for few
+verifications, while a sequence that copies keeps its drafts.
+
 What is not speculated: requests whose logits processing reads the output so far (penalties,
 ``min_tokens``, ``logit_bias``: row ``j`` would need the drafts as history), structured
 outputs (the grammar would have to advance over unverified tokens), prefill-only legs, and
@@ -43,6 +48,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Protocol
 
 from pdserve.protocol import SamplingParams
 
@@ -90,6 +96,34 @@ class NgramProposer:
                     return list(tokens[start : start + k])
                 end = found + len(pattern) - 1
         return []
+
+
+MAX_BACKOFF = 32
+"""The most steps a sequence goes without proposals after consecutive misses."""
+
+
+class _Backoff(Protocol):
+    spec_backoff: int
+    spec_skip: int
+
+
+def take_turn(seq: _Backoff) -> bool:
+    """Whether ``seq`` (a :class:`~pdserve.workers.engine.sequence.Sequence`) may get drafts
+    this step; counts down a back-off (module docstring)."""
+    if seq.spec_skip > 0:
+        seq.spec_skip -= 1
+        return False
+    return True
+
+
+def record_outcome(seq: _Backoff, matched: int) -> None:
+    """After ``seq``'s drafts were verified: ``matched`` of them were right. A full miss
+    starts or doubles the back-off; any match clears it."""
+    if matched:
+        seq.spec_backoff = 0
+    else:
+        seq.spec_backoff = min(MAX_BACKOFF, max(1, 2 * seq.spec_backoff))
+        seq.spec_skip = seq.spec_backoff
 
 
 def speculates(sampling: SamplingParams) -> bool:
