@@ -341,6 +341,27 @@ calls whose deltas join into valid arguments; ITL p50 under a json_schema vs unc
 """
 
 
+def _speculative_arguments(p: argparse.ArgumentParser) -> None:
+    from pdserve.tools.bench_speculative import add_arguments
+
+    add_arguments(p)
+
+
+def _run_speculative(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
+    from pdserve.tools.bench_speculative import main
+
+    return main(args)
+
+
+SPECULATIVE_DESCRIPTION = """\
+Speculative decoding without a draft model (--speculative-tokens K, n-gram prompt lookup)
+against plain decoding, in-process engines, one greedy request at a time: for a copying
+workload (repeat a text), an editing one and a chat one with nothing to copy, the TPOT and its
+ratio to plain decoding, ITL p50, tokens per verifying step, the draft acceptance rate, and
+whether the output equals plain decoding's (it must: exit status 1 otherwise).
+"""
+
+
 def _kv_dtype_arguments(p: argparse.ArgumentParser) -> None:
     from pdserve.tools.bench_kv_dtype import add_arguments
 
@@ -378,6 +399,29 @@ What the router adds to a request: a scripted worker (no model, --tokens NDJSON 
 and a real router in a child process; the same streamed requests straight to the worker's
 request plane and through the router's /v1/completions, p50 latency of each and the difference
 per --concurrency, and the router's completed requests per second.
+"""
+
+
+def _paged_attention_arguments(p: argparse.ArgumentParser) -> None:
+    from pdserve.tools.bench_paged_kernel import add_arguments
+
+    add_arguments(p)
+
+
+def _run_paged_attention(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
+    from pdserve.tools.bench_paged_kernel import main
+
+    return main(args)
+
+
+PAGED_ATTENTION_DESCRIPTION = """\
+One layer's paged attention on SmolLM2-135M's layout (9 heads, 3 kv heads, head size 64, 16
+tokens per block), random data, in this process: today's path (K/V store, index_select gather
+of each sequence's blocks into a workspace, SDPA) against the C++ kernel that reads the blocks
+in place (pdserve.workers.engine.paged_kernel, compiled at first use), for decode batches
+(BxC: B sequences at C tokens of context) and one continued prefill chunk, float32 and
+bfloat16. Prints the CPU, torch's threads, the median ms per call of each path, their ratio
+and the largest difference between their outputs.
 """
 
 
@@ -447,6 +491,20 @@ COMMANDS: tuple[BenchCommand, ...] = (
         ROUTER_DESCRIPTION,
         _router_arguments,
         _run_router,
+    ),
+    BenchCommand(
+        "paged-attention",
+        "the CPU paged-attention kernel vs gather + SDPA, per layer call",
+        PAGED_ATTENTION_DESCRIPTION,
+        _paged_attention_arguments,
+        _run_paged_attention,
+    ),
+    BenchCommand(
+        "speculative",
+        "n-gram speculative decoding against plain decoding: TPOT, tokens per step, acceptance",
+        SPECULATIVE_DESCRIPTION,
+        _speculative_arguments,
+        _run_speculative,
     ),
     BenchCommand(
         "gpu",

@@ -20,6 +20,8 @@ HELP = {
     "kv-restart": ("--prompt-tokens", "--disk-dir", "--config", "0.5x", "disk tier"),
     "compile": ("--threads", "--rounds", "--skip-startup", "eager", "torch.compile"),
     "formatter": ("--tokens", "--backends", "--threads", "staging"),
+    "paged-attention": ("--dtypes", "--threads", "SDPA"),
+    "speculative": ("--speculative-tokens", "--workloads", "TPOT", "acceptance"),
     "gpu": ("engine", "transfer", "random", "PDSERVE-GPU"),
     "gpu engine": ("--device", "--dtype", "--cuda-graphs", "smollm2-like"),
     "gpu transfer": ("--backends", "--devices", "--blocks"),
@@ -29,7 +31,7 @@ HELP = {
 def test_every_benchmark_is_a_subcommand() -> None:
     assert [c.name for c in COMMANDS] == [
         "serve", "transfer", "multiturn", "kv-restart", "compile", "formatter", "structured",
-        "kv-dtype", "router", "gpu",
+        "kv-dtype", "router", "paged-attention", "speculative", "gpu",
     ]  # fmt: skip
     assert {c.settings for c in COMMANDS} == {"none", "config", "flags"}
     assert BY_NAME["serve"].settings == "flags" and BY_NAME["multiturn"].settings == "config"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.protocol import SamplingParams
+from pdserve.protocol import KVLayout, SamplingParams
 from pdserve.settings import SchedulerSettings
 from pdserve.workers.engine.scheduler import Scheduler
 from pdserve.workers.engine.sequence import Sequence
@@ -17,7 +17,11 @@ from pdserve.workers.engine.speculative import (
     take_turn,
 )
 from pdserve.workers.kv.manager import KVCacheManager
-from tests.unit.test_scheduler import LAYOUT, TPB
+
+TPB = 4
+LAYOUT = KVLayout(
+    model="test", num_layers=1, num_kv_heads=1, head_dim=2, tokens_per_block=TPB, dtype="float32"
+)
 
 
 def test_proposes_what_followed_the_latest_earlier_occurrence() -> None:

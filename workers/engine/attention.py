@@ -24,6 +24,10 @@ the attention function). Per layer the function
    fresh K/V when the chunk is the whole prompt, else on the gathered cache with a bottom-right
    aligned causal mask). GQA uses SDPA's ``enable_gqa``. Gathered K/V land in the step's
    ``workspace`` when the runner provides one (no fresh multi-MiB tensor per layer).
+   On CPU, once :mod:`pdserve.workers.engine.paged_kernel` compiled, the decode rows and the
+   continued chunks instead go to that kernel in one call per layer (:class:`KernelRows`),
+   which reads each sequence's blocks where they are; the gather path above serves CUDA and
+   CPUs where the kernel did not build.
 
 The compiled forward (:mod:`pdserve.workers.engine.compile`) cannot pass the metadata through a traced
 graph, so it binds it to the thread with :func:`bind_metadata` and calls the forward without the
@@ -75,6 +79,21 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True)
+class KernelRows:
+    """The step's rows that the in-place CPU kernel (:mod:`pdserve.workers.engine.paged_kernel`)
+    computes: every decode row and every continued chunk (drafts included), ``S`` sequences in
+    step order. ``block_tables`` ``[S, W]``, ``query_start`` ``[S + 1]`` (cu_seqlens over the
+    kernel's rows), ``ctx_lens`` ``[S]``: int64, contiguous, on CPU. ``rows``: ``[R]`` int64,
+    the step rows the kernel's rows are, in order; None when they are the first ``R`` rows."""
+
+    block_tables: torch.Tensor
+    query_start: torch.Tensor
+    ctx_lens: torch.Tensor
+    rows: torch.Tensor | None
+    num_rows: int
+
+
+@dataclass(frozen=True)
 class PagedAttentionMetadata:
     """Everything the attention function needs for one step (built once, shared by all layers).
 
@@ -94,6 +113,9 @@ class PagedAttentionMetadata:
       it must hold :func:`workspace_numel` elements. On CPU a fresh multi-MiB tensor per layer
       is mapped and page-faulted anew by the allocator, which costs more than the copy itself
       (decode at batch 32 and 300 tokens of context: ~2.5x slower step without it).
+    - ``kernel``: :class:`KernelRows`, or None; when set (CPU, the kernel compiled), decode rows
+      and continued chunks are computed by the in-place kernel instead of gather + SDPA, and
+      no workspace is needed.
     """
 
     pool: torch.Tensor
@@ -106,6 +128,7 @@ class PagedAttentionMetadata:
     prefill: tuple[PrefillChunk, ...]
     write_rows: torch.Tensor | None = None
     workspace: torch.Tensor | None = None
+    kernel: KernelRows | None = None
 
 
 def workspace_numel(
@@ -161,7 +184,9 @@ def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
-def _store(flat_cache: torch.Tensor, slots: torch.Tensor, tok: torch.Tensor) -> None:
+def store_kv(flat_cache: torch.Tensor, slots: torch.Tensor, tok: torch.Tensor) -> None:
+    """Write ``tok`` (``[T, kvh, hd]``, any float dtype) into rows ``slots`` (``[T]`` long) of
+    one layer's pool viewed as ``[rows, kvh, hd]``, cast to the pool's dtype (:func:`to_cache`)."""
     bits(flat_cache).index_copy_(0, slots, bits(to_cache(tok, flat_cache.dtype)))
 
 
@@ -322,14 +347,18 @@ def paged_attention(
     if meta.write_rows is not None:
         k_tok = k_tok.index_select(0, meta.write_rows)
         v_tok = v_tok.index_select(0, meta.write_rows)
-    _store(flat_cache, meta.k_slots, k_tok)
-    _store(flat_cache, meta.v_slots, v_tok)
+    store_kv(flat_cache, meta.k_slots, k_tok)
+    store_kv(flat_cache, meta.v_slots, v_tok)
 
     num_tokens, num_heads, head_dim = query.shape[2], query.shape[1], query.shape[3]
     window = variant.window
     parts: list[torch.Tensor] = []
     nd = meta.num_decode
-    if nd:
+    in_place = _in_place(meta.kernel, cache, query, scaling, variant) if meta.kernel else None
+    if in_place is not None:
+        if nd:
+            parts.append(in_place[:nd])
+    elif nd:
         assert meta.decode_block_tables is not None
         q = query[0, :, :nd].transpose(0, 1).unsqueeze(2)  # [nd, H, 1, hd]
         k = _gather(cache, meta.decode_block_tables, 0, meta.workspace)  # [nd, kvh, L, hd]
@@ -344,9 +373,14 @@ def paged_attention(
             mask = mask & (keys >= ctx - window)
         out = _attend(q, k, v, mask, scaling, variant)
         parts.append(out.reshape(nd, num_heads, head_dim))
+    done = nd  # kernel rows consumed
     for chunk in meta.prefill:
         rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
         q = query[:, :, rows]  # [1, H, q_len, hd]
+        if in_place is not None and chunk.mask is not None:  # continued: the kernel's rows
+            parts.append(in_place[done : done + chunk.q_len])
+            done += chunk.q_len
+            continue
         if chunk.mask is None:  # whole prompt: attend to the fresh K/V, plain causal
             k, v = key[:, :, rows], value[:, :, rows]
             mask = None
@@ -365,6 +399,28 @@ def paged_attention(
     attn = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     assert attn.shape[0] == num_tokens
     return attn.unsqueeze(0)
+
+
+def _in_place(
+    kr: KernelRows,
+    cache: torch.Tensor,
+    query: torch.Tensor,
+    scaling: float | None,
+    variant: Variant,
+) -> torch.Tensor:
+    """The kernel's rows of one layer, ``[R, H, hd]`` in the query's dtype: attention over
+    ``cache`` read through the block tables (no gather). ``query``: ``[1, H, T, hd]``."""
+    q = query[0].transpose(0, 1)  # [T, H, hd], a view
+    q = q.index_select(0, kr.rows) if kr.rows is not None else q[: kr.num_rows].contiguous()
+    out = torch.empty_like(q)
+    sinks = variant.sinks
+    torch.ops.pdserve_paged.varlen(
+        out, q, cache, kr.block_tables, kr.query_start, kr.ctx_lens,
+        scaling if scaling is not None else q.shape[-1] ** -0.5,
+        variant.window or 0, variant.softcap or 0.0,
+        None if sinks is None else sinks.to(torch.float32).contiguous(),
+    )  # fmt: skip
+    return out
 
 
 # The metadata of the step running on this thread, for the compiled forward: a traced graph takes

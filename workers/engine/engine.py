@@ -49,6 +49,7 @@ applied by the engine thread between steps, so blocks are never freed under a ru
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 from dataclasses import dataclass, replace
@@ -181,10 +182,14 @@ class Engine:
     # --- lifecycle -----------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the step thread (once)."""
+        """Start the step thread (once), in a copy of the caller's context (torch's config
+        overrides are context variables)."""
         with self._lock:
             if self._thread is None and not self._shut_down:
-                self._thread = threading.Thread(target=self._loop, name="pdserve-engine")
+                context = contextvars.copy_context()
+                self._thread = threading.Thread(
+                    target=context.run, args=(self._loop,), name="pdserve-engine"
+                )
                 self._thread.daemon = True
                 self._thread.start()
 

@@ -28,9 +28,10 @@ from pdserve.config import EngineConfig
 from pdserve.errors import ConfigError
 from pdserve.hardware import choose_dtype
 from pdserve.protocol import KVLayout, SamplingParams
-from pdserve.workers.engine import parallel, probe
+from pdserve.workers.engine import paged_kernel, parallel, probe
 from pdserve.workers.engine.attention import (
     METADATA_KWARG,
+    KernelRows,
     PagedAttentionMetadata,
     PrefillChunk,
     bottom_right_causal_mask,
@@ -122,6 +123,13 @@ class ModelRunner:
         self.vocab_size: int = text.vocab_size
         self.max_position_embeddings: int = text.max_position_embeddings
         self._workspace: torch.Tensor | None = None  # PagedAttentionMetadata.workspace
+        # CPU: the in-place paged attention kernel, built now (tens of seconds the first time
+        # on a machine, then torch's cached build) rather than on the first request
+        self.in_place = self.device.type == "cpu" and paged_kernel.available()
+        if self.rank == 0 and self.device.type == "cpu":
+            how = "in-place kernel" if self.in_place else "gather + SDPA"
+            why = "" if self.in_place else f" ({paged_kernel.unavailable_reason()})"
+            log.info("paged attention: %s%s", how, why)
         shape = probe.capture_kv_shapes(self.model, self.device, self.num_layers)
         self.num_kv_heads: int = shape.num_kv_heads  # what the attention receives
         self.head_dim: int = shape.head_dim
@@ -317,14 +325,17 @@ class ModelRunner:
                 mask = torch.arange(width * tpb, device=dev)[None, :] < ctx[:, None]
                 mask = mask[:, None, None, :]
         k_slots = k_slots.to(dev)
+        kernel = self._kernel_rows(decode_tables, decode_ctx, chunks) if self.in_place else None
         chunk_blocks = max((len(c.block_ids) for c in chunks if c.mask is not None), default=0)
-        need = workspace_numel(
-            nd * (tables_t.shape[1] if tables_t is not None else 0),
-            chunk_blocks,
-            tpb,
-            kv_cache.layout.kv_heads_per_rank,
-            self.head_dim,
-        )
+        need = 0
+        if kernel is None:  # the gather path's workspace
+            need = workspace_numel(
+                nd * (tables_t.shape[1] if tables_t is not None else 0),
+                chunk_blocks,
+                tpb,
+                kv_cache.layout.kv_heads_per_rank,
+                self.head_dim,
+            )
         pool = kv_cache.shard(self.rank)
         return PagedAttentionMetadata(
             pool=pool,
@@ -345,6 +356,37 @@ class ModelRunner:
                 for c in chunks
             ),
             workspace=self._workspace_for(pool, need) if need else None,
+            kernel=kernel,
+        )
+
+    @staticmethod
+    def _kernel_rows(
+        decode_tables: list[list[int]], decode_ctx: list[int], chunks: list[PrefillChunk]
+    ) -> KernelRows | None:
+        """The in-place kernel's part of a step: the decode rows (one each) and the continued
+        chunks, in step order; None when the step has neither."""
+        tables = list(decode_tables)
+        ctx, q_lens = list(decode_ctx), [1] * len(decode_tables)
+        rows = list(range(len(decode_tables)))
+        for c in chunks:
+            if c.mask is not None:
+                tables.append(c.block_ids.tolist())
+                ctx.append(c.ctx_len)
+                q_lens.append(c.q_len)
+                rows.extend(range(c.q_start, c.q_start + c.q_len))
+        if not tables:
+            return None
+        width = max(len(t) for t in tables)
+        starts = [0]
+        for n in q_lens:
+            starts.append(starts[-1] + n)
+        contiguous = rows == list(range(len(rows)))
+        return KernelRows(
+            torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long),
+            torch.tensor(starts, dtype=torch.long),
+            torch.tensor(ctx, dtype=torch.long),
+            None if contiguous else torch.tensor(rows, dtype=torch.long),
+            len(rows),
         )
 
     def _workspace_for(self, pool: torch.Tensor, numel: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ memoryviews (no torch op), so only the engine thread forms a team in a serving w
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -28,9 +29,10 @@ T = TypeVar("T")
 
 
 def in_fresh_thread(fn: Callable[[], T], name: str = "pdserve-engine-setup") -> T:
-    """``fn()`` run on a new thread that exits when it returns (its OpenMP pool with it);
-    returns its result or raises its exception, on the calling thread, which blocks meanwhile.
-    Not for code that needs the caller's context variables or thread-locals."""
+    """``fn()`` run on a new thread that exits when it returns (its OpenMP pool with it), in a
+    copy of the caller's context (context variables, e.g. torch's dynamo and inductor config
+    overrides, which a bare thread would not see); returns its result or raises its
+    exception, on the calling thread, which blocks meanwhile. Thread-locals do not carry."""
     result: list[T] = []
     error: list[BaseException] = []
 
@@ -40,7 +42,8 @@ def in_fresh_thread(fn: Callable[[], T], name: str = "pdserve-engine-setup") -> 
         except BaseException as exc:  # re-raised on the caller's thread
             error.append(exc)
 
-    thread = threading.Thread(target=run, name=name, daemon=True)
+    context = contextvars.copy_context()
+    thread = threading.Thread(target=context.run, args=(run,), name=name, daemon=True)
     thread.start()
     thread.join()
     if error:

@@ -298,10 +298,11 @@ class RankGroup:
 def encode_step(step: Step) -> bytes:
     """``step`` as bytes of plain tensors, numbers and lists (:func:`decode_step` reads them
     with ``torch.load(weights_only=True)``, which builds no other object)."""
-    m = step.meta
+    m, k = step.meta, step.meta.kernel
     chunks = [[c.q_start, c.q_len, c.ctx_len, c.block_ids, c.mask] for c in m.prefill]
+    kernel = None if k is None else [k.block_tables, k.query_start, k.ctx_lens, k.rows, k.num_rows]
     meta = [m.pool, m.k_slots, m.v_slots, m.num_decode, m.decode_block_tables, m.decode_mask,
-            m.decode_ctx_len, chunks, m.write_rows]  # fmt: skip
+            m.decode_ctx_len, chunks, m.write_rows, kernel]  # fmt: skip
     buf = io.BytesIO()
     torch.save([step.ids, step.positions, meta, step.workspace_numel], buf)
     return buf.getvalue()
@@ -310,13 +311,14 @@ def encode_step(step: Step) -> bytes:
 def decode_step(data: bytes) -> Step:
     """The :class:`Step` :func:`encode_step` wrote. Raises what ``torch.load`` raises for
     anything but its plain types."""
-    from pdserve.workers.engine.attention import PagedAttentionMetadata, PrefillChunk
+    from pdserve.workers.engine.attention import KernelRows, PagedAttentionMetadata, PrefillChunk
 
     ids, positions, meta, workspace = torch.load(io.BytesIO(data), weights_only=True)
-    pool, k_slots, v_slots, nd, tables, mask, ctx, chunks, write_rows = meta
+    pool, k_slots, v_slots, nd, tables, mask, ctx, chunks, write_rows, kernel = meta
     prefill = tuple(PrefillChunk(*c) for c in chunks)
+    rows = None if kernel is None else KernelRows(*kernel)
     bare = PagedAttentionMetadata(
-        pool, k_slots, v_slots, nd, tables, mask, ctx, prefill, write_rows
+        pool, k_slots, v_slots, nd, tables, mask, ctx, prefill, write_rows, kernel=rows
     )
     return Step(ids, positions, bare, int(workspace))
 

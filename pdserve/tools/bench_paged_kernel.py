@@ -1,0 +1,169 @@
+"""``pdserve bench paged-attention``: the paged-attention kernel against today's gather + SDPA.
+
+One layer's attention on SmolLM2-135M's layout (9 query heads, 3 kv heads, head size 64,
+16 tokens per block) with random data: decode steps of ``B`` sequences at a context of ``C``
+tokens each (``BxC``), and one continued prefill chunk (``q Q/C``: Q query rows over a C-token
+context). Blocks are scattered over the pool (a random permutation), as in a served pool.
+
+Columns: time per layer call of :func:`pdserve.workers.engine.attention.paged_attention` (the
+step's K/V store, the ``index_select`` gather into a workspace, SDPA) and of the same store
+followed by :func:`pdserve.workers.engine.paged_kernel.paged_attention_varlen`, medians;
+``speed-up`` is their ratio; ``max|diff|`` the largest difference between the two outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported when the benchmark runs, not when the CLI is built
+    import torch
+
+HEADS, KV_HEADS, HEAD_DIM, TPB = 9, 3, 64, 16  # SmolLM2-135M
+DECODE_CASES = ((1, 512), (2, 512), (2, 8192), (8, 300), (32, 300), (32, 1000))
+PREFILL_CASE = (256, 2048)  # query rows, context
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``pdserve bench paged-attention``."""
+    p.add_argument(
+        "--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
+        help="model and KV cache dtype, one table section each (default: float32 bfloat16)",
+    )  # fmt: skip
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--min-time", type=float, default=0.25,
+        help="seconds each path of each case is timed for, at least 5 calls (default: 0.25)",
+    )  # fmt: skip
+
+
+@dataclass
+class _Case:
+    label: str
+    seqs: int
+    q_len: int
+    ctx: int
+
+
+def _cpu_model() -> str:
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    for line in text.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def _median_ms(fn: Callable[[], object], min_time: float) -> float:
+    fn()  # warm-up
+    times: list[float] = []
+    deadline = time.perf_counter() + min_time
+    while len(times) < 5 or time.perf_counter() < deadline:
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def _run_case(case: _Case, dtype: torch.dtype, min_time: float) -> tuple[float, float, float]:
+    """(gather + SDPA ms, kernel ms, max |diff|) of one case."""
+    import torch
+
+    from pdserve.workers.engine import attention as att
+    from pdserve.workers.engine.paged_kernel import paged_attention_varlen
+
+    gen = torch.Generator().manual_seed(0)
+    per_seq = math.ceil(case.ctx / TPB)
+    num_blocks = case.seqs * per_seq + 1
+    pool = torch.randn(1, num_blocks, 2, TPB, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    tables = torch.randperm(num_blocks, generator=gen)[: case.seqs * per_seq]
+    tables = tables.view(case.seqs, per_seq)
+    tokens = case.seqs * case.q_len
+    query = torch.randn(1, HEADS, tokens, HEAD_DIM, generator=gen).to(dtype)
+    key = torch.randn(1, KV_HEADS, tokens, HEAD_DIM, generator=gen).to(dtype)
+    value = torch.randn(1, KV_HEADS, tokens, HEAD_DIM, generator=gen).to(dtype)
+    ctx = torch.full((case.seqs,), case.ctx, dtype=torch.int64)
+    pos = torch.arange(case.ctx - case.q_len, case.ctx).repeat(case.seqs)
+    rows = torch.arange(case.seqs).repeat_interleave(case.q_len)
+    k_slots = tables[rows, pos // TPB] * 2 * TPB + pos % TPB
+    workspace = torch.empty(
+        att.workspace_numel(tables.numel(), per_seq, TPB, KV_HEADS, HEAD_DIM), dtype=dtype
+    )
+    decode = case.q_len == 1
+    mask = None
+    if decode and case.seqs > 1:
+        keys = torch.arange(per_seq * TPB)
+        mask = (keys[None, :] < ctx[:, None]).view(case.seqs, 1, 1, -1)
+    chunks: tuple[att.PrefillChunk, ...] = ()
+    if not decode:
+        mask_chunk = att.bottom_right_causal_mask(case.q_len, case.ctx)
+        chunks = (att.PrefillChunk(0, case.q_len, case.ctx, tables[0], mask_chunk),)
+    meta = att.PagedAttentionMetadata(
+        pool=pool,
+        k_slots=k_slots,
+        v_slots=k_slots + TPB,
+        num_decode=case.seqs if decode else 0,
+        decode_block_tables=tables if decode else None,
+        decode_mask=mask,
+        decode_ctx_len=case.ctx,
+        prefill=chunks,
+        workspace=workspace,
+    )
+    scale = HEAD_DIM**-0.5
+    query_start = torch.arange(case.seqs + 1, dtype=torch.int64) * case.q_len
+    cache = pool[0]
+    flat = cache.view(-1, KV_HEADS, HEAD_DIM)
+    out = torch.empty(tokens, HEADS, HEAD_DIM, dtype=dtype)
+    q_rows = query[0].transpose(0, 1)  # [T, H, hd], copied by the kernel's wrapper as SDPA's is
+
+    def baseline() -> torch.Tensor:
+        return att.paged_attention(meta, 0, query, key, value, scale)[0]
+
+    def kernel() -> torch.Tensor:
+        att.store_kv(flat, meta.k_slots, key[0].transpose(0, 1))
+        att.store_kv(flat, meta.v_slots, value[0].transpose(0, 1))
+        return paged_attention_varlen(
+            q_rows, cache, tables, query_start, ctx, scale, out=out
+        )  # fmt: skip
+
+    diff = (baseline().float() - kernel().float()).abs().max().item()
+    base_ms = _median_ms(baseline, min_time)
+    kernel_ms = _median_ms(kernel, min_time)
+    return base_ms, kernel_ms, diff
+
+
+def main(args: argparse.Namespace) -> int:
+    """Print the table; returns 0, or 1 when the kernel is unavailable."""
+    import torch
+
+    from pdserve.workers.engine.paged_kernel import available, unavailable_reason
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    if not available():
+        print(f"paged attention kernel unavailable: {unavailable_reason()}")
+        return 1
+    print(f"CPU: {_cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"kernel ready in {time.perf_counter() - started:.1f} s")  # fmt: skip
+    print(f"layout: H={HEADS}, kvh={KV_HEADS}, hd={HEAD_DIM}, tpb={TPB}; ms per layer call")
+    cases = [_Case(f"decode {b}x{c}", b, 1, c) for b, c in DECODE_CASES]
+    q, c = PREFILL_CASE
+    cases.append(_Case(f"prefill q {q}/{c}", 1, q, c))
+    print(f"{'dtype':<10}{'case':<18}{'gather+SDPA':>12}{'kernel':>10}{'speed-up':>10}"
+          f"{'max|diff|':>11}")  # fmt: skip
+    for name in args.dtypes:
+        dtype = getattr(torch, name)
+        for case in cases:
+            base_ms, kernel_ms, diff = _run_case(case, dtype, args.min_time)
+            print(f"{name:<10}{case.label:<18}{base_ms:>12.3f}{kernel_ms:>10.3f}"
+                  f"{base_ms / kernel_ms:>9.2f}x{diff:>11.1e}", flush=True)  # fmt: skip
+    return 0
