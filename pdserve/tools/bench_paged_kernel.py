@@ -14,6 +14,7 @@ followed by :func:`pdserve.workers.engine.paged_kernel.paged_attention_varlen`, 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 import subprocess
@@ -41,6 +42,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--min-time", type=float, default=0.25,
         help="seconds each path of each case is timed for, at least 5 calls (default: 0.25)",
     )  # fmt: skip
+    p.add_argument(
+        "--steps", action="store_true",
+        help="instead: whole decode steps of the model (--model, default SmolLM2; --dtype "
+        "auto) at batch 2 and contexts of 512, 2048 and 8192 tokens, in-place kernel vs "
+        "gather + SDPA, and each path's 8192 / 512 step-time ratio",
+    )  # fmt: skip
+    p.add_argument("--model", default=None, help="--steps: model folder (default: SmolLM2)")
+    p.add_argument("--dtype", default="auto", help="--steps: model dtype (default: auto)")
 
 
 @dataclass
@@ -140,6 +149,58 @@ def _run_case(case: _Case, dtype: torch.dtype, min_time: float) -> tuple[float, 
     return base_ms, kernel_ms, diff
 
 
+STEP_CONTEXTS = (512, 2048, 8192)
+
+
+def _steps(args: argparse.Namespace) -> int:
+    """``--steps``: decode step time of the whole model at batch 2 against context length."""
+    import torch
+
+    from pdserve.config import EngineConfig
+    from pdserve.models import resolve_model
+    from pdserve.protocol import SamplingParams
+    from pdserve.settings import KVCacheSettings, ModelSettings, SchedulerSettings
+    from pdserve.workers.engine.engine import Engine
+    from pdserve.workers.engine.scheduler import ScheduledBatch, ScheduledSequence
+    from pdserve.workers.engine.sequence import Sequence
+
+    blocks = 2 * (max(STEP_CONTEXTS) // TPB + 1)
+    cfg = EngineConfig(
+        model_path=resolve_model(args.model, cache_dir=None),
+        model=ModelSettings(dtype=args.dtype),
+        kv_cache=KVCacheSettings(num_blocks=blocks, tokens_per_block=TPB),
+        scheduler=SchedulerSettings(threads=args.threads),
+    )
+    engine = Engine(cfg)  # not started: this thread runs the steps
+    runner, kv = engine.runner, engine.kv_cache
+    print(f"CPU: {_cpu_model()}; {runner.dtype_name}, {torch.get_num_threads()} threads, "
+          f"compiled {runner.compiled is not None}; ms per decode step, batch 2")  # fmt: skip
+    print(f"{'context':>8}{'gather+SDPA':>13}{'in-place':>10}{'speed-up':>10}")
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for ctx in STEP_CONTEXTS:  # the pool's contents do not matter for the time
+        seqs = []
+        for i in range(2):
+            seq = Sequence(f"s{i}", [7] * ctx, SamplingParams(max_tokens=2), "full", 0)
+            kv.allocate(seq.request_id, ctx)
+            seq.num_computed_tokens = ctx - 1
+            seqs.append(seq)
+        batch = ScheduledBatch(decode=[ScheduledSequence.of(s, 1) for s in seqs])
+        row = []
+        for in_place in (False, True):
+            runner.in_place = in_place
+            ms = _median_ms(functools.partial(runner.execute, batch, kv), args.min_time * 8)
+            times[in_place].append(ms)
+            row.append(ms)
+        for seq in seqs:
+            kv.free(seq.request_id)
+        print(f"{ctx:>8}{row[0]:>13.2f}{row[1]:>10.2f}{row[0] / row[1]:>9.2f}x", flush=True)
+    for in_place, label in ((False, "gather+SDPA"), (True, "in-place")):
+        t = times[in_place]
+        print(f"{label}: step at {STEP_CONTEXTS[-1]} / at {STEP_CONTEXTS[0]} = {t[-1] / t[0]:.2f}x")
+    engine.shutdown()
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     """Print the table; returns 0, or 1 when the kernel is unavailable."""
     import torch
@@ -148,6 +209,8 @@ def main(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.steps:
+        return _steps(args)
     started = time.perf_counter()
     if not available():
         print(f"paged attention kernel unavailable: {unavailable_reason()}")
