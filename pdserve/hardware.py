@@ -2,11 +2,15 @@
 
 Design origin: vLLM's ``--dtype auto`` (the checkpoint's dtype; on CUDA FP16 for FP32 and FP16
 checkpoints, BF16 for BF16 ones), with a CPU rule of our own: a half-precision checkpoint runs in
-bfloat16 only where the CPU has AMX tiles (``amx_bf16``: Intel Sapphire Rapids and later), since
-there oneDNN's bfloat16 GEMMs outrun float32; elsewhere it runs in float32. Measured on the
-AMD EPYC development machine (Zen 4: ``avx512_bf16``, no AMX), the compiled SmolLM2 decode step
-at batch 8 took 71 ms in bfloat16 against 51 ms in float32 (docs/benchmarks.md), so AVX-512 BF16
-alone is not enough. Torch-free unless a CUDA device is asked about.
+bfloat16 where the CPU computes it natively, with AMX tiles (``amx_bf16``: Intel Sapphire Rapids
+and later) or AVX-512 BF16 (``avx512_bf16``: e.g. AMD Zen 4) and the engine's in-place paged
+attention kernel (whose bfloat16 path is as fast as its float32 one; the gather + SDPA
+fallback's bfloat16 path is several times slower than float32's); elsewhere it runs in float32.
+Measured on the AMD EPYC development machine (Zen 4: ``avx512_bf16``, no AMX), ``pdserve up``
+on SmolLM2, chat 256 in / 64 out: 49.9 / 157.8 / 206.9 output tokens/s at concurrency 1 / 8 / 32
+in bfloat16 against 34.3 / 111.0 / 143.0 in float32 (docs/benchmarks.md); before the kernel, the
+compiled decode step at batch 8 took 71 ms in bfloat16 against 51 ms in float32. Torch-free
+unless a CUDA device is asked about.
 """
 
 from __future__ import annotations
@@ -63,11 +67,17 @@ class DtypeChoice:
 
 
 def choose_dtype(
-    requested: str, model_path: Path, device: str, flags: frozenset[str] | None = None
+    requested: str,
+    model_path: Path,
+    device: str,
+    flags: frozenset[str] | None = None,
+    *,
+    in_place: bool = True,
 ) -> DtypeChoice:
     """Resolve ``model.dtype`` (``requested``; ``"auto"`` by the rules of the module docstring,
     anything else as given) for a model folder on ``device`` (``cpu``, ``cuda``, ``cuda:N``).
-    ``flags``: the CPU's (default: this machine's)."""
+    ``flags``: the CPU's (default: this machine's); ``in_place``: whether the in-place paged
+    attention kernel serves this CPU engine."""
     if requested != "auto":
         return DtypeChoice(requested, "set by model.dtype / --dtype")
     ckpt = checkpoint_dtype(model_path)
@@ -78,19 +88,25 @@ def choose_dtype(
         return DtypeChoice("float16", f"checkpoint {ckpt or 'dtype unknown'}: float16 on CUDA")
     if not half:
         return DtypeChoice("float32", f"the checkpoint's {ckpt or 'float32 (none declared)'}")
-    if cpu_half_dtype(cpu_flags() if flags is None else flags) == "bfloat16":
-        return DtypeChoice("bfloat16", f"checkpoint {ckpt}; this CPU has AMX (amx_bf16)")
+    flags = cpu_flags() if flags is None else flags
+    if cpu_half_dtype(flags, in_place=in_place) == "bfloat16":
+        unit = "AMX (amx_bf16)" if "amx_bf16" in flags else "AVX-512 BF16 (avx512_bf16)"
+        return DtypeChoice("bfloat16", f"checkpoint {ckpt}; this CPU has {unit}")
+    why = "no AMX or AVX-512 BF16" if in_place else "no in-place attention kernel"
     return DtypeChoice(
         "float32",
-        f"checkpoint {ckpt}, but this CPU has no AMX: bfloat16 without AMX tiles decodes slower "
-        "than float32 (set --dtype bfloat16 to force it)",
+        f"checkpoint {ckpt}, but {why} here: bfloat16 would decode slower than float32 (set "
+        "--dtype bfloat16 to force it)",
     )
 
 
-def cpu_half_dtype(flags: frozenset[str]) -> str:
+def cpu_half_dtype(flags: frozenset[str], *, in_place: bool = True) -> str:
     """What a half-precision checkpoint runs in on a CPU with ``flags``: ``bfloat16`` with AMX
-    (``amx_bf16``), else ``float32``."""
-    return "bfloat16" if "amx_bf16" in flags else "float32"
+    (``amx_bf16``), or with AVX-512 BF16 (``avx512_bf16``) when the in-place attention kernel
+    serves (``in_place``); else ``float32``."""
+    if "amx_bf16" in flags or ("avx512_bf16" in flags and in_place):
+        return "bfloat16"
+    return "float32"
 
 
 def _cuda_bf16(device: str) -> bool:

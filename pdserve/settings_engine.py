@@ -59,8 +59,9 @@ class ModelSettings(_Section):
     dtype: Annotated[ModelDtype, Flag("--dtype", SERVING)] = Field(
         default="auto",
         description="weights and activations; auto: the checkpoint's dtype where the device "
-        "computes it natively (bfloat16 on CPUs with AMX, on GPUs with bf16), float16 for "
-        "other checkpoints on CUDA, else float32; the choice and its reason are logged",
+        "computes it natively (bfloat16 on CPUs with AMX or AVX-512 BF16, on GPUs with bf16), "
+        "float16 for other checkpoints on CUDA, else float32; the choice and its reason are "
+        "logged",
     )
     device: Annotated[str, Flag("--device", SERVING)] = Field(
         default="cpu", description="'cpu', 'cuda' or 'cuda:N'"

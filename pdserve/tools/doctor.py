@@ -251,6 +251,8 @@ def check_cpu_features(flags: frozenset[str] | None = None) -> list[Finding]:
     if missing:
         detail += f" (no {' '.join(missing)})"
     detail += f"; --dtype auto runs a bfloat16 checkpoint in {bf16} here"
+    if bf16 == "bfloat16" and "amx_bf16" not in flags:
+        detail += " (float32 where the paged attention kernel cannot be built)"
     return [Finding(Level.OK, "cpu features", detail)]
 
 

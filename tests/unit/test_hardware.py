@@ -12,6 +12,7 @@ from pdserve.tools.doctor import check_cpu_features
 
 AMX = frozenset({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
 ZEN4 = frozenset({"avx2", "avx512f", "avx512_bf16"})
+AVX2 = frozenset({"avx2", "fma"})
 
 
 def _model(tmp_path: Path, dtype: str | None, key: str = "dtype") -> Path:
@@ -23,7 +24,8 @@ def _model(tmp_path: Path, dtype: str | None, key: str = "dtype") -> Path:
     ("ckpt", "flags", "want"),
     [
         ("bfloat16", AMX, "bfloat16"),  # AMX: bfloat16 GEMMs outrun float32
-        ("bfloat16", ZEN4, "float32"),  # AVX-512 BF16 alone measured slower
+        ("bfloat16", ZEN4, "bfloat16"),  # AVX-512 BF16 with the in-place kernel: 1.45x
+        ("bfloat16", AVX2, "float32"),  # no native bfloat16
         ("float16", AMX, "bfloat16"),
         ("float32", AMX, "float32"),  # never widened or narrowed from float32 on CPU
         (None, AMX, "float32"),
@@ -38,13 +40,20 @@ def test_auto_on_cpu(tmp_path: Path, ckpt: str | None, flags: frozenset[str], wa
 def test_an_explicit_dtype_wins_and_torch_dtype_is_read(tmp_path: Path) -> None:
     assert choose_dtype("float16", _model(tmp_path, "bfloat16"), "cpu", AMX).dtype == "float16"
     assert checkpoint_dtype(_model(tmp_path, "torch.bfloat16", key="torch_dtype")) == "bfloat16"
-    assert "no AMX" in choose_dtype("auto", _model(tmp_path, "bfloat16"), "cpu", ZEN4).reason
+    bf16 = _model(tmp_path, "bfloat16")
+    assert "avx512_bf16" in choose_dtype("auto", bf16, "cpu", ZEN4).reason
+    assert "no AMX or AVX-512 BF16" in choose_dtype("auto", bf16, "cpu", AVX2).reason
+    # without the in-place kernel, bfloat16 attention (gather + SDPA) is the slow path
+    no_kernel = choose_dtype("auto", bf16, "cpu", ZEN4, in_place=False)
+    assert no_kernel.dtype == "float32" and "no in-place attention kernel" in no_kernel.reason
+    assert choose_dtype("auto", bf16, "cpu", AMX, in_place=False).dtype == "bfloat16"
 
 
 def test_doctor_names_the_features_and_the_choice() -> None:
-    (finding,) = check_cpu_features(ZEN4)
-    assert "avx512_bf16" in finding.message and "no " in finding.message
+    (finding,) = check_cpu_features(AVX2)
+    assert "avx2" in finding.message and "no " in finding.message
     assert "runs a bfloat16 checkpoint in float32" in finding.message
-    (finding,) = check_cpu_features(AMX)
-    assert "in bfloat16" in finding.message
+    for flags in (AMX, ZEN4):
+        (finding,) = check_cpu_features(flags)
+        assert "avx512_bf16" in finding.message and "in bfloat16" in finding.message
     assert isinstance(cpu_flags(), frozenset)

@@ -72,7 +72,10 @@ class ModelRunner:
             torch.set_num_threads(cfg.scheduler.threads)  # process-wide intra-op pool
         self.device = torch.device(cfg.model.device)
         path = Path(cfg.model_path)
-        choice = choose_dtype(cfg.model.dtype, path, cfg.model.device)
+        # CPU: the in-place paged attention kernel, built now (tens of seconds the first time
+        # on a machine, then torch's cached build) rather than on the first request
+        self.in_place = self.device.type == "cpu" and paged_kernel.available()
+        choice = choose_dtype(cfg.model.dtype, path, cfg.model.device, in_place=self.in_place)
         if rank == 0:
             log.info("model dtype %s: %s", choice.dtype, choice.reason)
         self.dtype_name: str = choice.dtype
@@ -123,9 +126,6 @@ class ModelRunner:
         self.vocab_size: int = text.vocab_size
         self.max_position_embeddings: int = text.max_position_embeddings
         self._workspace: torch.Tensor | None = None  # PagedAttentionMetadata.workspace
-        # CPU: the in-place paged attention kernel, built now (tens of seconds the first time
-        # on a machine, then torch's cached build) rather than on the first request
-        self.in_place = self.device.type == "cpu" and paged_kernel.available()
         if self.rank == 0 and self.device.type == "cpu":
             how = "in-place kernel" if self.in_place else "gather + SDPA"
             why = "" if self.in_place else f" ({paged_kernel.unavailable_reason()})"
