@@ -75,7 +75,7 @@ from pdserve.workers.engine.requests import (
 from pdserve.workers.engine.sampler import Sampler, record_prompt_logprobs
 from pdserve.workers.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.workers.engine.sequence import IncrementalDetokenizer, Sequence, SequenceStatus
-from pdserve.workers.engine.speculative import SpecDecodeStats, accepted, record_outcome
+from pdserve.workers.engine.speculative import SpecDecodeStats
 from pdserve.workers.kv.connector import KVConnectorStats, build_connector
 from pdserve.workers.kv.manager import KVCacheManager
 from pdserve.workers.kv.sizing import log_pool, pool_size
@@ -464,11 +464,7 @@ class Engine:
             lps = result.logprobs[first : first + s.num_rows]
             first += s.num_rows
             if s.draft:  # keep the verified prefix: its K/V is the sequence's now
-                n = accepted(s.draft, tokens)
-                self.spec.record(len(s.draft), n - 1)
-                record_outcome(s.seq, n - 1)
-                s.seq.num_computed_tokens += n - 1
-                tokens, lps = tokens[:n], lps[:n]
+                tokens, lps = self.spec.verify(s.seq, s.draft, tokens, lps)
             for token, lp in zip(tokens, lps, strict=True):
                 try:
                     if self._append_token(s.seq, token, lp):

@@ -48,11 +48,12 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from pdserve.protocol import SamplingParams
 
 _ITEM = array("i").itemsize
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,10 @@ class _Backoff(Protocol):
     spec_skip: int
 
 
+class _Verified(_Backoff, Protocol):
+    num_computed_tokens: int
+
+
 def take_turn(seq: _Backoff) -> bool:
     """Whether ``seq`` (a :class:`~pdserve.workers.engine.sequence.Sequence`) may get drafts
     this step; counts down a back-off (module docstring)."""
@@ -159,3 +164,17 @@ class SpecDecodeStats:
         self.drafts += 1
         self.draft_tokens += proposed
         self.accepted_tokens += matched
+
+    def verify(
+        self, seq: _Verified, draft: Seq[int], tokens: list[int], lps: list[T]
+    ) -> tuple[list[int], list[T]]:
+        """After a verifying step of ``seq`` (a
+        :class:`~pdserve.workers.engine.sequence.Sequence`): ``tokens`` / ``lps`` sampled for
+        its ``len(draft) + 1`` rows, cut to those emitted (:func:`accepted`). Counts them here,
+        updates the sequence's back-off (:func:`record_outcome`) and adds the accepted drafts'
+        K/V to its ``num_computed_tokens``."""
+        n = accepted(draft, tokens)
+        self.record(len(draft), n - 1)
+        record_outcome(seq, n - 1)
+        seq.num_computed_tokens += n - 1
+        return tokens[:n], lps[:n]
