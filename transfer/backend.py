@@ -26,13 +26,14 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
 from pdserve.errors import ConfigError, TransferError
 from pdserve.settings import TransferSettings
 from pdserve.transfer import wire
+from pdserve.transfer.copies import CopyCounter
 from pdserve.transfer.formatter import PoolGeometry, TransferPlan
 
 if TYPE_CHECKING:
@@ -80,6 +81,16 @@ class Poller:
             await asyncio.sleep(self._idle_s)
 
 
+class Digests(Protocol):
+    """The integrity digests of one transfer's plan segments, computed as they are touched
+    (:class:`pdserve.transfer.integrity.SegmentDigests`): ``update(stop)`` hashes segments
+    ``done .. stop - 1``; what a backend leaves, the sender or receiver finishes."""
+
+    done: int
+
+    def update(self, stop: int) -> None: ...
+
+
 class Outbound(ABC):
     """The prefill side of one request's transfer, started by :meth:`Backend.start_send`."""
 
@@ -122,10 +133,25 @@ class Backend(ABC):
     ``inline_bytes``: the KV bytes travel on the control connection (TCP): their announced
     count completes a transfer (no TransferDone), and a failed send leaves the stream unusable,
     so the connection must be closed.
+
+    ``copies``: where the backend counts its payload and staging copies
+    (:mod:`pdserve.transfer.copies`); the transceiver sets its own counter right after
+    :func:`open_backend`, and a backend without one makes its own on first use.
     """
 
     name: ClassVar[str]
     inline_bytes: ClassVar[bool]
+    _copies: CopyCounter | None = None
+
+    @property
+    def copies(self) -> CopyCounter:
+        if self._copies is None:
+            self._copies = CopyCounter()
+        return self._copies
+
+    @copies.setter
+    def copies(self, counter: CopyCounter) -> None:
+        self._copies = counter
 
     @property
     def late_writes(self) -> bool:
@@ -145,15 +171,30 @@ class Backend(ABC):
 
     @abstractmethod
     def start_send(
-        self, conn: Connection, plan: TransferPlan, peer: Peer, transfer_id: str
+        self,
+        conn: Connection,
+        plan: TransferPlan,
+        peer: Peer,
+        transfer_id: str,
+        digests: Digests | None = None,
     ) -> Outbound:
         """Sender side: start moving ``plan`` to the peer; its src offsets index the local pool,
-        or ``plan.source`` when set (a registered staging buffer, see :meth:`register_staging`)."""
+        or ``plan.source`` when set (a registered staging buffer, see :meth:`register_staging`).
+        ``digests`` (integrity on): the source digests, which a backend that touches the bytes
+        itself (TCP) computes group by group as it sends them; the sender finishes the rest."""
 
     @abstractmethod
-    async def receive(self, conn: Connection, plan: TransferPlan, transfer_id: str) -> None:
+    async def receive(
+        self,
+        conn: Connection,
+        plan: TransferPlan,
+        transfer_id: str,
+        digests: Digests | None = None,
+    ) -> None:
         """Receiver side, after SendBlocks went out: return once every byte of ``plan`` is in
-        the local pool (NIXL: and TransferDone arrived). Raises TransferError (or the peer's
+        the local pool (NIXL: and TransferDone arrived). ``digests`` (integrity on): the
+        landed bytes' digests, which a backend that receives the bytes itself (TCP) computes
+        as they land; the receiver finishes the rest. Raises TransferError (or the peer's
         subclass)."""
 
     def register_staging(self, buf: torch.Tensor) -> None:  # noqa: B027 - optional hook

@@ -148,11 +148,20 @@ class Connection:
         (else TransferError and the connection closes: a peer cannot hold a handler with a
         trickle), and memory for it grows as its bytes arrive, in steps of at most
         :data:`FRAME_CHUNK_BYTES`, never to the announced length up front."""
-        await self._recv_into(memoryview(self._header))
+        header = memoryview(self._header)
+        if (got := self._recv_now(header)) < len(header):  # else the frame waits to start
+            await self._recv_into(header[got:])
         length = wire.frame_length(bytes(self._header), limit)
-        payload = bytearray()
+        # What already arrived is read without an event-loop turn or a deadline (a control
+        # answer usually is whole by now); only a frame still arriving gets its deadline.
+        payload = bytearray(min(length, FRAME_CHUNK_BYTES))
+        got = self._recv_now(memoryview(payload))
+        if got == length:
+            return wire.decode(payload)
         try:
             async with asyncio.timeout(FRAME_TIMEOUT_S):
+                if got < len(payload):
+                    await self._recv_into(memoryview(payload)[got:])
                 while len(payload) < length:
                     chunk = bytearray(min(length - len(payload), FRAME_CHUNK_BYTES))
                     await self._recv_into(memoryview(chunk))
@@ -160,8 +169,8 @@ class Connection:
         except TimeoutError:
             self.close()
             raise TransferError(
-                f"transfer peer {self.peer} sent {len(payload)} of a {length}-byte frame in "
-                f"{FRAME_TIMEOUT_S:.0f} s"
+                f"transfer peer {self.peer} sent part of a {length}-byte frame but not the rest "
+                f"within {FRAME_TIMEOUT_S:.0f} s"
             ) from None
         return wire.decode(payload)
 
@@ -212,6 +221,30 @@ class Connection:
 
     async def _recv_into(self, view: memoryview) -> None:
         await self._io([view], send=False)
+
+    def _recv_now(self, view: memoryview) -> int:
+        """Fill ``view`` from what the socket holds now, never waiting: the bytes read (less
+        than ``len(view)`` when the socket ran dry). Raises TransferError (and closes) on EOF
+        or a socket error, like :meth:`_io`."""
+        done, size = 0, len(view)
+        try:
+            while done < size:
+                n = self.sock.recv_into(view[done:] if done else view)
+                if n == 0:
+                    raise TransferError(
+                        f"transfer peer {self.peer} closed the connection "
+                        f"({done} of {size} bytes of a read received)"
+                    )
+                done += n
+        except (BlockingIOError, InterruptedError):
+            return done
+        except OSError as exc:
+            self.close()
+            raise TransferError(f"transfer peer {self.peer} lost while receiving: {exc}") from exc
+        except BaseException:
+            self.close()
+            raise
+        return done
 
     async def _io(self, views: list[memoryview], *, send: bool) -> None:
         """Send (``sendmsg``) or fill (``recvmsg_into``) ``views`` completely, in order, waiting

@@ -28,6 +28,7 @@ import torch
 
 from pdserve.errors import TransferError
 from pdserve.transfer.backend import Poller
+from pdserve.transfer.copies import HOST_STAGING, RECEIVE, SEND, CopyCounter
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -65,14 +66,22 @@ class HostStage:
         self._stream = torch.cuda.Stream(device=device)
 
     def gather(
-        self, src: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray
+        self,
+        src: torch.Tensor,
+        offsets: np.ndarray,
+        lengths: np.ndarray,
+        copies: CopyCounter | None = None,
     ) -> tuple[torch.Tensor, torch.cuda.Event]:
         """Start copying ``src[offsets[k] : offsets[k] + lengths[k]]`` (``src``: 1-D uint8 on
         the device) into a new pinned host buffer ``[sum(lengths)]`` packed in plan order.
         Returns the buffer and the event that completes with the copies; the buffer must not
-        be read before then (:meth:`wait`)."""
+        be read before then (:meth:`wait`). ``copies``: the sender's counter, which counts the
+        bytes as its ``host_staging`` copy (None: not a transfer's copy, e.g. a digest's)."""
         _check_bounds(src.numel(), offsets, lengths)
-        host = torch.empty(int(lengths.sum()), dtype=torch.uint8, pin_memory=True)
+        nbytes = int(lengths.sum())
+        if copies is not None:
+            copies.copied(SEND, HOST_STAGING, nbytes)
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         with torch.cuda.stream(self._stream):
             pos = 0
             for o, n in zip(offsets.tolist(), lengths.tolist(), strict=True):
@@ -83,13 +92,22 @@ class HostStage:
         return host, event
 
     def scatter(
-        self, host: torch.Tensor, dst: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray
+        self,
+        host: torch.Tensor,
+        dst: torch.Tensor,
+        offsets: np.ndarray,
+        lengths: np.ndarray,
+        copies: CopyCounter | None = None,
     ) -> torch.cuda.Event:
         """Start copying ``host`` (pinned, packed in plan order) into ``dst[offsets[k] :
         offsets[k] + lengths[k]]`` (``dst``: 1-D uint8 on the device). Returns the event that
         completes with the copies; ``host`` must stay allocated until then (torch's host
-        allocator also holds the block back until the copies are done)."""
+        allocator also holds the block back until the copies are done). ``copies``: the
+        receiver's counter, which counts the host buffer the bytes came through as its
+        ``host_staging`` copy."""
         _check_bounds(dst.numel(), offsets, lengths)
+        if copies is not None:
+            copies.copied(RECEIVE, HOST_STAGING, int(lengths.sum()))
         with torch.cuda.stream(self._stream):
             pos = 0
             for o, n in zip(offsets.tolist(), lengths.tolist(), strict=True):

@@ -20,6 +20,10 @@ and the copy runs only inside ``poll`` on the same event loop thread), so ``late
 False. Only peers in one process and on one event loop thread can pair; a peer in another
 process never finds the post and its send times out.
 
+Copies (:mod:`pdserve.transfer.copies`): like NIXL's, none beyond the pool-to-pool copy
+itself (plus the converting formatter's staging, counted by the StagingPool); the backend's
+counter gets each side's payload.
+
 Fault injection for tests (:class:`InprocFabric`): ``paused`` holds every copy back (a
 stalled peer), ``on_copy(dst, plan)`` runs after a copy (e.g. flip a byte: corruption).
 CPU pools only (ConfigError otherwise).
@@ -37,7 +41,7 @@ import torch
 
 from pdserve.errors import ConfigError, TransferError
 from pdserve.transfer import wire
-from pdserve.transfer.backend import Backend, Outbound, Peer, TransferState
+from pdserve.transfer.backend import Backend, Digests, Outbound, Peer, TransferState
 from pdserve.transfer.formatter import PoolGeometry, TransferPlan, pool_bytes
 
 if TYPE_CHECKING:
@@ -161,12 +165,25 @@ class InprocBackend(Backend):
         return False
 
     def start_send(
-        self, conn: Connection, plan: TransferPlan, peer: Peer, transfer_id: str
+        self,
+        conn: Connection,
+        plan: TransferPlan,
+        peer: Peer,
+        transfer_id: str,
+        digests: Digests | None = None,
     ) -> Outbound:
+        self.copies.sent(plan.nbytes)  # copied pool (or staging) -> pool: no stage of its own
         src = self._pool if plan.source is None else _flat(plan.source)
         return _Copy(src, plan, transfer_id, self._fabric)
 
-    async def receive(self, conn: Connection, plan: TransferPlan, transfer_id: str) -> None:
+    async def receive(
+        self,
+        conn: Connection,
+        plan: TransferPlan,
+        transfer_id: str,
+        digests: Digests | None = None,
+    ) -> None:
+        self.copies.received(plan.nbytes)
         self._fabric.post(transfer_id, _Post(self._pool, plan.nbytes))
         try:
             nbytes = wire.expect_done(await conn.recv(), transfer_id)  # raises TransferFailed's

@@ -87,6 +87,66 @@ def decode(text: str, count: int) -> np.ndarray:
     return np.frombuffer(raw, dtype=_DIGEST)
 
 
+DIGEST_GROUP_BYTES = 1 << 20
+"""Bytes of plan segments hashed per step where hashing rides along a stream (TCP): small
+enough that a step's bytes are still in the CPU's cache when the socket copy reads them (or
+right after it wrote them), large enough that a step costs one system call's worth of Python."""
+
+
+def digest_groups(lengths: np.ndarray, group_bytes: int = DIGEST_GROUP_BYTES) -> list[int]:
+    """Split segments ``0..K-1`` into consecutive groups of about ``group_bytes`` (at least
+    one segment each): the end index of every group, ascending, the last equal to ``K``."""
+    ends: list[int] = []
+    total = 0
+    for k, n in enumerate(lengths.tolist()):
+        total += n
+        if total >= group_bytes:
+            ends.append(k + 1)
+            total = 0
+    if not ends or ends[-1] != len(lengths):
+        ends.append(len(lengths))
+    return ends
+
+
+class SegmentDigests:
+    """The digests of one plan's segments in one memory (the sender's source or the
+    receiver's pool), computed group by group where the bytes are touched anyway (TCP: each
+    group right before the socket reads it, or right after the socket wrote it), or all at
+    once by :meth:`finish` (NIXL, UCX: after the one-sided WRITE).
+
+    ``update(stop)`` hashes segments ``done..stop-1``; :meth:`finish` hashes what is left and
+    returns uint64 ``[K]``. Owned by one transfer; not thread-safe.
+    """
+
+    def __init__(
+        self,
+        digester: BlockDigester,
+        memory: torch.Tensor,
+        offsets: np.ndarray,
+        lengths: np.ndarray,
+    ):
+        self._digester = digester
+        self._memory = memory
+        self._offsets = offsets
+        self._lengths = lengths
+        self.values = np.zeros(len(lengths), dtype=_DIGEST)
+        self.done = 0
+
+    def update(self, stop: int) -> None:
+        """Hash segments ``done .. stop - 1`` (no-op when ``stop <= done``)."""
+        start = self.done
+        if stop > start:
+            self.values[start:stop] = self._digester.digests(
+                self._memory, self._offsets[start:stop], self._lengths[start:stop]
+            )
+            self.done = stop
+
+    def finish(self) -> np.ndarray:
+        """Every segment's digest (hashing the rest first)."""
+        self.update(len(self._lengths))
+        return self.values
+
+
 class BlockDigester:
     """Digests over one worker's KV pool; one per transceiver.
 
@@ -108,8 +168,21 @@ class BlockDigester:
         """Sender side, before any byte of ``plan`` moves: the wire form of the digests of its
         source segments (``plan.src_offsets``) in the memory the backend sends from: the pool,
         or ``plan.source`` (a converting formatter's staging buffer, already filled)."""
+        return encode(self.at_source(plan).finish())
+
+    def at_source(self, plan: TransferPlan) -> SegmentDigests:
+        """Sender side: the digests of ``plan``'s source segments, to be computed as they are
+        sent (:class:`SegmentDigests`), in the memory the backend sends from: the pool, or
+        ``plan.source`` (a converting formatter's staging buffer, already filled). The
+        parked blocks do not change while they are sent (fencing), so a digest computed
+        while or after a segment moves covers the bytes that left."""
         memory = self._pool if plan.source is None else plan.source
-        return encode(self._digests(memory, plan.src_offsets, plan.lengths))
+        return SegmentDigests(self, memory, plan.src_offsets, plan.lengths)
+
+    def landed(self, plan: TransferPlan) -> SegmentDigests:
+        """Receiver side: the digests of ``plan``'s destination segments in this pool, to be
+        computed as they land (:class:`SegmentDigests`)."""
+        return SegmentDigests(self, self._pool, plan.dst_offsets, plan.lengths)
 
     def check(
         self,
@@ -119,16 +192,19 @@ class BlockDigester:
         request_id: str,
         geometry: PoolGeometry,
         block_map: Mapping[int, int],
+        landed: SegmentDigests | None = None,
     ) -> None:
         """Receiver side, after every byte of ``plan`` landed: compare the destination segments
         (``plan.dst_offsets`` in the pool) with the sender's ``digests`` (wire form).
 
         ``geometry`` is this (destination) pool's; ``block_map`` maps a destination block id to
-        the prefill block id it was filled from (for the message only). Raises IntegrityError
-        naming the request, the layer and the blocks of the first differing segment; raises
-        TransferError for digests that do not fit the plan."""
+        the prefill block id it was filled from (for the message only); ``landed``: this
+        pool's digests of the plan, maybe computed in part as the bytes landed
+        (:meth:`landed`; default: all computed now). Raises IntegrityError naming the request,
+        the layer and the blocks of the first differing segment; raises TransferError for
+        digests that do not fit the plan."""
         expected = decode(digests, len(plan))
-        actual = self._digests(self._pool, plan.dst_offsets, plan.lengths)
+        actual = (landed or self.landed(plan)).finish()
         bad = np.flatnonzero(actual != expected)
         if bad.size == 0:
             return
@@ -142,10 +218,10 @@ class BlockDigester:
             f"{int(expected[k]):#018x}); {bad.size} of {len(plan)} segments differ"
         )
 
-    def _digests(
-        self, memory: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray
-    ) -> np.ndarray:
-        """Digests of ``memory``'s segments; ``memory`` is the pool or a staging buffer."""
+    def digests(self, memory: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Digests of ``memory``'s segments (uint64 ``[K]``); ``memory`` is the pool or a
+        staging buffer. Raises TransferError (a segment outside it, memory on a device that
+        cannot be hashed)."""
         if memory.device.type == "cpu":
             buf = self._bytes if memory is self._pool else pool_bytes(memory)
             assert buf is not None

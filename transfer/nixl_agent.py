@@ -47,7 +47,7 @@ import torch
 from pdserve.errors import TransferError
 from pdserve.settings import TransferSettings
 from pdserve.transfer import wire
-from pdserve.transfer.backend import Backend, Outbound, Peer, Poller, TransferState
+from pdserve.transfer.backend import Backend, Digests, Outbound, Peer, Poller, TransferState
 from pdserve.transfer.control import Connection
 from pdserve.transfer.formatter import PoolGeometry, TransferPlan
 
@@ -278,9 +278,15 @@ class NixlBackend(Backend):
         self._peers[loaded] = peer.worker_id
 
     def start_send(
-        self, conn: Connection, plan: TransferPlan, peer: Peer, transfer_id: str
+        self,
+        conn: Connection,
+        plan: TransferPlan,
+        peer: Peer,
+        transfer_id: str,
+        digests: Digests | None = None,
     ) -> Outbound:
         assert isinstance(peer, _NixlPeer)
+        self.copies.sent(plan.nbytes)  # one-sided WRITE pool (or staging) -> pool: no stage
         info = peer.info
         n = len(plan)
         local = np.empty((n, 3), dtype=np.uint64)
@@ -317,9 +323,16 @@ class NixlBackend(Backend):
         except Exception as exc:
             raise TransferError(f"NIXL WRITE to {peer.agent_name} failed to start: {exc}") from exc
 
-    async def receive(self, conn: Connection, plan: TransferPlan, transfer_id: str) -> None:
+    async def receive(
+        self,
+        conn: Connection,
+        plan: TransferPlan,
+        transfer_id: str,
+        digests: Digests | None = None,
+    ) -> None:
         # Poll notifications (progressing UCX) until the WRITE's notification arrived, while
         # the control message TransferDone/TransferFailed is awaited on the connection.
+        self.copies.received(plan.nbytes)
         tag = transfer_id.encode()
         answer = asyncio.ensure_future(conn.recv())
         poller = Poller()

@@ -23,9 +23,11 @@ Lifecycle of one :meth:`Receiver.pull`, all within ``timeout_s``::
     4. RECEIVING   backend.receive: TCP bytes land straight in the pool; NIXL polls for the
                    WRITE's notification and TransferDone; UCX polls its tagged receives
                    (posted into the pool) and awaits TransferDone
-    4b VERIFY      integrity on: BlockDigests (received ahead of the bytes on inline
-                   backends, right after TransferDone otherwise), compared with the digests of
-                   the landed bytes (:class:`~pdserve.transfer.integrity.BlockDigester`); a
+    4b VERIFY      integrity on: the landed bytes' digests (TCP: computed group by group as
+                   they land; otherwise right after TransferDone, while the sender hashes its
+                   source), then BlockDigests (the trailer of the bytes on TCP, right after
+                   TransferDone otherwise), compared
+                   (:class:`~pdserve.transfer.integrity.BlockDigester`); a
                    mismatch raises IntegrityError naming the blocks, closes the connection and
                    sends no Release
     5. RELEASE     Release(request id, lease id); the connection goes back to the idle list
@@ -57,7 +59,7 @@ from pdserve.transfer import wire
 from pdserve.transfer.control import Connection
 from pdserve.transfer.formatter import Formatter, TransferPlan
 from pdserve.transfer.handshake import LocalSide
-from pdserve.transfer.integrity import BlockDigester
+from pdserve.transfer.integrity import BlockDigester, SegmentDigests
 
 log = logging.getLogger(__name__)
 
@@ -188,14 +190,14 @@ class Receiver:
                     skip_blocks=skip_blocks,
                 )
             )
-            digests: str | None = None
-            if self._digester is not None and self._local.backend.inline_bytes:
-                digests = await self._digests(conn, transfer_id)  # ahead of inline bytes
-            await self._local.backend.receive(conn, plan, transfer_id)
-            if self._digester is not None:
-                if digests is None:
-                    digests = await self._digests(conn, transfer_id)  # after TransferDone
-                self._verify(self._digester, digests, plan, handle, src_ids, dst_block_ids)
+            landed = None if self._digester is None else self._digester.landed(plan)
+            await self._local.backend.receive(conn, plan, transfer_id, landed)
+            if self._digester is not None and landed is not None:
+                # TCP hashed the bytes as they landed; NIXL / UCX hash them now, while the
+                # sender hashes its source: both before the sender's digests are read.
+                landed.finish()
+                digests = await self._digests(conn, transfer_id)  # the trailer / after Done
+                self._verify(self._digester, digests, plan, handle, src_ids, dst_block_ids, landed)
         except HandleError:
             self._give_back(session, conn)  # the peer refused cleanly: the stream is intact
             raise
@@ -223,9 +225,11 @@ class Receiver:
         handle: TransferHandle,
         src_ids: tuple[int, ...],
         dst_block_ids: list[int],
+        landed: SegmentDigests,
     ) -> None:
-        """Step 4b: every byte of ``plan`` has landed (the backend returned); compare it with
-        the sender's digests. Raises IntegrityError (naming the blocks) or TransferError."""
+        """Step 4b: every byte of ``plan`` has landed (the backend returned) and ``landed``
+        holds its digests; compare them with the sender's. Raises IntegrityError (naming the
+        blocks) or TransferError."""
         one_to_one = handle.layout.tokens_per_block == self._local.layout.tokens_per_block
         digester.check(  # the message names prefill blocks only where blocks map one to one
             plan,
@@ -233,6 +237,7 @@ class Receiver:
             request_id=handle.request_id,
             geometry=self._local.geometry,
             block_map=dict(zip(dst_block_ids, src_ids, strict=True)) if one_to_one else {},
+            landed=landed,
         )
 
     async def _checkout(self, handle: TransferHandle) -> tuple[Connection, _Session]:

@@ -33,11 +33,13 @@ Lifecycle of a connection and of each request on it::
     5. DONE        NIXL, UCX: TransferDone (or TransferFailed); TCP: the stream's announced byte
                    count is the completion, and a stream that broke closes the connection
     5b DIGESTS     if SendBlocks asked (integrity): BlockDigests, the xxh3_64 of each plan
-                   segment computed over the source bytes right before the backend started
-                   moving them (:mod:`pdserve.transfer.integrity`); sent ahead of the bytes on
-                   inline backends (TCP), right after TransferDone otherwise (NIXL: the
-                   receiver's backend reads exactly one answer frame, and a receiver that gives
-                   up before the answer still gets its Abort handshake)
+                   segment over the source bytes (:mod:`pdserve.transfer.integrity`),
+                   computed where the bytes are touched anyway: on TCP group by group right
+                   before the socket reads them, and sent as the trailer of the bytes; on
+                   NIXL / UCX once the WRITE is done, right after TransferDone, while the
+                   receiver hashes what landed (the parked blocks cannot change meanwhile:
+                   fencing). A receiver that gives up before the answer still gets its Abort
+                   handshake, and a digest that cannot be computed is a TransferFailed
     6. RELEASE     Release: ``parked.release(request_id, lease_id)`` (idempotent), back to 2
 
 Ownership: the parked blocks stay the prefill worker's (and its lease's) until Release; this
@@ -58,7 +60,7 @@ from pdserve.transfer.backend import Outbound, Peer
 from pdserve.transfer.control import Connection
 from pdserve.transfer.formatter import Formatter, TransferPlan
 from pdserve.transfer.handshake import LocalSide
-from pdserve.transfer.integrity import BlockDigester
+from pdserve.transfer.integrity import BlockDigester, encode
 from pdserve.transfer.probe import serve_probes
 
 log = logging.getLogger(__name__)
@@ -225,35 +227,41 @@ class Sender:
             await self._fail(msg.transfer_id, exc)
             return
         outbound: Outbound | None = None
-        digests: str | None = None
+        # Integrity: the source digests are computed where the bytes are touched anyway (TCP:
+        # each group right before the socket reads it) or once the WRITE is done, while the
+        # receiver hashes what landed; they follow the bytes / TransferDone either way.
+        digests = self._digester.at_source(plan) if msg.integrity else None
         try:
-            if msg.integrity:  # over the exact bytes about to leave, before any of them does
-                digests = self._digester.source(plan)
-                if backend.inline_bytes:  # ahead of the bytes: the receiver waits on no extra frame
-                    await self._send_digests(msg.transfer_id, digests)
-            outbound = backend.start_send(self._conn, plan, peer, msg.transfer_id)
-            # The receiver is silent until the answer; input now means Abort or a closed
-            # connection: cancel the WRITE so nothing lands in blocks it may reuse.
-            await outbound.wait(self._timeout_s, abandoned=self._conn.has_input)
-        except TransferError as exc:
-            if backend.inline_bytes:
-                raise  # the byte stream is broken mid-way: only closing tells the peer
-            self._record(exc)
-            await self._fail(msg.transfer_id, exc)
-            return
-        except BaseException:  # cancelled (transceiver closing): stop writing into the peer
-            if outbound is not None:
-                outbound.abort()
-            raise
-        finally:  # the backend reads no more of a staging buffer: lend it to the next send
+            try:
+                outbound = backend.start_send(self._conn, plan, peer, msg.transfer_id, digests)
+                # The receiver is silent until the answer; input now means Abort or a closed
+                # connection: cancel the WRITE so nothing lands in blocks it may reuse.
+                await outbound.wait(self._timeout_s, abandoned=self._conn.has_input)
+            except TransferError as exc:
+                if backend.inline_bytes:
+                    raise  # the byte stream is broken mid-way: only closing tells the peer
+                self._record(exc)
+                await self._fail(msg.transfer_id, exc)
+                return
+            except BaseException:  # cancelled (transceiver closing): stop writing into the peer
+                if outbound is not None:
+                    outbound.abort()
+                raise
+            if not backend.inline_bytes:  # inline bytes complete themselves (count known)
+                await self._conn.send(
+                    wire.TransferDone(transfer_id=msg.transfer_id, nbytes=plan.nbytes)
+                )
+            if digests is not None:  # TCP: the bytes' trailer; otherwise after TransferDone
+                try:
+                    text = encode(digests.finish())
+                except TransferError as exc:  # the memory could not be hashed (a device error)
+                    self._record(exc)
+                    await self._fail(msg.transfer_id, exc)
+                    return
+                await self._send_digests(msg.transfer_id, text)
+        finally:  # nothing reads the staging buffer any more: lend it to the next send
             if plan.source is not None and self._local.staging is not None:
                 self._local.staging.release(plan)
-        if not backend.inline_bytes:  # inline bytes complete themselves (their count is known)
-            await self._conn.send(
-                wire.TransferDone(transfer_id=msg.transfer_id, nbytes=plan.nbytes)
-            )
-        if digests is not None and not backend.inline_bytes:  # right after the completion
-            await self._send_digests(msg.transfer_id, digests)
 
     async def _send_digests(self, transfer_id: str, digests: str) -> None:
         await self._conn.send(wire.BlockDigests(transfer_id=transfer_id, digests=digests))

@@ -37,6 +37,7 @@ from pdserve.transfer.admission import ConnectionSlots, SlotLimits
 from pdserve.transfer.auth import AuthFailures
 from pdserve.transfer.backend import Backend, open_backend
 from pdserve.transfer.control import Connection
+from pdserve.transfer.copies import CopyCounter
 from pdserve.transfer.formatter import PoolGeometry
 from pdserve.transfer.handshake import LocalSide
 from pdserve.transfer.integrity import BlockDigester
@@ -61,6 +62,8 @@ class Transceiver:
     (:mod:`pdserve.transfer.auth`) in time, was evicted while unproven, or proved itself past
     a cap on proven connections (:mod:`pdserve.transfer.admission`; those two also in
     ``refused_connections``). ``slots`` holds the admission state (``limits``: its caps).
+    ``copies`` counts the payload of this worker's sends and receives and the staging copies
+    its side makes of them (:mod:`pdserve.transfer.copies`); it is its backend's counter.
     """
 
     def __init__(
@@ -89,6 +92,8 @@ class Transceiver:
         self.endpoint: str = ""
         self.recent_errors: deque[TransferError] = deque(maxlen=_RECENT_ERRORS)
         self.auth_failures = AuthFailures()
+        self.copies = CopyCounter()
+        local.backend.copies = self.copies  # the backend and its StagingPool count into it
 
     @property
     def refused_connections(self) -> int:

@@ -88,7 +88,7 @@ import torch
 from pdserve.errors import ConfigError, TransferError
 from pdserve.settings import TransferSettings
 from pdserve.transfer import wire
-from pdserve.transfer.backend import Backend, Outbound, Peer, Poller, TransferState
+from pdserve.transfer.backend import Backend, Digests, Outbound, Peer, Poller, TransferState
 from pdserve.transfer.control import Connection
 from pdserve.transfer.formatter import PoolGeometry, TransferPlan, pool_bytes
 
@@ -381,16 +381,29 @@ class UcxBackend(Backend):
         return _UcxPeer(hello.worker_id, address)
 
     def start_send(
-        self, conn: Connection, plan: TransferPlan, peer: Peer, transfer_id: str
+        self,
+        conn: Connection,
+        plan: TransferPlan,
+        peer: Peer,
+        transfer_id: str,
+        digests: Digests | None = None,
     ) -> Outbound:
         assert isinstance(peer, _UcxPeer)
+        self.copies.sent(plan.nbytes)  # tagged sends pool (or staging) -> pool: no stage
         src = self._bytes if plan.source is None else pool_bytes(plan.source)  # staged bytes
         link = self._link(conn, peer.address, peer.worker_id)
         return link.send(src, plan.src_offsets, plan.lengths, transfer_tag(transfer_id))
 
-    async def receive(self, conn: Connection, plan: TransferPlan, transfer_id: str) -> None:
+    async def receive(
+        self,
+        conn: Connection,
+        plan: TransferPlan,
+        transfer_id: str,
+        digests: Digests | None = None,
+    ) -> None:
         # Receives first (the sends may already be on their way), then poll them while the
         # control answer (TransferDone / TransferFailed) is awaited on the connection.
+        self.copies.received(plan.nbytes)
         link = self._link(conn, self._worker.address, conn.peer)
         inbound = link.recv(self._bytes, plan.dst_offsets, plan.lengths, transfer_tag(transfer_id))
         answer = asyncio.ensure_future(conn.recv())

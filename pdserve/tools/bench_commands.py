@@ -62,6 +62,18 @@ def _transfer_arguments(p: argparse.ArgumentParser) -> None:
     from pdserve.tools.bench import add_transfer_arguments
 
     add_transfer_arguments(p)
+    # None: each mode's own default (the measurement: tcp nixl ucx; --profile: tcp nixl).
+    p.set_defaults(backends=None)
+    p.add_argument(
+        "--profile", action="store_true",
+        help="instead of the measurement: profile one-block pulls with both transceivers in "
+        "one process, per backend of --backends (default: tcp nixl), each in a fresh child "
+        "process; prints the CPU time per pull and the top functions by own time",
+    )  # fmt: skip
+    p.add_argument(
+        "--profile-pulls", type=int, default=2000, metavar="N",
+        help="with --profile: pulls timed, then as many profiled (default: 2000)",
+    )  # fmt: skip
 
 
 def _run_transfer(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
@@ -74,8 +86,20 @@ TRANSFER_DESCRIPTION = """\
 KV transfer GB/s per backend (tcp, NIXL over TCP and shared memory, ucx) beside a raw-socket
 stream and a memcpy of the same byte counts, in one run: each case moves KV blocks of SmolLM2's
 layout between two fresh processes, as workers do (handshake once, then per request SendBlocks
--> bytes -> Release), with integrity digests off and on. Prints p50 times per size, a fit of the
-fixed cost per transfer and the bandwidth, and the targets met or missed.
+-> bytes -> Release), with integrity digests off and on (--backends default: tcp nixl ucx).
+Sizes default to 1 block (0.7 MiB) .. 91 blocks (64 MiB), 23 blocks (16.2 MiB) among them.
+Prints p50 GB/s per size, a fit t = c + bytes/B per series (c: fixed cost per transfer, B:
+bandwidth), and the targets, each MET, MISSED or "not measured" (a case it needs was not run):
+fixed cost c <= 100 us on tcp and nixl-shm (digests off; other cases' c as info); tcp >= 0.9x
+raw socket at every size from 1 MiB; nixl-shm >= 0.7x memcpy at 16 MiB (at the size closest to
+16 MiB when --sizes-mib leaves it out; the report says which); digests on >= 0.8x digests off at
+16 MiB, per case measured with both; with --tp-pairs, mapped hand-offs <= 1.3x unmapped.
+
+--profile: where the fixed cost goes. Instead of the measurement, per backend (tcp, nixl) a
+child process runs a prefill-side and a decode-side transceiver together, warms up, times
+--profile-pulls one-block pulls, then runs as many under cProfile, and prints the CPU time per
+pull and a table "function (file:line) | us per pull | share" of the top 15 by own time
+(digests off unless --integrity on).
 """
 
 

@@ -63,8 +63,20 @@ SMOLLM2_LAYOUT = KVLayout(
     tokens_per_block=16,
     dtype="float32",
 )
-DEFAULT_BLOCKS = [1, 2, 4, 8, 16, 32, 64, 91]
-"""One block (0.7 MiB) to 91 blocks (64.0 MiB) of the SmolLM2 layout."""
+
+
+def nearest_blocks(layout: KVLayout, size_bytes: float) -> int:
+    """The whole number of ``layout``'s blocks (at least 1) whose bytes are closest to
+    ``size_bytes`` (the smaller count on a tie)."""
+    per_block = block_bytes(layout)
+    low = max(1, math.floor(size_bytes / per_block))
+    return min((low, low + 1), key=lambda n: (abs(n * per_block - size_bytes), n))
+
+
+DEFAULT_BLOCKS = sorted({1, 2, 4, 8, 16, 32, 64, 91, nearest_blocks(SMOLLM2_LAYOUT, 16 * 2**20)})
+"""One block (0.7 MiB) to 91 blocks (64.0 MiB) of the SmolLM2 layout, and the block count
+closest to 16 MiB, where the same-host and digest targets are checked: 23 blocks = 16.2 MiB
+(22 would be 15.5 MiB)."""
 
 _UCX_ENV = ("UCX_TLS", "UCX_NET_DEVICES")  # cleared in every case: the case decides
 _START_TIMEOUT_S = 120.0

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from pdserve.cli import build_parser
 from pdserve.tools.bench_transfer import CASES, SMOLLM2_LAYOUT, Case, run_transfer_benchmark
-from pdserve.tools.bench_transfer_report import check_targets, mapped_ratios, parse_tp_pair
+from pdserve.tools.bench_transfer_report import (
+    check_targets,
+    format_targets,
+    mapped_ratios,
+    parse_tp_pair,
+    run_from_args,
+)
 
 
 def test_tiny_run_moves_real_bytes_between_processes_and_fits_them() -> None:
@@ -18,7 +27,12 @@ def test_tiny_run_moves_real_bytes_between_processes_and_fits_them() -> None:
     assert "rdma" in result.skipped
     for s in result.series:
         assert sorted(s.times) == [1, 2] and all(t > 0 for t in s.times[1])
-    assert "fixed cost" in "\n".join(t.name for t in check_targets(result))
+    targets = check_targets(result)
+    assert "fixed cost" in "\n".join(t.name for t in targets)
+    by_name = {t.name: t.status for t in targets}
+    assert by_name["fixed cost <= 100 us (tcp, digests off)"] in ("MET", "MISSED")
+    assert by_name["fixed cost <= 100 us (nixl-shm, digests off)"] == "not measured"
+    assert "[not measured] nixl-shm >= 0.7x memcpy" in format_targets(targets)
 
 
 def test_tensor_parallel_pairs_are_measured_against_the_unmapped_case() -> None:
@@ -34,3 +48,20 @@ def test_tensor_parallel_pairs_are_measured_against_the_unmapped_case() -> None:
     assert set(ratios) == set(mapped) and all(r > 0 for v in ratios.values() for r in v.values())
     with pytest.raises(ValueError, match="does not split 3 KV heads"):
         parse_tp_pair("2:1", SMOLLM2_LAYOUT)
+
+
+def test_profile_prints_the_cpu_time_per_pull_and_the_top_functions(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--profile``: tcp only, a few pulls, in a child process; one table of functions."""
+    args = build_parser().parse_args(
+        ["bench", "transfer", "--profile", "--backends", "tcp", "--profile-pulls", "50"]
+    )
+    assert run_from_args(args) == 0
+    out = capsys.readouterr().out
+    cpu = re.search(r"CPU time per pull: (\d+) us", out)
+    assert cpu is not None and int(cpu[1]) > 0, out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "share" not in line]
+    assert len(rows) >= 5, out
+    assert all(re.fullmatch(r"\| .+ \(.+\) \| \d+\.\d \| \d+\.\d% \|", row) for row in rows), rows
+    assert "nixl" not in out.split("\n", 1)[1]  # --backends tcp: no other backend profiled

@@ -3,8 +3,9 @@
 Two ways to flip a byte, both outside production code:
 
 - every backend: a fault hook in the prefill process (:mod:`tests.support.kv_peer`) flips
-  one byte of the source right after the sender digested it and before the backend moved it
-  (for NIXL/UCX, memory is written directly: there is no wire to tamper with);
+  one byte of the source between the sender's digest and the backend's move (TCP digests
+  right before sending, NIXL/UCX right after the WRITE; for NIXL/UCX, memory is written
+  directly: there is no wire to tamper with);
 - TCP: a proxy between the decode and the prefill transceivers flips one byte of the raw KV
   stream, so the bytes really are corrupted on the wire.
 

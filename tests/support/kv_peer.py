@@ -13,9 +13,10 @@ test must see untouched: backend peers added (``Backend.add_peer``, which is NIX
 Test-only levers, all applied inside the child by commands on a pipe (none is a production
 flag): the ``LocalPrefill`` ones (``skew``: expire leases without waiting; ``steal``: an
 ownership bug; ``reset``), the lease table's ``reap``, and a one-shot fault hook that flips one
-byte of the source right after the sender digested it and before the backend moves it
-(``corrupt_next``, a monkeypatch of ``BlockDigester.source``; it works the same on every
-backend).
+byte of the source between the sender's digest and the backend's move (``corrupt_next``, a
+monkeypatch of ``BlockDigester.at_source``: on TCP right after segment 0's digest and before
+its bytes leave; on NIXL / UCX, which digest after the WRITE, after the WRITE and before the
+digest), so the digest and the landed bytes differ on every backend).
 
 Fixture ``prefill_process``: a peer per transfer backend, shared by a test module's tests.
 """
@@ -84,18 +85,40 @@ async def _serve(pipe: Pipe, backend: str, epoch: int, port: int, secret: str) -
     parked.lookup = counted("lookup", parked.lookup)  # type: ignore[method-assign]
     digested = [0]
     corrupt = [False]
-    original = integrity.BlockDigester.source
+    original = integrity.BlockDigester.at_source
 
-    def source(self: Any, plan: Any) -> str:  # the fault hook (and a call counter)
+    def at_source(self: Any, plan: Any) -> Any:  # the fault hook (and a call counter)
         digests = original(self, plan)
         digested[0] += 1
-        if corrupt[0]:
-            corrupt[0] = False
-            assert plan.source is None, "the hook corrupts the pool (identity layouts)"
+        if not corrupt[0]:
+            return digests
+        corrupt[0] = False
+        assert plan.source is None, "the hook corrupts the pool (identity layouts)"
+
+        def flip() -> None:
             pool_bytes(prefill.kv.pool)[int(plan.src_offsets[0] + plan.lengths[0] // 2)] ^= 0x10
+
+        if backend_obj.inline_bytes:  # TCP digests each group right before the socket reads it
+            update = digests.update
+
+            def update_then_flip(stop: int) -> None:
+                first = digests.done == 0
+                update(stop)
+                if first:
+                    flip()  # after segment 0's digest, before its bytes leave
+
+            digests.update = update_then_flip
+        else:  # NIXL / UCX WRITE first and digest after: flip in between
+            finish = digests.finish
+
+            def flip_then_finish() -> Any:
+                flip()
+                return finish()
+
+            digests.finish = flip_then_finish
         return digests
 
-    integrity.BlockDigester.source = source  # type: ignore[method-assign]
+    integrity.BlockDigester.at_source = at_source  # type: ignore[method-assign]
 
     async def command(cmd: str, args: list[Any]) -> Any:
         if cmd == "park":

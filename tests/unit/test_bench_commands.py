@@ -11,9 +11,13 @@ import pytest
 from pdserve.cli import build_parser
 from pdserve.tools.bench_commands import BY_NAME, COMMANDS
 
+TRANSFER_HELP = (
+    "--backends", "--integrity", "raw-socket", "memcpy", "--tp-pairs", "--profile",
+    "--profile-pulls", "100 us", "0.9x", "0.7x", "0.8x", "16 MiB", "not measured", "us per pull",
+)  # fmt: skip
 HELP = {
     "serve": ("--url", "--concurrency", "TTFT", "--config", "--compile"),
-    "transfer": ("--backends", "--integrity", "raw-socket", "memcpy", "--tp-pairs"),
+    "transfer": TRANSFER_HELP,
     "router": ("--concurrency", "--requests", "scripted worker", "difference"),
     "kv-dtype": ("--kv-dtypes", "--kv-cache-mb", "--batch", "fp8_e4m3"),
     "multiturn": ("--conversations", "--compare", "--prefill-workers", "--config", "hit rate"),
@@ -53,6 +57,10 @@ def test_the_options_parse_with_their_defaults() -> None:
     assert (args.prompt_tokens, args.max_tokens, args.disk_dir) == (4000, 8, None)
     args = build_parser().parse_args(["bench", "gpu", "transfer", "--blocks", "1", "4"])
     assert (args.what, args.blocks, args.devices) == ("transfer", [1, 4], ["cuda:cuda"])
+    args = build_parser().parse_args(["bench", "transfer"])
+    assert (args.backends, args.profile, args.profile_pulls) == (None, False, 2000)
+    args = build_parser().parse_args(["bench", "transfer", "--profile", "--backends", "tcp"])
+    assert (args.backends, args.profile) == (["tcp"], True)
     args = build_parser().parse_args(["bench", "compile", "--threads", "2"])
     assert (args.threads, args.rounds, args.model) == ([2], 7, None)
 

@@ -11,7 +11,7 @@ import torch
 
 from pdserve.errors import LayoutMismatchError, TransferError
 from pdserve.protocol import KVLayout
-from pdserve.transfer.backend import Backend, Outbound, Peer
+from pdserve.transfer.backend import Backend, Digests, Outbound, Peer
 from pdserve.transfer.control import Connection
 from pdserve.transfer.formatter import Formatter, PoolGeometry, TransferPlan
 from pdserve.transfer.staging import StagingPool
@@ -42,11 +42,22 @@ class _RecordingBackend(Backend):
         self.deregistered += 1
 
     def start_send(
-        self, conn: Connection, plan: TransferPlan, peer: Peer, transfer_id: str
+        self,
+        conn: Connection,
+        plan: TransferPlan,
+        peer: Peer,
+        transfer_id: str,
+        digests: Digests | None = None,
     ) -> Outbound:
         raise NotImplementedError
 
-    async def receive(self, conn: Connection, plan: TransferPlan, transfer_id: str) -> None:
+    async def receive(
+        self,
+        conn: Connection,
+        plan: TransferPlan,
+        transfer_id: str,
+        digests: Digests | None = None,
+    ) -> None:
         raise NotImplementedError
 
 

@@ -354,6 +354,7 @@ class DecodeWorker(TransferWorker):
     ) -> None:
         self.transceiver = transceiver
         super().__init__(cfg=cfg, identity=identity, engine=engine, registration=registration)
+        self.metrics.add_kv_copies(transceiver.copies)  # staged / payload bytes
         self.handler = DecodeHandler(
             engine=engine,
             transceiver=transceiver,

@@ -14,7 +14,12 @@ routing), and on decode workers
 ``pdserve_kv_transfer_seconds`` / ``pdserve_kv_transfer_bytes_total`` /
 ``pdserve_kv_transfer_failures_total{error}`` for every pull and
 ``pdserve_kv_transfer_blocks_skipped_total``: prompt blocks a pull left out because this
-worker's prefix cache already held them (delta transfer). With KV cache tiers
+worker's prefix cache already held them (delta transfer). On prefill and decode workers, from
+the transceiver's copy counter (:mod:`pdserve.transfer.copies`):
+``pdserve_kv_transfer_payload_bytes_total{side=send|receive}`` (the bytes the transfers this
+worker started move) and ``pdserve_kv_transfer_staged_bytes_total{side,stage}`` (bytes copied
+into an intermediate buffer on the way: ``formatter_staging``, ``socket``, ``host_staging``;
+staged over payload bytes = staging copies per byte). With KV cache tiers
 (:mod:`pdserve.workers.kv.connector`), per ``tier`` (host, disk):
 ``pdserve_kv_tier_hit_tokens_total`` / ``pdserve_kv_tier_loaded_blocks_total`` (loaded into
 the pool instead of recomputed), ``pdserve_kv_tier_stored_blocks_total`` (host: evicted blocks
@@ -42,6 +47,7 @@ from pdserve.metrics import (
 from pdserve.protocol import WorkerLoad
 
 if TYPE_CHECKING:
+    from pdserve.transfer.copies import CopyCounter
     from pdserve.workers.kv.connector import KVConnectorStats
     from pdserve.workers.kv.prefix_cache import PrefixCacheStats
 
@@ -96,6 +102,37 @@ class WorkerMetrics:
         """Export the KV cache event publisher's counters, read at scrape time: ``counts()``
         gives ``sent``, ``failed`` (events) and ``snapshots``."""
         self.registry.register(_KVEventsCollector(counts))
+
+    def add_kv_copies(self, copies: CopyCounter) -> None:
+        """Export the transceiver's copy counter (``Transceiver.copies``), read at scrape
+        time: payload bytes per side and staged bytes per side and stage."""
+        self.registry.register(_KVCopiesCollector(copies))
+
+
+class _KVCopiesCollector(Collector):
+    def __init__(self, copies: CopyCounter) -> None:
+        self._copies = copies
+
+    def collect(self) -> Iterator[Metric]:
+        copies = self._copies
+        payload = CounterMetricFamily(
+            "pdserve_kv_transfer_payload_bytes",
+            "KV bytes of the transfers this worker started, by side (send: prefill pool, "
+            "receive: decode pool)",
+            labels=["side"],
+        )
+        for side, nbytes in list(copies.payload.items()):
+            payload.add_metric([side], nbytes)
+        yield payload
+        staged = CounterMetricFamily(
+            "pdserve_kv_transfer_staged_bytes",
+            "KV bytes copied into an intermediate buffer between the pools, by side and stage "
+            "(staged / payload bytes = staging copies per byte)",
+            labels=["side", "stage"],
+        )
+        for (side, stage), nbytes in list(copies.staged.items()):
+            staged.add_metric([side, stage], nbytes)
+        yield staged
 
 
 class _KVEventsCollector(Collector):

@@ -149,6 +149,7 @@ class PrefillWorker(TransferWorker):
         self.parked = parked
         self.transceiver = transceiver
         super().__init__(cfg=cfg, identity=identity, engine=engine, registration=registration)
+        self.metrics.add_kv_copies(transceiver.copies)  # staged / payload bytes
         self.handler = PrefillHandler(
             engine=engine, transceiver=transceiver, parked=parked, worker_id=identity.worker_id
         )
