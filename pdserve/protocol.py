@@ -27,6 +27,11 @@ Protocol history:
        ``GenerationChunk.cached_tokens``: the prompt tokens the prefix cache served where the
        prompt was prefilled; ``SamplingParams.prompt_logprobs`` and, where the prompt was
        prefilled, ``ContextResponse.prompt_logprobs`` / the first chunk's.
+    8: tensor parallel and FP8 layouts: ``KVLayout.tp_size``, FP8 KV dtypes.
+    9: streamed hand-off and digests that ride along the bytes: ``TransferHandle.streamed``
+       (a handle published at admission: ``POST /internal/context/stream`` answers
+       :class:`ContextStarted` first), transfer ``SendBlocks.stream`` answered by
+       ``BlocksReady``; on TCP ``BlockDigests`` trail the bytes instead of preceding them.
 
 Clocks: deadlines on the wire are wall-clock UNIX seconds (``time.time()``), never monotonic
 readings, because a monotonic clock does not cross processes.
@@ -42,7 +47,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 PROTOCOL_HEADER = "x-pdserve-protocol"
 
 
@@ -318,6 +323,11 @@ class TransferHandle(_Msg):
     layout: KVLayout
     backend: str = Field(description="transfer backend the prefill worker serves: nixl | ucx | tcp")
     transfer_endpoint: str = Field(description="host:port of the prefill worker's transceiver")
+    streamed: bool = Field(
+        default=False,
+        description="published at admission (streamed hand-off): no block ids yet; the pull "
+        "receives each prefill chunk's blocks as they are computed, and the first token last",
+    )
 
     def lease_remaining(self, now: float | None = None) -> float:
         return self.lease_deadline - (time.time() if now is None else now)
@@ -330,6 +340,27 @@ class ContextRequest(_Msg):
     prompt_token_ids: tuple[int, ...] = Field(min_length=1)
     sampling: SamplingParams
     deadline: float = Field(description="wall-clock UNIX seconds")
+
+
+class ContextStarted(_Msg):
+    """Prefill worker -> router, first line of ``POST /internal/context/stream``: the request
+    was admitted and its KV blocks can be pulled as they are computed, with ``handle``
+    (``streamed``: no block ids; its lease lasts until the request's deadline). The
+    :class:`ContextResponse` line follows once the first token is sampled."""
+
+    type: Literal["started"] = "started"
+    request_id: str
+    handle: TransferHandle
+
+
+class ContextFailed(_Msg):
+    """Prefill worker -> router, the last line of ``POST /internal/context/stream`` when the
+    prefill failed after :class:`ContextStarted`: the HTTP ``status`` and the error envelope
+    (``body``, JSON) a plain ``/internal/context`` would have answered with."""
+
+    type: Literal["failed"] = "failed"
+    status: int = Field(ge=400, le=599)
+    body: str
 
 
 class ContextResponse(_Msg):

@@ -230,6 +230,17 @@ class RouterSettings(_Section):
         "a forward of a few hundred tokens is still bound by reading the weights, as a decode "
         "step is; the hand-off would add a second HTTP leg and a KV pull",
     )
+    kv_stream_min_tokens: Annotated[int, Flag("--kv-stream-min-tokens", ("up", "router"))] = Field(
+        default=0,
+        ge=0,
+        description="streamed hand-off (the seed's outlook: communication need not wait for the "
+        "whole context phase): a disaggregated request with at least this many prompt tokens "
+        "(and n = 1) asks the prefill worker for its handle at admission, and the decode worker "
+        "pulls each prefill chunk's KV blocks while the next chunks are computed, so its pull "
+        "ends right after the prefill; 0 turns it off (default: the whole-request hand-off). "
+        "Pays where the transfer is a sizeable part of the prefill (GPUs); on CPUs the "
+        "prefill dominates and the gain is small (docs/benchmarks.md)",
+    )
     kv_overlap_weight: Annotated[float, Flag("--router-kv-overlap-weight", ("up", "router"))] = (
         Field(
             default=1.0,

@@ -3,6 +3,7 @@
 One method per worker endpoint (see docs/architecture.md, "Worker request plane"):
 
 - :meth:`WorkerClient.context`  ``POST /internal/context``  -> :class:`ContextResponse`
+- :meth:`WorkerClient.context_stream` ``POST /internal/context/stream`` -> :class:`ContextStream`
 - :meth:`WorkerClient.generate` ``POST /internal/generate`` -> :class:`GenerationStream`
 - :meth:`WorkerClient.release`  ``POST /internal/release``  -> bool (best effort, never raises)
 
@@ -47,11 +48,14 @@ from pdserve.errors import (
 from pdserve.protocol import (
     PROTOCOL_HEADER,
     PROTOCOL_VERSION,
+    ContextFailed,
     ContextRequest,
     ContextResponse,
+    ContextStarted,
     GenerationChunk,
     GenerationRequest,
     ReleaseRequest,
+    TransferHandle,
     WorkerRecord,
 )
 
@@ -161,6 +165,65 @@ class GenerationStream:
             await self._response.aclose()
 
 
+class ContextStream:
+    """An open ``/internal/context/stream`` NDJSON answer: the streamed handle first
+    (:meth:`started`), then the context phase's answer (:meth:`response`). Closing it
+    (:meth:`aclose`) drops the connection, which makes the prefill worker abort the request
+    (its streamed pulls end with TransferFailed)."""
+
+    def __init__(self, response: httpx.Response, *, leg: str, req: ContextRequest) -> None:
+        self._response = response
+        self._lines = response.aiter_lines()
+        self._leg = leg
+        self._req = req
+
+    async def started(self) -> TransferHandle:
+        """The streamed handle (the first line). Raises a typed error (the worker failed the
+        request instead, a broken stream, the deadline)."""
+        msg = await self._next()
+        if not isinstance(msg, ContextStarted) or not msg.handle.streamed:
+            raise WorkerError(f"{self._leg} did not start a streamed context phase")
+        if msg.request_id != self._req.request_id:
+            raise WorkerError(f"{self._leg} started request {msg.request_id!r}")
+        return msg.handle
+
+    async def response(self) -> ContextResponse:
+        """The context phase's answer (checked as :meth:`WorkerClient.context` checks it).
+        Raises the worker's typed error (ContextFailed), WorkerError, DeadlineExceededError."""
+        msg = await self._next()
+        if not isinstance(msg, ContextResponse):
+            raise WorkerError(f"{self._leg} answered {type(msg).__name__} twice")
+        return _checked(self._leg, self._req, msg)
+
+    async def aclose(self) -> None:
+        """Close the connection (idempotent)."""
+        await self._response.aclose()
+
+    async def _next(self) -> ContextStarted | ContextResponse:
+        deadline = self._req.deadline
+        try:
+            async with asyncio.timeout(max(_remaining(deadline), 0.0)):
+                line = ""
+                while not line.strip():
+                    line = await anext(self._lines)
+        except StopAsyncIteration:
+            raise WorkerError(f"{self._leg} ended its context stream early") from None
+        except (httpx.TimeoutException, TimeoutError) as exc:
+            raise _transport_error(self._leg, exc, deadline) from exc
+        except httpx.HTTPError as exc:
+            raise WorkerError(f"{self._leg} broke its context stream: {exc}") from exc
+        try:
+            kind = json.loads(line).get("type")
+            if kind == "started":
+                return ContextStarted.model_validate_json(line)
+            if kind == "failed":
+                failed = ContextFailed.model_validate_json(line)
+                raise error_from_envelope(self._leg, failed.status, failed.body.encode())
+            return ContextResponse.model_validate_json(line)
+        except (ValidationError, ValueError, AttributeError) as exc:
+            raise WorkerError(f"{self._leg} sent a malformed context line: {line[:200]!r}") from exc
+
+
 class WorkerClient:
     """The router's side of the worker request plane, over one shared ``httpx.AsyncClient``.
 
@@ -203,44 +266,55 @@ class WorkerClient:
             out = ContextResponse.model_validate_json(resp.content)
         except ValidationError as exc:
             raise WorkerError(f"{leg} sent a malformed ContextResponse: {exc}") from exc
-        if out.request_id != req.request_id:
-            raise WorkerError(
-                f"{leg} answered for request {out.request_id!r}, not {req.request_id!r}"
-            )
-        if out.finish_reason is None and out.handle is None:
-            raise WorkerError(f"{leg} answered neither a finish reason nor a transfer handle")
-        if req.sampling.n > 1 and out.handle is None:
-            raise WorkerError(
-                f"{leg} answered no transfer handle for a request of n={req.sampling.n} choices"
-            )
-        return out
+        return _checked(leg, req, out)
+
+    async def context_stream(self, worker: WorkerRecord, req: ContextRequest) -> ContextStream:
+        """Open the streamed context phase on prefill ``worker`` (``POST
+        /internal/context/stream``): its first line, the streamed handle, is read by
+        :meth:`ContextStream.started`, the answer by :meth:`ContextStream.response`. Raises a
+        typed error when the worker refuses before admitting the request."""
+        leg = f"prefill worker {worker.worker_id}"
+        resp = await self._open(
+            worker, "/internal/context/stream", req.model_dump_json(), req.deadline, leg
+        )
+        return ContextStream(resp, leg=leg, req=req)
+
+    async def _open(
+        self, worker: WorkerRecord, path: str, body: str, deadline: float, leg: str
+    ) -> httpx.Response:
+        """POST ``body`` to ``path`` and return the streaming response once its status is 200;
+        raises the typed error of any other status or of the transport."""
+        request = self._http.build_request(
+            "POST",
+            f"{worker.http_url}{path}",
+            content=body,
+            headers=self._headers,
+            timeout=_timeout(deadline, self.connect_timeout_s),
+        )
+        try:
+            async with asyncio.timeout(max(_remaining(deadline), 0.0)):
+                resp = await self._http.send(request, stream=True)
+        except (httpx.HTTPError, TimeoutError) as exc:
+            raise _transport_error(leg, exc, deadline) from exc
+        if resp.status_code != 200:
+            try:
+                async with asyncio.timeout(self.connect_timeout_s):
+                    content = await resp.aread()
+            except (httpx.HTTPError, TimeoutError):
+                content = b""
+            finally:
+                await resp.aclose()
+            raise error_from_envelope(leg, resp.status_code, content)
+        return resp
 
     async def generate(self, worker: WorkerRecord, req: GenerationRequest) -> GenerationStream:
         """Open the generation stream on ``worker`` (a decode worker; without a handle, a decode
         or colocated worker that prefills the prompt itself). Raises a typed error if the worker
         refuses the request before streaming (its HTTP status and envelope)."""
         leg = f"{worker.role.value} worker {worker.worker_id}"
-        request = self._http.build_request(
-            "POST",
-            f"{worker.http_url}/internal/generate",
-            content=req.model_dump_json(),
-            headers=self._headers,
-            timeout=_timeout(req.deadline, self.connect_timeout_s),
+        resp = await self._open(
+            worker, "/internal/generate", req.model_dump_json(), req.deadline, leg
         )
-        try:
-            async with asyncio.timeout(max(_remaining(req.deadline), 0.0)):
-                resp = await self._http.send(request, stream=True)
-        except (httpx.HTTPError, TimeoutError) as exc:
-            raise _transport_error(leg, exc, req.deadline) from exc
-        if resp.status_code != 200:
-            try:
-                async with asyncio.timeout(self.connect_timeout_s):
-                    body = await resp.aread()
-            except (httpx.HTTPError, TimeoutError):
-                body = b""
-            finally:
-                await resp.aclose()
-            raise error_from_envelope(leg, resp.status_code, body)
         return GenerationStream(resp, leg=leg, deadline=req.deadline)
 
     async def release(self, worker: WorkerRecord, req: ReleaseRequest) -> bool:
@@ -268,3 +342,16 @@ class WorkerClient:
             return False
         log.debug("release of %s on %s: released=%s", req.request_id, worker.worker_id, released)
         return released
+
+
+def _checked(leg: str, req: ContextRequest, out: ContextResponse) -> ContextResponse:
+    """Refuse an answer for another request, or without a handle where one is needed."""
+    if out.request_id != req.request_id:
+        raise WorkerError(f"{leg} answered for request {out.request_id!r}, not {req.request_id!r}")
+    if out.finish_reason is None and out.handle is None:
+        raise WorkerError(f"{leg} answered neither a finish reason nor a transfer handle")
+    if req.sampling.n > 1 and out.handle is None:
+        raise WorkerError(
+            f"{leg} answered no transfer handle for a request of n={req.sampling.n} choices"
+        )
+    return out

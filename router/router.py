@@ -19,6 +19,7 @@ The transaction that runs the legs after the start is
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -35,12 +36,13 @@ from pdserve.protocol import (
     GenerationRequest,
     SamplingParams,
 )
-from pdserve.router.client import WorkerClient
+from pdserve.router.client import GenerationStream, WorkerClient
 from pdserve.router.kv_index import KVIndex, PromptHashes, expected_cached_tokens
 from pdserve.router.policy import Pair, Route, RouteWeights, choose_route
 from pdserve.router.transaction import (
     RequestSpec,
     Transaction,
+    drop_decode,
 )
 from pdserve.router.view import WorkerView
 
@@ -166,6 +168,8 @@ class Router:
                 pair = route.pair
                 if pair is None:
                     txn = await self._one_leg(spec, route, holds)
+                elif self._streams_kv(spec):
+                    txn = await self._streamed(spec, route, holds)
                 else:
                     context = await self._prefill(spec, pair)
                     txn = Transaction(self, spec, route, context, holds)
@@ -206,6 +210,47 @@ class Router:
             # blocks it parks after that itself (the release needs the lease id, which only its
             # answer would have carried); its own deadline and the lease bound the rest.
             return await self.client.context(pair.prefill, req)
+
+    def _streams_kv(self, spec: RequestSpec) -> bool:
+        """Whether this two-leg request uses the streamed hand-off (``kv_stream_min_tokens``)."""
+        least = self.settings.kv_stream_min_tokens
+        return 0 < least <= len(spec.prompt_token_ids) and spec.sampling.n == 1
+
+    async def _streamed(self, spec: RequestSpec, route: Route, holds: ExitStack) -> Transaction:
+        """The streamed hand-off: open P's context stream, and as soon as it names the handle
+        (at admission) open D's decode leg with it, so D pulls each prefill chunk's blocks
+        while P computes the next; the transaction starts with P's answer (the first token)
+        and D's leg already open (or opening). Raises the prefill leg's typed error (D's leg
+        is then dropped: its pull ends with the prefill)."""
+        pair = route.pair
+        assert pair is not None
+        req = ContextRequest(
+            request_id=spec.request_id,
+            prompt_token_ids=spec.prompt_token_ids,
+            sampling=spec.sampling,
+            deadline=spec.deadline,
+        )
+        decode: asyncio.Future[GenerationStream] | None = None
+        with self.view.track(pair.prefill.worker_id):
+            stream = await self.client.context_stream(pair.prefill, req)
+            try:
+                handle = await stream.started()
+                ahead = GenerationRequest(
+                    request_id=spec.request_id,
+                    prompt_token_ids=spec.prompt_token_ids,
+                    sampling=spec.sampling,
+                    deadline=spec.deadline,
+                    handle=handle,
+                )
+                decode = asyncio.ensure_future(self.client.generate(pair.decode, ahead))
+                context = await stream.response()
+            except BaseException:
+                if decode is not None:
+                    await drop_decode(decode)
+                raise
+            finally:
+                await stream.aclose()
+        return Transaction(self, spec, route, context, holds, decode_ahead=decode)
 
     async def _one_leg(self, spec: RequestSpec, route: Route, holds: ExitStack) -> Transaction:
         """Open ``route.worker``'s stream for the whole request (no handle: it prefills the

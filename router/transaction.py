@@ -44,6 +44,7 @@ parked blocks are P's, released by D (success) or by this transaction's release 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -153,8 +154,10 @@ class Transaction:
         context: ContextResponse | None,
         holds: ExitStack,
         stream: GenerationStream | None = None,
+        decode_ahead: asyncio.Future[GenerationStream] | None = None,
     ) -> None:
         self._router = router
+        self._decode_ahead = decode_ahead  # the streamed hand-off's decode leg, opening
         self.spec = spec
         self.route = route
         self.pair = route.pair
@@ -271,6 +274,19 @@ class Transaction:
         handle = self.context.handle
         self.state = TxnState.DECODING
         self._t_leg = time.monotonic()
+        if (ahead := self._decode_ahead) is not None:  # the streamed hand-off: D pulled already
+            self._decode_ahead = None
+            try:
+                self._stream = await ahead
+                self._chunks = self._stream.chunks()
+                return
+            except (WorkerUnreachableError, QueueFullError, CapacityError, TransferError) as exc:
+                log.warning(  # P still holds the blocks: hand the whole request off instead
+                    "req %s: streamed hand-off to %s failed (%s); handing off the whole prompt",
+                    self.request_id,
+                    self.pair.decode.worker_id,
+                    exc,
+                )
         req = GenerationRequest(
             request_id=self.request_id,
             prompt_token_ids=self.spec.prompt_token_ids,
@@ -383,6 +399,8 @@ class Transaction:
             self.state = TxnState.ABANDONED
         try:
             with anyio.move_on_after(self._router.client.release_timeout_s + 1.0, shield=True):
+                if self._decode_ahead is not None:  # a streamed hand-off's unused decode leg
+                    await drop_decode(self._decode_ahead)
                 if self._stream is not None:
                     await self._stream.aclose()
                 handle = self.context.handle if self.context is not None else None
@@ -419,3 +437,16 @@ class Transaction:
             longest = max(self.choice_tokens)  # per choice: the choices decode side by side
             if longest > 1:
                 m.tpot.observe((self.t_last - self.t_first) / (longest - 1))
+
+
+async def drop_decode(opening: asyncio.Future[GenerationStream]) -> None:
+    """Give up a decode leg opened ahead (streamed hand-off): cancel the request if it is
+    still being sent (the decode worker sees the connection close and aborts its pull), or
+    close its stream; never raises."""
+    if not opening.done():
+        opening.cancel()
+    try:
+        stream = await opening
+    except BaseException:  # cancelled or refused: nothing is open
+        return
+    await stream.aclose()

@@ -237,6 +237,12 @@ class Formatter(ABC):
         self.src = src
         self.dst = dst
 
+    @property
+    def block_aligned(self) -> bool:
+        """Source block ``i`` fills destination block ``i`` (equal tokens per block), so a
+        request's leading blocks can move before the rest exist (streamed hand-off)."""
+        return True
+
     @staticmethod
     def negotiate(
         src_layout: KVLayout, dst_layout: KVLayout, src: PoolGeometry, dst: PoolGeometry
@@ -386,6 +392,10 @@ class ConvertingFormatter(Formatter):
         self.src_layout = src_layout
         self.dst_layout = dst_layout
         self.heads = head_map(src_layout, dst_layout)
+
+    @property
+    def block_aligned(self) -> bool:
+        return self.src_layout.tokens_per_block == self.dst_layout.tokens_per_block
 
     def plan(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> TransferPlan:
         p, d = self.src_layout.tokens_per_block, self.dst_layout.tokens_per_block

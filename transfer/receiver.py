@@ -131,13 +131,24 @@ class Receiver:
             session.close()
         self._sessions.clear()
 
-    def _check(self, handle: TransferHandle, dst_block_ids: list[int], skip_blocks: int) -> None:
-        if skip_blocks and (
-            handle.layout != self._local.layout or not 0 < skip_blocks < len(handle.block_ids)
-        ):
+    def _check(
+        self,
+        handle: TransferHandle,
+        dst_block_ids: list[int],
+        skip_blocks: int,
+        *,
+        streamed: bool = False,
+    ) -> None:
+        if handle.streamed != streamed:
+            raise TransferError(
+                f"request {handle.request_id}: a {'streamed' if handle.streamed else 'whole'} "
+                f"handle needs {'pull_streamed' if handle.streamed else 'pull'}"
+            )
+        parked = -(-handle.num_tokens // handle.layout.tokens_per_block)
+        if skip_blocks and (handle.layout != self._local.layout or not 0 < skip_blocks < parked):
             raise TransferError(
                 f"request {handle.request_id}: a delta transfer skipping {skip_blocks} of "
-                f"{len(handle.block_ids)} blocks needs equal KV layouts and one block to move"
+                f"{parked} blocks needs equal KV layouts and one block to move"
             )
         tpb = self._local.layout.tokens_per_block  # may differ from the handle's (formatter)
         needed = -(-handle.num_tokens // tpb)
@@ -160,6 +171,91 @@ class Receiver:
                 f"{-handle.lease_remaining():.1f} s ago; its KV blocks are gone"
             )
 
+    async def pull_streamed(
+        self, handle: TransferHandle, dst_block_ids: list[int], *, skip_blocks: int = 0
+    ) -> int:
+        """The streamed hand-off (``handle.streamed``: published at admission, no block ids):
+        receive the prompt's K/V into ``dst_block_ids`` (as :meth:`pull`) one prefill chunk
+        at a time, as the prefill worker computes it, and return the first token it sampled.
+        The whole pull may last until the handle's lease deadline (the request's deadline);
+        each chunk's bytes move as a plain pull's do (digests checked per chunk). A prefill
+        that fails midway ends the pull with its TransferFailed (HandleError). Raises as
+        :meth:`pull`."""
+        self._check(handle, dst_block_ids, skip_blocks, streamed=True)
+        limit = max(self._timeout_s, handle.lease_remaining())
+        try:
+            async with asyncio.timeout(limit):
+                conn, session = await self._checkout(handle)
+                return await self._stream(conn, session, handle, dst_block_ids, skip_blocks)
+        except TimeoutError as exc:
+            raise TransferError(
+                f"streamed KV transfer of request {handle.request_id} from "
+                f"{handle.transfer_endpoint} timed out after {limit:.1f} s"
+            ) from exc
+
+    async def _stream(
+        self,
+        conn: Connection,
+        session: _Session,
+        handle: TransferHandle,
+        dst_block_ids: list[int],
+        have: int,
+    ) -> int:
+        """Ask for the next computed blocks until the prefill is done (see
+        :meth:`pull_streamed`); returns the first token."""
+        aligned = session.formatter.block_aligned
+        try:
+            while True:
+                transfer_id = uuid.uuid4().hex
+                await conn.send(self._ask(handle, transfer_id, (), dst_block_ids[have:], have))
+                msg = await conn.recv()
+                if not isinstance(msg, wire.BlocksReady) or msg.transfer_id != transfer_id:
+                    wire.expect_done(msg, transfer_id)  # raises the peer's TransferFailed
+                    raise TransferError(f"{conn.peer} answered a streamed pull with {msg.type}")
+                src = msg.src_block_ids
+                if src:
+                    _check_source_ids(handle, session.peer_blocks, src)
+                    dst = dst_block_ids[have : have + len(src)] if aligned else dst_block_ids
+                    plan = session.formatter.plan(src, dst)
+                    await self._receive(conn, plan, transfer_id, handle, src, dst)
+                    have += len(dst)
+                if msg.done:
+                    if have != len(dst_block_ids) or msg.first_token is None:
+                        raise TransferError(
+                            f"streamed KV of request {handle.request_id} ended with {have} of "
+                            f"{len(dst_block_ids)} blocks"
+                        )
+                    first = msg.first_token
+                    break
+        except HandleError:
+            self._give_back(session, conn)  # the peer refused cleanly: the stream is intact
+            raise
+        except BaseException:
+            conn.close()  # cancelled or broken mid-conversation: its state is unknown
+            raise
+        await self._release(conn, session, handle)
+        return first
+
+    def _ask(
+        self,
+        handle: TransferHandle,
+        transfer_id: str,
+        src_ids: tuple[int, ...],
+        dst_ids: list[int],
+        skip_blocks: int,
+    ) -> wire.SendBlocks:
+        return wire.SendBlocks(
+            request_id=handle.request_id,
+            epoch=handle.epoch,
+            lease_id=handle.lease_id,
+            transfer_id=transfer_id,
+            src_block_ids=src_ids,
+            dst_block_ids=tuple(dst_ids),
+            integrity=self._digester is not None,
+            skip_blocks=skip_blocks,
+            stream=handle.streamed,
+        )
+
     async def _transfer(
         self,
         conn: Connection,
@@ -171,39 +267,43 @@ class Receiver:
         src_ids = handle.block_ids[skip_blocks:]
         dst_block_ids = dst_block_ids[skip_blocks:]
         try:
-            _check_source_ids(handle, session.peer_blocks)
+            _check_source_ids(handle, session.peer_blocks, handle.block_ids)
             plan = session.formatter.plan(src_ids, dst_block_ids)
         except TransferError:
             self._give_back(session, conn)
             raise
         transfer_id = uuid.uuid4().hex
         try:
-            await conn.send(
-                wire.SendBlocks(
-                    request_id=handle.request_id,
-                    epoch=handle.epoch,
-                    lease_id=handle.lease_id,
-                    transfer_id=transfer_id,
-                    src_block_ids=src_ids,
-                    dst_block_ids=tuple(dst_block_ids),
-                    integrity=self._digester is not None,
-                    skip_blocks=skip_blocks,
-                )
-            )
-            landed = None if self._digester is None else self._digester.landed(plan)
-            await self._local.backend.receive(conn, plan, transfer_id, landed)
-            if self._digester is not None and landed is not None:
-                # TCP hashed the bytes as they landed; NIXL / UCX hash them now, while the
-                # sender hashes its source: both before the sender's digests are read.
-                landed.finish()
-                digests = await self._digests(conn, transfer_id)  # the trailer / after Done
-                self._verify(self._digester, digests, plan, handle, src_ids, dst_block_ids, landed)
+            await conn.send(self._ask(handle, transfer_id, src_ids, dst_block_ids, skip_blocks))
+            await self._receive(conn, plan, transfer_id, handle, src_ids, dst_block_ids)
         except HandleError:
             self._give_back(session, conn)  # the peer refused cleanly: the stream is intact
             raise
         except BaseException:
             conn.close()  # cancelled or broken mid-conversation: its state is unknown
             raise
+        await self._release(conn, session, handle)
+
+    async def _receive(
+        self,
+        conn: Connection,
+        plan: TransferPlan,
+        transfer_id: str,
+        handle: TransferHandle,
+        src_ids: tuple[int, ...],
+        dst_block_ids: list[int],
+    ) -> None:
+        """Steps 4-4b for one asked transfer: the bytes, then (integrity on) the digests."""
+        landed = None if self._digester is None else self._digester.landed(plan)
+        await self._local.backend.receive(conn, plan, transfer_id, landed)
+        if self._digester is not None and landed is not None:
+            # TCP hashed the bytes as they landed; NIXL / UCX hash them now, while the
+            # sender hashes its source: both before the sender's digests are read.
+            landed.finish()
+            digests = await self._digests(conn, transfer_id)  # the trailer / after Done
+            self._verify(self._digester, digests, plan, handle, src_ids, dst_block_ids, landed)
+
+    async def _release(self, conn: Connection, session: _Session, handle: TransferHandle) -> None:
         with contextlib.suppress(TransferError):  # the bytes are here; the lease covers a loss
             await conn.send(wire.Release(request_id=handle.request_id, lease_id=handle.lease_id))
         self._give_back(session, conn)
@@ -298,9 +398,8 @@ class Receiver:
             session.idle.append(conn)
 
 
-def _check_source_ids(handle: TransferHandle, peer_blocks: int) -> None:
+def _check_source_ids(handle: TransferHandle, peer_blocks: int, ids: tuple[int, ...]) -> None:
     """Refuse (HandleError) source block ids the prefill pool cannot hold, before asking."""
-    ids = handle.block_ids
     if not ids or min(ids) < 0 or max(ids) >= peer_blocks:
         raise HandleError(
             f"handle of request {handle.request_id} names KV blocks {list(ids)}, but the pool "

@@ -41,6 +41,11 @@ Lifecycle of a connection and of each request on it::
                    fencing). A receiver that gives up before the answer still gets its Abort
                    handshake, and a digest that cannot be computed is a TransferFailed
     6. RELEASE     Release: ``parked.release(request_id, lease_id)`` (idempotent), back to 2
+    3s STREAMED    SendBlocks with ``stream`` (a handle published at admission): wait until
+                   blocks after ``skip_blocks`` are computed (``wait_streamed``; every block
+                   at once when the formatter re-blocks), answer BlocksReady (ids, done, the
+                   first token with the last ones), then 4-5b for those blocks; the decode
+                   side asks again until done, then releases (6)
 
 Ownership: the parked blocks stay the prefill worker's (and its lease's) until Release; this
 module never frees anything else. A decode worker that disappears leaves them to the lease.
@@ -97,6 +102,10 @@ class ParkedLookup(Protocol):
         """Free the parked blocks if ``lease_id`` is their park's; idempotent."""
         ...
 
+    # Streamed handles (optional; a ParkedLookup without it refuses streamed pulls):
+    # ``async wait_streamed(request_id, epoch, lease_id, have, *, whole, timeout) ->
+    # (block ids, done, first token) | None`` (pdserve.workers.roles.parking.ParkedBlocks).
+
 
 class Sender:
     """Serves one accepted connection until the peer closes it (see the module lifecycle).
@@ -145,7 +154,9 @@ class Sender:
                 except TimeoutError:
                     log.debug("closing the idle transfer connection from %s", self._conn.peer)
                     return
-                if isinstance(msg, wire.SendBlocks):
+                if isinstance(msg, wire.SendBlocks) and msg.stream:
+                    await self._send_streamed(msg, formatter, peer)
+                elif isinstance(msg, wire.SendBlocks):
                     await self._send(msg, formatter, peer)
                 elif isinstance(msg, wire.Release):
                     if self._parked is not None:
@@ -215,13 +226,71 @@ class Sender:
         return accepted
 
     async def _send(self, msg: wire.SendBlocks, formatter: Formatter, peer: Peer) -> None:
-        backend = self._local.backend
         try:
             src_ids = self._lookup(msg)
-            plan = formatter.plan(src_ids, msg.dst_block_ids)
+        except TransferError as exc:
+            self._record(exc)
+            await self._fail(msg.transfer_id, exc)
+            return
+        await self._move(msg, formatter, peer, src_ids, msg.dst_block_ids)
+
+    async def _send_streamed(self, msg: wire.SendBlocks, formatter: Formatter, peer: Peer) -> None:
+        """A streamed pull's next step: wait until blocks after ``msg.skip_blocks`` are
+        computed (every block at once when the formatter re-blocks), answer BlocksReady with
+        them, then move them like a plain SendBlocks does."""
+        try:
+            ids, done, first = await self._wait_ready(msg, whole=not formatter.block_aligned)
+            new = ids[msg.skip_blocks :]
+            dst = msg.dst_block_ids
+            if formatter.block_aligned:
+                dst = dst[: len(new)]
+                if len(new) > len(msg.dst_block_ids):
+                    raise HandleError("the request holds more KV blocks than the decode side has")
+        except TransferError as exc:
+            self._record(exc)
+            await self._fail(msg.transfer_id, exc)
+            return
+        ready = wire.BlocksReady(
+            transfer_id=msg.transfer_id, src_block_ids=tuple(new), done=done, first_token=first
+        )
+        await self._conn.send(ready)
+        if new:
+            await self._move(msg, formatter, peer, new, dst)
+
+    async def _wait_ready(
+        self, msg: wire.SendBlocks, *, whole: bool
+    ) -> tuple[list[int], bool, int | None]:
+        """The parked request's blocks as its prefill computes them (ParkedLookup's
+        ``wait_streamed``); checks every second that the decode side still waits (it is
+        silent until the answer). Raises HandleError, TransferError."""
+        wait = getattr(self._parked, "wait_streamed", None)
+        if wait is None:
+            raise HandleError(f"worker {self._local.worker_id} publishes no streamed handles")
+        while True:
+            got = await wait(
+                msg.request_id, msg.epoch, msg.lease_id, msg.skip_blocks, whole=whole, timeout=1.0
+            )
+            if got is not None:
+                return got  # type: ignore[no-any-return]
+            if self._conn.has_input():
+                raise TransferError(f"the decode side gave up on {msg.transfer_id}")
+
+    async def _move(
+        self,
+        msg: wire.SendBlocks,
+        formatter: Formatter,
+        peer: Peer,
+        src_ids: list[int],
+        dst_ids: tuple[int, ...],
+    ) -> None:
+        """Steps 4-5b for ``src_ids`` -> ``dst_ids``: plan, stage, send, TransferDone,
+        digests. Raises TransferError only where the byte stream broke (inline backends)."""
+        backend = self._local.backend
+        try:
+            plan = formatter.plan(src_ids, dst_ids)
             if not backend.inline_bytes and self._conn.has_input():
                 raise TransferError(f"the decode side gave up on {msg.transfer_id} already")
-            plan = self._stage(formatter, src_ids, msg.dst_block_ids, plan)
+            plan = self._stage(formatter, src_ids, dst_ids, plan)
         except TransferError as exc:
             self._record(exc)
             await self._fail(msg.transfer_id, exc)

@@ -158,6 +158,18 @@ class Transceiver:
             raise TransferError("transceiver is closed")
         await self._receiver.pull(handle, dst_block_ids, skip_blocks=skip_blocks)
 
+    async def pull_streamed(
+        self, handle: TransferHandle, dst_block_ids: list[int], *, skip_blocks: int = 0
+    ) -> int:
+        """Decode side of the streamed hand-off (``handle.streamed``, published when the
+        prefill started): receive each prefill chunk's blocks as they are computed, into
+        ``dst_block_ids`` as :meth:`pull` does, and return the first token the prefill
+        sampled. Lasts at most until the handle's lease deadline. Raises as :meth:`pull`
+        (HandleError too when the prefill failed or ended without a decode leg)."""
+        if self._closed:
+            raise TransferError("transceiver is closed")
+        return await self._receiver.pull_streamed(handle, dst_block_ids, skip_blocks=skip_blocks)
+
     async def close(self) -> None:
         """Stop serving and release everything; idempotent. Call it once this worker's own
         pulls have returned (a pull still running then fails with TransferError)."""

@@ -31,9 +31,16 @@ has the proofs)::
       or    TransferDone            (NIXL: after the WRITE completed locally; UCX: after
                                      every tagged send completed)
       or    TransferFailed          (either backend: lookup refused, NIXL error)
-    P -> D  BlockDigests    (only if asked: digests P computed over the source bytes BEFORE
-                             it started sending them; on TCP just ahead of BlockData, otherwise
-                             right after TransferDone; D checks them once every byte landed)
+    P -> D  BlockDigests    (only if asked: digests of the source bytes, computed as they were
+                             sent (TCP: the trailer of the bytes) or right after the WRITE
+                             (NIXL, UCX: after TransferDone); D checks them against the
+                             landed bytes)
+    streamed hand-off (a handle published at admission), per prefill chunk:
+    D -> P  SendBlocks      (stream, skip_blocks = blocks D received so far, dst ids for the
+                             rest, no src ids)
+    P -> D  BlocksReady     (once more blocks are computed: their ids, done + first_token
+                             with the last), then the bytes of those blocks as above; D asks
+                             again until done, then sends one Release
     D -> P  Abort           (NIXL, only if D gives up before the answer; P stops the WRITE
                              and answers TransferFailed, or TransferDone if it was done)
     D -> P  Release         (after D has the bytes and they passed the digest check; P then
@@ -202,6 +209,28 @@ class SendBlocks(_Wire):
     dst_block_ids: tuple[int, ...]
     integrity: bool = Field(default=False, description="answer with BlockDigests")
     skip_blocks: int = Field(default=0, ge=0, description="leading parked blocks not sent")
+    stream: bool = Field(
+        default=False,
+        description="streamed hand-off: src_block_ids is empty; the prefill side answers "
+        "BlocksReady with the next computed blocks after skip_blocks, then moves them into "
+        "the leading dst_block_ids",
+    )
+
+
+class BlocksReady(_Wire):
+    """Prefill -> decode, the answer to a streamed SendBlocks (``stream``): the parked
+    blocks after ``skip_blocks`` whose K/V is computed now (``src_block_ids``, in token order,
+    maybe empty when ``done``), moved right after this frame exactly as for a plain
+    SendBlocks of those ids into the leading ``dst_block_ids`` (BlockData + bytes, or
+    TransferDone; BlockDigests when asked). ``done``: the prefill finished and these were the
+    last blocks; ``first_token`` is then the token it sampled (the decode side resumes at it).
+    """
+
+    type: Literal["blocks_ready"] = "blocks_ready"
+    transfer_id: str
+    src_block_ids: tuple[int, ...]
+    done: bool = False
+    first_token: int | None = Field(default=None, ge=0)
 
 
 class BlockData(_Wire):
@@ -225,13 +254,14 @@ class TransferDone(_Wire):
 
 
 class BlockDigests(_Wire):
-    """Prefill -> decode, only when SendBlocks asked: just ahead of the raw bytes on inline
-    backends (TCP: before BlockData), right after TransferDone otherwise; the decode side
-    compares them with the landed bytes after the transfer completed.
+    """Prefill -> decode, only when SendBlocks asked: right after the raw bytes on inline
+    backends (TCP: the trailer of the BlockData stream), right after TransferDone otherwise;
+    the decode side compares them with the landed bytes' digests.
 
     ``digests`` is base64 of ``len(plan)`` little-endian uint64 ``algorithm`` digests, one per
-    transfer-plan segment in plan order, computed over the exact bytes the sender moved, before
-    it started moving them (:mod:`pdserve.transfer.integrity`)."""
+    transfer-plan segment in plan order, computed over the source bytes the sender moved
+    (:mod:`pdserve.transfer.integrity`: as they were sent, or right after the WRITE; the
+    parked blocks cannot change meanwhile)."""
 
     type: Literal["block_digests"] = "block_digests"
     transfer_id: str
@@ -299,6 +329,7 @@ Message = Annotated[
     | Hello
     | HelloAck
     | SendBlocks
+    | BlocksReady
     | BlockData
     | TransferDone
     | BlockDigests

@@ -2,9 +2,10 @@
 error, never a 200: router + prefill + decode as real processes (tiny model, default backend).
 
 The fault is injected by a test-only ``sitecustomize`` on the workers' ``PYTHONPATH``: in the
-prefill process it wraps ``BlockDigester.source`` so that, while a flag file exists, one byte of
-the source is flipped right after the digest was taken and before the backend moves it. No
-production code knows about it.
+prefill process it wraps ``BlockDigester.at_source`` so that, while a flag file exists, one byte
+of the source is flipped between the digest and the move (TCP digests each group right before
+sending it: the flip follows the first group's digest; NIXL / UCX digest after the WRITE: the
+flip precedes the digest). No production code knows about it.
 """
 
 from __future__ import annotations
@@ -26,16 +27,33 @@ if "prefill" in sys.argv:  # python -m pdserve.cli ... prefill ...
     from pdserve.transfer import integrity
     from pdserve.transfer.formatter import pool_bytes
 
-    _source = integrity.BlockDigester.source
+    _at_source = integrity.BlockDigester.at_source
 
-    def _corrupting_source(self, plan):
-        digests = _source(self, plan)
-        if os.path.exists(os.environ["PDSERVE_TEST_CORRUPT_FLAG"]):
-            view = self._bytes if plan.source is None else pool_bytes(plan.source)
-            view[int(plan.src_offsets[0] + plan.lengths[0] // 2)] ^= 0x10
+    def _corrupting_at_source(self, plan):
+        digests = _at_source(self, plan)
+        if not os.path.exists(os.environ["PDSERVE_TEST_CORRUPT_FLAG"]):
+            return digests
+        view = self._bytes if plan.source is None else pool_bytes(plan.source)
+        flipped = []
+        update, finish = digests.update, digests.finish
+
+        def flip():
+            if not flipped:
+                flipped.append(True)
+                view[int(plan.src_offsets[0] + plan.lengths[0] // 2)] ^= 0x10
+
+        def update_then_flip(stop):  # TCP: right after the first digests, before those bytes go
+            update(stop)
+            flip()
+
+        def flip_then_finish():  # NIXL / UCX: after the WRITE, before the digests
+            flip()
+            return finish()
+
+        digests.update, digests.finish = update_then_flip, flip_then_finish
         return digests
 
-    integrity.BlockDigester.source = _corrupting_source
+    integrity.BlockDigester.at_source = _corrupting_at_source
 """
 
 PROMPT = list(range(40, 90))  # several KV blocks

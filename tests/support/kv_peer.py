@@ -123,6 +123,14 @@ async def _serve(pipe: Pipe, backend: str, epoch: int, port: int, secret: str) -
     async def command(cmd: str, args: list[Any]) -> Any:
         if cmd == "park":
             return prefill.park(args[0], request_id=args[1])
+        if cmd == "stream":
+            return prefill.stream(args[0], request_id=args[1])
+        if cmd == "stream_step":
+            return prefill.stream_step(args[0], args[1])
+        if cmd == "stream_finish":
+            return prefill.stream_finish(args[0], args[1], args[2])
+        if cmd == "stream_fail":
+            return parked.fail_stream(args[0], args[1])
         if cmd == "steal":
             return prefill.steal(args[0])
         if cmd == "skew":  # the lease table's clock runs ahead (leases expire; no reaper runs)

@@ -148,6 +148,41 @@ class LocalPrefill:
             transfer_endpoint=self.transceiver.endpoint,
         )
 
+    def stream(self, num_tokens: int, request_id: str | None = None) -> TransferHandle:
+        """A streamed hand-off's start: allocate the prompt's blocks (the engine's while the
+        prefill runs) and publish a streamed handle (no block ids); :meth:`stream_step` and
+        :meth:`stream_finish` play the prefill's chunks and its end."""
+        request_id = request_id or f"req-{uuid.uuid4().hex[:8]}"
+        self.kv.allocate(request_id, num_tokens)
+        lease = self.parked.open_stream(request_id, time.time() + 60.0)
+        return TransferHandle(
+            worker_id=self.worker_id,
+            epoch=self.epoch,
+            request_id=request_id,
+            lease_id=lease.lease_id,
+            block_ids=(),
+            num_tokens=num_tokens,
+            lease_deadline=lease.deadline,
+            layout=self.layout,
+            backend=self.transceiver.backend,
+            transfer_endpoint=self.transceiver.endpoint,
+            streamed=True,
+        )
+
+    def stream_step(self, request_id: str, num_blocks: int) -> list[int]:
+        """A prefill chunk completed the request's first ``num_blocks`` blocks; their ids."""
+        ready = self.kv.block_table(request_id)[:num_blocks]
+        self.parked.stream_progress(request_id, ready)
+        return ready
+
+    def stream_finish(self, request_id: str, first_token: int, num_tokens: int) -> list[int]:
+        """The prefill finished: park every block (the stream's lease) and publish
+        ``first_token``; the block ids."""
+        blocks = self.kv.block_table(request_id)
+        self.parked.park(request_id, blocks, num_tokens)
+        self.parked.finish_stream(request_id, first_token)
+        return blocks
+
     def steal(self, request_id: str) -> list[int]:
         """An ownership bug: free ``request_id``'s parked blocks behind the lease table's back
         and hand every free block (those among them) to another request, which writes -1 into

@@ -49,7 +49,6 @@ applied by the engine thread between steps, so blocks are never freed under a ru
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import threading
 from dataclasses import dataclass, replace
@@ -62,7 +61,7 @@ from pdserve.errors import ConfigError, InvalidRequestError, QueueFullError
 from pdserve.protocol import FinishReason, KVLayout, SamplingParams, TokenLogprob, WorkerLoad
 from pdserve.workers.engine.grammar import GrammarCompiler, GrammarState
 from pdserve.workers.engine.model_runner import ModelRunner, kept_rows, model_digest
-from pdserve.workers.engine.omp import in_fresh_thread
+from pdserve.workers.engine.omp import context_thread, in_fresh_thread
 from pdserve.workers.engine.requests import (
     EngineOutput,
     EngineRequest,
@@ -71,6 +70,7 @@ from pdserve.workers.engine.requests import (
     Sink,
     choice_id,
     choice_sampling,
+    progress_output,
 )
 from pdserve.workers.engine.sampler import Sampler, record_prompt_logprobs
 from pdserve.workers.engine.scheduler import ScheduledBatch, Scheduler
@@ -92,6 +92,7 @@ class _Live:
     detok: IncrementalDetokenizer
     grammar: GrammarState | None = None  # structured output: the sequence's matcher
     prompt_lps: list[TokenLogprob | None] | None = None  # prompt logprobs, by position
+    progress: bool = False  # prefill mode: report completed blocks per chunk
 
 
 class Engine:
@@ -182,16 +183,10 @@ class Engine:
     # --- lifecycle -----------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the step thread (once), in a copy of the caller's context (torch's config
-        overrides are context variables)."""
+        """Start the step thread (once), in a copy of the caller's context."""
         with self._lock:
             if self._thread is None and not self._shut_down:
-                context = contextvars.copy_context()
-                self._thread = threading.Thread(
-                    target=context.run, args=(self._loop,), name="pdserve-engine"
-                )
-                self._thread.daemon = True
-                self._thread.start()
+                self._thread = context_thread(self._loop, "pdserve-engine")
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the step thread (waits up to ``timeout`` s for the current step), end every
@@ -243,7 +238,8 @@ class Engine:
                     seq = self._resume_from_reservation(req, prompt, detok)
                 else:
                     seq = Sequence(req.request_id, prompt, req.sampling, req.mode, self._need(req))
-                self._live[seq.request_id] = _Live(seq, sink, detok, grammar)  # engine sees it next
+                live = _Live(seq, sink, detok, grammar, progress=req.progress)
+                self._live[seq.request_id] = live  # the engine sees it next step
                 self._groups[req.request_id] = [seq.request_id]
                 try:
                     if req.mode == "resume":
@@ -459,6 +455,9 @@ class Engine:
         first = 0
         for s in batch.items:
             s.seq.num_computed_tokens = s.num_kv_tokens_after_step
+            live = self._live[s.request_id]  # streamed hand-off: report the completed blocks
+            if live.progress and (out := progress_output(s.seq, self.kv_cache)) is not None:
+                self._emit(live.sink, out)
         for s in sampling:
             tokens = result.token_ids[first : first + s.num_rows]
             lps = result.logprobs[first : first + s.num_rows]

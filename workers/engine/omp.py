@@ -42,10 +42,16 @@ def in_fresh_thread(fn: Callable[[], T], name: str = "pdserve-engine-setup") -> 
         except BaseException as exc:  # re-raised on the caller's thread
             error.append(exc)
 
-    context = contextvars.copy_context()
-    thread = threading.Thread(target=context.run, args=(run,), name=name, daemon=True)
-    thread.start()
-    thread.join()
+    context_thread(run, name).join()
     if error:
         raise error[0]
     return result[0]
+
+
+def context_thread(target: Callable[[], object], name: str) -> threading.Thread:
+    """A started daemon thread running ``target()`` in a copy of the caller's context (torch's
+    config overrides are context variables, which a bare thread would not see)."""
+    context = contextvars.copy_context()
+    thread = threading.Thread(target=context.run, args=(target,), name=name, daemon=True)
+    thread.start()
+    return thread

@@ -18,7 +18,7 @@ from pdserve.protocol import (
     SamplingParams,
     TokenLogprob,
 )
-from pdserve.workers.engine.sequence import EngineMode
+from pdserve.workers.engine.sequence import EngineMode, Sequence
 from pdserve.workers.kv.manager import KVCacheManager
 
 
@@ -37,6 +37,7 @@ class EngineRequest:
     sampling: SamplingParams
     mode: EngineMode = "full"
     first_token: int | None = None
+    progress: bool = False  # prefill mode: report each chunk's completed blocks
 
     @classmethod
     def for_leg(cls, req: ContextRequest | GenerationRequest, mode: EngineMode) -> EngineRequest:
@@ -54,6 +55,18 @@ class EngineRequest:
         )
 
 
+def progress_output(seq: Sequence, kv: KVCacheManager) -> EngineOutput | None:
+    """The progress report of prefill-mode ``seq`` after a step (streamed hand-off): an output
+    without tokens listing the blocks whose K/V is complete, or None once the prompt is done
+    (its sampled output follows) or before a block is complete."""
+    full = seq.num_computed_tokens // kv.tokens_per_block
+    if seq.mode != "prefill" or seq.num_computed_tokens >= seq.num_prompt_tokens or not full:
+        return None
+    return EngineOutput(
+        seq.group_id, [], "", [], ready_block_ids=kv.block_table(seq.request_id)[:full]
+    )
+
+
 @dataclass(frozen=True)
 class EngineOutput:
     """One step's result for one request (one token, or none on abort/error).
@@ -63,6 +76,9 @@ class EngineOutput:
     output). ``logprobs`` has one entry per token when the request asked for logprobs.
     ``parked_block_ids`` is set only on a prefill-mode output without ``finish_reason``:
     ownership of those blocks passes to the caller, who must call ``Engine.free_parked``.
+    ``ready_block_ids`` (prefill mode with ``EngineRequest.progress``, on an output without
+    tokens while the prompt is still being prefilled): the leading blocks whose K/V a chunk
+    completed, still the engine's (streamed hand-off).
     ``error`` is set with ``finish_reason == ERROR``. ``index`` is the choice (``n > 1``);
     each choice ends with its own output carrying ``finish_reason``. ``cached_tokens`` (on a
     sequence's first sampled token only): the prompt tokens its prefix cache lookup served.
@@ -78,6 +94,7 @@ class EngineOutput:
     index: int = 0
     cached_tokens: int | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # first output, when asked
+    ready_block_ids: list[int] | None = None
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,9 @@ Request lifecycle on a decode worker::
                    then gets 429 (QueueFullError), as it does when ``max_queued_requests``
                    requests already wait
     3 TRANSFERRING the transceiver pulls the prefill worker's blocks into the reserved blocks
-                   (SendBlocks.skip_blocks: the cached leading ones are left out)
+                   (SendBlocks.skip_blocks: the cached leading ones are left out); a streamed
+                   handle (published when the prefill started) is pulled chunk by chunk as
+                   the prefill computes it, and the pull brings the first token too
     4 RUNNING      engine resumes at the first token in its continuous batch; chunks streamed
     5 FINISHED     every choice stopped (stop / length), or abort (client gone) / error; the
                    engine frees the blocks
@@ -93,7 +95,10 @@ def check_handle(req: GenerationRequest, handle: TransferHandle, engine: WorkerE
         )
     tpb = handle.layout.tokens_per_block
     needed = -(-handle.num_tokens // tpb)
-    if len(handle.block_ids) != needed:
+    if handle.streamed:  # published at admission: the ids and the first token come by pull
+        if handle.block_ids or req.first_token is not None or req.sampling.n != 1:
+            raise HandleError("a streamed handle names no blocks, no first token and one choice")
+    elif len(handle.block_ids) != needed:
         raise HandleError(
             f"handle lists {len(handle.block_ids)} blocks; {handle.num_tokens} tokens at "
             f"{tpb} tokens/block need {needed}"
@@ -105,6 +110,8 @@ def check_handle(req: GenerationRequest, handle: TransferHandle, engine: WorkerE
         )
     if handle.lease_remaining() <= 0:
         raise HandleError(f"lease of request {req.request_id!r} expired before decode began")
+    if handle.streamed:
+        return
     if min(handle.block_ids) < 0 or len(set(handle.block_ids)) != len(handle.block_ids):
         raise HandleError(
             f"handle of request {req.request_id!r} names negative or repeated KV blocks "
@@ -174,22 +181,32 @@ class DecodeHandler:
         if req.sampling.structured is not None:  # compiled off the event loop and engine step
             await asyncio.to_thread(self.engine.prepare_grammar, req.sampling)
         stream = OutputStream(choices=req.sampling.n)
-        if req.handle is None:
+        handle = req.handle
+        if handle is None:
             self.engine.add_request(EngineRequest.for_leg(req, "full"), stream.sink)
             return stream
-        check_handle(req, req.handle, self.engine)
+        check_handle(req, handle, self.engine)
         if self.transceiver is None:
             raise HandleError("this worker has no transceiver; it cannot accept a handle")
         if self.prefills is not None:  # dial only what discovery lists, never a request's address
-            await self.prefills.endpoint(req.handle)
-        dst = await self._reserve(req, req.handle)
+            await self.prefills.endpoint(handle)
+        dst = await self._reserve(req, handle)
         moved = len(dst.missing_block_ids)
         try:
             t0 = time.perf_counter()
-            await asyncio.wait_for(
-                self.transceiver.pull(req.handle, dst.block_ids, skip_blocks=dst.cached_blocks),
-                timeout=req.deadline - time.time(),
-            )
+            if handle.streamed:  # each prefill chunk's blocks as computed, then the token
+                first = await asyncio.wait_for(
+                    self.transceiver.pull_streamed(
+                        handle, dst.block_ids, skip_blocks=dst.cached_blocks
+                    ),
+                    timeout=req.deadline - time.time(),
+                )
+                req = req.model_copy(update={"first_token": first})
+            else:
+                await asyncio.wait_for(
+                    self.transceiver.pull(handle, dst.block_ids, skip_blocks=dst.cached_blocks),
+                    timeout=req.deadline - time.time(),
+                )
             elapsed = time.perf_counter() - t0
             log.debug(
                 "request %s: pulled %d KV blocks in %.1f ms (%d cached here, not sent)",
@@ -203,6 +220,8 @@ class DecodeHandler:
                 layout = self.engine.layout
                 self.metrics.transfer_bytes.inc(moved * layout.block_bytes)
                 self.metrics.transfer_blocks_skipped.inc(dst.cached_blocks)
+                if handle.streamed:
+                    self.metrics.transfer_streamed.inc()
         except BaseException as exc:
             if self.metrics is not None and not isinstance(exc, asyncio.CancelledError):
                 self.metrics.transfer_failures.labels(type(exc).__name__).inc()

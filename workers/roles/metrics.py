@@ -14,7 +14,8 @@ routing), and on decode workers
 ``pdserve_kv_transfer_seconds`` / ``pdserve_kv_transfer_bytes_total`` /
 ``pdserve_kv_transfer_failures_total{error}`` for every pull and
 ``pdserve_kv_transfer_blocks_skipped_total``: prompt blocks a pull left out because this
-worker's prefix cache already held them (delta transfer). On prefill and decode workers, from
+worker's prefix cache already held them (delta transfer);
+``pdserve_kv_transfer_streamed_total``: pulls of streamed handles (the streamed hand-off). On prefill and decode workers, from
 the transceiver's copy counter (:mod:`pdserve.transfer.copies`):
 ``pdserve_kv_transfer_payload_bytes_total{side=send|receive}`` (the bytes the transfers this
 worker started move) and ``pdserve_kv_transfer_staged_bytes_total{side,stage}`` (bytes copied
@@ -85,6 +86,11 @@ class WorkerMetrics:
             "pdserve_kv_transfer_blocks_skipped",
             "KV blocks of pulled prompts not sent: already in this worker's prefix cache "
             "(delta transfer)",
+            registry=r,
+        )
+        self.transfer_streamed = Counter(
+            "pdserve_kv_transfer_streamed",
+            "KV pulls of streamed handles (each prefill chunk's blocks pulled as computed)",
             registry=r,
         )
         r.register(_LoadCollector(role, load, lease_expired))

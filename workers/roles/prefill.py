@@ -1,7 +1,8 @@
 """Prefill (context) role: run the context phase, park the KV blocks, answer with a handle.
 
 :class:`PrefillWorker` is the process (its parts and routes: ``POST /internal/context``,
-``POST /internal/release``); :class:`PrefillHandler` is the request logic below.
+``POST /internal/context/stream``, ``POST /internal/release``); :class:`PrefillHandler` is the
+request logic below.
 
 Request lifecycle on a prefill worker::
 
@@ -17,6 +18,15 @@ frees the blocks itself and the response carries ``finish_reason`` and no handle
 ``n > 1`` choices samples choice 0's first token only, and the engine always parks its blocks
 (choices 1..n-1 still need them): the response carries the handle, and ``finish_reason`` too
 when that token already ended choice 0.
+
+The streamed hand-off (``/internal/context/stream``, the router's ``kv_stream_min_tokens``; the
+TensorRT-LLM seed's outlook of communication that need not wait for the whole context phase):
+at 1 the lease table opens a stream and the answer's first NDJSON line, ``ContextStarted``,
+carries a streamed handle (no block ids, its lease id the park's to come); in 2 the engine
+reports each chunk's completed blocks (``EngineOutput.ready_block_ids``), which the transceiver
+sends to the decode worker pulling meanwhile; at 3 the park takes the stream's lease id, the
+first token goes to the pull and the ``ContextResponse`` line follows. A prefill that fails
+ends the pull (TransferFailed) and the stream's last line is ``ContextFailed``.
 """
 
 from __future__ import annotations
@@ -24,16 +34,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
 
-from pdserve.errors import DeadlineExceededError, WorkerError
-from pdserve.protocol import ContextRequest, ContextResponse, ReleaseRequest, Role, TransferHandle
+from pdserve.errors import DeadlineExceededError, PdserveError, WorkerError
+from pdserve.protocol import (
+    ContextFailed,
+    ContextRequest,
+    ContextResponse,
+    ContextStarted,
+    ReleaseRequest,
+    Role,
+    TransferHandle,
+)
 from pdserve.workers.engine.requests import EngineRequest
 from pdserve.workers.roles.bridge import OutputStream
-from pdserve.workers.roles.parking import ParkedBlocks
+from pdserve.workers.roles.parking import Lease, ParkedBlocks
 from pdserve.workers.roles.service import WatcherFactory, WorkerIdentity, service_of
 from pdserve.workers.roles.transfer_worker import TransferWorker, capped, open_transceiver
 
@@ -70,20 +91,74 @@ class PrefillHandler:
     async def context(self, req: ContextRequest) -> ContextResponse:
         """Run prefill for ``req``. Raises DeadlineExceededError, InvalidRequestError (from the
         engine's validation), CapacityError, or WorkerError when the engine fails the request."""
+        stream = await self._admit(req, progress=False)
+        return await self._finish(req, stream)
+
+    async def context_stream(
+        self, req: ContextRequest
+    ) -> AsyncIterator[ContextStarted | ContextResponse]:
+        """The streamed hand-off: admit ``req``, yield :class:`ContextStarted` with a streamed
+        handle at once (its lease id is the one the blocks are parked under at the end),
+        report each prefill chunk's completed blocks to the lease table while the prefill
+        runs (a decode worker pulls them meanwhile), then yield the :class:`ContextResponse`.
+        Raises as :meth:`context` (before the first yield: nothing was admitted); a failure
+        or cancellation after it ends the stream's waiting pulls (TransferFailed)."""
+        stream = await self._admit(req, progress=True)
+        try:
+            lease = self.parked.open_stream(req.request_id, req.deadline)
+        except BaseException:
+            self.engine.abort(req.request_id)
+            raise
+        handle = self._handle(req, (), lease, streamed=True)
+        try:
+            yield ContextStarted(request_id=req.request_id, handle=handle)
+            resp = await self._finish(req, stream, streamed=True)
+        except BaseException as exc:
+            self.parked.fail_stream(req.request_id, "the prefill failed")
+            log.info("req %s: streamed prefill ended early: %r", req.request_id, exc)
+            raise
+        if resp.handle is None:  # the first token finished it: nothing for a decode worker
+            self.parked.fail_stream(req.request_id, "the first token finished the request")
+        else:
+            self.parked.finish_stream(req.request_id, resp.first_token)
+        try:
+            yield resp
+        except BaseException:  # the router left before the answer: free the park now
+            if resp.handle is not None:
+                self.release(req.request_id, resp.handle.epoch, resp.handle.lease_id)
+            raise
+
+    async def _admit(self, req: ContextRequest, *, progress: bool) -> OutputStream:
         remaining = req.deadline - time.time()
         if remaining <= 0:
             raise DeadlineExceededError(f"request {req.request_id} arrived after its deadline")
         if req.sampling.structured is not None:  # compiled off the event loop and engine step
             await asyncio.to_thread(self.engine.prepare_grammar, req.sampling)
-        stream = OutputStream(single=True)
-        self.engine.add_request(EngineRequest.for_leg(req, "prefill"), stream.sink)
+        stream = OutputStream()
+        leg = EngineRequest.for_leg(req, "prefill")
+        self.engine.add_request(replace(leg, progress=progress), stream.sink)
+        return stream
+
+    async def _finish(
+        self, req: ContextRequest, stream: OutputStream, *, streamed: bool = False
+    ) -> ContextResponse:
+        """Wait for the prefill's sampled output (recording progress reports of a streamed
+        request's chunks), park its blocks, answer."""
         try:
-            out = await stream.next(timeout=remaining)
+            while True:
+                out = await stream.next(timeout=req.deadline - time.time())
+                if out.ready_block_ids is None:
+                    break
+                if streamed:
+                    self.parked.stream_progress(req.request_id, out.ready_block_ids)
         except TimeoutError:
             self.engine.abort(req.request_id)
             raise DeadlineExceededError(
                 f"prefill of request {req.request_id} did not finish before its deadline"
             ) from None
+        except BaseException:
+            self.engine.abort(req.request_id)
+            raise
         if out.error is not None:
             raise WorkerError(f"prefill failed for request {req.request_id}: {out.error}")
         handle = None if out.parked_block_ids is None else self._park(req, out.parked_block_ids)
@@ -99,20 +174,10 @@ class PrefillHandler:
         )
 
     def _park(self, req: ContextRequest, block_ids: list[int]) -> TransferHandle:
-        """Park ``block_ids`` under a new lease; the handle a decode worker pulls them with."""
+        """Park ``block_ids`` under a new lease (a streamed request: the lease its handle
+        named); the handle a decode worker pulls them with."""
         lease = self.parked.park(req.request_id, block_ids, len(req.prompt_token_ids))
-        handle = TransferHandle(
-            worker_id=self.worker_id,
-            epoch=self.parked.epoch,
-            request_id=req.request_id,
-            lease_id=lease.lease_id,
-            block_ids=tuple(block_ids),
-            num_tokens=len(req.prompt_token_ids),
-            lease_deadline=lease.deadline,
-            layout=self.engine.layout,
-            backend=self.transceiver.backend,
-            transfer_endpoint=self.transceiver.endpoint,
-        )
+        handle = self._handle(req, tuple(block_ids), lease)
         log.debug(
             "request %s parked %d KV blocks until %.1f",
             req.request_id,
@@ -120,6 +185,28 @@ class PrefillHandler:
             lease.deadline,
         )
         return handle
+
+    def _handle(
+        self,
+        req: ContextRequest,
+        block_ids: tuple[int, ...],
+        lease: Lease,
+        *,
+        streamed: bool = False,
+    ) -> TransferHandle:
+        return TransferHandle(
+            worker_id=self.worker_id,
+            epoch=self.parked.epoch,
+            request_id=req.request_id,
+            lease_id=lease.lease_id,
+            block_ids=block_ids,
+            num_tokens=len(req.prompt_token_ids),
+            lease_deadline=lease.deadline,
+            layout=self.engine.layout,
+            backend=self.transceiver.backend,
+            transfer_endpoint=self.transceiver.endpoint,
+            streamed=streamed,
+        )
 
     def release(self, request_id: str, epoch: int, lease_id: str) -> bool:
         """Free a parked request (router-side abort) if ``lease_id`` is its park's lease (the
@@ -199,6 +286,28 @@ class PrefillWorker(TransferWorker):
                 worker.handler.release(req.request_id, handle.epoch, handle.lease_id)
                 log.info("req %s: the router left before its handle; blocks freed", req.request_id)
             return resp
+
+        @api.post("/internal/context/stream")
+        async def context_stream(req: ContextRequest, request: Request) -> StreamingResponse:
+            """NDJSON: ContextStarted (the streamed handle, at admission), then ContextResponse
+            or ContextFailed. A refusal before admission is a plain error answer."""
+            worker: PrefillWorker = service_of(request)
+            req = capped(req, worker.cfg.engine.scheduler.max_request_s)
+            lines = worker.handler.context_stream(req)
+            started = await anext(lines)  # raises (an error answer) before anything is admitted
+
+            async def body() -> AsyncIterator[bytes]:
+                yield started.model_dump_json().encode() + b"\n"
+                try:
+                    async for line in lines:
+                        yield line.model_dump_json().encode() + b"\n"
+                except PdserveError as exc:
+                    failed = ContextFailed(
+                        status=exc.status, body=exc.envelope(req.request_id).model_dump_json()
+                    )
+                    yield failed.model_dump_json().encode() + b"\n"
+
+            return StreamingResponse(body(), media_type="application/x-ndjson")
 
         @api.post("/internal/release")
         async def release(req: ReleaseRequest, request: Request) -> dict[str, bool]:
