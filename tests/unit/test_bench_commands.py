@@ -15,6 +15,10 @@ TRANSFER_HELP = (
     "--backends", "--integrity", "raw-socket", "memcpy", "--tp-pairs", "--profile",
     "--profile-pulls", "100 us", "0.9x", "0.7x", "0.8x", "16 MiB", "not measured", "us per pull",
 )  # fmt: skip
+HANDOFF_HELP = (
+    "--prompt-tokens", "--requests", "--backend", "--config", "TT2T", "second token", "0.9x",
+    "1.05x", "hardly moves",
+)  # fmt: skip
 HELP = {
     "serve": ("--url", "--concurrency", "TTFT", "--config", "--compile"),
     "transfer": TRANSFER_HELP,
@@ -22,6 +26,7 @@ HELP = {
     "kv-dtype": ("--kv-dtypes", "--kv-cache-mb", "--batch", "fp8_e4m3"),
     "multiturn": ("--conversations", "--compare", "--prefill-workers", "--config", "hit rate"),
     "kv-restart": ("--prompt-tokens", "--disk-dir", "--config", "0.5x", "disk tier"),
+    "handoff": HANDOFF_HELP,
     "compile": ("--threads", "--rounds", "--skip-startup", "eager", "torch.compile"),
     "formatter": ("--tokens", "--backends", "--threads", "staging"),
     "paged-attention": ("--dtypes", "--threads", "SDPA"),
@@ -34,8 +39,8 @@ HELP = {
 
 def test_every_benchmark_is_a_subcommand() -> None:
     assert [c.name for c in COMMANDS] == [
-        "serve", "transfer", "multiturn", "kv-restart", "compile", "formatter", "structured",
-        "kv-dtype", "router", "paged-attention", "speculative", "gpu",
+        "serve", "transfer", "multiturn", "kv-restart", "handoff", "compile", "formatter",
+        "structured", "kv-dtype", "router", "paged-attention", "speculative", "gpu",
     ]  # fmt: skip
     assert {c.settings for c in COMMANDS} == {"none", "config", "flags"}
     assert BY_NAME["serve"].settings == "flags" and BY_NAME["multiturn"].settings == "config"
@@ -55,6 +60,8 @@ def test_the_options_parse_with_their_defaults() -> None:
     assert (args.conversations, args.turns, args.prefill_workers) == (8, 4, 2)
     args = build_parser().parse_args(["bench", "kv-restart"])
     assert (args.prompt_tokens, args.max_tokens, args.disk_dir) == (4000, 8, None)
+    args = build_parser().parse_args(["bench", "handoff"])
+    assert (args.prompt_tokens, args.requests, args.backend) == ([512, 2048, 8000], 3, None)
     args = build_parser().parse_args(["bench", "gpu", "transfer", "--blocks", "1", "4"])
     assert (args.what, args.blocks, args.devices) == ("transfer", [1, 4], ["cuda:cuda"])
     args = build_parser().parse_args(["bench", "transfer"])
