@@ -11,6 +11,7 @@ Per request (prefill P initiates, decode D is passive)::
     P: initialize_xfer(WRITE, local segs, remote segs, notif=transfer_id); transfer(); poll
     P: state DONE -> TransferDone over the control connection
     D: poll get_new_notifs until transfer_id arrives AND TransferDone arrived -> bytes landed
+       (integrity on: D hashes them once the notification arrived, P after its WRITE)
 
 Settings (measured on the development machines): the progress thread is OFF and both sides
 poll from the event loop (with it on, UCX over TCP drops to ~0.3 GB/s on 2 cores; the passive
@@ -331,19 +332,25 @@ class NixlBackend(Backend):
         digests: Digests | None = None,
     ) -> None:
         # Poll notifications (progressing UCX) until the WRITE's notification arrived, while
-        # the control message TransferDone/TransferFailed is awaited on the connection.
+        # the control message TransferDone/TransferFailed is awaited on the connection. The
+        # notification comes after the bytes: with integrity on they are hashed right then,
+        # while the sender's TransferDone and digests are on their way.
         self.copies.received(plan.nbytes)
         tag = transfer_id.encode()
         answer = asyncio.ensure_future(conn.recv())
         poller = Poller()
+        notified = False
         try:
-            notified = self._agent.take_notif(tag)
-            while not (notified and answer.done()):
+            while True:
+                if not notified and self._agent.take_notif(tag):
+                    notified = True
+                    if digests is not None:
+                        digests.update(len(plan))
                 if answer.done():
-                    wire.expect_done(answer.result(), transfer_id)
+                    wire.expect_done(answer.result(), transfer_id)  # or the peer's error
+                    if notified:
+                        return
                 await poller.sleep()
-                notified = notified or self._agent.take_notif(tag)
-            wire.expect_done(answer.result(), transfer_id)
         except BaseException:
             if not answer.done():  # the WRITE may still be running: stop it before returning
                 await asyncio.shield(_abort(conn, transfer_id, answer))
