@@ -7,7 +7,7 @@ backend also streams the KV bytes on it, straight from and into the pool memory:
     P: BlockData(nbytes) | seg 0 bytes | seg 1 bytes | ... | [BlockDigests]   (one stream)
     D: recv header       | recvmsg_into(pool[dst seg 0], pool[dst seg 1], ...) until nbytes
 
-With integrity on, the sender hashes each group of about 1 MiB of segments right before the
+With integrity on, the sender hashes each group of about 256 KiB of segments right before the
 socket reads it and the receiver right after the socket wrote it (the bytes are in the CPU's
 cache then), and the digests trail the bytes.
 
@@ -132,7 +132,7 @@ class TcpBackend(Backend):
         digests: Digests | None,
     ) -> None:
         """CPU source: the header, then the segments straight from ``src``; with integrity
-        on, each group of about 1 MiB is hashed right before the socket reads it (in cache)."""
+        on, each group of about 256 KiB is hashed right before the socket reads it (in cache)."""
         if digests is None:
             await conn.send_segments(src, plan.src_offsets, plan.lengths, header)
             return
@@ -190,7 +190,7 @@ class TcpBackend(Backend):
         self, conn: Connection, plan: TransferPlan, digests: Digests | None
     ) -> None:
         """CPU pool: the segments straight into the pool; with integrity on, each group of
-        about 1 MiB is hashed right after the socket wrote it (in cache)."""
+        about 256 KiB is hashed right after the socket wrote it (in cache)."""
         if digests is None:
             await conn.recv_segments(self._bytes, plan.dst_offsets, plan.lengths)
             return
