@@ -51,6 +51,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from pdserve.errors import HandleError, TransferError
@@ -204,7 +205,7 @@ class Receiver:
         """Ask for the next computed blocks until the prefill is done (see
         :meth:`pull_streamed`); returns the first token."""
         aligned = session.formatter.block_aligned
-        try:
+        with self._conversation(session, conn):
             while True:
                 transfer_id = uuid.uuid4().hex
                 await conn.send(self._ask(handle, transfer_id, (), dst_block_ids[have:], have))
@@ -214,7 +215,10 @@ class Receiver:
                     raise TransferError(f"{conn.peer} answered a streamed pull with {msg.type}")
                 src = msg.src_block_ids
                 if src:
-                    _check_source_ids(handle, session.peer_blocks, src)
+                    try:
+                        _check_source_ids(handle, session.peer_blocks, src)
+                    except HandleError as exc:  # the peer's bytes follow: close, not reuse
+                        raise TransferError(exc.message) from exc
                     dst = dst_block_ids[have : have + len(src)] if aligned else dst_block_ids
                     plan = session.formatter.plan(src, dst)
                     await self._receive(conn, plan, transfer_id, handle, src, dst)
@@ -227,12 +231,6 @@ class Receiver:
                         )
                     first = msg.first_token
                     break
-        except HandleError:
-            self._give_back(session, conn)  # the peer refused cleanly: the stream is intact
-            raise
-        except BaseException:
-            conn.close()  # cancelled or broken mid-conversation: its state is unknown
-            raise
         await self._release(conn, session, handle)
         return first
 
@@ -273,16 +271,24 @@ class Receiver:
             self._give_back(session, conn)
             raise
         transfer_id = uuid.uuid4().hex
-        try:
+        with self._conversation(session, conn):
             await conn.send(self._ask(handle, transfer_id, src_ids, dst_block_ids, skip_blocks))
             await self._receive(conn, plan, transfer_id, handle, src_ids, dst_block_ids)
+        await self._release(conn, session, handle)
+
+    @contextlib.contextmanager
+    def _conversation(self, session: _Session, conn: Connection) -> Iterator[None]:
+        """One request's exchange on ``conn``: a clean refusal by the peer (HandleError) leaves
+        the stream intact and the connection goes back to the idle list; anything else
+        (cancelled, broken mid-conversation) leaves its state unknown and closes it."""
+        try:
+            yield
         except HandleError:
-            self._give_back(session, conn)  # the peer refused cleanly: the stream is intact
+            self._give_back(session, conn)
             raise
         except BaseException:
-            conn.close()  # cancelled or broken mid-conversation: its state is unknown
+            conn.close()
             raise
-        await self._release(conn, session, handle)
 
     async def _receive(
         self,

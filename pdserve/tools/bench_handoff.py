@@ -171,19 +171,15 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any],
     """POST one streamed completion and time its tokens (a chunk's ``logprobs.tokens`` says how
     many it carries). Raises RuntimeError when it fails or yields fewer than 2 tokens,
     httpx.HTTPError when the connection does."""
+    from pdserve.tools.bench_serve import sse_chunks
+
     t0 = time.perf_counter()
     stamps: list[float] = []
     usage: dict[str, Any] = {}
     async with client.stream("POST", url, json=body, headers=headers) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
+        async for chunk in sse_chunks(r):
             if chunk.get("error"):
                 raise RuntimeError(f"error in the stream: {chunk['error']}")
             usage = chunk.get("usage") or usage

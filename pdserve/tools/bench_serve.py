@@ -30,7 +30,7 @@ import math
 import random
 import re
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,6 +100,19 @@ def _body_error(raw: bytes) -> str:
     return str(data)[:300]
 
 
+async def sse_chunks(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of an OpenAI server-sent-events stream, in order, up to ``[DONE]``
+    (other lines skipped). Raises ValueError for a chunk that is not JSON, httpx.HTTPError
+    for a broken stream."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
 async def stream_openai(client: httpx.AsyncClient, url: str, body: dict[str, Any],
                         kind: str = "chat") -> RequestResult:  # fmt: skip
     """POST one streaming request to ``url`` (``.../chat/completions`` for ``kind="chat"``,
@@ -114,13 +127,7 @@ async def stream_openai(client: httpx.AsyncClient, url: str, body: dict[str, Any
         async with client.stream("POST", url, json=body) as r:
             if r.status_code != 200:
                 return failed(t0, f"HTTP {r.status_code}: {_body_error(await r.aread())}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
+            async for chunk in sse_chunks(r):
                 if chunk.get("error"):
                     return failed(t0, _error_text(chunk["error"]))
                 if chunk.get("usage"):
