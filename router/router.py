@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
+import anyio
+
 from pdserve.errors import (
     NoWorkerError,
     WorkerUnreachableError,
@@ -34,7 +36,9 @@ from pdserve.protocol import (
     ContextRequest,
     ContextResponse,
     GenerationRequest,
+    ReleaseRequest,
     SamplingParams,
+    TransferHandle,
 )
 from pdserve.router.client import GenerationStream, WorkerClient
 from pdserve.router.kv_index import KVIndex, PromptHashes, expected_cached_tokens
@@ -231,6 +235,7 @@ class Router:
             deadline=spec.deadline,
         )
         decode: asyncio.Future[GenerationStream] | None = None
+        handle: TransferHandle | None = None
         with self.view.track(pair.prefill.worker_id):
             stream = await self.client.context_stream(pair.prefill, req)
             try:
@@ -245,8 +250,18 @@ class Router:
                 decode = asyncio.ensure_future(self.client.generate(pair.decode, ahead))
                 context = await stream.response()
             except BaseException:
-                if decode is not None:
-                    await drop_decode(decode)
+                with anyio.move_on_after(self.client.release_timeout_s, shield=True):
+                    if decode is not None:
+                        await drop_decode(decode)
+                    if handle is not None:  # P may have parked already: free it now
+                        await self.client.release(
+                            pair.prefill,
+                            ReleaseRequest(
+                                request_id=spec.request_id,
+                                epoch=handle.epoch,
+                                lease_id=handle.lease_id,
+                            ),
+                        )
                 raise
             finally:
                 await stream.aclose()

@@ -39,6 +39,7 @@ from pdserve.errors import PdserveError
 from pdserve.protocol import (
     ContextRequest,
     ContextResponse,
+    ContextStarted,
     FinishReason,
     GenerationChunk,
     GenerationRequest,
@@ -221,6 +222,7 @@ class FakeWorker:
     token_delay_s: float = 0.0
     context_delay_s: float = 0.0
     cached_tokens: int = 0  # what its prefix cache "held" of every prompt it prefills
+    streamed_error: PdserveError | None = None  # decode: answered to a streamed handle only
     http_url: str = ""
     cluster_key: ClusterKey = CLUSTER_KEY  # whose token /internal/* requires
     contexts: list[ContextRequest] = field(default_factory=list)
@@ -259,24 +261,24 @@ class FakeWorker:
                 await asyncio.sleep(self.context_delay_s)
             if self.error is not None:
                 return JSONResponse(self.error.to_json(), status_code=self.error.status)
-            token, text = self.reply[0]
-            finish = None
-            if len(self.reply) == 1:
-                finish = FinishReason.STOP
-            elif req.sampling.max_tokens == 1:
-                finish = FinishReason.LENGTH
-            handle = None
-            if finish is None:
-                handle = fake_handle(self.worker_id, req, self.kv_layout)
-            return ContextResponse(
-                request_id=req.request_id,
-                first_token=token,
-                text=text,
-                logprob=self._logprob(token, req.sampling),
-                finish_reason=finish,
-                handle=handle,
-                cached_tokens=self.cached_tokens,
-            )
+            return self._context(req)
+
+        @app.post("/internal/context/stream")
+        async def context_stream(req: ContextRequest) -> Any:
+            self.contexts.append(req)
+            if self.error is not None:
+                return JSONResponse(self.error.to_json(), status_code=self.error.status)
+            handle = fake_handle(self.worker_id, req, self.kv_layout)
+            handle = handle.model_copy(update={"block_ids": (), "streamed": True})
+            started = ContextStarted(request_id=req.request_id, handle=handle)
+
+            async def lines() -> AsyncIterator[bytes]:
+                yield started.model_dump_json().encode() + b"\n"
+                if self.context_delay_s:
+                    await asyncio.sleep(self.context_delay_s)
+                yield self._context(req).model_dump_json().encode() + b"\n"
+
+            return StreamingResponse(lines(), media_type="application/x-ndjson")
 
         @app.post("/internal/release")
         async def release(req: ReleaseRequest) -> dict[str, bool]:
@@ -286,11 +288,35 @@ class FakeWorker:
         @app.post("/internal/generate")
         async def generate(req: GenerationRequest) -> Any:
             self.generations.append(req)
-            if self.error is not None:
-                return JSONResponse(self.error.to_json(), status_code=self.error.status)
+            error = self.error
+            if req.handle is not None and req.handle.streamed and self.streamed_error:
+                error = self.streamed_error
+            if error is not None:
+                return JSONResponse(error.to_json(), status_code=error.status)
             return StreamingResponse(self._stream(req), media_type="application/x-ndjson")
 
         return app
+
+    def _context(self, req: ContextRequest) -> ContextResponse:
+        """The prefill leg's answer (either context route)."""
+        token, text = self.reply[0]
+        finish = None
+        if len(self.reply) == 1:
+            finish = FinishReason.STOP
+        elif req.sampling.max_tokens == 1:
+            finish = FinishReason.LENGTH
+        handle = None
+        if finish is None:
+            handle = fake_handle(self.worker_id, req, self.kv_layout)
+        return ContextResponse(
+            request_id=req.request_id,
+            first_token=token,
+            text=text,
+            logprob=self._logprob(token, req.sampling),
+            finish_reason=finish,
+            handle=handle,
+            cached_tokens=self.cached_tokens,
+        )
 
     async def _stream(self, req: GenerationRequest) -> AsyncIterator[bytes]:
         first = 0 if req.handle is None else 1  # no handle: this worker prefills, token 0 too
@@ -434,10 +460,14 @@ def decode_worker(worker_id: str = "d0", **kw: Any) -> FakeWorker:
 
 @asynccontextmanager
 async def make_router(
-    *workers: FakeWorker, extra_records: Any = (), timeout_s: float = 10.0
+    *workers: FakeWorker,
+    extra_records: Any = (),
+    timeout_s: float = 10.0,
+    kv_stream_min_tokens: int = 0,
 ) -> AsyncIterator[Router]:
     """A :class:`~pdserve.router.router.Router` (no HTTP app) over ``workers`` served
-    in-process, plus ``extra_records`` in its discovery view."""
+    in-process, plus ``extra_records`` in its discovery view; ``kv_stream_min_tokens``: the
+    streamed hand-off's threshold (0: off)."""
     from pdserve.router.client import WorkerClient
     from pdserve.router.router import Router
     from pdserve.router.view import WorkerView
@@ -448,5 +478,9 @@ async def make_router(
     async with httpx.AsyncClient(mounts=mounts, trust_env=False) as http:  # type: ignore[arg-type]
         view = WorkerView(watcher, served_model_name=MODEL)
         client = WorkerClient(http, key=CLUSTER_KEY, connect_timeout_s=1.0)
-        settings = RouterSettings(request_timeout_s=timeout_s, local_prefill_max_tokens=0)
+        settings = RouterSettings(
+            request_timeout_s=timeout_s,
+            local_prefill_max_tokens=0,
+            kv_stream_min_tokens=kv_stream_min_tokens,
+        )
         yield Router(view, client, settings)

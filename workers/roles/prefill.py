@@ -121,12 +121,9 @@ class PrefillHandler:
             self.parked.fail_stream(req.request_id, "the first token finished the request")
         else:
             self.parked.finish_stream(req.request_id, resp.first_token)
-        try:
-            yield resp
-        except BaseException:  # the router left before the answer: free the park now
-            if resp.handle is not None:
-                self.release(req.request_id, resp.handle.epoch, resp.handle.lease_id)
-            raise
+        # Not released if the router then leaves: it holds the lease id since ContextStarted
+        # (it releases on failure) and the decode worker may be finishing its pull.
+        yield resp
 
     async def _admit(self, req: ContextRequest, *, progress: bool) -> OutputStream:
         remaining = req.deadline - time.time()
