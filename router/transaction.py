@@ -12,6 +12,9 @@ Lifecycle of a two-leg request (``Transaction.state``)::
                   worker, or local prefill on a decode worker when no other P is usable)
     3 PREFILLED   Router.start() returns the Transaction: the first token is known and, unless
                   it already finished the request, P holds the prompt's KV blocks under a lease
+                  (streamed hand-off, ``kv_stream_min_tokens``: P named a streamed handle at
+                  admission and D's leg was opened with it then, ``decode_ahead``; D pulled
+                  each prefill chunk meanwhile, and if D refused, 4 hands the whole prompt off)
     4 DECODING    Transaction.events(): the first token is yielded at once (TTFT does not wait
                   for D), then POST GenerationRequest (first token + handle) to D
                   /internal/generate and relay its NDJSON chunks; a refusal before the stream
