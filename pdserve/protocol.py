@@ -32,6 +32,8 @@ Protocol history:
        (a handle published at admission: ``POST /internal/context/stream`` answers
        :class:`ContextStarted` first), transfer ``SendBlocks.stream`` answered by
        ``BlocksReady``; on TCP ``BlockDigests`` trail the bytes instead of preceding them.
+   10: mid-stream migration: ``GenerationRequest.resume`` (:class:`ResumedChoice`) continues a
+       request another worker had started, after the tokens the client already has.
 
 Clocks: deadlines on the wire are wall-clock UNIX seconds (``time.time()``), never monotonic
 readings, because a monotonic clock does not cross processes.
@@ -47,7 +49,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 PROTOCOL_HEADER = "x-pdserve-protocol"
 
 
@@ -384,10 +386,36 @@ class ContextResponse(_Msg):
     )
 
 
+DRAINING_ERROR = "worker_draining"
+"""How a decode or colocated worker that shuts down (SIGTERM, ``worker.migrate_on_drain``)
+begins the in-band error that ends each running stream: the router migrates those requests."""
+
+
+class ResumedChoice(_Msg):
+    """One choice of a migrated request (``GenerationRequest.resume``): the output tokens the
+    client already has (``token_ids``, at most ``max_tokens - 1``) and how many characters of
+    that choice's text it got (``text_chars``: text held back for a possible stop string, or
+    an incomplete UTF-8 character, is not counted, so the new worker emits it)."""
+
+    index: int = Field(ge=0, lt=MAX_CHOICES, description="choice")
+    token_ids: tuple[int, ...] = ()
+    text_chars: int = Field(default=0, ge=0)
+
+
 class GenerationRequest(_Msg):
     """Router -> decode worker. With ``handle``: resume after the prefill worker's first token
     (``first_token`` is choice 0's; the decode worker samples the first token of choices
-    1..n-1). Without it (colocated baseline), the worker runs prefill itself."""
+    1..n-1). Without it (colocated baseline), the worker runs prefill itself.
+
+    ``resume`` (mid-stream migration, no handle and no ``first_token``): the request was
+    running on another worker, which died or is shutting down. The worker runs only the listed
+    choices (distinct indices < ``sampling.n``; the others finished), each as a recompute
+    preemption would (Kwon et al., vLLM): the prompt plus the choice's ``token_ids`` are
+    prefilled here, the choice continues at output position ``len(token_ids)`` (so seeded and
+    greedy choices sample what the first worker would have), the penalties, ``min_tokens``,
+    ``max_tokens``, the grammar and stop strings see those tokens as output, and its text
+    resumes after ``text_chars`` characters. Dynamo migrates by re-sending the tokens too but
+    restarts the sampler; this continuation is exact."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...] = Field(min_length=1)
@@ -395,6 +423,27 @@ class GenerationRequest(_Msg):
     deadline: float
     first_token: int | None = None
     handle: TransferHandle | None = None
+    resume: tuple[ResumedChoice, ...] | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _resume_alone(self) -> GenerationRequest:
+        if self.resume is None:
+            return self
+        if self.handle is not None or self.first_token is not None:
+            raise ValueError("resume goes without a handle and without first_token")
+        indices = [c.index for c in self.resume]
+        if len(set(indices)) != len(indices) or max(indices) >= self.sampling.n:
+            raise ValueError(f"resume names choices {indices}; need distinct ones < n")
+        if any(len(c.token_ids) >= self.sampling.max_tokens for c in self.resume):
+            raise ValueError("a resumed choice has max_tokens tokens already: it is finished")
+        return self
+
+    @property
+    def choices(self) -> tuple[int, ...]:
+        """The choices this request runs: those of ``resume``, else ``0..n-1``."""
+        if self.resume is not None:
+            return tuple(c.index for c in self.resume)
+        return tuple(range(self.sampling.n))
 
 
 class GenerationChunk(_Msg):

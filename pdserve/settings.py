@@ -241,6 +241,33 @@ class RouterSettings(_Section):
         "Pays where the transfer is a sizeable part of the prefill (GPUs); on CPUs the "
         "prefill dominates and the gain is small (docs/benchmarks.md)",
     )
+    migration_limit: Annotated[int, Flag("--migration-limit", ("up", "router"))] = Field(
+        default=3,
+        ge=0,
+        le=16,
+        description="mid-stream migration (Dynamo's migration_limit): how many times one "
+        "request whose decode leg failed after it started (worker killed, its registration "
+        "lease lost, an in-band error, a worker shutting down) is continued on another decode "
+        "or colocated worker, which recomputes the prompt plus the tokens already sent and "
+        "goes on exactly where the stream stopped; 0 turns migration off (the client gets the "
+        "error)",
+    )
+    worker_wait_s: Annotated[float, Flag("--worker-wait-s", ("up", "router"))] = Field(
+        default=30.0,
+        ge=0,
+        description="while no worker can serve a request (all restarting), hold it up to this "
+        "many seconds (and within its deadline) for a worker to register, instead of answering "
+        "503 no_worker at once; also how long a migrating request waits for a decode worker. "
+        "0: answer at once",
+    )
+    worker_wait_max_requests: Annotated[
+        int, Flag("--worker-wait-max-requests", ("up", "router"))
+    ] = Field(
+        default=256,
+        ge=0,
+        description="most requests held waiting for a worker at once (worker_wait_s); one "
+        "more gets 429 at once",
+    )
     kv_overlap_weight: Annotated[float, Flag("--router-kv-overlap-weight", ("up", "router"))] = (
         Field(
             default=1.0,
@@ -282,6 +309,14 @@ class WorkerSettings(_Section):
     )
     worker_id: Annotated[str | None, Flag("--worker-id", (OWN_SECTION,))] = Field(
         default=None, description="unique id; default: role plus a random suffix"
+    )
+    migrate_on_drain: Annotated[bool, Flag("--migrate-on-drain", (OWN_SECTION,))] = Field(
+        default=True,
+        description="decode and colocated workers: on SIGTERM, after deregistering, end every "
+        "running stream at once with an in-band `worker_draining` error, which the router "
+        "answers by migrating the request to another worker (router migration_limit), so a "
+        "rolling restart waits for no long generation; false: let running requests finish "
+        "(up to the drain timeout)",
     )
 
     @property

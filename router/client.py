@@ -133,24 +133,42 @@ class GenerationStream:
         self._leg = leg
         self._deadline = deadline
         self.closed = False
+        self.lost: str | None = None  # lose(): why this stream is given up
+        self._read: asyncio.Timeout | None = None  # the read in progress, if any
+
+    def lose(self, reason: str) -> None:
+        """Give the stream up from outside its reader (the worker left discovery: stopped or
+        partitioned, its connection may never break): a read in progress, or the next one,
+        raises :class:`WorkerError` naming ``reason``. Call on the event loop."""
+        self.lost = reason
+        if self._read is not None and not self._read.expired():
+            self._read.reschedule(asyncio.get_running_loop().time())
 
     async def chunks(self) -> AsyncIterator[GenerationChunk]:
         """Yield chunks as they arrive; each read waits at most until the deadline.
 
         Raises :class:`DeadlineExceededError` past the deadline, :class:`WorkerError` on a broken
-        connection or a line that is not a ``GenerationChunk``.
+        connection, a line that is not a ``GenerationChunk``, or after :meth:`lose`.
         """
         lines = self._response.aiter_lines()
         while True:
             try:
-                async with asyncio.timeout(max(_remaining(self._deadline), 0.0)):
+                if self.lost is not None:
+                    raise TimeoutError
+                async with asyncio.timeout(max(_remaining(self._deadline), 0.0)) as self._read:
                     line = await anext(lines)
             except StopAsyncIteration:
                 return
             except (httpx.TimeoutException, TimeoutError) as exc:
+                if self.lost is not None:
+                    raise WorkerError(f"{self._leg} given up: {self.lost}") from None
                 raise _transport_error(self._leg, exc, self._deadline) from exc
             except httpx.HTTPError as exc:
+                if self.lost is not None:
+                    raise WorkerError(f"{self._leg} given up: {self.lost}") from None
                 raise WorkerError(f"{self._leg} broke its stream (worker gone?): {exc}") from exc
+            finally:
+                self._read = None
             if not line.strip():
                 continue
             try:

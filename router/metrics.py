@@ -23,6 +23,16 @@ Router (:class:`RouterMetrics`), per request:
   (the workers' KV cache events: applied, gap, stale, unsynced, malformed);
   ``pdserve_router_kv_index_workers{state=all|synced}`` and ``pdserve_router_kv_index_blocks``
   (block hashes the router's index holds over all workers)
+- Fault tolerance (docs/reliability.md): ``pdserve_router_migrations_total{leg,reason}``: a
+  leg that failed and was run again elsewhere: ``leg="prefill"`` (the first leg, before
+  anything reached the client: another prefill worker or a local prefill), ``leg="decode"``
+  (mid-stream migration: another worker continues after the tokens already sent); ``reason``
+  is ``worker_error`` (connection broken, in-band error), ``unreachable``, ``lease_lost``
+  (the worker's registration expired: stopped or partitioned), ``draining`` (the worker is
+  shutting down), ``transfer`` (the KV pull failed); ``pdserve_router_migration_seconds``:
+  a migrated decode leg's failure to the new worker's first token;
+  ``pdserve_router_waiting_for_worker``: requests held while no worker can serve them
+  (``router.worker_wait_s``)
 """
 
 from __future__ import annotations
@@ -99,6 +109,22 @@ class RouterMetrics:
             "pdserve_router_decisions",
             "Routing decisions by path (disaggregated, local_prefill, colocated)",
             ["path"],
+            registry=r,
+        )
+        self.migrations = Counter(
+            "pdserve_router_migrations",
+            "Legs run again on another worker after a failure, by leg and reason",
+            ["leg", "reason"],
+            registry=r,
+        )
+        self.migration_s = histogram(
+            "pdserve_router_migration_seconds",
+            "A migrated decode leg: its failure to the new worker's first token",
+            LATENCY_BUCKETS,
+        )
+        self.waiting = Gauge(
+            "pdserve_router_waiting_for_worker",
+            "Requests held while no worker can serve them (router.worker_wait_s)",
             registry=r,
         )
         for outcome in ("finished", "failed", "abandoned"):

@@ -30,6 +30,10 @@ import anyio
 
 from pdserve.errors import (
     NoWorkerError,
+    PdserveError,
+    QueueFullError,
+    TransferError,
+    WorkerError,
     WorkerUnreachableError,
 )
 from pdserve.protocol import (
@@ -39,6 +43,7 @@ from pdserve.protocol import (
     ReleaseRequest,
     SamplingParams,
     TransferHandle,
+    WorkerRecord,
 )
 from pdserve.router.client import GenerationStream, WorkerClient
 from pdserve.router.kv_index import KVIndex, PromptHashes, expected_cached_tokens
@@ -47,6 +52,8 @@ from pdserve.router.transaction import (
     RequestSpec,
     Transaction,
     drop_decode,
+    failure_reason,
+    unless_lost,
 )
 from pdserve.router.view import WorkerView
 
@@ -85,6 +92,7 @@ class Router:
         self.metrics = metrics
         self.kv_index = kv_index
         self.weights = RouteWeights(settings.kv_overlap_weight, settings.load_weight)
+        self._waiting = 0  # requests held by wait_for_worker
 
     async def start(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
@@ -154,17 +162,25 @@ class Router:
             time.time() + self.settings.request_timeout_s,
         )
         t0 = time.monotonic()
-        tried: list[str] = []
-        first_error: WorkerUnreachableError | None = None
+        failed: list[WorkerRecord] = []  # incarnations whose first leg failed this request
+        last_error: PdserveError | None = None
+        until: float | None = None  # how long to hold the request while no worker serves it
         while True:
             try:
-                route = self.route(spec.prompt_token_ids, tried)
+                route = self.route(spec.prompt_token_ids, self._excluded(failed))
             except NoWorkerError as exc:
-                if first_error is None:
-                    raise
-                raise WorkerUnreachableError(
-                    f"{first_error.message}; no other worker to retry on"
-                ) from exc
+                if until is None:
+                    left = spec.deadline - time.time() - 1.0
+                    until = time.monotonic() + min(self.settings.worker_wait_s, left)
+                    if self.settings.worker_wait_s > 0:
+                        log.info("req %s: %s; waiting for a worker", request_id, exc)
+                error: PdserveError = exc
+                if isinstance(last_error, WorkerUnreachableError):
+                    error = WorkerUnreachableError(f"{last_error}; no other worker to retry on")
+                elif last_error is not None:  # the leg's own failure
+                    error = last_error
+                await self.wait_for_worker(until, error)
+                continue
             self._record_decision(request_id, route)
             holds = ExitStack()
             holds.enter_context(self.view.track(route.worker.worker_id))
@@ -177,15 +193,22 @@ class Router:
                 else:
                     context = await self._prefill(spec, pair)
                     txn = Transaction(self, spec, route, context, holds)
-            except WorkerUnreachableError as exc:
+            except (WorkerError, TransferError) as exc:
                 holds.close()
-                failed = route.prefill or route.worker
-                self.view.mark_unreachable(failed)
-                if first_error is not None:
+                worker = route.prefill or route.worker
+                if isinstance(exc, WorkerUnreachableError):
+                    self.view.mark_unreachable(worker)
+                # migration_limit 0: only a refused connection is retried, once
+                limit = self.settings.migration_limit or int(type(exc) is WorkerUnreachableError)
+                if len(failed) >= limit or spec.deadline - time.time() <= 1.0:
                     raise
-                log.warning("req %s: %s; retrying without %s", request_id, exc, failed.worker_id)
-                first_error = exc
-                tried.append(failed.worker_id)
+                reason = failure_reason(exc)
+                log.warning("req %s: %s; retrying without %s (%s)", request_id, exc,
+                            worker.worker_id, reason)  # fmt: skip
+                if self.metrics is not None:
+                    self.metrics.migrations.labels("prefill", reason).inc()
+                failed.append(worker)
+                last_error = exc
                 continue
             except BaseException:
                 holds.close()
@@ -202,6 +225,39 @@ class Router:
             )
             return txn
 
+    def _excluded(self, failed: list[WorkerRecord]) -> list[str]:
+        """Ids of the workers whose incarnation in ``failed`` is still the live one (one that
+        restarted since, with a higher epoch, may serve the request again)."""
+        out = []
+        for worker in failed:
+            live = self.view.record(worker.worker_id)
+            if live is not None and live.epoch == worker.epoch:
+                out.append(worker.worker_id)
+        return out
+
+    async def wait_for_worker(self, until: float, error: Exception) -> None:
+        """Hold a request while no worker can serve it (all restarting): return at the next
+        discovery change, so the caller routes again. Raises ``error`` once ``until``
+        (monotonic seconds) has passed, :class:`QueueFullError` (429) when
+        ``worker_wait_max_requests`` requests wait already."""
+        left = until - time.monotonic()
+        if left <= 0:
+            raise error
+        if self._waiting >= self.settings.worker_wait_max_requests:
+            raise QueueFullError(
+                f"{self._waiting} requests wait for a worker already "
+                "(router.worker_wait_max_requests); retry later"
+            ) from error
+        self._waiting += 1
+        if self.metrics is not None:
+            self.metrics.waiting.inc()
+        try:
+            await self.view.changed(left)
+        finally:
+            self._waiting -= 1
+            if self.metrics is not None:
+                self.metrics.waiting.dec()
+
     async def _prefill(self, spec: RequestSpec, pair: Pair) -> ContextResponse:
         req = ContextRequest(
             request_id=spec.request_id,
@@ -210,10 +266,12 @@ class Router:
             deadline=spec.deadline,
         )
         with self.view.track(pair.prefill.worker_id):
-            # Giving up here (deadline, client gone) closes the connection: P sees it and frees
-            # blocks it parks after that itself (the release needs the lease id, which only its
-            # answer would have carried); its own deadline and the lease bound the rest.
-            return await self.client.context(pair.prefill, req)
+            # Giving up here (deadline, client gone, P lost) closes the connection: P sees it
+            # and frees blocks it parks after that itself (the release needs the lease id,
+            # which only its answer would have carried); its own deadline and the lease bound
+            # the rest.
+            call = self.client.context(pair.prefill, req)
+            return await unless_lost(self.view, (pair.prefill,), call)
 
     def _streams_kv(self, spec: RequestSpec) -> bool:
         """Whether this two-leg request uses the streamed hand-off (``kv_stream_min_tokens``)."""
@@ -277,7 +335,9 @@ class Router:
             sampling=spec.sampling,
             deadline=spec.deadline,
         )
-        stream = await self.client.generate(route.worker, req)
+        stream = await unless_lost(
+            self.view, (route.worker,), self.client.generate(route.worker, req)
+        )
         txn = Transaction(self, spec, route, None, holds, stream)
         try:
             await txn.first_output()

@@ -50,11 +50,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import anyio
 
@@ -62,29 +62,35 @@ from pdserve.errors import (
     CapacityError,
     HandleError,
     LayoutMismatchError,
+    PdserveError,
     QueueFullError,
     TransferError,
     WorkerError,
     WorkerUnreachableError,
 )
 from pdserve.protocol import (
+    DRAINING_ERROR,
     ContextResponse,
     FinishReason,
     GenerationChunk,
     GenerationRequest,
     ReleaseRequest,
+    ResumedChoice,
     SamplingParams,
     TokenLogprob,
     WorkerRecord,
 )
 from pdserve.router.client import GenerationStream, WorkerClient
 from pdserve.router.policy import Pair, Route, load_key
-from pdserve.router.view import WorkerView
+from pdserve.router.view import LOST, WorkerView
 
 if TYPE_CHECKING:
     from pdserve.router.metrics import RouterMetrics
+    from pdserve.settings import RouterSettings
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class RouterParts(Protocol):
@@ -99,6 +105,11 @@ class RouterParts(Protocol):
 
     @property
     def metrics(self) -> RouterMetrics | None: ...
+
+    @property
+    def settings(self) -> RouterSettings: ...
+
+    async def wait_for_worker(self, until: float, error: Exception) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -185,6 +196,14 @@ class Transaction:
             self.choice_tokens = [0] * n
         self.t_in = self.t_first = self.t_last = self._t_leg = time.monotonic()
         self._t_choice = [self.t_first] * n  # each choice's last token (inter-token latency)
+        self._sent: list[list[int]] = [[] for _ in range(n)]  # per choice: tokens sent on
+        self._sent_chars = [0] * n  # per choice: characters of text sent on
+        self.migrations = 0  # decode legs run again on another worker (mid-stream migration)
+        self._migrated_at: float | None = None  # monotonic: the last migration's failure
+        self._released = False  # P's parked blocks were released at a migration
+        self._unwatch: Callable[[], None] | None = None
+        if stream is not None:
+            self._watch(stream, route.worker)
 
     @property
     def request_id(self) -> str:
@@ -205,6 +224,8 @@ class Transaction:
         ctx = self.context
         try:
             if ctx is not None:
+                self._sent[0].append(ctx.first_token)
+                self._sent_chars[0] += len(ctx.text)
                 yield TokenEvent(
                     (ctx.first_token,),
                     ctx.text,
@@ -252,19 +273,154 @@ class Transaction:
             self._holds.close()
 
     async def _decode(self) -> AsyncIterator[TokenEvent]:
+        """The decode leg's events; a leg that fails (before or after its first chunk) is
+        migrated (:meth:`_migrate`) while ``router.migration_limit`` allows."""
         if self._chunks is None:
-            await self._open_decode_leg()
-        assert self._chunks is not None
-        async for chunk in self._chunks:
-            event = self._take(chunk)
-            if event is None:
-                continue
-            yield event
-            if not self._unfinished:
-                return
-        raise WorkerError(
-            f"{self._leg} ended its stream before choice(s) {sorted(self._unfinished)} finished"
+            try:
+                await self._open_decode_leg()
+            except (WorkerError, TransferError) as exc:
+                if not self._may_migrate(exc):
+                    raise
+                await self._migrate(exc)
+        while True:
+            assert self._chunks is not None
+            try:
+                async for chunk in self._chunks:
+                    event = self._take(chunk)
+                    if event is None:
+                        continue
+                    yield event
+                    if not self._unfinished:
+                        return
+                unfinished = sorted(self._unfinished)
+                raise WorkerError(
+                    f"{self._leg} ended its stream before choice(s) {unfinished} finished"
+                )
+            except (WorkerError, TransferError) as exc:
+                if not self._may_migrate(exc):
+                    raise
+                await self._migrate(exc)
+
+    def _may_migrate(self, exc: PdserveError) -> bool:
+        """Whether a failed decode leg is run again elsewhere: within ``migration_limit`` and
+        with more than a second of the deadline left."""
+        limit = self._router.settings.migration_limit
+        return self.migrations < limit and self.spec.deadline - time.time() > 1.0
+
+    async def _migrate(self, exc: PdserveError) -> None:
+        """Mid-stream migration: close the failed leg, release P's parked blocks (the failed
+        decode worker may never have pulled them), and open the request on the least loaded
+        other decode or colocated worker with ``GenerationRequest.resume``: every unfinished
+        choice's tokens and text as sent on, so the new worker recomputes their KV and
+        continues where the stream stopped (no token repeated or missing; seeded and greedy
+        choices as undisturbed). Waits for a worker (``router.worker_wait_s``) when none is
+        usable; raises ``exc`` when none comes, or a new leg's refusal that is not the
+        worker's (a full queue, the deadline). Log line and metrics per migration."""
+        failed = self.route.worker
+        reason = failure_reason(exc)
+        self.migrations += 1
+        self._migrated_at = time.monotonic()
+        router = self._router
+        if router.metrics is not None:
+            router.metrics.migrations.labels("decode", reason).inc()
+        log.warning(
+            "req %s: %s; migrating (%d of at most %d, %s) with %d token(s) sent",
+            self.request_id,
+            exc,
+            self.migrations,
+            router.settings.migration_limit,
+            reason,
+            sum(map(len, self._sent)),
         )
+        await self._close_leg()
+        if isinstance(exc, WorkerUnreachableError):
+            router.view.mark_unreachable(failed)
+        await self._release_prefill()
+        sampling = self.spec.sampling
+        if sampling.prompt_logprobs is not None:  # sent with the first chunk already
+            sampling = sampling.model_copy(update={"prompt_logprobs": None})
+        req = GenerationRequest(
+            request_id=self.request_id,
+            prompt_token_ids=self.spec.prompt_token_ids,
+            sampling=sampling,
+            deadline=self.spec.deadline,
+            resume=tuple(
+                ResumedChoice(
+                    index=i, token_ids=tuple(self._sent[i]), text_chars=self._sent_chars[i]
+                )
+                for i in sorted(self._unfinished)
+            ),
+        )
+        excluded = {(failed.worker_id, failed.epoch)}
+        until: float | None = None
+        while True:
+            target = self._migration_target(excluded)
+            if target is None:
+                if until is None:
+                    left = self.spec.deadline - time.time() - 1.0
+                    until = time.monotonic() + min(router.settings.worker_wait_s, left)
+                await router.wait_for_worker(until, exc)
+                continue
+            try:
+                call = router.client.generate(target, req)
+                stream = await unless_lost(router.view, (target,), call)
+                break
+            except WorkerError as again:  # never reached it, or it failed before streaming
+                if isinstance(again, WorkerUnreachableError):
+                    router.view.mark_unreachable(target)
+                excluded.add((target.worker_id, target.epoch))
+                log.warning("req %s: migration target failed: %s", self.request_id, again)
+        self._holds.enter_context(router.view.track(target.worker_id))
+        self.route = replace(self.route, worker=target)
+        self._leg = f"{target.role.value} worker {target.worker_id}"
+        self._watch(stream, target)
+
+    def _migration_target(self, excluded: set[tuple[str, int]]) -> WorkerRecord | None:
+        """The least loaded usable decode or colocated worker whose incarnation is not in
+        ``excluded`` (None: none now)."""
+        cands = self._router.view.candidates()
+        usable = [
+            w
+            for w in (*cands.decode, *cands.colocated)
+            if (w.worker_id, w.record.epoch) not in excluded
+        ]
+        return min(usable, key=load_key).record if usable else None
+
+    def _watch(self, stream: GenerationStream, worker: WorkerRecord) -> None:
+        """Make ``stream`` the current leg, given up (:meth:`GenerationStream.lose`) when this
+        incarnation of ``worker`` leaves discovery (stopped or partitioned past its lease)."""
+        self._stream = stream
+        self._chunks = stream.chunks()
+        view = self._router.view
+        self._unwatch = view.watch_loss(worker, stream.lose)
+        current = view.record(worker.worker_id)
+        if view.follows and (current is None or current.epoch != worker.epoch):
+            stream.lose(f"worker {worker.worker_id} {LOST} while its stream opened")
+
+    async def _close_leg(self) -> None:
+        """Stop watching and close the current leg's stream (bounded, shielded)."""
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
+        if self._stream is not None:
+            with anyio.move_on_after(self._router.client.release_timeout_s, shield=True):
+                await self._stream.aclose()
+
+    async def _release_prefill(self) -> None:
+        """Ask P to free the request's parked blocks (once; best effort)."""
+        handle = self.context.handle if self.context is not None else None
+        if handle is None or self.pair is None or self._released:
+            return
+        self._released = True
+        log.info("req %s: %s; releasing its blocks on %s", self.request_id, self.state,
+                 self.pair.prefill.worker_id)  # fmt: skip
+        with anyio.move_on_after(self._router.client.release_timeout_s + 1.0, shield=True):
+            await self._router.client.release(
+                self.pair.prefill,
+                ReleaseRequest(
+                    request_id=self.request_id, epoch=handle.epoch, lease_id=handle.lease_id
+                ),
+            )
 
     async def _open_decode_leg(self) -> None:
         """Two legs: POST the first token + handle to D. A decode worker that refuses before
@@ -280,8 +436,7 @@ class Transaction:
         if (ahead := self._decode_ahead) is not None:  # the streamed hand-off: D pulled already
             self._decode_ahead = None
             try:
-                self._stream = await ahead
-                self._chunks = self._stream.chunks()
+                self._watch(await ahead, self.pair.decode)
                 return
             except (WorkerUnreachableError, QueueFullError, CapacityError, TransferError) as exc:
                 log.warning(  # P still holds the blocks: hand the whole request off instead
@@ -303,7 +458,8 @@ class Transaction:
             decode = self.pair.decode
             tried.add(decode.worker_id)
             try:
-                self._stream = await self._router.client.generate(decode, req)
+                call = self._router.client.generate(decode, req)
+                stream = await unless_lost(self._router.view, (self.pair.prefill, decode), call)
                 break
             except (WorkerUnreachableError, QueueFullError, CapacityError, TransferError) as exc:
                 if isinstance(exc, WorkerUnreachableError):
@@ -319,7 +475,7 @@ class Transaction:
             self.route = replace(self.route, worker=other)
             self._holds.enter_context(self._router.view.track(other.worker_id))
             self._leg = f"decode worker {other.worker_id}"
-        self._chunks = self._stream.chunks()
+        self._watch(stream, decode)
 
     def _take(self, chunk: GenerationChunk) -> TokenEvent | None:
         """Account for one streamed chunk and return its event (None: a chunk to drop). Raises
@@ -333,14 +489,22 @@ class Transaction:
             return None
         i = chunk.index
         now = time.monotonic()
+        m = self._router.metrics
         if self.num_tokens == 0:  # one leg: the first output (TTFT), no inter-token gap yet
             self.t_first = now
             self._t_choice = [now] * len(self._t_choice)
-        elif self._router.metrics is not None:
-            self._router.metrics.itl.observe(now - self._t_choice[i])
+        elif m is not None:
+            m.itl.observe(now - self._t_choice[i])
+        if self._migrated_at is not None:  # a migrated leg's first chunk
+            if m is not None:
+                m.migration_s.observe(now - self._migrated_at)
+            self._migrated_at = None
+        self._sent[i].extend(chunk.token_ids)
+        self._sent_chars[i] += len(chunk.text)
         self.num_tokens += len(chunk.token_ids)
         self.choice_tokens[i] += len(chunk.token_ids)
         self.t_last = self._t_choice[i] = now
+        first_leg = self.context is None and not self.migrations  # the worker that prefilled
         if chunk.finish_reason is not None:
             self._unfinished.discard(i)
         if not self._unfinished:  # before the yield: a consumer may stop at this event
@@ -361,8 +525,8 @@ class Transaction:
             chunk.logprobs,
             chunk.finish_reason,
             index=i,
-            cached_tokens=chunk.cached_tokens if self.context is None else None,
-            prompt_logprobs=chunk.prompt_logprobs if self.context is None else (),
+            cached_tokens=chunk.cached_tokens if first_leg else None,
+            prompt_logprobs=chunk.prompt_logprobs if first_leg else (),
         )
 
     def _other_decode(self, tried: set[str]) -> WorkerRecord | None:
@@ -404,25 +568,10 @@ class Transaction:
             with anyio.move_on_after(self._router.client.release_timeout_s + 1.0, shield=True):
                 if self._decode_ahead is not None:  # a streamed hand-off's unused decode leg
                     await drop_decode(self._decode_ahead)
-                if self._stream is not None:
-                    await self._stream.aclose()
-                handle = self.context.handle if self.context is not None else None
+                await self._close_leg()
                 decoded = self.state is TxnState.FINISHED and self._stream is not None
-                if handle is not None and self.pair is not None and not decoded:
-                    log.info(
-                        "req %s: %s; releasing its blocks on %s",
-                        self.request_id,
-                        self.state,
-                        self.pair.prefill.worker_id,
-                    )
-                    await self._router.client.release(
-                        self.pair.prefill,
-                        ReleaseRequest(
-                            request_id=self.request_id,
-                            epoch=handle.epoch,
-                            lease_id=handle.lease_id,
-                        ),
-                    )
+                if not decoded:
+                    await self._release_prefill()
         finally:
             self._holds.close()
             self._record()
@@ -453,3 +602,46 @@ async def drop_decode(opening: asyncio.Future[GenerationStream]) -> None:
     except BaseException:  # cancelled or refused: nothing is open
         return
     await stream.aclose()
+
+
+def failure_reason(exc: BaseException) -> str:
+    """The ``reason`` label of a failed leg (``pdserve_router_migrations_total``)."""
+    if isinstance(exc, TransferError):
+        return "transfer"
+    if isinstance(exc, WorkerUnreachableError):
+        return "unreachable"
+    text = str(exc)
+    if DRAINING_ERROR in text:
+        return "draining"
+    if LOST in text:
+        return "lease_lost"
+    return "worker_error"
+
+
+async def unless_lost(view: WorkerView, workers: tuple[WorkerRecord, ...], call: Awaitable[T]) -> T:
+    """Await ``call`` unless one of ``workers`` (these incarnations) leaves discovery first:
+    then cancel it and raise :class:`WorkerError` saying so. A stopped (SIGSTOP) or
+    partitioned worker keeps its connections open, so only its lost registration lease tells
+    the router to stop waiting on it. Without discovery events (``view.follows`` false)
+    ``call`` is just awaited."""
+    if not view.follows:
+        return await call
+    task = asyncio.ensure_future(call)
+    lost: list[str] = []
+
+    def on_loss(reason: str) -> None:
+        if not lost:
+            lost.append(reason)
+            task.cancel()
+
+    unwatch = [view.watch_loss(w, on_loss) for w in workers]
+    try:
+        return await task
+    except asyncio.CancelledError:
+        me = asyncio.current_task()
+        if lost and (me is None or not me.cancelling()):
+            raise WorkerError(lost[0]) from None
+        raise
+    finally:
+        for stop in unwatch:
+            stop()

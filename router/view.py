@@ -22,6 +22,12 @@ remembers the last epoch of every worker id it has seen (also after the record i
 crashed worker's record may expire before its successor registers) and calls ``on_restart``
 with the new record when a known worker id comes back with a higher epoch.
 
+Losses and changes (fault tolerance, docs/reliability.md): :meth:`WorkerView.watch_loss` calls
+back when one incarnation of a worker leaves discovery (its record deleted: the registration
+lease expired, the worker deregistered; or replaced by a higher epoch), so a transaction can
+stop waiting on a stopped or partitioned worker; :meth:`WorkerView.changed` waits for the next
+put or delete (requests held while no worker can serve them).
+
 Whether a prefill and a decode worker can be paired (KV layouts the formatter maps,
 ``KVLayout.can_map_to``) is the policy's business (:mod:`pdserve.router.policy`); the view only
 reports what is there.
@@ -31,6 +37,7 @@ Thread-safety: none needed and none given. Every method runs on the router's eve
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -38,6 +45,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pdserve.protocol import PROTOCOL_VERSION, Role, WorkerRecord
+
+LOST = "left discovery"
+"""In the reason :meth:`WorkerView.watch_loss` passes: a worker's incarnation is gone."""
 
 
 class WorkerSource(Protocol):
@@ -117,6 +127,11 @@ class WorkerView:
         self._epochs: dict[str, int] = {}  # worker id -> highest epoch seen
         self.restarts = 0
         """Restarts seen by :meth:`observe` (a known worker id with a higher epoch)."""
+        self._losses: dict[tuple[str, int], list[Callable[[str], None]]] = {}
+        self._changed: asyncio.Event | None = None
+        self.follows = False
+        """Whether discovery puts and deletes reach :meth:`observe` (else :meth:`changed`
+        polls and losses are seen by connection errors only)."""
 
     def follow(self, watcher: object) -> None:
         """Subscribe :meth:`observe` to ``watcher`` (when it has ``subscribe``) after noting
@@ -127,12 +142,19 @@ class WorkerView:
         for worker_id, record in self._source.workers().items():
             self._epochs[worker_id] = max(record.epoch, self._epochs.get(worker_id, 0))
         subscribe(self.observe)
+        self.follows = True
 
     def observe(self, worker_id: str, record: WorkerRecord | None) -> None:
         """A discovery put (``record``) or delete (None); a known ``worker_id`` with a higher
-        epoch than seen before is a restart: counted, and passed to ``on_restart``."""
+        epoch than seen before is a restart: counted, and passed to ``on_restart``. A delete,
+        or a higher epoch, is the loss of the incarnation seen before (:meth:`watch_loss`)."""
+        if (changed := self._changed) is not None:
+            self._changed = None
+            changed.set()
         if record is None:
+            self._lost(worker_id, None, "its registration expired or was withdrawn")
             return
+        self._lost(worker_id, record.epoch, f"it restarted (epoch {record.epoch})")
         last = self._epochs.get(worker_id)
         if last is not None and record.epoch <= last:
             return
@@ -141,6 +163,51 @@ class WorkerView:
             self.restarts += 1
             if self._on_restart is not None:
                 self._on_restart(record)
+
+    def _lost(self, worker_id: str, epoch: int | None, why: str) -> None:
+        """Call the loss callbacks of ``worker_id``'s incarnations older than ``epoch`` (None:
+        all of them)."""
+        if not self._losses:
+            return
+        gone = [k for k in self._losses if k[0] == worker_id and (epoch is None or k[1] < epoch)]
+        for key in gone:
+            for callback in self._losses.pop(key):
+                callback(f"worker {worker_id} {LOST}: {why}")
+
+    def watch_loss(
+        self, record: WorkerRecord, callback: Callable[[str], None]
+    ) -> Callable[[], None]:
+        """Call ``callback(reason)`` once, on the event loop, when this incarnation of the
+        worker (id and epoch) leaves discovery (a delete, or a record with a higher epoch).
+        Returns the function that stops watching (idempotent). Needs :meth:`follow`; without
+        it nothing is ever called."""
+        key = (record.worker_id, record.epoch)
+        self._losses.setdefault(key, []).append(callback)
+
+        def unwatch() -> None:
+            callbacks = self._losses.get(key)
+            if callbacks is not None and callback in callbacks:
+                callbacks.remove(callback)
+                if not callbacks:
+                    del self._losses[key]
+
+        return unwatch
+
+    async def changed(self, timeout_s: float) -> None:
+        """Wait until discovery reports a put or delete, at most ``timeout_s`` seconds (and at
+        most 0.25 s when the view does not :meth:`follow` a watcher: then it polls)."""
+        if not self.follows:
+            timeout_s = min(timeout_s, 0.25)
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._changed.wait(), max(timeout_s, 0.0))
+        except TimeoutError:
+            pass
+
+    def record(self, worker_id: str) -> WorkerRecord | None:
+        """The worker's live record (None: not in discovery now)."""
+        return self._source.workers().get(worker_id)
 
     def mark_unreachable(self, record: WorkerRecord) -> None:
         """Leave this incarnation of the worker out for ``suspect_s`` seconds."""

@@ -158,12 +158,17 @@ class FakeWatcher:
         self._records = {r.worker_id: r for r in records or []}
         self.started = False
         self.closed = False
+        self._subscribers: list[Any] = []
 
     def put(self, record: WorkerRecord) -> None:
         self._records[record.worker_id] = record
+        for callback in self._subscribers:
+            callback(record.worker_id, record)
 
     def remove(self, worker_id: str) -> None:
-        self._records.pop(worker_id, None)
+        if self._records.pop(worker_id, None) is not None:
+            for callback in self._subscribers:
+                callback(worker_id, None)
 
     async def start(self) -> None:
         self.started = True
@@ -172,7 +177,7 @@ class FakeWatcher:
         return dict(self._records)
 
     def subscribe(self, callback: Any) -> None:
-        pass
+        self._subscribers.append(callback)
 
     async def close(self) -> None:
         self.closed = True
@@ -320,6 +325,8 @@ class FakeWorker:
 
     async def _stream(self, req: GenerationRequest) -> AsyncIterator[bytes]:
         first = 0 if req.handle is None else 1  # no handle: this worker prefills, token 0 too
+        if req.resume is not None:  # a migrated request (n = 1): after the tokens sent
+            first = len(req.resume[0].token_ids)
         rest = self.reply[first : req.sampling.max_tokens]
         truncated = len(self.reply) > req.sampling.max_tokens
         done = False
@@ -464,23 +471,34 @@ async def make_router(
     extra_records: Any = (),
     timeout_s: float = 10.0,
     kv_stream_min_tokens: int = 0,
+    migration_limit: int = 3,
+    worker_wait_s: float = 0.0,
+    watcher: FakeWatcher | None = None,
 ) -> AsyncIterator[Router]:
     """A :class:`~pdserve.router.router.Router` (no HTTP app) over ``workers`` served
     in-process, plus ``extra_records`` in its discovery view; ``kv_stream_min_tokens``: the
-    streamed hand-off's threshold (0: off)."""
+    streamed hand-off's threshold (0: off); ``migration_limit`` and ``worker_wait_s`` as the
+    router settings (no wait by default: a test of a failure gets it at once); ``watcher``:
+    the discovery the router follows (the workers' and extra records are put in it)."""
     from pdserve.router.client import WorkerClient
+    from pdserve.router.metrics import RouterMetrics
     from pdserve.router.router import Router
     from pdserve.router.view import WorkerView
     from pdserve.settings import RouterSettings
 
     mounts = {w.http_url: httpx.ASGITransport(app=w.app()) for w in workers}
-    watcher = FakeWatcher([w.record() for w in workers] + list(extra_records))
+    watcher = watcher if watcher is not None else FakeWatcher()
+    for rec in [w.record() for w in workers] + list(extra_records):
+        watcher.put(rec)
     async with httpx.AsyncClient(mounts=mounts, trust_env=False) as http:  # type: ignore[arg-type]
         view = WorkerView(watcher, served_model_name=MODEL)
+        view.follow(watcher)
         client = WorkerClient(http, key=CLUSTER_KEY, connect_timeout_s=1.0)
         settings = RouterSettings(
             request_timeout_s=timeout_s,
             local_prefill_max_tokens=0,
             kv_stream_min_tokens=kv_stream_min_tokens,
+            migration_limit=migration_limit,
+            worker_wait_s=worker_wait_s,
         )
-        yield Router(view, client, settings)
+        yield Router(view, client, settings, metrics=RouterMetrics())

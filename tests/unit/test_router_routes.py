@@ -51,7 +51,9 @@ async def make_router(*workers: FakeWorker, threshold: int = THRESHOLD, extra_re
         yield Router(
             view,
             client,
-            RouterSettings(request_timeout_s=10.0, local_prefill_max_tokens=threshold),
+            RouterSettings(
+                request_timeout_s=10.0, local_prefill_max_tokens=threshold, worker_wait_s=0.0
+            ),
             metrics=RouterMetrics(),
         )
 

@@ -102,10 +102,30 @@ async def test_decode_refusal_before_streaming_is_typed_and_releases_prefill_blo
     assert [r.request_id for r in p.releases] == ["r1"]
 
 
+async def test_a_failed_prefill_leg_is_prefilled_locally_by_the_decode_worker():
+    """P answered 502 (its engine failed the request): the first leg runs again without P;
+    with no other prefill worker the decode worker prefills the prompt itself."""
+    p, d = prefill(error=WorkerError("engine crashed")), decode()
+    async with make_router(p, d) as router:
+        txn, events = await run(router)
+        assert "".join(e.text for e in events) == "Hi!\n"
+        assert txn.route.path == "local_prefill" and d.generations[0].handle is None
+        assert len(p.contexts) == 1 and router.view.in_flight("p0") == 0
+
+
+async def test_a_failed_prefill_leg_fails_the_request_without_migration():
+    """migration_limit 0: only a refused connection is retried (once); P's 502 reaches the
+    client."""
+    p, d = prefill(error=WorkerError("engine crashed")), decode()
+    async with make_router(p, d, migration_limit=0) as router:
+        with pytest.raises(WorkerError, match="prefill worker p0 answered HTTP 502"):
+            await run(router)
+    assert d.generations == []
+
+
 @pytest.mark.parametrize(
     ("error", "expected", "status"),
     [
-        (WorkerError("engine crashed"), WorkerError, 502),
         (CapacityError("prefill queue full"), CapacityError, 503),
         (DeadlineExceededError("too late"), DeadlineExceededError, 504),
     ],
@@ -140,7 +160,9 @@ async def test_a_decode_worker_that_refuses_for_capacity_is_replaced_by_another(
     ("error", "attempts"),
     [
         (CapacityError("no free KV blocks"), 3),  # every decode worker full: 3 tried, no more
-        (HandleError("lease expired"), 1),  # the handle itself is refused: no retry helps
+        # the handle itself is refused: no other pull helps; the request migrates instead
+        # (recomputed, no handle), which this fake refuses too
+        (HandleError("lease expired"), 2),
     ],
 )
 async def test_decode_retries_are_bounded_and_skip_what_no_other_decode_worker_fixes(
@@ -156,6 +178,10 @@ async def test_decode_retries_are_bounded_and_skip_what_no_other_decode_worker_f
     assert err.value.code == error.code and error.message in err.value.message
     assert sum(len(d.generations) for d in decodes) == attempts
     assert [r.request_id for r in p.releases] == ["r1"]
+    if isinstance(error, HandleError):
+        resumed = [g for d in decodes for g in d.generations if g.resume is not None]
+        assert len(resumed) == 1 and resumed[0].handle is None
+        assert resumed[0].resume is not None and resumed[0].resume[0].token_ids == (72,)
 
 
 async def test_unreachable_prefill_worker_is_retried_once_on_another():
@@ -214,7 +240,7 @@ async def test_consumer_stopping_after_the_first_token_releases_prefill_blocks()
 
 async def test_typed_errors_carry_an_openai_envelope():
     p = prefill(error=WorkerError("engine crashed"))
-    async with make_router(p, decode()) as router:
+    async with make_router(p, decode(), migration_limit=0) as router:
         with pytest.raises(PdserveError) as err:
             await router.start("r1", PROMPT, SamplingParams())
     body = err.value.to_json()["error"]

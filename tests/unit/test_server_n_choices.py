@@ -375,7 +375,14 @@ async def make_router(p: ChoicesWorker, d: ChoicesWorker) -> AsyncIterator[Route
         view = WorkerView(watcher, served_model_name=MODEL)
         client = WorkerClient(http, key=CLUSTER_KEY, connect_timeout_s=1.0)
         yield Router(
-            view, client, RouterSettings(request_timeout_s=10.0, local_prefill_max_tokens=0)
+            view,
+            client,
+            RouterSettings(  # failures reach the test: no migration, no wait for a worker
+                request_timeout_s=10.0,
+                local_prefill_max_tokens=0,
+                migration_limit=0,
+                worker_wait_s=0.0,
+            ),
         )
 
 

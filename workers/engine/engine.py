@@ -17,15 +17,17 @@ them)::
 
     full: 2 -> 3 -> 4 -> 6     prefill: 2 -> 3 -> 5 (or 6)     resume: 1 -> 2 -> 4 -> 6
     preemption (max_utilization): 3 or 4 -> 2, blocks freed, recomputed when readmitted
+    migration (full mode with ``EngineRequest.resume``, :mod:`.migration`): each choice listed
+    enters 2 as a preempted one (prompt + its tokens so far recomputed), 2 -> 3 -> 4 -> 6
     abort(): 1..5 -> 6 (the sink gets finish_reason ABORT in 2..4)
 
 Choices (``n > 1``, vLLM's parallel sampling): choice 0 runs as above; choices ``1..n-1`` are
-forked from it once its prompt's K/V exists (mode ``full``: after its first token; mode
-``resume``: at once, from the transferred blocks). A fork shares the prompt's full blocks
-(reference counted, :meth:`KVCacheManager.fork`), copies the block holding the last prompt
-token, and recomputes only that token to sample its own first token (seed ``seed + i``). Mode
-``prefill`` samples choice 0 only, and with ``n > 1`` parks the blocks even when that token ended
-choice 0, since the decode worker's other choices still need them.
+forked from it once its prompt's K/V exists (mode ``full``: after its first token, unless
+migrated; mode ``resume``: at once, from the transferred blocks). A fork shares the prompt's
+full blocks (reference counted, :meth:`KVCacheManager.fork`), copies the block holding the last
+prompt token, and recomputes only that token to sample its own first token (seed ``seed + i``).
+Mode ``prefill`` samples choice 0 only, and with ``n > 1`` parks the blocks even when that token
+ended choice 0, since the decode worker's other choices still need them.
 
 Prefix cache (``kv_cache.prefix_caching``, :mod:`pdserve.workers.kv.manager`): every full block
 a forward completes is registered under its chained hash after the step (resume: the
@@ -43,15 +45,16 @@ an :class:`EngineOutput` and frees, parks or keeps the sequence. A failing step 
 sequences with an error output and frees their blocks; the loop carries on.
 
 Thread-safety: every public method may be called from any thread. Sinks run on the engine thread
-(a resumed choice 0 its first token finished: on the caller's) and must not block. Aborts are
-applied by the engine thread between steps, so blocks are never freed under a running forward.
+(a choice already finished when added, resumed or migrated: on the caller's) and must not
+block. Aborts are applied by the engine thread between steps, so blocks are never freed under a
+running forward.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -60,6 +63,7 @@ from pdserve.config import EngineConfig
 from pdserve.errors import ConfigError, InvalidRequestError, QueueFullError
 from pdserve.protocol import FinishReason, KVLayout, SamplingParams, TokenLogprob, WorkerLoad
 from pdserve.workers.engine.grammar import GrammarCompiler, GrammarState
+from pdserve.workers.engine.migration import replay_stop, resumed_choices
 from pdserve.workers.engine.model_runner import ModelRunner, kept_rows, model_digest
 from pdserve.workers.engine.omp import context_thread, in_fresh_thread
 from pdserve.workers.engine.requests import (
@@ -75,6 +79,7 @@ from pdserve.workers.engine.requests import (
 from pdserve.workers.engine.sampler import Sampler, record_prompt_logprobs
 from pdserve.workers.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.workers.engine.sequence import IncrementalDetokenizer, Sequence, SequenceStatus
+from pdserve.workers.engine.sequence import LiveSequence as _Live
 from pdserve.workers.engine.speculative import SpecDecodeStats
 from pdserve.workers.kv.connector import KVConnectorStats, build_connector
 from pdserve.workers.kv.manager import KVCacheManager
@@ -83,16 +88,6 @@ from pdserve.workers.kv.sizing import log_pool, pool_size
 __all__ = ["Engine", "EngineOutput", "EngineRequest", "Sink"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class _Live:
-    seq: Sequence
-    sink: Sink
-    detok: IncrementalDetokenizer
-    grammar: GrammarState | None = None  # structured output: the sequence's matcher
-    prompt_lps: list[TokenLogprob | None] | None = None  # prompt logprobs, by position
-    progress: bool = False  # prefill mode: report completed blocks per chunk
 
 
 class Engine:
@@ -216,12 +211,15 @@ class Engine:
         long for ``max_model_len``, duplicate id, resume without :meth:`reserve`, engine shut
         down), :class:`QueueFullError` (``max_queued_requests`` waiting already) or
         :class:`CapacityError` (can never fit the pool). A refused ``resume`` request frees its
-        reservation."""
+        reservation. ``req.resume``: a migrated request (:mod:`.migration`)."""
         prompt = list(req.prompt_token_ids)
+        rid, resume = req.request_id, req.resume
         try:
-            self.limits.check(req.request_id, prompt, req.sampling, req.mode, req.first_token)
+            self.limits.check(rid, prompt, req.sampling, req.mode, req.first_token, resume)
             replay = (req.first_token,) if req.first_token is not None else ()
             grammar = self._grammar(req.sampling, replay)
+            if resume is not None:  # built off the lock: replays the grammar and detokenizer
+                migrated = resumed_choices(req, self.limits, self.tokenizer, self._grammar, sink)
             with self._lock:
                 if self._shut_down:
                     raise InvalidRequestError("the engine is shut down")
@@ -233,12 +231,18 @@ class Engine:
                         f"{waiting} requests are waiting on this worker (max_queued_requests); "
                         "retry later"
                     )
+                if resume is not None:
+                    self._start_migrated(rid, migrated)
+                    self._wakeup.set()
+                    return
                 detok = IncrementalDetokenizer(self.tokenizer, req.sampling.stop)
                 if req.mode == "resume":
                     seq = self._resume_from_reservation(req, prompt, detok)
                 else:
-                    seq = Sequence(req.request_id, prompt, req.sampling, req.mode, self._need(req))
-                live = _Live(seq, sink, detok, grammar, progress=req.progress)
+                    need = self.limits.need_blocks(req)
+                    seq = Sequence(rid, prompt, req.sampling, req.mode, need)
+                fork = req.mode == "full" and req.sampling.n > 1
+                live = _Live(seq, sink, detok, grammar, progress=req.progress, fork=fork)
                 self._live[seq.request_id] = live  # the engine sees it next step
                 self._groups[req.request_id] = [seq.request_id]
                 try:
@@ -271,17 +275,13 @@ class Engine:
         so = sampling.structured
         return None if so is None else self.grammars.state(so, replay)
 
-    def _need(self, req: EngineRequest) -> int:
-        max_new = 1 if req.mode == "prefill" else req.sampling.max_tokens
-        return self.kv_cache.get_needed_resource_to_completion(len(req.prompt_token_ids), max_new)
-
     def _resume_from_reservation(
         self, req: EngineRequest, prompt: list[int], detok: IncrementalDetokenizer
     ) -> Sequence:
         seq = self.scheduler.reserved.get(req.request_id)
         if seq is None:
             raise InvalidRequestError(f"resume of {req.request_id!r} without reserve()")
-        if seq.prompt_token_ids != prompt or self._need(req) > seq.need_blocks:
+        if seq.prompt_token_ids != prompt or self.limits.need_blocks(req) > seq.need_blocks:
             raise InvalidRequestError(f"resume of {req.request_id!r} differs from its reserve()")
         assert req.first_token is not None
         seq.sampling = req.sampling
@@ -301,7 +301,7 @@ class Engine:
         Lock held."""
         live = self._live[seq.request_id]
         self._fork_choices(seq, live.sink)
-        reason = self._stop_reason(seq, seq.output_token_ids[0], live)
+        reason = self.limits.stop_reason(live, seq.output_token_ids[0], self.eos_token_ids)
         if reason is None:
             self.scheduler.add(seq)
             return
@@ -309,6 +309,23 @@ class Engine:
         seq.status = SequenceStatus.FINISHED
         self._forget(seq)
         self._emit(live.sink, EngineOutput(seq.group_id, [], "", [], reason, index=0))
+
+    def _start_migrated(self, request_id: str, choices: list[_Live]) -> None:
+        """Register a migrated request's choices and queue them (no fork: all are listed). A
+        choice its replayed tokens already ended (should not happen) ends at once with a final
+        output without tokens (the text it still held back, if any). Lock held."""
+        self._groups[request_id] = [live.seq.request_id for live in choices]
+        for live in choices:
+            self._live[live.seq.request_id] = live
+        for live in choices:
+            seq, reason = live.seq, replay_stop(live, self.limits, self.eos_token_ids)
+            if reason is None:
+                self.scheduler.add(seq)
+                continue
+            seq.status = SequenceStatus.FINISHED
+            self._forget(seq)
+            text = live.detok.delta(final=True)
+            self._emit(live.sink, EngineOutput(request_id, [], text, [], reason, index=seq.index))
 
     def _fork_choices(self, parent: Sequence, sink: Sink) -> None:
         """Add choices ``1..n-1`` of ``parent``'s request (``parent`` is choice 0 and holds its
@@ -484,7 +501,7 @@ class Engine:
             live.detok.append(token)
         if live.grammar is not None:
             live.grammar.consume(token)
-        reason = self._stop_reason(seq, token, live)
+        reason = self.limits.stop_reason(live, token, self.eos_token_ids)
         out = EngineOutput(
             seq.group_id,
             [token],
@@ -498,7 +515,7 @@ class Engine:
         if seq.mode == "prefill":
             self._end_prefill_leg(seq, out)
             return True
-        if first and seq.mode == "full" and seq.index == 0 and seq.sampling.n > 1:
+        if first and live.fork:
             with self._lock:
                 self._fork_choices(seq, live.sink)
         if reason is not None:
@@ -506,23 +523,6 @@ class Engine:
             return True
         self._emit(live.sink, out)
         return False
-
-    def _stop_reason(self, seq: Sequence, token: int, live: _Live) -> FinishReason | None:
-        if token in seq.sampling.stop_token_ids:
-            return FinishReason.STOP
-        if live.grammar is not None and live.grammar.done:
-            return FinishReason.STOP
-        if token in self.eos_token_ids and not seq.sampling.ignore_eos:
-            return FinishReason.STOP
-        if live.detok.stopped is not None:
-            return FinishReason.STOP
-        if len(seq.output_token_ids) >= seq.sampling.max_tokens:
-            return FinishReason.LENGTH
-        if seq.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        if self.kv_cache.blocks_for_tokens(seq.num_tokens) > self.kv_cache.num_blocks:
-            return FinishReason.LENGTH  # the next token's K/V would not fit the whole pool
-        return None
 
     def _end_prefill_leg(self, seq: Sequence, out: EngineOutput) -> None:
         """Prefill produces exactly one token: the only exit of a prefill-mode sequence. Right

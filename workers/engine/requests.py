@@ -1,5 +1,6 @@
 """The engine's request/response contract: :class:`EngineRequest`, :class:`EngineOutput`, the
-sink type, and the checks a request must pass before it is queued (:class:`RequestLimits`).
+sink type, the checks a request must pass before it is queued and the conditions that end a
+running one (:class:`RequestLimits`).
 
 These types are re-exported by :mod:`pdserve.workers.engine.engine`, which is where callers import them
 from (``docs/architecture.md``, "Engine").
@@ -7,7 +8,7 @@ from (``docs/architecture.md``, "Engine").
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from pdserve.errors import CapacityError, InvalidRequestError
@@ -15,10 +16,11 @@ from pdserve.protocol import (
     ContextRequest,
     FinishReason,
     GenerationRequest,
+    ResumedChoice,
     SamplingParams,
     TokenLogprob,
 )
-from pdserve.workers.engine.sequence import EngineMode, Sequence
+from pdserve.workers.engine.sequence import EngineMode, LiveSequence, Sequence
 from pdserve.workers.kv.manager import KVCacheManager
 
 
@@ -30,6 +32,12 @@ class EngineRequest:
     decode here) or ``resume`` (decode after a prefill elsewhere, into blocks from
     ``Engine.reserve``). ``first_token`` is required in (and only in) ``resume`` mode: the token
     the prefill leg sampled at output position 0; it counts against ``max_tokens``.
+
+    ``resume`` (mode ``full`` only; mid-stream migration, protocol 10): the request was running
+    on another worker; only the listed choices run here, each continuing after the output
+    tokens the client has (recomputed with the prompt, as after a recompute preemption) and
+    after the ``text_chars`` characters of its text the client got. ``n > 1`` requests do not
+    fork then: every choice to run is listed.
     """
 
     request_id: str
@@ -38,20 +46,22 @@ class EngineRequest:
     mode: EngineMode = "full"
     first_token: int | None = None
     progress: bool = False  # prefill mode: report each chunk's completed blocks
+    resume: tuple[ResumedChoice, ...] | None = None  # full mode: migrated choices
 
     @classmethod
     def for_leg(cls, req: ContextRequest | GenerationRequest, mode: EngineMode) -> EngineRequest:
         """The one place a worker turns a wire request into an engine request: ``prefill``
         for a :class:`ContextRequest`, ``full`` for a :class:`GenerationRequest` without a
-        handle (prefill and decode here), ``resume`` for one whose blocks were pulled (its
-        ``first_token`` is the prefill leg's token)."""
-        first = req.first_token if isinstance(req, GenerationRequest) else None
+        handle (prefill and decode here; with its ``resume``, a migrated request), ``resume``
+        for one whose blocks were pulled (its ``first_token`` is the prefill leg's token)."""
+        gen = req if isinstance(req, GenerationRequest) else None
         return cls(
             request_id=req.request_id,
             prompt_token_ids=list(req.prompt_token_ids),
             sampling=req.sampling,
             mode=mode,
-            first_token=first if mode == "resume" else None,
+            first_token=gen.first_token if gen is not None and mode == "resume" else None,
+            resume=gen.resume if gen is not None and mode == "full" else None,
         )
 
 
@@ -123,12 +133,44 @@ Sink = Callable[[EngineOutput], None]
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """What a request must satisfy to be queued on an engine."""
+    """What a request must satisfy to be queued on an engine (:meth:`check`), and when a
+    running sequence stops (:meth:`stop_reason`)."""
 
     vocab_size: int
     max_model_len: int
     kv_cache: KVCacheManager
     policy: str = "max_utilization"
+
+    def need_blocks(self, req: EngineRequest) -> int:
+        """The most KV blocks a sequence of ``req`` (each choice) may hold: its prompt and
+        ``max_tokens - 1`` output tokens (prefill mode: the prompt; one token is sampled)."""
+        max_new = 1 if req.mode == "prefill" else req.sampling.max_tokens
+        return self.kv_cache.get_needed_resource_to_completion(len(req.prompt_token_ids), max_new)
+
+    def stop_reason(
+        self, live: LiveSequence, token: int, eos_token_ids: Collection[int]
+    ) -> FinishReason | None:
+        """Why ``live``'s sequence ends with ``token``, its newest output token (already in its
+        output, detokenizer and grammar), or None: STOP for a stop token, a complete grammar,
+        EOS (one of ``eos_token_ids``, the model's; unless ``ignore_eos``) or a stop string in
+        the text; LENGTH at ``max_tokens``, at ``max_model_len``, or when the next token's K/V
+        would not fit the whole pool."""
+        seq, kv = live.seq, self.kv_cache
+        if token in seq.sampling.stop_token_ids:
+            return FinishReason.STOP
+        if live.grammar is not None and live.grammar.done:
+            return FinishReason.STOP
+        if token in eos_token_ids and not seq.sampling.ignore_eos:
+            return FinishReason.STOP
+        if live.detok.stopped is not None:
+            return FinishReason.STOP
+        if len(seq.output_token_ids) >= seq.sampling.max_tokens:
+            return FinishReason.LENGTH
+        if seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        if kv.blocks_for_tokens(seq.num_tokens) > kv.num_blocks:
+            return FinishReason.LENGTH
+        return None
 
     def check(
         self,
@@ -137,11 +179,14 @@ class RequestLimits:
         sampling: SamplingParams,
         mode: str,
         first_token: int | None,
+        resume: tuple[ResumedChoice, ...] | None = None,
     ) -> None:
         """Raise :class:`InvalidRequestError` for a malformed request (unknown mode, empty
         prompt, token ids outside the vocabulary, prompt + ``max_tokens`` beyond
         ``max_model_len``, ``first_token`` missing in resume mode or present elsewhere, a
-        ``logit_bias`` or ``stop_token_ids`` id outside the vocabulary) and
+        ``logit_bias`` or ``stop_token_ids`` id outside the vocabulary; ``resume`` outside
+        mode ``full``, naming no choice, a choice twice or one ``>= n``, or with a choice that
+        has ``max_tokens`` tokens already or tokens outside the vocabulary) and
         :class:`CapacityError` for one that could never be admitted: its prompt (plus the
         first token it feeds) needs more KV blocks than the whole pool, or, under
         ``guaranteed_no_evict``, its part on this engine (the prompt alone in prefill mode, the
@@ -167,6 +212,8 @@ class RequestLimits:
             raise InvalidRequestError("first_token is required in resume mode and only there")
         if first_token is not None and not 0 <= first_token < vocab:
             raise InvalidRequestError(f"first_token must lie in [0, {vocab})")
+        if resume is not None:
+            _check_resume(resume, sampling, mode, vocab)
         for name, ids in (
             ("logit_bias", [t for t, _ in sampling.logit_bias]),
             ("stop_token_ids", sampling.stop_token_ids),
@@ -189,6 +236,22 @@ class RequestLimits:
             raise CapacityError(
                 f"request {request_id} needs {need} KV blocks {what}; the pool has {total}"
             )
+
+
+def _check_resume(
+    resume: tuple[ResumedChoice, ...], sampling: SamplingParams, mode: str, vocab: int
+) -> None:
+    """The part of :meth:`RequestLimits.check` for a migrated request's choices (the wire
+    model checks the same, but an engine request need not come from the wire)."""
+    if mode != "full":
+        raise InvalidRequestError("resumed choices (migration) run in full mode only")
+    indices = [c.index for c in resume]
+    if not indices or len(set(indices)) != len(indices) or max(indices) >= sampling.n:
+        raise InvalidRequestError(f"resume names choices {indices}; need distinct ones < n")
+    if any(len(c.token_ids) >= sampling.max_tokens for c in resume):
+        raise InvalidRequestError("a resumed choice has max_tokens tokens already")
+    if any(not 0 <= t < vocab for c in resume for t in c.token_ids):
+        raise InvalidRequestError(f"resumed token ids must lie in [0, {vocab})")
 
 
 def choice_id(request_id: str, index: int) -> str:

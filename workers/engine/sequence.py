@@ -1,5 +1,6 @@
-"""Per-request engine state: :class:`Sequence` (tokens, KV progress, lifecycle status) and
-:class:`IncrementalDetokenizer` (text deltas with stop-string hold-back).
+"""Per-request engine state: :class:`Sequence` (tokens, KV progress, lifecycle status),
+:class:`IncrementalDetokenizer` (text deltas with stop-string hold-back) and
+:class:`LiveSequence` (what the engine keeps for each sequence it runs).
 
 The lifecycle itself (the numbered states of :class:`SequenceStatus` and the queues named after
 them) is described in :mod:`pdserve.workers.engine.engine`.
@@ -10,9 +11,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pdserve.protocol import SamplingParams
+from pdserve.protocol import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from pdserve.workers.engine.grammar import GrammarState
+    from pdserve.workers.engine.requests import Sink
 
 EngineMode = Literal["prefill", "full", "resume"]
 
@@ -34,7 +39,8 @@ class Sequence:
 
     ``num_computed_tokens`` counts the tokens whose K/V is in the sequence's KV blocks. The
     context phase feeds ``tokens[num_computed_tokens:]`` in chunks (the prompt; after a
-    recompute preemption the prompt and the tokens already produced), the generation phase feeds
+    recompute preemption, or for a migrated choice whose ``output_token_ids`` start with the
+    tokens another worker produced, the prompt and those tokens), the generation phase feeds
     ``output_token_ids[-1]`` at position ``num_tokens - 1``. ``need_blocks`` is what the sequence
     may hold at most (prompt + max_tokens - 1 tokens), counted against capacity from admission
     (or :meth:`Engine.reserve`) under the ``guaranteed_no_evict`` policy.
@@ -176,3 +182,20 @@ class IncrementalDetokenizer:
         out = self.text[self.emitted : end]
         self.emitted = end
         return out
+
+
+@dataclass(eq=False)
+class LiveSequence:
+    """A sequence the engine runs, with where its outputs go and its output state: ``grammar``
+    (structured output: the sequence's matcher), ``prompt_lps`` (prompt logprobs, by position,
+    once computed), ``progress`` (prefill mode: report completed blocks per chunk), ``fork``
+    (choice 0 of an ``n > 1`` full-mode request: fork choices ``1..n-1`` after its first
+    token; never for a migrated request, whose choices are all listed)."""
+
+    seq: Sequence
+    sink: Sink
+    detok: IncrementalDetokenizer
+    grammar: GrammarState | None = None
+    prompt_lps: list[TokenLogprob | None] | None = None
+    progress: bool = False
+    fork: bool = False

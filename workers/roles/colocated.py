@@ -3,7 +3,9 @@ baseline, and what ``pdserve up --colocated N`` runs). Its one route, ``POST
 /internal/generate``, and its request logic are the decode worker's
 (:func:`~pdserve.workers.roles.decode.add_generate_route`,
 :class:`~pdserve.workers.roles.decode.DecodeHandler` without a transceiver): every request is
-prefilled here (engine mode ``full``), then decoded.
+prefilled here (engine mode ``full``), then decoded; a migrated request (``resume``) runs its
+listed choices here, and a draining colocated worker migrates its running streams elsewhere as
+a decode worker does.
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ class ColocatedWorker(WorkerService):
             scheduler=cfg.engine.scheduler,
             transfer=cfg.transfer,
         )
+
+    def on_deregistered(self) -> None:
+        """Drain (``worker.migrate_on_drain``): migrate the running streams elsewhere."""
+        if self.cfg.worker.migrate_on_drain:
+            self.handler.migrate_all()
 
     @classmethod
     def add_role_routes(cls, api: APIRouter) -> None:

@@ -22,8 +22,12 @@ Request lifecycle on a decode worker::
                    handle (published when the prefill started) is pulled chunk by chunk as
                    the prefill computes it, and the pull brings the first token too
     4 RUNNING      engine resumes at the first token in its continuous batch; chunks streamed
-    5 FINISHED     every choice stopped (stop / length), or abort (client gone) / error; the
-                   engine frees the blocks
+    5 FINISHED     every choice stopped (stop / length), or abort (client gone) / error, or
+                   migration: the worker drains (SIGTERM, ``worker.migrate_on_drain``) and,
+                   right after it deregistered, every stream in 4 (and any that reaches 4
+                   later) ends at once with one in-band error chunk whose ``error`` starts with
+                   :data:`DRAINING_ERROR`, which the router answers by continuing the request
+                   on another worker (``GenerationRequest.resume``); the engine frees the blocks
 
 A request for ``n`` choices (``sampling.n``) runs them on one copy of the prompt's blocks: the
 handle's blocks are pulled once, choice 0 resumes at the prefill worker's first token and the
@@ -36,6 +40,12 @@ digest check (IntegrityError: never used); after a failure mid-transfer (timeout
 are quarantined for the transfer timeout first, since a remote WRITE may still land in them.
 Without a handle (a colocated worker, or a decode worker the router chose for local prefill)
 the engine runs the prefill itself (mode ``full``).
+
+Migration (protocol 10): a request with ``resume`` (no handle) continues one another worker had
+started (it died, or drained as above): 1 -> 4 with engine mode ``full``, only the listed
+choices run (each recomputes the prompt and the tokens the client already has, then goes on
+exactly where that worker stopped; :mod:`pdserve.workers.engine.migration`), and the stream
+ends after those choices.
 """
 
 from __future__ import annotations
@@ -59,6 +69,7 @@ from pdserve.errors import (
     QueueFullError,
 )
 from pdserve.protocol import (
+    DRAINING_ERROR,
     FinishReason,
     GenerationChunk,
     GenerationRequest,
@@ -67,7 +78,7 @@ from pdserve.protocol import (
 )
 from pdserve.settings import SchedulerSettings, TransferSettings
 from pdserve.workers.engine.requests import EngineRequest, Reservation
-from pdserve.workers.roles.bridge import OutputStream
+from pdserve.workers.roles.bridge import OutputStream, StreamInterrupted
 from pdserve.workers.roles.prefill_directory import PrefillDirectory
 from pdserve.workers.roles.service import WatcherFactory, WorkerIdentity, service_of
 from pdserve.workers.roles.transfer_worker import TransferWorker, capped, open_transceiver
@@ -81,6 +92,10 @@ if TYPE_CHECKING:
     from pdserve.workers.roles.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
+
+_DRAINING_MESSAGE = (
+    f"{DRAINING_ERROR}: this worker is shutting down; continue the request elsewhere"
+)
 
 
 def check_handle(req: GenerationRequest, handle: TransferHandle, engine: WorkerEngine) -> None:
@@ -132,6 +147,7 @@ class DecodeHandler:
     (``timeout_s`` is also how long a failed pull's blocks are quarantined). ``prefills``: the
     prefill workers discovery lists; a handle naming another is refused before any connection
     (None: handles are not checked against discovery, for tests of the admission logic).
+    ``draining``: set by :meth:`migrate_all`; every stream then ends with the draining error.
     """
 
     def __init__(
@@ -152,6 +168,8 @@ class DecodeHandler:
         self.metrics = metrics
         self.prefills = prefills
         self.waiting_for_blocks = 0
+        self.draining = False
+        self._streams: dict[OutputStream, str] = {}  # streaming now (state 4) -> request id
 
     def _quarantine(self, request_id: str) -> None:
         """Free a failed transfer's destination blocks only after ``quarantine_s``: a remote
@@ -171,7 +189,8 @@ class DecodeHandler:
         )
 
     async def admit(self, req: GenerationRequest) -> OutputStream:
-        """States 1-3: validate, reserve, transfer, then add to the running batch.
+        """States 1-3: validate, reserve, transfer, then add to the running batch (a request
+        without a handle, ``resume`` included, goes to the engine in mode ``full`` at once).
 
         Raises (before anything is streamed): DeadlineExceededError, HandleError,
         LayoutMismatchError, CapacityError, InvalidRequestError, TransferError.
@@ -180,7 +199,7 @@ class DecodeHandler:
             raise DeadlineExceededError(f"request {req.request_id} arrived after its deadline")
         if req.sampling.structured is not None:  # compiled off the event loop and engine step
             await asyncio.to_thread(self.engine.prepare_grammar, req.sampling)
-        stream = OutputStream(choices=req.sampling.n)
+        stream = OutputStream(choices=req.choices)
         handle = req.handle
         if handle is None:
             self.engine.add_request(EngineRequest.for_leg(req, "full"), stream.sink)
@@ -290,12 +309,30 @@ class DecodeHandler:
             )
         return exc
 
+    def migrate_all(self) -> int:
+        """Drain migration: end every running stream (and any that starts from now on) with
+        one in-band error chunk (:data:`DRAINING_ERROR`, on one of its unfinished choices) and
+        abort its request in the engine, freeing its blocks, so the router continues it on
+        another worker. A stream waiting for its next output wakes at once; the outputs already
+        queued for it go out first. Returns how many streams were running. Event loop only."""
+        self.draining = True
+        for stream, request_id in list(self._streams.items()):
+            stream.interrupt()
+            self.engine.abort(request_id)
+        if self._streams:
+            log.info("draining: migrating %d running request(s) elsewhere", len(self._streams))
+        return len(self._streams)
+
     async def chunks(
         self, req: GenerationRequest, stream: OutputStream
     ) -> AsyncIterator[GenerationChunk]:
         """State 4-5: the request's chunks until every choice finished. Aborts the request in
-        the engine if the consumer goes away (client disconnect) or the deadline passes."""
+        the engine if the consumer goes away (client disconnect) or the deadline passes, and
+        ends it with the draining error after :meth:`migrate_all`."""
         finished = False
+        self._streams[stream] = req.request_id
+        if self.draining:
+            stream.interrupt()
         try:
             async for out in _until(stream, req.deadline):
                 finished = stream.done
@@ -308,7 +345,17 @@ class DecodeHandler:
                 finish_reason=FinishReason.ERROR,
                 error="deadline exceeded during decode",
             )
+        except StreamInterrupted:
+            finished = True
+            self.engine.abort(req.request_id)
+            yield GenerationChunk(
+                request_id=req.request_id,
+                index=min(stream.unfinished),
+                finish_reason=FinishReason.ERROR,
+                error=_DRAINING_MESSAGE,
+            )
         finally:
+            self._streams.pop(stream, None)
             if not finished:
                 self.engine.abort(req.request_id)
 
@@ -398,6 +445,11 @@ class DecodeWorker(TransferWorker):
         stack.push_async_callback(prefills.close)
         transceiver = await open_transceiver(cfg, identity, engine, None, stack)
         return {"transceiver": transceiver, "prefills": prefills}
+
+    def on_deregistered(self) -> None:
+        """Drain (``worker.migrate_on_drain``): migrate the running streams elsewhere."""
+        if self.cfg.worker.migrate_on_drain:
+            self.handler.migrate_all()
 
     @classmethod
     def add_role_routes(cls, api: APIRouter) -> None:

@@ -14,7 +14,9 @@ Lifecycle of one service (start -> serve -> drain -> cleanup; cleanup is idempot
                transceiver), register the worker record under a lease, start the load refresh;
                every part pushes its cleanup onto the lifespan's exit stack as it is built
     2 SERVE    ready: ``/ready`` is 200; the record's load is refreshed every second
-    3 DRAIN    :meth:`WorkerService.drain`: deregister, ``/ready`` 503, wait until idle
+    3 DRAIN    :meth:`WorkerService.drain`: deregister, ``/ready`` 503 (decode and colocated:
+               end the running streams, which the router migrates, unless
+               ``worker.migrate_on_drain`` is off), wait until idle
     4 CLEANUP  the exit stack unwinds in reverse: refresh task, registration, transceiver,
                parked blocks, engine
 
@@ -257,12 +259,18 @@ class WorkerService:
         load = self.load()
         return load.running + load.waiting + load.parked
 
+    def on_deregistered(self) -> None:
+        """Called by :meth:`drain` right after deregistering (nothing here; decode and
+        colocated workers migrate their running streams)."""
+
     async def drain(self, timeout_s: float) -> None:
-        """Lifecycle step 3: deregister, turn ``/ready`` 503, then wait until nothing runs,
-        waits or is parked here, at most ``timeout_s`` seconds (parked blocks are pulled by
-        their decode worker or expire within the lease). The HTTP server keeps serving
-        meanwhile, so in-flight streams finish and pulls of parked blocks succeed."""
+        """Lifecycle step 3: deregister, turn ``/ready`` 503, :meth:`on_deregistered`, then
+        wait until nothing runs, waits or is parked here, at most ``timeout_s`` seconds (parked
+        blocks are pulled by their decode worker or expire within the lease). The HTTP server
+        keeps serving meanwhile, so in-flight streams finish (or end with the draining error,
+        which the router migrates) and pulls of parked blocks succeed."""
         await self.deregister()
+        self.on_deregistered()
         deadline = time.monotonic() + timeout_s
         busy = self.busy()
         while busy and time.monotonic() < deadline:
