@@ -133,16 +133,20 @@ class GenerationStream:
         self._leg = leg
         self._deadline = deadline
         self.closed = False
-        self.lost: str | None = None  # lose(): why this stream is given up
+        self.lost: str | None = None  # lose(): why this stream may be given up
+        self._grace_s = 0.0
         self._read: asyncio.Timeout | None = None  # the read in progress, if any
 
-    def lose(self, reason: str) -> None:
-        """Give the stream up from outside its reader (the worker left discovery: stopped or
-        partitioned, its connection may never break): a read in progress, or the next one,
-        raises :class:`WorkerError` naming ``reason``. Call on the event loop."""
-        self.lost = reason
+    def lose(self, reason: str, grace_s: float = 0.0) -> None:
+        """Give the stream up from outside its reader once it is silent for ``grace_s``
+        seconds (the worker left discovery: stopped or partitioned, its connection may never
+        break; a draining worker that deregistered but still streams is not given up): from
+        now on a read that waits longer raises :class:`WorkerError` naming ``reason``. Call
+        on the event loop."""
+        self.lost, self._grace_s = reason, grace_s
         if self._read is not None and not self._read.expired():
-            self._read.reschedule(asyncio.get_running_loop().time())
+            when = asyncio.get_running_loop().time() + grace_s
+            self._read.reschedule(min(when, self._read.when() or when))
 
     async def chunks(self) -> AsyncIterator[GenerationChunk]:
         """Yield chunks as they arrive; each read waits at most until the deadline.
@@ -153,9 +157,10 @@ class GenerationStream:
         lines = self._response.aiter_lines()
         while True:
             try:
+                wait = max(_remaining(self._deadline), 0.0)
                 if self.lost is not None:
-                    raise TimeoutError
-                async with asyncio.timeout(max(_remaining(self._deadline), 0.0)) as self._read:
+                    wait = min(wait, self._grace_s)
+                async with asyncio.timeout(wait) as self._read:
                     line = await anext(lines)
             except StopAsyncIteration:
                 return

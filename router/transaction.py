@@ -92,6 +92,11 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+LOST_GRACE_S = 2.0
+"""A leg on a worker that left discovery is given up once it is silent this long: a stopped
+or partitioned worker's lease expired (it sends nothing more), while a draining worker that
+deregistered on SIGTERM still streams, or answers, within it (a decode step, a short prefill)."""
+
 
 class RouterParts(Protocol):
     """What a transaction uses of the router that started it
@@ -392,10 +397,10 @@ class Transaction:
         self._stream = stream
         self._chunks = stream.chunks()
         view = self._router.view
-        self._unwatch = view.watch_loss(worker, stream.lose)
+        self._unwatch = view.watch_loss(worker, lambda why: stream.lose(why, LOST_GRACE_S))
         current = view.record(worker.worker_id)
         if view.follows and (current is None or current.epoch != worker.epoch):
-            stream.lose(f"worker {worker.worker_id} {LOST} while its stream opened")
+            stream.lose(f"worker {worker.worker_id} {LOST} while its stream opened", LOST_GRACE_S)
 
     async def _close_leg(self) -> None:
         """Stop watching and close the current leg's stream (bounded, shielded)."""
@@ -619,11 +624,11 @@ def failure_reason(exc: BaseException) -> str:
 
 
 async def unless_lost(view: WorkerView, workers: tuple[WorkerRecord, ...], call: Awaitable[T]) -> T:
-    """Await ``call`` unless one of ``workers`` (these incarnations) leaves discovery first:
-    then cancel it and raise :class:`WorkerError` saying so. A stopped (SIGSTOP) or
-    partitioned worker keeps its connections open, so only its lost registration lease tells
-    the router to stop waiting on it. Without discovery events (``view.follows`` false)
-    ``call`` is just awaited."""
+    """Await ``call`` unless one of ``workers`` (these incarnations) leaves discovery and
+    ``call`` does not end within :data:`LOST_GRACE_S` after: then cancel it and raise
+    :class:`WorkerError` saying so. A stopped (SIGSTOP) or partitioned worker keeps its
+    connections open, so only its lost registration lease tells the router to stop waiting on
+    it. Without discovery events (``view.follows`` false) ``call`` is just awaited."""
     if not view.follows:
         return await call
     task = asyncio.ensure_future(call)
@@ -632,7 +637,7 @@ async def unless_lost(view: WorkerView, workers: tuple[WorkerRecord, ...], call:
     def on_loss(reason: str) -> None:
         if not lost:
             lost.append(reason)
-            task.cancel()
+            asyncio.get_running_loop().call_later(LOST_GRACE_S, task.cancel)
 
     unwatch = [view.watch_loss(w, on_loss) for w in workers]
     try:
