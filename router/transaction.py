@@ -48,6 +48,7 @@ parked blocks are P's, released by D (success) or by this transaction's release 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -356,7 +357,9 @@ class Transaction:
                 for i in sorted(self._unfinished)
             ),
         )
-        excluded = {(failed.worker_id, failed.epoch)}
+        excluded: set[tuple[str, int]] = set()
+        if _decode_workers_fault(exc, failed):
+            excluded.add((failed.worker_id, failed.epoch))
         until: float | None = None
         while True:
             target = self._migration_target(excluded)
@@ -609,6 +612,15 @@ async def drop_decode(opening: asyncio.Future[GenerationStream]) -> None:
     await stream.aclose()
 
 
+def _decode_workers_fault(exc: BaseException, worker: WorkerRecord) -> bool:
+    """Whether a failed decode leg is its worker's doing (so the migration avoids that
+    incarnation): not when the KV pull failed (the prefill side's) or when the prefill worker
+    it pulled from was lost; a one-worker decode pool can then take the request again."""
+    if isinstance(exc, TransferError):
+        return False
+    return not (isinstance(exc, WorkerLostError) and exc.worker_id != worker.worker_id)
+
+
 def failure_reason(exc: BaseException) -> str:
     """The ``reason`` label of a failed leg (``pdserve_router_migrations_total``)."""
     if isinstance(exc, TransferError):
@@ -632,21 +644,32 @@ async def unless_lost(view: WorkerView, workers: tuple[WorkerRecord, ...], call:
     if not view.follows:
         return await call
     task = asyncio.ensure_future(call)
-    lost: list[str] = []
+    lost: list[tuple[str, str]] = []  # (why, worker id)
 
-    def on_loss(reason: str) -> None:
+    def on_loss(reason: str, worker_id: str) -> None:
         if not lost:
-            lost.append(reason)
+            lost.append((reason, worker_id))
             asyncio.get_running_loop().call_later(LOST_GRACE_S, task.cancel)
 
-    unwatch = [view.watch_loss(w, on_loss) for w in workers]
+    unwatch = [
+        view.watch_loss(w, functools.partial(on_loss, worker_id=w.worker_id)) for w in workers
+    ]
     try:
         return await task
     except asyncio.CancelledError:
         me = asyncio.current_task()
         if lost and (me is None or not me.cancelling()):
-            raise WorkerError(lost[0]) from None
+            raise WorkerLostError(lost[0][0], worker_id=lost[0][1]) from None
         raise
     finally:
         for stop in unwatch:
             stop()
+
+
+class WorkerLostError(WorkerError):
+    """A leg given up because worker ``worker_id`` left discovery (:func:`unless_lost`): the
+    decode leg's own worker, or the prefill worker it was pulling from."""
+
+    def __init__(self, message: str, *, worker_id: str) -> None:
+        super().__init__(message)
+        self.worker_id = worker_id

@@ -228,6 +228,7 @@ class FakeWorker:
     context_delay_s: float = 0.0
     cached_tokens: int = 0  # what its prefix cache "held" of every prompt it prefills
     streamed_error: PdserveError | None = None  # decode: answered to a streamed handle only
+    handle_error: PdserveError | None = None  # decode: answered to a request with a handle
     http_url: str = ""
     cluster_key: ClusterKey = CLUSTER_KEY  # whose token /internal/* requires
     contexts: list[ContextRequest] = field(default_factory=list)
@@ -296,6 +297,8 @@ class FakeWorker:
             error = self.error
             if req.handle is not None and req.handle.streamed and self.streamed_error:
                 error = self.streamed_error
+            if req.handle is not None and self.handle_error is not None:
+                error = self.handle_error
             if error is not None:
                 return JSONResponse(error.to_json(), status_code=error.status)
             return StreamingResponse(self._stream(req), media_type="application/x-ndjson")

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from pdserve.errors import NoWorkerError, QueueFullError, WorkerError
+from pdserve.errors import NoWorkerError, QueueFullError, TransferError, WorkerError
 from pdserve.protocol import SamplingParams, WorkerLoad
 from pdserve.router.router import Router
 from tests.support.fakes import PROMPT, FakeWatcher, make_router
@@ -132,3 +132,17 @@ async def test_a_prefill_worker_lost_mid_prefill_is_left_for_a_local_prefill():
     assert "".join(e.text for e in events) == "Hi!\n"
     assert txn.route.path == "local_prefill" and d.generations[0].handle is None
     assert migrations(router) == {("prefill", "lease_lost"): 1.0}
+
+
+async def test_a_failed_pull_is_recomputed_on_the_same_decode_worker():
+    """The prefill worker died under the pull: the decode worker is not at fault, so the only
+    one takes the request again, without a handle."""
+    p = prefill()
+    d = decode(handle_error=TransferError("prefill worker gone", code="kv_transfer_failed"))
+    async with make_router(p, d) as router:
+        txn, events = await collect(router)
+    assert "".join(e.text for e in events) == "Hi!\n"
+    assert [g.handle is not None for g in d.generations] == [True, False]
+    assert d.generations[1].resume is not None
+    assert d.generations[1].resume[0].token_ids == (72,)
+    assert migrations(router) == {("decode", "transfer"): 1.0}
