@@ -38,6 +38,7 @@ Thread-safety: none needed and none given. Every method runs on the router's eve
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -127,7 +128,9 @@ class WorkerView:
         self._epochs: dict[str, int] = {}  # worker id -> highest epoch seen
         self.restarts = 0
         """Restarts seen by :meth:`observe` (a known worker id with a higher epoch)."""
-        self._losses: dict[tuple[str, int], list[Callable[[str], None]]] = {}
+        # worker id -> epoch -> watch token -> callback (watch_loss)
+        self._losses: dict[str, dict[int, dict[int, Callable[[str], None]]]] = {}
+        self._watches = itertools.count()
         self._changed: asyncio.Event | None = None
         self.follows = False
         """Whether discovery puts and deletes reach :meth:`observe` (else :meth:`changed`
@@ -167,29 +170,34 @@ class WorkerView:
     def _lost(self, worker_id: str, epoch: int | None, why: str) -> None:
         """Call the loss callbacks of ``worker_id``'s incarnations older than ``epoch`` (None:
         all of them)."""
-        if not self._losses:
+        epochs = self._losses.get(worker_id)
+        if not epochs:
             return
-        gone = [k for k in self._losses if k[0] == worker_id and (epoch is None or k[1] < epoch)]
-        for key in gone:
-            for callback in self._losses.pop(key):
+        for old in [e for e in epochs if epoch is None or e < epoch]:
+            for callback in epochs.pop(old).values():
                 callback(f"worker {worker_id} {LOST}: {why}")
+        if not epochs:
+            del self._losses[worker_id]
 
     def watch_loss(
         self, record: WorkerRecord, callback: Callable[[str], None]
     ) -> Callable[[], None]:
         """Call ``callback(reason)`` once, on the event loop, when this incarnation of the
         worker (id and epoch) leaves discovery (a delete, or a record with a higher epoch).
-        Returns the function that stops watching (idempotent). Needs :meth:`follow`; without
-        it nothing is ever called."""
-        key = (record.worker_id, record.epoch)
-        self._losses.setdefault(key, []).append(callback)
+        Returns the function that stops watching (idempotent, O(1)). Needs :meth:`follow`;
+        without it nothing is ever called."""
+        worker_id, epoch, token = record.worker_id, record.epoch, next(self._watches)
+        self._losses.setdefault(worker_id, {}).setdefault(epoch, {})[token] = callback
 
         def unwatch() -> None:
-            callbacks = self._losses.get(key)
-            if callbacks is not None and callback in callbacks:
-                callbacks.remove(callback)
-                if not callbacks:
-                    del self._losses[key]
+            epochs = self._losses.get(worker_id)
+            watches = epochs.get(epoch) if epochs is not None else None
+            if watches is None or watches.pop(token, None) is None:
+                return
+            if not watches:
+                del epochs[epoch]  # type: ignore[union-attr]
+                if not epochs:
+                    del self._losses[worker_id]
 
         return unwatch
 

@@ -11,7 +11,8 @@ import pytest
 from pdserve.errors import NoWorkerError, QueueFullError, TransferError, WorkerError
 from pdserve.protocol import SamplingParams, WorkerLoad
 from pdserve.router.router import Router
-from tests.support.fakes import PROMPT, FakeWatcher, make_router
+from pdserve.router.view import WorkerView
+from tests.support.fakes import MODEL, PROMPT, FakeWatcher, make_router, record
 from tests.support.fakes import decode_worker as decode
 from tests.support.fakes import prefill_worker as prefill
 
@@ -146,3 +147,26 @@ async def test_a_failed_pull_is_recomputed_on_the_same_decode_worker():
     assert d.generations[1].resume is not None
     assert d.generations[1].resume[0].token_ids == (72,)
     assert migrations(router) == {("decode", "transfer"): 1.0}
+
+
+async def test_watch_loss_fires_once_per_incarnation_on_delete_or_a_higher_epoch():
+    watcher = FakeWatcher()
+    view = WorkerView(watcher, served_model_name=MODEL)
+    view.follow(watcher)
+    d = record("d0", "decode")
+    watcher.put(d)
+    seen: list[str] = []
+    view.watch_loss(d, seen.append)
+    stop = view.watch_loss(d, lambda why: seen.append("stopped watch: " + why))
+    stop()
+    stop()  # idempotent
+    watcher.put(d.model_copy(update={"load": WorkerLoad(running=1)}))  # same epoch: no loss
+    assert seen == []
+    watcher.put(d.model_copy(update={"epoch": d.epoch + 1}))  # restarted
+    assert len(seen) == 1 and "d0 left discovery: it restarted" in seen[0]
+    later = watcher.workers()["d0"]
+    view.watch_loss(later, seen.append)
+    watcher.remove("d0")
+    assert len(seen) == 2 and "registration expired" in seen[1]
+    watcher.remove("d0")
+    assert len(seen) == 2
