@@ -21,9 +21,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeVar
 
 from pdserve.errors import ConfigError
 from pdserve.settings import SecuritySettings
@@ -33,6 +33,15 @@ if TYPE_CHECKING:
 
 RECORD_LABEL = "record"
 """The :meth:`ClusterKey.proof` label of a worker record's signature."""
+KVCACHE_EVENT_LABEL = "kvcache event"
+"""The :meth:`ClusterKey.proof` label of a :class:`~pdserve.discovery.kvcache.KVCacheEvent`'s
+signature."""
+LOAD_EVENT_LABEL = "load event"
+"""The :meth:`ClusterKey.proof` label of a :class:`~pdserve.discovery.events.LoadEvent`'s
+signature."""
+KV_BLOCK_EVENT_LABEL = "kv block event"
+"""The :meth:`ClusterKey.proof` label of a :class:`~pdserve.discovery.events.KVBlockEvent`'s
+signature."""
 
 MIN_SECRET_CHARS = 32
 """A cluster secret shorter than this is refused (``pdserve up`` makes 64 hex characters)."""
@@ -45,6 +54,26 @@ SECRET_HELP = (
     "security.cluster_secret_file in the config file); `pdserve up` makes one for its own "
     "processes"
 )
+
+
+class SignedEvent(Protocol):
+    """A control-plane event :meth:`ClusterKey.sign_event` signs: its kind's label (one per
+    kind, so that a signature of one kind never verifies as another's), the canonical bytes the
+    signature covers (every field but ``signature``) and the hex signature itself."""
+
+    SIGNING_LABEL: ClassVar[str]
+
+    @property
+    def signature(self) -> str: ...
+
+    def signing_bytes(self) -> bytes: ...
+
+    def model_copy(
+        self, *, update: Mapping[str, Any] | None = None, deep: bool = False
+    ) -> Self: ...
+
+
+_E = TypeVar("_E", bound=SignedEvent)
 
 
 def generate_secret() -> str:
@@ -153,7 +182,9 @@ class ClusterKey:
     - :attr:`http_token`: the bearer token of internal HTTP calls (registry, ``/internal/*``);
       check one with :meth:`check_http`.
     - :meth:`proof` / :meth:`verify`: HMAC-SHA256 over a label and length-prefixed parts, for
-      challenge-response (the transceiver handshake) and signed records.
+      challenge-response (the transceiver handshake), signed records (:meth:`sign_record`)
+      and signed control-plane events (:meth:`sign_event`: KV cache, load and KV block
+      events, one label per kind).
 
     Holds the secret in memory for the life of the process; ``repr`` never shows it.
     """
@@ -219,6 +250,23 @@ class ClusterKey:
         except ValueError:
             return False
         return bool(proof) and self.verify(proof, RECORD_LABEL, record.signing_bytes())
+
+    def sign_event(self, event: _E) -> _E:
+        """``event`` (a pydantic model: KV cache, load or KV block event) with its
+        ``signature`` set: the hex :meth:`proof` of its ``signing_bytes()`` under its kind's
+        label (:data:`KVCACHE_EVENT_LABEL`, :data:`LOAD_EVENT_LABEL`,
+        :data:`KV_BLOCK_EVENT_LABEL`). One HMAC over the event's canonical JSON."""
+        proof = self.proof(event.SIGNING_LABEL, event.signing_bytes())
+        return event.model_copy(update={"signature": proof.hex()})
+
+    def event_signed(self, event: SignedEvent) -> bool:
+        """Whether ``event.signature`` verifies under this key and the event's kind (constant
+        time); False when it is missing or not hex."""
+        try:
+            proof = bytes.fromhex(event.signature)
+        except ValueError:
+            return False
+        return bool(proof) and self.verify(proof, event.SIGNING_LABEL, event.signing_bytes())
 
 
 def nonce() -> bytes:

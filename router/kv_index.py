@@ -9,6 +9,10 @@ by the worker's ``KVLayout.model``, ``dtype`` and ``tokens_per_block``), so a ma
 Per worker id the index keeps ``(epoch, last seq, synced, hashes)``. :meth:`KVIndex.apply`
 takes one :class:`~pdserve.discovery.kvcache.KVCacheEvent`:
 
+- a signature that does not verify under the cluster key (missing, made with another key, or
+  the event changed after signing): dropped before anything else (``unsigned``; a warning at
+  most once per worker id per minute). This is the one check for every transport (embedded
+  registry, NATS, etcd): events enter the router only here. One HMAC per event;
 - an older epoch than the entry's: dropped (``stale``);
 - a newer epoch (the worker restarted) or an unknown worker: a fresh, *unsynced* entry;
 - ``seq`` not above the last one: dropped (``stale``: a duplicate or reordered message);
@@ -39,15 +43,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.block_hash import BlockHasher
-from pdserve.discovery.kvcache import KVCacheEvent
+from pdserve.discovery.kvcache import KVCacheEvent, UnsignedWarnings
 from pdserve.protocol import KVLayout, WorkerRecord
+from pdserve.security import ClusterKey
 
 log = logging.getLogger(__name__)
 
 MAX_WORKERS = 4096
 """Most worker entries the index keeps (ids come from whoever can publish events)."""
 
-OUTCOMES = ("applied", "gap", "stale", "unsynced", "malformed")
+OUTCOMES = ("applied", "gap", "stale", "unsynced", "malformed", "unsigned")
 """Outcomes of :meth:`KVIndex.apply`, the ``outcome`` label of
 ``pdserve_router_kv_events_total``."""
 
@@ -72,15 +77,23 @@ class KVIndexStats:
 
 
 class KVIndex:
-    """Block hashes per worker incarnation (see the module docstring)."""
+    """Block hashes per worker incarnation (see the module docstring); ``key`` (the cluster
+    key) checks every event's signature."""
 
-    def __init__(self, max_workers: int = MAX_WORKERS) -> None:
+    def __init__(self, *, key: ClusterKey, max_workers: int = MAX_WORKERS) -> None:
         self.max_workers = max_workers
+        self._key = key
         self._entries: dict[str, _Entry] = {}
+        self._unsigned = UnsignedWarnings(log)
         self.outcomes: Counter[str] = Counter()
 
     def apply(self, event: KVCacheEvent) -> bool:
-        """Apply one event; return whether a snapshot of its worker is wanted."""
+        """Apply one event; return whether a snapshot of its worker is wanted (never for an
+        event whose signature does not verify: nothing is asked of whoever sent it)."""
+        if not self._key.event_signed(event):
+            self.outcomes["unsigned"] += 1
+            self._unsigned.dropped("KV cache events", event.worker_id, event.signature)
+            return False
         outcome = self._apply(event)
         self.outcomes[outcome] += 1
         if outcome in ("gap", "malformed"):
@@ -174,15 +187,29 @@ class PromptHashes:
         return hashes
 
 
-def follow_kv_events(watcher: object) -> KVIndex | None:
+def follow_kv_events(watcher: object, key: ClusterKey | None = None) -> KVIndex | None:
     """A :class:`KVIndex` fed by ``watcher``'s KV cache events (its ``subscribe_kv_events``:
     the embedded, etcd and NATS watchers have one) that forgets a worker when its record is
     deleted (``subscribe``); None for a watcher without KV events (then routing is
-    least-loaded)."""
+    least-loaded).
+
+    ``key``: the cluster key the index checks each event's signature with; by default the
+    watcher's own (the one its records are checked with: ``watcher.key``, or the embedded
+    watcher's ``registry.key``). A watcher with KV events but no key gives None (a warning):
+    unverifiable events are never used."""
     feed = getattr(watcher, "subscribe_kv_events", None)
     if feed is None:
         return None
-    index = KVIndex()
+    if key is None:
+        key = _watcher_key(watcher)
+    if key is None:
+        log.warning(
+            "KV-aware routing is off: the watcher %r has no cluster key to check KV cache "
+            "events with",
+            type(watcher).__name__,
+        )
+        return None
+    index = KVIndex(key=key)
     feed(index.apply)
 
     def on_record(worker_id: str, record: WorkerRecord | None) -> None:
@@ -193,6 +220,16 @@ def follow_kv_events(watcher: object) -> KVIndex | None:
     if subscribe is not None:
         subscribe(on_record)
     return index
+
+
+def _watcher_key(watcher: object) -> ClusterKey | None:
+    """The cluster key a watcher checks its records with: its ``key`` (the etcd and NATS
+    watchers) or its registry's (the embedded watcher); None when it has neither."""
+    for holder in (watcher, getattr(watcher, "registry", None)):
+        key = getattr(holder, "key", None)
+        if isinstance(key, ClusterKey):
+            return key
+    return None
 
 
 def expected_cached_tokens(

@@ -27,6 +27,9 @@ the worker); the watcher lists and watches ``/pdserve/`` (records and events in 
 revision order) and hands every event put to :meth:`EtcdWatcher.subscribe_kv_events`'s
 handlers. The listing after a reconnect shows only each worker's last event: the index sees a
 gap and waits for that worker's next periodic snapshot (etcd has no way to ask for one).
+Events are signed by the worker with the cluster key and put as they are; the router's index
+checks the signature (:meth:`pdserve.router.kv_index.KVIndex.apply`, keyed by the watcher's
+``key``), so write access to etcd is not enough to skew routing.
 
 ``aetcd`` is imported only inside this module's functions, so importing ``pdserve.discovery``
 does not load gRPC. Async-safety: one event loop; not thread-safe.
@@ -281,6 +284,7 @@ class EtcdWatcher(BackgroundWatcher[Any]):
         tls: ControlPlaneTLS | None = None,
     ) -> None:
         super().__init__(key=key)  # key: the view drops records not signed with it
+        self.key = key  # and the KV index (follow_kv_events) drops events not signed with it
         self.tls = tls or ControlPlaneTLS()
         self.host, self.port = host, port
         self.endpoint = f"{host}:{port}"

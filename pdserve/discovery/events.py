@@ -17,12 +17,21 @@ Subjects (``<key>`` is the worker id escaped by :func:`subject_token`, see there
     pdserve.kvsync.<key>  (empty)       router -> worker: send a KV cache snapshot
 
 The first two carry ``version`` (:data:`EVENTS_VERSION`), ``worker_id``, ``epoch``, a per-publisher
-``seq`` and ``sent_at`` (wall-clock UNIX seconds: a monotonic clock does not cross processes).
-Delivery is at most once (core NATS), so KV events carry *cumulative* counters, never deltas:
-a lost message costs freshness, never correctness. A consumer drops messages whose version it
-does not know (one warning per worker and version) and keeps the newest per worker.
+``seq``, ``sent_at`` (wall-clock UNIX seconds: a monotonic clock does not cross processes) and
+``signature``. Delivery is at most once (core NATS), so KV events carry *cumulative* counters,
+never deltas: a lost message costs freshness, never correctness. A consumer drops messages
+whose version it does not know (one warning per subject) and keeps the newest per worker.
 
-Version history: 1: load + KV lease counters.
+Signed like worker records: ``signature`` is 64 hex characters,
+``ClusterKey.proof(label, signing_bytes()).hex()`` with the kind's own label (``"load event"``,
+``"kv block event"``: one kind's signature never verifies as another's) over the canonical JSON
+of every other field (``worker_id``, ``epoch``, ``seq`` included). :class:`EventPublisher` signs
+(:meth:`pdserve.security.ClusterKey.sign_event`); :class:`EventConsumer` drops an unsigned or
+badly signed event before its handlers see it (counted in ``unsigned``, a warning at most once
+per worker id per minute), so write access to NATS is not enough to skew the pairing policy.
+
+Version history: 1: load + KV lease counters. 2: ``signature`` (HMAC with the cluster key); a
+version-1 event is refused.
 
 Async-safety: one event loop; not thread-safe. Nothing here raises on a NATS outage.
 """
@@ -32,12 +41,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pdserve.discovery.kvcache import KVCACHE_SUBJECT, KVSYNC_SUBJECT, KVCacheEvent
+from pdserve.discovery.kvcache import (
+    KVCACHE_SUBJECT,
+    KVSYNC_SUBJECT,
+    KVCacheEvent,
+    UnsignedWarnings,
+    canonical_json,
+)
 from pdserve.protocol import WorkerLoad
+from pdserve.security import KV_BLOCK_EVENT_LABEL, LOAD_EVENT_LABEL
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NatsClient
@@ -45,10 +61,11 @@ if TYPE_CHECKING:
     from nats.aio.subscription import Subscription
 
     from pdserve.discovery.registration import Registration
+    from pdserve.security import ClusterKey
 
 logger = logging.getLogger(__name__)
 
-EVENTS_VERSION: Literal[1] = 1
+EVENTS_VERSION: Literal[2] = 2
 LOAD_SUBJECT = "pdserve.load"
 KV_SUBJECT = "pdserve.kv"
 
@@ -73,19 +90,28 @@ def worker_id_of(token: str) -> str:
 
 class _Event(BaseModel):
     """Fields every event carries. Unknown extra fields are ignored (additive changes keep the
-    version); a changed meaning bumps :data:`EVENTS_VERSION`."""
+    version); a changed meaning bumps :data:`EVENTS_VERSION`. ``signature``: see the module
+    docstring (empty: unsigned, which the consumer drops)."""
 
     model_config = ConfigDict(frozen=True, extra="ignore")
 
-    version: Literal[1] = EVENTS_VERSION
+    version: Literal[2] = EVENTS_VERSION
     worker_id: str
     epoch: int
     seq: int = Field(ge=0, description="per-publisher counter, +1 per message of this kind")
     sent_at: float = Field(description="wall-clock UNIX seconds at publish")
+    signature: str = Field(default="", max_length=128, description="hex HMAC of the event")
+
+    def signing_bytes(self) -> bytes:
+        """The canonical bytes the signature covers: every field but ``signature`` as compact
+        JSON with sorted keys (as :meth:`pdserve.protocol.WorkerRecord.signing_bytes`)."""
+        return canonical_json(self, exclude={"signature"})
 
 
 class LoadEvent(_Event):
     """``pdserve.load.<key>``: the worker's load, as its record would carry it."""
+
+    SIGNING_LABEL: ClassVar[str] = LOAD_EVENT_LABEL
 
     load: WorkerLoad
 
@@ -97,6 +123,8 @@ class KVBlockEvent(_Event):
     (epoch): released by their decode worker, or freed when their lease ran out unpulled. A rise
     in ``expired_total`` means decode workers are not pulling what prefill parked.
     """
+
+    SIGNING_LABEL: ClassVar[str] = KV_BLOCK_EVENT_LABEL
 
     parked_requests: int = Field(ge=0)
     parked_blocks: int = Field(ge=0)
@@ -120,15 +148,19 @@ class ParkedCounts(Protocol):
 
 
 class EventPublisher:
-    """Worker side: publishes :class:`LoadEvent` and :class:`KVBlockEvent` for one incarnation.
+    """Worker side: publishes :class:`LoadEvent` and :class:`KVBlockEvent` for one incarnation,
+    each signed with ``key`` (the cluster key, :meth:`~pdserve.security.ClusterKey.sign_event`).
+    KV cache events come signed already (by their publisher,
+    :class:`pdserve.workers.kv.events.KVEventPublisher`) and go out as they are.
 
     Ownership: borrows ``client`` (the registration's connection), never closes it. ``publish``
     never raises and sends nothing while the client is disconnected (stale load is worse than
     none: nats-py would buffer it and flush it after the reconnect).
     """
 
-    def __init__(self, client: NatsClient, *, worker_id: str, epoch: int) -> None:
+    def __init__(self, client: NatsClient, *, worker_id: str, epoch: int, key: ClusterKey) -> None:
         self._client = client
+        self._key = key
         self.worker_id = worker_id
         self.epoch = epoch
         token = subject_token(worker_id)
@@ -172,7 +204,7 @@ class EventPublisher:
             worker_id=self.worker_id, epoch=self.epoch, seq=self._seq, sent_at=time.time()
         )
         messages: list[tuple[str, _Event]] = [
-            (self.load_subject, LoadEvent(**head.model_dump(), load=load))
+            (self.load_subject, self._key.sign_event(LoadEvent(**head.model_dump(), load=load)))
         ]
         if parked is not None:
             kv = KVBlockEvent(
@@ -184,7 +216,7 @@ class EventPublisher:
                 free_blocks=load.free_blocks,
                 total_blocks=load.total_blocks,
             )
-            messages.append((self.kv_subject, kv))
+            messages.append((self.kv_subject, self._key.sign_event(kv)))
         try:
             for subject, event in messages:
                 await self._client.publish(subject, event.model_dump_json().encode())
@@ -198,7 +230,13 @@ class EventPublisher:
 
 class EventConsumer:
     """Router side: subscribes to ``pdserve.load.>`` and ``pdserve.kv.>`` and hands each valid
-    event to ``on_load`` / ``on_kv`` (called on the event loop; they must not block).
+    event whose signature verifies under ``key`` (the cluster key) to ``on_load`` / ``on_kv``
+    (called on the event loop; they must not block). KV cache events (``on_kvcache``) are
+    handed on as they parse: their consumer, the router's KV index, checks their signature.
+
+    Counters: ``received`` events handed on, ``dropped`` malformed or unknown-version ones,
+    ``unsigned`` ones whose signature is missing or wrong (a rate-limited warning per worker
+    id, :class:`~pdserve.discovery.kvcache.UnsignedWarnings`).
 
     Ownership: borrows ``client``; :meth:`close` unsubscribes. nats-py re-subscribes by itself
     after a reconnect, so :meth:`start` is called once per client.
@@ -209,14 +247,19 @@ class EventConsumer:
         on_load: Callable[[LoadEvent], None],
         on_kv: Callable[[KVBlockEvent], None],
         on_kvcache: Callable[[KVCacheEvent], None] | None = None,
+        *,
+        key: ClusterKey,
     ) -> None:
         self._on_load = on_load
         self._on_kv = on_kv
         self._on_kvcache = on_kvcache
+        self._key = key
         self._subs: list[Subscription] = []
         self._warned: set[tuple[str, str]] = set()
+        self._unsigned_warnings = UnsignedWarnings(logger)
         self.received = 0
         self.dropped = 0
+        self.unsigned = 0
 
     @property
     def started(self) -> bool:
@@ -241,17 +284,29 @@ class EventConsumer:
 
     async def _handle_load(self, msg: Msg) -> None:
         event = self._decode(msg, LoadEvent)
-        if event is not None:
+        if event is not None and self._signed(event, "a load event"):
+            self.received += 1
             self._on_load(event)
 
     async def _handle_kv(self, msg: Msg) -> None:
         event = self._decode(msg, KVBlockEvent)
-        if event is not None:
+        if event is not None and self._signed(event, "a KV block event"):
+            self.received += 1
             self._on_kv(event)
+
+    def _signed(self, event: LoadEvent | KVBlockEvent, kind: str) -> bool:
+        """Whether ``event``'s signature verifies; a refusal is counted and logged (rate
+        limited per worker id)."""
+        if self._key.event_signed(event):
+            return True
+        self.unsigned += 1
+        self._unsigned_warnings.dropped(kind, event.worker_id, event.signature)
+        return False
 
     async def _handle_kvcache(self, msg: Msg) -> None:
         event = self._decode(msg, KVCacheEvent)
         if event is not None and self._on_kvcache is not None:
+            self.received += 1
             self._on_kvcache(event)
 
     def _decode(self, msg: Msg, kind: type[_M]) -> _M | None:
@@ -269,7 +324,6 @@ class EventConsumer:
                     exc.errors()[0].get("msg"),
                 )
             return None
-        self.received += 1
         return event
 
 

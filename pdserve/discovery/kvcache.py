@@ -27,20 +27,38 @@ Transports, one per control plane (each named in the backend that carries it):
   by the worker's periodic snapshot).
 
 Every worker also sends a snapshot periodically (``discovery.kv_events_snapshot_s``), so any
-loss heals within that time whatever the transport. Events are not signed: a party that can
-write to NATS or etcd can skew routing (never correctness: a wrong guess costs a cache miss).
+loss heals within that time whatever the transport.
 
-Version history: 1: stored / removed hex hashes, reset snapshots.
+Signed like worker records: ``signature`` is 64 hex characters,
+``ClusterKey.proof("kvcache event", signing_bytes()).hex()`` (the canonical JSON of every other
+field, ``worker_id``, ``epoch`` and ``seq`` included), set by the worker's publisher
+(:meth:`pdserve.security.ClusterKey.sign_event`) and checked where events enter the router, the
+same on every transport (:meth:`pdserve.router.kv_index.KVIndex.apply`, with
+:meth:`~pdserve.security.ClusterKey.event_signed`): an unsigned or badly signed event is dropped
+and counted (outcome ``unsigned``), so write access to NATS or etcd is not enough to skew
+routing. The label is this kind's own, so a signature of another kind of event (or of a record)
+never verifies as a KV cache event's. A signed event can still be replayed by whoever saw it:
+the index drops one not newer than what it holds (``seq``, ``epoch``), and one that reaches a
+router which restarted since is undone by the worker's next event (a gap) or snapshot.
+
+Version history: 1: stored / removed hex hashes, reset snapshots. 2: ``signature`` (HMAC with
+the cluster key); a version-1 event is refused.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-KVCACHE_EVENTS_VERSION: Literal[1] = 1
+from pdserve.discovery.records import UNSIGNED_WARN_INTERVAL_S
+from pdserve.security import KVCACHE_EVENT_LABEL
+
+KVCACHE_EVENTS_VERSION: Literal[2] = 2
 KVCACHE_SUBJECT = "pdserve.kvcache"
 """NATS subject prefix of the events: ``pdserve.kvcache.<escaped worker id>``."""
 KVSYNC_SUBJECT = "pdserve.kvsync"
@@ -56,11 +74,13 @@ _HASH_HEX = 32  # 128-bit block hashes
 class KVCacheEvent(BaseModel):
     """One batch of prefix-cache index changes of one worker incarnation (see the module
     docstring). Raises ``ValidationError`` for a malformed hash, overlapping or oversized
-    lists."""
+    lists. ``signature``: see the module docstring (empty: unsigned, which the router
+    drops)."""
 
     model_config = ConfigDict(frozen=True, extra="ignore")
+    SIGNING_LABEL: ClassVar[str] = KVCACHE_EVENT_LABEL
 
-    version: Literal[1] = KVCACHE_EVENTS_VERSION
+    version: Literal[2] = KVCACHE_EVENTS_VERSION
     worker_id: str = Field(min_length=1, max_length=128)
     epoch: int
     seq: int = Field(ge=0, description="+1 per event of this publisher and epoch")
@@ -68,6 +88,7 @@ class KVCacheEvent(BaseModel):
     reset: bool = Field(default=False, description="clear the set first (snapshot start)")
     stored: tuple[str, ...] = ()
     removed: tuple[str, ...] = ()
+    signature: str = Field(default="", max_length=128, description="hex HMAC of the event")
 
     @model_validator(mode="after")
     def _check_hashes(self) -> KVCacheEvent:
@@ -77,6 +98,11 @@ class KVCacheEvent(BaseModel):
             if len(h) != _HASH_HEX:
                 raise ValueError(f"a block hash is {_HASH_HEX} hex digits, got {h!r}")
         return self
+
+    def signing_bytes(self) -> bytes:
+        """The canonical bytes the signature covers: every field but ``signature`` as compact
+        JSON with sorted keys (as :meth:`pdserve.protocol.WorkerRecord.signing_bytes`)."""
+        return canonical_json(self, exclude={"signature"})
 
     def stored_hashes(self) -> list[int]:
         """``stored`` as ints. Raises ValueError for a non-hex item."""
@@ -103,6 +129,53 @@ Called on the event loop; must not block."""
 KVEventSend = Callable[[KVCacheEvent], Awaitable[KVEventAck | None]]
 """Worker side: sends one event over the registration's control plane; returns the ack (None:
 not delivered, e.g. the control plane is unreachable). Never raises."""
+
+
+def canonical_json(model: BaseModel, *, exclude: set[str]) -> bytes:
+    """``model`` without the ``exclude`` fields as compact JSON with sorted keys: stable
+    across a JSON round trip (floats print as the shortest text that reads back the same), so
+    a signature made before sending verifies after receiving."""
+    data = model.model_dump(mode="json", exclude=exclude)
+    return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+
+
+class UnsignedWarnings:
+    """Router side: the warning about a dropped unsigned (or badly signed) event, at most once
+    per worker id per ``interval_s`` seconds (as :meth:`pdserve.discovery.records.RecordTable.
+    accepts` does for records; the ids come from whoever can publish, so the table is
+    bounded). ``clock``: monotonic seconds (tests pass a fake)."""
+
+    MAX_IDS = 1024
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        interval_s: float = UNSIGNED_WARN_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._logger = logger
+        self.interval_s = interval_s
+        self._clock = clock
+        self._warned_at: dict[str, float] = {}  # worker id -> clock() of the warning
+
+    def dropped(self, kind: str, worker_id: str, signature: str) -> None:
+        """Log that an event of ``kind`` claiming ``worker_id`` was dropped, unless one was
+        logged for that id less than ``interval_s`` ago."""
+        now = self._clock()
+        last = self._warned_at.get(worker_id)
+        if last is not None and now - last < self.interval_s:
+            return
+        if len(self._warned_at) >= self.MAX_IDS:
+            self._warned_at.clear()
+        self._warned_at[worker_id] = now
+        self._logger.warning(
+            "dropping %s of worker %r: its signature is %s; it was not published by a process "
+            "holding this cluster's secret (further ones from this id are not logged for %.0f s)",
+            kind,
+            worker_id,
+            "wrong" if signature else "missing",
+            self.interval_s,
+        )
 
 
 def encode_hash(h: int) -> str:

@@ -322,8 +322,8 @@ class NatsRegistration(Registration):
 
     async def _connect(self, record: WorkerRecord) -> bool:
         """Create the event publisher, connect in the background, wait for it (bounded)."""
-        self.events = EventPublisher(
-            self._session.client, worker_id=record.worker_id, epoch=record.epoch
+        self.events = EventPublisher(  # signs its events with the key that signs the record
+            self._session.client, worker_id=record.worker_id, epoch=record.epoch, key=self._key
         )
         await self._session.start()
         if await self._session.wait_connected(min(CONNECT_WAIT_S, self.op_timeout_s)):

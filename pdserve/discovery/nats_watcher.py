@@ -16,6 +16,11 @@
    at once. A worker that really died leaves the view when the grace ends.
 4. ``close()``: stop following; the last view stays readable. Idempotent.
 
+Every event is signed with the cluster key, like the records: the
+:class:`~pdserve.discovery.events.EventConsumer` drops load and KV block events whose signature
+does not verify before they reach the overlay below, and the router's KV index
+(:meth:`pdserve.router.kv_index.KVIndex.apply`) does the same for KV cache events.
+
 Load events: a :class:`~pdserve.discovery.events.LoadEvent` of the record's epoch, newer than
 the record (``sent_at > updated_at``), replaces the record's ``load`` in the view, so the
 pairing policy sees load about once a second while records are written every ``ttl_s / 3``.
@@ -84,6 +89,7 @@ class NatsWatcher(BackgroundWatcher["KeyValue.KeyWatcher | None"]):
         tls: ControlPlaneTLS | None = None,
     ) -> None:
         super().__init__(key=key)  # key: the view drops records not signed with it
+        self.key = key  # and the events drop events not signed with it
         self.server_url = f"nats://{host}:{port}"
         self.op_timeout_s = op_timeout_s
         self.resync_grace_s = resync_grace_s
@@ -97,7 +103,7 @@ class NatsWatcher(BackgroundWatcher["KeyValue.KeyWatcher | None"]):
         )
         self._resync = asyncio.Event()
         self._backoff = Backoff(0.1, 5.0)
-        self._events = EventConsumer(self._on_load, self._on_kv, self._on_kvcache)
+        self._events = EventConsumer(self._on_load, self._on_kv, self._on_kvcache, key=key)
         self._kv_handlers: list[KVEventHandler] = []
         self._sync_asked: dict[str, float] = {}  # worker id -> loop time of the last request
         self._pending_sync: set[asyncio.Task[None]] = set()

@@ -125,25 +125,31 @@ async def test_load_and_kv_events_reach_the_watcher_between_refreshes(
         assert await publisher.publish(load, Parked(0, 0, released=7, expired=3))
         await wait_until(lambda: watcher.kv_events()["prefill-0"].expired_total == 3, 2.0)
         assert any("3 parked requests expired" in r.message for r in caplog.records)
-        # Events of another incarnation, and messages that do not parse, change nothing.
+        # Events of another incarnation, events not signed with the cluster key, and messages
+        # that do not parse, change nothing.
         seen = record_events(watcher)
         nc = await nats.connect(nats_server.url)
-        stale = LoadEvent(
+        stale = CLUSTER_KEY.sign_event(LoadEvent(
             worker_id="prefill-0", epoch=0, seq=99, sent_at=time.time(), load=WorkerLoad(running=9)
-        )
+        ))  # fmt: skip
         await nc.publish("pdserve.load.prefill-0", stale.model_dump_json().encode())
+        forged = LoadEvent(
+            worker_id="prefill-0", epoch=1, seq=99, sent_at=time.time(), load=WorkerLoad(running=8)
+        )
+        await nc.publish("pdserve.load.prefill-0", forged.model_dump_json().encode())
         await nc.publish("pdserve.load.prefill-0", b'{"version": 2, "worker_id": "prefill-0"}')
         await nc.publish("pdserve.kv.prefill-0", b"not json")
         # One connection's messages arrive in order: a valid event published after them proves
         # the watcher has handled them.
-        later = LoadEvent(
+        later = CLUSTER_KEY.sign_event(LoadEvent(
             worker_id="prefill-0", epoch=1, seq=100, sent_at=time.time(), load=WorkerLoad(running=4)
-        )
+        ))  # fmt: skip
         await nc.publish("pdserve.load.prefill-0", later.model_dump_json().encode())
         await nc.flush()
         await nc.close()
         await wait_until(lambda: watcher.workers()["prefill-0"].load.running == 4, 2.0)
         assert [rec.load.running for rec in seen if rec is not None] == [4]
+        assert watcher._events.unsigned == 1  # the forged one
         assert isinstance(watcher.kv_events()["prefill-0"], KVBlockEvent)
         assert watcher.kv_events()["prefill-0"].expired_total == 3
     finally:

@@ -23,7 +23,7 @@ from tests.support.discovery_backends import (
     make_record,
     open_registration_for,
 )
-from tests.support.fakes import layout
+from tests.support.fakes import CLUSTER_KEY, layout
 from tests.support.servers import wait_until
 
 TPB = 4
@@ -73,7 +73,7 @@ async def test_kv_events_keep_the_router_index_in_sync(backend: Backend) -> None
     periodic = 1.0 if backend.name == "etcd" else 3600.0
     publisher = KVEventPublisher(
         worker_id=WORKER_ID, epoch=rec.epoch, recorder=recorder,
-        cached_hashes=cache.cached_hashes, send=send, snapshot_s=periodic,
+        cached_hashes=cache.cached_hashes, key=CLUSTER_KEY, send=send, snapshot_s=periodic,
         snapshot_requested=kv_snapshot_requests(reg),
     )  # fmt: skip
     try:

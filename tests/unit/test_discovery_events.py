@@ -37,11 +37,11 @@ def test_worker_ids_become_one_subject_token_and_back(worker_id: str) -> None:
 
 def test_events_of_another_version_are_rejected_and_extra_fields_ignored() -> None:
     event = LoadEvent(worker_id="w", epoch=3, seq=0, sent_at=1.0, load=WorkerLoad(running=2))
-    assert event.version == EVENTS_VERSION == 1
+    assert event.version == EVENTS_VERSION == 2
     wire = event.model_dump_json()
     assert LoadEvent.model_validate_json(wire) == event
     with pytest.raises(ValidationError):
-        LoadEvent.model_validate_json(wire.replace('"version":1', '"version":2'))
+        LoadEvent.model_validate_json(wire.replace('"version":2', '"version":1'))
     newer = wire[:-1] + ',"future_field":7}'
     assert LoadEvent.model_validate_json(newer) == event
     with pytest.raises(ValidationError):  # counters are never negative

@@ -44,12 +44,13 @@ def setup(num_blocks: int = 8, **kw: object) -> tuple[KVCacheManager, KVEventPub
     cache = KVCacheManager(LAYOUT, num_blocks)
     recorder = KVEventRecorder(**kw)  # type: ignore[arg-type]
     cache.add_listener(recorder)
-    transport = Transport(KVIndex())
+    transport = Transport(KVIndex(key=CLUSTER_KEY))
     publisher = KVEventPublisher(
         worker_id="p0",
         epoch=1,
         recorder=recorder,
         cached_hashes=cache.cached_hashes,
+        key=CLUSTER_KEY,
         send=transport,
         snapshot_s=3600.0,
     )
@@ -157,10 +158,10 @@ async def test_the_periodic_snapshot_comes_when_due() -> None:
     cache = KVCacheManager(LAYOUT, 8)
     recorder = KVEventRecorder()
     cache.add_listener(recorder)
-    transport = Transport(KVIndex())
+    transport = Transport(KVIndex(key=CLUSTER_KEY))
     publisher = KVEventPublisher(
         worker_id="p0", epoch=1, recorder=recorder, cached_hashes=cache.cached_hashes,
-        send=transport, snapshot_s=10.0, clock=lambda: now[0],
+        key=CLUSTER_KEY, send=transport, snapshot_s=10.0, clock=lambda: now[0],
     )  # fmt: skip
     await publisher.flush()
     now[0] = 9.0
@@ -179,7 +180,7 @@ async def registry_client() -> httpx.AsyncClient:
     import fastapi
 
     registry = EmbeddedRegistry(ttl_s=10.0, key=CLUSTER_KEY)
-    index = KVIndex()
+    index = KVIndex(key=CLUSTER_KEY)
     registry.subscribe_kv_events(index.apply)
     app = fastapi.FastAPI()
     from pdserve.server.errors import install_error_handlers
@@ -192,8 +193,9 @@ async def registry_client() -> httpx.AsyncClient:
 
 
 def body(seq: int, reset: bool = False, worker_id: str = "p0") -> str:
-    return KVCacheEvent(worker_id=worker_id, epoch=1, seq=seq, sent_at=0.0, reset=reset,
-                        stored=("0" * 32,)).model_dump_json()  # fmt: skip
+    event = KVCacheEvent(worker_id=worker_id, epoch=1, seq=seq, sent_at=0.0, reset=reset,
+                         stored=("0" * 32,))  # fmt: skip
+    return CLUSTER_KEY.sign_event(event).model_dump_json()
 
 
 async def test_the_registry_route_needs_the_cluster_token(
@@ -262,7 +264,7 @@ async def test_open_kv_events_publishes_only_when_everything_is_on(
     async with AsyncExitStack() as stack:
         publisher = await open_kv_events(
             kv_cache=cache, registration=registration, worker_id="p0", epoch=1,
-            settings=settings, stack=stack,
+            key=CLUSTER_KEY, settings=settings, stack=stack,
         )  # fmt: skip
         assert (publisher is not None) is publishes
         if publisher is None:

@@ -9,7 +9,7 @@ from pdserve.block_hash import BlockHasher
 from pdserve.discovery.kvcache import KVCacheEvent, encode_hash
 from pdserve.router.kv_index import KVIndex, PromptHashes, expected_cached_tokens
 from pdserve.workers.kv.manager import KVCacheManager
-from tests.support.fakes import layout, record
+from tests.support.fakes import CLUSTER_KEY, layout, record
 
 TPB = 16
 LAYOUT = layout(tokens_per_block=TPB)
@@ -27,7 +27,8 @@ def event(
     epoch: int = 7,
     worker_id: str = "p0",
 ) -> KVCacheEvent:
-    return KVCacheEvent(
+    """A KV cache event signed with the cluster key, as a worker's publisher signs it."""
+    unsigned = KVCacheEvent(
         worker_id=worker_id,
         epoch=epoch,
         seq=seq,
@@ -36,10 +37,11 @@ def event(
         stored=tuple(encode_hash(h) for h in stored),
         removed=tuple(encode_hash(h) for h in removed),
     )
+    return CLUSTER_KEY.sign_event(unsigned)
 
 
 def synced_index(*hashes: int) -> KVIndex:
-    index = KVIndex()
+    index = KVIndex(key=CLUSTER_KEY)
     assert index.apply(event(0, reset=True, stored=list(hashes))) is False
     return index
 
@@ -60,7 +62,7 @@ def test_the_overlap_stops_at_the_first_missing_block() -> None:
 
 
 def test_events_before_the_first_snapshot_are_not_counted_and_ask_for_one() -> None:
-    index = KVIndex()
+    index = KVIndex(key=CLUSTER_KEY)
     assert index.apply(event(4, stored=HASHES)) is True  # joined late: unsynced
     assert index.overlap("p0", 7, HASHES) == 0
     assert index.apply(event(5, reset=True, stored=HASHES[:2])) is False

@@ -115,10 +115,10 @@ def holding(index: KVIndex, worker_id: str, tokens: list[int]) -> None:
     lay = layout(tokens_per_block=TPB)
     hashes = BlockHasher(lay.model, lay.dtype, TPB).hash_tokens(tokens)
     index.apply(
-        KVCacheEvent(
+        CLUSTER_KEY.sign_event(KVCacheEvent(
             worker_id=worker_id, epoch=7, seq=0, sent_at=0.0, reset=True,
             stored=tuple(encode_hash(h) for h in hashes),
-        )
+        ))
     )  # fmt: skip
 
 
@@ -129,7 +129,7 @@ async def test_the_router_sends_the_prompt_to_the_worker_holding_it(
     reply = [(72, "H"), (105, "i"), (10, "\n")]
     workers = [FakeWorker(w, role, reply) for w, role in
                (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"))]  # fmt: skip
-    index = KVIndex()
+    index = KVIndex(key=CLUSTER_KEY)
     holding(index, "p1", PROMPT)
     mounts = {w.http_url: httpx.ASGITransport(app=w.app()) for w in workers}
     metrics = RouterMetrics(kv_index=index.stats)

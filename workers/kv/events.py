@@ -12,9 +12,11 @@ Two parts, split at the thread boundary:
   I/O). Bounded: past ``max_pending`` distinct hashes it forgets them and asks for a snapshot.
 - :class:`KVEventPublisher`, on the worker's event loop: every ``interval_s`` it drains the
   recorder into :class:`~pdserve.discovery.kvcache.KVCacheEvent` batches (at most
-  ``MAX_HASHES_PER_EVENT`` hashes each, ``seq`` +1 per event) and sends them over the
-  registration's control plane (:func:`~pdserve.discovery.kvcache.kv_event_sender`: the
-  embedded registry over HTTP, NATS, or etcd). A *snapshot* (the manager's
+  ``MAX_HASHES_PER_EVENT`` hashes each, ``seq`` +1 per event), signs each with the cluster key
+  (:meth:`~pdserve.security.ClusterKey.sign_event`: the router drops unsigned events, whatever
+  the transport) and sends them over the registration's control plane
+  (:func:`~pdserve.discovery.kvcache.kv_event_sender`: the embedded registry over HTTP, NATS,
+  or etcd). A *snapshot* (the manager's
   ``cached_hashes()``, sent as one ``reset`` event plus ``stored`` events) goes first, every
   ``snapshot_s`` seconds, after any failed send, after the recorder overflowed, and when the
   router asks for one (the transport's ack).
@@ -51,6 +53,7 @@ from pdserve.discovery.kvcache import (
 )
 
 if TYPE_CHECKING:
+    from pdserve.security import ClusterKey
     from pdserve.settings import DiscoverySettings
     from pdserve.workers.kv.manager import KVCacheManager
 
@@ -113,9 +116,10 @@ class KVEventRecorder:
 class KVEventPublisher:
     """Sends one worker incarnation's KV cache events (see the module docstring).
 
-    ``cached_hashes``: the manager's snapshot function; ``send``: the transport (never raises;
-    None = not delivered); ``snapshot_requested``: polled at every flush, True when a router
-    asked for a snapshot out of band (NATS). ``clock``: monotonic seconds (tests pass a fake).
+    ``cached_hashes``: the manager's snapshot function; ``key``: the cluster key every event is
+    signed with (as the worker's record is); ``send``: the transport (never raises; None = not
+    delivered); ``snapshot_requested``: polled at every flush, True when a router asked for a
+    snapshot out of band (NATS). ``clock``: monotonic seconds (tests pass a fake).
     Not thread-safe: the event loop only. Counters: ``sent`` events, ``failed`` sends,
     ``snapshots``.
     """
@@ -127,6 +131,7 @@ class KVEventPublisher:
         epoch: int,
         recorder: KVEventRecorder,
         cached_hashes: Callable[[], list[int]],
+        key: ClusterKey,
         send: KVEventSend,
         snapshot_s: float = 10.0,
         snapshot_requested: Callable[[], bool] | None = None,
@@ -137,6 +142,7 @@ class KVEventPublisher:
         self.epoch = epoch
         self.recorder = recorder
         self._cached_hashes = cached_hashes
+        self._key = key
         self._send = send
         self.snapshot_s = snapshot_s
         self._clock = clock
@@ -185,24 +191,23 @@ class KVEventPublisher:
     ) -> list[KVCacheEvent]:
         """Events for a snapshot (``reset``: a first event that clears, even when empty) with
         the coalesced changes applied over it (they came later), each hash once, at most
-        MAX_HASHES_PER_EVENT hashes per event, ``seq`` assigned."""
+        MAX_HASHES_PER_EVENT hashes per event, ``seq`` assigned, each signed."""
         merged = dict.fromkeys(snapshot, True)
         merged.update(changes)
         items = [(encode_hash(h), present) for h, present in merged.items()]
         events: list[KVCacheEvent] = []
         for start in range(0, max(len(items), 1 if reset else 0), MAX_HASHES_PER_EVENT):
             part = items[start : start + MAX_HASHES_PER_EVENT]
-            events.append(
-                KVCacheEvent(
-                    worker_id=self.worker_id,
-                    epoch=self.epoch,
-                    seq=self._seq,
-                    sent_at=time.time(),
-                    reset=reset and start == 0,
-                    stored=tuple(h for h, present in part if present),
-                    removed=tuple(h for h, present in part if not present),
-                )
+            event = KVCacheEvent(
+                worker_id=self.worker_id,
+                epoch=self.epoch,
+                seq=self._seq,
+                sent_at=time.time(),
+                reset=reset and start == 0,
+                stored=tuple(h for h, present in part if present),
+                removed=tuple(h for h, present in part if not present),
             )
+            events.append(self._key.sign_event(event))
             self._seq += 1
         return events
 
@@ -229,11 +234,13 @@ async def open_kv_events(
     registration: object,
     worker_id: str,
     epoch: int,
+    key: ClusterKey,
     settings: DiscoverySettings,
     stack: AsyncExitStack,
 ) -> KVEventPublisher | None:
-    """Lifecycle step 1: publish ``kv_cache``'s index changes through ``registration`` (the
-    cleanup goes onto ``stack``). None when KV events are off (``discovery.kv_events``), the
+    """Lifecycle step 1: publish ``kv_cache``'s index changes, signed with ``key`` (the cluster
+    key, as the worker's record is), through ``registration`` (the cleanup goes onto
+    ``stack``). None when KV events are off (``discovery.kv_events``), the
     prefix cache is off, or the registration carries no KV events."""
     send = kv_event_sender(registration)
     if not (settings.kv_events and kv_cache.prefix_caching and send is not None):
@@ -245,6 +252,7 @@ async def open_kv_events(
         epoch=epoch,
         recorder=recorder,
         cached_hashes=kv_cache.cached_hashes,
+        key=key,
         send=send,
         snapshot_s=settings.kv_events_snapshot_s,
         snapshot_requested=kv_snapshot_requests(registration),

@@ -238,6 +238,7 @@ class WorkerService:
             registration=self.registration,
             worker_id=self.identity.worker_id,
             epoch=self.identity.epoch,
+            key=self.identity.key,  # signs the events as the registration signs the record
             settings=self.cfg.discovery,
             stack=stack,
         )
