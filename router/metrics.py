@@ -20,7 +20,7 @@ Router (:class:`RouterMetrics`), per request:
 - KV-aware routing (``router.kv_overlap_weight > 0``): ``pdserve_router_kv_overlap_tokens
   {path,role}``, per decision the prompt tokens the chosen worker of each role (prefill,
   decode, colocated) was expected to hold cached; ``pdserve_router_kv_events_total{outcome}``
-  (the workers' KV cache events: applied, gap, stale, unsynced, malformed);
+  (the workers' KV cache events: applied, gap, stale, unsynced, malformed, unsigned);
   ``pdserve_router_kv_index_workers{state=all|synced}`` and ``pdserve_router_kv_index_blocks``
   (block hashes the router's index holds over all workers)
 - Fault tolerance (docs/reliability.md): ``pdserve_router_migrations_total{leg,reason}``: a
