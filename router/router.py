@@ -162,7 +162,8 @@ class Router:
             time.time() + self.settings.request_timeout_s,
         )
         t0 = time.monotonic()
-        failed: list[WorkerRecord] = []  # incarnations whose first leg failed this request
+        failed: list[WorkerRecord] = []  # listed incarnations whose first leg failed here
+        retries = 0
         last_error: PdserveError | None = None
         until: float | None = None  # how long to hold the request while no worker serves it
         while True:
@@ -200,14 +201,17 @@ class Router:
                     self.view.mark_unreachable(worker)
                 # migration_limit 0: only a refused connection is retried, once
                 limit = self.settings.migration_limit or int(type(exc) is WorkerUnreachableError)
-                if len(failed) >= limit or spec.deadline - time.time() <= 1.0:
+                if retries >= limit or spec.deadline - time.time() <= 1.0:
                     raise
+                retries += 1
                 reason = failure_reason(exc)
                 log.warning("req %s: %s; retrying without %s (%s)", request_id, exc,
                             worker.worker_id, reason)  # fmt: skip
                 if self.metrics is not None:
                     self.metrics.migrations.labels("prefill", reason).inc()
-                failed.append(worker)
+                live = self.view.record(worker.worker_id)
+                if live is not None and live.epoch == worker.epoch:  # (see Transaction._migrate)
+                    failed.append(worker)
                 last_error = exc
                 continue
             except BaseException:
@@ -227,7 +231,8 @@ class Router:
 
     def _excluded(self, failed: list[WorkerRecord]) -> list[str]:
         """Ids of the workers whose incarnation in ``failed`` is still the live one (one that
-        restarted since, with a higher epoch, may serve the request again)."""
+        restarted since, with a higher epoch, may serve the request again; one that had left
+        discovery when it failed was never put in ``failed``)."""
         out = []
         for worker in failed:
             live = self.view.record(worker.worker_id)

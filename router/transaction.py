@@ -358,7 +358,10 @@ class Transaction:
             ),
         )
         excluded: set[tuple[str, int]] = set()
-        if _decode_workers_fault(exc, failed):
+        live = router.view.record(failed.worker_id)
+        if _decode_workers_fault(exc, failed) and live is not None and live.epoch == failed.epoch:
+            # still listed: avoid it (one that left discovery is not a candidate while gone,
+            # and may serve again once it registers again: stopped, then continued)
             excluded.add((failed.worker_id, failed.epoch))
         until: float | None = None
         while True:

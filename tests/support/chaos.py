@@ -2,22 +2,30 @@
 a steady streaming load with known greedy output, the workers' KV pools read from /metrics, and
 the fault table.
 
-- :class:`UpStack`: ``python -m pdserve.cli up`` on the tiny model with short timeouts (lease,
-  registration TTL, request deadline, restart backoff) from a config file, fixed worker ports
-  (their ``/metrics`` show the KV pools), children found by their command lines
-  (``/proc/<pid>/task/*/children``, ``--worker-id prefill-0``).
+- :class:`UpStack`: ``python -m pdserve.cli up`` on the tiny model with N prefill + M decode
+  workers and short timeouts (lease, registration TTL, request deadline, restart backoff) from
+  a config file, children found by their command lines (``/proc/<pid>/task/*/children``,
+  ``--worker-id prefill-0``). A role with one worker gets a fixed port; the workers of a role
+  with several share the config file, so they pick their own (port 0), and each one's URL is
+  read from its discovery record on etcd, checked against the ports its current process listens
+  on (``/proc/<pid>/fd``, ``/proc/<pid>/net/tcp``), so a restarted worker's stale record is
+  never used. Worker ``/metrics`` show the KV pools, the router's the migrations.
 - :class:`Load`: ``lanes`` streaming completions in flight at all times (greedy, ``ignore_eos``),
   each outcome classified: ``ok`` (a complete stream whose text equals the prompt's solo greedy
   output), ``failed`` (an explicit error: HTTP status, in-band SSE error, refused or broken
   connection), ``hung`` (no end within the request deadline plus :data:`GRACE_S`),
   ``mismatched`` (a complete-looking stream with other text, or one cut off without an error).
+- :func:`run_fault`: one fault under that load, its checks and its :class:`Row`;
+  :func:`kill`, :func:`sigstop`, :func:`rolling_restart`: the faults.
 - :class:`Row` / :func:`table`: one line per fault.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import math
 import os
 import random
 import signal
@@ -26,19 +34,34 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.discovery.etcd import PREFIX as ETCD_WORKERS
 from tests.support.servers import free_port, wait_until_sync
 
 MODEL = "tiny-llama"
 GRACE_S = 5.0
 """How long past its deadline a request may take before it counts as hung."""
 KINDS = ("ok", "failed", "hung", "mismatched")
+LANES = 8
+"""Streams in flight at all times."""
+MAX_TOKENS = 32
+RECOVER_S = 40.0
+"""A new request succeeds within this many seconds of the fault's end (a restart included)."""
+QUIESCE_S = 15.0
+"""After the load stops, the pools are clean within this (the 3 s lease and some)."""
+FAIL_FAST_S = 3.0
+"""Where failures are expected (the router killed, the control plane restarted): a request
+sent after the fault ended fails within this."""
+READY_S = 60.0
+"""A restarted worker is ready (its /ready, the router's view) within this of its new pid."""
 
 
 # --- pdserve up ---------------------------------------------------------------------------------
@@ -77,9 +100,62 @@ def process_name(argv: list[str]) -> str | None:
     return None
 
 
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports ``pid`` listens on now (its socket fds matched to LISTEN rows of its
+    network namespace's ``/proc/<pid>/net/tcp{,6}``), empty when it is gone."""
+    inodes = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return set()
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:[") : -1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            rows = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if len(cols) > 9 and cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                ports.add(int(cols[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+@dataclass(frozen=True)
+class Migrations:
+    """The router's ``pdserve_router_migrations_total`` summed per leg (``prefill``,
+    ``decode``) and its ``pdserve_router_migration_seconds`` count and sum (a migrated decode
+    leg's failure to the new worker's first token)."""
+
+    legs: Counter[str] = field(default_factory=Counter)
+    timed: int = 0
+    seconds: float = 0.0
+
+    def since(self, before: Migrations) -> Migrations:
+        """What was counted after ``before``; a router restarted since counts from zero, so
+        then what it counted since its start."""
+        if any(self.legs[k] < n for k, n in before.legs.items()) or self.timed < before.timed:
+            return self
+        return Migrations(self.legs - before.legs, self.timed - before.timed,
+                          self.seconds - before.seconds)  # fmt: skip
+
+
+def role_of(name: str) -> str:
+    """``prefill`` of ``prefill-1``."""
+    return name.rsplit("-", 1)[0]
+
+
 @dataclass
 class UpStack:
-    """``pdserve up`` with one prefill and one decode worker on the tiny model."""
+    """``pdserve up`` with ``prefill`` prefill and ``decode`` decode workers on the tiny model,
+    named ``prefill-0..N-1`` and ``decode-0..M-1`` (module docstring for their URLs)."""
 
     model_dir: Path
     log_dir: Path
@@ -87,11 +163,29 @@ class UpStack:
     lease_s: float = 3.0
     ttl_s: float = 3.0
     request_timeout_s: float = 12.0
+    prefill: int = 1
+    decode: int = 1
     port: int = field(default_factory=free_port)
-    worker_ports: dict[str, int] = field(
-        default_factory=lambda: {"prefill-0": free_port(), "decode-0": free_port()}
-    )
+    worker_ports: dict[str, int] = field(default_factory=dict)
+    """Worker name -> its fixed port: the only worker of its role (default: a free port)."""
     proc: subprocess.Popen[bytes] | None = None
+    _found: dict[str, tuple[int, str]] = field(default_factory=dict, repr=False)
+    """Worker name -> (pid, URL) found through its discovery record."""
+
+    def __post_init__(self) -> None:
+        counts = {"prefill": self.prefill, "decode": self.decode}
+        for role, n in counts.items():
+            if n == 1:
+                self.worker_ports.setdefault(f"{role}-0", free_port())
+        if any(n > 1 for n in counts.values()) and not self.discovery.startswith("etcd://"):
+            raise ValueError("several workers of a role need etcd discovery (their URLs)")
+
+    @property
+    def names(self) -> list[str]:
+        """Every worker's name, prefill first."""
+        return [f"prefill-{i}" for i in range(self.prefill)] + [
+            f"decode-{i}" for i in range(self.decode)
+        ]
 
     @property
     def url(self) -> str:
@@ -102,7 +196,42 @@ class UpStack:
         return self.log_dir / "up.log"
 
     def worker_url(self, name: str) -> str:
-        return f"http://127.0.0.1:{self.worker_ports[name]}"
+        """``name``'s request-plane URL now; LookupError while it has none (not running, not
+        registered yet, or only its previous incarnation's record is there)."""
+        if name in self.worker_ports:
+            return f"http://127.0.0.1:{self.worker_ports[name]}"
+        pid = self.pids().get(name)
+        if pid is None:
+            raise LookupError(f"{name} is not running")
+        found = self._found.get(name)
+        if found is not None and found[0] == pid:
+            return found[1]
+        record = self.records().get(name)
+        if record is None:
+            raise LookupError(f"{name} has no discovery record")
+        url = str(record["http_url"])
+        if urlsplit(url).port not in listening_ports(pid):
+            raise LookupError(f"{name}'s record ({url}) is not its process {pid}'s")
+        self._found[name] = (pid, url)
+        return url
+
+    def records(self) -> dict[str, dict[str, object]]:
+        """Worker id -> its discovery record (JSON) on etcd now, read through etcd's JSON
+        gateway; httpx.HTTPError when etcd does not answer."""
+        gateway = "http://" + self.discovery.removeprefix("etcd://")
+        prefix = ETCD_WORKERS.encode()
+        end = prefix[:-1] + bytes([prefix[-1] + 1])
+        body = {
+            "key": base64.b64encode(prefix).decode(),
+            "range_end": base64.b64encode(end).decode(),
+        }
+        r = httpx.post(f"{gateway}/v3/kv/range", json=body, timeout=2.0, trust_env=False)
+        r.raise_for_status()
+        out = {}
+        for kv in r.json().get("kvs", []):
+            record = json.loads(base64.b64decode(kv["value"]))
+            out[str(record["worker_id"])] = record
+        return out
 
     def start(self, timeout_s: float = 120.0) -> None:
         """Start ``up`` and wait for its ``ready`` line; AssertionError (with the log's end)
@@ -112,8 +241,10 @@ class UpStack:
             "kv_cache": {"lease_s": self.lease_s, "budget_mb": 16},
             # every request through the prefill -> decode hand-off, the path the faults hit
             "router": {"request_timeout_s": self.request_timeout_s, "local_prefill_max_tokens": 0},
-            "prefill": {"port": self.worker_ports["prefill-0"]},
-            "decode": {"port": self.worker_ports["decode-0"]},
+            **{
+                role: {"replicas": n, "port": self.worker_ports.get(f"{role}-0", 0)}
+                for role, n in (("prefill", self.prefill), ("decode", self.decode))
+            },
             "supervisor": {"restart_backoff_s": 0.2, "restart_backoff_max_s": 2.0},
             "transfer": {"timeout_s": 5.0},
         }
@@ -186,12 +317,12 @@ class UpStack:
 
     def pools(self) -> dict[str, dict[str, int]]:
         """Per worker: KV blocks ``free``, ``used``, ``parked`` requests (leases), ``total``;
-        a worker that does not answer is left out."""
+        a worker that does not answer (or has no URL yet) is left out."""
         out = {}
-        for name in self.worker_ports:
+        for name in self.names:
             try:
                 m = self.metrics(self.worker_url(name))
-            except httpx.HTTPError:
+            except (httpx.HTTPError, LookupError):
                 continue
             state = {s: int(m.get(f'pdserve_kv_blocks{{state="{s}"}}', -1)) for s in
                      ("free", "used", "parked")}  # fmt: skip
@@ -201,8 +332,41 @@ class UpStack:
     def quiet(self) -> bool:
         """Every worker answers and holds no used block and no parked request."""
         pools = self.pools()
-        return len(pools) == len(self.worker_ports) and all(
+        return len(pools) == len(self.names) and all(
             p["used"] == 0 and p["parked"] == 0 for p in pools.values()
+        )
+
+    def router_view(self) -> dict[str, list[str]]:
+        """The router's ``/ready`` body (usable worker ids per role, 200 or 503); {} when it
+        does not answer."""
+        try:
+            r = httpx.get(f"{self.url}/ready", timeout=2.0, trust_env=False)
+            return dict(r.json())
+        except (httpx.HTTPError, ValueError):
+            return {}
+
+    def worker_ready(self, name: str) -> bool:
+        """``name``'s own ``/ready`` answers 200 and the router's view lists it."""
+        try:
+            r = httpx.get(f"{self.worker_url(name)}/ready", timeout=2.0, trust_env=False)
+        except (httpx.HTTPError, LookupError):
+            return False
+        return r.status_code == 200 and name in self.router_view().get(role_of(name), [])
+
+    def migrations(self) -> Migrations:
+        """The router's migration counters now (zeros when it does not answer)."""
+        try:
+            m = self.metrics(self.url)
+        except httpx.HTTPError:
+            return Migrations()
+        legs: Counter[str] = Counter()
+        for key, value in m.items():
+            if key.startswith("pdserve_router_migrations_total{"):
+                legs[key.split('leg="', 1)[1].split('"', 1)[0]] += int(value)
+        return Migrations(
+            legs,
+            int(m.get("pdserve_router_migration_seconds_count", 0)),
+            m.get("pdserve_router_migration_seconds_sum", 0.0),
         )
 
     def serves(self, timeout_s: float = 5.0) -> bool:
@@ -350,6 +514,16 @@ class Load:
         slow = [o.end - o.start for o in self.outcomes if o.kind == "failed" and o.start >= since]
         return max(slow, default=0.0)
 
+    def split_ok(self, start: float, end: float) -> tuple[list[float], list[float]]:
+        """The end-to-end seconds of the successful requests: those in flight at some time
+        between ``start`` and ``end`` (monotonic), and the others."""
+        during: list[float] = []
+        calm: list[float] = []
+        for o in list(self.outcomes):
+            if o.kind == "ok":
+                (during if o.start <= end and o.end >= start else calm).append(o.end - o.start)
+        return during, calm
+
     def failures(self) -> Counter[str]:
         """What the failed requests saw: ``HTTP 503 no_worker``, ``SSE error kv_...``,
         ``ConnectError``, ... -> count."""
@@ -371,13 +545,138 @@ class Load:
                 await asyncio.sleep(0.25)  # pace retries of a failing service (not a wait)
 
 
+# --- faults -------------------------------------------------------------------------------------
+
+
+def kill(stack: UpStack, name: str) -> Callable[[], None]:
+    """SIGKILL ``name``; the fault ends when up has started it again (a new pid)."""
+
+    def inject() -> None:
+        old = stack.pid(name)
+        os.kill(old, signal.SIGKILL)
+        wait_restarted(stack, name, old, 30)
+
+    return inject
+
+
+def sigstop(stack: UpStack, name: str, stopped_s: float) -> Callable[[], None]:
+    """SIGSTOP ``name`` for ``stopped_s`` seconds, then SIGCONT; the fault ends there."""
+
+    def inject() -> None:
+        pid = stack.pid(name)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(stopped_s)  # the fault itself: stopped for that long
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+    return inject
+
+
+def rolling_restart(stack: UpStack, names: list[str]) -> Callable[[], None]:
+    """One worker at a time: SIGTERM it (it drains: a decode worker hands its streams back to
+    the router to migrate), wait until up has started it again (a new pid) and it is ready
+    again (:meth:`UpStack.worker_ready`), then the next; the fault ends with the last one."""
+
+    def inject() -> None:
+        for name in names:
+            old = stack.pid(name)
+            os.kill(old, signal.SIGTERM)
+            wait_restarted(stack, name, old, 60)
+            wait_ready(stack, name)
+
+    return inject
+
+
+def wait_restarted(stack: UpStack, name: str, old: int, timeout_s: float) -> None:
+    """Wait until up runs ``name`` with another pid than ``old``."""
+    wait_until_sync(lambda: stack.pids().get(name, old) != old, timeout_s, interval_s=0.05,
+                    what=lambda: f"up to restart {name}:\n{stack.tail()}")  # fmt: skip
+
+
+def wait_ready(stack: UpStack, name: str) -> None:
+    """Wait until ``name`` is ready (:meth:`UpStack.worker_ready`)."""
+    wait_until_sync(lambda: stack.worker_ready(name), READY_S, interval_s=0.1,
+                    what=lambda: f"{name} ready: {stack.router_view()}\n{stack.tail()}")  # fmt: skip
+
+
+def run_fault(
+    stack: UpStack, expected: list[str], prompts: list[list[int]], fault: str,
+    inject: Callable[[], None], rows: list[Row], *, may_fail: bool = False,
+) -> Row:  # fmt: skip
+    """Steady load, ``inject()`` (returns when the fault has ended), a probe until a request
+    succeeds, every worker ready again, more load, quiesce; record the row in ``rows``, then
+    check it: nothing hung or mismatched, the pools clean and, unless ``may_fail``, no request
+    failed; with ``may_fail`` (the fault is the client's endpoint, or the control plane), a
+    request sent after the fault ended fails within :data:`FAIL_FAST_S`."""
+    assert stack.serves(), f"the stack does not serve before {fault}:\n{stack.tail()}"
+    load = Load(stack.url, prompts, expected, max_tokens=MAX_TOKENS,
+                deadline_s=stack.request_timeout_s, lanes=LANES).start()  # fmt: skip
+    try:
+        wait_until_sync(lambda: load.count() >= LANES, 60, interval_s=0.1, what="steady load")
+        before = stack.migrations()
+        fault_start = time.monotonic()
+        inject()
+        fault_end = time.monotonic()
+        recover_s = wait_until_sync(stack.serves, RECOVER_S, interval_s=0.2,
+                                    what=lambda: f"service after {fault}:\n{stack.tail()}")  # fmt: skip
+        recovered = time.monotonic()
+        wait_until_sync(lambda: all(stack.worker_ready(n) for n in stack.names), READY_S,
+                        interval_s=0.2, what=lambda: f"every worker ready after {fault}: "
+                        f"{stack.router_view()}\n{stack.tail()}")  # fmt: skip
+        after = time.monotonic()
+        wait_until_sync(lambda: load.count(since=after) >= LANES, 60, interval_s=0.1,
+                        what=f"steady load after {fault}")  # fmt: skip
+    finally:
+        load.stop()
+    leaked = 0
+    try:
+        wait_until_sync(stack.quiet, QUIESCE_S, interval_s=0.2)
+    except AssertionError:
+        leaked = sum(p["used"] for p in stack.pools().values())
+    counts = Counter({k: load.count(k) for k in KINDS})
+    gap_fail_s = load.slowest_failure(since=fault_end)
+    during, calm = load.split_ok(fault_start, recovered)
+    row = Row(fault, counts, leaked, recover_s, gap_fail_s, load.failures(),
+              stack.migrations().since(before), during, calm)  # fmt: skip
+    rows.append(row)
+    print(f"{row.line()} {row.seen()}")
+    bad = [o for o in load.outcomes if o.kind in ("hung", "mismatched")]
+    assert not bad, f"{fault}: {bad[:5]}"
+    assert counts["ok"] >= 2 * LANES
+    if may_fail:
+        assert gap_fail_s <= FAIL_FAST_S, (
+            f"{fault}: a request in the gap took {gap_fail_s:.1f} s to fail"
+        )
+    else:
+        failed = [o for o in load.outcomes if o.kind == "failed"]
+        assert not failed, f"{fault}: {len(failed)} failed: {row.seen()}; {failed[:3]}"
+    pools = stack.pools()
+    assert stack.quiet(), f"{fault}: KV pools not back to their totals: {pools}"
+    return row
+
+
+def percentiles(values: list[float]) -> tuple[float, float] | None:
+    """(p50, p99) of ``values`` by nearest rank; None when empty."""
+    if not values:
+        return None
+    v = sorted(values)
+
+    def rank(q: float) -> float:
+        return v[min(len(v) - 1, max(0, math.ceil(q * len(v)) - 1))]
+
+    return rank(0.5), rank(0.99)
+
+
 # --- the table ----------------------------------------------------------------------------------
 
 
 @dataclass
 class Row:
     """One fault's line of the table: outcomes by kind, KV blocks still used after the quiesce
-    wait, seconds to the first successful request after the fault's end."""
+    wait, seconds to the first successful request after the fault's end, the router's
+    migrations, and the end-to-end seconds (p50/p99) of the successful requests in flight
+    during the fault (from its injection to that first success) and of the others (calm)."""
 
     fault: str
     counts: Counter[str]
@@ -386,22 +685,36 @@ class Row:
     gap_fail_s: float = 0.0
     """The slowest failure among the requests sent after the fault ended (the gap)."""
     failures: Counter[str] = field(default_factory=Counter)
+    migrations: Migrations = field(default_factory=Migrations)
+    during: list[float] = field(default_factory=list)
+    calm: list[float] = field(default_factory=list)
 
     def seen(self) -> str:
         """The explicit failures, most common first: ``HTTP 503 no_worker x12, ...``."""
         return ", ".join(f"{what} x{n}" for what, n in self.failures.most_common()) or "-"
 
     def line(self) -> str:
-        c = self.counts
+        c, m = self.counts, self.migrations
+        avg = f"{m.seconds / m.timed:.2f}" if m.timed else "-"
         return (f"| {self.fault:<34} | {c['ok']:>4} | {c['failed']:>6} | {c['hung']:>4} | "
                 f"{c['mismatched']:>10} | {self.leaked:>13} | {self.recover_s:>9.1f} | "
-                f"{self.gap_fail_s:>13.2f} |")  # fmt: skip
+                f"{self.gap_fail_s:>13.2f} | {m.legs['prefill']:>6} | {m.legs['decode']:>6} | "
+                f"{avg:>10} | {_p(self.during):>17} | {_p(self.calm):>17} |")  # fmt: skip
+
+
+def _p(values: list[float]) -> str:
+    """``p50 / p99`` seconds (``n=`` how many), ``-`` for none."""
+    p = percentiles(values)
+    return "-" if p is None else f"{p[0]:.1f} / {p[1]:.1f} n={len(values)}"
 
 
 HEADER = (
     "| fault                              |   ok | failed | hung | mismatched | blocks leaked |"
-    " recover s | gap failure s |\n|------------------------------------|-----:|-------:|-----:|"
-    "-----------:|--------------:|----------:|--------------:|"
+    " recover s | gap failure s | migr P | migr D | migr avg s | fault e2e p50/p99 |"
+    "  calm e2e p50/p99 |\n"
+    "|------------------------------------|-----:|-------:|-----:|-----------:|--------------:|"
+    "----------:|--------------:|-------:|-------:|-----------:|------------------:|"
+    "------------------:|"
 )
 
 
