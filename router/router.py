@@ -47,13 +47,12 @@ from pdserve.protocol import (
 )
 from pdserve.router.client import GenerationStream, WorkerClient
 from pdserve.router.kv_index import KVIndex, PromptHashes, expected_cached_tokens
+from pdserve.router.migration import failure_reason, unless_lost
 from pdserve.router.policy import Pair, Route, RouteWeights, choose_route
 from pdserve.router.transaction import (
     RequestSpec,
     Transaction,
     drop_decode,
-    failure_reason,
-    unless_lost,
 )
 from pdserve.router.view import WorkerView
 

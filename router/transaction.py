@@ -48,14 +48,13 @@ parked blocks are P's, released by D (success) or by this transaction's release 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 
@@ -70,52 +69,40 @@ from pdserve.errors import (
     WorkerUnreachableError,
 )
 from pdserve.protocol import (
-    DRAINING_ERROR,
     ContextResponse,
     FinishReason,
     GenerationChunk,
     GenerationRequest,
     ReleaseRequest,
-    ResumedChoice,
     SamplingParams,
     TokenLogprob,
     WorkerRecord,
 )
-from pdserve.router.client import GenerationStream, WorkerClient
+from pdserve.router.client import GenerationStream
+from pdserve.router.migration import (
+    LOST_GRACE_S,
+    MigrationParts,
+    failure_reason,
+    open_resumed,
+    resume_request,
+    unless_lost,
+)
 from pdserve.router.policy import Pair, Route, load_key
-from pdserve.router.view import LOST, WorkerView
+from pdserve.router.view import LOST
 
 if TYPE_CHECKING:
     from pdserve.router.metrics import RouterMetrics
-    from pdserve.settings import RouterSettings
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 
-LOST_GRACE_S = 2.0
-"""A leg on a worker that left discovery is given up once it is silent this long: a stopped
-or partitioned worker's lease expired (it sends nothing more), while a draining worker that
-deregistered on SIGTERM still streams, or answers, within it (a decode step, a short prefill)."""
-
-
-class RouterParts(Protocol):
+class RouterParts(MigrationParts, Protocol):
     """What a transaction uses of the router that started it
-    (:class:`pdserve.router.router.Router` satisfies it)."""
-
-    @property
-    def client(self) -> WorkerClient: ...
-
-    @property
-    def view(self) -> WorkerView: ...
+    (:class:`pdserve.router.router.Router` satisfies it): what a migration uses, and the
+    metrics."""
 
     @property
     def metrics(self) -> RouterMetrics | None: ...
-
-    @property
-    def settings(self) -> RouterSettings: ...
-
-    async def wait_for_worker(self, until: float, error: Exception) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -342,60 +329,15 @@ class Transaction:
         if isinstance(exc, WorkerUnreachableError):
             router.view.mark_unreachable(failed)
         await self._release_prefill()
-        sampling = self.spec.sampling
-        if sampling.prompt_logprobs is not None:  # sent with the first chunk already
-            sampling = sampling.model_copy(update={"prompt_logprobs": None})
-        req = GenerationRequest(
-            request_id=self.request_id,
-            prompt_token_ids=self.spec.prompt_token_ids,
-            sampling=sampling,
-            deadline=self.spec.deadline,
-            resume=tuple(
-                ResumedChoice(
-                    index=i, token_ids=tuple(self._sent[i]), text_chars=self._sent_chars[i]
-                )
-                for i in sorted(self._unfinished)
-            ),
-        )
-        excluded: set[tuple[str, int]] = set()
-        live = router.view.record(failed.worker_id)
-        if _decode_workers_fault(exc, failed) and live is not None and live.epoch == failed.epoch:
-            # still listed: avoid it (one that left discovery is not a candidate while gone,
-            # and may serve again once it registers again: stopped, then continued)
-            excluded.add((failed.worker_id, failed.epoch))
-        until: float | None = None
-        while True:
-            target = self._migration_target(excluded)
-            if target is None:
-                if until is None:
-                    left = self.spec.deadline - time.time() - 1.0
-                    until = time.monotonic() + min(router.settings.worker_wait_s, left)
-                await router.wait_for_worker(until, exc)
-                continue
-            try:
-                call = router.client.generate(target, req)
-                stream = await unless_lost(router.view, (target,), call)
-                break
-            except WorkerError as again:  # never reached it, or it failed before streaming
-                if isinstance(again, WorkerUnreachableError):
-                    router.view.mark_unreachable(target)
-                excluded.add((target.worker_id, target.epoch))
-                log.warning("req %s: migration target failed: %s", self.request_id, again)
+        spec = self.spec
+        base = GenerationRequest(request_id=spec.request_id, prompt_token_ids=spec.prompt_token_ids,
+                                 sampling=spec.sampling, deadline=spec.deadline)  # fmt: skip
+        req = resume_request(base, self._sent, self._sent_chars, self._unfinished)
+        stream, target = await open_resumed(router, req, failed, exc, self.spec.deadline)
         self._holds.enter_context(router.view.track(target.worker_id))
         self.route = replace(self.route, worker=target)
         self._leg = f"{target.role.value} worker {target.worker_id}"
         self._watch(stream, target)
-
-    def _migration_target(self, excluded: set[tuple[str, int]]) -> WorkerRecord | None:
-        """The least loaded usable decode or colocated worker whose incarnation is not in
-        ``excluded`` (None: none now)."""
-        cands = self._router.view.candidates()
-        usable = [
-            w
-            for w in (*cands.decode, *cands.colocated)
-            if (w.worker_id, w.record.epoch) not in excluded
-        ]
-        return min(usable, key=load_key).record if usable else None
 
     def _watch(self, stream: GenerationStream, worker: WorkerRecord) -> None:
         """Make ``stream`` the current leg, given up (:meth:`GenerationStream.lose`) when this
@@ -613,66 +555,3 @@ async def drop_decode(opening: asyncio.Future[GenerationStream]) -> None:
     except BaseException:  # cancelled or refused: nothing is open
         return
     await stream.aclose()
-
-
-def _decode_workers_fault(exc: BaseException, worker: WorkerRecord) -> bool:
-    """Whether a failed decode leg is its worker's doing (so the migration avoids that
-    incarnation): not when the KV pull failed (the prefill side's) or when the prefill worker
-    it pulled from was lost; a one-worker decode pool can then take the request again."""
-    if isinstance(exc, TransferError):
-        return False
-    return not (isinstance(exc, WorkerLostError) and exc.worker_id != worker.worker_id)
-
-
-def failure_reason(exc: BaseException) -> str:
-    """The ``reason`` label of a failed leg (``pdserve_router_migrations_total``)."""
-    if isinstance(exc, TransferError):
-        return "transfer"
-    if isinstance(exc, WorkerUnreachableError):
-        return "unreachable"
-    text = str(exc)
-    if DRAINING_ERROR in text:
-        return "draining"
-    if LOST in text:
-        return "lease_lost"
-    return "worker_error"
-
-
-async def unless_lost(view: WorkerView, workers: tuple[WorkerRecord, ...], call: Awaitable[T]) -> T:
-    """Await ``call`` unless one of ``workers`` (these incarnations) leaves discovery and
-    ``call`` does not end within :data:`LOST_GRACE_S` after: then cancel it and raise
-    :class:`WorkerError` saying so. A stopped (SIGSTOP) or partitioned worker keeps its
-    connections open, so only its lost registration lease tells the router to stop waiting on
-    it. Without discovery events (``view.follows`` false) ``call`` is just awaited."""
-    if not view.follows:
-        return await call
-    task = asyncio.ensure_future(call)
-    lost: list[tuple[str, str]] = []  # (why, worker id)
-
-    def on_loss(reason: str, worker_id: str) -> None:
-        if not lost:
-            lost.append((reason, worker_id))
-            asyncio.get_running_loop().call_later(LOST_GRACE_S, task.cancel)
-
-    unwatch = [
-        view.watch_loss(w, functools.partial(on_loss, worker_id=w.worker_id)) for w in workers
-    ]
-    try:
-        return await task
-    except asyncio.CancelledError:
-        me = asyncio.current_task()
-        if lost and (me is None or not me.cancelling()):
-            raise WorkerLostError(lost[0][0], worker_id=lost[0][1]) from None
-        raise
-    finally:
-        for stop in unwatch:
-            stop()
-
-
-class WorkerLostError(WorkerError):
-    """A leg given up because worker ``worker_id`` left discovery (:func:`unless_lost`): the
-    decode leg's own worker, or the prefill worker it was pulling from."""
-
-    def __init__(self, message: str, *, worker_id: str) -> None:
-        super().__init__(message)
-        self.worker_id = worker_id

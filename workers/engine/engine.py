@@ -69,6 +69,7 @@ from pdserve.workers.engine.omp import context_thread, in_fresh_thread
 from pdserve.workers.engine.requests import (
     EngineOutput,
     EngineRequest,
+    LiveSequence,
     RequestLimits,
     Reservation,
     Sink,
@@ -79,7 +80,6 @@ from pdserve.workers.engine.requests import (
 from pdserve.workers.engine.sampler import Sampler, record_prompt_logprobs
 from pdserve.workers.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.workers.engine.sequence import IncrementalDetokenizer, Sequence, SequenceStatus
-from pdserve.workers.engine.sequence import LiveSequence as _Live
 from pdserve.workers.engine.speculative import SpecDecodeStats
 from pdserve.workers.kv.connector import KVConnectorStats, build_connector
 from pdserve.workers.kv.manager import KVCacheManager
@@ -166,7 +166,7 @@ class Engine:
             self.tokenizer, self.runner.vocab_size, sorted(self.eos_token_ids)
         )
         self.parked: dict[str, list[int]] = {}
-        self._live: dict[str, _Live] = {}  # sequence id -> live sequence
+        self._live: dict[str, LiveSequence] = {}  # sequence id -> live sequence
         self._groups: dict[str, list[str]] = {}  # request id -> its live sequence ids
         self._aborts: set[str] = set()
         self._lock = threading.RLock()
@@ -242,7 +242,7 @@ class Engine:
                     need = self.limits.need_blocks(req)
                     seq = Sequence(rid, prompt, req.sampling, req.mode, need)
                 fork = req.mode == "full" and req.sampling.n > 1
-                live = _Live(seq, sink, detok, grammar, progress=req.progress, fork=fork)
+                live = LiveSequence(seq, sink, detok, grammar, progress=req.progress, fork=fork)
                 self._live[seq.request_id] = live  # the engine sees it next step
                 self._groups[req.request_id] = [seq.request_id]
                 try:
@@ -310,7 +310,7 @@ class Engine:
         self._forget(seq)
         self._emit(live.sink, EngineOutput(seq.group_id, [], "", [], reason, index=0))
 
-    def _start_migrated(self, request_id: str, choices: list[_Live]) -> None:
+    def _start_migrated(self, request_id: str, choices: list[LiveSequence]) -> None:
         """Register a migrated request's choices and queue them (no fork: all are listed). A
         choice its replayed tokens already ended (should not happen) ends at once with a final
         output without tokens (the text it still held back, if any). Lock held."""
@@ -343,7 +343,7 @@ class Engine:
             if self.kv_cache.fork(parent.request_id, sid, tail) is not None:
                 seq.num_computed_tokens = tail
             detok = IncrementalDetokenizer(self.tokenizer, sampling.stop)
-            self._live[sid] = _Live(seq, sink, detok, self._grammar(sampling))
+            self._live[sid] = LiveSequence(seq, sink, detok, self._grammar(sampling))
             self._groups[parent.group_id].append(sid)
             self.scheduler.add(seq, front=True)
 
@@ -541,7 +541,7 @@ class Engine:
         seq.status = SequenceStatus.PARKED
         self._emit(live.sink, replace(out, parked_block_ids=list(blocks)))
 
-    def _forget(self, seq: Sequence) -> _Live:
+    def _forget(self, seq: Sequence) -> LiveSequence:
         """Drop a finished (or parked) sequence from the live tables; the request leaves them
         with its last sequence."""
         with self._lock:

@@ -27,12 +27,13 @@ from pdserve.protocol import FinishReason, SamplingParams
 from pdserve.workers.engine.grammar import GrammarState
 from pdserve.workers.engine.requests import (
     EngineRequest,
+    LiveSequence,
     RequestLimits,
     Sink,
     choice_id,
     choice_sampling,
 )
-from pdserve.workers.engine.sequence import IncrementalDetokenizer, LiveSequence, Sequence
+from pdserve.workers.engine.sequence import IncrementalDetokenizer, Sequence
 
 GrammarFactory = Callable[[SamplingParams, tuple[int, ...]], GrammarState | None]
 """``(sampling, replayed tokens) -> state`` (None without structured output); raises

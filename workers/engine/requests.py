@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pdserve.errors import CapacityError, InvalidRequestError
 from pdserve.protocol import (
@@ -20,8 +21,11 @@ from pdserve.protocol import (
     SamplingParams,
     TokenLogprob,
 )
-from pdserve.workers.engine.sequence import EngineMode, LiveSequence, Sequence
+from pdserve.workers.engine.sequence import EngineMode, IncrementalDetokenizer, Sequence
 from pdserve.workers.kv.manager import KVCacheManager
+
+if TYPE_CHECKING:
+    from pdserve.workers.engine.grammar import GrammarState
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,23 @@ class Reservation:
 
 Sink = Callable[[EngineOutput], None]
 """Receives a request's outputs, on the engine thread; must not block."""
+
+
+@dataclass(eq=False)
+class LiveSequence:
+    """A sequence the engine runs, with where its outputs go and its output state: ``grammar``
+    (structured output: the sequence's matcher), ``prompt_lps`` (prompt logprobs, by position,
+    once computed), ``progress`` (prefill mode: report completed blocks per chunk), ``fork``
+    (choice 0 of an ``n > 1`` full-mode request: fork choices ``1..n-1`` after its first
+    token; never for a migrated request, whose choices are all listed)."""
+
+    seq: Sequence
+    sink: Sink
+    detok: IncrementalDetokenizer
+    grammar: GrammarState | None = None
+    prompt_lps: list[TokenLogprob | None] | None = None
+    progress: bool = False
+    fork: bool = False
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from pdserve.protocol import SamplingParams, TokenLogprob
-
-if TYPE_CHECKING:
-    from pdserve.workers.engine.grammar import GrammarState
-    from pdserve.workers.engine.requests import Sink
+from pdserve.protocol import SamplingParams
 
 EngineMode = Literal["prefill", "full", "resume"]
 
@@ -182,20 +178,3 @@ class IncrementalDetokenizer:
         out = self.text[self.emitted : end]
         self.emitted = end
         return out
-
-
-@dataclass(eq=False)
-class LiveSequence:
-    """A sequence the engine runs, with where its outputs go and its output state: ``grammar``
-    (structured output: the sequence's matcher), ``prompt_lps`` (prompt logprobs, by position,
-    once computed), ``progress`` (prefill mode: report completed blocks per chunk), ``fork``
-    (choice 0 of an ``n > 1`` full-mode request: fork choices ``1..n-1`` after its first
-    token; never for a migrated request, whose choices are all listed)."""
-
-    seq: Sequence
-    sink: Sink
-    detok: IncrementalDetokenizer
-    grammar: GrammarState | None = None
-    prompt_lps: list[TokenLogprob | None] | None = None
-    progress: bool = False
-    fork: bool = False

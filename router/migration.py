@@ -1,0 +1,190 @@
+"""Mid-stream migration's parts (docs/reliability.md, "Migration"): giving up a leg whose
+worker left discovery (:func:`unless_lost`, :data:`LOST_GRACE_S`), naming why a leg failed
+(:func:`failure_reason`), the request that continues one elsewhere (:func:`resume_request`)
+and opening it on another worker (:func:`open_resumed`).
+
+:class:`pdserve.router.transaction.Transaction` migrates its decode leg with these;
+:class:`pdserve.router.router.Router` retries a failed first leg with :func:`unless_lost` and
+:func:`failure_reason`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Collection, Sequence
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+from pdserve.errors import TransferError, WorkerError, WorkerUnreachableError
+from pdserve.protocol import DRAINING_ERROR, GenerationRequest, ResumedChoice, WorkerRecord
+from pdserve.router.client import GenerationStream, WorkerClient
+from pdserve.router.policy import load_key
+from pdserve.router.view import LOST, WorkerView
+
+if TYPE_CHECKING:
+    from pdserve.protocol import SamplingParams
+    from pdserve.settings import RouterSettings
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+LOST_GRACE_S = 2.0
+"""A leg on a worker that left discovery is given up once it is silent this long: a stopped
+or partitioned worker's lease expired (it sends nothing more), while a draining worker that
+deregistered on SIGTERM still streams, or answers, within it (a decode step, a short prefill)."""
+
+
+class MigrationParts(Protocol):
+    """What a migration uses of the router (:class:`pdserve.router.router.Router`)."""
+
+    @property
+    def client(self) -> WorkerClient: ...
+
+    @property
+    def view(self) -> WorkerView: ...
+
+    @property
+    def settings(self) -> RouterSettings: ...
+
+    async def wait_for_worker(self, until: float, error: Exception) -> None: ...
+
+
+def resume_request(
+    base: GenerationRequest,
+    sent: Sequence[Sequence[int]],
+    sent_chars: Sequence[int],
+    unfinished: Collection[int],
+) -> GenerationRequest:
+    """``base`` (the request as first sent, without handle) made the request that continues it
+    on another worker: for each unfinished choice the tokens (``sent[i]``) and characters of
+    text (``sent_chars[i]``) the client has. Prompt logprobs came with the first chunk and are
+    not asked for again."""
+    sampling: SamplingParams = base.sampling
+    if sampling.prompt_logprobs is not None:
+        sampling = sampling.model_copy(update={"prompt_logprobs": None})
+    return GenerationRequest(
+        request_id=base.request_id,
+        prompt_token_ids=base.prompt_token_ids,
+        sampling=sampling,
+        deadline=base.deadline,
+        resume=tuple(
+            ResumedChoice(index=i, token_ids=tuple(sent[i]), text_chars=sent_chars[i])
+            for i in sorted(unfinished)
+        ),
+    )
+
+
+async def open_resumed(
+    router: MigrationParts,
+    req: GenerationRequest,
+    failed: WorkerRecord,
+    exc: Exception,
+    deadline: float,
+) -> tuple[GenerationStream, WorkerRecord]:
+    """Open ``req`` (a :func:`resume_request`) on the least loaded usable decode or colocated
+    worker, leaving out ``failed`` when the failure ``exc`` was its own and it is still listed
+    (one that left discovery is no candidate while gone, and may serve again once it registers
+    again: stopped, then continued). A worker that refuses before streaming is left out too
+    and the next one tried. While none is usable, waits for one (``router.worker_wait_s``,
+    within ``deadline``, wall-clock seconds). Raises ``exc`` when none comes, or a refusal
+    that is not the worker's (a full queue, the deadline)."""
+    view = router.view
+    excluded: set[tuple[str, int]] = set()
+    live = view.record(failed.worker_id)
+    if _decode_workers_fault(exc, failed) and live is not None and live.epoch == failed.epoch:
+        excluded.add((failed.worker_id, failed.epoch))
+    until: float | None = None
+    while True:
+        target = migration_target(view, excluded)
+        if target is None:
+            if until is None:
+                left = deadline - time.time() - 1.0
+                until = time.monotonic() + min(router.settings.worker_wait_s, left)
+            await router.wait_for_worker(until, exc)
+            continue
+        try:
+            stream = await unless_lost(view, (target,), router.client.generate(target, req))
+            return stream, target
+        except WorkerError as again:  # never reached it, or it failed before streaming
+            if isinstance(again, WorkerUnreachableError):
+                view.mark_unreachable(target)
+            excluded.add((target.worker_id, target.epoch))
+            log.warning("req %s: migration target failed: %s", req.request_id, again)
+
+
+def migration_target(view: WorkerView, excluded: set[tuple[str, int]]) -> WorkerRecord | None:
+    """The least loaded usable decode or colocated worker whose incarnation is not in
+    ``excluded`` (None: none now)."""
+    cands = view.candidates()
+    usable = [
+        w
+        for w in (*cands.decode, *cands.colocated)
+        if (w.worker_id, w.record.epoch) not in excluded
+    ]
+    return min(usable, key=load_key).record if usable else None
+
+
+def _decode_workers_fault(exc: BaseException, worker: WorkerRecord) -> bool:
+    """Whether a failed decode leg is its worker's doing (so the migration avoids that
+    incarnation): not when the KV pull failed (the prefill side's) or when the prefill worker
+    it pulled from was lost; a one-worker decode pool can then take the request again."""
+    if isinstance(exc, TransferError):
+        return False
+    return not (isinstance(exc, WorkerLostError) and exc.worker_id != worker.worker_id)
+
+
+def failure_reason(exc: BaseException) -> str:
+    """The ``reason`` label of a failed leg (``pdserve_router_migrations_total``)."""
+    if isinstance(exc, TransferError):
+        return "transfer"
+    if isinstance(exc, WorkerUnreachableError):
+        return "unreachable"
+    text = str(exc)
+    if DRAINING_ERROR in text:
+        return "draining"
+    if LOST in text:
+        return "lease_lost"
+    return "worker_error"
+
+
+async def unless_lost(view: WorkerView, workers: tuple[WorkerRecord, ...], call: Awaitable[T]) -> T:
+    """Await ``call`` unless one of ``workers`` (these incarnations) leaves discovery and
+    ``call`` does not end within :data:`LOST_GRACE_S` after: then cancel it and raise
+    :class:`WorkerError` saying so. A stopped (SIGSTOP) or partitioned worker keeps its
+    connections open, so only its lost registration lease tells the router to stop waiting on
+    it. Without discovery events (``view.follows`` false) ``call`` is just awaited."""
+    if not view.follows:
+        return await call
+    task = asyncio.ensure_future(call)
+    lost: list[tuple[str, str]] = []  # (why, worker id)
+
+    def on_loss(reason: str, worker_id: str) -> None:
+        if not lost:
+            lost.append((reason, worker_id))
+            asyncio.get_running_loop().call_later(LOST_GRACE_S, task.cancel)
+
+    unwatch = [
+        view.watch_loss(w, functools.partial(on_loss, worker_id=w.worker_id)) for w in workers
+    ]
+    try:
+        return await task
+    except asyncio.CancelledError:
+        me = asyncio.current_task()
+        if lost and (me is None or not me.cancelling()):
+            raise WorkerLostError(lost[0][0], worker_id=lost[0][1]) from None
+        raise
+    finally:
+        for stop in unwatch:
+            stop()
+
+
+class WorkerLostError(WorkerError):
+    """A leg given up because worker ``worker_id`` left discovery (:func:`unless_lost`): the
+    decode leg's own worker, or the prefill worker it was pulling from."""
+
+    def __init__(self, message: str, *, worker_id: str) -> None:
+        super().__init__(message)
+        self.worker_id = worker_id
