@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.chaos import LANES, make_prompts, table
+from tests.support.chaos import LANES, make_prompts
+from tests.support.chaos_faults import table
 from tests.support.servers import (
     EtcdServer,
     NatsServer,

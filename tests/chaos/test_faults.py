@@ -24,17 +24,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.chaos import (
-    LANES,
-    MAX_TOKENS,
-    Row,
-    UpStack,
-    kill,
-    make_prompts,
-    run_fault,
-    sigstop,
-    solo_outputs,
-)
+from tests.support.chaos import LANES, MAX_TOKENS, UpStack, make_prompts, solo_outputs
+from tests.support.chaos_faults import Row, kill, run_fault, sigstop
 from tests.support.servers import ServerProcess, wait_until_sync
 
 ETCD_DEADLINE_S = 45.0

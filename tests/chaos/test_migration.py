@@ -21,18 +21,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support.chaos import (
-    LANES,
-    MAX_TOKENS,
-    Row,
-    UpStack,
-    kill,
-    make_prompts,
-    rolling_restart,
-    run_fault,
-    sigstop,
-    solo_outputs,
-)
+from tests.support.chaos import LANES, MAX_TOKENS, UpStack, make_prompts, solo_outputs
+from tests.support.chaos_faults import Row, kill, rolling_restart, run_fault, sigstop
 
 DEADLINE_S = 45.0
 """The request deadline: longer than a worker's restart (6-14 s on 2 busy cores)."""
