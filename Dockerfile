@@ -146,10 +146,12 @@ ENV PATH=/opt/venv/bin:$PATH \
 USER pdserve
 WORKDIR /home/pdserve
 # 8000: router HTTP (OpenAI API /v1, /health, /ready). Workers' request-plane and KV transfer
-# ports are whatever their config sets (deploy/compose uses 8100 and 8200).
+# ports are whatever their config sets (deploy/compose uses 8100 and 8200). The default command's
+# embedded registry (router.registry_port, 8001) stays on the container's loopback: its workers
+# are in the same container.
 EXPOSE 8000
 # Shell form = CMD-SHELL, so $PDSERVE_HEALTH_PORT set at run time is honoured.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
     CMD pdserve-healthcheck /health || exit 1
 ENTRYPOINT ["pdserve"]
-CMD ["up", "--host", "0.0.0.0"]
+CMD ["up", "--host", "0.0.0.0", "--registry-host", "127.0.0.1"]

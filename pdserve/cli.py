@@ -243,8 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
 def cli_overrides(args: argparse.Namespace, role: str | None = None) -> dict[str, Any]:
     """The setting flags actually given, as a nested dict shaped like the YAML config.
 
-    A worker's ``--discovery http://router:8000`` means the embedded registry at that URL
-    (``discovery.url: embedded`` and ``router.url``).
+    A worker's ``--discovery http://router:8001`` means the embedded registry at that URL, the
+    router's internal listener (``discovery.url: embedded`` and ``router.url``).
     """
     out: dict[str, Any] = {}
     for setting in settings():
@@ -395,21 +395,9 @@ def _run_config(args: argparse.Namespace) -> int:
 
 
 def _run_router(cfg: RouterConfig, log_level: str) -> int:
-    import uvicorn
+    from pdserve.server.serve import run_router
 
-    from pdserve.server.app import create_app
-    from pdserve.server.http_protocol import HeaderDeadlineH11Protocol
-
-    uvicorn.run(
-        create_app(cfg),
-        host=cfg.router.host,
-        port=cfg.router.port,
-        http=HeaderDeadlineH11Protocol,  # request headers within 10 s
-        log_level=log_level,
-        access_log=False,
-        timeout_graceful_shutdown=5,
-    )
-    return 0
+    return run_router(cfg, log_level)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ Lifecycle (the processes are a :class:`pdserve.stack.Stack`, the one way pdserve
 stack; ``up`` adds the settings resolved for this host, the port check, the signals, the
 messages and the restart policy)::
 
-    0 CHECK   the router's port is free, else say so and exit 1 (another stack on it would
-              answer our /ready)
+    0 CHECK   the router's port (and, with embedded discovery, its registry's internal port,
+              ``router.registry_port``: port + 1 by default) is free, else say so and exit 1
+              (another stack on it would answer our /ready, or take our workers' records)
     1 START   spawn the router (embedded registry) and the workers as child processes, each in
               its own session so a terminal Ctrl-C reaches only this process
     2 READY   poll the router until every worker is registered and /ready is 200; print the URL
@@ -131,16 +132,21 @@ def run_up(
         nonlocal stopping
         stopping = True
 
-    taken = _port_taken(cfg.router.host, cfg.router.port)
-    if taken:
-        # Checked first: the stack holding the port would answer our /ready and we would
-        # report "ready" for a router that could not start.
-        print(
-            f"pdserve: cannot serve on {cfg.router.host}:{cfg.router.port}: {taken} (another "
-            "pdserve up?). Stop it or pick another port with --port.",
-            file=sys.stderr,
-        )
-        return 1
+    listeners = [(cfg.router.host, cfg.router.port, "--port")]
+    if cfg.discovery.url == "embedded":
+        r = cfg.router
+        listeners.append((r.registry_bind_host, r.registry_bind_port, "--registry-port"))
+    for host, port, flag in listeners:
+        taken = _port_taken(host, port) if port else None
+        if taken:
+            # Checked first: the stack holding the port would answer our /ready (or register
+            # our workers) and we would report "ready" for a router that could not start.
+            print(
+                f"pdserve: cannot serve on {host}:{port}: {taken} (another pdserve up?). Stop "
+                f"it or pick another port with {flag}.",
+                file=sys.stderr,
+            )
+            return 1
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
     spec = StackSpec(

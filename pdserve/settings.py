@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from pdserve.flags import OWN_SECTION, EnvAlias, Flag
@@ -118,8 +118,8 @@ class DiscoverySettings(_Section):
     url: Annotated[str, Flag("--discovery", ("router", *ROLES))] = Field(
         default="embedded",
         description="'embedded' (the router hosts a registry), etcd://host:port or "
-        "nats://host:port (JetStream); a worker also takes the router's URL "
-        "(http://router:8000: its embedded registry)",
+        "nats://host:port (JetStream); a worker also takes the URL of the router's "
+        "embedded registry (http://router:8001: its internal listener, router.registry_port)",
     )
     registration_ttl_s: Annotated[float, Flag("--registration-ttl-s", ("router", *ROLES))] = Field(
         default=10.0, gt=0, description="a silent worker's record expires after this long"
@@ -174,13 +174,28 @@ class RouterSettings(_Section):
         default="127.0.0.1", description="router bind address"
     )
     port: Annotated[int, Flag("--port", ("up", "router"))] = Field(
-        default=8000, ge=0, le=65535, description="router HTTP port (/v1, /health, /ready)"
+        default=8000,
+        ge=0,
+        le=65535,
+        description="router public HTTP port (/v1, /health, /ready, /metrics)",
+    )
+    registry_host: Annotated[str | None, Flag("--registry-host", ("up", "router"))] = Field(
+        default=None,
+        description="bind address of the internal listener that serves the embedded registry "
+        "(/registry/*, cluster token; discovery 'embedded' only); default: host",
+    )
+    registry_port: Annotated[int | None, Flag("--registry-port", ("up", "router"))] = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="port of the embedded registry's internal listener, never the public "
+        "port; default: port + 1 (8001)",
     )
     url: str | None = Field(
         default=None,
         pattern=r"^https?://\S+$",
-        description="how workers reach the router's embedded registry; default: "
-        "http://<host or 127.0.0.1>:<port>",
+        description="how workers reach the router's embedded registry (its internal "
+        "listener); default: http://<registry_host or 127.0.0.1>:<registry_port>",
     )
     request_timeout_s: Annotated[float, Flag("--request-timeout-s", ("up", "router"))] = Field(
         default=1800.0,
@@ -285,6 +300,48 @@ class RouterSettings(_Section):
         "router, or running + waiting as the worker reports, whichever is larger), in prompt "
         "tokens to compute",
     )
+
+    @model_validator(mode="after")
+    def _check_registry_port(self) -> RouterSettings:
+        if self.registry_port is None and self.port == 65535:
+            raise ValueError("registry_port: port 65535 leaves no port + 1; set registry_port")
+        if self.registry_bind_port != 0 and self.registry_bind_port == self.port:
+            raise ValueError(
+                f"registry_port: the registry's internal listener needs a port of its own, "
+                f"not the public port {self.port}"
+            )
+        return self
+
+    @property
+    def registry_bind_host(self) -> str:
+        """The address the registry's internal listener binds: ``registry_host``, else
+        ``host``."""
+        return self.host if self.registry_host is None else self.registry_host
+
+    @property
+    def registry_bind_port(self) -> int:
+        """The registry listener's port: ``registry_port``, else ``port + 1`` (0 when ``port``
+        is 0: the OS picks both)."""
+        if self.registry_port is not None:
+            return self.registry_port
+        return self.port + 1 if self.port else 0
+
+    @property
+    def public_url(self) -> str:
+        """The router's public base URL (``/v1``, ``/ready``) on this machine:
+        ``http://<host, 127.0.0.1 for a wildcard>:<port>``."""
+        host = "127.0.0.1" if self.host in WILDCARD_HOSTS else self.host
+        return f"http://{url_host(host)}:{self.port}"
+
+    @property
+    def registry_url(self) -> str:
+        """How workers reach the embedded registry: ``url``, else
+        ``http://<registry_bind_host, 127.0.0.1 for a wildcard>:<registry_bind_port>``."""
+        if self.url:
+            return self.url.rstrip("/")
+        host = self.registry_bind_host
+        host = "127.0.0.1" if host in WILDCARD_HOSTS else host
+        return f"http://{url_host(host)}:{self.registry_bind_port}"
 
 
 class WorkerSettings(_Section):
@@ -409,15 +466,18 @@ class PdserveConfig(_Section):
 
     @property
     def router_url(self) -> str:
-        """The URL workers use to reach the embedded registry."""
-        if self.router.url:
-            return self.router.url.rstrip("/")
-        host = "127.0.0.1" if self.router.host in WILDCARD_HOSTS else self.router.host
-        return f"http://{url_host(host)}:{self.router.port}"
+        """The router's public base URL on this machine (:attr:`RouterSettings.public_url`)."""
+        return self.router.public_url
+
+    @property
+    def registry_url(self) -> str:
+        """The URL workers use to reach the embedded registry, the router's internal listener
+        (:attr:`RouterSettings.registry_url`)."""
+        return self.router.registry_url
 
     def worker_discovery(self) -> str:
-        """What a worker dials: the router URL (embedded registry) or the etcd/NATS URL."""
-        return self.router_url if self.discovery.url == "embedded" else self.discovery.url
+        """What a worker dials: the registry URL (embedded) or the etcd/NATS URL."""
+        return self.registry_url if self.discovery.url == "embedded" else self.discovery.url
 
     def worker(self, role: str) -> WorkerSettings:
         """The section of ``role`` (``prefill``, ``decode`` or ``colocated``)."""

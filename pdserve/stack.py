@@ -6,7 +6,8 @@ tests' stack (``tests/support/stack.py``) all build their processes here.
 Lifecycle of a :class:`Stack` (made from a :class:`StackSpec`)::
 
     1 CONFIG  write_config(): the spec's settings (the router's port 0 pinned to a free port
-              when the stack is made) with their secrets moved into 0600 files, written to
+              when the stack is made, and then its registry's port, unless set, to another
+              one) with their secrets moved into 0600 files, written to
               ``config_dir/config.yaml``; the file names the secret files and holds no secret
     2 START   start(): the router, then ``settings.<role>.replicas`` workers of each role
               (prefill, decode, colocated), named ``<role>-<i>``; or start_router() and
@@ -162,7 +163,8 @@ class StackSpec:
 
     ``settings``: what the children read (resolve them for the host first where that matters:
     :func:`pdserve.launcher.child_config`); ``settings.<role>.replicas`` workers of each role
-    start with :meth:`Stack.start`; a router port of 0 becomes a free port of the router's host.
+    start with :meth:`Stack.start`; a router port of 0 becomes a free port of the router's host
+    (and an unset registry port another one).
     ``config_dir``: where the config file and the secret files go (made 0700 when missing);
     None: a private temporary folder, removed at :meth:`Stack.stop`. ``log_dir``: each process
     logs stdout + stderr into ``log_dir/<name>.log``; None: they inherit this process's streams.
@@ -202,8 +204,11 @@ class Stack:
         self.spec = spec
         cfg = spec.settings
         if cfg.router.port == 0:
-            router = cfg.router.model_copy(update={"port": free_port(cfg.router.host)})
-            cfg = cfg.model_copy(update={"router": router})
+            r = cfg.router
+            update: dict[str, Any] = {"port": free_port(r.host)}
+            if r.registry_port is None:  # not port + 1: that one may be taken
+                update["registry_port"] = free_port(r.registry_bind_host)
+            cfg = cfg.model_copy(update={"router": r.model_copy(update=update)})
         self.settings = cfg
         self.supervisor = ProcessSupervisor(
             grace_s=spec.grace_s, poll_s=spec.poll_s, notify=spec.notify
@@ -230,6 +235,12 @@ class Stack:
         """The router's base URL (``/v1`` is the OpenAI API; ``/ready`` what the stack waits
         for): :attr:`PdserveConfig.router_url`."""
         return self.settings.router_url
+
+    @property
+    def registry_url(self) -> str:
+        """The router's embedded registry (its internal listener: ``/registry/*`` with the
+        cluster token), where the workers register: :attr:`PdserveConfig.registry_url`."""
+        return self.settings.registry_url
 
     @property
     def procs(self) -> dict[str, ManagedProcess]:

@@ -7,8 +7,9 @@ Lifecycle (the lifespan)::
              tokenizer pool (:mod:`.tokenizer_pool`); start the embedded registry (if this app created it) and the discovery watcher (if this app
              opened it); open the httpx client for the worker request plane (if not injected)
     2 SERVE  /v1/chat/completions, /v1/completions, /v1/responses (:mod:`.responses`),
-             /v1/models, /tokenize, /detokenize, /health, /ready, /metrics (+ /registry/...
-             when an embedded registry is mounted)
+             /v1/models, /tokenize, /detokenize, /health, /ready, /metrics; the embedded
+             registry's /registry/* is a second app (:func:`create_apps`), served on the
+             internal listener (``router.registry_port``), never on the public port
     3 STOP   close what step 1 opened, in reverse order; injected objects are left alone
 
 Request path: the client API key and the body limit on ``/v1`` (:mod:`.guard`, before the body
@@ -109,6 +110,17 @@ class ServerState:
     metrics: RouterMetrics
 
 
+@dataclass(frozen=True)
+class RouterApps:
+    """The router process's two ASGI apps: ``public`` (the OpenAI API and the probes, on
+    ``router.port``; its lifespan starts and stops everything) and ``registry`` (the embedded
+    registry's ``/registry/*`` routes, on the internal listener ``router.registry_port``; no
+    lifespan of its own; None without an embedded registry)."""
+
+    public: FastAPI
+    registry: FastAPI | None
+
+
 def create_app(
     cfg: RouterConfig,
     *,
@@ -117,15 +129,41 @@ def create_app(
     http_client: httpx.AsyncClient | None = None,
     cluster_key: ClusterKey | None = None,
 ) -> FastAPI:
-    """Build the router app for ``cfg``.
+    """The public app of :func:`create_apps` (same arguments): with an embedded registry, the
+    registry's routes are not on it (they are on :attr:`RouterApps.registry`)."""
+    return create_apps(
+        cfg, watcher=watcher, registry=registry, http_client=http_client, cluster_key=cluster_key
+    ).public
+
+
+def create_registry_app(registry: Any) -> FastAPI:
+    """The internal listener's app: ``registry.api_router()`` (``/registry/*``: the cluster
+    token on every route) with the internal error handlers, no OpenAPI document and no
+    lifespan (the public app's lifespan starts and closes the registry it owns)."""
+    app = FastAPI(title="pdserve registry", openapi_url=None, docs_url=None, redoc_url=None)
+    install_error_handlers(app, public=False)
+    app.include_router(registry.api_router())
+    return app
+
+
+def create_apps(
+    cfg: RouterConfig,
+    *,
+    watcher: Any | None = None,
+    registry: Any | None = None,
+    http_client: httpx.AsyncClient | None = None,
+    cluster_key: ClusterKey | None = None,
+) -> RouterApps:
+    """Build the router apps for ``cfg`` (:class:`RouterApps`).
 
     - ``watcher``: discovery watcher (``workers() -> dict[str, WorkerRecord]``; ``start()`` and
       ``close()`` are called only on a watcher this app opens itself with
       ``pdserve.discovery.open_watcher(cfg.discovery.url, registry=registry, key=...)``).
-    - ``registry``: an embedded registry to mount (``api_router()`` under ``/registry``). When
-      neither ``watcher`` nor ``registry`` is given and ``cfg.discovery.url == "embedded"``, the app
-      creates an ``EmbeddedRegistry`` (its routes internal: bearer token, not in the OpenAPI
-      document) and starts/closes it.
+    - ``registry``: an embedded registry to serve (``api_router()`` under ``/registry``, on
+      :attr:`RouterApps.registry`). When neither ``watcher`` nor ``registry`` is given and
+      ``cfg.discovery.url == "embedded"``, the public app's lifespan creates an
+      ``EmbeddedRegistry`` (its routes internal: bearer token, no OpenAPI document) and
+      starts/closes it.
     - ``http_client``: the client for the worker request plane; created (and closed) by the
       lifespan when not given.
     - ``cluster_key``: the internal plane's key (registry routes, worker calls, record
@@ -167,11 +205,9 @@ def create_app(
         PublicPlaneGuard, api_keys=api_keys, max_body_bytes=cfg.router.max_request_bytes
     )
     install_openapi(app, secured=api_keys.enabled)
-    if registry is not None:
-        app.include_router(registry.api_router())
     _add_routes(app, secured=api_keys.enabled)
     add_responses_routes(app, secured=api_keys.enabled, collect=_collect)
-    return app
+    return RouterApps(app, create_registry_app(registry) if registry is not None else None)
 
 
 async def _start(

@@ -301,15 +301,15 @@ def stack_settings(
     """The settings of a benchmark stack on this machine: ``workers[role]`` workers of each role
     (a role left out: none), resolved as ``pdserve up`` resolves them
     (:func:`pdserve.launcher.child_config`: threads and KV memory split between the workers,
-    model pinned, UCX on loopback), the router on a free port (``router.port`` 0, no
-    ``router.url``), every other setting from ``cfg``."""
+    model pinned, UCX on loopback), the router and its registry on free ports (``router.port``
+    0, no ``router.registry_port`` nor ``router.url``), every other setting from ``cfg``."""
     from pdserve.launcher import child_config
     from pdserve.settings import ROLES
     from pdserve.stack import with_replicas
 
     sized = with_replicas(cfg, {role: workers.get(role, 0) for role in ROLES})
     child = child_config(sized, model_path)
-    router = child.router.model_copy(update={"port": 0, "url": None})
+    router = child.router.model_copy(update={"port": 0, "registry_port": None, "url": None})
     return child.model_copy(update={"router": router})
 
 

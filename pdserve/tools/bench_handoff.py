@@ -129,7 +129,8 @@ class ModeRun:
 @dataclass
 class Arm:
     """A started stack of one mode: its run, the router's and the decode worker's URLs, the
-    served model name, the client headers and the cluster token headers."""
+    served model name, the client headers, the cluster token headers and the router's
+    embedded registry URL (its internal listener)."""
 
     run: ModeRun
     url: str
@@ -137,6 +138,7 @@ class Arm:
     model: str
     headers: dict[str, str]
     cluster: dict[str, str]
+    registry: str = ""
 
 
 def model_window(model_path: Path) -> int | None:
@@ -212,7 +214,7 @@ async def _backend(client: httpx.AsyncClient, arm: Arm, default: str) -> str:
     import httpx
 
     try:
-        r = await client.get(f"{arm.url}/registry/workers", headers=arm.cluster)
+        r = await client.get(f"{arm.registry}/registry/workers", headers=arm.cluster)
         r.raise_for_status()
         for record in r.json()["workers"]:
             if record.get("role") == "prefill":
@@ -284,7 +286,8 @@ def start_mode(settings: PdserveConfig, mode: str, log_dir: Path, stacks: ExitSt
     run = ModeRun(mode, start_s=time.perf_counter() - t0)
     _progress(f"{mode} hand-off: stack up in {run.start_s:.0f} s")
     return Arm(run, stack.url, f"http://127.0.0.1:{dport}", str(stack.settings.model.served_name),
-               stack.api_headers(), stack.cluster_key.http_headers())  # fmt: skip
+               stack.api_headers(), stack.cluster_key.http_headers(),
+               stack.registry_url)  # fmt: skip
 
 
 def measure(cfg: PdserveConfig, model_path: Path, sizes: Sequence[int], requests: int, *,

@@ -280,9 +280,9 @@ async def resolve_endpoint(
     settings: DiscoverySettings | None = None,
     timeout_s: float = 10.0,
 ) -> str:
-    """The transfer endpoint in ``worker_id``'s discovery record at ``discovery`` (router URL,
-    ``etcd://`` or ``nats://``; ``key``: the cluster key the registry and the records need;
-    ``settings``: TLS toward etcd / NATS). Raises DiscoveryError when the worker does not show
+    """The transfer endpoint in ``worker_id``'s discovery record at ``discovery`` (the URL of
+    the router's embedded registry, its internal listener; ``etcd://`` or ``nats://``; ``key``:
+    the cluster key the registry and the records need; ``settings``: TLS toward etcd / NATS). Raises DiscoveryError when the worker does not show
     up within ``timeout_s`` or publishes no endpoint."""
     from pdserve.discovery import open_watcher
 
@@ -409,7 +409,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--peer", default=None, help="a worker's transfer endpoint HOST:PORT")
     parser.add_argument(
-        "--discovery", default=None, help="router URL, etcd:// or nats:// (with --worker)"
+        "--discovery",
+        default=None,
+        help="the router's embedded registry URL (its internal listener, e.g. "
+        "http://router:8001), etcd:// or nats:// (with --worker)",
     )
     parser.add_argument("--worker", default=None, help="worker id to look up in --discovery")
     parser.add_argument("--probe-mib", type=float, default=64.0, help="bytes per probe, MiB")

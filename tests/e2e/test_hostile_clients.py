@@ -9,7 +9,9 @@ processes on the tiny model, embedded discovery, the default transfer backend).
    (was: 3 of 3 got 502).
 3. A lone surrogate in a message or a prompt is a 400 that keeps the connection (was: a 500
    with two tracebacks and a dropped keep-alive connection).
-4. No public error body names a worker or an internal address, whatever failed; the router's
+4. The embedded registry is not on the public port (404 there, even with the cluster token);
+   its internal listener answers 401 without the token.
+5. No public error body names a worker or an internal address, whatever failed; the router's
    log has the details under the request id the body names. (Last: it kills the decode worker.)
 """
 
@@ -164,6 +166,31 @@ def test_a_lone_surrogate_is_a_400_and_the_connection_serves_on(stack: Stack) ->
             assert ok.status_code == 200, ok.text
     router_log = stack.procs["router"].log()
     assert "Traceback" not in router_log and "unexpected error" not in router_log
+
+
+def test_the_registry_is_not_on_the_public_port_and_needs_the_cluster_token(
+    stack: Stack,
+) -> None:
+    """The embedded registry (worker records: endpoints, NIXL metadata) is on the router's
+    internal listener only: 404 on the public port even with the cluster token; 401 on the
+    internal one without it, and no worker registered by a stranger."""
+    assert stack.registry_url != stack.url
+    auth = stack.cluster_key.http_headers()
+    (record,) = [w for w in stack.registry_workers() if w["role"] == "prefill"]
+    with httpx.Client(timeout=10) as client:
+        for headers in ({}, auth):
+            r = client.get(f"{stack.url}/registry/workers", headers=headers)
+            assert r.status_code == 404, r.text
+            r = client.delete(f"{stack.url}/registry/workers/{record['worker_id']}",
+                              headers=headers)  # fmt: skip
+            assert r.status_code in (404, 405), r.text
+        assert client.get(f"{stack.registry_url}/registry/workers").status_code == 401
+        rogue = {"record": {**record, "worker_id": "rogue-0"}}
+        r = client.put(f"{stack.registry_url}/registry/workers/rogue-0", json=rogue)
+        assert r.status_code == 401, r.text
+        assert client.get(f"{stack.registry_url}/v1/models").status_code == 404
+    assert record["worker_id"] in {w["worker_id"] for w in stack.registry_workers()}
+    assert "rogue-0" not in {w["worker_id"] for w in stack.registry_workers()}
 
 
 def test_no_public_error_names_a_worker_or_an_address(stack: Stack) -> None:

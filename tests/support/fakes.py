@@ -119,8 +119,9 @@ def layout(
 
 
 def registry_app(registry: EmbeddedRegistry) -> FastAPI:
-    """A stand-in for the router app: mounts ``registry`` (with the router's error handlers:
-    a 401 is the JSON error body) and runs its sweep in the lifespan."""
+    """A stand-in for the router's internal listener (its embedded registry): mounts
+    ``registry`` (with the internal error handlers: a 401 is the JSON error body) and runs its
+    sweep in the lifespan."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

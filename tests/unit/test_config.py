@@ -22,7 +22,7 @@ from pdserve.config import (
     worker_config,
 )
 from pdserve.launcher import child_config
-from pdserve.settings import ROLES, SchedulerSettings, Setting, settings
+from pdserve.settings import ROLES, RouterSettings, SchedulerSettings, Setting, settings
 from pdserve.stack import all_registered, child_env, worker_commands
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
@@ -216,13 +216,42 @@ def test_a_worker_without_an_id_gets_one_once_and_derived_values_are_properties(
 
 
 def test_a_worker_given_a_router_url_uses_the_embedded_registry_there() -> None:
-    args = build_parser().parse_args(["decode", "--discovery", "http://10.0.0.5:8000"])
+    args = build_parser().parse_args(["decode", "--discovery", "http://10.0.0.5:8001"])
     cfg, _ = resolve_config(args, "decode", env={})
     assert cfg.discovery.url == "embedded"
-    assert worker_config(cfg, "decode", MODEL).control_plane == "http://10.0.0.5:8000"
-    # The default worker dials the default router.
+    assert worker_config(cfg, "decode", MODEL).control_plane == "http://10.0.0.5:8001"
+    # The default worker dials the default router's registry: its internal listener, port + 1.
     cfg, _ = resolve_config(build_parser().parse_args(["decode"]), "decode", env={})
-    assert worker_config(cfg, "decode", MODEL).control_plane == "http://127.0.0.1:8000"
+    assert worker_config(cfg, "decode", MODEL).control_plane == "http://127.0.0.1:8001"
+    assert cfg.router_url == "http://127.0.0.1:8000"  # the public port: /v1, /ready
+
+
+def test_the_registry_listens_on_a_port_of_its_own() -> None:
+    r = RouterSettings()
+    assert (r.registry_bind_host, r.registry_bind_port) == ("127.0.0.1", 8001)
+    assert r.public_url == "http://127.0.0.1:8000" and r.registry_url == "http://127.0.0.1:8001"
+    # port + 1 follows --port; an explicit port and host win; a wildcard is dialled on loopback.
+    args = build_parser().parse_args(["up", "--port", "9000", "--host", "0.0.0.0"])
+    cfg, _ = resolve_config(args, env={})
+    assert cfg.registry_url == "http://127.0.0.1:9001" and cfg.router.registry_bind_port == 9001
+    assert cfg.worker_discovery() == "http://127.0.0.1:9001"
+    args = build_parser().parse_args(
+        ["router", "--registry-port", "7000", "--registry-host", "10.0.0.5"]
+    )
+    cfg, _ = resolve_config(args, env={"PDSERVE_ROUTER__PORT": "9000"})
+    assert (cfg.router.registry_bind_host, cfg.router.registry_bind_port) == ("10.0.0.5", 7000)
+    assert cfg.registry_url == "http://10.0.0.5:7000" and cfg.router_url == "http://127.0.0.1:9000"
+    # router.url (how workers reach it, e.g. through a Service name) outranks the listener's.
+    cfg, _ = resolve_config(args, env={"PDSERVE_ROUTER__URL": "http://router-internal:7000/"})
+    assert cfg.worker_discovery() == "http://router-internal:7000"
+    assert cfg.router_url == "http://127.0.0.1:8000"
+    # Port 0: the OS picks both. The public port itself is refused, and port + 1 past 65535.
+    assert RouterSettings(port=0).registry_bind_port == 0
+    with pytest.raises(ConfigError, match="registry_port"):
+        load_config(env={}, overrides={"router": {"port": 9000, "registry_port": 9000}})
+    with pytest.raises(ConfigError, match="registry_port"):
+        load_config(env={}, overrides={"router": {"port": 65535}})
+    assert RouterSettings(port=65535, registry_port=65534).registry_bind_port == 65534
 
 
 def test_up_children_read_one_resolved_file(

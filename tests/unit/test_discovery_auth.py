@@ -145,23 +145,39 @@ def router_app_client(app: FastAPI) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r")
 
 
-async def test_router_serves_the_registry_only_to_the_cluster_and_not_in_openapi(
+async def test_router_serves_the_registry_only_to_the_cluster_and_not_on_the_public_port(
     model_dir: Path,
 ) -> None:
-    from pdserve.server.app import create_app
+    from pdserve.server.app import create_apps
 
     cfg = RouterConfig(model_path=model_dir, served_model_name=MODEL, security=SECURITY)
-    app = create_app(cfg)  # discovery "embedded": the app mounts its own registry
-    async with app.router.lifespan_context(app), router_app_client(app) as client:
+    apps = create_apps(cfg)  # discovery "embedded": the router owns a registry
+    app, internal = apps.public, apps.registry
+    assert internal is not None
+    async with (
+        app.router.lifespan_context(app),
+        router_app_client(app) as client,
+        router_app_client(internal) as registry,
+    ):
         paths = (await client.get("/openapi.json")).json()["paths"]
         assert paths and not [p for p in paths if p.startswith("/registry")], list(paths)
         body = {"record": worker().model_dump(mode="json")}
-        assert_401(await client.put("/registry/workers/prefill-0", json=body))
-        assert_401(await client.get("/registry/workers"))
+        # The public port has no registry at all, with the token or without.
+        for headers in ({}, INTERNAL_AUTH):
+            assert (await client.get("/registry/workers", headers=headers)).status_code == 404
+            r = await client.put("/registry/workers/prefill-0", json=body, headers=headers)
+            assert r.status_code in (404, 405), r.text
+        # The internal listener's app: the cluster token on every route, nothing else there.
+        assert_401(await registry.put("/registry/workers/prefill-0", json=body))
+        assert_401(await registry.get("/registry/workers"))
+        assert (await registry.get("/openapi.json")).status_code == 404
+        assert (await registry.get("/v1/models", headers=INTERNAL_AUTH)).status_code == 404
         assert (await client.get("/ready")).json()["prefill"] == []
-        r = await client.put("/registry/workers/prefill-0", json=body, headers=INTERNAL_AUTH)
+        r = await registry.put("/registry/workers/prefill-0", json=body, headers=INTERNAL_AUTH)
         assert r.status_code == 200, r.text
-        assert (await client.get("/ready")).json()["prefill"] == ["prefill-0"]
+        assert (await client.get("/ready")).json()["prefill"] == ["prefill-0"]  # one registry
+        listing = (await registry.get("/registry/workers", headers=INTERNAL_AUTH)).json()
+        assert [w["worker_id"] for w in listing["workers"]] == ["prefill-0"]
         for probe in ("/health", "/metrics"):  # open, with no credentials
             assert (await client.get(probe)).status_code == 200, probe
 

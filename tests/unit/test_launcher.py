@@ -47,6 +47,20 @@ def test_up_refuses_a_router_port_that_is_taken(capsys: pytest.CaptureFixture[st
     assert f"cannot serve on 127.0.0.1:{port}" in err and "--port" in err
 
 
+def test_up_refuses_a_registry_port_that_is_taken(capsys: pytest.CaptureFixture[str]) -> None:
+    """Another router's registry on the internal port would take our workers' records."""
+    with socket.socket() as holder, socket.socket() as free:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        free.bind(("127.0.0.1", 0))
+        taken, port = holder.getsockname()[1], free.getsockname()[1]
+        free.close()
+        cfg = PdserveConfig.model_validate({"router": {"port": port, "registry_port": taken}})
+        assert launcher.run_up(cfg, Path("/nonexistent-model")) == 1
+    err = capsys.readouterr().err
+    assert f"cannot serve on 127.0.0.1:{taken}" in err and "--registry-port" in err
+
+
 def _read_back(config_file: Path) -> PdserveConfig:
     from pdserve.config import load_file
 

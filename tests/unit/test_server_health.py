@@ -95,21 +95,26 @@ async def test_max_model_len_in_the_config_overrides_the_model_config(model_dir)
         assert (await h.client.get("/v1/models")).json()["data"][0]["max_model_len"] == 32
 
 
-async def test_embedded_registry_is_mounted_and_feeds_the_router(cfg):
-    from pdserve.server.app import create_app
+async def test_embedded_registry_is_served_and_feeds_the_router(cfg):
+    from pdserve.server.app import create_apps
 
     p, d = FakeWorker("p0", Role.PREFILL, REPLY), FakeWorker("d0", Role.DECODE, REPLY)
     mounts = {w.http_url: httpx.ASGITransport(app=w.app()) for w in (p, d)}
     async with httpx.AsyncClient(mounts=mounts, trust_env=False) as worker_http:
-        app = create_app(cfg, http_client=worker_http)  # discovery="embedded": app-owned registry
+        apps = create_apps(cfg, http_client=worker_http)  # discovery="embedded": own registry
+        app, internal = apps.public, apps.registry
+        assert internal is not None
         async with (
             app.router.lifespan_context(app),
             httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as c,
+            httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=internal), base_url="http://r:8001"
+            ) as reg,
         ):
             assert (await c.get("/ready")).status_code == 503
             for w in (p, d):
                 body = {"record": w.record().model_dump(mode="json")}
-                r = await c.put(
+                r = await reg.put(
                     f"/registry/workers/{w.worker_id}", json=body, headers=INTERNAL_AUTH
                 )
                 assert r.status_code == 200, r.text

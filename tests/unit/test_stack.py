@@ -41,11 +41,17 @@ def test_each_process_reads_the_one_config_file_then_its_extra_flags(tmp_path: P
     s = stack.Stack(spec)
     port = s.settings.router.port
     assert port != 0 and s.url == f"http://127.0.0.1:{port}"  # port 0: a free one, pinned
+    # ... and the registry's internal listener another free one, where the workers register.
+    registry_port = s.settings.router.registry_port
+    assert registry_port not in (None, 0, port)
+    assert s.registry_url == f"http://127.0.0.1:{registry_port}"
+    assert s.settings.worker_discovery() == s.registry_url
     file = s.write_config()
     assert s.write_config() == file == tmp_path / "cfg" / stack.CONFIG_FILE  # written once
     assert (tmp_path / "cfg").stat().st_mode & 0o777 == 0o700
     back = load_file(file)
     assert back.router.port == port and back.security.cluster_secret is None
+    assert back.router.registry_port == registry_port
     secret = load_cluster_secret(back.security).decode()
     assert secret not in file.read_text() and s.cluster_key.http_headers()
 

@@ -1,0 +1,140 @@
+"""Run the router process: the public app on ``router.port`` and, with an embedded registry,
+the registry's app on an internal listener (``router.registry_host``:``router.registry_port``,
+default the router's host and port + 1), in one process and one event loop.
+
+Two uvicorn servers share the loop. The public one runs as ``uvicorn.run`` would (it binds,
+owns SIGINT / SIGTERM, runs the lifespan that starts the registry and the watcher); the internal
+one binds its socket first (a taken port fails the start at once, naming the listener), starts
+serving once the public server has started, and stops after the public server has drained and
+closed (so workers deregistering during the router's shutdown still reach the registry). Both
+use :class:`~pdserve.server.http_protocol.HeaderDeadlineH11Protocol`.
+
+The public port never serves ``/registry/*`` (404 there); the internal listener serves nothing
+else, and every one of its routes needs the cluster token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import sys
+from collections.abc import Iterator
+
+import uvicorn
+
+from pdserve.config import RouterConfig
+from pdserve.server.app import RouterApps, create_apps
+from pdserve.server.http_protocol import HeaderDeadlineH11Protocol
+
+log = logging.getLogger(__name__)
+
+GRACEFUL_SHUTDOWN_S = 5
+"""Seconds open requests get to finish once the router is told to stop."""
+
+
+class _InternalServer(uvicorn.Server):
+    """A uvicorn server that leaves the signals alone: the public server owns them and stops
+    this one when it is done (:func:`serve`)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host``:``port`` (0: the OS picks), not yet listening (uvicorn
+    listens on it). Raises OSError (``socket.gaierror`` for a host that does not resolve)."""
+    family, _, _, _, addr = socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+async def serve(
+    apps: RouterApps, cfg: RouterConfig, log_level: str, registry_sock: socket.socket | None
+) -> None:
+    """Serve ``apps`` until SIGINT / SIGTERM (module docstring); ``registry_sock``: the internal
+    listener's socket (:func:`bind_listener`), needed when ``apps.registry`` is set."""
+
+    def config(app: object, **kw: object) -> uvicorn.Config:
+        return uvicorn.Config(
+            app,  # type: ignore[arg-type]
+            http=HeaderDeadlineH11Protocol,  # request headers within 10 s
+            log_level=log_level,
+            access_log=False,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            **kw,  # type: ignore[arg-type]
+        )
+
+    public = uvicorn.Server(config(apps.public, host=cfg.router.host, port=cfg.router.port))
+    if apps.registry is None:
+        await public.serve()
+        return
+    assert registry_sock is not None
+    internal = _InternalServer(config(apps.registry, lifespan="off"))
+    public_task = asyncio.create_task(public.serve(), name="router-public")
+    internal_task: asyncio.Task[None] | None = None
+
+    def internal_ended(task: asyncio.Task[None]) -> None:
+        if not public.should_exit:  # the registry stopped on its own: stop the router too
+            log.error("the embedded registry's listener stopped; stopping the router")
+            public.should_exit = True
+
+    try:
+        while not public.started and not public_task.done():
+            await asyncio.sleep(0.05)
+        if public.started:
+            host, port = registry_sock.getsockname()[:2]
+            log.info(
+                "embedded registry on the internal listener %s:%d (cluster token; the public "
+                "port %d does not serve it)",
+                host,
+                port,
+                cfg.router.port,
+            )
+            internal_task = asyncio.create_task(
+                internal.serve([registry_sock]), name="router-registry"
+            )
+            internal_task.add_done_callback(internal_ended)
+        # Shielded: a cancelled serve() still stops the public server gracefully (below).
+        await asyncio.shield(public_task)
+    finally:
+        if not public_task.done():
+            public.should_exit = True
+            await public_task
+        internal.should_exit = True
+        if internal_task is not None:
+            await internal_task
+        registry_sock.close()
+
+
+def run_router(cfg: RouterConfig, log_level: str) -> int:
+    """``pdserve router``: build the apps (:func:`~pdserve.server.app.create_apps`; raises
+    :class:`~pdserve.errors.ConfigError` without a cluster secret), bind the registry's
+    internal listener (1 when it cannot be bound, saying so) and serve (:func:`serve`); 0
+    after a clean stop."""
+    apps = create_apps(cfg)
+    sock = None
+    if apps.registry is not None:
+        r = cfg.router
+        try:
+            sock = bind_listener(r.registry_bind_host, r.registry_bind_port)
+        except OSError as exc:
+            print(
+                f"pdserve: cannot serve the embedded registry on "
+                f"{r.registry_bind_host}:{r.registry_bind_port}: {exc.strerror or exc} (another "
+                "router on it? pick another with --registry-port)",
+                file=sys.stderr,
+            )
+            return 1
+    asyncio.run(serve(apps, cfg, log_level, sock))
+    return 0
