@@ -26,6 +26,7 @@ from pdserve.errors import (
 )
 from pdserve.protocol import Role
 from pdserve.router.client import error_from_envelope
+from pdserve.settings import RouterSettings
 from tests.support.fakes import MODEL, FakeWorker, build_tokenizer_dir, router_harness
 
 PREFILL, DECODE = "prefill-secret-7", "decode-secret-9"
@@ -39,7 +40,9 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}
 @pytest.fixture(scope="module")
 def cfg(tmp_path_factory):
     path = build_tokenizer_dir(tmp_path_factory.mktemp("tok"), max_position_embeddings=64)
-    return RouterConfig(model_path=path, served_model_name=MODEL)
+    # failures reach the client here: no migration, no wait for a worker
+    router = RouterSettings(migration_limit=0, worker_wait_s=0.0)
+    return RouterConfig(model_path=path, served_model_name=MODEL, router=router)
 
 
 def pair(**decode_kw: object) -> list[FakeWorker]:
