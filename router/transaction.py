@@ -7,9 +7,11 @@ runs it.
 Lifecycle of a two-leg request (``Transaction.state``)::
 
     1 PAIRING     Router.start(): the policy picks a compatible (P, D) pair
-    2 PREFILLING  POST ContextRequest to P /internal/context; a connection error (the request
-                  never reached P) retries once on another route without P (another prefill
-                  worker, or local prefill on a decode worker when no other P is usable)
+    2 PREFILLING  POST ContextRequest to P /internal/context; a failure (a connection
+                  error, a broken connection, an error answer, P leaving discovery while the
+                  router waits) routes the request again without P (another prefill worker,
+                  or local prefill on a decode worker when no other P is usable), up to
+                  ``router.migration_limit`` times (Router.start)
     3 PREFILLED   Router.start() returns the Transaction: the first token is known and, unless
                   it already finished the request, P holds the prompt's KV blocks under a lease
                   (streamed hand-off, ``kv_stream_min_tokens``: P named a streamed handle at
@@ -22,6 +24,12 @@ Lifecycle of a two-leg request (``Transaction.state``)::
                   blocks, 503 capacity, a failed pull: P still holds the blocks) retries on
                   the least loaded other decode worker whose KV layout P's maps to, up to 3
                   decode workers, while the lease and the deadline last
+      (4 again)   the decode leg failed, before or after its first chunk (stream broken,
+                  in-band error, D draining, D leaving discovery and silent for
+                  LOST_GRACE_S, a refusal no retry fixed): P's blocks are released and the
+                  request continues on another decode or colocated worker with
+                  GenerationRequest.resume (the tokens and text sent so far, per choice),
+                  state 4 on, at most ``router.migration_limit`` times (:mod:`.migration`)
     5 FINISHED    every choice's last event carried finish_reason stop/length; D released P's
                   blocks (or, when the first token finished the request, P never parked them)
       FAILED      a typed error was raised (WorkerError, TransferError, CapacityError,
@@ -33,7 +41,8 @@ first token is choice 0's. With ``n > 1`` P always parks the blocks, so the deco
 whenever a choice is unfinished, even when the first token already finished choice 0; D samples
 the first tokens of choices 1..n-1 and streams the choices' chunks interleaved. A finish-only
 chunk for a choice that already finished (choice 0's, echoed by D) is dropped. The request
-ends when all n choices finished; an error or abort chunk of any choice fails the request.
+ends when all n choices finished; an error or abort chunk of any choice fails the leg, which
+is migrated with all unfinished choices (or fails the request past the migration limit).
 
 Cleanup (:meth:`Transaction.aclose`, idempotent, also run when ``events()`` ends for any
 reason): close the D stream (the decode worker aborts and frees its blocks) and, unless D
