@@ -5,8 +5,12 @@ two legs of :mod:`pdserve.router.transaction`), or ``local_prefill`` / ``colocat
 prefills the prompt itself, or a colocated worker) runs the whole request behind one
 ``POST /internal/generate`` without a handle: Router.start() opens that stream and returns once
 its first token arrived (so TTFT means the same on every path), then Transaction.events()
-relays the rest as in its state 4 (DECODING). A connection error (the request never reached the worker)
-retries once on another route without that worker. Each decision is logged at debug and
+relays the rest as in its state 4 (DECODING). A first leg that fails (a connection error, a
+broken connection, an error answer, its worker leaving discovery while the router waits on it:
+:func:`~pdserve.router.migration.unless_lost`) routes the request again without that worker
+incarnation, up to ``router.migration_limit`` times (0: only a refused connection, once). While
+no route exists (every worker of a role restarting) the request is held for a discovery change,
+up to ``router.worker_wait_s`` (:meth:`Router.wait_for_worker`). Each decision is logged at debug and
 counted (``pdserve_router_decisions_total{path}``). With KV-aware routing
 (:class:`~pdserve.router.policy.RouteWeights`, :mod:`pdserve.router.kv_index`) the router
 hashes the prompt, asks its KV index how many leading tokens each candidate holds, passes that
@@ -96,9 +100,12 @@ class Router:
     async def start(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
     ) -> Transaction:
-        """Run states 1-3 (or open the one-leg stream up to its first token). Raises
-        NoWorkerError (503) when no worker qualifies, or the first leg's typed error; nothing
-        has reached the client yet when it raises."""
+        """Run states 1-3 (or open the one-leg stream up to its first token), routing a failed
+        first leg again and holding the request while no worker qualifies (see the module
+        docstring). Raises NoWorkerError (503) when still none qualifies after
+        ``worker_wait_s``, QueueFullError (429) when too many requests are held, or the first
+        leg's typed error past the retries; nothing has reached the client yet when it
+        raises."""
         t_in = time.monotonic()
         try:
             txn = await self._start(request_id, prompt_token_ids, sampling)
