@@ -6,10 +6,12 @@ What must hold (issue 4):
 1. Requests are served across the hosts through the official openai client, the KV bytes going
    over the dedicated prefill <-> decode link.
 2. With the link cut (``drop``: iptables DROP on both ends, packets vanish; ``link``: the prefill
-   side's interface down), every request ends with an explicit error well within its deadline:
-   an HTTP error status naming the cause (non-streamed), or an SSE error event after the first
-   token (streamed); never a hang, never a 200 with truncated text. The decode worker leaves no
-   connection attempt behind (one would open, unused, when the link returns).
+   side's interface down), every request is still served well within its deadline: the pull
+   fails at the transfer timeout, the router migrates the request (reason ``transfer``) and the
+   decode worker recomputes the prompt itself, so the client reads a whole answer (streamed:
+   after the first token, without an error event); never a hang, never truncated text. The
+   decode worker leaves no connection attempt behind (one would open, unused, when the link
+   returns).
 3. The KV blocks of those requests are freed on both sides while the link is still cut: the
    prefill worker's parked count returns to 0 (the router's release), the decode worker's free
    blocks to its total (at once on tcp; nixl quarantines a failed pull's blocks for the transfer
@@ -62,10 +64,6 @@ SLACK_S = 3.0
 RESUME_MAX_S = 8.0
 MAX_TOKENS = 8
 AFFECTED = (False, True, False, True)  # stream? of the requests sent while the link is cut
-CAUSE = re.compile(r"KV cache transfer between the prefill and decode workers failed|deadline")
-"""What a client reads of the cause (the details, a timeout or an unreachable peer with its
-address, are in the router's log only)."""
-ADDRESS = re.compile(r"\b\d{1,3}(\.\d{1,3}){3}\b")
 BACKEND_ENV = {
     "tcp": {},
     "nixl": {"UCX_TLS": "tcp", "UCX_TCP_KEEPIDLE": "1s", "UCX_TCP_KEEPINTVL": "1s",
@@ -152,16 +150,17 @@ def _concurrently(client: openai.OpenAI, streams: tuple[bool, ...]) -> list[Outc
     return [o for o in outcomes if o is not None]
 
 
-def _assert_explicit_failure(o: Outcome, within_s: float) -> None:
-    assert o.error is not None, f"request succeeded across a cut KV link: {o}"
-    assert CAUSE.search(o.error), f"the error does not name its cause: {o}"
-    assert not ADDRESS.search(o.error), f"the error names an internal address: {o}"
-    assert o.elapsed < within_s, f"error came after {within_s:.1f} s: {o}"
-    if o.stream:  # 200 + the first token (TTFT does not wait for D), then the error event
-        assert o.status is None and o.finish_reason is None, o
-    else:  # an error status, never a 200 with truncated text
-        assert o.status in (502, 504), o
-        assert o.text == "", o
+def _assert_recovered(o: Outcome, within_s: float) -> None:
+    assert o.ok, f"a request across the cut KV link was not served whole: {o}"
+    assert o.elapsed < within_s, f"served after {within_s:.1f} s: {o}"
+
+
+def _migrations(stack: NetnsStack) -> float:
+    """The router's ``pdserve_router_migrations_total{leg="decode",reason="transfer"}``."""
+    text = httpx.get(f"{stack.url}/metrics", timeout=5, trust_env=False).text
+    found = re.search(r'^pdserve_router_migrations_total\{leg="decode",reason="transfer"\} (\S+)$',
+                      text, re.M)  # fmt: skip
+    return float(found.group(1)) if found else 0.0
 
 
 def _load(stack: NetnsStack, role: str) -> dict[str, int]:
@@ -217,7 +216,7 @@ def netns_stack(
 
 
 @pytest.mark.parametrize("cut", ["drop", "link"])
-def test_kv_link_partition_fails_requests_explicitly_and_service_resumes(
+def test_kv_link_partition_is_recovered_by_migration_and_service_resumes(
     netns_stack: tuple[NetnsCluster, NetnsStack], cut: CutMethod
 ) -> None:
     net, stack = netns_stack
@@ -237,13 +236,16 @@ def test_kv_link_partition_fails_requests_explicitly_and_service_resumes(
             lambda: _all_free(stack), 10, what="blocks to be free after the healthy requests"
         )
 
-        # 2. Cut: every request ends with an explicit error, long before its deadline.
+        # 2. Cut: every request is still served (migrated: recomputed by the decode worker),
+        # long before its deadline.
         net.cut_kv(cut)
         cut_at = time.monotonic()
-        failed = _concurrently(client, AFFECTED)
-        print(f"{tag} requests while the link is cut:", *failed, sep="\n  ")
-        for o in failed:
-            _assert_explicit_failure(o, TRANSFER_TIMEOUT_S + ABORT_WAIT_S + SLACK_S)
+        migrated = _migrations(stack)
+        recovered = _concurrently(client, AFFECTED)
+        print(f"{tag} requests while the link is cut:", *recovered, sep="\n  ")
+        for o in recovered:
+            _assert_recovered(o, TRANSFER_TIMEOUT_S + ABORT_WAIT_S + SLACK_S)
+        assert _migrations(stack) - migrated >= len(AFFECTED)
         assert TRANSFER_TIMEOUT_S + ABORT_WAIT_S + SLACK_S < REQUEST_TIMEOUT_S
         assert _connecting(net) == 0, "the decode worker left connection attempts behind"
         assert httpx.get(f"{stack.url}/ready", timeout=5, trust_env=False).status_code == 200
