@@ -278,19 +278,24 @@ def _resolve_model(cfg: PdserveConfig) -> Path:
     return resolve_model(path, cache_dir=cfg.model.cache_dir)
 
 
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s",
-        stream=sys.stderr,
-    )
-    # One line per worker call at INFO is noise; keep httpx's warnings.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+def _observe(
+    cfg: PdserveConfig, level: str, service: str | None = None, instance: str = ""
+) -> None:
+    """Apply the observability section to this process: the log format, and (``service``
+    given: a serving process) tracing."""
+    from pdserve import tracing
+    from pdserve.logs import configure_logging
+
+    configure_logging(level, cfg.observability.log_format)
+    if service is not None:
+        tracing.configure(cfg.observability, service, instance or f"{service}-{os.getpid()}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _configure_logging(args.log_level)
+    from pdserve.logs import configure_logging
+
+    configure_logging(args.log_level)
     try:
         return _dispatch(args)
     except ConfigError as exc:
@@ -319,6 +324,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             from pdserve.launcher import run_up
 
             cfg, _ = resolve_config(args)
+            _observe(cfg, args.log_level)
             return run_up(
                 cfg, _resolve_model(cfg), log_level=args.log_level,
                 ready_timeout_s=args.ready_timeout_s,
@@ -326,6 +332,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.command == "router":
             cfg, _ = resolve_config(args)
             _check_secrets(cfg)
+            _observe(cfg, args.log_level, "pdserve-router")
             return _run_router(router_config(cfg, _resolve_model(cfg)), args.log_level)
         if args.command in ("prefill", "decode", "colocated"):
             from pdserve.workers.roles.app import run_worker
@@ -334,6 +341,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             _check_secrets(cfg)
             role = typing.cast(Role, args.command)
             wcfg = worker_config(cfg, role, _resolve_model(cfg))
+            _observe(cfg, args.log_level, f"pdserve-{role}", wcfg.worker_id)
             run_worker(wcfg, log_level=args.log_level)
             return 0
         if args.command == "bench":

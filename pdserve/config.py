@@ -27,6 +27,7 @@ from pdserve.settings import (
     DiscoverySettings,
     KVCacheSettings,
     ModelSettings,
+    ObservabilitySettings,
     PdserveConfig,
     Role,
     RouterSettings,
@@ -83,6 +84,7 @@ class WorkerConfig(_Runtime):
     worker: WorkerSettings = WorkerSettings()
     discovery: DiscoverySettings = DiscoverySettings()
     security: SecuritySettings = SecuritySettings()
+    observability: ObservabilitySettings = ObservabilitySettings()
     control_plane: str
 
     @model_validator(mode="before")
@@ -120,6 +122,7 @@ class RouterConfig(_Runtime):
     discovery: DiscoverySettings = DiscoverySettings()
     model: ModelSettings = ModelSettings()
     security: SecuritySettings = SecuritySettings()
+    observability: ObservabilitySettings = ObservabilitySettings()
 
 
 Sources = dict[tuple[str, ...], str]
@@ -280,6 +283,7 @@ def router_config(cfg: PdserveConfig, model_path: Path) -> RouterConfig:
         discovery=cfg.discovery,
         model=cfg.model,
         security=cfg.security,
+        observability=cfg.observability,
     )
 
 
@@ -306,6 +310,7 @@ def worker_config(cfg: PdserveConfig, role: Role, model_path: Path) -> WorkerCon
         worker=w,
         discovery=cfg.discovery,
         security=cfg.security,
+        observability=cfg.observability,
         control_plane=cfg.worker_discovery(),
     )
 

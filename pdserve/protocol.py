@@ -34,6 +34,9 @@ Protocol history:
        ``BlocksReady``; on TCP ``BlockDigests`` trail the bytes instead of preceding them.
    10: mid-stream migration: ``GenerationRequest.resume`` (:class:`ResumedChoice`) continues a
        request another worker had started, after the tokens the client already has.
+   11: tracing: ``traceparent`` on :class:`ContextRequest` / :class:`GenerationRequest` (also
+       sent as the ``traceparent`` header), the worker's ``phases`` on
+       :class:`ContextResponse` and on a stream's last :class:`GenerationChunk`.
 
 Clocks: deadlines on the wire are wall-clock UNIX seconds (``time.time()``), never monotonic
 readings, because a monotonic clock does not cross processes.
@@ -45,16 +48,34 @@ import hashlib
 import json
 import time
 from enum import StrEnum
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 PROTOCOL_HEADER = "x-pdserve-protocol"
 
 
 class _Msg(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+Traceparent = Annotated[
+    str | None,
+    Field(
+        pattern=r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$",
+        description="W3C traceparent of the router's span for this leg (tracing on and "
+        "sampled): the worker's spans join that trace",
+    ),
+]
+Phases = Annotated[
+    dict[Annotated[str, StringConstraints(max_length=64)], float],
+    Field(
+        max_length=32,
+        description="the worker's phases of this request, name -> seconds "
+        "(pdserve.tracing.Timeline.durations): the router's phase line shows them",
+    ),
+]
 
 
 class Role(StrEnum):
@@ -342,6 +363,7 @@ class ContextRequest(_Msg):
     prompt_token_ids: tuple[int, ...] = Field(min_length=1)
     sampling: SamplingParams
     deadline: float = Field(description="wall-clock UNIX seconds")
+    traceparent: Traceparent = None
 
 
 class ContextStarted(_Msg):
@@ -384,6 +406,7 @@ class ContextResponse(_Msg):
     prompt_logprobs: tuple[TokenLogprob | None, ...] = Field(
         default=(), description="with sampling.prompt_logprobs: one per prompt token (None first)"
     )
+    phases: Phases = {}
 
 
 DRAINING_ERROR = "worker_draining"
@@ -424,6 +447,7 @@ class GenerationRequest(_Msg):
     first_token: int | None = None
     handle: TransferHandle | None = None
     resume: tuple[ResumedChoice, ...] | None = Field(default=None, min_length=1)
+    traceparent: Traceparent = None
 
     @model_validator(mode="after")
     def _resume_alone(self) -> GenerationRequest:
@@ -469,6 +493,7 @@ class GenerationChunk(_Msg):
     prompt_logprobs: tuple[TokenLogprob | None, ...] = Field(
         default=(), description="as ContextResponse.prompt_logprobs, where this worker prefilled"
     )
+    phases: Phases = {}
 
 
 WORKER_KEEPALIVE_S = 30.0

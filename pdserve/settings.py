@@ -61,6 +61,7 @@ __all__ = [
     "KVDtype",
     "ModelDtype",
     "ModelSettings",
+    "ObservabilitySettings",
     "PdserveConfig",
     "Role",
     "SchedulerSettings",
@@ -445,6 +446,57 @@ class SupervisorSettings(_Section):
     )
 
 
+class ObservabilitySettings(_Section):
+    """Traces and logs (docs/deploy.md, "Observability").
+
+    Tracing (OpenTelemetry, OTLP over HTTP) is off unless otlp_traces_endpoint is set: then the
+    router and every worker export one trace per request, joined across processes by the W3C
+    traceparent (a client's own is followed). The standard OTEL_* variables (headers, timeout,
+    resource attributes) apply too. The router logs one phase line per finished request
+    (phase_log; workers log theirs at debug), and JSON logs carry the request id as a field."""
+
+    otlp_traces_endpoint: Annotated[
+        str | None,
+        Flag("--otlp-traces-endpoint", EVERY),
+        EnvAlias("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
+    ] = Field(
+        default=None,
+        description="OTLP/HTTP traces URL, e.g. http://127.0.0.1:4318/v1/traces (a URL without "
+        "a path gets /v1/traces); unset or empty: tracing off",
+    )
+    trace_sample_ratio: Annotated[float, Flag("--trace-sample-ratio", EVERY)] = Field(
+        default=1.0,
+        ge=0.0,
+        le=1.0,
+        description="fraction of requests traced; a request with a traceparent follows its "
+        "sampled flag",
+    )
+    log_format: Annotated[Literal["text", "json"], Flag("--log-format", EVERY)] = Field(
+        default="text",
+        description="text, or json: one JSON object a line with request_id (and trace_id when "
+        "traced) as fields",
+    )
+    phase_log: Annotated[bool, Flag("--phase-log", EVERY)] = Field(
+        default=True,
+        description="log each finished request's phases (router: the whole timeline with the "
+        "workers' parts) at info",
+    )
+
+    @field_validator("otlp_traces_endpoint", mode="before")
+    @classmethod
+    def _empty_is_off(cls, v: Any) -> Any:
+        return None if isinstance(v, str) and not v.strip() else v
+
+    @field_validator("otlp_traces_endpoint")
+    @classmethod
+    def _http_url(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if not re.match(r"^https?://[^/\s]+", v):
+            raise ValueError(f"{v!r} is not an http(s) URL (OTLP over HTTP)")
+        return v if re.match(r"^https?://[^/]+/.", v) else v.rstrip("/") + "/v1/traces"
+
+
 class PdserveConfig(_Section):
     """The whole deployment's configuration: one YAML file shared by every role.
 
@@ -463,6 +515,7 @@ class PdserveConfig(_Section):
     colocated: WorkerSettings = WorkerSettings(replicas=0)
     security: SecuritySettings = SecuritySettings()
     supervisor: SupervisorSettings = SupervisorSettings()
+    observability: ObservabilitySettings = ObservabilitySettings()
 
     @property
     def router_url(self) -> str:

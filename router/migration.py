@@ -70,6 +70,7 @@ def resume_request(
         prompt_token_ids=base.prompt_token_ids,
         sampling=sampling,
         deadline=base.deadline,
+        traceparent=base.traceparent,
         resume=tuple(
             ResumedChoice(index=i, token_ids=tuple(sent[i]), text_chars=sent_chars[i])
             for i in sorted(unfinished)

@@ -28,7 +28,7 @@ import logging
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -43,7 +43,6 @@ from pdserve.errors import (
 from pdserve.protocol import (
     ContextRequest,
     ContextResponse,
-    GenerationRequest,
     ReleaseRequest,
     SamplingParams,
     TransferHandle,
@@ -59,6 +58,7 @@ from pdserve.router.transaction import (
     drop_decode,
 )
 from pdserve.router.view import WorkerView
+from pdserve.tracing import Timeline
 
 if TYPE_CHECKING:
     from pdserve.router.metrics import RouterMetrics
@@ -98,17 +98,25 @@ class Router:
         self._waiting = 0  # requests held by wait_for_worker
 
     async def start(
-        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        timeline: Timeline | None = None,
     ) -> Transaction:
         """Run states 1-3 (or open the one-leg stream up to its first token), routing a failed
         first leg again and holding the request while no worker qualifies (see the module
         docstring). Raises NoWorkerError (503) when still none qualifies after
         ``worker_wait_s``, QueueFullError (429) when too many requests are held, or the first
         leg's typed error past the retries; nothing has reached the client yet when it
-        raises."""
+        raises. ``timeline``: the request's (the HTTP handler's; default a new one), which
+        gets the phases ``route``, ``prefill`` / ``first_token``, the workers' phases and
+        each leg's span (module :mod:`pdserve.tracing`)."""
         t_in = time.monotonic()
+        if timeline is None:
+            timeline = Timeline("request", attributes={"pdserve.request_id": request_id})
         try:
-            txn = await self._start(request_id, prompt_token_ids, sampling)
+            txn = await self._start(request_id, prompt_token_ids, sampling, timeline)
         except BaseException:
             if self.metrics is not None:
                 self.metrics.requests.labels("failed").inc()
@@ -159,13 +167,18 @@ class Router:
                 m.kv_overlap.labels(path, "prefill").observe(route.prefill_cached_tokens)
 
     async def _start(
-        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        timeline: Timeline,
     ) -> Transaction:
         spec = RequestSpec(
             request_id,
             tuple(prompt_token_ids),
             sampling,
             time.time() + self.settings.request_timeout_s,
+            timeline,
         )
         t0 = time.monotonic()
         failed: list[WorkerRecord] = []  # listed incarnations whose first leg failed here
@@ -189,6 +202,7 @@ class Router:
                 await self.wait_for_worker(until, error)
                 continue
             self._record_decision(request_id, route)
+            timeline.mark("route", **route_attributes(route))
             holds = ExitStack()
             holds.enter_context(self.view.track(route.worker.worker_id))
             try:
@@ -215,6 +229,7 @@ class Router:
                             worker.worker_id, reason)  # fmt: skip
                 if self.metrics is not None:
                     self.metrics.migrations.labels("prefill", reason).inc()
+                timeline.mark("retry", pdserve_reason=reason, pdserve_worker_id=worker.worker_id)
                 live = self.view.record(worker.worker_id)
                 if live is not None and live.epoch == worker.epoch:  # (see Transaction._migrate)
                     failed.append(worker)
@@ -270,19 +285,23 @@ class Router:
                 self.metrics.waiting.dec()
 
     async def _prefill(self, spec: RequestSpec, pair: Pair) -> ContextResponse:
-        req = ContextRequest(
-            request_id=spec.request_id,
-            prompt_token_ids=spec.prompt_token_ids,
-            sampling=spec.sampling,
-            deadline=spec.deadline,
-        )
-        with self.view.track(pair.prefill.worker_id):
-            # Giving up here (deadline, client gone, P lost) closes the connection: P sees it
-            # and frees blocks it parks after that itself (the release needs the lease id,
-            # which only its answer would have carried); its own deadline and the lease bound
-            # the rest.
-            call = self.client.context(pair.prefill, req)
-            return await unless_lost(self.view, (pair.prefill,), call)
+        tl = spec.timeline
+        span = tl.begin("prefill", pdserve_worker_id=pair.prefill.worker_id)
+        req = context_request(spec, tl.traceparent(span))
+        error: str | None = "failed"
+        try:
+            with self.view.track(pair.prefill.worker_id):
+                # Giving up here (deadline, client gone, P lost) closes the connection: P sees
+                # it and frees blocks it parks after that itself (the release needs the lease
+                # id, which only its answer would have carried); its own deadline and the
+                # lease bound the rest.
+                call = self.client.context(pair.prefill, req)
+                resp = await unless_lost(self.view, (pair.prefill,), call)
+            error = None
+        finally:
+            Timeline.end(span, error)
+        prefilled(tl, resp)
+        return resp
 
     def _streams_kv(self, spec: RequestSpec) -> bool:
         """Whether this two-leg request uses the streamed hand-off (``kv_stream_min_tokens``)."""
@@ -297,28 +316,28 @@ class Router:
         is then dropped: its pull ends with the prefill)."""
         pair = route.pair
         assert pair is not None
-        req = ContextRequest(
-            request_id=spec.request_id,
-            prompt_token_ids=spec.prompt_token_ids,
-            sampling=spec.sampling,
-            deadline=spec.deadline,
-        )
+        tl = spec.timeline
+        span = tl.begin("prefill", pdserve_worker_id=pair.prefill.worker_id, pdserve_streamed=True)
+        decode_span = tl.begin("decode", pdserve_streamed=True)
+        req = context_request(spec, tl.traceparent(span))
         decode: asyncio.Future[GenerationStream] | None = None
         handle: TransferHandle | None = None
         with self.view.track(pair.prefill.worker_id):
-            stream = await self.client.context_stream(pair.prefill, req)
+            try:
+                stream = await self.client.context_stream(pair.prefill, req)
+            except BaseException as exc:
+                Timeline.end(span, repr(exc))
+                Timeline.end(decode_span, repr(exc))
+                raise
             try:
                 handle = await stream.started()
-                ahead = GenerationRequest(
-                    request_id=spec.request_id,
-                    prompt_token_ids=spec.prompt_token_ids,
-                    sampling=spec.sampling,
-                    deadline=spec.deadline,
-                    handle=handle,
-                )
+                ahead = spec.generation(handle=handle, traceparent=tl.traceparent(decode_span))
                 decode = asyncio.ensure_future(self.client.generate(pair.decode, ahead))
                 context = await stream.response()
-            except BaseException:
+                Timeline.end(span)
+            except BaseException as exc:
+                Timeline.end(span, repr(exc))
+                Timeline.end(decode_span, repr(exc))
                 with anyio.move_on_after(self.client.release_timeout_s, shield=True):
                     if decode is not None:
                         await drop_decode(decode)
@@ -334,25 +353,58 @@ class Router:
                 raise
             finally:
                 await stream.aclose()
-        return Transaction(self, spec, route, context, holds, decode_ahead=decode)
+        prefilled(tl, context)
+        txn = Transaction(self, spec, route, context, holds, decode_ahead=decode)
+        txn.leg_span = decode_span
+        return txn
 
     async def _one_leg(self, spec: RequestSpec, route: Route, holds: ExitStack) -> Transaction:
         """Open ``route.worker``'s stream for the whole request (no handle: it prefills the
         prompt itself) and read it up to the first token. Raises the worker's typed error
         (WorkerUnreachableError: never reached it)."""
-        req = GenerationRequest(
-            request_id=spec.request_id,
-            prompt_token_ids=spec.prompt_token_ids,
-            sampling=spec.sampling,
-            deadline=spec.deadline,
-        )
-        stream = await unless_lost(
-            self.view, (route.worker,), self.client.generate(route.worker, req)
-        )
+        tl = spec.timeline
+        span = tl.begin(route.worker.role.value, pdserve_worker_id=route.worker.worker_id)
+        req = spec.generation(traceparent=tl.traceparent(span))
+        try:
+            call = self.client.generate(route.worker, req)
+            stream = await unless_lost(self.view, (route.worker,), call)
+        except BaseException as exc:
+            Timeline.end(span, repr(exc))
+            raise
         txn = Transaction(self, spec, route, None, holds, stream)
+        txn.leg_span = span
         try:
             await txn.first_output()
         except BaseException:
             await txn.discard()
             raise
         return txn
+
+
+def context_request(spec: RequestSpec, traceparent: str | None) -> ContextRequest:
+    """The prefill leg's request for ``spec``, continuing the leg's span ``traceparent``."""
+    return ContextRequest(
+        request_id=spec.request_id,
+        prompt_token_ids=spec.prompt_token_ids,
+        sampling=spec.sampling,
+        deadline=spec.deadline,
+        traceparent=traceparent,
+    )
+
+
+def prefilled(timeline: Timeline, resp: ContextResponse) -> None:
+    """Mark the ``prefill`` phase done with P's answer, and add P's own phases."""
+    end = timeline.mark("prefill", gen_ai_usage_cache_read_input_tokens=resp.cached_tokens)
+    timeline.add_peer("prefill", resp.phases, end)
+
+
+def route_attributes(route: Route) -> dict[str, Any]:
+    """The routing decision as span attributes (path, workers, KV overlap, reason)."""
+    return {
+        "pdserve_route_path": str(route.path),
+        "pdserve_route_reason": route.reason,
+        "pdserve_worker_id": route.worker.worker_id,
+        "pdserve_prefill_worker_id": route.prefill.worker_id if route.prefill else None,
+        "pdserve_kv_overlap_tokens": route.cached_tokens,
+        "pdserve_prefill_kv_overlap_tokens": route.prefill_cached_tokens if route.prefill else None,
+    }

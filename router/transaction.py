@@ -63,7 +63,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
@@ -98,8 +98,11 @@ from pdserve.router.migration import (
 )
 from pdserve.router.policy import Pair, Route, load_key
 from pdserve.router.view import LOST
+from pdserve.tracing import Timeline
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
     from pdserve.router.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
@@ -132,12 +135,26 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class RequestSpec:
-    """What the router was asked to run. ``deadline`` is wall-clock UNIX seconds."""
+    """What the router was asked to run. ``deadline`` is wall-clock UNIX seconds;
+    ``timeline``: the request's (:mod:`pdserve.tracing`), which the legs mark and whose
+    span their ``traceparent`` continues."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     deadline: float
+    timeline: Timeline
+
+    def generation(self, **fields: Any) -> GenerationRequest:
+        """A :class:`GenerationRequest` for this request with ``fields`` (the leg's span's
+        ``traceparent`` among them)."""
+        return GenerationRequest(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            sampling=self.sampling,
+            deadline=self.deadline,
+            **fields,
+        )
 
 
 class TxnState(StrEnum):
@@ -204,6 +221,8 @@ class Transaction:
         self._migrated_at: float | None = None  # monotonic: the last migration's failure
         self._released = False  # P's parked blocks were released at a migration
         self._unwatch: Callable[[], None] | None = None
+        self.leg_span: Span | None = None  # the current leg's (tracing), ended with the leg
+        self._leg_started = False  # the current leg's first chunk came (its phase is marked)
         if stream is not None:
             self._watch(stream, route.worker)
 
@@ -334,13 +353,14 @@ class Transaction:
             reason,
             sum(map(len, self._sent)),
         )
-        await self._close_leg()
+        await self._close_leg(str(exc))
         if isinstance(exc, WorkerUnreachableError):
             router.view.mark_unreachable(failed)
         await self._release_prefill()
-        spec = self.spec
-        base = GenerationRequest(request_id=spec.request_id, prompt_token_ids=spec.prompt_token_ids,
-                                 sampling=spec.sampling, deadline=spec.deadline)  # fmt: skip
+        tl = self.spec.timeline
+        tl.mark("migration", pdserve_reason=reason)
+        self.leg_span = tl.begin("decode", pdserve_migration=self.migrations)
+        base = self.spec.generation(traceparent=tl.traceparent(self.leg_span))
         req = resume_request(base, self._sent, self._sent_chars, self._unfinished)
         stream, target = await open_resumed(router, req, failed, exc, self.spec.deadline)
         self._holds.enter_context(router.view.track(target.worker_id))
@@ -353,14 +373,18 @@ class Transaction:
         incarnation of ``worker`` leaves discovery (stopped or partitioned past its lease)."""
         self._stream = stream
         self._chunks = stream.chunks()
+        self._leg_started = False
         view = self._router.view
         self._unwatch = view.watch_loss(worker, lambda why: stream.lose(why, LOST_GRACE_S))
         current = view.record(worker.worker_id)
         if view.follows and (current is None or current.epoch != worker.epoch):
             stream.lose(f"worker {worker.worker_id} {LOST} while its stream opened", LOST_GRACE_S)
 
-    async def _close_leg(self) -> None:
-        """Stop watching and close the current leg's stream (bounded, shielded)."""
+    async def _close_leg(self, error: str | None = "closed early") -> None:
+        """Stop watching and close the current leg's stream (bounded, shielded); end its span
+        (``error``: its status)."""
+        Timeline.end(self.leg_span, error, pdserve_worker_id=self.route.worker.worker_id)
+        self.leg_span = None
         if self._unwatch is not None:
             self._unwatch()
             self._unwatch = None
@@ -407,14 +431,10 @@ class Transaction:
                     self.pair.decode.worker_id,
                     exc,
                 )
-        req = GenerationRequest(
-            request_id=self.request_id,
-            prompt_token_ids=self.spec.prompt_token_ids,
-            sampling=self.spec.sampling,
-            deadline=self.spec.deadline,
-            first_token=self.context.first_token,
-            handle=handle,
-        )
+        tl = self.spec.timeline
+        self.leg_span = tl.begin("decode")
+        req = self.spec.generation(first_token=self.context.first_token, handle=handle,
+                                   traceparent=tl.traceparent(self.leg_span))  # fmt: skip
         tried: set[str] = set()
         while True:
             decode = self.pair.decode
@@ -452,6 +472,12 @@ class Transaction:
         i = chunk.index
         now = time.monotonic()
         m = self._router.metrics
+        tl = self.spec.timeline
+        if not self._leg_started:  # one leg's first output, or a decode leg's first chunk
+            self._leg_started = True
+            tl.mark(
+                "first_token" if self.context is None and not self.migrations else "decode_first"
+            )
         if self.num_tokens == 0:  # one leg: the first output (TTFT), no inter-token gap yet
             self.t_first = now
             self._t_choice = [now] * len(self._t_choice)
@@ -469,9 +495,12 @@ class Transaction:
         first_leg = self.context is None and not self.migrations  # the worker that prefilled
         if chunk.finish_reason is not None:
             self._unfinished.discard(i)
+        if chunk.phases:  # the leg's last chunk: the worker's phases
+            tl.add_peer(self.route.worker.role.value, chunk.phases, time.time_ns())
         if not self._unfinished:  # before the yield: a consumer may stop at this event
             self.state = TxnState.FINISHED
             self.finish_reason = chunk.finish_reason
+            tl.mark("decode")
             log.info(
                 "req %s finished (%s): %d tokens in %d choice(s), %s leg %.1f ms",
                 self.request_id,
@@ -530,7 +559,7 @@ class Transaction:
             with anyio.move_on_after(self._router.client.release_timeout_s + 1.0, shield=True):
                 if self._decode_ahead is not None:  # a streamed hand-off's unused decode leg
                     await drop_decode(self._decode_ahead)
-                await self._close_leg()
+                await self._close_leg(None if self.state is TxnState.FINISHED else self.state)
                 decoded = self.state is TxnState.FINISHED and self._stream is not None
                 if not decoded:
                     await self._release_prefill()
@@ -539,6 +568,8 @@ class Transaction:
             self._record()
 
     def _record(self) -> None:
+        self.spec.timeline.set(gen_ai_usage_output_tokens=self.num_tokens,
+                               pdserve_migrations=self.migrations)  # fmt: skip
         m = self._router.metrics
         if m is None:
             return

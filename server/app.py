@@ -84,8 +84,16 @@ from pdserve.server.schemas import (
     TokenizeResponse,
 )
 from pdserve.server.sse import DONE, SSEResponse, encode_error, encode_event
+from pdserve.server.timelines import (
+    closer,
+    collecting,
+    received_ns,
+    request_timeline,
+    started,
+)
 from pdserve.server.tokenizer_pool import TokenizerPool, backlog_bytes
 from pdserve.server.tokens import TokenFormatter
+from pdserve.tracing import Timeline
 
 log = logging.getLogger(__name__)
 
@@ -353,13 +361,14 @@ def _add_routes(app: FastAPI, *, secured: bool) -> None:
     )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """OpenAI chat completion, streamed (SSE) or not."""
+        t0 = received_ns(request)
         st = _state(request)
         prepared = await st.tokenizer_pool.run(
             await _body_size(request), st.preprocessor.chat, body
         )
         info = _info(f"chatcmpl-{uuid.uuid4().hex}", st, prepared, bool(body.logprobs), body)
         fmt = ChatFormatter(info, st.tokens, prepared.tools)
-        return await _serve(request, st, prepared, fmt, stream=bool(body.stream))
+        return await _serve(request, st, prepared, fmt, stream=bool(body.stream), start_ns=t0)
 
     @app.post(
         "/v1/completions",
@@ -368,6 +377,7 @@ def _add_routes(app: FastAPI, *, secured: bool) -> None:
     )
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """OpenAI text completion, streamed (SSE) or not."""
+        t0 = received_ns(request)
         st = _state(request)
         batch = await st.tokenizer_pool.run(
             await _body_size(request), st.preprocessor.completions, body
@@ -381,7 +391,7 @@ def _add_routes(app: FastAPI, *, secured: bool) -> None:
         fmt = CompletionFormatter(
             info, st.tokens, echo, prompts, prompt_logprobs=body.prompt_logprobs is not None
         )
-        return await _serve(request, st, batch, fmt, stream=bool(body.stream))
+        return await _serve(request, st, batch, fmt, stream=bool(body.stream), start_ns=t0)
 
     @app.post(
         "/tokenize",
@@ -446,12 +456,18 @@ async def _serve(
     fmt: ResponseFormatter,
     *,
     stream: bool,
+    start_ns: int,
 ) -> Response:
     """Run the transaction (a list of several prompts: one per prompt, as one
     :class:`~pdserve.server.batch.BatchTransaction`); errors before the first byte raise (->
-    HTTP status)."""
+    HTTP status). The request's timeline (:mod:`.timelines`) began at ``start_ns`` and ends
+    with the response."""
     request_id = fmt.info.response_id
     batch = prepared if isinstance(prepared, list) else [prepared]
+    operation = "chat" if isinstance(fmt, ChatFormatter) else "text_completion"
+    timeline = request_timeline(request, operation, st.cfg.served_model_name, request_id,
+                                fmt.info.prompt_tokens, batch[0].sampling, start_ns)  # fmt: skip
+    phase_log = st.cfg.observability.phase_log
     log.debug(
         "req %s: %s prompt tokens, %s, stream=%s",
         request_id,
@@ -461,19 +477,22 @@ async def _serve(
     )
     txn: Started
     if len(batch) == 1:
-        txn = await st.router.start(request_id, batch[0].prompt_token_ids, batch[0].sampling)
+        p = batch[0]
+        start = st.router.start(request_id, p.prompt_token_ids, p.sampling, timeline)
+        txn = await started(start, timeline, request_id, phase_log=phase_log)
     else:
         pairs = [(p.prompt_token_ids, p.sampling) for p in batch]
-        txn = await BatchTransaction.start(st.router, request_id, pairs)
+        start_all = BatchTransaction.start(st.router, request_id, pairs, timeline)
+        txn = await started(start_all, timeline, request_id, phase_log=phase_log)
     if stream:
+        on_close = closer(txn.aclose, timeline, request_id, phase_log=phase_log)
         return SSEResponse(
-            _sse(txn, fmt), headers={"x-request-id": request_id}, on_close=txn.aclose
+            _sse(txn, fmt, timeline), headers={"x-request-id": request_id}, on_close=on_close
         )
-    try:
+    async with collecting(txn.aclose, timeline, request_id, phase_log=phase_log):
         await _collect(request, txn, fmt)
-    finally:
-        await txn.aclose()
-    return JSONResponse(fmt.response(), headers={"x-request-id": request_id})
+        response = JSONResponse(fmt.response(), headers={"x-request-id": request_id})
+    return response
 
 
 async def _collect(request: Request, txn: Started, fmt: ResponseFormatter) -> None:
@@ -500,9 +519,10 @@ async def _collect(request: Request, txn: Started, fmt: ResponseFormatter) -> No
     task.result()  # raises the transaction's typed error, if any
 
 
-async def _sse(txn: Started, fmt: ResponseFormatter) -> AsyncIterator[bytes]:
+async def _sse(txn: Started, fmt: ResponseFormatter, timeline: Timeline) -> AsyncIterator[bytes]:
     """The SSE body: chunks, the usage chunk if asked, ``[DONE]``; a failure becomes an error
-    event followed by ``[DONE]``. The transaction is closed however this ends."""
+    event followed by ``[DONE]`` (and the timeline's error). The transaction is closed however
+    this ends."""
     try:
         for start in fmt.start():
             yield encode_event(start)
@@ -513,9 +533,11 @@ async def _sse(txn: Started, fmt: ResponseFormatter) -> AsyncIterator[bytes]:
         if fmt.info.include_usage:
             yield encode_event(fmt.usage_chunk())
     except PdserveError as exc:
+        timeline.fail(repr(exc))
         log_failure(txn.request_id, exc, public=True, what="failed mid-stream")
         yield encode_error(exc, txn.request_id, public=True)
-    except Exception:
+    except Exception as exc:
+        timeline.fail(repr(exc))
         log.exception("req %s: unexpected error mid-stream", txn.request_id)
         yield encode_error(internal_error(txn.request_id), txn.request_id, public=True)
     finally:

@@ -18,6 +18,7 @@ from typing import Protocol
 
 from pdserve.protocol import SamplingParams
 from pdserve.router.transaction import TokenEvent, Transaction
+from pdserve.tracing import Timeline
 
 
 class Started(Protocol):
@@ -35,17 +36,24 @@ class Starter(Protocol):
     """The router (:meth:`pdserve.router.router.Router.start`)."""
 
     async def start(
-        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        timeline: Timeline | None = None,
     ) -> Transaction: ...
 
 
 class BatchTransaction:
     """The transactions of a batch's prompts as one (:class:`Started`); ``n`` choices each."""
 
-    def __init__(self, request_id: str, txns: Sequence[Started], n: int):
+    def __init__(
+        self, request_id: str, txns: Sequence[Started], n: int, timelines: Sequence[Timeline] = ()
+    ):
         self._request_id = request_id
         self.txns = list(txns)
         self.n = n
+        self.timelines = list(timelines)  # the prompts' (tracing), ended by aclose
 
     @property
     def request_id(self) -> str:
@@ -57,20 +65,33 @@ class BatchTransaction:
         router: Starter,
         request_id: str,
         prompts: Sequence[tuple[Sequence[int], SamplingParams]],
+        timeline: Timeline | None = None,
     ) -> BatchTransaction:
         """Start every prompt's transaction (concurrently); if one cannot start, close the
-        others and raise its error (nothing has reached the client yet)."""
+        others and raise its error (nothing has reached the client yet). Each prompt gets a
+        timeline of its own, a child of ``timeline`` (span ``prompt K``), ended with the
+        batch (:meth:`aclose`)."""
+        parent = timeline.traceparent() if timeline is not None else None
+        timelines = [
+            Timeline(f"prompt {k}", traceparent=parent, server=False) for k in range(len(prompts))
+        ]
         results = await asyncio.gather(
-            *(router.start(f"{request_id}-{k}", ids, s) for k, (ids, s) in enumerate(prompts)),
+            *(
+                router.start(f"{request_id}-{k}", ids, s, tl)
+                for k, ((ids, s), tl) in enumerate(zip(prompts, timelines, strict=True))
+            ),
             return_exceptions=True,
         )
+        for tl, result in zip(timelines, results, strict=True):
+            if isinstance(result, BaseException):
+                tl.finish(repr(result))
         txns = [r for r in results if not isinstance(r, BaseException)]
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             for txn in txns:
                 await txn.aclose()
             raise errors[0]
-        return cls(request_id, txns, prompts[0][1].n)
+        return cls(request_id, txns, prompts[0][1].n, timelines)
 
     async def events(self) -> AsyncGenerator[TokenEvent, None]:
         """Every transaction's events as they come, each choice renumbered ``k * n + i``."""
@@ -104,6 +125,11 @@ class BatchTransaction:
                     await task
 
     async def aclose(self) -> None:
-        """Close every transaction (idempotent, as each one's ``aclose`` is)."""
-        for txn in self.txns:
-            await txn.aclose()
+        """Close every transaction (idempotent, as each one's ``aclose`` is) and end the
+        prompts' timelines."""
+        try:
+            for txn in self.txns:
+                await txn.aclose()
+        finally:
+            for timeline in self.timelines:
+                timeline.finish()

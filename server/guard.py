@@ -18,6 +18,7 @@ scrapers carry no key. The key, like every secret, is never logged.
 from __future__ import annotations
 
 import logging
+import time
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -78,6 +79,7 @@ class PublicPlaneGuard:
         if scope["type"] != "http" or not is_public(scope["path"]):
             await self.app(scope, receive, send)
             return
+        scope.setdefault("state", {})["received_ns"] = time.time_ns()  # the request's timeline
         request = Request(scope)
         authorization = request.headers.get("authorization")
         if not self.api_keys.check(authorization):

@@ -79,6 +79,13 @@ from pdserve.server.responses_schemas import (
     ResponseUsage,
 )
 from pdserve.server.sse import SSEResponse, encode_named_event
+from pdserve.server.timelines import (
+    closer,
+    collecting,
+    received_ns,
+    request_timeline,
+    started,
+)
 from pdserve.server.tokenizer_pool import TokenizerPool
 from pdserve.server.tokens import TokenFormatter
 from pdserve.server.tools import StreamDelta, ToolPlan, ToolStream
@@ -343,6 +350,7 @@ def add_responses_routes(app: FastAPI, *, secured: bool, collect: Collect) -> No
     )
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         """OpenAI Responses API (stateless: nothing is stored), streamed (SSE) or not."""
+        t0 = received_ns(request)
         st: _State = request.app.state.pdserve
         chat, origins = to_chat(body)
         try:
@@ -360,14 +368,18 @@ def add_responses_routes(app: FastAPI, *, secured: bool, collect: Collect) -> No
         rid = info.response_id
         log.debug("req %s: %d prompt tokens, %s, stream=%s", rid,
                   len(prepared.prompt_token_ids), prepared.sampling, body.stream)  # fmt: skip
-        txn = await st.router.start(rid, prepared.prompt_token_ids, prepared.sampling)
+        timeline = request_timeline(request, "chat", info.model, rid, info.prompt_tokens,
+                                    prepared.sampling, t0)  # fmt: skip
+        log_phases = st.cfg.observability.phase_log
+        start = st.router.start(rid, prepared.prompt_token_ids, prepared.sampling, timeline)
+        txn = await started(start, timeline, rid, phase_log=log_phases)
         if body.stream:
-            return SSEResponse(_sse(txn, fmt), headers={"x-request-id": rid}, on_close=txn.aclose)
-        try:
+            on_close = closer(txn.aclose, timeline, rid, phase_log=log_phases)
+            return SSEResponse(_sse(txn, fmt), headers={"x-request-id": rid}, on_close=on_close)
+        async with collecting(txn.aclose, timeline, rid, phase_log=log_phases):
             await collect(request, txn, fmt.chat)
-        finally:
-            await txn.aclose()
-        return JSONResponse(fmt.response(), headers={"x-request-id": rid})
+            response = JSONResponse(fmt.response(), headers={"x-request-id": rid})
+        return response
 
 
 async def _sse(txn: Transaction, fmt: ResponsesFormatter) -> AsyncIterator[bytes]:

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 import uvicorn
 
 from pdserve.config import RouterConfig
+from pdserve.logs import uvicorn_log_config
 from pdserve.server.app import RouterApps, create_apps
 from pdserve.server.http_protocol import HeaderDeadlineH11Protocol
 
@@ -70,6 +71,7 @@ async def serve(
             app,  # type: ignore[arg-type]
             http=HeaderDeadlineH11Protocol,  # request headers within 10 s
             log_level=log_level,
+            log_config=uvicorn_log_config(),
             access_log=False,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
             **kw,  # type: ignore[arg-type]

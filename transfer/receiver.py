@@ -54,6 +54,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from pdserve import tracing
 from pdserve.errors import HandleError, TransferError
 from pdserve.protocol import TransferHandle
 from pdserve.transfer import wire
@@ -118,7 +119,8 @@ class Receiver:
         self._check(handle, dst_block_ids, skip_blocks)
         try:
             async with asyncio.timeout(self._timeout_s):
-                conn, session = await self._checkout(handle)
+                with tracing.phase("kv_handshake", pdserve_kv_peer=handle.transfer_endpoint):
+                    conn, session = await self._checkout(handle)
                 await self._transfer(conn, session, handle, dst_block_ids, skip_blocks)
         except TimeoutError as exc:
             raise TransferError(
@@ -186,7 +188,8 @@ class Receiver:
         limit = max(self._timeout_s, handle.lease_remaining())
         try:
             async with asyncio.timeout(limit):
-                conn, session = await self._checkout(handle)
+                with tracing.phase("kv_handshake", pdserve_kv_peer=handle.transfer_endpoint):
+                    conn, session = await self._checkout(handle)
                 return await self._stream(conn, session, handle, dst_block_ids, skip_blocks)
         except TimeoutError as exc:
             raise TransferError(
@@ -301,16 +304,19 @@ class Receiver:
     ) -> None:
         """Steps 4-4b for one asked transfer: the bytes, then (integrity on) the digests."""
         landed = None if self._digester is None else self._digester.landed(plan)
-        await self._local.backend.receive(conn, plan, transfer_id, landed)
+        with tracing.phase("kv_wire", pdserve_kv_blocks=len(src_ids)):
+            await self._local.backend.receive(conn, plan, transfer_id, landed)
         if self._digester is not None and landed is not None:
             # TCP hashed the bytes as they landed; NIXL / UCX hash them now, while the
             # sender hashes its source: both before the sender's digests are read.
-            landed.finish()
-            digests = await self._digests(conn, transfer_id)  # the trailer / after Done
-            self._verify(self._digester, digests, plan, handle, src_ids, dst_block_ids, landed)
+            with tracing.phase("kv_integrity"):
+                landed.finish()
+                digests = await self._digests(conn, transfer_id)  # the trailer / after Done
+                self._verify(self._digester, digests, plan, handle, src_ids, dst_block_ids, landed)
 
     async def _release(self, conn: Connection, session: _Session, handle: TransferHandle) -> None:
-        with contextlib.suppress(TransferError):  # the bytes are here; the lease covers a loss
+        with tracing.phase("kv_release"), contextlib.suppress(TransferError):
+            # the bytes are here; the lease covers a loss
             await conn.send(wire.Release(request_id=handle.request_id, lease_id=handle.lease_id))
         self._give_back(session, conn)
 

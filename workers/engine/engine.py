@@ -491,8 +491,7 @@ class Engine:
                     break
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> bool:
-        """Append ``token`` to ``seq``, emit it; True when that ended the sequence's work here
-        (finished, or a prefill leg's one token)."""
+        """Append and emit ``token``; True when that ended ``seq``'s work here (or prefill's)."""
         live = self._live[seq.request_id]
         first = not seq.output_token_ids
         seq.output_token_ids.append(token)
@@ -511,6 +510,8 @@ class Engine:
             index=seq.index,
             cached_tokens=seq.num_cached_tokens if first else None,
             prompt_logprobs=live.prompt_lps if first and seq.index == 0 else None,
+            admitted_s=seq.admitted_s,
+            preemptions=seq.num_preemptions,
         )
         if seq.mode == "prefill":
             self._end_prefill_leg(seq, out)

@@ -96,6 +96,9 @@ class EngineOutput:
     ``error`` is set with ``finish_reason == ERROR``. ``index`` is the choice (``n > 1``);
     each choice ends with its own output carrying ``finish_reason``. ``cached_tokens`` (on a
     sequence's first sampled token only): the prompt tokens its prefix cache lookup served.
+    ``admitted_s`` (``time.monotonic()``) when the sequence was first admitted into the running
+    batch and ``preemptions`` how often it was preempted so far (on sampled outputs; the
+    worker's request timeline reads them: queue wait, preemptions).
     """
 
     request_id: str
@@ -109,6 +112,8 @@ class EngineOutput:
     cached_tokens: int | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # first output, when asked
     ready_block_ids: list[int] | None = None
+    admitted_s: float | None = None
+    preemptions: int = 0
 
 
 @dataclass(frozen=True)

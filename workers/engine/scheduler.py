@@ -53,6 +53,7 @@ under it, so capacity decisions on other threads (``reserve``) always see a cons
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
@@ -432,6 +433,8 @@ class Scheduler:
             if self.policy == "max_utilization":
                 room = self.kv_cache.get_num_free_blocks()
             seq.status = SequenceStatus.PREFILL if seq.in_context_phase else SequenceStatus.DECODE
+            if seq.admitted_s is None:
+                seq.admitted_s = time.monotonic()
             self.running.append(seq)
             admitted.append(ScheduledSequence.of(seq, n))
             budget -= n

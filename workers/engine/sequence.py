@@ -65,6 +65,7 @@ class Sequence:
     index: int = 0
     group_id: str = ""
     arrival_s: float = field(default_factory=time.monotonic)
+    admitted_s: float | None = None  # monotonic: first admission into running
     block_hashes: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     spec_backoff: int = 0  # speculative decoding: steps to skip after the next miss

@@ -166,6 +166,7 @@ def run_worker(cfg: WorkerConfig, *, log_level: str = "info") -> None:
     """Serve a worker until SIGINT/SIGTERM (blocking)."""
     import uvicorn
 
+    from pdserve.logs import uvicorn_log_config
     from pdserve.server.http_protocol import HeaderDeadlineH11Protocol
 
     sock = bind_socket(cfg.worker.host, cfg.worker.port)
@@ -205,6 +206,7 @@ def run_worker(cfg: WorkerConfig, *, log_level: str = "info") -> None:
         uvicorn.Config(
             app,
             log_level=log_level,
+            log_config=uvicorn_log_config(),
             timeout_graceful_shutdown=5,
             timeout_keep_alive=int(WORKER_KEEPALIVE_S),  # > the router's keep-alive
             access_log=False,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pdserve.workers.engine.engine import EngineOutput
+    from pdserve.workers.roles.timing import EngineClock
 
 
 class StreamInterrupted(Exception):
@@ -33,9 +34,18 @@ class OutputStream:
 
     Create it on the event loop; pass :meth:`sink` to ``Engine.add_request``. Only the event
     loop reads it (:meth:`next` or ``async for``) and interrupts it (:meth:`interrupt`).
+    ``clock`` (created just before ``add_request``) sees every output read: the request's
+    engine phases (:class:`~pdserve.workers.roles.timing.EngineClock`).
     """
 
-    def __init__(self, *, single: bool = False, choices: int | Iterable[int] = 1) -> None:
+    def __init__(
+        self,
+        *,
+        single: bool = False,
+        choices: int | Iterable[int] = 1,
+        clock: EngineClock | None = None,
+    ) -> None:
+        self.clock = clock
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[EngineOutput | None] = asyncio.Queue()  # None: interrupted
         self._single = single
@@ -70,6 +80,8 @@ class OutputStream:
         if out is None:
             self._queue.put_nowait(None)  # every later call raises too
             raise StreamInterrupted
+        if self.clock is not None:
+            self.clock.observe(out)
         if self._single:
             self._unfinished.clear()
         elif out.finish_reason is not None or out.error is not None:

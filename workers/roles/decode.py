@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from pdserve import tracing
 from pdserve.errors import (
     CapacityError,
     DeadlineExceededError,
@@ -81,11 +82,13 @@ from pdserve.workers.engine.requests import EngineRequest, Reservation
 from pdserve.workers.roles.bridge import OutputStream, StreamInterrupted
 from pdserve.workers.roles.prefill_directory import PrefillDirectory
 from pdserve.workers.roles.service import WatcherFactory, WorkerIdentity, service_of
+from pdserve.workers.roles.timing import EngineClock, end_leg, leg_timeline
 from pdserve.workers.roles.transfer_worker import TransferWorker, capped, open_transceiver
 
 if TYPE_CHECKING:
     from pdserve.config import WorkerConfig
     from pdserve.discovery import Registration
+    from pdserve.tracing import Timeline
     from pdserve.transfer import Transceiver
     from pdserve.workers.engine.api import WorkerEngine
     from pdserve.workers.engine.requests import EngineOutput
@@ -188,20 +191,24 @@ class DecodeHandler:
             self.quarantine_s,
         )
 
-    async def admit(self, req: GenerationRequest) -> OutputStream:
+    async def admit(self, req: GenerationRequest, timeline: Timeline | None = None) -> OutputStream:
         """States 1-3: validate, reserve, transfer, then add to the running batch (a request
         without a handle, ``resume`` included, goes to the engine in mode ``full`` at once).
+        ``timeline``: the request's on this worker (:mod:`.timing`), which gets the phases
+        ``reserve`` and ``kv_pull`` (and the transfer's inside it) here and the engine's
+        through the stream's clock; :meth:`chunks` finishes it.
 
         Raises (before anything is streamed): DeadlineExceededError, HandleError,
         LayoutMismatchError, CapacityError, InvalidRequestError, TransferError.
         """
         if req.deadline <= time.time():
             raise DeadlineExceededError(f"request {req.request_id} arrived after its deadline")
+        t_admit = time.time_ns()
         if req.sampling.structured is not None:  # compiled off the event loop and engine step
             await asyncio.to_thread(self.engine.prepare_grammar, req.sampling)
-        stream = OutputStream(choices=req.choices)
         handle = req.handle
         if handle is None:
+            stream = OutputStream(choices=req.choices, clock=EngineClock(timeline, "compute"))
             self.engine.add_request(EngineRequest.for_leg(req, "full"), stream.sink)
             return stream
         check_handle(req, handle, self.engine)
@@ -209,24 +216,27 @@ class DecodeHandler:
             raise HandleError("this worker has no transceiver; it cannot accept a handle")
         if self.prefills is not None:  # dial only what discovery lists, never a request's address
             await self.prefills.endpoint(handle)
+        t_reserve = time.time_ns()
         dst = await self._reserve(req, handle)
         moved = len(dst.missing_block_ids)
+        t_pull = time.time_ns()
+        if timeline is not None:  # admit: grammar, the prefill worker's listing
+            timeline.add("admit", t_admit, t_reserve)
+            timeline.add("reserve", t_reserve, t_pull)
         try:
             t0 = time.perf_counter()
-            if handle.streamed:  # each prefill chunk's blocks as computed, then the token
-                first = await asyncio.wait_for(
-                    self.transceiver.pull_streamed(
-                        handle, dst.block_ids, skip_blocks=dst.cached_blocks
-                    ),
-                    timeout=req.deadline - time.time(),
-                )
+            with tracing.bind(timeline):  # the receiver records the transfer's phases
+                first = await self._pull(req, handle, dst)
+            if first is not None:
                 req = req.model_copy(update={"first_token": first})
-            else:
-                await asyncio.wait_for(
-                    self.transceiver.pull(handle, dst.block_ids, skip_blocks=dst.cached_blocks),
-                    timeout=req.deadline - time.time(),
-                )
             elapsed = time.perf_counter() - t0
+            if timeline is not None:
+                timeline.add(
+                    "kv_pull", t_pull, time.time_ns(),
+                    pdserve_kv_blocks=moved, pdserve_kv_bytes=moved * self.engine.layout.block_bytes,
+                    pdserve_kv_blocks_skipped=dst.cached_blocks, pdserve_kv_streamed=handle.streamed,
+                    pdserve_kv_backend=handle.backend, pdserve_prefill_worker=handle.worker_id,
+                )  # fmt: skip
             log.debug(
                 "request %s: pulled %d KV blocks in %.1f ms (%d cached here, not sent)",
                 req.request_id,
@@ -248,8 +258,25 @@ class DecodeHandler:
             if error is exc:
                 raise
             raise error from None
+        stream = OutputStream(choices=req.choices, clock=EngineClock(timeline, "first_step"))
         self.engine.add_request(EngineRequest.for_leg(req, "resume"), stream.sink)
         return stream
+
+    async def _pull(
+        self, req: GenerationRequest, handle: TransferHandle, dst: Reservation
+    ) -> int | None:
+        """The KV pull into ``dst`` within the request's deadline; a streamed handle's
+        returns the first token (None otherwise)."""
+        assert self.transceiver is not None
+        timeout = req.deadline - time.time()
+        skip = dst.cached_blocks
+        if handle.streamed:  # each prefill chunk's blocks as computed, then the token
+            pull = self.transceiver.pull_streamed(handle, dst.block_ids, skip_blocks=skip)
+            return await asyncio.wait_for(pull, timeout=timeout)
+        await asyncio.wait_for(
+            self.transceiver.pull(handle, dst.block_ids, skip_blocks=skip), timeout=timeout
+        )
+        return None
 
     async def _reserve(self, req: GenerationRequest, handle: TransferHandle) -> Reservation:
         """State 2: the prompt's blocks, waiting while the pool is full (running sequences free
@@ -328,36 +355,47 @@ class DecodeHandler:
     ) -> AsyncIterator[GenerationChunk]:
         """State 4-5: the request's chunks until every choice finished. Aborts the request in
         the engine if the consumer goes away (client disconnect) or the deadline passes, and
-        ends it with the draining error after :meth:`migrate_all`."""
+        ends it with the draining error after :meth:`migrate_all`. The last chunk carries the
+        phases of the stream's timeline (``stream.clock``), which ends here."""
         finished = False
         self._streams[stream] = req.request_id
         if self.draining:
             stream.interrupt()
+        clock = stream.clock
+        timeline = clock.timeline if clock is not None else None
+        error: str | None = None
         try:
             async for out in _until(stream, req.deadline):
                 finished = stream.done
-                yield _chunk(req.request_id, out)
+                phases: dict[str, float] = {}
+                if finished and clock is not None and timeline is not None:
+                    clock.finish()
+                    phases = timeline.durations()
+                    error = out.error
+                yield _chunk(req.request_id, out, phases)
         except TimeoutError:
             finished = True
             self.engine.abort(req.request_id)
+            error = "deadline exceeded during decode"
             yield GenerationChunk(
-                request_id=req.request_id,
-                finish_reason=FinishReason.ERROR,
-                error="deadline exceeded during decode",
+                request_id=req.request_id, finish_reason=FinishReason.ERROR, error=error
             )
         except StreamInterrupted:
             finished = True
             self.engine.abort(req.request_id)
+            error = _DRAINING_MESSAGE
             yield GenerationChunk(
                 request_id=req.request_id,
                 index=min(stream.unfinished),
                 finish_reason=FinishReason.ERROR,
-                error=_DRAINING_MESSAGE,
+                error=error,
             )
         finally:
             self._streams.pop(stream, None)
             if not finished:
                 self.engine.abort(req.request_id)
+                error = "abandoned by the router"
+            end_leg(timeline, error)
 
 
 async def _until(stream: OutputStream, deadline: float) -> AsyncIterator[EngineOutput]:
@@ -366,7 +404,7 @@ async def _until(stream: OutputStream, deadline: float) -> AsyncIterator[EngineO
         yield await stream.next(timeout=max(0.0, deadline - time.time()))
 
 
-def _chunk(request_id: str, out: EngineOutput) -> GenerationChunk:
+def _chunk(request_id: str, out: EngineOutput, phases: dict[str, float]) -> GenerationChunk:
     finish = out.finish_reason
     if out.error is not None:
         finish = FinishReason.ERROR
@@ -380,6 +418,7 @@ def _chunk(request_id: str, out: EngineOutput) -> GenerationChunk:
         error=out.error,
         cached_tokens=out.cached_tokens,
         prompt_logprobs=tuple(out.prompt_logprobs or ()),
+        phases=phases,
     )
 
 
@@ -393,7 +432,12 @@ def add_generate_route(api: APIRouter) -> None:
         worker = service_of(request)
         req = capped(req, worker.cfg.engine.scheduler.max_request_s)
         decode: DecodeHandler = worker.handler
-        stream = await decode.admit(req)
+        timeline = leg_timeline(worker.role.value, worker.identity.worker_id, req)
+        try:
+            stream = await decode.admit(req, timeline)
+        except BaseException as exc:
+            end_leg(timeline, repr(exc))
+            raise
 
         async def body() -> AsyncIterator[bytes]:
             async for chunk in decode.chunks(req, stream):

@@ -56,12 +56,14 @@ from pdserve.workers.engine.requests import EngineRequest
 from pdserve.workers.roles.bridge import OutputStream
 from pdserve.workers.roles.parking import Lease, ParkedBlocks
 from pdserve.workers.roles.service import WatcherFactory, WorkerIdentity, service_of
+from pdserve.workers.roles.timing import EngineClock, end_leg, leg_timeline
 from pdserve.workers.roles.transfer_worker import TransferWorker, capped, open_transceiver
 
 if TYPE_CHECKING:
     from pdserve.config import WorkerConfig
     from pdserve.discovery import Registration
     from pdserve.discovery.events import ParkedCounts
+    from pdserve.tracing import Timeline
     from pdserve.transfer import Transceiver
     from pdserve.workers.engine.api import WorkerEngine
 
@@ -90,9 +92,18 @@ class PrefillHandler:
 
     async def context(self, req: ContextRequest) -> ContextResponse:
         """Run prefill for ``req``. Raises DeadlineExceededError, InvalidRequestError (from the
-        engine's validation), CapacityError, or WorkerError when the engine fails the request."""
-        stream = await self._admit(req, progress=False)
-        return await self._finish(req, stream)
+        engine's validation), CapacityError, or WorkerError when the engine fails the request.
+        The request's timeline (phases ``queue``, ``compute``, ``park``: :mod:`.timing`) is
+        finished here and its phases go back in the answer."""
+        timeline = leg_timeline("prefill", self.worker_id, req)
+        try:
+            stream = await self._admit(req, progress=False, timeline=timeline)
+            resp = await self._finish(req, stream)
+        except BaseException as exc:
+            end_leg(timeline, repr(exc))
+            raise
+        end_leg(timeline)
+        return resp
 
     async def context_stream(
         self, req: ContextRequest
@@ -103,10 +114,12 @@ class PrefillHandler:
         runs (a decode worker pulls them meanwhile), then yield the :class:`ContextResponse`.
         Raises as :meth:`context` (before the first yield: nothing was admitted); a failure
         or cancellation after it ends the stream's waiting pulls (TransferFailed)."""
-        stream = await self._admit(req, progress=True)
+        timeline = leg_timeline("prefill", self.worker_id, req)
         try:
+            stream = await self._admit(req, progress=True, timeline=timeline)
             lease = self.parked.open_stream(req.request_id, req.deadline)
-        except BaseException:
+        except BaseException as exc:
+            end_leg(timeline, repr(exc))
             self.engine.abort(req.request_id)
             raise
         handle = self._handle(req, (), lease, streamed=True)
@@ -114,9 +127,11 @@ class PrefillHandler:
             yield ContextStarted(request_id=req.request_id, handle=handle)
             resp = await self._finish(req, stream, streamed=True)
         except BaseException as exc:
+            end_leg(timeline, repr(exc))
             self.parked.fail_stream(req.request_id, "the prefill failed")
             log.info("req %s: streamed prefill ended early: %r", req.request_id, exc)
             raise
+        end_leg(timeline)
         if resp.handle is None:  # the first token finished it: nothing for a decode worker
             self.parked.fail_stream(req.request_id, "the first token finished the request")
         else:
@@ -125,13 +140,17 @@ class PrefillHandler:
         # (it releases on failure) and the decode worker may be finishing its pull.
         yield resp
 
-    async def _admit(self, req: ContextRequest, *, progress: bool) -> OutputStream:
+    async def _admit(
+        self, req: ContextRequest, *, progress: bool, timeline: Timeline
+    ) -> OutputStream:
         remaining = req.deadline - time.time()
         if remaining <= 0:
             raise DeadlineExceededError(f"request {req.request_id} arrived after its deadline")
         if req.sampling.structured is not None:  # compiled off the event loop and engine step
+            t_grammar = time.time_ns()
             await asyncio.to_thread(self.engine.prepare_grammar, req.sampling)
-        stream = OutputStream()
+            timeline.add("grammar", t_grammar, time.time_ns())
+        stream = OutputStream(clock=EngineClock(timeline, "compute"))
         leg = EngineRequest.for_leg(req, "prefill")
         self.engine.add_request(replace(leg, progress=progress), stream.sink)
         return stream
@@ -140,7 +159,7 @@ class PrefillHandler:
         self, req: ContextRequest, stream: OutputStream, *, streamed: bool = False
     ) -> ContextResponse:
         """Wait for the prefill's sampled output (recording progress reports of a streamed
-        request's chunks), park its blocks, answer."""
+        request's chunks), park its blocks, answer with the timeline's phases."""
         try:
             while True:
                 out = await stream.next(timeout=req.deadline - time.time())
@@ -159,6 +178,10 @@ class PrefillHandler:
         if out.error is not None:
             raise WorkerError(f"prefill failed for request {req.request_id}: {out.error}")
         handle = None if out.parked_block_ids is None else self._park(req, out.parked_block_ids)
+        phases: dict[str, float] = {}
+        if (clock := stream.clock) is not None and clock.timeline is not None:
+            clock.timeline.add("park", clock.last_ns, time.time_ns())
+            phases = clock.timeline.durations()
         return ContextResponse(
             request_id=req.request_id,
             first_token=out.token_ids[0],
@@ -168,6 +191,7 @@ class PrefillHandler:
             handle=handle,
             cached_tokens=out.cached_tokens or 0,
             prompt_logprobs=tuple(out.prompt_logprobs or ()),
+            phases=phases,
         )
 
     def _park(self, req: ContextRequest, block_ids: list[int]) -> TransferHandle:
