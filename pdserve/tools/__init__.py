@@ -2,7 +2,9 @@
 
 ``bench_commands`` (every ``pdserve bench`` subcommand: its options and what runs it), ``bench``
 (``serve`` and ``transfer``, and the benchmarks' stacks, :class:`pdserve.stack.Stack`),
-``bench_serve`` (the serving benchmark's client and metrics), ``bench_transfer`` /
+``bench_serve`` (the serving benchmark's client and metrics), ``bench_plot`` (``bench serve
+--plot``: the PNG of TTFT/ITL distributions and output tokens/s against concurrency; matplotlib
+imported lazily), ``bench_transfer`` /
 ``bench_transfer_peers`` / ``bench_transfer_report`` (KV transfer GB/s per backend between two
 processes, references, fit, targets; the peers, the GPU one included), ``bench_formatter`` (what
 layout conversion costs), ``bench_multiturn`` (multi-turn chat: prefix cache, KV-aware routing),

@@ -12,6 +12,7 @@ runs each worker on half the cores, the colocated worker on all of them.
 
 Both modes report, per level, TTFT, ITL, TPOT and e2e latency (mean, p50, p90, p99 in ms),
 output tokens/s and request errors; the definitions are in :mod:`pdserve.tools.bench_serve`.
+``--plot PATH.png`` draws the runs (:mod:`pdserve.tools.bench_plot`).
 Importing this module is light (no httpx, no torch); the CLI builds its options from here.
 """
 
@@ -46,6 +47,9 @@ then one colocated worker) and compare the two on token-id prompts.
 Reported per level (ms): TTFT (send -> first content delta), ITL (gaps between content deltas),
 TPOT ((e2e - TTFT) / (output tokens - 1)), e2e (send -> end of stream), each as mean, p50, p90,
 p99; output tokens/s over the level's wall time; request errors (count and first message).
+--json also keeps each level's raw TTFT and ITL samples (seconds). --plot PATH.png draws them:
+TTFT and ITL distributions (ECDFs) per run and level, output tokens/s against concurrency, one
+line per run (disaggregated and colocated; with --plot-with, the runs of earlier --json files).
 """
 
 
@@ -106,6 +110,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     p.add_argument("--label", default=None, help="name of this run in the tables and the JSON")
     p.add_argument(
+        "--plot", default=None, metavar="PATH.png",
+        help="also draw a PNG (needs matplotlib: pip install 'pdserve[plot]'): the TTFT and ITL "
+        "distributions (ECDFs, ms) of each run and concurrency level, and output tokens/s "
+        "against concurrency, one line per run (without --url: disaggregated and colocated)",
+    )  # fmt: skip
+    p.add_argument(
+        "--plot-with", nargs="+", default=[], metavar="FILE.json",
+        help="with --plot: also draw the runs of earlier --json reports (e.g. another server's) "
+        "beside this one's",
+    )  # fmt: skip
+    p.add_argument(
         "--json-schema", action="store_true",
         help="with --url: every request under response_format json_schema (one string of about "
         "3 x --output-len characters, so about --output-len tokens) to measure the grammar's "
@@ -141,16 +156,25 @@ def add_transfer_arguments(p: argparse.ArgumentParser) -> None:
 
 def serve_main(args: argparse.Namespace, cfg: PdserveConfig) -> int:
     """``pdserve bench serve``: the ``--url`` mode, or start pdserve with ``cfg`` (the resolved
-    settings: ``--config``, ``PDSERVE_*`` variables, setting flags) and compare."""
+    settings: ``--config``, ``PDSERVE_*`` variables, setting flags) and compare. With
+    ``--plot``, matplotlib and the ``--plot-with`` reports are checked first (exit 2), so that a
+    picture that cannot be drawn costs no run."""
+    from pdserve.tools.bench_plot import PlotError
+
+    try:
+        earlier = _plot_inputs(args)
+    except PlotError as exc:
+        print(f"bench serve: {exc}", file=sys.stderr)
+        return 2
     if args.url:
-        return url_main(args)
+        return url_main(args, earlier)
     if args.json_schema:
         print("bench serve: --json-schema needs --url (a running server)", file=sys.stderr)
         return 2
     from pdserve.models import resolve_model
 
     path = args.model or (str(cfg.model.path) if cfg.model.path is not None else None)
-    return compare_main(args, cfg, resolve_model(path, cache_dir=cfg.model.cache_dir))
+    return compare_main(args, cfg, resolve_model(path, cache_dir=cfg.model.cache_dir), earlier)
 
 
 def _workload(args: argparse.Namespace, api: str) -> dict[str, Any]:
@@ -185,6 +209,50 @@ def _report(args: argparse.Namespace, api: str, runs: list[dict[str, Any]],
     }
 
 
+def _plot_inputs(args: argparse.Namespace) -> list[Any]:
+    """The runs of the ``--plot-with`` reports (:class:`pdserve.tools.bench_plot.RunSamples`);
+    raises PlotError when ``--plot`` cannot be drawn (no matplotlib, not a .png, a report that
+    cannot be read or holds no samples)."""
+    from pdserve.tools.bench_plot import PlotError, require_matplotlib, runs_from_report
+
+    plot, extra = args.plot, args.plot_with
+    if extra and not plot:
+        raise PlotError("--plot-with needs --plot PATH.png")
+    if not plot:
+        return []
+    if Path(plot).suffix.lower() != ".png":
+        raise PlotError(f"--plot {plot}: the picture is a PNG; give a path ending in .png")
+    require_matplotlib()
+    runs: list[Any] = []
+    for name in extra:
+        try:
+            report = json.loads(Path(name).read_text())
+        except (OSError, ValueError) as exc:
+            raise PlotError(f"--plot-with {name}: {exc}") from exc
+        runs += runs_from_report(report, name)
+    return runs
+
+
+def _write_plot(args: argparse.Namespace, earlier: Sequence[Any], runs: list[dict[str, Any]],
+                what: str) -> int:  # fmt: skip
+    """Draw ``--plot`` (when given): the ``earlier`` runs (``--plot-with``'s), then ``runs`` (the
+    report's); ``what`` heads the title. Returns 0, or 1 when the PNG cannot be written."""
+    if not args.plot:
+        return 0
+    from pdserve.hardware import cpu_model
+    from pdserve.tools.bench_plot import PlotError, runs_from_report, write_plot
+
+    title = f"pdserve bench serve: {what}; {cpu_model()}, {os.cpu_count()} cores"
+    try:
+        ours = runs_from_report({"runs": runs})
+        path = write_plot([*earlier, *ours], Path(args.plot), title)
+    except (PlotError, OSError, ValueError) as exc:
+        print(f"bench serve: --plot {args.plot}: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {path}")
+    return 0
+
+
 def _counts(args: argparse.Namespace) -> list[int]:
     from pdserve.tools.bench_serve import default_num_requests
 
@@ -203,26 +271,30 @@ def _client(args: argparse.Namespace, headers: dict[str, str] | None = None):  #
 
 
 async def _levels(args: argparse.Namespace, one: Callable[[Any], Awaitable[Any]], warm: list[Any],
-                  prompts: list[list[Any]], label: str | None) -> list[dict[str, Any]]:  # fmt: skip
-    """Warm-up, then each concurrency level; prints each level as it ends."""
+                  prompts: list[list[Any]], label: str | None) -> dict[str, Any]:  # fmt: skip
+    """Warm-up, then each concurrency level; prints each level as it ends. Returns a run's
+    ``levels`` (summaries) and ``samples`` (raw TTFT and ITL seconds, for ``--plot``)."""
+    from pdserve.tools.bench_plot import level_samples_json
     from pdserve.tools.bench_serve import format_level, run_level, summarize
 
     for item in warm:
         w = await one(item)
         if not w.ok:
             raise RuntimeError(f"warm-up request failed: {w.error}")
-    out = []
+    out, samples = [], []
     expect = args.output_len if args.ignore_eos and args.output_len > 0 else None
     for c, items in zip(args.concurrency, prompts, strict=True):
         results, wall = await run_level(one, items, c)
         out.append(summarize(results, wall, c, expect_output=expect))
+        samples.append(level_samples_json(results, c))
         print(format_level(out[-1], label), flush=True)
-    return out
+    return {"levels": out, "samples": samples}
 
 
-def url_main(args: argparse.Namespace) -> int:
-    """``--url`` mode: print each level, a summary table, write ``--json``. Returns 0, or 1 when
-    the warm-up or every request of some level failed."""
+def url_main(args: argparse.Namespace, earlier: Sequence[Any] = ()) -> int:
+    """``--url`` mode: print each level, a summary table, write ``--json`` and ``--plot`` (with
+    the ``earlier`` runs of ``--plot-with``). Returns 0, or 1 when the warm-up or every request
+    of some level failed or the picture could not be written."""
     import httpx
 
     from pdserve.tools import bench_serve as bs
@@ -251,7 +323,7 @@ def url_main(args: argparse.Namespace) -> int:
     print(f"bench serve{' ' + args.label if args.label else ''}: {base}, chat, input {args.input_len} tokens, output "
           f"{args.output_len} tokens, ignore_eos {args.ignore_eos}, seed {args.seed}", flush=True)  # fmt: skip
 
-    async def main() -> tuple[str, list[dict[str, Any]]]:
+    async def main() -> tuple[str, dict[str, Any]]:
         async with _client(args) as client:
             model = args.model or await bs.served_model(client, base)
             url = f"{base}/chat/completions"
@@ -273,18 +345,24 @@ def url_main(args: argparse.Namespace) -> int:
             return model, await _levels(args, one, warm, prompts, args.label)
 
     try:
-        model, levels = asyncio.run(main())
+        model, measured = asyncio.run(main())
     except (RuntimeError, httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
         print(f"bench serve: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    levels = measured["levels"]
     print(bs.format_summary(levels, args.label))
+    run = {"label": args.label, "url": base, "model": model, **measured}
     if args.json:
-        run = {"label": args.label, "url": base, "model": model, "levels": levels}
         bs.write_json(
             Path(args.json), {**_report(args, "chat", [run], started), "tokenizer": str(tok_path)}
         )
         print(f"wrote {args.json}")
-    return 1 if any(lv["completed"] == 0 for lv in levels) else 0
+    prompts_what = (f"prompts from {args.prompt_file}" if args.prompt_file
+                    else f"{args.input_len}-token prompts")  # fmt: skip
+    rc = _write_plot(
+        args, earlier, [run], f"{model}, {prompts_what}, {args.output_len} output tokens"
+    )
+    return 1 if any(lv["completed"] == 0 for lv in levels) else rc
 
 
 # --- without --url: start pdserve, disaggregated vs colocated ------------------------------------
@@ -378,9 +456,11 @@ def _token_prompts(rng: random.Random, n: int, length: int) -> list[list[int]]:
     return [[rng.randrange(100, 10100) for _ in range(length)] for _ in range(n)]
 
 
-def compare_main(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path) -> int:
+def compare_main(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path,
+                 earlier: Sequence[Any] = ()) -> int:  # fmt: skip
     """Start the disaggregated stack, then a colocated worker (each on its share of this
-    machine, every other setting from ``cfg``); the same prompts through both. Each stack's
+    machine, every other setting from ``cfg``); the same prompts through both; ``--json`` and
+    ``--plot`` (with the ``earlier`` runs of ``--plot-with``) at the end. Each stack's
     secrets and config file live in a private temporary folder, deleted when it stops; the
     logs stay in a temporary folder printed at the end. Raises ConfigError (an unreadable API key file),
     ProcessExitedError or ReadyTimeoutError when a stack does not start."""
@@ -397,11 +477,11 @@ def compare_main(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path)
     name = ""
 
     def measure(label: str, url: str, one_fn, headers: dict[str, str]) -> None:  # type: ignore[no-untyped-def]
-        async def main() -> list[dict[str, Any]]:
+        async def main() -> dict[str, Any]:
             async with _client(args, headers) as client:
                 return await _levels(args, lambda ids: one_fn(client, ids), warm, prompts, label)
 
-        runs.append({"label": label, "url": url, "model": name, "levels": asyncio.run(main())})
+        runs.append({"label": label, "url": url, "model": name, **asyncio.run(main())})
 
     def openai_one(client, ids: list[int]):  # type: ignore[no-untyped-def]
         body = {"model": name, "prompt": ids, "max_tokens": args.output_len, "temperature": 0,
@@ -448,7 +528,9 @@ def compare_main(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path)
         bs.write_json(Path(args.json), _report(args, "completions token ids", runs, started))
         print(f"wrote {args.json}")
     print(f"logs: {logs}")
-    return 0
+    what = (f"{name}, disaggregated vs colocated, {args.input_len}-token prompts, "
+            f"{args.output_len} output tokens")  # fmt: skip
+    return _write_plot(args, earlier, runs, what)
 
 
 def transfer_main(args: argparse.Namespace) -> int:

@@ -1,6 +1,8 @@
 """Static checks of the deployment files that need no container engine: the compose file passes
 docker-compose's validation and keeps the properties scaling and health checks rely on; the
-Dockerfile keeps its build-argument and runtime contract."""
+Dockerfile keeps its build-argument and runtime contract. The `observability` profile (Grafana,
+Jaeger: no registry is reachable here to pull them) is checked only statically, here and in
+tests/deploy/test_observability.py."""
 
 from __future__ import annotations
 
@@ -15,6 +17,13 @@ import yaml
 from tests.support.podman_stack import COMPOSE_FILE, ROOT
 
 PDSERVE_SERVICES = ("router", "prefill", "decode")
+# The optional services and the profiles that start them; the others start by default.
+PROFILES = {
+    "nats": ["nats"],
+    "prometheus": ["prometheus", "observability"],
+    "grafana": ["observability"],
+    "jaeger": ["observability"],
+}
 
 
 def _compose() -> dict:
@@ -46,7 +55,7 @@ def _docker_compose_config(
     )
 
 
-@pytest.mark.parametrize("profile", [None, "nats"])
+@pytest.mark.parametrize("profile", [None, "nats", "prometheus", "observability"])
 def test_compose_file_passes_docker_compose_validation(profile: str | None) -> None:
     proc = _docker_compose_config(profile, PDSERVE_CLUSTER_SECRET="0" * 64)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -71,13 +80,12 @@ def test_compose_topology_scales_and_checks_health() -> None:
     doc = _compose()
     assert "name" not in doc, "docker-compose 1.29 rejects a top-level name: (use -p)"
     services = doc["services"]
-    assert set(services) == {"etcd", "nats", "prometheus", *PDSERVE_SERVICES}
+    assert set(services) == {"etcd", *PROFILES, *PDSERVE_SERVICES}
     for name, svc in services.items():
         assert "container_name" not in svc, f"{name}: a fixed name breaks --scale"
         assert svc.get("healthcheck", {}).get("test"), f"{name} has no health check"
-    assert services["nats"]["profiles"] == ["nats"]
-    assert services["prometheus"]["profiles"] == ["prometheus"]
-    for name in ("etcd", "nats", "prometheus"):
+        assert svc.get("profiles") == PROFILES.get(name), f"{name}: profiles"
+    for name in ("etcd", *PROFILES):
         image = services[name]["image"]
         assert re.fullmatch(r"\$\{PDSERVE_\w+_IMAGE:-[\w./-]+:v?\d+\.\d+\.\d+[\w.-]*\}", image), (
             f"{name}: image must be pinned and overridable by env, got {image}"
@@ -141,6 +149,44 @@ def test_a_tensor_parallel_prefill_resolves_to_a_valid_config() -> None:
         cfg, _ = load_config(ROOT / "configs" / "1p1d-etcd.yaml", env=env)
         sizes[name] = cfg.model.tensor_parallel_size
     assert sizes == {"prefill": 3, "decode": 1}
+
+
+OTLP_VAR = "${PDSERVE_OTLP_TRACES_ENDPOINT:-}"
+JAEGER_OTLP = "http://jaeger:4318/v1/traces"
+
+
+def test_every_pdserve_service_takes_the_traces_endpoint_from_one_variable() -> None:
+    """Empty (the default): tracing off; the observability profile's Jaeger receives OTLP over
+    HTTP on the port the documented endpoint names, inside the compose network."""
+    services = _compose()["services"]
+    for name in PDSERVE_SERVICES:
+        env = services[name]["environment"]
+        assert env["PDSERVE_OBSERVABILITY__OTLP_TRACES_ENDPOINT"] == OTLP_VAR, name
+        assert "OTEL_SERVICE_NAME" not in env, f"{name}: pdserve names its services itself"
+    assert "4318" in services["jaeger"]["expose"]
+
+
+@pytest.mark.parametrize("endpoint", [None, JAEGER_OTLP])
+def test_the_traces_endpoint_resolves_to_the_tracing_setting(endpoint: str | None) -> None:
+    from pdserve.config import load_config
+
+    extra = {} if endpoint is None else {"PDSERVE_OTLP_TRACES_ENDPOINT": endpoint}
+    proc = _docker_compose_config(
+        "observability", quiet=False, PDSERVE_CLUSTER_SECRET="0" * 64, **extra
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    services = yaml.safe_load(proc.stdout)["services"]
+    for name in PDSERVE_SERVICES:
+        env = {k: str(v) for k, v in services[name]["environment"].items()}
+        cfg, _ = load_config(ROOT / "configs" / "1p1d-etcd.yaml", env=env)
+        assert cfg.observability.otlp_traces_endpoint == endpoint, name
+
+
+def test_observability_ports_are_published_from_variables() -> None:
+    services = _compose()["services"]
+    assert services["grafana"]["ports"] == ["${PDSERVE_GRAFANA_PORT:-3000}:3000"]
+    assert services["jaeger"]["ports"] == ["${PDSERVE_JAEGER_UI_PORT:-16686}:16686"]
+    assert services["prometheus"]["ports"] == ["${PDSERVE_PROMETHEUS_PORT:-9090}:9090"]
 
 
 def test_prometheus_scrapes_every_pdserve_role_on_its_port() -> None:

@@ -20,7 +20,7 @@ HANDOFF_HELP = (
     "1.05x", "hardly moves",
 )  # fmt: skip
 HELP = {
-    "serve": ("--url", "--concurrency", "TTFT", "--config", "--compile"),
+    "serve": ("--url", "--concurrency", "TTFT", "--config", "--compile", "--plot", "--plot-with"),
     "transfer": TRANSFER_HELP,
     "router": ("--concurrency", "--requests", "scripted worker", "difference"),
     "kv-dtype": ("--kv-dtypes", "--kv-cache-mb", "--batch", "fp8_e4m3"),
