@@ -467,12 +467,14 @@ class Transaction:
             raise WorkerError(f"{leg} failed the request: {chunk.error or chunk.finish_reason}")
         if chunk.request_id != self.request_id:
             raise WorkerError(f"{leg} streamed a chunk for request {chunk.request_id!r}")
+        tl = self.spec.timeline
+        if chunk.phases:  # the leg's last chunk (even one dropped below): the worker's phases
+            tl.add_peer(self.route.worker.role.value, chunk.phases, time.time_ns())
         if not self._accept(chunk, leg):
             return None
         i = chunk.index
         now = time.monotonic()
         m = self._router.metrics
-        tl = self.spec.timeline
         if not self._leg_started:  # one leg's first output, or a decode leg's first chunk
             self._leg_started = True
             tl.mark(
@@ -495,8 +497,6 @@ class Transaction:
         first_leg = self.context is None and not self.migrations  # the worker that prefilled
         if chunk.finish_reason is not None:
             self._unfinished.discard(i)
-        if chunk.phases:  # the leg's last chunk: the worker's phases
-            tl.add_peer(self.route.worker.role.value, chunk.phases, time.time_ns())
         if not self._unfinished:  # before the yield: a consumer may stop at this event
             self.state = TxnState.FINISHED
             self.finish_reason = chunk.finish_reason
