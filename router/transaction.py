@@ -432,6 +432,7 @@ class Transaction:
                     exc,
                 )
         tl = self.spec.timeline
+        Timeline.end(self.leg_span, "streamed hand-off failed")  # (none: not streamed)
         self.leg_span = tl.begin("decode")
         req = self.spec.generation(first_token=self.context.first_token, handle=handle,
                                    traceparent=tl.traceparent(self.leg_span))  # fmt: skip
