@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import math
 import os
 import random
 import sys
@@ -88,9 +89,24 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="requests in flight; several levels run one after another (default: 1 8)",
     )  # fmt: skip
     p.add_argument(
-        "--num-requests", "--requests", dest="num_requests", type=int, default=None,
-        help="requests per concurrency level (default: max(16, 4 x concurrency))",
+        "--request-rate", type=float, nargs="+", default=None, metavar="REQ_PER_S",
+        help="open loop instead of --concurrency: send requests at Poisson arrivals of this "
+        "rate (requests/s, seeded by --seed) whatever is in flight; several rates run one "
+        "after another",
     )  # fmt: skip
+    p.add_argument(
+        "--num-requests", "--requests", dest="num_requests", type=int, default=None,
+        help="requests per level (default: max(16, 4 x concurrency); with --request-rate "
+        "max(16, 10 s of arrivals))",
+    )  # fmt: skip
+    for metric, what in (("ttft", "time to first token"),
+                         ("tpot", "time per output token after the first (the request's mean)"),
+                         ("itl", "inter-token latency (the request's 90th percentile gap)")):  # fmt: skip
+        p.add_argument(
+            f"--{metric}-slo-ms", type=float, default=None, metavar="MS",
+            help=f"SLO target for {what}, ms: with any --*-slo-ms, each level also reports "
+            "goodput, the rate and share of requests meeting every target given",
+        )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     p.add_argument(
         "--prompt-file", default=None, metavar="FILE",
@@ -160,7 +176,11 @@ def serve_main(args: argparse.Namespace, cfg: PdserveConfig) -> int:
     ``--plot``, matplotlib and the ``--plot-with`` reports are checked first (exit 2), so that a
     picture that cannot be drawn costs no run."""
     from pdserve.tools.bench_plot import PlotError
+    from pdserve.tools.bench_serve import check_load_arguments
 
+    if problem := check_load_arguments(args):
+        print(f"bench serve: {problem}", file=sys.stderr)
+        return 2
     try:
         earlier = _plot_inputs(args)
     except PlotError as exc:
@@ -178,6 +198,8 @@ def serve_main(args: argparse.Namespace, cfg: PdserveConfig) -> int:
 
 
 def _workload(args: argparse.Namespace, api: str) -> dict[str, Any]:
+    from pdserve.tools.bench_serve import slo_from_args
+
     return {
         "api": api,
         "stream": True,
@@ -187,8 +209,10 @@ def _workload(args: argparse.Namespace, api: str) -> dict[str, Any]:
         "seed": args.seed,
         "temperature": 0,
         "warmup": args.warmup,
-        "concurrency": list(args.concurrency),
+        "concurrency": None if args.request_rate else list(args.concurrency),
+        "request_rate": args.request_rate,
         "num_requests": args.num_requests,
+        "slo": slo_from_args(args).as_ms(),
     }
 
 
@@ -220,6 +244,8 @@ def _plot_inputs(args: argparse.Namespace) -> list[Any]:
         raise PlotError("--plot-with needs --plot PATH.png")
     if not plot:
         return []
+    if args.request_rate:
+        raise PlotError("--plot draws concurrency levels; it does not take --request-rate")
     if Path(plot).suffix.lower() != ".png":
         raise PlotError(f"--plot {plot}: the picture is a PNG; give a path ending in .png")
     require_matplotlib()
@@ -256,13 +282,16 @@ def _write_plot(args: argparse.Namespace, earlier: Sequence[Any], runs: list[dic
 def _counts(args: argparse.Namespace) -> list[int]:
     from pdserve.tools.bench_serve import default_num_requests
 
+    if args.request_rate:
+        return [args.num_requests or max(16, math.ceil(10 * r)) for r in args.request_rate]
     return [args.num_requests or default_num_requests(c) for c in args.concurrency]
 
 
 def _client(args: argparse.Namespace, headers: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
     import httpx
 
-    n = max(args.concurrency) + 4
+    # the open loop may have every request of a level in flight
+    n = (max(_counts(args)) if args.request_rate else max(args.concurrency)) + 4
     return httpx.AsyncClient(
         timeout=httpx.Timeout(args.request_timeout_s, connect=30),
         limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
@@ -274,20 +303,28 @@ async def _levels(args: argparse.Namespace, one: Callable[[Any], Awaitable[Any]]
                   prompts: list[list[Any]], label: str | None) -> dict[str, Any]:  # fmt: skip
     """Warm-up, then each concurrency level; prints each level as it ends. Returns a run's
     ``levels`` (summaries) and ``samples`` (raw TTFT and ITL seconds, for ``--plot``)."""
+    from pdserve.tools import bench_serve as bs
     from pdserve.tools.bench_plot import level_samples_json
-    from pdserve.tools.bench_serve import format_level, run_level, summarize
 
     for item in warm:
         w = await one(item)
         if not w.ok:
             raise RuntimeError(f"warm-up request failed: {w.error}")
-    out, samples = [], []
+    out: list[dict[str, Any]] = []
+    samples: list[dict[str, Any]] = []
     expect = args.output_len if args.ignore_eos and args.output_len > 0 else None
+    slo = bs.slo_from_args(args)
+    if args.request_rate:
+        for i, (rate, items) in enumerate(zip(args.request_rate, prompts, strict=True)):
+            results, wall = await bs.run_rate(one, items, rate, seed=args.seed + i)
+            out.append(bs.summarize(results, wall, None, expect, slo, request_rate=rate))
+            print(bs.format_level(out[-1], label), flush=True)
+        return {"levels": out, "samples": samples}
     for c, items in zip(args.concurrency, prompts, strict=True):
-        results, wall = await run_level(one, items, c)
-        out.append(summarize(results, wall, c, expect_output=expect))
+        results, wall = await bs.run_level(one, items, c)
+        out.append(bs.summarize(results, wall, c, expect_output=expect, slo=slo))
         samples.append(level_samples_json(results, c))
-        print(format_level(out[-1], label), flush=True)
+        print(bs.format_level(out[-1], label), flush=True)
     return {"levels": out, "samples": samples}
 
 
@@ -522,7 +559,7 @@ def compare_main(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path,
     for d, o in zip(runs[0]["levels"], runs[1]["levels"], strict=True):
         t = [d[k]["p50"] / o[k]["p50"] if d[k]["p50"] and o[k]["p50"] else float("nan")
              for k in ("ttft_ms", "tpot_ms")]  # fmt: skip
-        print(f"concurrency {d['concurrency']}: disaggregated/colocated TTFT p50 x{t[0]:.2f}, "
+        print(f"{bs.level_name(d)}: disaggregated/colocated TTFT p50 x{t[0]:.2f}, "
               f"TPOT p50 x{t[1]:.2f}")  # fmt: skip
     if args.json:
         bs.write_json(Path(args.json), _report(args, "completions token ids", runs, started))

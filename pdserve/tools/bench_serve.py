@@ -19,6 +19,16 @@ Per level: output tokens/s = output tokens of the successful requests / the leve
 (first request sent to last stream ended); errors = failed requests (HTTP status, an error event
 in the stream, a transport error, no content) with the first message. Reports print milliseconds.
 
+Goodput (DistServe, OSDI'24; vLLM's ``--goodput``): with service-level objectives
+(:class:`Slo`: TTFT, TPOT and/or ITL targets) a request is *good* when it succeeded and meets
+every target given: TTFT <= the TTFT target, TPOT <= the TPOT target, and its 90th-percentile ITL
+<= the ITL target (one gap in ten may stall, on a prefill chunk for instance). Goodput = good
+requests / the level's wall time (requests/s), reported beside the fraction of good requests.
+
+Open loop (:func:`run_rate`): instead of a fixed concurrency, requests are sent at Poisson
+arrivals of a given rate (exponential gaps from a seeded generator), whatever is in flight, as
+a population of independent users would send them.
+
 This module is benchmark code only: the router and the workers never import it.
 """
 
@@ -152,6 +162,34 @@ async def stream_openai(client: httpx.AsyncClient, url: str, body: dict[str, Any
     return result
 
 
+async def run_rate(one: Callable[[Any], Awaitable[RequestResult]], items: Sequence[Any],
+                   rate: float, seed: int = 0) -> tuple[list[RequestResult], float]:  # fmt: skip
+    """Open loop: send ``items`` at Poisson arrivals of ``rate`` requests/s (exponential gaps,
+    ``random.Random(seed)``; the first goes at once), each as soon as its time comes whatever
+    is still in flight. Returns the results (in completion order) and the wall time in seconds
+    (first sent to last finished). Raises ValueError for a rate that is not positive."""
+    if not rate > 0:
+        raise ValueError(f"request rate must be positive, got {rate}")
+    rng = random.Random(seed)
+    results: list[RequestResult] = []
+
+    async def send(item: Any) -> None:
+        results.append(await one(item))
+
+    t0 = time.perf_counter()
+    due = 0.0
+    tasks = []
+    for i, item in enumerate(items):
+        if i:
+            due += rng.expovariate(rate)
+        wait = t0 + due - time.perf_counter()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        tasks.append(asyncio.create_task(send(item)))
+    await asyncio.gather(*tasks)
+    return results, time.perf_counter() - t0
+
+
 async def run_level(one: Callable[[Any], Awaitable[RequestResult]], items: Sequence[Any],
                     concurrency: int) -> tuple[list[RequestResult], float]:  # fmt: skip
     """Closed loop: ``concurrency`` workers each send the next item until all are done. Returns
@@ -247,17 +285,85 @@ def _stats_ms(values_s: Sequence[float]) -> dict[str, float | None]:
     return out
 
 
-def summarize(results: Sequence[RequestResult], wall_s: float, concurrency: int,
-              expect_output: int | None = None) -> dict[str, Any]:  # fmt: skip
+@dataclass(frozen=True)
+class Slo:
+    """Service-level objectives of one request, seconds (None: no target). See the module
+    docstring for what each target checks."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    itl_s: float | None = None
+
+    def __bool__(self) -> bool:
+        return any(v is not None for v in (self.ttft_s, self.tpot_s, self.itl_s))
+
+    def met(self, r: RequestResult) -> bool:
+        """Whether ``r`` succeeded and meets every target (a TPOT target is met by a request of
+        one output token, which has no TPOT; likewise ITL)."""
+        if not r.ok:
+            return False
+        if self.ttft_s is not None and (r.ttft_s is None or r.ttft_s > self.ttft_s):
+            return False
+        tpot = r.tpot_s
+        if self.tpot_s is not None and tpot is not None and tpot > self.tpot_s:
+            return False
+        itl = percentile(r.itl_s, 90)
+        return self.itl_s is None or itl is None or itl <= self.itl_s
+
+    def as_ms(self) -> dict[str, float | None]:
+        """The targets in milliseconds, JSON-ready."""
+        return {f"{k}_ms": None if v is None else v * 1e3
+                for k, v in (("ttft", self.ttft_s), ("tpot", self.tpot_s), ("itl", self.itl_s))}  # fmt: skip
+
+
+def goodput(results: Sequence[RequestResult], wall_s: float, slo: Slo) -> dict[str, Any]:
+    """``{"slo", "good", "fraction", "requests_per_s"}``: requests meeting ``slo``, their
+    share of all requests (failed ones count as not good) and their rate over ``wall_s``."""
+    good = sum(slo.met(r) for r in results)
+    return {
+        "slo": slo.as_ms(),
+        "good": good,
+        "fraction": good / len(results) if results else None,
+        "requests_per_s": good / wall_s if wall_s > 0 else None,
+    }
+
+
+def slo_from_args(args: Any) -> Slo:
+    """``pdserve bench serve``'s ``--*-slo-ms`` targets as an :class:`Slo` (seconds)."""
+
+    def s(ms: float | None) -> float | None:
+        return None if ms is None else ms / 1e3
+
+    return Slo(s(args.ttft_slo_ms), s(args.tpot_slo_ms), s(args.itl_slo_ms))
+
+
+def check_load_arguments(args: Any) -> str | None:
+    """What is wrong with ``pdserve bench serve``'s load options (``--request-rate``,
+    ``--concurrency``, ``--*-slo-ms``): a message, or None."""
+    if any(r <= 0 for r in args.request_rate or ()):
+        return "--request-rate: rates must be positive"
+    if any(c < 1 for c in args.concurrency):
+        return "--concurrency: levels must be at least 1"
+    if any(v is not None and v <= 0 for v in (args.ttft_slo_ms, args.tpot_slo_ms, args.itl_slo_ms)):
+        return "--ttft-slo-ms, --tpot-slo-ms, --itl-slo-ms: targets must be positive"
+    return None
+
+
+def summarize(results: Sequence[RequestResult], wall_s: float, concurrency: int | None,
+              expect_output: int | None = None, slo: Slo | None = None,
+              request_rate: float | None = None) -> dict[str, Any]:  # fmt: skip
     """One level's numbers (JSON-ready): counts, ``wall_s`` seconds, output tokens/s, and
     ``ttft_ms``/``itl_ms``/``tpot_ms``/``e2e_ms`` as mean, p50, p90, p99 in milliseconds.
-    ``expect_output``: count successful requests whose output token count differs from it."""
+    ``expect_output``: count successful requests whose output token count differs from it.
+    ``slo``: add ``goodput`` (:func:`goodput`); ``request_rate``: the open loop's rate (then
+    ``concurrency`` is None)."""
     ok = [r for r in results if r.ok]
     errors = [r for r in results if not r.ok]
     prompts = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
     out_tokens = sum(r.output_tokens for r in ok)
     return {
         "concurrency": concurrency,
+        "request_rate": request_rate,
         "num_requests": len(results),
         "completed": len(ok),
         "errors": len(errors),
@@ -277,7 +383,15 @@ def summarize(results: Sequence[RequestResult], wall_s: float, concurrency: int,
         "itl_ms": _stats_ms([g for r in ok for g in r.itl_s]),
         "tpot_ms": _stats_ms([t for r in ok if (t := r.tpot_s) is not None]),
         "e2e_ms": _stats_ms([r.e2e_s for r in ok if r.e2e_s is not None]),
+        "goodput": goodput(results, wall_s, slo) if slo else None,
     }
+
+
+def level_name(lv: dict[str, Any]) -> str:
+    """``concurrency C`` or ``rate R req/s``."""
+    if lv.get("request_rate") is not None:
+        return f"rate {lv['request_rate']:g} req/s"
+    return f"concurrency {lv['concurrency']}"
 
 
 def _f(v: float | None, width: int = 9, digits: int = 1) -> str:
@@ -286,7 +400,7 @@ def _f(v: float | None, width: int = 9, digits: int = 1) -> str:
 
 def format_level(lv: dict[str, Any], label: str | None = None) -> str:
     """A readable block for one level: counts, throughput, then one row per metric (ms)."""
-    head = (f"{label + ': ' if label else ''}concurrency {lv['concurrency']}: "
+    head = (f"{label + ': ' if label else ''}{level_name(lv)}: "
             f"{lv['completed']}/{lv['num_requests']} ok, {lv['errors']} errors, "
             f"wall {lv['wall_s']:.1f} s, {_f(lv['output_tokens_per_s'], 0)} output tok/s, "
             f"{_f(lv['requests_per_s'], 0, 2)} req/s")  # fmt: skip
@@ -301,6 +415,12 @@ def format_level(lv: dict[str, Any], label: str | None = None) -> str:
         )
     if lv["first_error"]:
         lines.append(f"  first error: {lv['first_error']}")
+    if gp := lv.get("goodput"):
+        targets = ", ".join(f"{k[:-3].upper()} <= {v:g} ms" for k, v in gp["slo"].items()
+                            if v is not None)  # fmt: skip
+        lines.append(f"  goodput: {gp['good']}/{lv['num_requests']} requests meet {targets} "
+                     f"({100 * (gp['fraction'] or 0):.0f} %), "
+                     f"{_f(gp['requests_per_s'], 0, 2)} good req/s")  # fmt: skip
     lines.append(f"  {'ms':<6}" + "".join(f"{h:>9}" for h in ("mean", "p50", "p90", "p99")))
     for name in ("ttft", "itl", "tpot", "e2e"):
         s = lv[f"{name}_ms"]
@@ -312,14 +432,21 @@ def format_level(lv: dict[str, Any], label: str | None = None) -> str:
 
 def format_summary(levels: Sequence[dict[str, Any]], label: str | None = None,
                    header: bool = True) -> str:  # fmt: skip
-    """One row per level: concurrency, requests, errors, output tok/s, TTFT/ITL/TPOT p50/p90/p99."""
+    """One row per level: concurrency (or request rate ``r=``), requests, errors, output tok/s,
+    goodput (good req/s and %, ``-`` without SLOs), TTFT/ITL/TPOT p50/p90/p99."""
     cols = [f"{m} {p}" for m in ("TTFT", "ITL", "TPOT") for p in ("p50", "p90", "p99")]
-    lines = [f"{'label':<14} {'conc':>4} {'reqs':>5} {'err':>4} {'tok/s':>7} "
-             + " ".join(f"{c:>9}" for c in cols) + "   (ms)"][: int(header)]  # fmt: skip
+    lines = [f"{'label':<14} {'conc':>6} {'reqs':>5} {'err':>4} {'tok/s':>7} {'good/s':>6} "
+             f"{'good%':>5} " + " ".join(f"{c:>9}" for c in cols) + "   (ms)"][: int(header)]  # fmt: skip
     for lv in levels:
         vals = [lv[f"{m}_ms"][f"p{p}"] for m in ("ttft", "itl", "tpot") for p in PERCENTILES]
-        lines.append(f"{(label or '-')[:14]:<14} {lv['concurrency']:>4} {lv['num_requests']:>5} "
+        rate = lv.get("request_rate")
+        conc = f"r={rate:g}" if rate is not None else str(lv["concurrency"])
+        gp = lv.get("goodput") or {}
+        frac = gp.get("fraction")
+        lines.append(f"{(label or '-')[:14]:<14} {conc:>6} {lv['num_requests']:>5} "
                      f"{lv['errors']:>4} {_f(lv['output_tokens_per_s'], 7)} "
+                     f"{_f(gp.get('requests_per_s'), 6, 2)} "
+                     f"{_f(None if frac is None else 100 * frac, 5, 0)} "
                      + " ".join(_f(v) for v in vals))  # fmt: skip
     return "\n".join(lines)
 

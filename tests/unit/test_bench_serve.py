@@ -7,6 +7,7 @@ import asyncio
 import json
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -367,3 +368,102 @@ def test_a_prompt_file_supplies_the_user_messages_in_turn(
         "Name a colour.",
         "What is 1 + 1?",
     ]
+
+
+# --- goodput and the open loop ---------------------------------------------------------------------
+
+
+def test_slo_checks_each_target_given() -> None:
+    r = bs.RequestResult(ok=True, ttft_s=0.2, itl_s=[0.01] * 9 + [0.5], e2e_s=0.2 + 0.59,
+                         output_tokens=11)  # fmt: skip
+    assert r.tpot_s == pytest.approx(0.059)
+    assert bs.Slo(ttft_s=0.2).met(r) and not bs.Slo(ttft_s=0.19).met(r)
+    assert bs.Slo(tpot_s=0.06).met(r) and not bs.Slo(tpot_s=0.05).met(r)
+    # p90 of the gaps: nine of 10 ms and one of 500 ms interpolate to 59 ms
+    assert bs.Slo(itl_s=0.06).met(r) and not bs.Slo(itl_s=0.05).met(r)
+    assert not bs.Slo(ttft_s=1.0).met(bs.RequestResult(ok=False, error="x"))
+    assert bs.Slo(ttft_s=1.0, tpot_s=1.0).met(bs.RequestResult(ok=True, ttft_s=0.1, e2e_s=0.1,
+                                                                output_tokens=1))  # fmt: skip
+    assert not bs.Slo() and bs.Slo(itl_s=1.0)
+
+
+def test_goodput_counts_failed_requests_as_not_good() -> None:
+    fast = bs.RequestResult(ok=True, ttft_s=0.1, itl_s=[0.01], e2e_s=0.11, output_tokens=2)
+    slow = bs.RequestResult(ok=True, ttft_s=0.9, itl_s=[0.01], e2e_s=0.91, output_tokens=2)
+    bad = bs.RequestResult(ok=False, error="x")
+    lv = bs.summarize([fast, fast, slow, bad], 2.0, 4, slo=bs.Slo(ttft_s=0.5))
+    assert lv["goodput"] == {"slo": {"ttft_ms": 500.0, "tpot_ms": None, "itl_ms": None},
+                             "good": 2, "fraction": 0.5, "requests_per_s": 1.0}  # fmt: skip
+    assert "goodput: 2/4 requests meet TTFT <= 500 ms (50 %), 1.00 good req/s" in bs.format_level(
+        lv
+    )
+    assert bs.summarize([fast], 1.0, 1)["goodput"] is None
+
+
+def test_open_loop_sends_at_seeded_poisson_arrivals_whatever_is_in_flight() -> None:
+    import random
+
+    sent: list[float] = []
+    active = peak = 0
+
+    async def one(item: int) -> bs.RequestResult:
+        nonlocal active, peak
+        sent.append(time.perf_counter())
+        active += 1
+        peak = max(peak, active)
+        await asyncio.sleep(0.3)  # longer than the gaps: an open loop does not wait for it
+        active -= 1
+        return bs.RequestResult(ok=True, output_tokens=item)
+
+    rate = 40.0
+    results, wall = asyncio.run(bs.run_rate(one, list(range(12)), rate, seed=5))
+    assert sorted(r.output_tokens for r in results) == list(range(12))
+    rng = random.Random(5)
+    due = [0.0]
+    for _ in range(11):
+        due.append(due[-1] + rng.expovariate(rate))
+    offsets = [t - sent[0] for t in sent]
+    for got, want in zip(offsets, due, strict=True):
+        assert want - 1e-3 <= got < want + 0.25  # never early; late only by scheduling
+    assert peak >= 3 and wall >= due[-1] + 0.3
+    with pytest.raises(ValueError, match="positive"):
+        asyncio.run(bs.run_rate(one, [1], 0.0))
+
+
+def test_cli_request_rate_and_slos_report_goodput(tokenizer_dir: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    app, seen = fake_app()
+    out = tmp_path / "r.json"
+    with ThreadServer(app) as url:
+        rc = _run_cli(url, tokenizer_dir, out, "--request-rate", "50", "5", "--num-requests",
+                      "4", "--ttft-slo-ms", "2000", "--itl-slo-ms", "10")  # fmt: skip
+    assert rc == 0 and len(seen) == 1 + 4 + 4
+    report = json.loads(out.read_text())
+    assert report["workload"]["request_rate"] == [50.0, 5.0]
+    assert report["workload"]["concurrency"] is None
+    assert report["workload"]["slo"] == {"ttft_ms": 2000.0, "tpot_ms": None, "itl_ms": 10.0}
+    levels = report["runs"][0]["levels"]
+    assert [lv["request_rate"] for lv in levels] == [50.0, 5.0]
+    for lv in levels:
+        assert lv["completed"] == 4 and lv["concurrency"] is None
+        # the fake server's gaps are 30 ms: no request meets a 10 ms ITL target
+        assert lv["goodput"]["good"] == 0 and lv["goodput"]["fraction"] == 0.0
+    # 4 arrivals at 5 req/s span about 0.6 s on average; at 50 req/s about 0.06 s
+    assert levels[1]["wall_s"] > levels[0]["wall_s"]
+    text = capsys.readouterr().out
+    assert "rate 50 req/s: 4/4 ok" in text and "r=5" in text
+    assert "goodput: 0/4 requests meet TTFT <= 2000 ms, ITL <= 10 ms (0 %)" in text
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [(["--request-rate", "0"], "rates must be positive"),
+     (["--ttft-slo-ms", "-1"], "targets must be positive"),
+     (["--request-rate", "2", "--plot", "x.png"], "does not take --request-rate")],
+)  # fmt: skip
+def test_bad_load_options_are_refused_before_any_request(
+    extra: list[str], message: str, tokenizer_dir: Path, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    assert _run_cli("http://127.0.0.1:9/v1", tokenizer_dir, tmp_path / "r.json", *extra) == 2
+    assert message in capsys.readouterr().err
