@@ -232,6 +232,19 @@ def build_parser() -> argparse.ArgumentParser:
         if command.settings == "flags":
             add_setting_flags(b, f"bench {command.name}")
 
+    from pdserve.planner.plan import add_arguments as add_plan_arguments  # light: no torch
+
+    add_plan_arguments(
+        sub.add_parser(
+            "plan",
+            help="predict TTFT, ITL and goodput of P:D configurations from a profile",
+            description="Simulate each candidate deployment (prefill and decode worker counts, "
+            "chunk size, conditional-disaggregation threshold) on a workload with the timings "
+            "of a `pdserve bench profile` file, print the predictions and recommend the one "
+            "that meets the SLOs with the fewest workers (docs/planning.md). Exit status 0: "
+            "the recommendation meets the attainment target; 1: none does; 2: bad input.",
+        )
+    )
     from pdserve.tools.doctor import add_arguments as add_doctor_arguments  # light: no torch
 
     add_doctor_arguments(
@@ -350,6 +363,10 @@ def _dispatch(args: argparse.Namespace) -> int:
             command = BY_NAME[args.bench_command]
             settings = resolve_config(args)[0] if command.settings != "none" else None
             return command.run(args, settings)
+        if args.command == "plan":
+            from pdserve.planner.plan import run as run_plan
+
+            return run_plan(args)
         if args.command == "doctor":
             from pdserve.tools.doctor import run as run_doctor
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
@@ -213,28 +212,6 @@ def _run_kv_restart(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
 
 # --- handoff ------------------------------------------------------------------------------------
 
-HANDOFF_DESCRIPTION = """\
-The streamed hand-off against the whole-request hand-off (router --kv-stream-min-tokens): two
-stacks of router + 1 prefill + 1 decode on the default model, up together, one handing every
-prompt off whole (--kv-stream-min-tokens 0), the other streamed (1); every prompt goes through
-the prefill worker. For each --prompt-tokens length, --requests streamed greedy
-/v1/completions per mode (max_tokens 4, ignore_eos) of fresh random token ids (the prefix
-cache serves none of them), one at a time, alternating between the two stacks, after a warm-up
-request on each.
-
-Reported per length (p50, ms): TTFT (send -> first token) and TT2T (send -> second token) of
-each mode and streamed / whole, the gap between the two tokens, the decode worker's streamed
-pulls, the CPU model and the transfer backend; then issue 25's targets, MET or MISSED: TTFT at
-the largest prompt <= 0.9x whole, never worse for short prompts (<= 1.05x at the smallest).
-
-Why TTFT hardly moves in this design: in both modes the first token is the prefill worker's,
-passed on by the router as soon as the prefill answers. What the streamed hand-off shortens is
-the wait for the SECOND token: the decode worker has pulled each prefill chunk's KV blocks
-while the next chunks were computed, instead of starting its whole pull after the prefill. TT2T
-is where the overlap shows. The stacks take their other settings from --config and PDSERVE_*
-variables; progress goes to stderr (long prompts on CPU take many seconds each).
-"""
-
 
 def _handoff_arguments(p: argparse.ArgumentParser) -> None:
     from pdserve.tools.bench_handoff import add_arguments
@@ -250,30 +227,11 @@ def _run_handoff(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
 
 # --- compile, formatter, gpu: one process, no stack ---------------------------------------------
 
-COMPILE_DESCRIPTION = """\
-Eager vs compiled forward of the model runner, in this process: for each thread count, the
-prefill time of one 286-token prompt and the decode step time at batch 1, 8 and 32 (each
-sequence at a 300-token context) for three runners of the same model folder: eager
-(transformers' forward), prepacked (the same with oneDNN-prepacked linears only) and compiled
-(model.compile: prepacked + torch.compile). Calls alternate between the runners, medians of
---rounds rounds; the ratios are the figures to quote. First the start-up compile time, in child
-processes: with an empty inductor cache (cold) and reusing it (warm).
-"""
-
 
 def _compile_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", type=Path, default=None, metavar="DIR",
-        help="model folder (default: the converted SmolLM2 in the cache)",
-    )  # fmt: skip
-    p.add_argument(
-        "--threads", type=int, nargs="+", default=[1, 2],
-        help="torch thread counts, one table each (default: 1 2)",
-    )  # fmt: skip
-    p.add_argument("--rounds", type=int, default=7, help="rounds per case (default: 7)")
-    p.add_argument(
-        "--skip-startup", action="store_true", help="skip the start-up compile measurement"
-    )
+    from pdserve.tools.bench_compile import add_arguments
+
+    add_arguments(p)
 
 
 def _run_compile(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
@@ -373,6 +331,25 @@ def _run_gpu(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
     from pdserve.tools.bench_gpu import run
 
     return run(args)
+
+
+def _profile_arguments(p: argparse.ArgumentParser) -> None:
+    from pdserve.tools.bench_profile import add_arguments
+
+    add_arguments(p)
+
+
+def _run_profile(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
+    from pdserve.tools.bench_profile import run
+
+    return run(args, _need(cfg))
+
+
+def _description(module: str) -> str:
+    """The ``DESCRIPTION`` of ``pdserve.tools.<module>`` (a module light to import)."""
+    import importlib
+
+    return str(importlib.import_module(f"pdserve.tools.{module}").DESCRIPTION)
 
 
 def _serve_description() -> str:
@@ -521,7 +498,7 @@ COMMANDS: tuple[BenchCommand, ...] = (
     BenchCommand(
         "handoff",
         "streamed vs whole-request KV hand-off: TTFT and time to the second token",
-        HANDOFF_DESCRIPTION,
+        _description("bench_handoff"),
         _handoff_arguments,
         _run_handoff,
         "config",
@@ -529,7 +506,7 @@ COMMANDS: tuple[BenchCommand, ...] = (
     BenchCommand(
         "compile",
         "eager vs compiled forward of the model runner (prefill, decode steps)",
-        COMPILE_DESCRIPTION,
+        _description("bench_compile"),
         _compile_arguments,
         _run_compile,
     ),
@@ -574,6 +551,14 @@ COMMANDS: tuple[BenchCommand, ...] = (
         SPECULATIVE_DESCRIPTION,
         _speculative_arguments,
         _run_speculative,
+    ),
+    BenchCommand(
+        "profile",
+        "prefill, decode-step and hand-off times of this model here: the planner's profile",
+        _description("bench_profile"),
+        _profile_arguments,
+        _run_profile,
+        "config",
     ),
     BenchCommand(
         "gpu",

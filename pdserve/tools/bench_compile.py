@@ -38,6 +38,34 @@ if TYPE_CHECKING:
     from pdserve.workers.engine.scheduler import ScheduledBatch
     from pdserve.workers.engine.sequence import Sequence
 
+DESCRIPTION = """\
+Eager vs compiled forward of the model runner, in this process: for each thread count, the
+prefill time of one 286-token prompt and the decode step time at batch 1, 8 and 32 (each
+sequence at a 300-token context) for three runners of the same model folder: eager
+(transformers' forward), prepacked (the same with oneDNN-prepacked linears only) and compiled
+(model.compile: prepacked + torch.compile). Calls alternate between the runners, medians of
+--rounds rounds; the ratios are the figures to quote. First the start-up compile time, in child
+processes: with an empty inductor cache (cold) and reusing it (warm).
+"""
+"""The ``pdserve bench compile --help`` text."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``pdserve bench compile``."""
+    p.add_argument(
+        "--model", type=Path, default=None, metavar="DIR",
+        help="model folder (default: the converted SmolLM2 in the cache)",
+    )  # fmt: skip
+    p.add_argument(
+        "--threads", type=int, nargs="+", default=[1, 2],
+        help="torch thread counts, one table each (default: 1 2)",
+    )  # fmt: skip
+    p.add_argument("--rounds", type=int, default=7, help="rounds per case (default: 7)")
+    p.add_argument(
+        "--skip-startup", action="store_true", help="skip the start-up compile measurement"
+    )
+
+
 PREFILL_TOKENS = 286
 DECODE_CONTEXT = 300
 DECODE_BATCHES = (1, 8, 32)

@@ -227,9 +227,12 @@ async def _time_pulls(t: Any, handle: Any, ids: list[int], min_s: float) -> list
     return times
 
 
-async def _pull_sizes(
+async def pull_sizes(
     backend: str, dst_device: str, peer: Any, sizes: list[int], integrity: bool
 ) -> dict[int, list[float]]:
+    """Pull each of ``sizes`` blocks (SmolLM2's layout) from ``peer`` into a ``dst_device``
+    pool over ``backend``, integrity on or off: seconds per timed pull, by size. Raises
+    RuntimeError when the pulled bytes are wrong."""
     import torch
 
     from pdserve.protocol import KVLayout
@@ -277,7 +280,7 @@ def bench_transfer(args: argparse.Namespace) -> list[dict[str, Any]]:
             peer = PatternPeer(backend, layout, max(args.blocks), src)
             try:
                 for integrity in (False, True):
-                    times = asyncio.run(_pull_sizes(backend, dst, peer, args.blocks, integrity))
+                    times = asyncio.run(pull_sizes(backend, dst, peer, args.blocks, integrity))
                     for n, ts in times.items():
                         p50 = statistics.median(ts)
                         result = {

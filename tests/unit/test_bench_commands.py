@@ -31,6 +31,16 @@ HELP = {
     "formatter": ("--tokens", "--backends", "--threads", "staging"),
     "paged-attention": ("--dtypes", "--threads", "SDPA"),
     "speculative": ("--speculative-tokens", "--workloads", "TPOT", "acceptance"),
+    "profile": (
+        "--threads",
+        "--prefill-tokens",
+        "--batches",
+        "--contexts",
+        "--mixed",
+        "--out",
+        "--config",
+        "pdserve plan",
+    ),
     "gpu": ("engine", "transfer", "random", "PDSERVE-GPU"),
     "gpu engine": ("--device", "--dtype", "--cuda-graphs", "smollm2-like"),
     "gpu transfer": ("--backends", "--devices", "--blocks"),
@@ -40,7 +50,7 @@ HELP = {
 def test_every_benchmark_is_a_subcommand() -> None:
     assert [c.name for c in COMMANDS] == [
         "serve", "transfer", "multiturn", "kv-restart", "handoff", "compile", "formatter",
-        "structured", "kv-dtype", "router", "paged-attention", "speculative", "gpu",
+        "structured", "kv-dtype", "router", "paged-attention", "speculative", "profile", "gpu",
     ]  # fmt: skip
     assert {c.settings for c in COMMANDS} == {"none", "config", "flags"}
     assert BY_NAME["serve"].settings == "flags" and BY_NAME["multiturn"].settings == "config"
