@@ -245,6 +245,18 @@ def build_parser() -> argparse.ArgumentParser:
             "the recommendation meets the attainment target; 1: none does; 2: bad input.",
         )
     )
+    planner = sub.add_parser(
+        "planner",
+        help="the autoscaling planner beside a router: exports the wanted worker counts",
+        description="Read a router's /metrics every planner.interval_s, decide how many prefill "
+        "and decode workers meet the SLOs (with --planner-profile: predicted by simulation; "
+        "always: observed misses), log each decision and export "
+        "pdserve_planner_desired_workers{role} on --planner-port for KEDA or an HPA "
+        "(docs/planning.md). `pdserve up --autoscale` runs the same planner and acts itself.",
+    )
+    planner.add_argument("--router-url", required=True, help="the router, e.g. http://router:8000")
+    _add_config_arg(planner)
+    add_setting_flags(planner, "planner")
     from pdserve.tools.doctor import add_arguments as add_doctor_arguments  # light: no torch
 
     add_doctor_arguments(
@@ -363,6 +375,10 @@ def _dispatch(args: argparse.Namespace) -> int:
             command = BY_NAME[args.bench_command]
             settings = resolve_config(args)[0] if command.settings != "none" else None
             return command.run(args, settings)
+        if args.command == "planner":
+            from pdserve.planner.service import run_planner
+
+            return run_planner(resolve_config(args)[0], args.router_url)
         if args.command == "plan":
             from pdserve.planner.plan import run as run_plan
 

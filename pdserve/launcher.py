@@ -119,11 +119,32 @@ def _port_taken(host: str, port: int) -> str | None:
     return None
 
 
+def _say(line: str) -> None:
+    print(f"pdserve: {line}", file=sys.stderr, flush=True)
+
+
 def run_up(
     cfg: PdserveConfig, model_path: Path, *, log_level: str = "info", ready_timeout_s: float = 300
 ) -> int:
-    """Run the whole stack until Ctrl-C; returns the exit code."""
-    cfg = child_config(cfg, model_path)
+    """Run the whole stack until Ctrl-C; returns the exit code. With ``planner.autoscale``
+    the workers are sized for the planner's maximum and their number follows its decisions
+    (:mod:`pdserve.planner.local`)."""
+    autoscale = cfg.planner.autoscale
+    profile = None
+    if autoscale:
+        from pdserve.planner.local import autoscale_settings
+        from pdserve.planner.profile import Profile, ProfileError
+        from pdserve.stack import with_replicas
+
+        try:
+            profile = Profile.load(cfg.planner.profile) if cfg.planner.profile else None
+        except ProfileError as exc:
+            print(f"pdserve: --planner-profile: {exc}", file=sys.stderr)
+            return 2
+        sized, initial = autoscale_settings(cfg)
+        cfg = with_replicas(child_config(sized, model_path), initial)
+    else:
+        cfg = child_config(cfg, model_path)
     name = cfg.model.served_name
     expected = tuple(cfg.worker(role).replicas for role in ROLES)
     stopping = False
@@ -155,7 +176,7 @@ def run_up(
         new_session=True,
         grace_s=GRACE_S,
         poll_s=0.5,
-        notify=lambda line: print(f"pdserve: {line}", file=sys.stderr),
+        notify=_say,
     )
     with Stack(spec) as stack:
         url = stack.url
@@ -172,7 +193,18 @@ def run_up(
                 )
             sys.stdout.flush()
             policy = RestartPolicy.from_settings(cfg.supervisor)
-            if (dead := stack.supervisor.watch(lambda: stopping, policy)) is not None:
+            loop, tick = None, None
+            if autoscale and not stopping:
+                from pdserve.planner.local import start_autoscaler
+
+                loop, actuator = start_autoscaler(cfg, stack, profile, _say)
+                tick = actuator.tick
+            try:
+                dead = stack.supervisor.watch(lambda: stopping, policy, tick)
+            finally:
+                if loop is not None:
+                    loop.stop()
+            if dead is not None:
                 print(f"pdserve: {gave_up(dead.name, dead.returncode, policy)}", file=sys.stderr)
                 return 1
             print("pdserve: stopping ...", file=sys.stderr)

@@ -46,6 +46,7 @@ from pdserve.settings_engine import (
     _Section,
     default_cache_dir,
 )
+from pdserve.settings_planner import PlannerSettings
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -63,6 +64,7 @@ __all__ = [
     "ModelSettings",
     "ObservabilitySettings",
     "PdserveConfig",
+    "PlannerSettings",
     "Role",
     "SchedulerSettings",
     "Setting",
@@ -516,6 +518,7 @@ class PdserveConfig(_Section):
     security: SecuritySettings = SecuritySettings()
     supervisor: SupervisorSettings = SupervisorSettings()
     observability: ObservabilitySettings = ObservabilitySettings()
+    planner: PlannerSettings = PlannerSettings()
 
     @property
     def router_url(self) -> str:

@@ -234,6 +234,7 @@ class ProcessSupervisor:
         self.processes: list[ManagedProcess] = []
         """In start order; a restarted process takes its predecessor's place."""
         self._ledgers: dict[str, _RestartLedger] = {}
+        self._retiring: dict[int, tuple[ManagedProcess, float]] = {}
 
     def __enter__(self) -> ProcessSupervisor:
         return self
@@ -318,9 +319,14 @@ class ProcessSupervisor:
             )
 
     def watch(
-        self, stopping: Callable[[], bool], policy: RestartPolicy | None = None
+        self,
+        stopping: Callable[[], bool],
+        policy: RestartPolicy | None = None,
+        tick: Callable[[], None] | None = None,
     ) -> ManagedProcess | None:
         """Block until ``stopping()`` holds (None) or a process exits without being asked to.
+        ``tick()`` runs once per poll on this thread (the autoscaler's actuator starts and
+        retires processes there, so the supervisor stays single-threaded).
         Without ``policy`` that process is returned at once. With one it is started again from
         its spec after the policy's backoff, in its place in :attr:`processes` (``notify`` gets
         ``"NAME exited with code C; restarting in D s (restart N of at most L in W s)"``), and
@@ -348,9 +354,32 @@ class ProcessSupervisor:
                     del due[id(p)]
                     self.processes[i] = ManagedProcess.start(p.spec, restarts=p.restarts + 1)
                     logger.info("%s restarted (pid %d)", p.name, self.processes[i].pid)
+            self._reap_retired()
+            if tick is not None:
+                tick()
             wake = min(due.values(), default=now + self.poll_s)
             time.sleep(max(0.01, min(self.poll_s, wake - time.monotonic())))
         return None
+
+    def retire(self, process: ManagedProcess, timeout_s: float) -> None:
+        """Stop ``process`` on purpose without waiting: SIGTERM now (a worker drains: docs/
+        reliability.md), SIGKILL if it still runs ``timeout_s`` later (checked by
+        :meth:`watch`), and it leaves :attr:`processes` once it exited. Never restarted."""
+        process.stopped = True
+        if process.running:
+            process.popen.send_signal(signal.SIGTERM)
+        self._retiring[id(process)] = (process, time.monotonic() + timeout_s)
+
+    def _reap_retired(self) -> None:
+        now = time.monotonic()
+        for key, (p, deadline) in list(self._retiring.items()):
+            if p.running and now >= deadline:
+                self._notify(f"{p.name} did not drain in time; killing it")
+                p.popen.kill()
+            if not p.running:
+                del self._retiring[key]
+                if p in self.processes:
+                    self.processes.remove(p)
 
     def recent_restarts(self, name: str) -> int:
         """Restarts of process ``name`` within the last :meth:`watch` policy's window."""
