@@ -215,3 +215,29 @@ def test_a_restarted_process_appends_to_its_log(tmp_path: Path) -> None:
         sup.spawn(spec)
         sup.watch(lambda: len(sup.processes[0].log().split()) >= 2, policy)
     assert log.read_text().split() == ["run", "run"]
+
+
+# --- retire (the autoscaler's scale-down) ------------------------------------------------------
+
+
+def test_a_retired_process_is_signalled_not_restarted_and_leaves_once_it_exited(
+    tmp_path: Path,
+) -> None:
+    ticks: list[int] = []
+    policy = RestartPolicy(limit=5, window_s=60, backoff_s=0.01, backoff_max_s=0.01)
+    with ProcessSupervisor(poll_s=0.02) as sup:
+        keep = sup.spawn(python("decode-0", SLEEPER))
+        gone = sup.spawn(python("decode-1", SLEEPER))
+        stubborn = sup.spawn(python("decode-2", STUBBORN, tmp_path / "stubborn.log"))
+        wait_until_sync(lambda: "up" in stubborn.log_tail(), 30, what="the stubborn child")
+        sup.retire(gone, timeout_s=30)  # SIGTERM ends a sleeper at once
+        sup.retire(stubborn, timeout_s=0.3)  # ignores SIGTERM: killed past its timeout
+
+        def done() -> bool:
+            ticks.append(1)
+            return len(sup.processes) == 1
+
+        assert sup.watch(done, policy, tick=lambda: ticks.append(0)) is None
+        assert sup.processes == [keep] and keep.running
+        assert gone.returncode == -signal.SIGTERM and stubborn.returncode == -signal.SIGKILL
+        assert sup.crashed() is None and 0 in ticks  # the tick ran on the watch's polls
