@@ -35,7 +35,14 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from pdserve.planner.observe import MAX_METRICS_BYTES, Observation, Snapshot, observe, parse_metrics
+from pdserve.planner.observe import (
+    MAX_METRICS_BYTES,
+    Observation,
+    Snapshot,
+    merge_snapshots,
+    observe,
+    parse_metrics,
+)
 from pdserve.planner.plan import Targets, candidates, evaluate, recommend
 from pdserve.planner.simulate import LengthDist, Workload
 
@@ -106,7 +113,10 @@ class Planner:
         deps = candidates(range(pmin, pmax + 1), range(dmin, dmax + 1), [self.chunk],
                           [self.local_prefill_max_tokens], max_num_seqs=self.max_num_seqs,
                           cores=self.cores)  # fmt: skip
-        best, ok = recommend(evaluate(self.profile, deps, workload, self.targets), self.targets)
+        rows = evaluate(self.profile, deps, workload, self.targets)
+        best, ok = recommend(rows, self.targets)
+        if not ok:  # overloaded whatever the count: the most capacity, not the best per worker
+            best = max(rows, key=lambda r: (r["goodput"]["fraction"], -(r["ttft_ms"]["p90"] or 0)))
         dep = best["deployment"]
         why = (f"model: {obs.request_rate:.2f} req/s of ~{obs.mean_prompt:.0f}+"
                f"{obs.mean_output:.0f} tokens -> {dep['prefill']}P+{dep['decode']}D predicted "
@@ -201,36 +211,65 @@ class PlannerMetrics:
         self.goodput.set(frac)
 
 
-def router_metrics_fetcher(url: str, timeout_s: float = 5.0) -> Callable[[], str]:
-    """A fetch function for :class:`AutoscaleLoop`: ``GET {url}/metrics`` of the router.
-    It raises httpx.HTTPError when the router does not answer 200, ValueError for an answer
+def router_metrics_fetcher(url: str, timeout_s: float = 5.0) -> Callable[[], list[str]]:
+    """A fetch function for :class:`AutoscaleLoop`: ``GET /metrics`` of every address the
+    router URL's host name resolves to (a Kubernetes headless Service: every router replica,
+    whose counters the planner sums; a plain host: the one router). It raises OSError when the
+    name does not resolve, httpx.HTTPError when no router answers 200, ValueError for an answer
     over :data:`~pdserve.planner.observe.MAX_METRICS_BYTES`."""
+    import socket
+    from urllib.parse import urlsplit
+
     import httpx
 
+    parts = urlsplit(url.rstrip("/"))
+    host, port = (
+        parts.hostname or "127.0.0.1",
+        parts.port or (443 if parts.scheme == "https" else 80),
+    )
     client = httpx.Client(timeout=timeout_s)
 
-    def fetch() -> str:
-        with client.stream("GET", f"{url.rstrip('/')}/metrics") as r:
+    def one(address: str) -> str:
+        netloc = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+        target = f"{parts.scheme}://{netloc}{parts.path}/metrics"
+        with client.stream("GET", target, headers={"Host": parts.netloc}) as r:
             r.raise_for_status()
             body = b""
             for chunk in r.iter_bytes():
                 body += chunk
                 if len(body) > MAX_METRICS_BYTES:
-                    raise ValueError(f"the router's /metrics passed {MAX_METRICS_BYTES} bytes")
+                    raise ValueError(f"{target}: /metrics passed {MAX_METRICS_BYTES} bytes")
         return body.decode()
+
+    def fetch() -> list[str]:
+        addresses = sorted(
+            {a[4][0] for a in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+        )
+        texts, errors = [], []
+        for address in addresses:
+            try:
+                texts.append(one(address))
+            except (httpx.HTTPError, ValueError) as exc:
+                errors.append(f"{address}: {type(exc).__name__}: {exc}")
+        if not texts:
+            raise httpx.HTTPError("; ".join(errors) or f"{host} resolves to no address")
+        if errors:
+            logger.warning("planner: routers that did not answer: %s", "; ".join(errors))
+        return texts
 
     return fetch
 
 
 class AutoscaleLoop:
-    """Every ``planner.settings.interval_s``: ``fetch()`` the router's metrics, observe the
+    """Every ``planner.settings.interval_s``: ``fetch()`` the routers' metrics (one text per
+    router, summed: :func:`~pdserve.planner.observe.merge_snapshots`), observe the
     window since the last sample, decide, log the decision at info (at debug when it keeps
     the counts), record :class:`PlannerMetrics`, and call ``act(target)``. ``current()`` gives
     the worker counts the decision starts from. A failed fetch is logged and skipped (the next
     window then spans both intervals). :meth:`start` runs it on a daemon thread; :meth:`step`
     is one round (the tests drive it)."""
 
-    def __init__(self, planner: Planner, fetch: Callable[[], str],
+    def __init__(self, planner: Planner, fetch: Callable[[], list[str]],
                  current: Callable[[], dict[str, int]], act: Callable[[dict[str, int]], None],
                  metrics: PlannerMetrics | None = None) -> None:  # fmt: skip
         self.planner, self.fetch, self.current, self.act = planner, fetch, current, act
@@ -243,7 +282,7 @@ class AutoscaleLoop:
     def step(self) -> Decision | None:
         """One round; the decision, or None on the first sample or a failed fetch."""
         try:
-            snap = parse_metrics(self.fetch())
+            snap = merge_snapshots([parse_metrics(text) for text in self.fetch()])
         except Exception as exc:  # noqa: BLE001 - any failure of the source skips a round
             logger.warning("planner: cannot read the router's metrics: %s: %s",
                            type(exc).__name__, exc)  # fmt: skip

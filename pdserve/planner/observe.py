@@ -1,6 +1,7 @@
 """What the planner sees of a live deployment: the router's Prometheus metrics (``GET
-/metrics``, :mod:`pdserve.router.metrics`), sampled twice and turned into the workload and the
-latencies of the window between (:class:`Observation`), as a Prometheus ``rate()`` would.
+/metrics``, :mod:`pdserve.router.metrics`; of every router replica, summed), sampled twice and
+turned into the workload and the latencies of the window between (:class:`Observation`), as a
+Prometheus ``rate()`` would.
 """
 
 from __future__ import annotations
@@ -52,6 +53,26 @@ def parse_metrics(text: str, at: float | None = None) -> Snapshot:
             elif s.name.endswith("_bucket") and s.name[: -len("_bucket")] in hist:
                 hist[s.name[: -len("_bucket")]][float(s.labels["le"])] = s.value
     return snap
+
+
+def merge_snapshots(snaps: list[Snapshot]) -> Snapshot:
+    """One snapshot of several routers serving the same workers: counters, the running gauge
+    and histogram buckets summed; the workers per role the most any router sees. Raises
+    ValueError for no snapshot."""
+    if not snaps:
+        raise ValueError("no router answered")
+    out = Snapshot(max(s.at for s in snaps))
+    for s in snaps:
+        out.finished += s.finished
+        out.prompt_tokens += s.prompt_tokens
+        out.generation_tokens += s.generation_tokens
+        out.running += s.running
+        for mine, theirs in ((out.ttft, s.ttft), (out.itl, s.itl)):
+            for bound, count in theirs.items():
+                mine[bound] = mine.get(bound, 0.0) + count
+        for role, n in s.workers.items():
+            out.workers[role] = max(out.workers.get(role, 0), n)
+    return out
 
 
 def histogram_quantile(

@@ -345,6 +345,18 @@ def _run_profile(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
     return run(args, _need(cfg))
 
 
+def _plan_check_arguments(p: argparse.ArgumentParser) -> None:
+    from pdserve.tools.bench_plan_check import add_arguments
+
+    add_arguments(p)
+
+
+def _run_plan_check(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
+    from pdserve.tools.bench_plan_check import run
+
+    return run(args, _need(cfg))
+
+
 def _description(module: str) -> str:
     """The ``DESCRIPTION`` of ``pdserve.tools.<module>`` (a module light to import)."""
     import importlib
@@ -558,6 +570,14 @@ COMMANDS: tuple[BenchCommand, ...] = (
         _description("bench_profile"),
         _profile_arguments,
         _run_profile,
+        "config",
+    ),
+    BenchCommand(
+        "plan-check",
+        "the planner's predicted TTFT/ITL against real runs of several P:D splits here",
+        _description("bench_plan_check"),
+        _plan_check_arguments,
+        _run_plan_check,
         "config",
     ),
     BenchCommand(

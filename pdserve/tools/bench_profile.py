@@ -13,7 +13,8 @@ every measured prompt is one step:
   batch up costs one prefill), 16 tokens each in lockstep; the step time is the median gap
   between tokens, at context = prompt + 8;
 - **mixed**: ``b`` requests decoding (context 128) when a fresh prompt of ``p`` tokens arrives;
-  the step that prefills it is timed from the decode rows' token before it to its first token.
+  the step that prefills it is timed from the decode rows' token before it to its first token
+  (:func:`_step_ending_at`).
 
 Then the hand-off: KV pulls of 1, 4, 16 and 64 blocks of SmolLM2's layout (720 KiB each)
 between this process and a spawned prefill peer over the configured ``transfer.backend``,
@@ -116,6 +117,21 @@ def _submit(engine: Any, sink: _Sink, rid: str, prompt: list[int], max_tokens: i
     engine.add_request(EngineRequest(rid, prompt, sampling), sink)
 
 
+def _step_ending_at(end: float, rows: Sequence[Sequence[float]]) -> float:
+    """The length of the step that ended at ``end`` (a token time) seen from decode rows
+    running through it: each row's token of that step is the one nearest ``end`` (one step's
+    outputs are stamped together), the step began at the row's token before it. The median
+    over the rows, seconds."""
+    spans = []
+    for stamps in rows:
+        j = min(range(len(stamps)), key=lambda i: abs(stamps[i] - end))
+        if j > 0:
+            spans.append(end - stamps[j - 1])
+    if not spans:
+        raise RuntimeError("no decode row ran through the mixed step")
+    return statistics.median(spans)
+
+
 def measure_engine(cfg: PdserveConfig, model_path: Path, threads: int,
                    args: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
     """One engine at ``threads`` threads: the ``prefill``, ``decode`` and ``mixed`` tables
@@ -189,8 +205,9 @@ def measure_engine(cfg: PdserveConfig, model_path: Path, threads: int,
             _submit(engine, sink, new, prompt(p_len), 1)
             sink.wait([new, *rids])
             first = sink.stamps[new][0]
-            before = max(t for r in rids for t in sink.stamps[r] if t < first)
-            mixed.append((p_len, b, 128 + 32, first - before))
+            mixed.append(
+                (p_len, b, 128 + 32, _step_ending_at(first, [sink.stamps[r] for r in rids]))
+            )
             print(f"  threads {threads}: mixed {p_len} prompt tokens + {b} decode rows: "
                   f"{1e3 * mixed[-1][3]:.1f} ms", flush=True)  # fmt: skip
         layout = engine.layout

@@ -6,16 +6,24 @@ from __future__ import annotations
 
 import logging
 
+import httpx
 import pytest
 from prometheus_client import generate_latest
 
-from pdserve.planner.autoscale import AutoscaleLoop, Planner
+from pdserve.planner.autoscale import AutoscaleLoop, Planner, router_metrics_fetcher
 from pdserve.planner.local import autoscale_settings
-from pdserve.planner.observe import Observation, histogram_quantile, observe, parse_metrics
+from pdserve.planner.observe import (
+    Observation,
+    histogram_quantile,
+    merge_snapshots,
+    observe,
+    parse_metrics,
+)
 from pdserve.planner.profile import EngineProfile, Profile
 from pdserve.router.metrics import RouterMetrics
 from pdserve.settings import PdserveConfig
 from pdserve.settings_planner import PlannerSettings
+from tests.support.servers import free_port
 
 
 def obs(rate: float = 1.0, ttft: float | None = 0.1, itl: float | None = 0.02, prompt: float = 900,
@@ -123,11 +131,11 @@ def test_the_loop_skips_failed_reads_logs_exports_and_acts(
     texts: list[str | Exception] = [generate_latest(m.registry).decode(), OSError("refused")]
     acted: list[dict[str, int]] = []
 
-    def fetch() -> str:
+    def fetch() -> list[str]:
         item = texts.pop(0)
         if isinstance(item, Exception):
             raise item
-        return item
+        return [item]
 
     loop = AutoscaleLoop(
         Planner(SETTINGS), fetch, lambda: {"prefill": 1, "decode": 1}, acted.append
@@ -159,3 +167,43 @@ def test_up_sizes_for_the_maximum_and_starts_within_the_bounds() -> None:
     assert initial == {"prefill": 2, "decode": 2}
     with pytest.raises(ValueError, match="min_decode 3 <= max_decode 2"):
         PlannerSettings(min_decode=3, max_decode=2)
+
+
+def test_the_routers_of_a_deployment_are_summed() -> None:
+    a, b = (
+        RouterMetrics(workers=lambda: {"decode": 2}),
+        RouterMetrics(workers=lambda: {"decode": 1}),
+    )
+    before = merge_snapshots(
+        [parse_metrics(generate_latest(m.registry).decode(), at=0.0) for m in (a, b)]
+    )
+    a.requests.labels(outcome="finished").inc(3)
+    b.requests.labels(outcome="finished").inc(5)
+    a.itl.observe(0.02)
+    b.itl.observe(0.02)
+    b.running.set(2)
+    after = merge_snapshots(
+        [parse_metrics(generate_latest(m.registry).decode(), at=4.0) for m in (a, b)]
+    )
+    o = observe(before, after)
+    assert o.request_rate == pytest.approx((8 + 2) / 4) and o.running == 2
+    assert o.workers == {"decode": 2}  # the most any router sees, not a sum
+    with pytest.raises(ValueError, match="no router"):
+        merge_snapshots([])
+
+
+def test_the_fetcher_reads_a_real_metrics_endpoint() -> None:
+    from prometheus_client import start_http_server
+
+    m = RouterMetrics(workers=lambda: {"prefill": 1, "decode": 1})
+    m.requests.labels(outcome="finished").inc(7)
+    port = free_port()
+    server, thread = start_http_server(port, addr="127.0.0.1", registry=m.registry)
+    try:
+        (text,) = router_metrics_fetcher(f"http://127.0.0.1:{port}")()
+        assert parse_metrics(text).finished == 7
+        with pytest.raises(httpx.HTTPError):
+            router_metrics_fetcher(f"http://127.0.0.1:{free_port()}", timeout_s=2)()
+    finally:
+        server.shutdown()
+        thread.join(5)

@@ -41,6 +41,7 @@ HELP = {
         "--config",
         "pdserve plan",
     ),
+    "plan-check": ("--profile", "--configs", "--workloads", "--concurrency", "PxD", "simulated"),
     "gpu": ("engine", "transfer", "random", "PDSERVE-GPU"),
     "gpu engine": ("--device", "--dtype", "--cuda-graphs", "smollm2-like"),
     "gpu transfer": ("--backends", "--devices", "--blocks"),
@@ -50,7 +51,8 @@ HELP = {
 def test_every_benchmark_is_a_subcommand() -> None:
     assert [c.name for c in COMMANDS] == [
         "serve", "transfer", "multiturn", "kv-restart", "handoff", "compile", "formatter",
-        "structured", "kv-dtype", "router", "paged-attention", "speculative", "profile", "gpu",
+        "structured", "kv-dtype", "router", "paged-attention", "speculative", "profile",
+        "plan-check", "gpu",
     ]  # fmt: skip
     assert {c.settings for c in COMMANDS} == {"none", "config", "flags"}
     assert BY_NAME["serve"].settings == "flags" and BY_NAME["multiturn"].settings == "config"

@@ -1,0 +1,171 @@
+"""``pdserve bench plan-check``: the planner's predictions against real runs on this machine.
+
+For each ``--configs`` deployment (``PxD``: prefill and decode workers, started as ``pdserve up``
+would on this host: threads and KV memory split between them), one stack, then each
+``--workloads`` (``IN:OUT``: prompt and output tokens) through it as ``pdserve bench serve``
+drives it (streamed /v1/completions of fresh random token ids, a closed loop of
+``--concurrency``, ``--num-requests`` requests, after a warm-up); the same workload simulated
+with ``--profile`` (:func:`pdserve.planner.simulate.simulate`, the host's cores shared as here).
+With a prefill worker every prompt takes the hand-off (``router.local_prefill_max_tokens`` 0);
+without one the decode worker prefills. Prints predicted and measured TTFT, ITL and TPOT p50,
+output tokens/s and the error of each prediction; ``--json`` keeps every row.
+
+Benchmark code only: the serving path never imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pdserve.settings import PdserveConfig
+
+DESCRIPTION = """\
+The planner's predictions (pdserve plan) against real runs here: for each --configs deployment
+(PxD workers, sized as `pdserve up` sizes them on this host) one stack, each --workloads
+(IN:OUT tokens) through it as a closed loop of --concurrency, and the same workload simulated
+with --profile. Prints predicted and measured TTFT, ITL and TPOT p50, tokens/s and the errors.
+"""
+"""The ``pdserve bench plan-check --help`` text."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``pdserve bench plan-check``."""
+    p.add_argument("--profile", required=True, metavar="FILE",
+                   help="the `pdserve bench profile` file of this model on this machine")  # fmt: skip
+    p.add_argument("--configs", nargs="+", default=["0x1", "1x1", "1x2"], metavar="PxD",
+                   help="prefill x decode workers (default: 0x1 1x1 1x2)")  # fmt: skip
+    p.add_argument("--workloads", nargs="+", default=["128:64", "1536:16", "128:256"],
+                   metavar="IN:OUT", help="prompt:output tokens (default: short chat 128:64, "
+                   "long prompt 1536:16, long answer 128:256)")  # fmt: skip
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight (default: 4)")
+    p.add_argument("--num-requests", type=int, default=16,
+                   help="requests per workload (default: 16)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="prompt seed (default: 0)")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
+
+
+def _pairs(items: list[str], sep: str) -> list[tuple[int, int]]:
+    out = []
+    for item in items:
+        a, _, b = item.lower().partition(sep)
+        out.append((int(a), int(b)))
+    return out
+
+
+async def _measure(url: str, headers: dict[str, str], model: str, inp: int, out: int,
+                   args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:  # fmt: skip
+    import httpx
+
+    from pdserve.tools import bench_serve as bs
+
+    def prompt() -> list[int]:
+        return [rng.randrange(100, 10100) for _ in range(inp)]
+
+    n = args.concurrency + 4
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900, connect=30), headers=headers,
+                                 limits=httpx.Limits(max_connections=n)) as client:  # fmt: skip
+
+        def one(ids: list[int]) -> Any:
+            body = {"model": model, "prompt": ids, "max_tokens": out, "temperature": 0,
+                    "stream": True, "stream_options": {"include_usage": True},
+                    "ignore_eos": True}  # fmt: skip
+            return bs.stream_openai(client, f"{url}/v1/completions", body, kind="completions")
+
+        warm = await one(prompt())
+        if not warm.ok:
+            raise RuntimeError(f"warm-up request failed: {warm.error}")
+        results, wall = await bs.run_level(one, [prompt() for _ in range(args.num_requests)],
+                                           args.concurrency)  # fmt: skip
+        return bs.summarize(results, wall, args.concurrency, expect_output=out)
+
+
+def _err(pred: float | None, real: float | None) -> float | None:
+    return None if pred is None or not real else (pred - real) / real
+
+
+def run(args: argparse.Namespace, cfg: PdserveConfig) -> int:
+    """Every config x workload; 0, 1 when a level failed, 2 for bad options."""
+    from pdserve.hardware import cpu_model
+    from pdserve.models import resolve_model
+    from pdserve.planner.profile import Profile, ProfileError
+    from pdserve.planner.simulate import Deployment, LengthDist, Workload, simulate
+    from pdserve.tools.bench import READY_TIMEOUT_S, bench_stack, stack_settings
+
+    try:
+        profile = Profile.load(Path(args.profile))
+        configs, workloads = _pairs(args.configs, "x"), _pairs(args.workloads, ":")
+    except (ProfileError, ValueError) as exc:
+        print(f"bench plan-check: {exc}", file=sys.stderr)
+        return 2
+    model_path = resolve_model(str(cfg.model.path) if cfg.model.path else None,
+                               cache_dir=cfg.model.cache_dir)  # fmt: skip
+    cores = os.cpu_count() or 1
+    logs = Path(tempfile.mkdtemp(prefix="pdserve-plan-check-"))
+    print(f"bench plan-check: {model_path.name} on {cpu_model()} ({cores} cores), profile "
+          f"{args.profile}; concurrency {args.concurrency}, {args.num_requests} requests per "
+          f"workload; logs in {logs}", flush=True)  # fmt: skip
+    rows, rc = [], 0
+    rng = random.Random(args.seed)
+    for p, d in configs:
+        settings = stack_settings(cfg, model_path, {"prefill": p, "decode": d})
+        local = 0 if p else 1 << 30
+        router = {"router": ["--local-prefill-max-tokens", str(local)]}
+        with bench_stack(settings, logs / f"{p}x{d}", args=router) as stack:
+            stack.start()
+            stack.wait_ready(READY_TIMEOUT_S, what=f"the {p}P+{d}D stack")
+            model = str(stack.settings.model.served_name)
+            for inp, out in workloads:
+                real = asyncio.run(
+                    _measure(stack.url, stack.api_headers(), model, inp, out, args, rng)
+                )
+                rc |= int(real["completed"] == 0)
+                dep = Deployment(p, d, settings.scheduler.max_num_batched_tokens,
+                                 settings.scheduler.max_num_seqs, local, cores)  # fmt: skip
+                wl = Workload(LengthDist(inp, inp), LengthDist(out, out),
+                              args.num_requests, concurrency=args.concurrency)  # fmt: skip
+                pred = simulate(profile, dep, wl)
+                row = {"config": f"{p}P+{d}D", "workload": f"{inp}:{out}", "predicted": pred,
+                       "measured": real}  # fmt: skip
+                rows.append(row)
+                print(_line(row), flush=True)
+    print("\n" + _table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cpu": cpu_model(), "cores": cores,
+                                               "rows": rows}, indent=1) + "\n")  # fmt: skip
+        print(f"wrote {args.json}")
+    return rc
+
+
+def _vals(row: dict[str, Any]) -> list[tuple[str, float | None, float | None]]:
+    p, m = row["predicted"], row["measured"]
+    return [(k, p[f"{k}_ms"]["p50"], m[f"{k}_ms"]["p50"]) for k in ("ttft", "itl", "tpot")] + [
+        ("tok/s", p["output_tokens_per_s"], m["output_tokens_per_s"])
+    ]
+
+
+def _line(row: dict[str, Any]) -> str:
+    parts = [f"{k} {pv or 0:.1f}/{mv or 0:.1f}" for k, pv, mv in _vals(row)]
+    return f"{row['config']} {row['workload']}: predicted/measured " + ", ".join(parts)
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: predicted / measured and the error of each figure."""
+    head = ("| config | workload | TTFT p50 ms pred / real | err | ITL p50 ms pred / real | err "
+            "| TPOT p50 ms pred / real | err | tok/s pred / real | err |")  # fmt: skip
+    lines = [head, "|" + "---|" * 10]
+    for row in rows:
+        cells = [row["config"], row["workload"]]
+        for _, pv, mv in _vals(row):
+            e = _err(pv, mv)
+            cells += [f"{pv or 0:.1f} / {mv or 0:.1f}", "-" if e is None else f"{100 * e:+.0f} %"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
