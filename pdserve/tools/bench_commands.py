@@ -333,28 +333,19 @@ def _run_gpu(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
     return run(args)
 
 
-def _profile_arguments(p: argparse.ArgumentParser) -> None:
-    from pdserve.tools.bench_profile import add_arguments
+def _module(name: str) -> BenchCommand:
+    """A settings-taking ``BenchCommand`` whose module ``pdserve.tools.<name>`` (light to
+    import) holds ``DESCRIPTION``, ``HELP``, ``add_arguments(p)`` and ``run(args, cfg)``."""
+    import importlib
 
-    add_arguments(p)
+    module = importlib.import_module(f"pdserve.tools.{name}")
 
+    def run(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
+        return int(module.run(args, _need(cfg)))
 
-def _run_profile(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
-    from pdserve.tools.bench_profile import run
-
-    return run(args, _need(cfg))
-
-
-def _plan_check_arguments(p: argparse.ArgumentParser) -> None:
-    from pdserve.tools.bench_plan_check import add_arguments
-
-    add_arguments(p)
-
-
-def _run_plan_check(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
-    from pdserve.tools.bench_plan_check import run
-
-    return run(args, _need(cfg))
+    command = name.removeprefix("bench_").replace("_", "-")
+    return BenchCommand(command, module.HELP, module.DESCRIPTION, module.add_arguments, run,
+                        "config")  # fmt: skip
 
 
 def _description(module: str) -> str:
@@ -564,22 +555,9 @@ COMMANDS: tuple[BenchCommand, ...] = (
         _speculative_arguments,
         _run_speculative,
     ),
-    BenchCommand(
-        "profile",
-        "prefill, decode-step and hand-off times of this model here: the planner's profile",
-        _description("bench_profile"),
-        _profile_arguments,
-        _run_profile,
-        "config",
-    ),
-    BenchCommand(
-        "plan-check",
-        "the planner's predicted TTFT/ITL against real runs of several P:D splits here",
-        _description("bench_plan_check"),
-        _plan_check_arguments,
-        _run_plan_check,
-        "config",
-    ),
+    _module("bench_profile"),
+    _module("bench_plan_check"),
+    _module("bench_autoscale"),
     BenchCommand(
         "gpu",
         "engine TTFT/TPOT and KV transfer GB/s on a GPU (random-weight models)",

@@ -35,6 +35,8 @@ The planner's predictions (pdserve plan) against real runs here: for each --conf
 with --profile. Prints predicted and measured TTFT, ITL and TPOT p50, tokens/s and the errors.
 """
 """The ``pdserve bench plan-check --help`` text."""
+HELP = "the planner's predicted TTFT/ITL against real runs of several P:D splits here"
+"""The one line ``pdserve bench --help`` lists."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -53,6 +53,8 @@ against batch size and context, and mixed steps; then KV pulls of 1 to 64 blocks
 configured transfer backend. Writes --out (JSON) and prints every point as it is measured.
 """
 """The ``pdserve bench profile --help`` text."""
+HELP = "prefill, decode-step and hand-off times of this model here: the planner's profile"
+"""The one line ``pdserve bench --help`` lists."""
 
 DECODE_TOKENS = 16
 """Tokens each decode-profile request generates (the step time is the median gap)."""

@@ -42,6 +42,8 @@ HELP = {
         "pdserve plan",
     ),
     "plan-check": ("--profile", "--configs", "--workloads", "--concurrency", "PxD", "simulated"),
+    "autoscale": ("--phases", "--fixed", "--arms", "worker-seconds", "--config",
+                  "--input-len"),
     "gpu": ("engine", "transfer", "random", "PDSERVE-GPU"),
     "gpu engine": ("--device", "--dtype", "--cuda-graphs", "smollm2-like"),
     "gpu transfer": ("--backends", "--devices", "--blocks"),
@@ -52,7 +54,7 @@ def test_every_benchmark_is_a_subcommand() -> None:
     assert [c.name for c in COMMANDS] == [
         "serve", "transfer", "multiturn", "kv-restart", "handoff", "compile", "formatter",
         "structured", "kv-dtype", "router", "paged-attention", "speculative", "profile",
-        "plan-check", "gpu",
+        "plan-check", "autoscale", "gpu",
     ]  # fmt: skip
     assert {c.settings for c in COMMANDS} == {"none", "config", "flags"}
     assert BY_NAME["serve"].settings == "flags" and BY_NAME["multiturn"].settings == "config"

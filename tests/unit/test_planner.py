@@ -156,3 +156,27 @@ def test_plan_command_prints_the_table_and_the_choice(tmp_path: Path,
     assert report["recommended"] in text
     assert main(["plan", "--profile", str(tmp_path / "missing.json")]) == 2
     assert "plan:" in capsys.readouterr().err
+
+
+def test_the_documented_plan_runs_on_the_recorded_profile(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """docs/planning.md's `pdserve plan` example, as written, on the profile it names (a real
+    `pdserve bench profile` of SmolLM2 on the 2-core AMD EPYC)."""
+    import re
+    import shlex
+
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "docs" / "planning.md").read_text()
+    block = re.search(r"## 3\. Plan\n\n```bash\n(.*?)```", text, re.S)
+    assert block, "docs/planning.md: the plan example is gone"
+    argv = shlex.split(block[1].replace("\\\n", " "))
+    assert argv[:2] == ["pdserve", "plan"]
+    profile_arg = argv[argv.index("--profile") + 1]
+    argv[argv.index("--profile") + 1] = str(root / profile_arg)
+    rc = main(argv[1:])
+    out = capsys.readouterr().out
+    assert rc in (0, 1) and "recommended:" in out
+    assert out.count("P+") >= 6  # every candidate has a row
+    p = Profile.load(root / profile_arg)
+    assert p.meta["tool"] == "pdserve bench profile" and len(p.engines) >= 1
