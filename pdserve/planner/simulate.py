@@ -15,7 +15,10 @@ What it models, after the code it stands for:
   each) and fills the rest of ``max_num_batched_tokens`` with prefill chunks, the partly
   prefilled sequences first; a sequence whose last prompt chunk ran samples its first token in
   that step. A new request waits for the step in flight to end. The step's time is
-  :meth:`EngineProfile.step_s` times the worker's ``slowdown`` (workers sharing too few cores).
+  :meth:`EngineProfile.step_s` of work, done at full speed unless the workers of a shared host
+  in a step have more threads than it has cores: then they share the cores (processor
+  sharing: each progresses at ``cores / busy threads``, re-planned whenever a step starts or
+  ends).
 - **Hand-off**: the prefill leg ends at the first token; the decode worker pulls the prompt's
   blocks (:meth:`Profile.handoff_s`, beside its steps: the transceiver has its own thread), then
   the sequence joins its queue as a decode sequence (the first token is fed back, no prefill).
@@ -38,12 +41,19 @@ from typing import Any
 from pdserve.planner.profile import EngineProfile, Profile
 
 
+JITTER = 0.05
+"""Relative standard deviation of a step's time around the profile's (real steps vary by a few
+per cent). Without it, requests that start together in a closed loop stay in lockstep forever,
+prefilled in one step each round, which real servers drift out of within a few rounds."""
+
+
 @dataclass(frozen=True)
 class Deployment:
     """One candidate configuration. ``cores``: the cores of the one host every worker shares
-    (each worker then gets ``cores // workers`` threads, as ``pdserve up`` splits them, and runs
-    ``workers / cores`` times slower when there are more workers than cores); None: each worker
-    on hardware of its own, at the profile's most threads."""
+    (each worker then gets ``max(1, cores // workers)`` threads, as ``pdserve up`` splits them,
+    and steps run ``busy threads / cores`` times slower while the workers in a step together
+    have more threads than the host has cores); None: each worker on hardware of its own, at
+    the profile's most threads."""
 
     prefill: int
     decode: int
@@ -56,10 +66,11 @@ class Deployment:
     def workers(self) -> int:
         return self.prefill + self.decode
 
-    def threads_and_slowdown(self, profile: Profile) -> tuple[int, float]:
+    def threads(self, profile: Profile) -> int:
+        """Threads per worker: the host's share, or the profile's most without a host."""
         if self.cores is None:
-            return profile.engines[-1].threads, 1.0
-        return max(1, self.cores // self.workers), max(1.0, self.workers / self.cores)
+            return profile.engines[-1].threads
+        return max(1, self.cores // self.workers)
 
     def label(self) -> str:
         return (f"{self.prefill}P+{self.decode}D chunk {self.max_num_batched_tokens} "
@@ -138,14 +149,17 @@ class _Worker:
     """One simulated engine (see the module docstring)."""
 
     def __init__(self, sim: Simulation, role: str, index: int, engine: EngineProfile,
-                 slowdown: float) -> None:  # fmt: skip
+                 threads: int) -> None:  # fmt: skip
         self.sim, self.role, self.index = sim, role, index
-        self.engine, self.slowdown = engine, slowdown
+        self.engine, self.threads = engine, threads
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.in_flight = 0
         self.busy = False
         self.busy_s = 0.0
+        self.remaining = 0.0  # work left of the step in flight, seconds at full speed
+        self.token = 0  # bumped at each re-plan: older end events are stale
+        self._step: tuple[float, list[SimRequest], list[tuple[SimRequest, int, int]]] | None = None
 
     def submit(self, req: SimRequest, mode: str) -> None:
         req.mode, req.computed = mode, req.prompt if mode == "resume" else 0
@@ -175,12 +189,21 @@ class _Worker:
             chunks.append((r, n, r.computed))
             budget -= n
         context = sum(r.prompt + r.generated for r in rows) / len(rows) if rows else 0.0
-        step = self.slowdown * self.engine.step_s(
-            [(n, c) for _, n, c in chunks], len(rows), context
-        )
-        self.busy = True
-        self.busy_s += step
-        self.sim.at(self.sim.now + step, lambda: self._end_step(rows, chunks))
+        work = self.engine.step_s([(n, c) for _, n, c in chunks], len(rows), context)
+        if self.sim.jitter:
+            work *= max(0.5, self.sim.noise.gauss(1.0, self.sim.jitter))
+        self._step = (self.sim.now, rows, chunks)
+        self.sim.step_started(self, work)
+
+    def finish(self, token: int) -> None:
+        """The step's end event; a stale one (the step was re-planned since) does nothing."""
+        if token != self.token or self._step is None:
+            return
+        began, rows, chunks = self._step
+        self._step = None
+        self.busy_s += self.sim.now - began
+        self.sim.step_ended(self)
+        self._end_step(rows, chunks)
 
     def _end_step(self, rows: list[SimRequest], chunks: list[tuple[SimRequest, int, int]]) -> None:
         now = self.sim.now
@@ -215,17 +238,23 @@ class Simulation:
     """Run ``workload`` through ``deployment`` timed by ``profile``; :meth:`run` returns the
     finished requests. Raises ValueError for a deployment without a decode worker."""
 
-    def __init__(self, profile: Profile, deployment: Deployment, workload: Workload) -> None:
+    def __init__(self, profile: Profile, deployment: Deployment, workload: Workload,
+                 jitter: float = JITTER) -> None:  # fmt: skip
         if deployment.decode < 1:
             raise ValueError("a deployment needs at least one decode worker")
         self.profile, self.deployment, self.workload = profile, deployment, workload
-        threads, slowdown = deployment.threads_and_slowdown(profile)
+        threads = deployment.threads(profile)
         engine = profile.engine(threads)
+        self.jitter = jitter
+        self.noise = random.Random(workload.seed + 1)
+        self._stepping: list[_Worker] = []  # workers in a step, sharing the host's cores
+        self._since = 0.0
+        self._factor = 1.0
         self.prefill = [
-            _Worker(self, "prefill", i, engine, slowdown) for i in range(deployment.prefill)
+            _Worker(self, "prefill", i, engine, threads) for i in range(deployment.prefill)
         ]
         self.decode = [
-            _Worker(self, "decode", i, engine, slowdown) for i in range(deployment.decode)
+            _Worker(self, "decode", i, engine, threads) for i in range(deployment.decode)
         ]
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []
@@ -240,6 +269,36 @@ class Simulation:
 
     def at(self, when: float, action: Callable[[], None]) -> None:
         heapq.heappush(self._events, (when, next(self._seq), action))
+
+    # --- processor sharing of one host's cores -------------------------------------------------
+
+    def _advance(self) -> None:
+        """Take the work done since the last change off every step in flight."""
+        done = (self.now - self._since) / self._factor
+        for w in self._stepping:
+            w.remaining = max(0.0, w.remaining - done)
+        self._since = self.now
+
+    def _replan(self) -> None:
+        cores = self.deployment.cores
+        threads = sum(w.threads for w in self._stepping)
+        self._factor = max(1.0, threads / cores) if cores else 1.0
+        for w in self._stepping:
+            w.token += 1
+            self.at(self.now + w.remaining * self._factor, lambda w=w, t=w.token: w.finish(t))  # type: ignore[misc]
+
+    def step_started(self, worker: _Worker, work: float) -> None:
+        """``worker`` starts a step of ``work`` seconds at full speed; every step in flight is
+        re-planned at the new sharing factor."""
+        self._advance()
+        worker.remaining = work
+        self._stepping.append(worker)
+        self._replan()
+
+    def step_ended(self, worker: _Worker) -> None:
+        self._advance()
+        self._stepping.remove(worker)
+        self._replan()
 
     @staticmethod
     def _least_loaded(workers: Sequence[_Worker]) -> _Worker:
@@ -353,9 +412,9 @@ def _meets(r: SimRequest, slo: Any) -> bool:
 
 
 def simulate(profile: Profile, deployment: Deployment, workload: Workload,
-             slo: Any | None = None) -> dict[str, Any]:  # fmt: skip
+             slo: Any | None = None, jitter: float = JITTER) -> dict[str, Any]:  # fmt: skip
     """One simulation's :func:`summarize` plus ``utilization`` per role."""
-    sim = Simulation(profile, deployment, workload)
+    sim = Simulation(profile, deployment, workload, jitter)
     out = summarize(sim.run(), slo)
     out["utilization"] = sim.utilization()
     return out

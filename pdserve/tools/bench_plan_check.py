@@ -22,6 +22,7 @@ import os
 import random
 import sys
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests per workload (default: 16)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="prompt seed (default: 0)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
+    p.add_argument("--measured", default=None, metavar="FILE",
+                   help="start nothing: predict again for the measured rows of an earlier --json "
+                   "(after a change to the profile or the simulation)")  # fmt: skip
 
 
 def _pairs(items: list[str], sep: str) -> list[tuple[int, int]]:
@@ -99,15 +103,18 @@ def run(args: argparse.Namespace, cfg: PdserveConfig) -> int:
     from pdserve.hardware import cpu_model
     from pdserve.models import resolve_model
     from pdserve.planner.profile import Profile, ProfileError
-    from pdserve.planner.simulate import Deployment, LengthDist, Workload, simulate
+    from pdserve.planner.simulate import Deployment
     from pdserve.tools.bench import READY_TIMEOUT_S, bench_stack, stack_settings
 
     try:
         profile = Profile.load(Path(args.profile))
         configs, workloads = _pairs(args.configs, "x"), _pairs(args.workloads, ":")
-    except (ProfileError, ValueError) as exc:
+        earlier = json.loads(Path(args.measured).read_text()) if args.measured else None
+    except (ProfileError, ValueError, OSError) as exc:
         print(f"bench plan-check: {exc}", file=sys.stderr)
         return 2
+    if earlier is not None:
+        return _predict_again(earlier, profile, args)
     model_path = resolve_model(str(cfg.model.path) if cfg.model.path else None,
                                cache_dir=cfg.model.cache_dir)  # fmt: skip
     cores = os.cpu_count() or 1
@@ -132,10 +139,11 @@ def run(args: argparse.Namespace, cfg: PdserveConfig) -> int:
                 rc |= int(real["completed"] == 0)
                 dep = Deployment(p, d, settings.scheduler.max_num_batched_tokens,
                                  settings.scheduler.max_num_seqs, local, cores)  # fmt: skip
-                wl = Workload(LengthDist(inp, inp), LengthDist(out, out),
-                              args.num_requests, concurrency=args.concurrency)  # fmt: skip
-                pred = simulate(profile, dep, wl)
-                row = {"config": f"{p}P+{d}D", "workload": f"{inp}:{out}", "predicted": pred,
+                row = {"config": f"{p}P+{d}D", "workload": f"{inp}:{out}",
+                       "deployment": asdict(dep), "concurrency": args.concurrency,
+                       "num_requests": args.num_requests,
+                       "predicted": _predict(profile, dep, inp, out, args.concurrency,
+                                             args.num_requests),
                        "measured": real}  # fmt: skip
                 rows.append(row)
                 print(_line(row), flush=True)
@@ -145,6 +153,39 @@ def run(args: argparse.Namespace, cfg: PdserveConfig) -> int:
                                                "rows": rows}, indent=1) + "\n")  # fmt: skip
         print(f"wrote {args.json}")
     return rc
+
+
+def _predict(profile: Any, dep: Any, inp: int, out: int, concurrency: int,
+             num_requests: int) -> dict[str, Any]:  # fmt: skip
+    from pdserve.planner.simulate import LengthDist, Workload, simulate
+
+    wl = Workload(LengthDist(inp, inp), LengthDist(out, out), num_requests, concurrency=concurrency)
+    return simulate(profile, dep, wl)
+
+
+def _predict_again(earlier: dict[str, Any], profile: Any, args: argparse.Namespace) -> int:
+    """``--measured``: the earlier rows with fresh predictions; the table, ``--json``."""
+    from pdserve.planner.simulate import Deployment
+
+    rows = []
+    for row in earlier["rows"]:
+        inp, out = (int(x) for x in row["workload"].split(":"))
+        if "deployment" in row:
+            dep = Deployment(**row["deployment"])
+        else:  # a report from before rows kept their deployment: this command's defaults
+            p, d = (int(x) for x in row["config"].rstrip("D").split("P+"))
+            dep = Deployment(p, d, 512, 32, 0 if p else 1 << 30, int(earlier["cores"]))
+        conc = int(row.get("concurrency", args.concurrency))
+        n = int(row.get("num_requests", args.num_requests))
+        rows.append({**row, "deployment": asdict(dep), "concurrency": conc, "num_requests": n,
+                     "predicted": _predict(profile, dep, inp, out, conc, n)})  # fmt: skip
+    print(f"bench plan-check: predictions again for the measurements of {args.measured} "
+          f"({earlier.get('cpu')}, {earlier.get('cores')} cores)")  # fmt: skip
+    print(_table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({**earlier, "rows": rows}, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    return 0
 
 
 def _vals(row: dict[str, Any]) -> list[tuple[str, float | None, float | None]]:
