@@ -9,9 +9,10 @@ and decode workers the deployment should have, log why, export it, and let an ac
    meeting both SLOs reaches ``attainment`` win (:func:`pdserve.planner.plan.recommend`), as
    Dynamo's SLA planner and DistServe size prefill and decode separately. No traffic at all: the
    minimum.
-2. **Reaction** (always): an observed TTFT p90 above its SLO adds a prefill worker (a decode
-   worker while no prefill worker may be added), an observed ITL p90 above its SLO a decode
-   worker, whatever the prediction said: the model can be wrong, the measurement is not.
+2. **Reaction**: an observed TTFT p90 above its SLO adds a prefill worker (a decode worker
+   while no prefill worker may be added), an observed ITL p90 above its SLO a decode worker,
+   where the prediction asked for no more workers: the model can be wrong, the measurement is
+   not (where the prediction does add workers, its choice of roles stands).
    Without a profile this rule and its converse (both p90s under half their SLO: one worker
    fewer, decode first) are the whole policy.
 3. **Hysteresis**: more workers are asked for at once; fewer only after
@@ -75,7 +76,9 @@ class Planner:
     """The decision rules of the module docstring. ``profile`` None: reaction only.
     ``chunk`` and ``local_prefill_max_tokens`` are the deployment's scheduler and router
     settings; ``cores``: the one host all workers share (``pdserve up``), None for workers on
-    hardware of their own. ``sim_requests`` bounds the simulated requests per candidate."""
+    hardware of their own; ``threads_per_worker``: the threads each worker was given (``up``
+    sizes them for the maximum count). ``sim_requests`` bounds the simulated requests per
+    candidate."""
 
     settings: PlannerSettings
     profile: Profile | None = None
@@ -83,6 +86,7 @@ class Planner:
     local_prefill_max_tokens: int = 256
     max_num_seqs: int = 32
     cores: int | None = None
+    threads_per_worker: int | None = None
     sim_requests: int = 200
     _fewer: int = field(default=0, init=False)
 
@@ -112,7 +116,7 @@ class Planner:
         (pmin, pmax), (dmin, dmax) = self.bounds("prefill"), self.bounds("decode")
         deps = candidates(range(pmin, pmax + 1), range(dmin, dmax + 1), [self.chunk],
                           [self.local_prefill_max_tokens], max_num_seqs=self.max_num_seqs,
-                          cores=self.cores)  # fmt: skip
+                          cores=self.cores, threads_per_worker=self.threads_per_worker)  # fmt: skip
         rows = evaluate(self.profile, deps, workload, self.targets)
         best, ok = recommend(rows, self.targets)
         if not ok:  # overloaded whatever the count: the most capacity, not the best per worker
@@ -145,13 +149,15 @@ class Planner:
                 role = "decode" if now["decode"] > self.bounds("decode")[0] else "prefill"
                 want[role] -= 1
                 reasons.append("TTFT and ITL p90 under half their SLOs")
-        if obs.ttft_p90 is not None and obs.ttft_p90 > s.ttft_slo_ms / 1e3:
+        # the prediction already adds workers: it chose the roles; else a miss adds one
+        growing = any(want[r] > now[r] for r in ROLES)
+        if obs.ttft_p90 is not None and obs.ttft_p90 > s.ttft_slo_ms / 1e3 and not growing:
             role = "prefill" if now["prefill"] < self.bounds("prefill")[1] else "decode"
             want[role] = max(want[role], now[role] + 1)
             reasons.append(
                 f"observed TTFT p90 {1e3 * obs.ttft_p90:.0f} ms > SLO {s.ttft_slo_ms:g} ms"
             )
-        if obs.itl_p90 is not None and obs.itl_p90 > s.itl_slo_ms / 1e3:
+        if obs.itl_p90 is not None and obs.itl_p90 > s.itl_slo_ms / 1e3 and not growing:
             want["decode"] = max(want["decode"], now["decode"] + 1)
             reasons.append(f"observed ITL p90 {1e3 * obs.itl_p90:.0f} ms > SLO {s.itl_slo_ms:g} ms")
         want = self._clamp(want)

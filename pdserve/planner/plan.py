@@ -35,13 +35,14 @@ class Targets:
 
 def candidates(prefill: Iterable[int], decode: Iterable[int], chunks: Iterable[int],
                local_prefill: Iterable[int], *, max_workers: int | None = None,
-               max_num_seqs: int = 32, cores: int | None = None) -> list[Deployment]:  # fmt: skip
+               max_num_seqs: int = 32, cores: int | None = None,
+               threads_per_worker: int | None = None) -> list[Deployment]:  # fmt: skip
     """Every combination (decode workers at least 1; at most ``max_workers`` in all)."""
     out = []
     for p, d, c, lp in itertools.product(prefill, decode, chunks, local_prefill):
         if d < 1 or (max_workers is not None and p + d > max_workers):
             continue
-        out.append(Deployment(p, d, c, max_num_seqs, lp, cores))
+        out.append(Deployment(p, d, c, max_num_seqs, lp, cores, threads_per_worker))
     return out
 
 

@@ -40,7 +40,6 @@ from typing import Any
 
 from pdserve.planner.profile import EngineProfile, Profile
 
-
 JITTER = 0.05
 """Relative standard deviation of a step's time around the profile's (real steps vary by a few
 per cent). Without it, requests that start together in a closed loop stay in lockstep forever,
@@ -61,13 +60,19 @@ class Deployment:
     max_num_seqs: int = 32
     local_prefill_max_tokens: int = 256
     cores: int | None = None
+    threads_per_worker: int | None = None
+    """Threads each worker runs, when fixed beforehand (``up --autoscale`` sizes every worker
+    for the maximum count); None: the host's share, or the profile's most without a host."""
 
     @property
     def workers(self) -> int:
         return self.prefill + self.decode
 
     def threads(self, profile: Profile) -> int:
-        """Threads per worker: the host's share, or the profile's most without a host."""
+        """Threads per worker: :attr:`threads_per_worker`, else the host's share, else the
+        profile's most."""
+        if self.threads_per_worker is not None:
+            return self.threads_per_worker
         if self.cores is None:
             return profile.engines[-1].threads
         return max(1, self.cores // self.workers)
