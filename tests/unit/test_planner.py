@@ -204,3 +204,27 @@ def test_the_documented_plan_runs_on_the_recorded_profile(
     assert out.count("P+") >= 6  # every candidate has a row
     p = Profile.load(root / profile_arg)
     assert p.meta["tool"] == "pdserve bench profile" and len(p.engines) >= 1
+
+
+def test_the_simulation_matches_the_recorded_real_runs() -> None:
+    """docs/bench/plan-check-measured.json holds real runs of three P:D splits x three
+    workloads on the 2-core AMD EPYC (`pdserve bench plan-check`); the simulation with the
+    profile recorded there must stay as close as docs/benchmarks.md reports: TTFT and ITL p50
+    within 25 % for all but one of the 18 figures, and that one within 35 %."""
+    root = Path(__file__).resolve().parents[2]
+    profile = Profile.load(root / "docs" / "bench" / "profile-smollm2-amd-epyc-2c.json")
+    report = json.loads((root / "docs" / "bench" / "plan-check-measured.json").read_text())
+    errors = []
+    for row in report["rows"]:
+        inp, out = (int(x) for x in row["workload"].split(":"))
+        workload = Workload(LengthDist(inp, inp), LengthDist(out, out), row["num_requests"],
+                            concurrency=row["concurrency"])  # fmt: skip
+        pred = simulate(profile, Deployment(**row["deployment"]), workload)
+        for key in ("ttft_ms", "itl_ms"):
+            real = row["measured"][key]["p50"]
+            errors.append(
+                (abs(pred[key]["p50"] - real) / real, row["config"], row["workload"], key)
+            )
+    assert len(errors) == 18
+    far = sorted(errors, reverse=True)
+    assert far[1][0] <= 0.25 and far[0][0] <= 0.35, far[:3]
