@@ -20,10 +20,11 @@ class PlannerSettings(_Section):
 
     Every interval_s the planner reads the router's /metrics (request rate, prompt and output
     lengths, observed TTFT and ITL), predicts with the profile's simulation which worker counts
-    within the bounds meet the SLOs, and asks for the fewest that do; observed SLO misses add
-    a worker even where the prediction says otherwise, and without a profile they are the only
-    rule. Scaling up is immediate, scaling down one worker at a time after
-    scale_down_intervals intervals in a row asking for fewer. `pdserve up --autoscale` starts
+    within the bounds meet the SLOs, and asks for the fewest that do; observed SLO misses (in
+    a window of at least 5 finished requests) add a worker where the prediction adds none, and
+    without a profile they are the only rule. Scaling up is immediate, scaling down one worker
+    at a time after scale_down_intervals intervals in a row asking for fewer; after any change
+    the counts hold for cooldown_s. `pdserve up --autoscale` starts
     and drains its own workers; `pdserve planner` only exports the wanted counts
     (pdserve_planner_desired_workers) for KEDA or an HPA to act on."""
 
@@ -65,6 +66,11 @@ class PlannerSettings(_Section):
         default=3,
         ge=1,
         description="intervals in a row asking for fewer workers before one is drained",
+    )  # fmt: skip
+    cooldown_s: Annotated[float, Flag("--planner-cooldown-s", PLANNING)] = Field(
+        default=60.0, ge=0, description="after a change, seconds before the next one (a "
+        "starting worker loads the model and a draining one migrates: the windows in between "
+        "measure neither)",
     )  # fmt: skip
     port: Annotated[int, Flag("--planner-port", PLANNING)] = Field(
         default=8300, ge=0, le=65535,

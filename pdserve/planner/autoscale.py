@@ -14,11 +14,15 @@ and decode workers the deployment should have, log why, export it, and let an ac
    where the prediction asked for no more workers: the model can be wrong, the measurement is
    not (where the prediction does add workers, its choice of roles stands).
    Without a profile this rule and its converse (both p90s under half their SLO: one worker
-   fewer, decode first) are the whole policy.
+   fewer, decode first) are the whole policy. Both need a window of at least
+   :data:`MIN_REACTION_REQUESTS` finished requests.
 3. **Hysteresis**: more workers are asked for at once; fewer only after
    ``scale_down_intervals`` decisions in a row asked for fewer, and then one worker at a time,
    so that a dip does not drain a worker the next burst needs (each drain moves its KV and
-   running sequences away: docs/reliability.md).
+   running sequences away: docs/reliability.md). After any change the counts hold for
+   ``cooldown_s`` (Kubernetes' HPA and KEDA have the same stabilization): a starting worker
+   loads its model, a draining one migrates its streams, and the windows in between measure
+   neither the old deployment nor the new one.
 
 :class:`AutoscaleLoop` runs the planner on a thread of its own against a metrics source and
 hands each target to an actuator: ``pdserve up --autoscale`` starts and drains its own workers
@@ -29,6 +33,7 @@ hands each target to an actuator: ``pdserve up --autoscale`` starts and drains i
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,6 +59,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode")
+MIN_REACTION_REQUESTS = 5
+"""A window needs this many finished requests before its p90s may add a worker (with fewer, a
+"p90" is one request's latency)."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,7 @@ class Planner:
     threads_per_worker: int | None = None
     sim_requests: int = 200
     _fewer: int = field(default=0, init=False)
+    _hold: int = field(default=0, init=False)
 
     @property
     def targets(self) -> Targets:
@@ -132,6 +141,10 @@ class Planner:
         """The target for the window ``obs`` given the ``current`` worker counts."""
         s = self.settings
         now = self._clamp(current)
+        if self._hold > 0:
+            self._hold -= 1
+            return Decision(now, [f"cooling down after a change ({self._hold + 1} window(s) "
+                                  "left)"])  # fmt: skip
         reasons: list[str] = []
         predicted = None
         idle = obs.request_rate == 0 and obs.running == 0
@@ -145,12 +158,13 @@ class Planner:
             want = dict(now)
             calm = [v is not None and v < 0.5 * slo for v, slo in
                     ((obs.ttft_p90, s.ttft_slo_ms / 1e3), (obs.itl_p90, s.itl_slo_ms / 1e3))]  # fmt: skip
-            if self.profile is None and all(calm):
+            if self.profile is None and all(calm) and obs.finished >= MIN_REACTION_REQUESTS:
                 role = "decode" if now["decode"] > self.bounds("decode")[0] else "prefill"
                 want[role] -= 1
                 reasons.append("TTFT and ITL p90 under half their SLOs")
-        # the prediction already adds workers: it chose the roles; else a miss adds one
-        growing = any(want[r] > now[r] for r in ROLES)
+        # the prediction already adds workers: it chose the roles; else a miss adds one (in a
+        # window with enough requests to have a p90)
+        growing = any(want[r] > now[r] for r in ROLES) or obs.finished < MIN_REACTION_REQUESTS
         if obs.ttft_p90 is not None and obs.ttft_p90 > s.ttft_slo_ms / 1e3 and not growing:
             role = "prefill" if now["prefill"] < self.bounds("prefill")[1] else "decode"
             want[role] = max(want[role], now[role] + 1)
@@ -177,6 +191,8 @@ class Planner:
             self._fewer = 0
         if not reasons:
             reasons.append("within SLO")
+        if target != now:
+            self._hold = math.ceil(s.cooldown_s / s.interval_s)
         return Decision(target, reasons, predicted)
 
 

@@ -102,7 +102,8 @@ class Observation:
     """The window between two snapshots: ``window_s`` seconds; ``request_rate`` requests
     arriving per second (finished + the change in running); mean prompt and output tokens of
     the requests finished in it (None without any); TTFT and ITL 90th percentiles, seconds
-    (None without samples); ``running`` now; usable ``workers`` per role now."""
+    (None without samples); ``running`` now; usable ``workers`` per role now; ``finished``
+    requests in the window (how much the percentiles can be trusted)."""
 
     window_s: float
     request_rate: float
@@ -112,6 +113,7 @@ class Observation:
     itl_p90: float | None
     running: float
     workers: dict[str, int]
+    finished: float = 0.0
 
 
 def observe(before: Snapshot, after: Snapshot) -> Observation:
@@ -138,4 +140,5 @@ def observe(before: Snapshot, after: Snapshot) -> Observation:
         itl_p90=histogram_quantile(0.9, itl_before, after.itl),
         running=after.running,
         workers=dict(after.workers),
+        finished=done,
     )

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import random
 import sys
 import tempfile
@@ -119,6 +120,17 @@ def _summary(results: list[Any], slo: Any) -> dict[str, Any]:
     }  # fmt: skip
 
 
+class _NoteHandler(logging.Handler):
+    """The planner's decision lines (logged at info when the counts change) as events."""
+
+    def __init__(self, note: Callable[[str], None]) -> None:
+        super().__init__(logging.INFO)
+        self.note = note
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.note(record.getMessage())
+
+
 def _arm(name: str, cfg: PdserveConfig, model_path: Path, counts: dict[str, int],
          args: argparse.Namespace, phases: list[tuple[int, float]], logs: Path,
          autoscale: bool) -> dict[str, Any]:  # fmt: skip
@@ -147,7 +159,11 @@ def _arm(name: str, cfg: PdserveConfig, model_path: Path, counts: dict[str, int]
         stopping = threading.Event()
         actuator: LocalActuator | None = None
         loop = None
+        decisions = _NoteHandler(note)
+        planner_log = logging.getLogger("pdserve.planner")
         if autoscale:
+            planner_log.addHandler(decisions)
+            planner_log.setLevel(logging.INFO)
             profile = Profile.load(p.profile) if p.profile else None
             loop, actuator = start_autoscaler(settings.model_copy(update={"planner": p.model_copy(
                 update={"port": 0})}), stack, profile, note)  # fmt: skip
@@ -173,6 +189,7 @@ def _arm(name: str, cfg: PdserveConfig, model_path: Path, counts: dict[str, int]
             per_phase = asyncio.run(_phases(stack.url, stack.api_headers(), model, args, phases))
         finally:
             sampler_stop.set()
+            planner_log.removeHandler(decisions)
             if loop is not None:
                 loop.stop()
             stopping.set()

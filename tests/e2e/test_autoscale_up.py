@@ -110,7 +110,7 @@ def test_up_autoscale_adds_and_drains_a_decode_worker_without_failing_a_request(
         "prefill": {"replicas": 0},
         "planner": {"autoscale": True, "profile": str(profile), "min_prefill": 0,
                     "max_prefill": 0, "min_decode": 1, "max_decode": 2, "ttft_slo_ms": 60000,
-                    "itl_slo_ms": 200, "interval_s": 2, "scale_down_intervals": 2,
+                    "itl_slo_ms": 200, "interval_s": 2, "scale_down_intervals": 2, "cooldown_s": 4,
                     "port": planner_port},
     }  # fmt: skip
     (tmp_path / "up.yaml").write_text(yaml.safe_dump(config))

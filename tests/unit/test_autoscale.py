@@ -27,12 +27,13 @@ from tests.support.servers import free_port
 
 
 def obs(rate: float = 1.0, ttft: float | None = 0.1, itl: float | None = 0.02, prompt: float = 900,
-        output: float = 16, running: float = 1.0) -> Observation:  # fmt: skip
-    return Observation(10.0, rate, prompt, output, ttft, itl, running, {})
+        output: float = 16, running: float = 1.0, finished: float = 10) -> Observation:  # fmt: skip
+    return Observation(10.0, rate, prompt, output, ttft, itl, running, {}, finished)
 
 
 SETTINGS = PlannerSettings(min_prefill=0, max_prefill=2, min_decode=1, max_decode=3,
-                           ttft_slo_ms=250, itl_slo_ms=50, scale_down_intervals=2)  # fmt: skip
+                           ttft_slo_ms=250, itl_slo_ms=50, scale_down_intervals=2,
+                           cooldown_s=0)  # fmt: skip
 # 10 ms + 0.1 ms a prompt token; decode 20 ms + 1 ms a sequence; cheap hand-offs
 PROFILE = Profile(
     "m",
@@ -94,6 +95,19 @@ def test_observed_misses_add_workers_at_once() -> None:
     }
 
 
+def test_too_few_requests_for_a_p90_add_nothing_and_a_change_cools_down() -> None:
+    p = Planner(SETTINGS)
+    now = {"prefill": 1, "decode": 1}
+    assert p.decide(obs(itl=0.09, finished=2), now).target == now  # two requests: no p90
+    slow = Planner(SETTINGS.model_copy(update={"cooldown_s": 25, "interval_s": 10}))
+    assert slow.decide(obs(itl=0.09), now).target == {"prefill": 1, "decode": 2}
+    after = {"prefill": 1, "decode": 2}
+    held = [slow.decide(obs(itl=0.09), after) for _ in range(3)]  # ceil(25 / 10) windows
+    assert [d.target for d in held[:3]] == [after, after, after]
+    assert "cooling down after a change (3 window(s) left)" in held[0].line(after)
+    assert slow.decide(obs(itl=0.09), after).target == {"prefill": 1, "decode": 3}
+
+
 def test_fewer_workers_only_after_the_intervals_in_a_row_and_one_at_a_time() -> None:
     p = Planner(SETTINGS)
     now = {"prefill": 2, "decode": 3}
@@ -143,7 +157,7 @@ def test_the_loop_skips_failed_reads_logs_exports_and_acts(
     caplog.set_level(logging.INFO, logger="pdserve.planner")
     assert loop.step() is None  # the first sample
     assert loop.step() is None and "cannot read the router's metrics: OSError" in caplog.text
-    for _ in range(4):
+    for _ in range(6):  # enough finished requests for a p90 (MIN_REACTION_REQUESTS)
         m.requests.labels(outcome="finished").inc()
         m.itl.observe(0.3)
     m.running.set(1)
