@@ -100,8 +100,11 @@ def histogram_quantile(
 @dataclass(frozen=True)
 class Observation:
     """The window between two snapshots: ``window_s`` seconds; ``request_rate`` requests
-    arriving per second (finished + the change in running); mean prompt and output tokens of
-    the requests finished in it (None without any); TTFT and ITL 90th percentiles, seconds
+    arriving per second (finished + the change in running); mean prompt and output tokens per
+    request: the window's prompt tokens (counted as requests start) and generated tokens
+    (counted as they stream) over the requests that arrived, the ratio of two flow rates (in a
+    short window the requests that finished are not the ones that started; None without
+    arrivals); TTFT and ITL 90th percentiles, seconds
     (None without samples); ``running`` now; usable ``workers`` per role now; ``finished``
     requests in the window (how much the percentiles can be trusted)."""
 
@@ -132,10 +135,10 @@ def observe(before: Snapshot, after: Snapshot) -> Observation:
     return Observation(
         window_s=window,
         request_rate=arrived / window,
-        mean_prompt=delta(before.prompt_tokens, after.prompt_tokens) / done if done else None,
-        mean_output=delta(before.generation_tokens, after.generation_tokens) / done
-        if done
-        else None,
+        mean_prompt=delta(before.prompt_tokens, after.prompt_tokens) / arrived if arrived else None,
+        mean_output=(
+            delta(before.generation_tokens, after.generation_tokens) / arrived if arrived else None
+        ),
         ttft_p90=histogram_quantile(0.9, ttft_before, after.ttft),
         itl_p90=histogram_quantile(0.9, itl_before, after.itl),
         running=after.running,

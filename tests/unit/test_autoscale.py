@@ -53,8 +53,8 @@ def test_router_metrics_become_an_observation() -> None:
         m.ttft.observe(0.5 if i == 9 else 0.03)
         for _ in range(5):
             m.itl.observe(0.02)
-    m.prompt_tokens.inc(1000)
-    m.generation_tokens.inc(500)
+    m.prompt_tokens.inc(1200)  # 12 requests arrived (10 done, 2 running): 100 tokens each
+    m.generation_tokens.inc(600)  # and 50 generated each, as flow rates
     m.running.set(2)
     after = parse_metrics(generate_latest(m.registry).decode(), at=10.0)
     o = observe(before, after)
