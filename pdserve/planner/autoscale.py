@@ -3,8 +3,9 @@ and decode workers the deployment should have, log why, export it, and let an ac
 
 :class:`Planner` decides (pure logic, fed :class:`~pdserve.planner.observe.Observation`):
 
-1. **Prediction** (with a profile): the observed workload (arrival rate, mean prompt and
-   output length) runs through the simulation (:mod:`pdserve.planner.simulate`) for every
+1. **Prediction** (with a profile): the observed workload (mean prompt and output length; the
+   arrival rate as Poisson arrivals, and the requests in flight as a closed loop, the larger
+   answer kept) runs through the simulation (:mod:`pdserve.planner.simulate`) for every
    worker count within the bounds; the fewest workers whose predicted share of requests
    meeting both SLOs reaches ``attainment`` win (:func:`pdserve.planner.plan.recommend`), as
    Dynamo's SLA planner and DistServe size prefill and decode separately. No traffic at all: the
@@ -113,26 +114,42 @@ class Planner:
     def _clamp(self, counts: dict[str, int]) -> dict[str, int]:
         return {r: min(max(counts.get(r, 0), self.bounds(r)[0]), self.bounds(r)[1]) for r in ROLES}
 
-    def _predict(self, obs: Observation) -> tuple[dict[str, int], str, dict[str, Any]] | None:
-        if self.profile is None or not obs.mean_prompt or not obs.mean_output:
-            return None
-        n = int(min(self.sim_requests, max(30, obs.request_rate * 60)))
-        workload = Workload(
-            LengthDist.parse(str(max(1, round(obs.mean_prompt)))),
-            LengthDist.parse(str(max(1, round(obs.mean_output)))),
-            num_requests=n, request_rate=obs.request_rate,
-        )  # fmt: skip
+    def _best(self, profile: Profile, workload: Workload) -> tuple[dict[str, Any], bool]:
         (pmin, pmax), (dmin, dmax) = self.bounds("prefill"), self.bounds("decode")
         deps = candidates(range(pmin, pmax + 1), range(dmin, dmax + 1), [self.chunk],
                           [self.local_prefill_max_tokens], max_num_seqs=self.max_num_seqs,
                           cores=self.cores, threads_per_worker=self.threads_per_worker)  # fmt: skip
-        rows = evaluate(self.profile, deps, workload, self.targets)
+        rows = evaluate(profile, deps, workload, self.targets)
         best, ok = recommend(rows, self.targets)
         if not ok:  # overloaded whatever the count: the most capacity, not the best per worker
             best = max(rows, key=lambda r: (r["goodput"]["fraction"], -(r["ttft_ms"]["p90"] or 0)))
+        return best, ok
+
+    def _predict(self, obs: Observation) -> tuple[dict[str, int], str, dict[str, Any]] | None:
+        """The prediction for the window's demand, seen two ways, the larger answer kept: its
+        arrival rate as Poisson arrivals (users that do not wait for each other), and the
+        requests in flight as a closed loop (clients that send the next request when one
+        ends: an overloaded deployment slows their arrivals down, so the rate alone would
+        under-read them)."""
+        if self.profile is None or not obs.mean_prompt or not obs.mean_output:
+            return None
+        prompt = LengthDist.parse(str(max(1, round(obs.mean_prompt))))
+        output = LengthDist.parse(str(max(1, round(obs.mean_output))))
+        n = int(min(self.sim_requests, max(30, obs.request_rate * 60)))
+        views = []
+        if obs.request_rate > 0:
+            views.append((f"{obs.request_rate:.2f} req/s",
+                          Workload(prompt, output, n, request_rate=obs.request_rate)))  # fmt: skip
+        if round(obs.running) >= 1:
+            c = round(obs.running)
+            views.append((f"{c} in flight", Workload(prompt, output, max(n, 4 * c), concurrency=c)))
+        if not views:
+            return None
+        answers = [(what, *self._best(self.profile, w)) for what, w in views]
+        what, best, ok = max(answers, key=lambda a: (a[1]["workers"], a[1]["deployment"]["decode"]))
         dep = best["deployment"]
-        why = (f"model: {obs.request_rate:.2f} req/s of ~{obs.mean_prompt:.0f}+"
-               f"{obs.mean_output:.0f} tokens -> {dep['prefill']}P+{dep['decode']}D predicted "
+        why = (f"model: {what} of ~{obs.mean_prompt:.0f}+{obs.mean_output:.0f} tokens -> "
+               f"{dep['prefill']}P+{dep['decode']}D predicted "
                f"{100 * best['goodput']['fraction']:.0f} % within SLO"
                + ("" if ok else " (best reachable, below the attainment target)"))  # fmt: skip
         return {"prefill": dep["prefill"], "decode": dep["decode"]}, why, best

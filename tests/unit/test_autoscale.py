@@ -221,3 +221,16 @@ def test_the_fetcher_reads_a_real_metrics_endpoint() -> None:
     finally:
         server.shutdown()
         thread.join(5)
+
+
+def test_requests_in_flight_count_when_an_overload_slows_a_closed_loop_down() -> None:
+    """Clients that wait for each answer arrive slowly when the deployment is overloaded: the
+    planner also reads the requests in flight as a closed loop and keeps the larger answer."""
+    now = {"prefill": 0, "decode": 1}
+    by_rate = Planner(SETTINGS, PROFILE, chunk=1024, local_prefill_max_tokens=0)
+    quiet = by_rate.decide(obs(rate=0.5, running=0.4), now)
+    assert quiet.target == now and "0.50 req/s" in quiet.reasons[0]
+    crowded = Planner(SETTINGS, PROFILE, chunk=1024, local_prefill_max_tokens=0)
+    d = crowded.decide(obs(rate=0.5, running=12), now)
+    assert "12 in flight" in d.reasons[0]
+    assert sum(d.target.values()) > sum(quiet.target.values())
