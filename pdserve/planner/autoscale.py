@@ -281,9 +281,8 @@ def router_metrics_fetcher(url: str, timeout_s: float = 5.0) -> Callable[[], lis
         return body.decode()
 
     def fetch() -> list[str]:
-        addresses = sorted(
-            {a[4][0] for a in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
-        )
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        addresses = sorted({str(info[4][0]) for info in infos})
         texts, errors = [], []
         for address in addresses:
             try:

@@ -301,6 +301,8 @@ def _example(setting: Setting) -> tuple[list[str], object]:
         return [name, "http://c:4318/v1/traces"], "http://c:4318/v1/traces"
     if setting.path == "scheduler.speculative_ngram_min":  # at most speculative_ngram_max
         return [name, "3"], 3
+    if setting.path in ("planner.min_prefill", "planner.min_decode"):  # at most the max (2)
+        return [name, "2"], 2
     choices = [a for a in typing.get_args(setting.info.annotation) if isinstance(a, str)]
     literal = [
         c for a in typing.get_args(setting.info.annotation) for c in typing.get_args(a)
