@@ -34,6 +34,7 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> Rendered:
     overlay.joinpath("kustomization.yaml").write_text(yaml.safe_dump({
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
+        "namespace": "pdserve",
         "resources": [os.path.relpath(K8S / "base", overlay)],
         "components": [os.path.relpath(COMPONENT, overlay)],
     }))  # fmt: skip
@@ -148,5 +149,10 @@ def test_the_documented_overlay_renders(tmp_path: Path) -> None:
     proc = subprocess.run([KUBECTL, "kustomize", str(overlay)], capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    kinds = {d["kind"] for d in yaml.safe_load_all(proc.stdout) if d}
-    assert {"ScaledObject", "PodMonitor", "PrometheusRule", "Deployment"} <= kinds
+    docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    assert {"ScaledObject", "PodMonitor", "PrometheusRule", "Deployment"} <= {
+        d["kind"] for d in docs
+    }
+    for d in docs:
+        if d["kind"] != "Namespace":
+            assert d["metadata"].get("namespace") == "pdserve", d["metadata"]

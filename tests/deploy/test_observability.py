@@ -49,7 +49,7 @@ DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 def _registries() -> Iterator[Any]:
     """The router's and a worker's registries with every optional collector on (KV index, KV
     events, copy counter, prefix cache, host and disk KV tiers), as a decode worker and a
-    KV-aware router serve them."""
+    KV-aware router serve them, and the autoscaling planner's."""
     from pdserve.protocol import WorkerLoad
     from pdserve.router.kv_index import KVIndexStats
     from pdserve.router.metrics import RouterMetrics
@@ -72,6 +72,9 @@ def _registries() -> Iterator[Any]:
     worker.add_kv_events(lambda: {"sent": 0, "failed": 0, "snapshots": 0})
     worker.add_kv_copies(CopyCounter())
     yield worker.registry
+    from pdserve.planner.autoscale import PlannerMetrics
+
+    yield PlannerMetrics().registry
 
 
 _SUFFIXES = {
