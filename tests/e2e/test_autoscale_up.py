@@ -135,7 +135,9 @@ def test_up_autoscale_adds_and_drains_a_decode_worker_without_failing_a_request(
     try:
         wait_until_sync(lambda: seen("pdserve: ready."), 180, interval_s=0.2,
                         what=lambda: f"up ready:\n{text()[-3000:]}")  # fmt: skip
-        assert "autoscale: 0..0 prefill, 1..2 decode workers" in text()
+        # printed once the planner runs, just after the ready line
+        wait_until_sync(lambda: seen("autoscale: 0..0 prefill, 1..2 decode workers"), 30,
+                        interval_s=0.1, what=lambda: f"the planner:\n{text()[-3000:]}")  # fmt: skip
         load = Load(url, gap_s=0.9, threads=3)  # about 3.3 requests/s
         wait_until_sync(lambda: seen("autoscale: started decode-1"), 60, interval_s=0.2,
                         what=lambda: f"a scale-up:\n{text()[-3000:]}")  # fmt: skip
