@@ -55,6 +55,7 @@ from pdserve.planner.simulate import LengthDist, Workload
 
 if TYPE_CHECKING:
     from pdserve.planner.profile import Profile
+    from pdserve.settings import PdserveConfig
     from pdserve.settings_planner import PlannerSettings
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,18 @@ class Planner:
     sim_requests: int = 200
     _fewer: int = field(default=0, init=False)
     _hold: int = field(default=0, init=False)
+
+    @classmethod
+    def for_config(cls, cfg: PdserveConfig, profile: Profile | None, *, cores: int | None,
+                   threads_per_worker: int | None = None) -> Planner:  # fmt: skip
+        """The planner of a deployment configured by ``cfg`` (its ``planner`` section, the
+        scheduler's step budget and sequence bound, the router's local-prefill threshold)."""
+        return cls(
+            cfg.planner, profile, chunk=cfg.scheduler.max_num_batched_tokens,
+            local_prefill_max_tokens=cfg.router.local_prefill_max_tokens,
+            max_num_seqs=cfg.scheduler.max_num_seqs, cores=cores,
+            threads_per_worker=threads_per_worker,
+        )  # fmt: skip
 
     @property
     def targets(self) -> Targets:

@@ -106,12 +106,9 @@ def start_autoscaler(cfg: PdserveConfig, stack: Stack, profile: Profile | None,
     from prometheus_client import start_http_server
 
     p = cfg.planner
-    planner = Planner(
-        p, profile, chunk=cfg.scheduler.max_num_batched_tokens,
-        local_prefill_max_tokens=cfg.router.local_prefill_max_tokens,
-        max_num_seqs=cfg.scheduler.max_num_seqs, cores=os.cpu_count(),
-        threads_per_worker=cfg.scheduler.threads,
-    )  # fmt: skip
+    planner = Planner.for_config(
+        cfg, profile, cores=os.cpu_count(), threads_per_worker=cfg.scheduler.threads
+    )
     drain_s = cfg.kv_cache.lease_s + cfg.router.request_timeout_s
     actuator = LocalActuator(stack, drain_s, notify)
     metrics = PlannerMetrics()

@@ -45,11 +45,7 @@ def run_planner(cfg: PdserveConfig, router_url: str, host: str = "0.0.0.0") -> i
             print(f"pdserve planner: cannot serve /metrics on {host}:{p.port}: {exc}",
                   file=sys.stderr)  # fmt: skip
             return 1
-    planner = Planner(
-        p, profile, chunk=cfg.scheduler.max_num_batched_tokens,
-        local_prefill_max_tokens=cfg.router.local_prefill_max_tokens,
-        max_num_seqs=cfg.scheduler.max_num_seqs, cores=None,
-    )  # fmt: skip
+    planner = Planner.for_config(cfg, profile, cores=None)
 
     def current() -> dict[str, int]:
         seen = loop.last.workers if loop.last is not None else {}

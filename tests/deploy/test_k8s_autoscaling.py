@@ -7,7 +7,6 @@ its profile is a profile pdserve reads."""
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -19,7 +18,7 @@ from pdserve.cli import build_parser
 from pdserve.config import load_config
 from pdserve.planner.autoscale import PlannerMetrics
 from pdserve.planner.profile import Profile
-from tests.support.k8s import K8S, KUBECTL, KUBERNETES_VERSION, Rendered
+from tests.support.k8s import K8S, KUBECTL, KUBERNETES_VERSION, Rendered, kustomize
 
 COMPONENT = K8S / "components" / "autoscaling"
 
@@ -30,19 +29,13 @@ pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl not found (see 
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> Rendered:
     """The base plus the component, as a user's overlay includes it (docs/deploy.md)."""
     overlay = tmp_path_factory.mktemp("autoscaling") / "overlay"
-    overlay.mkdir()
-    overlay.joinpath("kustomization.yaml").write_text(yaml.safe_dump({
+    return kustomize({
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
         "namespace": "pdserve",
         "resources": [os.path.relpath(K8S / "base", overlay)],
         "components": [os.path.relpath(COMPONENT, overlay)],
-    }))  # fmt: skip
-    assert KUBECTL is not None
-    proc = subprocess.run([KUBECTL, "kustomize", str(overlay)], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    return Rendered("base+autoscaling", tuple(d for d in yaml.safe_load_all(proc.stdout) if d))
+    }, overlay)  # fmt: skip
 
 
 def test_core_objects_pass_strict_schemas(rendered: Rendered) -> None:
@@ -141,15 +134,9 @@ def test_the_documented_overlay_renders(tmp_path: Path) -> None:
     assert m, "docs/deploy.md: the autoscaling overlay is gone"
     doc = yaml.safe_load(m[1])
     overlay = tmp_path / "my-pdserve"
-    overlay.mkdir()
     for key in ("resources", "components"):  # relative to <root>/my-pdserve
         doc[key] = [os.path.relpath((root / "my-pdserve" / p).resolve(), overlay) for p in doc[key]]
-    overlay.joinpath("kustomization.yaml").write_text(yaml.safe_dump(doc))
-    assert KUBECTL is not None
-    proc = subprocess.run([KUBECTL, "kustomize", str(overlay)], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    docs = kustomize(doc, overlay).docs
     assert {"ScaledObject", "PodMonitor", "PrometheusRule", "Deployment"} <= {
         d["kind"] for d in docs
     }

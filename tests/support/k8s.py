@@ -1,6 +1,7 @@
 """Rendering the Kubernetes manifests (deploy/k8s) for the deploy tests: ``kubectl kustomize``
-per target (:func:`render`, :class:`Rendered`), the effective pdserve config of a pod
-(:func:`effective_config`), and the targets and discovery backends under test."""
+per target (:func:`render`, :class:`Rendered`) or of an overlay written on the spot
+(:func:`kustomize`), the effective pdserve config of a pod (:func:`effective_config`), and the
+targets and discovery backends under test."""
 
 from __future__ import annotations
 
@@ -107,6 +108,19 @@ def render(target: str) -> Rendered:
         pytest.fail(f"kubectl kustomize {target} failed:\n{proc.stderr}")
     docs = tuple(d for d in yaml.safe_load_all(proc.stdout) if d)
     return Rendered(target, docs)
+
+
+def kustomize(kustomization: dict[str, Any], folder: Path) -> Rendered:
+    """Write ``kustomization`` to ``folder/kustomization.yaml`` (its paths relative to
+    ``folder``) and render it; fails the test with kustomize's message."""
+    assert KUBECTL is not None
+    folder.mkdir(parents=True, exist_ok=True)
+    folder.joinpath("kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    proc = subprocess.run(
+        [KUBECTL, "kustomize", str(folder)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    return Rendered(folder.name, tuple(d for d in yaml.safe_load_all(proc.stdout) if d))
 
 
 @functools.cache
