@@ -333,19 +333,20 @@ def _run_gpu(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
     return run(args)
 
 
-def _module(name: str) -> BenchCommand:
-    """A settings-taking ``BenchCommand`` whose module ``pdserve.tools.<name>`` (light to
-    import) holds ``DESCRIPTION``, ``HELP``, ``add_arguments(p)`` and ``run(args, cfg)``."""
+def _module(name: str, settings: Settings = "config") -> BenchCommand:
+    """A ``BenchCommand`` whose module ``pdserve.tools.<name>`` (light to import) holds
+    ``DESCRIPTION``, ``HELP``, ``add_arguments(p)`` and ``run(args, cfg)``; ``cfg`` is the
+    resolved settings, or None for ``settings="none"``."""
     import importlib
 
     module = importlib.import_module(f"pdserve.tools.{name}")
 
     def run(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
-        return int(module.run(args, _need(cfg)))
+        return int(module.run(args, cfg if settings == "none" else _need(cfg)))
 
     command = name.removeprefix("bench_").replace("_", "-")
     return BenchCommand(command, module.HELP, module.DESCRIPTION, module.add_arguments, run,
-                        "config")  # fmt: skip
+                        settings)  # fmt: skip
 
 
 def _description(module: str) -> str:
@@ -565,6 +566,7 @@ COMMANDS: tuple[BenchCommand, ...] = (
         _gpu_arguments,
         _run_gpu,
     ),
+    _module("bench_gpu_proof", "none"),
 )
 """Every ``pdserve bench`` subcommand, in the order ``--help`` lists them."""
 

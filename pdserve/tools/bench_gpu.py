@@ -9,7 +9,9 @@ the comparison runs the same code with ``--device cpu``)::
 ``--prompt-tokens`` random token ids are submitted together and generate ``--max-tokens`` tokens
 each (``ignore_eos``), twice; the second pass is reported. TTFT = submit -> first token, TPOT = (last
 token - first token) / (tokens - 1) per request, as ``pdserve bench serve`` defines them; with
-every request decoding in lockstep, TPOT is the decode step time at batch ``c``. ``--cuda-graphs on
+every request decoding in lockstep, TPOT is the decode step time at batch ``c``. Prefill
+tokens/s: the level's ``c x --prompt-tokens`` prompt tokens over the time to its last first
+token. ``--cuda-graphs on
 off`` runs each dtype twice, with and without CUDA graphs of decode steps (``EngineConfig.
 cuda_graphs``; no effect on CPU); graphs are captured in the first pass of a level.
 
@@ -197,6 +199,7 @@ def _bench_engine_config(
                 "device": _device_name(args.device),
                 "dtype": dtype,
                 "cuda_graphs": runner_graphs is not None,
+                "cuda_graphs_requested": graphs,
                 "graphs_captured": runner_graphs.captures if runner_graphs else 0,
                 "concurrency": c,
                 "prompt_tokens": args.prompt_tokens,
@@ -205,6 +208,8 @@ def _bench_engine_config(
                 "tpot_ms_p50": 1e3 * statistics.median(tpot),
                 "tpot_ms_mean": 1e3 * statistics.mean(tpot),
                 "decode_tokens_per_s": c / statistics.median(tpot),
+                # the level's prompts (prefilled together) over the time to the last first token
+                "prefill_tokens_per_s": c * args.prompt_tokens / max(ttft),
             }
             _emit(result)
             results.append(result)
@@ -313,14 +318,15 @@ def _table(results: list[dict[str, Any]]) -> str:
     if engine:
         lines += [
             "| model | device | dtype | CUDA graphs | concurrency | TTFT p50 (ms) | TPOT p50 (ms)"
-            " | tokens/s |",
-            "|---|---|---|---|---|---|---|---|",
+            " | tokens/s | prefill tokens/s |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for r in engine:
             lines.append(
                 f"| {r['model']} | {r['device']} | {r['dtype']} | "
                 f"{'on' if r['cuda_graphs'] else 'off'} | {r['concurrency']} | "
-                f"{r['ttft_ms_p50']:.1f} | {r['tpot_ms_p50']:.2f} | {r['decode_tokens_per_s']:.0f} |"
+                f"{r['ttft_ms_p50']:.1f} | {r['tpot_ms_p50']:.2f} | {r['decode_tokens_per_s']:.0f} | "
+                f"{r['prefill_tokens_per_s']:.0f} |"
             )
     if transfer:
         lines += [

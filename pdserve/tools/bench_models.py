@@ -11,7 +11,8 @@ hub can be reached.
 - :func:`build_smollm2_like`: the same with SmolLM2-135M-Instruct's architecture
   (:data:`SMOLLM2_ARCH`: 30 layers, hidden 576, 9 heads, 3 KV heads, head_dim 64, vocab 49152,
   tied embeddings). Compute, KV layout (720 KiB per 16-token float32 block) and step times are
-  SmolLM2's; the text is not (ids >= 260 decode to nothing).
+  SmolLM2's; the text is not: its tokenizer has SmolLM2's 49,152 ids, bytes and merged
+  printable-ASCII pairs and triples, so every sampled id streams as visible (random) text.
 
 Importing this module is light; torch, tokenizers and transformers load when a model is built.
 """
@@ -55,10 +56,15 @@ SMOLLM2_ARCH: dict[str, Any] = {
 """SmolLM2-135M-Instruct's config.json fields that shape compute and the KV layout."""
 
 
-def byte_tokenizer() -> Any:
+def byte_tokenizer(vocab_size: int | None = None) -> Any:
     """Byte-level tokenizer (a ``transformers.PreTrainedTokenizerFast``): ids 0-255 are the
-    bytes (GPT-2 byte-to-unicode alphabet, no merges), 256-259 the special tokens ``<|bos|>
-    <|eos|> <|pad|> <|turn|>``; a small chat template."""
+    bytes (GPT-2 byte-to-unicode alphabet), then, with ``vocab_size``, merged tokens of two and
+    three printable ASCII characters (every pair of the 94 characters ``!``..``~``, then triples,
+    until the vocabulary holds ``vocab_size`` ids), then the 4 special tokens ``<|bos|> <|eos|>
+    <|pad|> <|turn|>`` (ids 256-259 without ``vocab_size``); a small chat template. With
+    ``vocab_size``, every id a model can sample decodes to visible text, so a random-weight model
+    with a real vocabulary size streams text through the whole stack. Raises ValueError for a
+    ``vocab_size`` below 260 or above what pairs and triples give (839,680)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast as Fast
 
@@ -68,7 +74,10 @@ def byte_tokenizer() -> Any:
 
     byte_to_char = bytes_to_unicode()
     vocab = {byte_to_char[b]: b for b in range(256)}
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    merges = _printable_merges(vocab_size - 256 - len(BYTE_SPECIAL_TOKENS)) if vocab_size else []
+    for left, right in merges:
+        vocab[left + right] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
     core.add_special_tokens(list(BYTE_SPECIAL_TOKENS))
@@ -83,6 +92,17 @@ def byte_tokenizer() -> Any:
     )
 
 
+def _printable_merges(n: int) -> list[tuple[str, str]]:
+    """``n`` BPE merges over printable ASCII (bytes 33-126, their own characters in the
+    byte-level alphabet): every pair first, then triples built on the pairs."""
+    chars = [chr(b) for b in range(33, 127)]
+    pairs = [(a, b) for a in chars for b in chars]
+    triples = [(a + b, c) for a in chars for b in chars for c in chars]
+    if not 0 <= n <= len(pairs) + len(triples):
+        raise ValueError(f"a byte tokenizer holds 260 to {260 + len(pairs) + len(triples)} ids")
+    return (pairs + triples)[:n]
+
+
 def build_random_llama(path: Path, *, seed: int = 0, arch: dict[str, Any] | None = None) -> Path:
     """Write a randomly initialised float32 ``LlamaForCausalLM`` (:data:`TINY_ARCH` with
     ``arch`` over it) and :func:`byte_tokenizer` into the folder ``path``; return ``path``
@@ -92,8 +112,15 @@ def build_random_llama(path: Path, *, seed: int = 0, arch: dict[str, Any] | None
 
 
 def build_smollm2_like(path: Path, *, seed: int = 0, init_std: float = 0.02) -> Path:
-    """:func:`build_random_llama` with :data:`SMOLLM2_ARCH` (weights ~ N(0, ``init_std``))."""
-    return build_random_llama(path, seed=seed, arch={**SMOLLM2_ARCH, "initializer_range": init_std})
+    """:func:`build_random_llama` with :data:`SMOLLM2_ARCH` (weights ~ N(0, ``init_std``)) and
+    a :func:`byte_tokenizer` of SmolLM2's 49,152 ids, every one of which decodes to text."""
+    return build_random_model(
+        path,
+        "llama",
+        seed=seed,
+        arch={**SMOLLM2_ARCH, "initializer_range": init_std},
+        vocab_size=SMOLLM2_ARCH["vocab_size"],
+    )
 
 
 FAMILY_ARCH: dict[str, tuple[str, str, dict[str, Any]]] = {
@@ -185,12 +212,17 @@ head would turn into near-tied logits."""
 
 
 def build_random_model(
-    path: Path, family: str, *, seed: int = 0, arch: dict[str, Any] | None = None
+    path: Path,
+    family: str,
+    *,
+    seed: int = 0,
+    arch: dict[str, Any] | None = None,
+    vocab_size: int | None = None,
 ) -> Path:
     """Write a randomly initialised float32 model of decoder ``family`` (a key of
     :data:`FAMILY_ARCH`: :data:`TINY_ARCH`, less the fields its config class does not declare,
-    with the family's fields over it, and ``arch`` over those) and :func:`byte_tokenizer` into
-    the folder ``path``;
+    with the family's fields over it, and ``arch`` over those) and :func:`byte_tokenizer` (of
+    ``vocab_size`` ids when given) into the folder ``path``;
     return ``path``. Weights follow the model's own init with ``initializer_range`` 0.25 (as
     :func:`build_random_llama`), and bias vectors (zero at init, e.g. Qwen2's q/k/v biases)
     get the same N(0, 0.25) so that loading them is exercised too. An embedding the model scales
@@ -208,7 +240,7 @@ def build_random_model(
     for klass in config_cls.__mro__:
         declared |= set(getattr(klass, "__annotations__", {}))
     path.mkdir(parents=True, exist_ok=True)
-    tok = byte_tokenizer()
+    tok = byte_tokenizer(vocab_size)
     ids = {t: tok.convert_tokens_to_ids(t) for t in BYTE_SPECIAL_TOKENS}
     base = {k: v for k, v in TINY_ARCH.items() if k in declared}
     config = config_cls(

@@ -33,9 +33,14 @@ def smol_like_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _check(model_dir: Path, **overrides: object) -> None:
     graphed = make_engine(
-        model_dir, device="cuda", cuda_graphs=True, max_num_batched_tokens=32, **overrides
+        model_dir,
+        device="cuda",
+        dtype="float32",
+        cuda_graphs=True,
+        max_num_batched_tokens=32,
+        **overrides,
     )
-    eager = make_engine(model_dir, device="cuda", cuda_graphs=False, **overrides)
+    eager = make_engine(model_dir, device="cuda", dtype="float32", cuda_graphs=False, **overrides)
     try:
         assert graphed.runner.graphs is not None and eager.runner.graphs is None
         cases = mixed_cases(min(graphed.runner.vocab_size, 256))
@@ -80,8 +85,10 @@ def test_a_replayed_decode_step_syncs_less_than_an_eager_step(smol_like_dir: Pat
 
 
 def test_engine_on_cuda_uses_graphs_only_when_enabled(tiny_model_dir: Path) -> None:
-    on: Engine = make_engine(tiny_model_dir, device="cuda", cuda_graphs=True)
-    off: Engine = make_engine(tiny_model_dir, device="cuda")  # the default: graphs off
+    on: Engine = make_engine(tiny_model_dir, device="cuda", dtype="float32", cuda_graphs=True)
+    off: Engine = make_engine(
+        tiny_model_dir, device="cuda", dtype="float32"
+    )  # the default: graphs off
     try:
         assert on.runner.graphs is not None and off.runner.graphs is None
     finally:

@@ -40,7 +40,7 @@ def tiny_hf_cuda(tiny_model_dir: Path):
 
 @pytest.fixture(scope="module")
 def tiny_cuda(tiny_model_dir: Path) -> Iterator[Engine]:
-    engine = make_engine(tiny_model_dir, device="cuda")
+    engine = make_engine(tiny_model_dir, device="cuda", dtype="float32")
     yield engine
     engine.shutdown()
 
@@ -89,8 +89,8 @@ def test_batched_and_seeded_requests_equal_their_solo_outputs_on_cuda(tiny_cuda:
 
 
 def test_split_across_two_cuda_engines_equals_generate(tiny_model_dir: Path, tiny_hf_cuda) -> None:
-    prefill = make_engine(tiny_model_dir, device="cuda", num_blocks=300)
-    decode = make_engine(tiny_model_dir, device="cuda", num_blocks=200)
+    prefill = make_engine(tiny_model_dir, device="cuda", dtype="float32", num_blocks=300)
+    decode = make_engine(tiny_model_dir, device="cuda", dtype="float32", num_blocks=200)
     try:
         for i, prompt in enumerate(tiny_prompts(prefill.tokenizer)):
             got = split_complete(prefill, decode, f"split-{i}", prompt, GREEDY)
@@ -102,7 +102,9 @@ def test_split_across_two_cuda_engines_equals_generate(tiny_model_dir: Path, tin
 
 @pytest.mark.slow
 def test_smollm2_architecture_greedy_equals_generate_on_cuda(smol_like_dir: Path) -> None:
-    engine = make_engine(smol_like_dir, device="cuda", tokens_per_block=16, num_blocks=64)
+    engine = make_engine(
+        smol_like_dir, device="cuda", dtype="float32", tokens_per_block=16, num_blocks=64
+    )
     hf = AutoModelForCausalLM.from_pretrained(
         smol_like_dir, dtype=torch.float32, local_files_only=True
     )

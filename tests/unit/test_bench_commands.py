@@ -46,6 +46,7 @@ HELP = {
     "gpu": ("engine", "transfer", "random", "PDSERVE-GPU"),
     "gpu engine": ("--device", "--dtype", "--cuda-graphs", "smollm2-like"),
     "gpu transfer": ("--backends", "--devices", "--blocks"),
+    "gpu-proof": ("--steps", "--out", "$OUT", "summary.md", "--timeout-scale", "smollm2-like"),
 }
 
 
@@ -53,7 +54,7 @@ def test_every_benchmark_is_a_subcommand() -> None:
     assert [c.name for c in COMMANDS] == [
         "serve", "transfer", "multiturn", "kv-restart", "handoff", "compile", "formatter",
         "structured", "kv-dtype", "router", "paged-attention", "speculative", "profile",
-        "plan-check", "autoscale", "gpu",
+        "plan-check", "autoscale", "gpu", "gpu-proof",
     ]  # fmt: skip
     assert {c.settings for c in COMMANDS} == {"none", "config", "flags"}
     assert BY_NAME["serve"].settings == "flags" and BY_NAME["multiturn"].settings == "config"
@@ -81,6 +82,9 @@ def test_the_options_parse_with_their_defaults() -> None:
     assert (args.backends, args.profile, args.profile_pulls) == (None, False, 2000)
     args = build_parser().parse_args(["bench", "transfer", "--profile", "--backends", "tcp"])
     assert (args.backends, args.profile) == (["tcp"], True)
+    args = build_parser().parse_args(["bench", "gpu-proof"])
+    assert (args.steps, args.dtype, args.concurrency) == (
+        ["tests", "engine", "serve", "transfer"], "bfloat16", [1, 8, 32])  # fmt: skip
     args = build_parser().parse_args(["bench", "compile", "--threads", "2"])
     assert (args.threads, args.rounds, args.model) == ([2], 7, None)
 
