@@ -37,6 +37,10 @@ Protocol history:
    11: tracing: ``traceparent`` on :class:`ContextRequest` / :class:`GenerationRequest` (also
        sent as the ``traceparent`` header), the worker's ``phases`` on
        :class:`ContextResponse` and on a stream's last :class:`GenerationChunk`.
+   12: block digests computed on the GPU: transfer ``Hello``/``HelloAck.pool_device`` (``cpu``,
+       ``cuda``) and ``SendBlocks.digest``, the algorithm the pulling side asks for (``mix64``
+       when both pools are on a GPU, :mod:`pdserve.transfer.mix64`; else ``xxh3_64``), echoed
+       in ``BlockDigests.algorithm``.
 
 Clocks: deadlines on the wire are wall-clock UNIX seconds (``time.time()``), never monotonic
 readings, because a monotonic clock does not cross processes.
@@ -52,7 +56,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 PROTOCOL_HEADER = "x-pdserve-protocol"
 
 

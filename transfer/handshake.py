@@ -23,7 +23,7 @@ refusal raises on BOTH sides with the same message:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pdserve.errors import TransferError
 from pdserve.protocol import PROTOCOL_VERSION, KVLayout
@@ -42,7 +42,9 @@ class LocalSide:
     """This worker as its transceiver presents it to peers. Immutable for the process life.
 
     ``staging``: where a sender stages the bytes a converting formatter produces (layouts that
-    differ in tokens per block or dtype); None refuses such sends. ``key``: the cluster
+    differ in tokens per block or dtype); None refuses such sends. ``pool_device``: where the
+    KV pool lives, which both sides tell each other (it chooses the block digest,
+    :func:`pdserve.transfer.integrity.choose_algorithm`). ``key``: the cluster
     secret's keys, which every connection proves both ways before this side trusts it."""
 
     worker_id: str
@@ -52,6 +54,7 @@ class LocalSide:
     backend: Backend
     staging: StagingPool | None = None
     key: ClusterKey = field(kw_only=True, repr=False)
+    pool_device: Literal["cpu", "cuda"] = field(default="cpu", kw_only=True)
 
     async def connect(self, conn: Connection) -> tuple[wire.HelloAck, Formatter]:
         """Decode side, on a fresh connection to a prefill worker: authenticate both ways
@@ -82,6 +85,7 @@ class LocalSide:
             layout=self.layout,
             backend=self.backend.name,
             num_blocks=self.geometry.num_blocks,
+            pool_device=self.pool_device,
             nixl=info if isinstance(info, wire.NixlPeerInfo) else None,
             ucx=info if isinstance(info, wire.UcxPeerInfo) else None,
         )
@@ -112,6 +116,7 @@ class LocalSide:
             layout=self.layout,
             backend=self.backend.name,
             num_blocks=self.geometry.num_blocks,
+            pool_device=self.pool_device,
             code=None if error is None else wire.error_code(error),
             message=None if error is None else error.message,
         )

@@ -50,11 +50,23 @@ import torch
 import xxhash
 
 from pdserve.errors import IntegrityError, TransferError
+from pdserve.transfer import mix64
 from pdserve.transfer.formatter import PoolGeometry, TransferPlan, pool_bytes
 from pdserve.transfer.hoststage import HostStage, byte_view, packed_offsets
 
 ALGORITHM = "xxh3_64"
-"""Digest of every segment (python-xxhash ``xxh3_64``, seed 0)."""
+"""The default digest of every segment (python-xxhash ``xxh3_64``, seed 0), computed on the CPU."""
+ALGORITHMS = (ALGORITHM, mix64.NAME)
+"""Every digest a sender computes when asked (:class:`pdserve.transfer.wire.SendBlocks`)."""
+
+
+def choose_algorithm(local_device: str, peer_device: str) -> str:
+    """The digest the pulling (decode) side asks for, by where both pools live (``cpu``,
+    ``cuda``): :mod:`pdserve.transfer.mix64` when both are on a GPU (computed there, no copy to
+    the host), else xxh3 (the CPU hashes 20-30x faster than the elementwise mix64 there, and a
+    GPU side of a mixed pair stages through pinned memory as before)."""
+    return mix64.NAME if local_device == peer_device == "cuda" else ALGORITHM
+
 
 _DIGEST = np.dtype("<u8")
 
@@ -126,7 +138,8 @@ class SegmentDigests:
     once by :meth:`finish` (NIXL, UCX: after the one-sided WRITE).
 
     ``update(stop)`` hashes segments ``done..stop-1``; :meth:`finish` hashes what is left and
-    returns uint64 ``[K]``. Owned by one transfer; not thread-safe.
+    returns uint64 ``[K]``. ``algorithm``: one of :data:`ALGORITHMS`. Owned by one transfer;
+    not thread-safe.
     """
 
     def __init__(
@@ -135,11 +148,13 @@ class SegmentDigests:
         memory: torch.Tensor,
         offsets: np.ndarray,
         lengths: np.ndarray,
+        algorithm: str = ALGORITHM,
     ):
         self._digester = digester
         self._memory = memory
         self._offsets = offsets
         self._lengths = lengths
+        self.algorithm = algorithm
         self.values = np.zeros(len(lengths), dtype=_DIGEST)
         self.done = 0
 
@@ -148,7 +163,7 @@ class SegmentDigests:
         start = self.done
         if stop > start:
             self.values[start:stop] = self._digester.digests(
-                self._memory, self._offsets[start:stop], self._lengths[start:stop]
+                self._memory, self._offsets[start:stop], self._lengths[start:stop], self.algorithm
             )
             self.done = stop
 
@@ -162,12 +177,14 @@ class BlockDigester:
     """Digests over one worker's KV pool; one per transceiver.
 
     ``pool`` is the worker's contiguous pool tensor (any dtype); it is read, never written, and
-    must outlive the digester. CPU memory is hashed in place. CUDA memory is first copied
-    segment by segment into pinned host memory (:mod:`pdserve.transfer.hoststage`; one D2H
-    copy per segment, a blocking wait of about ``nbytes / 20 GB/s``), then hashed: the same
-    digests as for the same bytes on CPU, so CPU and CUDA workers check each other. For a
-    pool on another device type every call raises TransferError (switch integrity off with
-    ``TransferSettings.integrity=False``).
+    must outlive the digester. xxh3 (the default): CPU memory is hashed in place; CUDA memory
+    is first copied segment by segment into pinned host memory
+    (:mod:`pdserve.transfer.hoststage`; one D2H copy per segment, a blocking wait of about
+    ``nbytes / 20 GB/s``), then hashed: the same digests as for the same bytes on CPU, so CPU
+    and CUDA workers check each other. For a pool on another device type every call raises
+    TransferError (switch integrity off with ``TransferSettings.integrity=False``). mix64
+    (:mod:`pdserve.transfer.mix64`, what two GPU pools agree on: :func:`choose_algorithm`):
+    computed on the pool's own device, also device-independent.
     """
 
     def __init__(self, pool: torch.Tensor) -> None:
@@ -175,25 +192,25 @@ class BlockDigester:
         self._stage = HostStage(pool.device) if pool.device.type == "cuda" else None
         self._bytes = pool_bytes(pool) if pool.device.type == "cpu" else None
 
-    def source(self, plan: TransferPlan) -> str:
+    def source(self, plan: TransferPlan, algorithm: str = ALGORITHM) -> str:
         """Sender side, before any byte of ``plan`` moves: the wire form of the digests of its
         source segments (``plan.src_offsets``) in the memory the backend sends from: the pool,
         or ``plan.source`` (a converting formatter's staging buffer, already filled)."""
-        return encode(self.at_source(plan).finish())
+        return encode(self.at_source(plan, algorithm).finish())
 
-    def at_source(self, plan: TransferPlan) -> SegmentDigests:
+    def at_source(self, plan: TransferPlan, algorithm: str = ALGORITHM) -> SegmentDigests:
         """Sender side: the digests of ``plan``'s source segments, to be computed as they are
         sent (:class:`SegmentDigests`), in the memory the backend sends from: the pool, or
         ``plan.source`` (a converting formatter's staging buffer, already filled). The
         parked blocks do not change while they are sent (fencing), so a digest computed
         while or after a segment moves covers the bytes that left."""
         memory = self._pool if plan.source is None else plan.source
-        return SegmentDigests(self, memory, plan.src_offsets, plan.lengths)
+        return SegmentDigests(self, memory, plan.src_offsets, plan.lengths, algorithm)
 
-    def landed(self, plan: TransferPlan) -> SegmentDigests:
+    def landed(self, plan: TransferPlan, algorithm: str = ALGORITHM) -> SegmentDigests:
         """Receiver side: the digests of ``plan``'s destination segments in this pool, to be
         computed as they land (:class:`SegmentDigests`)."""
-        return SegmentDigests(self, self._pool, plan.dst_offsets, plan.lengths)
+        return SegmentDigests(self, self._pool, plan.dst_offsets, plan.lengths, algorithm)
 
     def check(
         self,
@@ -215,7 +232,8 @@ class BlockDigester:
         the layer and the blocks of the first differing segment; raises TransferError for
         digests that do not fit the plan."""
         expected = decode(digests, len(plan))
-        actual = (landed or self.landed(plan)).finish()
+        landed = landed or self.landed(plan)
+        actual = landed.finish()
         bad = np.flatnonzero(actual != expected)
         if bad.size == 0:
             return
@@ -225,14 +243,24 @@ class BlockDigester:
         )
         raise IntegrityError(
             f"KV integrity check failed for request {request_id}: {where} arrived corrupted "
-            f"({ALGORITHM} {int(actual[k]):#018x}, the prefill worker digested "
+            f"({landed.algorithm} {int(actual[k]):#018x}, the prefill worker digested "
             f"{int(expected[k]):#018x}); {bad.size} of {len(plan)} segments differ"
         )
 
-    def digests(self, memory: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Digests of ``memory``'s segments (uint64 ``[K]``); ``memory`` is the pool or a
-        staging buffer. Raises TransferError (a segment outside it, memory on a device that
-        cannot be hashed)."""
+    def digests(
+        self,
+        memory: torch.Tensor,
+        offsets: np.ndarray,
+        lengths: np.ndarray,
+        algorithm: str = ALGORITHM,
+    ) -> np.ndarray:
+        """``algorithm`` digests of ``memory``'s segments (uint64 ``[K]``); ``memory`` is the
+        pool or a staging buffer. Raises TransferError (a segment outside it, memory on a device
+        that cannot be hashed, an unknown algorithm)."""
+        if algorithm == mix64.NAME:
+            return mix64.digests(memory, offsets, lengths)
+        if algorithm != ALGORITHM:
+            raise TransferError(f"unknown KV digest algorithm {algorithm!r}")
         if memory.device.type == "cpu":
             buf = self._bytes if memory is self._pool else pool_bytes(memory)
             assert buf is not None

@@ -61,7 +61,7 @@ from pdserve.transfer import wire
 from pdserve.transfer.control import Connection
 from pdserve.transfer.formatter import Formatter, TransferPlan
 from pdserve.transfer.handshake import LocalSide
-from pdserve.transfer.integrity import BlockDigester, SegmentDigests
+from pdserve.transfer.integrity import BlockDigester, SegmentDigests, choose_algorithm
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,7 @@ class _Session:
     epoch: int
     formatter: Formatter
     peer_blocks: int  # blocks in the prefill pool (its HelloAck): valid source ids lie below
+    digest: str  # the block digest asked for (integrity.choose_algorithm of both pools)
     idle: list[Connection] = field(default_factory=list)
     closed: bool = False
 
@@ -211,7 +212,8 @@ class Receiver:
         with self._conversation(session, conn):
             while True:
                 transfer_id = uuid.uuid4().hex
-                await conn.send(self._ask(handle, transfer_id, (), dst_block_ids[have:], have))
+                ask = self._ask(session, handle, transfer_id, (), dst_block_ids[have:], have)
+                await conn.send(ask)
                 msg = await conn.recv()
                 if not isinstance(msg, wire.BlocksReady) or msg.transfer_id != transfer_id:
                     wire.expect_done(msg, transfer_id)  # raises the peer's TransferFailed
@@ -224,7 +226,7 @@ class Receiver:
                         raise TransferError(exc.message) from exc
                     dst = dst_block_ids[have : have + len(src)] if aligned else dst_block_ids
                     plan = session.formatter.plan(src, dst)
-                    await self._receive(conn, plan, transfer_id, handle, src, dst)
+                    await self._receive(conn, session, plan, transfer_id, handle, src, dst)
                     have += len(dst)
                 if msg.done:
                     if have != len(dst_block_ids) or msg.first_token is None:
@@ -239,6 +241,7 @@ class Receiver:
 
     def _ask(
         self,
+        session: _Session,
         handle: TransferHandle,
         transfer_id: str,
         src_ids: tuple[int, ...],
@@ -253,6 +256,7 @@ class Receiver:
             src_block_ids=src_ids,
             dst_block_ids=tuple(dst_ids),
             integrity=self._digester is not None,
+            digest=session.digest,  # one of integrity.ALGORITHMS
             skip_blocks=skip_blocks,
             stream=handle.streamed,
         )
@@ -275,8 +279,9 @@ class Receiver:
             raise
         transfer_id = uuid.uuid4().hex
         with self._conversation(session, conn):
-            await conn.send(self._ask(handle, transfer_id, src_ids, dst_block_ids, skip_blocks))
-            await self._receive(conn, plan, transfer_id, handle, src_ids, dst_block_ids)
+            ask = self._ask(session, handle, transfer_id, src_ids, dst_block_ids, skip_blocks)
+            await conn.send(ask)
+            await self._receive(conn, session, plan, transfer_id, handle, src_ids, dst_block_ids)
         await self._release(conn, session, handle)
 
     @contextlib.contextmanager
@@ -296,6 +301,7 @@ class Receiver:
     async def _receive(
         self,
         conn: Connection,
+        session: _Session,
         plan: TransferPlan,
         transfer_id: str,
         handle: TransferHandle,
@@ -303,7 +309,8 @@ class Receiver:
         dst_block_ids: list[int],
     ) -> None:
         """Steps 4-4b for one asked transfer: the bytes, then (integrity on) the digests."""
-        landed = None if self._digester is None else self._digester.landed(plan)
+        digest = session.digest
+        landed = None if self._digester is None else self._digester.landed(plan, digest)
         with tracing.phase("kv_wire", pdserve_kv_blocks=len(src_ids)):
             await self._local.backend.receive(conn, plan, transfer_id, landed)
         if self._digester is not None and landed is not None:
@@ -311,7 +318,7 @@ class Receiver:
             # sender hashes its source: both before the sender's digests are read.
             with tracing.phase("kv_integrity"):
                 landed.finish()
-                digests = await self._digests(conn, transfer_id)  # the trailer / after Done
+                digests = await self._digests(conn, transfer_id, digest)  # trailer / after Done
                 self._verify(self._digester, digests, plan, handle, src_ids, dst_block_ids, landed)
 
     async def _release(self, conn: Connection, session: _Session, handle: TransferHandle) -> None:
@@ -320,11 +327,17 @@ class Receiver:
             await conn.send(wire.Release(request_id=handle.request_id, lease_id=handle.lease_id))
         self._give_back(session, conn)
 
-    async def _digests(self, conn: Connection, transfer_id: str) -> str:
+    async def _digests(self, conn: Connection, transfer_id: str, algorithm: str) -> str:
         """The sender's BlockDigests of ``transfer_id`` (ahead of inline bytes, after
-        TransferDone otherwise). Raises the peer's refusal (TransferFailed) or TransferError."""
+        TransferDone otherwise), in the ``algorithm`` asked for. Raises the peer's refusal
+        (TransferFailed) or TransferError."""
         msg = await conn.recv()
         if isinstance(msg, wire.BlockDigests) and msg.transfer_id == transfer_id:
+            if msg.algorithm != algorithm:
+                raise TransferError(
+                    f"transfer {transfer_id} from {conn.peer}: {msg.algorithm} block digests, "
+                    f"{algorithm} asked for"
+                )
             return msg.digests
         wire.expect_done(msg, transfer_id)  # raises the peer's error for TransferFailed
         raise TransferError(f"transfer {transfer_id} from {conn.peer} came without block digests")
@@ -370,8 +383,9 @@ class Receiver:
         if session is None or (session.worker_id, session.epoch) != (ack.worker_id, ack.epoch):
             if session is not None:
                 session.close()
+            digest = choose_algorithm(self._local.pool_device, ack.pool_device)
             session = self._sessions[endpoint] = _Session(
-                ack.worker_id, ack.epoch, formatter, ack.num_blocks
+                ack.worker_id, ack.epoch, formatter, ack.num_blocks, digest
             )
         if (ack.worker_id, ack.epoch) != (handle.worker_id, handle.epoch):
             self._give_back(session, conn)

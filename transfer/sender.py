@@ -32,8 +32,9 @@ Lifecycle of a connection and of each request on it::
                    = Abort or EOF -> the WRITE / the sends are cancelled)
     5. DONE        NIXL, UCX: TransferDone (or TransferFailed); TCP: the stream's announced byte
                    count is the completion, and a stream that broke closes the connection
-    5b DIGESTS     if SendBlocks asked (integrity): BlockDigests, the xxh3_64 of each plan
-                   segment over the source bytes (:mod:`pdserve.transfer.integrity`),
+    5b DIGESTS     if SendBlocks asked (integrity): BlockDigests, the ``SendBlocks.digest`` of
+                   each plan segment over the source bytes (xxh3_64; mix64 on the GPU when
+                   both pools are on one: :mod:`pdserve.transfer.integrity`),
                    computed where the bytes are touched anyway: on TCP group by group right
                    before the socket reads them, and sent as the trailer of the bytes; on
                    NIXL / UCX once the WRITE is done, right after TransferDone, while the
@@ -299,7 +300,7 @@ class Sender:
         # Integrity: the source digests are computed where the bytes are touched anyway (TCP:
         # each group right before the socket reads it) or once the WRITE is done, while the
         # receiver hashes what landed; they follow the bytes / TransferDone either way.
-        digests = self._digester.at_source(plan) if msg.integrity else None
+        digests = self._digester.at_source(plan, msg.digest) if msg.integrity else None
         try:
             try:
                 outbound = backend.start_send(self._conn, plan, peer, msg.transfer_id, digests)
@@ -327,13 +328,17 @@ class Sender:
                     self._record(exc)
                     await self._fail(msg.transfer_id, exc)
                     return
-                await self._send_digests(msg.transfer_id, text)
+                await self._send_digests(msg.transfer_id, text, msg.digest)
         finally:  # nothing reads the staging buffer any more: lend it to the next send
             if plan.source is not None and self._local.staging is not None:
                 self._local.staging.release(plan)
 
-    async def _send_digests(self, transfer_id: str, digests: str) -> None:
-        await self._conn.send(wire.BlockDigests(transfer_id=transfer_id, digests=digests))
+    async def _send_digests(
+        self, transfer_id: str, digests: str, algorithm: wire.DigestAlgorithm
+    ) -> None:
+        await self._conn.send(
+            wire.BlockDigests(transfer_id=transfer_id, digests=digests, algorithm=algorithm)
+        )
 
     def _stage(
         self,

@@ -25,6 +25,7 @@ import logging
 import socket
 import uuid
 from collections import deque
+from typing import Literal
 
 import torch
 
@@ -274,5 +275,8 @@ def create_transceiver(
     agent_name = f"pdserve-{worker_id}-{epoch}-{uuid.uuid4().hex[:8]}"
     backend: Backend = open_backend(cfg, pool=pool, geometry=geometry, agent_name=agent_name)
     staging = StagingPool(pool, backend)  # used only by peers whose layout differs
-    local = LocalSide(worker_id, epoch, layout, geometry, backend, staging=staging, key=key)
+    device: Literal["cpu", "cuda"] = "cuda" if pool.device.type == "cuda" else "cpu"
+    local = LocalSide(
+        worker_id, epoch, layout, geometry, backend, staging=staging, key=key, pool_device=device
+    )
     return Transceiver(cfg, local, parked, BlockDigester(pool), advertise_host)

@@ -95,6 +95,10 @@ class _Wire(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+DigestAlgorithm = Literal["xxh3_64", "mix64"]
+"""Block digest algorithms (:data:`pdserve.transfer.integrity.ALGORITHMS`)."""
+
+
 class NixlPeerInfo(_Wire):
     """What a NIXL WRITE target advertises: its agent and the registered pool region.
 
@@ -169,6 +173,9 @@ class _PeerIdentity(_Wire):
     layout: KVLayout
     backend: str = Field(max_length=64)
     num_blocks: int = Field(gt=0, le=MAX_POOL_BLOCKS)
+    pool_device: Literal["cpu", "cuda"] = Field(
+        default="cpu", description="where the KV pool lives (chooses the block digest)"
+    )
 
 
 class Hello(_PeerIdentity):
@@ -208,6 +215,11 @@ class SendBlocks(_Wire):
     src_block_ids: tuple[int, ...]
     dst_block_ids: tuple[int, ...]
     integrity: bool = Field(default=False, description="answer with BlockDigests")
+    digest: DigestAlgorithm = Field(
+        default="xxh3_64",
+        description="the BlockDigests' algorithm (the pulling side's choice: "
+        "pdserve.transfer.integrity.choose_algorithm)",
+    )
     skip_blocks: int = Field(default=0, ge=0, description="leading parked blocks not sent")
     stream: bool = Field(
         default=False,
@@ -265,7 +277,7 @@ class BlockDigests(_Wire):
 
     type: Literal["block_digests"] = "block_digests"
     transfer_id: str
-    algorithm: Literal["xxh3_64"] = "xxh3_64"
+    algorithm: DigestAlgorithm = "xxh3_64"
     digests: str
 
 

@@ -33,8 +33,8 @@ if "prefill" in sys.argv:  # python -m pdserve.cli ... prefill ...
 
     _at_source = integrity.BlockDigester.at_source
 
-    def _corrupting_at_source(self, plan):
-        digests = _at_source(self, plan)
+    def _corrupting_at_source(self, plan, *args):
+        digests = _at_source(self, plan, *args)
         if not os.path.exists(os.environ["PDSERVE_TEST_CORRUPT_FLAG"]):
             return digests
         view = self._bytes if plan.source is None else pool_bytes(plan.source)

@@ -22,7 +22,7 @@ import torch
 
 from pdserve.errors import ConfigError, IntegrityError
 from pdserve.protocol import KVLayout
-from pdserve.transfer import create_transceiver
+from pdserve.transfer import create_transceiver, mix64, receiver
 from pdserve.transfer.formatter import Formatter, PoolGeometry
 from pdserve.transfer.integrity import BlockDigester
 from tests.support.cuda_peer import PatternPeer, empty_pool, pattern, transfer_cfg
@@ -138,20 +138,55 @@ def test_the_ucx_backend_refuses_a_cuda_pool_naming_the_alternatives() -> None:
         asyncio.run(open_ucx())
 
 
-def test_digests_of_cuda_memory_equal_those_of_the_same_bytes_on_cpu() -> None:
+@pytest.mark.parametrize("algorithm", ["xxh3_64", "mix64"])
+def test_digests_of_cuda_memory_equal_those_of_the_same_bytes_on_cpu(algorithm: str) -> None:
     src_cpu = pattern(LAYOUT, NUM_BLOCKS)
     geometry = PoolGeometry.from_pool(src_cpu, LAYOUT)
     plan = Formatter.negotiate(LAYOUT, LAYOUT, geometry, geometry).plan(SRC_IDS, DST_IDS)
-    on_cpu = BlockDigester(src_cpu).source(plan)
-    assert BlockDigester(src_cpu.cuda()).source(plan) == on_cpu
+    on_cpu = BlockDigester(src_cpu).source(plan, algorithm)
+    assert BlockDigester(src_cpu.cuda()).source(plan, algorithm) == on_cpu
     # the receiver's side: a CUDA destination holding exactly those bytes checks clean ...
     dst = empty_pool(LAYOUT, NUM_BLOCKS, "cuda")
     dst[:, DST_IDS] = src_cpu[:, SRC_IDS].cuda()
     digester = BlockDigester(dst)
-    digester.check(plan, on_cpu, request_id="r", geometry=geometry, block_map={})
+    check = {"request_id": "r", "geometry": geometry, "block_map": {}}
+    digester.check(plan, on_cpu, landed=digester.landed(plan, algorithm), **check)
     # ... and one flipped byte in it is caught, naming the layer and block
     flat = dst.view(-1).view(torch.uint8)
     offset = int(plan.dst_offsets[np.flatnonzero(plan.lengths)[-1]]) + 5
     flat[offset] ^= 0x10
-    with pytest.raises(IntegrityError, match="layer 2, decode block"):
-        digester.check(plan, on_cpu, request_id="r", geometry=geometry, block_map={})
+    with pytest.raises(IntegrityError, match=f"layer 2, decode block.*{algorithm}"):
+        digester.check(plan, on_cpu, landed=digester.landed(plan, algorithm), **check)
+
+
+def test_mix64_on_cuda_equals_its_definition_across_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(1)
+    mem = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=g)
+    offsets, lengths = np.array([0, 4096, 65528]), np.array([4096, 60000, 8])
+    raw = mem.numpy().tobytes()
+    want = [mix64.reference(raw[o : o + n]) for o, n in zip(offsets, lengths, strict=True)]
+    monkeypatch.setattr(mix64, "CHUNK_WORDS", 1000)
+    assert mix64.digests(mem.cuda(), offsets, lengths).tolist() == want
+
+
+def test_two_gpu_pools_agree_on_mix64_and_a_mixed_pair_on_xxh3(backend: str) -> None:
+    asked: list[str] = []
+    real = receiver.choose_algorithm
+
+    def spy(local: str, peer: str) -> str:
+        asked.append(real(local, peer))
+        return asked[-1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(receiver, "choose_algorithm", spy)
+        for src_device, dst_device in (("cuda", "cuda"), ("cuda", "cpu")):
+            peer = PatternPeer(backend, LAYOUT, NUM_BLOCKS, src_device)
+            try:
+                handle = peer.park(f"algo-{dst_device}", SRC_IDS)
+                pool = empty_pool(LAYOUT, NUM_BLOCKS, dst_device)
+                asyncio.run(_pull_into(pool, LAYOUT, backend, handle, DST_IDS))
+                assert torch.equal(pool[:, DST_IDS].cpu(), _expected_blocks())
+                assert peer.errors() == []
+            finally:
+                peer.stop()
+    assert asked == ["mix64", "xxh3_64"]

@@ -87,8 +87,8 @@ async def _serve(pipe: Pipe, backend: str, epoch: int, port: int, secret: str) -
     corrupt = [False]
     original = integrity.BlockDigester.at_source
 
-    def at_source(self: Any, plan: Any) -> Any:  # the fault hook (and a call counter)
-        digests = original(self, plan)
+    def at_source(self: Any, plan: Any, *args: Any) -> Any:  # the fault hook (and a counter)
+        digests = original(self, plan, *args)
         digested[0] += 1
         if not corrupt[0]:
             return digests

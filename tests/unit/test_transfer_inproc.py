@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from pdserve.errors import HandleError, IntegrityError, TransferError
+from pdserve.transfer import mix64, receiver
 from pdserve.transfer.backend import _REGISTRY
 from pdserve.transfer.formatter import TransferPlan
 from pdserve.transfer.inproc import FABRIC, InprocBackend
@@ -118,9 +119,21 @@ async def test_a_block_that_changed_hands_since_the_park_is_never_sent(
 # --- corruption ------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("algorithm", ["xxh3_64", "mix64"])
 async def test_a_byte_flipped_on_the_way_fails_the_pull_naming_the_block(
-    prefill: LocalPrefill, decode: DecodeSide
+    prefill: LocalPrefill, decode: DecodeSide, algorithm: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Either digest: xxh3 (CPU pools), mix64 (what two GPU pools agree on; forced here, as if
+    both pools were on a GPU): the sender computes the one asked for, the receiver checks it."""
+    monkeypatch.setattr(receiver, "choose_algorithm", lambda local, peer: algorithm)
+    hashed: list[int] = []
+    real = mix64.digests
+
+    def counted(memory: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        hashed.append(len(offsets))
+        return real(memory, offsets, lengths)
+
+    monkeypatch.setattr(mix64, "digests", counted)
     t, pool = decode
 
     def flip(dst: np.ndarray, plan: TransferPlan) -> None:
@@ -129,12 +142,14 @@ async def test_a_byte_flipped_on_the_way_fails_the_pull_naming_the_block(
 
     FABRIC.on_copy = flip
     handle = prefill.park(num_tokens=4)
-    with pytest.raises(IntegrityError, match=f"{handle.request_id}.*decode block 5"):
+    with pytest.raises(IntegrityError, match=f"{handle.request_id}.*decode block 5.*{algorithm}"):
         await t.pull(handle, [5])
     assert len(prefill.parked) == 1, "no Release after a failed check: the lease decides"
     again = prefill.park(num_tokens=4)
     await t.pull(again, [6])  # the next pull on the same transceiver is intact
     assert torch.equal(pool[:, 6], prefill.kv.pool[:, again.block_ids[0]])
+    # both sides of both pulls hashed with mix64 when it was asked for, and only then
+    assert len(hashed) == (4 if algorithm == "mix64" else 0)
 
 
 # --- a stalled peer --------------------------------------------------------------------------
