@@ -192,6 +192,12 @@ class BlockDigester:
         self._stage = HostStage(pool.device) if pool.device.type == "cuda" else None
         self._bytes = pool_bytes(pool) if pool.device.type == "cpu" else None
 
+    def prepare(self) -> bool:
+        """Get the pool's device ready to digest (:func:`pdserve.transfer.mix64.prepare`: on a
+        GPU, compile and check mix64's kernel; seconds, once per process). Whether the compiled
+        kernel is in use; never raises."""
+        return mix64.prepare(self._pool.device)
+
     def source(self, plan: TransferPlan, algorithm: str = ALGORITHM) -> str:
         """Sender side, before any byte of ``plan`` moves: the wire form of the digests of its
         source segments (``plan.src_offsets``) in the memory the backend sends from: the pool,

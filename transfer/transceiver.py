@@ -110,10 +110,12 @@ class Transceiver:
 
     async def start(self) -> None:
         """Listen for peers on ``cfg.bind_host:cfg.port`` (port 0 picks one) and set ``endpoint``
-        (the advertised host, :func:`pdserve.hosts.advertised_host`, and the bound port).
+        (the advertised host, :func:`pdserve.hosts.advertised_host`, and the bound port). A
+        pool on a GPU first gets its digest kernel compiled (seconds, once per process).
         Raises ConfigError if the address cannot be bound."""
         if self._listener is not None:
             return
+        self._digester.prepare()  # a GPU pool: mix64's kernel compiled before the first pull
         host, port = self._cfg.bind_host, self._cfg.port
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)

@@ -22,7 +22,8 @@ tiny one, or one with SmolLM2-135M's architecture), so nothing is downloaded.
 and a decode transceiver in this process, pools on the given devices, SmolLM2's KV layout (30
 layers, 3 KV heads, head dim 64, 16 tokens per block, float32: 720 KiB per block). Each size is pulled once
 to warm up, then at least 5 times and for at least 0.5 s; GB/s at the median. The bytes are
-checked after the timed pulls.
+checked after the timed pulls. Integrity on between two CUDA pools digests with mix64 on the
+GPU (:mod:`pdserve.transfer.mix64`), elsewhere with xxh3 on the CPU.
 
 Prints one ``PDSERVE-GPU <json>`` line per result and a markdown table at the end. Importing
 this module is light (torch loads when a benchmark runs); the options live in
@@ -275,6 +276,7 @@ def bench_transfer(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every ``--backends`` x ``--devices`` pair, integrity off then on, each ``--blocks``."""
     from pdserve.protocol import KVLayout
     from pdserve.tools.bench_transfer_peers import PatternPeer
+    from pdserve.transfer import mix64
 
     layout = KVLayout(**SMOL_LAYOUT)
     block = layout.block_bytes_per_layer * layout.num_layers
@@ -300,6 +302,8 @@ def bench_transfer(args: argparse.Namespace) -> list[dict[str, Any]]:
                             "ms_p50": 1e3 * p50,
                             "gbps_p50": n * block / p50 / 1e9,
                             "reps": len(ts),
+                            # this (decode) side's compiled mix64 kernels (CUDA pools)
+                            "digest_compiled": mix64.compiled_devices(),
                         }
                         _emit(result)
                         results.append(result)

@@ -149,6 +149,11 @@ def _transfer(results: list[dict[str, Any]]) -> str:
             f"| {b} | {s} -> {d} | {n} | {mib:.1f} | {_ms(off, 'gbps_p50', 2)} | "
             f"{_ms(on, 'gbps_p50', 2)} | {_x(share)} |"
         )
+    compiled = sorted({d for r in results for d in r.get("digest_compiled", [])})
+    if any(r["src"].startswith("cuda") and r["dst"].startswith("cuda") for r in results):
+        lines += ["", "Digests between GPU pools: mix64 on the GPU, "
+                  + (f"compiled kernel on {', '.join(compiled)}" if compiled
+                     else "eager (the compiled kernel was not in use)") + "."]  # fmt: skip
     return "\n".join(lines)
 
 

@@ -112,7 +112,7 @@ def _engine(c: int, graphs: bool, tpot: float, used: bool | None = None) -> dict
 def _transfer(blocks: int, integrity: bool, gbps: float) -> dict[str, Any]:
     return {"kind": "transfer", "backend": "nixl", "src": "cuda", "dst": "cuda",
             "integrity": integrity, "blocks": blocks, "mib": blocks * 0.703, "gbps_p50": gbps,
-            "ms_p50": 1.0}  # fmt: skip
+            "ms_p50": 1.0, "digest_compiled": ["cuda:0"] if gbps > 15 else []}  # fmt: skip
 
 
 def _proof(tests: list[dict[str, Any]], engine: list[dict[str, Any]],
@@ -148,6 +148,7 @@ def test_the_summary_states_each_target_met() -> None:
     assert "CUDA graphs as the CUDA default: yes: all 2 graph tests passed" in text
     assert "batch 1 with CUDA graphs <= 5 ms (bfloat16): met: 3.90 ms" in text
     assert "nixl digests on >= 0.8x off at 64 blocks: met: 0.90x" in text
+    assert "mix64 on the GPU, compiled kernel on cuda:0" in text
     assert "| bfloat16 | 1 | 21.00 | 3.90 | 5.38x |" in text  # graphs off / on per batch
     assert "| disaggregated | 8 | 32 | 0 | 30.0 / 41.0 | 6.10 / 7.20 | 6.30 | 900 |" in text
     assert "NVIDIA H200, 580.159.04" in text and "2 passed" in text
@@ -167,6 +168,7 @@ def test_the_summary_states_misses_with_their_figures() -> None:
     assert "- skipped (1): needs nixl" in text
     assert "(bfloat16): MISSED: 7.25 ms" in text
     assert "at 64 blocks: MISSED: 0.50x (10.00 / 20.00 GB/s)" in text
+    assert "mix64 on the GPU, compiled kernel on cuda:0" in text  # any run's, as one line
 
 
 def test_graphs_asked_for_but_not_used_are_not_taken_for_a_measurement() -> None:

@@ -110,3 +110,17 @@ def test_a_corrupted_move_fails_the_mix64_check_naming_the_block() -> None:
     apply_plan(plan, src, dst)
     with pytest.raises(IntegrityError):
         check.check(plan, digests, request_id="r", geometry=geometry, block_map={})
+
+
+def test_the_compiled_kernel_equals_the_eager_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a GPU transceiver's start does (``prepare``: torch.compile, then a check against the
+    eager form), here on the CPU's compiler: one graph for every chunk shape, the same digests."""
+    monkeypatch.setattr(mix64, "_COMPILED", {})
+    cpu = torch.device("cpu")
+    assert not mix64.prepare(cpu)  # CPU pools use xxh3: nothing to compile
+    assert mix64.prepare(cpu, force=True)
+    assert "cpu" in mix64._COMPILED
+    mem = _memory(10000, seed=3)
+    assert mix64.digests(mem, *SEGMENTS).tolist() == _reference(mem, *SEGMENTS)
+    monkeypatch.setattr(mix64, "CHUNK_WORDS", 7)
+    assert mix64.digests(mem, *SEGMENTS).tolist() == _reference(mem, *SEGMENTS)
