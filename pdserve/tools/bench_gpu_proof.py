@@ -63,7 +63,7 @@ HELP = "the CUDA proof in one call: GPU tests, engine, stack and transfer figure
 
 STEPS = ("tests", "engine", "serve", "transfer")
 """The steps, in the order they run."""
-TIMEOUTS_S = {"tests": 180.0, "engine": 110.0, "serve": 150.0, "transfer": 60.0}
+TIMEOUTS_S = {"tests": 220.0, "engine": 90.0, "serve": 140.0, "transfer": 50.0}
 """Each step's default time limit (seconds): 500 s together, inside one 600-s device call."""
 GRACE_S = 20.0
 """Seconds between the SIGINT to a step that overran its limit and the SIGKILL."""
