@@ -116,15 +116,19 @@ def _chunk_sums(words: torch.Tensor, table: torch.Tensor, total: int) -> torch.T
     ``[4, P]`` (rows: segment, first word, words, index of the first word in its segment) on
     ``words``' device; ``total`` the chunk's words. Written so that one fused kernel can compute
     it (:func:`prepare`): each word finds its piece by binary search (``bucketize``) and is read
-    straight from the pool, nothing of the chunk's size is materialised but the mixed words."""
+    straight from the pool; only the running sum of the mixed words has the chunk's size."""
     counts = table[2]
     ends = torch.cumsum(counts, 0)
+    starts = ends - counts
     j = torch.arange(total, dtype=torch.int64, device=words.device)
     piece = torch.bucketize(j, ends, right=True)
-    within = j - (ends - counts)[piece]  # the word's index within its piece
+    within = j - starts[piece]  # the word's index within its piece
     x = words[table[1][piece] + within] ^ ((within + table[3][piece] + 1) * _PHI)
-    x = _fmix64(x)
-    return torch.zeros_like(counts).index_add_(0, piece, x)
+    # per-piece sums as differences of one running sum (exact modulo 2**64): a scan, where
+    # scattering into a few dozen sums would serialise millions of atomic adds on a GPU
+    run = torch.cumsum(_fmix64(x), 0)
+    before = torch.where(starts > 0, run[(starts - 1).clamp(min=0)], 0)
+    return run[ends - 1] - before
 
 
 def _fmix64(x: torch.Tensor) -> torch.Tensor:
