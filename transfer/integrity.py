@@ -63,8 +63,8 @@ ALGORITHMS = (ALGORITHM, mix64.NAME)
 def choose_algorithm(local_device: str, peer_device: str) -> str:
     """The digest the pulling (decode) side asks for, by where both pools live (``cpu``,
     ``cuda``): :mod:`pdserve.transfer.mix64` when both are on a GPU (computed there, no copy to
-    the host), else xxh3 (the CPU hashes 20-30x faster than the elementwise mix64 there, and a
-    GPU side of a mixed pair stages through pinned memory as before)."""
+    the host), else xxh3 (on a CPU xxh3 is about 3x faster than compiled mix64, 15-25x than
+    eager mix64; a GPU side of a mixed pair stages through pinned memory as before)."""
     return mix64.NAME if local_device == peer_device == "cuda" else ALGORITHM
 
 
