@@ -292,7 +292,10 @@ def run(args: argparse.Namespace, cfg: PdserveConfig | None = None) -> int:
         for step in args.steps:
             limit = TIMEOUTS_S[step] * args.timeout_scale
             print(f"gpu-proof: {step} (limit {limit:.0f} s) ...", flush=True)
-            outcome = _STEP_RUNNERS[step](args, work, out / f"{step}.log", limit)
+            try:
+                outcome = _STEP_RUNNERS[step](args, work, out / f"{step}.log", limit)
+            except Exception as exc:  # noqa: BLE001 - a step's own failure must not stop the rest
+                outcome = StepOutcome(step, "error", None, 0.0, "", f"{type(exc).__name__}: {exc}")
             print(f"gpu-proof: {step} {outcome.status} in {outcome.seconds:.0f} s"
                   + (f" ({outcome.note})" if outcome.note else ""), flush=True)  # fmt: skip
             outcomes.append(outcome)

@@ -195,3 +195,28 @@ def test_the_stand_in_tokenizer_has_the_vocabulary_size_and_every_id_is_text() -
     with pytest.raises(ValueError):
         byte_tokenizer(259)
     assert json.dumps(tok.get_vocab()["!!"]) == "256"  # the first merge follows the bytes
+
+
+def test_a_step_that_raises_is_an_error_and_the_next_step_still_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pdserve.cli import build_parser
+
+    def broken(*_: Any) -> proof.StepOutcome:
+        raise RuntimeError("no model folder")
+
+    def fine(*_: Any) -> proof.StepOutcome:
+        return proof.StepOutcome("transfer", seconds=1.0, results=[_transfer(1, False, 2.0)])
+
+    monkeypatch.setitem(proof._STEP_RUNNERS, "serve", broken)
+    monkeypatch.setitem(proof._STEP_RUNNERS, "transfer", fine)
+    args = build_parser().parse_args(
+        ["bench", "gpu-proof", "--out", str(tmp_path), "--steps", "serve", "transfer",
+         "--device", "cpu"]
+    )  # fmt: skip
+    assert proof.run(args) == 1
+    steps = json.loads((tmp_path / "proof.json").read_text())["steps"]
+    assert [(s["step"], s["status"]) for s in steps] == [("serve", "error"), ("transfer", "ok")]
+    text = (tmp_path / "summary.md").read_text()
+    assert "| serve | error | 0 | RuntimeError: no model folder |" in text
+    assert "| nixl | cuda -> cuda | 1 |" in text
