@@ -50,6 +50,7 @@ import torch
 import xxhash
 
 from pdserve.errors import IntegrityError, TransferError
+from pdserve.protocol import KVLayout
 from pdserve.transfer import mix64
 from pdserve.transfer.formatter import PoolGeometry, TransferPlan, pool_bytes
 from pdserve.transfer.hoststage import HostStage, byte_view, packed_offsets
@@ -60,12 +61,15 @@ ALGORITHMS = (ALGORITHM, mix64.NAME)
 """Every digest a sender computes when asked (:class:`pdserve.transfer.wire.SendBlocks`)."""
 
 
-def choose_algorithm(local_device: str, peer_device: str) -> str:
+def choose_algorithm(local_device: str, peer_device: str, *layouts: KVLayout) -> str:
     """The digest the pulling (decode) side asks for, by where both pools live (``cpu``,
-    ``cuda``): :mod:`pdserve.transfer.mix64` when both are on a GPU (computed there, no copy to
-    the host), else xxh3 (on a CPU xxh3 is about 3x faster than compiled mix64, 15-25x than
+    ``cuda``) and their ``layouts``: :mod:`pdserve.transfer.mix64` when both are on a GPU
+    (computed there, no copy to the host) and every layout's block of one layer is whole 8-byte
+    words (so is every plan segment and its offset, which mix64 needs; any head_dim of 4 or more
+    gives it), else xxh3 (on a CPU xxh3 is about 3x faster than compiled mix64, 15-25x than
     eager mix64; a GPU side of a mixed pair stages through pinned memory as before)."""
-    return mix64.NAME if local_device == peer_device == "cuda" else ALGORITHM
+    words = all(layout.block_bytes_per_layer % 8 == 0 for layout in layouts)
+    return mix64.NAME if local_device == peer_device == "cuda" and words else ALGORITHM
 
 
 _DIGEST = np.dtype("<u8")

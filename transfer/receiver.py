@@ -383,7 +383,9 @@ class Receiver:
         if session is None or (session.worker_id, session.epoch) != (ack.worker_id, ack.epoch):
             if session is not None:
                 session.close()
-            digest = choose_algorithm(self._local.pool_device, ack.pool_device)
+            digest = choose_algorithm(
+                self._local.pool_device, ack.pool_device, self._local.layout, ack.layout
+            )
             session = self._sessions[endpoint] = _Session(
                 ack.worker_id, ack.epoch, formatter, ack.num_blocks, digest
             )

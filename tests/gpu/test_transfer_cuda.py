@@ -173,8 +173,8 @@ def test_two_gpu_pools_agree_on_mix64_and_a_mixed_pair_on_xxh3(backend: str) -> 
     asked: list[str] = []
     real = receiver.choose_algorithm
 
-    def spy(local: str, peer: str) -> str:
-        asked.append(real(local, peer))
+    def spy(local: str, peer: str, *layouts: KVLayout) -> str:
+        asked.append(real(local, peer, *layouts))
         return asked[-1]
 
     with pytest.MonkeyPatch.context() as mp:

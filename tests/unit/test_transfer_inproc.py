@@ -125,7 +125,7 @@ async def test_a_byte_flipped_on_the_way_fails_the_pull_naming_the_block(
 ) -> None:
     """Either digest: xxh3 (CPU pools), mix64 (what two GPU pools agree on; forced here, as if
     both pools were on a GPU): the sender computes the one asked for, the receiver checks it."""
-    monkeypatch.setattr(receiver, "choose_algorithm", lambda local, peer: algorithm)
+    monkeypatch.setattr(receiver, "choose_algorithm", lambda *_: algorithm)
     hashed: list[int] = []
     real = mix64.digests
 

@@ -81,9 +81,16 @@ def test_ranges_it_cannot_read_are_refused() -> None:
 
 def test_both_pools_on_a_gpu_choose_mix64_any_cpu_side_keeps_xxh3() -> None:
     assert ALGORITHMS == ("xxh3_64", "mix64") and ALGORITHM == "xxh3_64"
+    layout = KVLayout(
+        model="m", num_layers=2, num_kv_heads=1, head_dim=3, tokens_per_block=1, dtype="fp8_e4m3"
+    )
+    assert layout.block_bytes_per_layer == 6  # not whole words: segments mix64 cannot read
+    wide = layout.model_copy(update={"head_dim": 4})
     assert choose_algorithm("cuda", "cuda") == "mix64"
+    assert choose_algorithm("cuda", "cuda", wide, wide) == "mix64"
+    assert choose_algorithm("cuda", "cuda", wide, layout) == "xxh3_64"
     for pair in (("cpu", "cpu"), ("cpu", "cuda"), ("cuda", "cpu")):
-        assert choose_algorithm(*pair) == "xxh3_64"
+        assert choose_algorithm(*pair, wide, wide) == "xxh3_64"
 
 
 def test_a_corrupted_move_fails_the_mix64_check_naming_the_block() -> None:
