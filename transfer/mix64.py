@@ -57,14 +57,6 @@ _C2 = _signed(0xC4CEB9FE1A85EC53)
 _LOW31 = (1 << 31) - 1  # masks an arithmetic >> 33 into a logical one
 
 
-def _fmix64_(x: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's fmix64 over an int64 tensor, in place (wrapping multiplies)."""
-    for c in (_C1, _C2):
-        x.bitwise_xor_(torch.bitwise_right_shift(x, 33).bitwise_and_(_LOW31))
-        x.mul_(c)
-    return x.bitwise_xor_(torch.bitwise_right_shift(x, 33).bitwise_and_(_LOW31))
-
-
 def digests(memory: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """``mix64`` of ``memory``'s byte ranges ``[offsets[k], offsets[k] + lengths[k])``: uint64
     ``[K]``, computed on ``memory``'s device (CPU or CUDA; one host sync at the end), by the
@@ -90,7 +82,7 @@ def digests(memory: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray) -> n
         total = sum(n for _, _, n, _ in chunk)
         sums.index_add_(0, table[0], kernel(words, table, total))
     sums.bitwise_xor_(torch.from_numpy(lens).to(device))
-    return _fmix64_(sums).cpu().numpy().view(np.uint64).copy()
+    return _fmix64(sums).cpu().numpy().view(np.uint64).copy()
 
 
 def _pieces(starts: np.ndarray, counts: np.ndarray) -> list[list[tuple[int, int, int, int]]]:
@@ -132,7 +124,8 @@ def _chunk_sums(words: torch.Tensor, table: torch.Tensor, total: int) -> torch.T
 
 
 def _fmix64(x: torch.Tensor) -> torch.Tensor:
-    """:func:`_fmix64_` out of place (a graph torch.compile fuses)."""
+    """MurmurHash3's fmix64 over an int64 tensor (wrapping multiplies; an arithmetic ``>> 33``
+    masked into a logical one); out of place, a graph torch.compile fuses."""
     for c in (_C1, _C2):
         x = (x ^ ((x >> 33) & _LOW31)) * c
     return x ^ ((x >> 33) & _LOW31)
