@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -46,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from pdserve.hosts import free_port
 from pdserve.security import ClusterKey, generate_secret, load_api_keys, write_secret_file
 from pdserve.settings import ENV_PREFIX, ROLES, PdserveConfig, settings
 from pdserve.supervisor import ManagedProcess, ProcessSpec, ProcessSupervisor, pdserve_argv
@@ -58,15 +58,6 @@ ROUTER_TIER, WORKER_TIER = 0, 1
 CONFIG_FILE = "config.yaml"
 CLUSTER_SECRET_FILE = "cluster-secret"
 API_KEY_FILE = "api-keys"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on at ``host`` now (the OS's pick; another process may take
-    it before the caller binds it)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def child_env() -> dict[str, str]:

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 import uvicorn
 
 from pdserve.config import RouterConfig
+from pdserve.hosts import listening_socket
 from pdserve.logs import uvicorn_log_config
 from pdserve.server.app import RouterApps, create_apps
 from pdserve.server.http_protocol import HeaderDeadlineH11Protocol
@@ -45,19 +46,10 @@ class _InternalServer(uvicorn.Server):
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host``:``port`` (0: the OS picks), not yet listening (uvicorn
-    listens on it). Raises OSError (``socket.gaierror`` for a host that does not resolve)."""
-    family, _, _, _, addr = socket.getaddrinfo(
-        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-    except OSError:
-        sock.close()
-        raise
-    return sock
+    """A TCP socket bound to ``host``:``port`` (0: the OS picks) and listening
+    (:func:`~pdserve.hosts.listening_socket`; uvicorn serves it). Raises OSError
+    (``socket.gaierror`` for a host that does not resolve)."""
+    return listening_socket(host, port)
 
 
 async def serve(

@@ -30,7 +30,7 @@ from typing import Literal
 import torch
 
 from pdserve.errors import ConfigError, TransferError
-from pdserve.hosts import advertised_host
+from pdserve.hosts import advertised_host, listening_socket
 from pdserve.protocol import KVLayout, TransferHandle
 from pdserve.security import ClusterKey
 from pdserve.settings import TransferSettings
@@ -117,14 +117,9 @@ class Transceiver:
             return
         self._digester.prepare()  # a GPU pool: mix64's kernel compiled before the first pull
         host, port = self._cfg.bind_host, self._cfg.port
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
-            sock.listen(socket.SOMAXCONN)  # a flood fills it later (the kernel caps it)
+        try:  # a flood fills the backlog later (the kernel caps it)
+            sock = listening_socket(host, port, backlog=socket.SOMAXCONN)
         except OSError as exc:
-            sock.close()
             raise ConfigError(f"KV transceiver cannot listen on {host}:{port}: {exc}") from exc
         sock.setblocking(False)
         self._listener = sock

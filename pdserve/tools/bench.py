@@ -501,7 +501,7 @@ def compare_main(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path,
     secrets and config file live in a private temporary folder, deleted when it stops; the
     logs stay in a temporary folder printed at the end. Raises ConfigError (an unreadable API key file),
     ProcessExitedError or ReadyTimeoutError when a stack does not start."""
-    from pdserve.stack import free_port
+    from pdserve.hosts import free_port
     from pdserve.tools import bench_serve as bs
 
     cores = os.cpu_count() or 2

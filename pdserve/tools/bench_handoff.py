@@ -292,7 +292,7 @@ def start_mode(settings: PdserveConfig, mode: str, log_dir: Path, stacks: ExitSt
     router's ``--kv-stream-min-tokens`` 0 or 1, ``--local-prefill-max-tokens`` 0), logs in
     ``log_dir``, stopped when ``stacks`` closes; wait until it is ready. Raises
     ProcessExitedError or ReadyTimeoutError when it does not start."""
-    from pdserve.stack import free_port
+    from pdserve.hosts import free_port
     from pdserve.tools.bench import READY_TIMEOUT_S, bench_stack
 
     least = "1" if mode == "streamed" else "0"

@@ -339,7 +339,7 @@ def run_arm(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path, wl: 
     the stack; returns :func:`summarize_arm`'s dict (prefill metrics summed over the prefill
     workers). Logs go to ``logs/<spec.tag>/``. Raises ProcessExitedError or ReadyTimeoutError
     when the stack does not start, RuntimeError when the warm-up fails."""
-    from pdserve.stack import free_port
+    from pdserve.hosts import free_port
     from pdserve.tools.bench import READY_TIMEOUT_S, bench_stack, stack_settings
 
     label, tag, n = spec.label, spec.tag, spec.prefill_workers

@@ -37,7 +37,7 @@ from fastapi import APIRouter, FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.discovery.registry import internal_route_class
-from pdserve.hosts import url_host
+from pdserve.hosts import listening_socket, url_host
 from pdserve.protocol import PROTOCOL_HEADER, PROTOCOL_VERSION, WORKER_KEEPALIVE_S, Role
 from pdserve.security import ClusterKey
 from pdserve.server.errors import install_error_handlers
@@ -144,20 +144,18 @@ class _ProtocolHeader:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """Bind the request-plane listening socket up front so port 0 resolves to a real port that
-    can go into the discovery record before the server starts.
+    """The request-plane socket, bound and listening up front (:func:`~pdserve.hosts.\
+listening_socket`) so that port 0 resolves to a real port that can go into the discovery
+    record before the server starts, and stays this worker's while the model loads
+    (connections wait in the backlog until uvicorn accepts them).
 
     TCP_NODELAY is set on it (accepted connections inherit it). asyncio sets it only on sockets
     whose ``proto`` is ``IPPROTO_TCP``, which a plain ``socket.socket()`` is not: without it, a
     response's second small write can wait for the peer's delayed ACK, 40 ms on Linux (``pdserve
     bench router``: a scripted worker's 16-token stream to an httpx client took 44 ms, 1.4 ms
     with it; the stack's own TTFT did not move, 141.9 vs 142.5 ms p50, as the router's
-    connections happened not to meet the stall)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((host, port))
+    connections happened not to meet the stall). Raises OSError."""
+    sock = listening_socket(host, port, nodelay=True)
     sock.set_inheritable(True)
     return sock
 
