@@ -56,12 +56,13 @@ def listening_socket(
     connections it accepts inherit. The caller owns the socket (uvicorn or asyncio may listen on
     it again, which only resets the backlog).
 
-    It listens before it is returned, and sets SO_REUSEADDR only for a fixed port (where a
-    restart must rebind while old connections sit in TIME_WAIT). Linux lets a socket with
-    SO_REUSEADDR bind a port another such socket holds as long as neither listens, and the
+    It listens before it is returned. Linux lets a socket with SO_REUSEADDR (set here, so that
+    a restart rebinds a fixed port over its old connections' TIME_WAIT: those inherit the
+    listener's flag) bind a port another such socket holds as long as neither listens, and the
     first ``listen()`` wins: a worker that bound port 0 and listened only after its model loaded
-    (seconds) lost its port to a router whose port had been picked a moment before (CI saw
-    ``OSError: [Errno 98] Address already in use`` from the worker's ``listen``).
+    (seconds) lost its port to a router given the same number a moment before (CI saw
+    ``OSError: [Errno 98] Address already in use`` from the worker's ``listen``). A listening
+    socket's port cannot be bound by anyone else.
 
     Raises OSError (``socket.gaierror`` when ``host`` does not resolve; EADDRINUSE when a fixed
     port is taken)."""
@@ -70,8 +71,7 @@ def listening_socket(
     )[0]
     sock = socket.socket(family, kind, proto or socket.IPPROTO_TCP)
     try:
-        if port != 0:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if nodelay:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind(addr)

@@ -4,7 +4,7 @@ Linux lets two sockets with SO_REUSEADDR bind one port while neither listens, an
 listen wins. CI lost a test stack's worker to that: the worker bound port 0, loaded its model for
 seconds before listening, and a server given a port picked a moment earlier bound and listened
 on the same one (``OSError: [Errno 98] Address already in use`` from the worker's ``listen``).
-:func:`pdserve.hosts.listening_socket` listens at once and keeps SO_REUSEADDR for fixed ports;
+:func:`pdserve.hosts.listening_socket` listens at once (SO_REUSEADDR kept, for restarts);
 :func:`pdserve.hosts.free_port` picks ports for servers started later out of the kernel's
 ephemeral range, where no ``bind(0)`` or outgoing connection lands in the meantime.
 """
@@ -55,7 +55,6 @@ def test_a_port_the_os_picked_stays_with_its_socket() -> None:
     try:
         port = sock.getsockname()[1]
         assert port != 0
-        assert not sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)
         with pytest.raises(OSError) as err:
             _rival(port).close()
         assert err.value.errno == errno.EADDRINUSE
@@ -67,13 +66,20 @@ def test_a_port_the_os_picked_stays_with_its_socket() -> None:
         sock.close()
 
 
-def test_a_fixed_port_is_reusable_across_restarts() -> None:
+def test_a_restart_rebinds_the_port_over_its_old_connections_time_wait() -> None:
+    """A transceiver restarted on the port it had picked (the fencing tests' prefill restart):
+    the first listener's accepted connection, closed by the server side first, sits in
+    TIME_WAIT with the listener's SO_REUSEADDR, which the new listener needs."""
     first = listening_socket("127.0.0.1", 0)
     port = first.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port), timeout=5)
+    conn, _ = first.accept()
+    conn.close()  # the server closes first: its side goes to TIME_WAIT
+    assert client.recv(1) == b""
+    client.close()
     first.close()
     again = listening_socket("127.0.0.1", port)
     try:
-        assert again.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)
         assert again.getsockname()[1] == port
     finally:
         again.close()
