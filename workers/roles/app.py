@@ -144,10 +144,10 @@ class _ProtocolHeader:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """The request-plane socket, bound and listening up front (:func:`~pdserve.hosts.\
-listening_socket`) so that port 0 resolves to a real port that can go into the discovery
-    record before the server starts, and stays this worker's while the model loads
-    (connections wait in the backlog until uvicorn accepts them).
+    """The request-plane socket, bound and listening up front
+    (:func:`~pdserve.hosts.listening_socket`) so that port 0 resolves to a real port that can
+    go into the discovery record before the server starts, and stays this worker's while the
+    model loads (connections wait in the backlog until uvicorn accepts them).
 
     TCP_NODELAY is set on it (accepted connections inherit it). asyncio sets it only on sockets
     whose ``proto`` is ``IPPROTO_TCP``, which a plain ``socket.socket()`` is not: without it, a
