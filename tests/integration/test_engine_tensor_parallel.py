@@ -4,13 +4,16 @@ In-process engines on the tiny model (4 query heads, 2 KV heads): TP=2 holds one
 rank, TP=4 replicates each KV head on two ranks. Steps small enough to chunk the long prompt
 (continued chunks read the rank's shard back), a batch of sequences decoded together, a
 prefix-cache hit, ``n=2`` choices (the fork copies a block in every rank's shard), and a rank
-that dies: the engine's requests end with an error instead of hanging.
+that dies: the engine's requests end with an error instead of hanging. The ranks meet through a
+private file store and listen on loopback only (issue 39: a TCPStore listened on every
+interface, unauthenticated).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import stat
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +23,7 @@ import pytest
 from pdserve.protocol import FinishReason, SamplingParams
 from pdserve.workers.engine.engine import Engine, EngineRequest
 from tests.support.engine import joined, make_engine, run
+from tests.support.procfs import listeners
 from tests.support.servers import wait_until_sync
 
 PROMPTS = [
@@ -34,8 +38,14 @@ def _engine(model_dir: Path, tp: int) -> Engine:
     return make_engine(model_dir, tensor_parallel_size=tp, compile=False, max_num_batched_tokens=32)
 
 
+LOOPBACK = "127.0.0.1"
+BEFORE_ENGINES: set[tuple[str, int]] = set()
+"""This process's TCP listeners before the module's engines started (rank 0 is this process)."""
+
+
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir: Path) -> Iterator[dict[int, Engine]]:
+    BEFORE_ENGINES.update(listeners(os.getpid()))
     made = {tp: _engine(tiny_model_dir, tp) for tp in (1, 2, 4)}
     yield made
     for engine in made.values():
@@ -72,6 +82,22 @@ def test_tensor_parallel_choices_fork_every_shard(engines: dict[int, Engine]) ->
     assert choices(engines[2], "n-tp2") == reference
 
 
+def test_ranks_meet_through_a_private_store_and_listen_on_loopback_only(
+    engines: dict[int, Engine],
+) -> None:
+    for tp in (2, 4):
+        ranks = engines[tp].runner.ranks
+        assert ranks is not None
+        assert stat.S_IMODE(ranks.store_dir.stat().st_mode) == 0o700  # this user's only
+        assert ranks.store_path.is_file()
+        for proc in ranks._procs:  # each rank's gloo pair listener, nothing else
+            found = listeners(proc.pid)
+            assert found and {addr for addr, _ in found} == {LOOPBACK}, (proc.name, found)
+    # rank 0 (this process): what the engines opened is loopback too (a TCPStore was "::")
+    opened = listeners(os.getpid()) - BEFORE_ENGINES
+    assert opened and {addr for addr, _ in opened} == {LOOPBACK}, opened
+
+
 def test_a_dead_rank_ends_requests_with_an_error(tiny_model_dir: Path) -> None:
     engine = _engine(tiny_model_dir, 2)
     try:
@@ -89,3 +115,4 @@ def test_a_dead_rank_ends_requests_with_an_error(tiny_model_dir: Path) -> None:
         assert engine.kv_cache.get_num_free_blocks() == engine.kv_cache.num_blocks
     finally:
         engine.shutdown()
+    assert not ranks.store_dir.exists()  # closing the group removed its rendezvous folder

@@ -41,6 +41,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.discovery.etcd import PREFIX as ETCD_WORKERS
+from tests.support.procfs import children, cmdline, listening_ports
 from tests.support.servers import free_port, wait_until_sync
 
 MODEL = "tiny-llama"
@@ -64,30 +65,6 @@ READY_S = 60.0
 # --- pdserve up ---------------------------------------------------------------------------------
 
 
-def children(pid: int) -> list[int]:
-    """The child pids of ``pid`` (every thread's), [] when it is gone."""
-    out: list[int] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for task in tasks:
-        try:
-            out += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
-        except OSError:
-            continue
-    return out
-
-
-def cmdline(pid: int) -> list[str]:
-    """The argv of ``pid`` ([] when it is gone)."""
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return []
-    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
-
-
 def process_name(argv: list[str]) -> str | None:
     """``router`` or the ``--worker-id`` of a pdserve child's argv, else None."""
     if "--worker-id" in argv[:-1]:
@@ -95,34 +72,6 @@ def process_name(argv: list[str]) -> str | None:
     if "pdserve.cli" in argv and "router" in argv[argv.index("pdserve.cli") :]:
         return "router"
     return None
-
-
-def listening_ports(pid: int) -> set[int]:
-    """The TCP ports ``pid`` listens on now (its socket fds matched to LISTEN rows of its
-    network namespace's ``/proc/<pid>/net/tcp{,6}``), empty when it is gone."""
-    inodes = set()
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return set()
-    for fd in fds:
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[len("socket:[") : -1])
-    ports = set()
-    for table in ("tcp", "tcp6"):
-        try:
-            rows = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            cols = row.split()
-            if len(cols) > 9 and cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
-                ports.add(int(cols[1].rsplit(":", 1)[1], 16))
-    return ports
 
 
 @dataclass(frozen=True)

@@ -427,8 +427,9 @@ def quantize_int8(model: torch.nn.Module, tp_size: int) -> None:
     log.info("weights quantized to int8 (weight-only; the LM head stays %s)", model.dtype)
 
 
-def rank_main(cfg: EngineConfig, rank: int, port: int, pipe: Connection) -> None:
-    """Rank ``rank`` (>= 1): load and shard the model, join the group, then run every step
+def rank_main(cfg: EngineConfig, rank: int, store_path: str, pipe: Connection) -> None:
+    """Rank ``rank`` (>= 1): load and shard the model, join the group through rank 0's store
+    at ``store_path`` (:func:`~pdserve.workers.engine.parallel.open_store`), then run every step
     rank 0 sends until the pipe closes. Exits non-zero on any failure (rank 0's watchdog
     notices)."""
     logging.basicConfig(
@@ -446,7 +447,9 @@ def rank_main(cfg: EngineConfig, rank: int, port: int, pipe: Connection) -> None
     pipe.send(("loaded", None))  # rank 0 forms the group once every rank has loaded
     try:
         size = cfg.model.tensor_parallel_size
-        runner.tp_group.group = parallel.new_group(parallel.open_store(port, size), rank, size)
+        runner.tp_group.group = parallel.new_group(
+            parallel.open_store(Path(store_path), size), rank, size
+        )
     except Exception:
         log.exception("rank %d could not join the group", rank)
         raise SystemExit(1) from None

@@ -28,6 +28,13 @@ plan), goes through DTensor, and launches through ``torchrun``; the runner alrea
 forward and the layers to split are seven linears per layer. Every rank loads the full
 checkpoint and drops what it does not keep (simple; fine for the models one host serves).
 
+Rendezvous: the ranks meet through a ``torch.distributed.FileStore`` in a private folder rank 0
+makes (``mkdtemp``: mode 0700, removed on :meth:`RankGroup.close`), whose path reaches the ranks
+in their spawn arguments (a pipe, never a command line), not a ``TCPStore``: a TCPStore's
+server listens on every interface whatever host it is given, and answers anyone unauthenticated
+(``list_keys`` included). Gloo's pair listeners bind to 127.0.0.1 (:func:`new_group`). What is
+left open: a local user can still connect to those loopback listeners while the group forms.
+
 Steps go to the ranks through pipes (inputs and attention metadata, a few KiB, as plain
 tensors and numbers that ``torch.load(weights_only=True)`` reads: no code runs) rather
 than a collective, so idle ranks wait without a collective timeout and a dead rank 0 ends them
@@ -41,10 +48,13 @@ from __future__ import annotations
 import datetime
 import io
 import logging
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -165,21 +175,37 @@ def shard_model(
         lin["down_proj"].register_forward_hook(all_reduce)
 
 
-def open_store(port: int, size: int) -> Store:
-    """The rendezvous store of a worker's ranks on loopback: rank 0 opens it (``port`` 0: a
-    free port, read back from ``.port``), the other ranks connect to rank 0's ``port``."""
-    tcp_store: Any = dist.TCPStore  # type: ignore[attr-defined]  # exported, not declared so
-    master = port == 0
-    return tcp_store(  # type: ignore[no-any-return]
-        "127.0.0.1", port, size, is_master=master, timeout=GROUP_TIMEOUT,
-        wait_for_workers=False,
-    )  # fmt: skip
+STORE_FILE = "store"
+"""The FileStore's file in the rendezvous folder (:func:`rendezvous_dir`)."""
+GLOO_HOST = "127.0.0.1"
+"""Where the gloo pair listeners bind: the ranks of a worker share one host."""
+
+
+def rendezvous_dir() -> Path:
+    """A fresh private folder (mode 0700) for one rank group's store; the caller removes it."""
+    return Path(tempfile.mkdtemp(prefix="pdserve-tp-"))
+
+
+def open_store(path: Path, size: int) -> Store:
+    """The rendezvous store of a worker's ``size`` ranks: a FileStore at ``path`` (module
+    docstring, "Rendezvous"), which only this user can open; every rank opens the same path.
+    No socket listens for it."""
+    file_store: Any = dist.FileStore  # type: ignore[attr-defined]  # exported, not declared so
+    store = file_store(str(path), size)
+    store.set_timeout(GROUP_TIMEOUT)
+    return store  # type: ignore[no-any-return]
 
 
 def new_group(store: Store, rank: int, size: int) -> Any:
     """A gloo process group of its own (not the process-global default group, so several
-    workers' engines can live in one process, e.g. tests). Blocks until every rank joined."""
-    return ProcessGroupGloo(PrefixStore("pdserve-tp", store), rank, size, GROUP_TIMEOUT)
+    workers' engines can live in one process, e.g. tests), its pair listeners on loopback
+    (:data:`GLOO_HOST`; gloo's default binds the address the host name resolves to). Blocks
+    until every rank joined."""
+    gloo: Any = ProcessGroupGloo  # its options class is missing from torch's stubs
+    opts = gloo._Options()
+    opts._timeout = GROUP_TIMEOUT
+    opts._devices = [gloo.create_device(hostname=GLOO_HOST)]
+    return ProcessGroupGloo(PrefixStore("pdserve-tp", store), rank, size, opts)
 
 
 @dataclass(frozen=True)
@@ -204,8 +230,9 @@ class RankGroup:
     (a rank found the model unshardable) from :meth:`join`."""
 
     def __init__(self, cfg: EngineConfig, target: Callable[..., None]) -> None:
-        """Start ranks 1..N-1 as spawned processes running ``target(cfg, rank, store_port,
-        pipe)`` (:func:`pdserve.workers.engine.model_runner.rank_main`)."""
+        """Start ranks 1..N-1 as spawned processes running ``target(cfg, rank, store_path,
+        pipe)`` (:func:`pdserve.workers.engine.model_runner.rank_main`); ``store_path`` (a
+        ``str``) travels in the spawn arguments, never on a command line."""
         import torch.multiprocessing as tmp  # registers the shared-memory tensor pickling
 
         self.size = cfg.model.tensor_parallel_size
@@ -213,22 +240,28 @@ class RankGroup:
         self.failure: str | None = None
         self._closing = False
         self._pool: torch.Tensor | None = None
-        self.store = open_store(0, self.size)
-        ctx = tmp.get_context("spawn")
         self._pipes: list[Connection] = []
         self._procs: list[Any] = []
-        for rank in range(1, self.size):
-            ours, theirs = ctx.Pipe()
-            proc = ctx.Process(
-                target=target,
-                args=(cfg, rank, self.store.port, theirs),  # type: ignore[attr-defined]
-                name=f"pdserve-tp-rank{rank}",
-                daemon=True,
-            )
-            proc.start()
-            theirs.close()
-            self._pipes.append(ours)
-            self._procs.append(proc)
+        self.store_dir = rendezvous_dir()
+        try:
+            self.store_path = self.store_dir / STORE_FILE
+            self.store = open_store(self.store_path, self.size)
+            ctx = tmp.get_context("spawn")
+            for rank in range(1, self.size):
+                ours, theirs = ctx.Pipe()
+                proc = ctx.Process(
+                    target=target,
+                    args=(cfg, rank, str(self.store_path), theirs),
+                    name=f"pdserve-tp-rank{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                theirs.close()
+                self._pipes.append(ours)
+                self._procs.append(proc)
+        except BaseException:
+            self.close()
+            raise
         log.info("tensor parallel: started ranks 1-%d (pids %s)", self.size - 1,
                  [p.pid for p in self._procs])  # fmt: skip
         self.group: Any = None
@@ -284,7 +317,8 @@ class RankGroup:
             self.on_death(self.failure)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop every rank (idempotent): closing the pipes ends their loops."""
+        """Stop every rank (idempotent): closing the pipes ends their loops; then remove the
+        rendezvous folder."""
         self._closing = True
         for pipe in self._pipes:
             pipe.close()
@@ -293,6 +327,7 @@ class RankGroup:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout)
+        shutil.rmtree(self.store_dir, ignore_errors=True)
 
 
 def encode_step(step: Step) -> bytes:
