@@ -41,6 +41,9 @@ Protocol history:
        ``cuda``) and ``SendBlocks.digest``, the algorithm the pulling side asks for (``mix64``
        when both pools are on a GPU, :mod:`pdserve.transfer.mix64`; else ``xxh3_64``), echoed
        in ``BlockDigests.algorithm``.
+   13: a request's own errors mid-stream: ``GenerationChunk.error_code`` (``grammar_failed``:
+       its structured output failed while decoding), which the router answers as a 400
+       instead of migrating the request.
 
 Clocks: deadlines on the wire are wall-clock UNIX seconds (``time.time()``), never monotonic
 readings, because a monotonic clock does not cross processes.
@@ -56,7 +59,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 PROTOCOL_HEADER = "x-pdserve-protocol"
 
 
@@ -488,6 +491,12 @@ class GenerationChunk(_Msg):
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: FinishReason | None = None
     error: str | None = None
+    error_code: str | None = Field(
+        default=None,
+        max_length=64,
+        description="with error, when the request itself is at fault (a 400 code such as "
+        "grammar_failed): the router ends it with that error instead of migrating it",
+    )
     cached_tokens: int | None = Field(
         default=None,
         ge=0,

@@ -70,6 +70,7 @@ import anyio
 from pdserve.errors import (
     CapacityError,
     HandleError,
+    InvalidRequestError,
     LayoutMismatchError,
     PdserveError,
     QueueFullError,
@@ -462,8 +463,12 @@ class Transaction:
 
     def _take(self, chunk: GenerationChunk) -> TokenEvent | None:
         """Account for one streamed chunk and return its event (None: a chunk to drop). Raises
-        WorkerError for an error or abort chunk, or a chunk of another request."""
+        WorkerError for an error or abort chunk, or a chunk of another request;
+        InvalidRequestError for an error the request caused (``GenerationChunk.error_code``),
+        which no other worker would fix."""
         leg = self._leg
+        if chunk.error_code is not None and chunk.error is not None:  # the request's own fault
+            raise InvalidRequestError(chunk.error, code=chunk.error_code)
         if chunk.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
             raise WorkerError(f"{leg} failed the request: {chunk.error or chunk.finish_reason}")
         if chunk.request_id != self.request_id:

@@ -57,6 +57,7 @@ from pdserve.router.view import WorkerSource, WorkerView
 from pdserve.security import APIKeys, ClusterKey
 from pdserve.server.batch import BatchTransaction, Started
 from pdserve.server.errors import install_error_handlers, internal_error, log_failure
+from pdserve.server.grammar_checker import GrammarChecker, checked
 from pdserve.server.guard import PublicPlaneGuard, log_auth_mode
 from pdserve.server.openapi import (
     completion_responses,
@@ -110,6 +111,7 @@ class ServerState:
     cfg: RouterConfig
     preprocessor: Preprocessor
     tokenizer_pool: TokenizerPool
+    grammars: GrammarChecker
     tokens: TokenFormatter
     view: WorkerView
     router: Router
@@ -235,6 +237,8 @@ async def _start(
         max_backlog_bytes=backlog_bytes(cfg.router.max_request_bytes),
     )
     stack.callback(tokenizer_pool.close)
+    grammars = GrammarChecker(tokenizer, len(tokenizer), _eos_ids(tokenizer))
+    stack.push_async_callback(grammars.close)
     if owned_registry:
         assert registry is not None
         await registry.start()
@@ -283,6 +287,7 @@ async def _start(
             tool_call_parser=cfg.router.tool_call_parser,
         ),
         tokenizer_pool=tokenizer_pool,
+        grammars=grammars,
         tokens=TokenFormatter(tokenizer),
         view=view,
         router=Router(
@@ -366,6 +371,7 @@ def _add_routes(app: FastAPI, *, secured: bool) -> None:
         prepared = await st.tokenizer_pool.run(
             await _body_size(request), st.preprocessor.chat, body
         )
+        (prepared,) = await checked(st.grammars, [prepared])
         info = _info(f"chatcmpl-{uuid.uuid4().hex}", st, prepared, bool(body.logprobs), body)
         fmt = ChatFormatter(info, st.tokens, prepared.tools)
         return await _serve(request, st, prepared, fmt, stream=bool(body.stream), start_ns=t0)
@@ -382,6 +388,7 @@ def _add_routes(app: FastAPI, *, secured: bool) -> None:
         batch = await st.tokenizer_pool.run(
             await _body_size(request), st.preprocessor.completions, body
         )
+        batch = await checked(st.grammars, batch)
         info = _info(f"cmpl-{uuid.uuid4().hex}", st, batch[0], body.logprobs is not None, body)
         info.n, info.prompts = info.n * len(batch), len(batch)
         info.prompt_tokens = sum(len(p.prompt_token_ids) for p in batch)
@@ -422,6 +429,12 @@ def _add_routes(app: FastAPI, *, secured: bool) -> None:
             await _body_size(request), st.preprocessor.detokenize, body
         )
         return {"prompt": text}
+
+
+def _eos_ids(tokenizer: Any) -> list[int]:
+    """The tokenizer's EOS id, as a list (empty when it names none)."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return [eos] if isinstance(eos, int) else []
 
 
 async def _body_size(request: Request) -> int:

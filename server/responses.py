@@ -60,6 +60,7 @@ from pdserve.errors import PdserveError
 from pdserve.router.router import Router
 from pdserve.router.transaction import TokenEvent, Transaction
 from pdserve.server.errors import internal_error, log_failure
+from pdserve.server.grammar_checker import GrammarChecker, checked
 from pdserve.server.openapi import responses_api_responses
 from pdserve.server.output import ChatFormatter, RequestInfo
 from pdserve.server.preprocess import Preprocessor
@@ -103,6 +104,7 @@ class _State(Protocol):
     cfg: RouterConfig
     preprocessor: Preprocessor
     tokenizer_pool: TokenizerPool
+    grammars: GrammarChecker
     tokens: TokenFormatter
     router: Router
 
@@ -357,6 +359,7 @@ def add_responses_routes(app: FastAPI, *, secured: bool, collect: Collect) -> No
             prepared = await st.tokenizer_pool.run(
                 len(await request.body()), st.preprocessor.chat, chat
             )
+            (prepared,) = await checked(st.grammars, [prepared])
         except PdserveError as exc:
             raise public_error(exc, origins) from None
         info = RequestInfo(

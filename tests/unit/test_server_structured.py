@@ -1,6 +1,7 @@
 """Structured-output fields of the router's OpenAI API: response_format, vLLM's
-structured_outputs and guided_* map to one StructuredOutput (compiled once to check it); a
-malformed one, or two at once, is a 400 naming the field."""
+structured_outputs and guided_* map to one StructuredOutput and the field it came from; a
+malformed one (the size caps in preprocessing, then :func:`pdserve.grammar.check`, which the
+router's grammar checker runs), or two at once, is a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 
 from pdserve.errors import InvalidRequestError
-from pdserve.grammar import JSON_OBJECT_SCHEMA
+from pdserve.grammar import JSON_OBJECT_SCHEMA, check
 from pdserve.protocol import StructuredOutput
 from pdserve.server.preprocess import structured_output
 from pdserve.server.schemas import ChatCompletionRequest, CompletionRequest
@@ -20,12 +21,19 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
 
 
 def chat(**fields: Any) -> StructuredOutput | None:
-    return structured_output(ChatCompletionRequest.model_validate({**CHAT, **fields}))
+    """The chat request's constraint, checked as the router checks it."""
+    so, param = structured_output(ChatCompletionRequest.model_validate({**CHAT, **fields}))
+    if so is not None:
+        assert param is not None
+        check(so, param)
+    return so
 
 
 def completion(**fields: Any) -> StructuredOutput | None:
     body = {"model": "m", "prompt": "x", **fields}
-    return structured_output(CompletionRequest.model_validate(body))
+    so, param = structured_output(CompletionRequest.model_validate(body))
+    assert (so is None) == (param is None)
+    return so
 
 
 def test_each_form_maps_to_its_constraint() -> None:

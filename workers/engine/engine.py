@@ -62,7 +62,12 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.errors import ConfigError, InvalidRequestError, QueueFullError
 from pdserve.protocol import FinishReason, KVLayout, SamplingParams, TokenLogprob, WorkerLoad
-from pdserve.workers.engine.grammar import GrammarCompiler, GrammarState
+from pdserve.workers.engine.grammar import (
+    GRAMMAR_STACK_BYTES,
+    GrammarCompiler,
+    GrammarError,
+    GrammarState,
+)
 from pdserve.workers.engine.migration import replay_stop, resumed_choices
 from pdserve.workers.engine.model_runner import ModelRunner, kept_rows, model_digest
 from pdserve.workers.engine.omp import context_thread, in_fresh_thread
@@ -181,7 +186,9 @@ class Engine:
         """Start the step thread (once), in a copy of the caller's context."""
         with self._lock:
             if self._thread is None and not self._shut_down:
-                self._thread = context_thread(self._loop, "pdserve-engine")
+                self._thread = context_thread(
+                    self._loop, "pdserve-engine", stack_bytes=GRAMMAR_STACK_BYTES
+                )  # the step computes grammar masks
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the step thread (waits up to ``timeout`` s for the current step), end every
@@ -193,6 +200,7 @@ class Engine:
             thread = self._thread
         self._stopping.set()
         self._wakeup.set()
+        self.grammars.close()
         if thread is not None:
             thread.join(timeout)
             if thread.is_alive():
@@ -485,6 +493,10 @@ class Engine:
                 try:
                     if self._append_token(s.seq, token, lp):
                         break  # finished: the rest of its tokens are dropped
+                except GrammarError as exc:  # the request's own: one line, no traceback
+                    log.warning("request %s: %s", s.request_id, exc.message)
+                    self._end(s.seq, FinishReason.ERROR, error=exc.message, code=exc.code)
+                    break
                 except Exception as exc:
                     log.exception("output processing of %s failed", s.request_id)
                     self._end(s.seq, FinishReason.ERROR, error=f"output processing failed: {exc!r}")
@@ -560,16 +572,24 @@ class Engine:
         seq.status = SequenceStatus.FINISHED
         self._emit(self._forget(seq).sink, out)
 
-    def _end(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+    def _end(
+        self,
+        seq: Sequence,
+        reason: FinishReason,
+        error: str | None = None,
+        code: str | None = None,
+    ) -> None:
         """End a queued or running sequence early (abort, error): free its blocks, tell the
-        sink."""
+        sink. ``code``: a request error's code (:attr:`EngineOutput.error_code`)."""
         self.scheduler.remove(seq.request_id)
         seq.status = SequenceStatus.FINISHED
         with self._lock:
             known = seq.request_id in self._live
             live = self._forget(seq) if known else None
         if live is not None:
-            out = EngineOutput(seq.group_id, [], "", [], reason, error, index=seq.index)
+            out = EngineOutput(
+                seq.group_id, [], "", [], reason, error, index=seq.index, error_code=code
+            )
             self._emit(live.sink, out)
 
     def _apply_aborts(self) -> None:

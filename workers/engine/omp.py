@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import contextvars
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -48,10 +49,38 @@ def in_fresh_thread(fn: Callable[[], T], name: str = "pdserve-engine-setup") -> 
     return result[0]
 
 
-def context_thread(target: Callable[[], object], name: str) -> threading.Thread:
+def context_thread(
+    target: Callable[[], object], name: str, *, stack_bytes: int = 0
+) -> threading.Thread:
     """A started daemon thread running ``target()`` in a copy of the caller's context (torch's
-    config overrides are context variables, which a bare thread would not see)."""
+    config overrides are context variables, which a bare thread would not see).
+    ``stack_bytes``: the thread's stack (0: the platform's default, usually ``ulimit -s``)."""
     context = contextvars.copy_context()
     thread = threading.Thread(target=context.run, args=(target,), name=name, daemon=True)
-    thread.start()
+    start_with_stack(thread, stack_bytes)
     return thread
+
+
+_STACK_LOCK = threading.Lock()
+
+
+@contextmanager
+def thread_stack(stack_bytes: int) -> Iterator[None]:
+    """Threads started inside get a stack of ``stack_bytes`` (0: the default). Python sets the
+    size of new threads process-wide, so it is set and restored under a lock; a thread another
+    caller starts meanwhile may get the larger stack too (address space, not memory)."""
+    if not stack_bytes:
+        yield
+        return
+    with _STACK_LOCK:
+        previous = threading.stack_size(stack_bytes)
+        try:
+            yield
+        finally:
+            threading.stack_size(previous)
+
+
+def start_with_stack(thread: threading.Thread, stack_bytes: int) -> None:
+    """Start ``thread`` with a stack of ``stack_bytes`` (0: the default; :func:`thread_stack`)."""
+    with thread_stack(stack_bytes):
+        thread.start()

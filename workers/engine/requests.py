@@ -93,7 +93,9 @@ class EngineOutput:
     ``ready_block_ids`` (prefill mode with ``EngineRequest.progress``, on an output without
     tokens while the prompt is still being prefilled): the leading blocks whose K/V a chunk
     completed, still the engine's (streamed hand-off).
-    ``error`` is set with ``finish_reason == ERROR``. ``index`` is the choice (``n > 1``);
+    ``error`` is set with ``finish_reason == ERROR``; ``error_code`` too when the request itself
+    is at fault (``grammar_failed``: its structured output failed), so the router answers 400
+    instead of retrying elsewhere. ``index`` is the choice (``n > 1``);
     each choice ends with its own output carrying ``finish_reason``. ``cached_tokens`` (on a
     sequence's first sampled token only): the prompt tokens its prefix cache lookup served.
     ``admitted_s`` (``time.monotonic()``) when the sequence was first admitted into the running
@@ -114,6 +116,7 @@ class EngineOutput:
     ready_block_ids: list[int] | None = None
     admitted_s: float | None = None
     preemptions: int = 0
+    error_code: str | None = None  # with error: the request's own (a 400 code), else None
 
 
 @dataclass(frozen=True)

@@ -416,6 +416,7 @@ def _chunk(request_id: str, out: EngineOutput, phases: dict[str, float]) -> Gene
         logprobs=tuple(out.logprobs),
         finish_reason=finish,
         error=out.error,
+        error_code=out.error_code,
         cached_tokens=out.cached_tokens,
         prompt_logprobs=tuple(out.prompt_logprobs or ()),
         phases=phases,

@@ -42,7 +42,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from pdserve.errors import DeadlineExceededError, PdserveError, WorkerError
+from pdserve.errors import (
+    DeadlineExceededError,
+    InvalidRequestError,
+    PdserveError,
+    WorkerError,
+)
 from pdserve.protocol import (
     ContextFailed,
     ContextRequest,
@@ -175,6 +180,8 @@ class PrefillHandler:
         except BaseException:
             self.engine.abort(req.request_id)
             raise
+        if out.error is not None and out.error_code is not None:  # the request's own: a 400
+            raise InvalidRequestError(out.error, code=out.error_code)
         if out.error is not None:
             raise WorkerError(f"prefill failed for request {req.request_id}: {out.error}")
         handle = None if out.parked_block_ids is None else self._park(req, out.parked_block_ids)
