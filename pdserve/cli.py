@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 
 from pdserve.config import (
     RouterConfig,
@@ -321,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve.logs import configure_logging
 
     configure_logging(args.log_level)
+    warning = secret_flag_warning(args)
+    if warning is not None:
+        log.warning("%s", warning)
     try:
         return _dispatch(args)
     except ConfigError as exc:
@@ -393,6 +396,31 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(f"pdserve: {exc.message}", file=sys.stderr)
         return 1
     raise AssertionError(f"unhandled command {args.command}")
+
+
+def _is_secret(setting: Setting) -> bool:
+    """A setting whose value is a secret (``SecretStr``, alone or in a list or optional)."""
+    ann = setting.info.annotation
+    return SecretStr in (ann, *typing.get_args(ann))
+
+
+def secret_flag_warning(args: argparse.Namespace) -> str | None:
+    """The warning for a secret given as a flag (``--api-key``): it shows in ``ps``
+    (``/proc/PID/cmdline``) to every local user, and Python cannot portably take it back out
+    of the process's argv. Names the flags and the safer ways, never the secret; None when no
+    secret came as a flag."""
+    given = [
+        str(setting.flag_name())
+        for setting in settings()
+        if _is_secret(setting) and getattr(args, setting.path, None) is not None
+    ]
+    if not given:
+        return None
+    return (
+        f"{', '.join(given)} on the command line is visible to every local user (ps, "
+        "/proc/PID/cmdline); pass the keys with --api-key-file FILE (mode 0600) or the "
+        "PDSERVE_API_KEY environment variable instead"
+    )
 
 
 def _check_secrets(cfg: PdserveConfig) -> None:

@@ -404,10 +404,14 @@ class SecuritySettings(_Section):
     ] = Field(
         default_factory=list,
         description="client API keys for /v1/* (repeat the flag for several; environment: "
-        "comma-separated); none: /v1 is open",
+        "comma-separated); none: /v1 is open. A key given as this flag shows in `ps` to "
+        "every local user (pdserve warns): prefer --api-key-file or PDSERVE_API_KEY. "
+        "`pdserve up` hands its children the keys in a 0600 file, never on their command lines",
     )
     api_key_file: Annotated[Path | None, Flag("--api-key-file", ("up", "router"))] = Field(
-        default=None, description="file with client API keys, one per line (added to api_keys)"
+        default=None,
+        description="file with client API keys, one per line (added to api_keys); keep it "
+        "readable by the pdserve user only (chmod 600)",
     )
     cluster_secret_file: Annotated[
         Path | None, Flag("--cluster-secret-file", (*EVERY, "bench serve"))

@@ -20,5 +20,5 @@ from here (never from one another).
   (``LocalPrefill`` in a process of its own, with levers and counters; fixture
   ``prefill_process``); ``cuda_peer``: the GPU tests' peer
 - ``chaos``: the fault harness against ``pdserve up``; ``podman_stack``: compose stacks under
-  podman
+  podman; ``procfs``: what /proc tells of a process (children, argv, listening sockets)
 """

@@ -366,3 +366,17 @@ def test_up_starts_colocated_workers_behind_the_router(tmp_path: Path) -> None:
         "colocated",
         "colocated",
     ]
+
+
+def test_an_api_key_given_as_a_flag_is_warned_about_without_the_key() -> None:
+    """`ps` shows a process's argv to every local user (issue 39): the flag is named, the safer
+    ways too, never the key; a key file or no key gives no warning."""
+    from pdserve.cli import secret_flag_warning
+
+    for argv in (["up", "--api-key", "sk-flag-1"], ["router", "--api-key=sk-flag-1"]):
+        warning = secret_flag_warning(build_parser().parse_args(argv))
+        assert warning is not None and warning.startswith("--api-key on the command line")
+        assert "--api-key-file" in warning and "PDSERVE_API_KEY" in warning
+        assert "sk-flag-1" not in warning
+    for argv in (["up", "--api-key-file", "keys"], ["up"], ["prefill"], ["bench", "serve"]):
+        assert secret_flag_warning(build_parser().parse_args(argv)) is None
