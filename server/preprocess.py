@@ -13,7 +13,8 @@ Steps, in order (the first failure raises a typed error, nothing is sent to a wo
 4. context window: ``len(prompt) + max_tokens <= max_model_len``, else 400 with the numbers.
    Chat without ``max_tokens`` gets the rest of the window; completions default to 16.
 5. sampling: the sampling fields, the structured output (:func:`structured_output`, compiled
-   once to check it) or a tool choice's constraint, into :class:`SamplingParams`.
+   once to check it) or a tool choice's constraint (``auto``'s only where the request has no
+   structured output of its own), into :class:`SamplingParams`.
 
 Step 3 is the costly one (seconds for a multi-megabyte prompt): the router runs
 :meth:`Preprocessor.chat` and :meth:`Preprocessor.completions` on its tokenizer pool
@@ -57,7 +58,14 @@ from pdserve.server.schemas import (
     TokenizeRequest,
     _SamplingFields,
 )
-from pdserve.server.tools import PARSERS, ToolPlan, prompt_messages, renders_tools
+from pdserve.server.tool_grammar import PYTHON_TAG
+from pdserve.server.tools import (
+    PARSERS,
+    ToolPlan,
+    is_special_token,
+    prompt_messages,
+    renders_tools,
+)
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +144,7 @@ class Preprocessor:
             raise ValueError(f"tool_call_parser must be one of {PARSERS}")
         self.tool_call_parser = tool_call_parser
         self.template_renders_tools = renders_tools(tokenizer)
+        self.python_tag_token = is_special_token(tokenizer, PYTHON_TAG)
 
     def chat(self, req: ChatCompletionRequest) -> Prepared:
         """Validate a chat request and apply the chat template; raises a typed error."""
@@ -262,6 +271,7 @@ class Preprocessor:
             named=named,
             parallel=req.parallel_tool_calls is not False,
             parser=self.tool_call_parser,
+            python_tag_token=self.python_tag_token,
         )
 
     def completion(self, req: CompletionRequest) -> Prepared:
@@ -464,7 +474,9 @@ def _sampling(
             f"min_tokens ({min_tokens}) exceeds max_tokens ({max_tokens})", param="min_tokens"
         )
     structured = structured_output(req)
-    calls = tools.constraint() if tools is not None else None
+    calls = None
+    if tools is not None and (tools.mode != "auto" or structured is None):
+        calls = tools.constraint()  # auto beside a structured output: that one governs
     if calls is not None:
         if structured is not None:
             raise InvalidRequestError(

@@ -1,8 +1,9 @@
 """Tool calling: the prompt side (tools and earlier calls into the chat template), the
-constraint of ``tool_choice`` required / named, and the parsing of the model's text into
-OpenAI ``tool_calls``, whole or streamed.
+constraint of each ``tool_choice`` (built in :mod:`.tool_grammar`), and the parsing of the
+model's text into OpenAI ``tool_calls``, whole or streamed.
 
-How each ``tool_choice`` is served (after vLLM's OpenAI server):
+How each ``tool_choice`` is served (after vLLM's OpenAI server, with xgrammar-style structural
+tags for ``auto``):
 
 - ``none`` (or no tools): the tools stay out of the prompt; plain text.
 - ``auto`` (the default with tools): the tools go through the chat template
@@ -11,8 +12,12 @@ How each ``tool_choice`` is served (after vLLM's OpenAI server):
   router's tool-call parser (``router.tool_call_parser``): ``hermes`` (calls in
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` tags, content around them) or
   ``llama3_json`` (the whole reply a JSON call ``{"name": ..., "parameters": {...}}``, several
-  separated by ``;``, after an optional ``<|python_tag|>``).
-- ``required``: the output is constrained (:mod:`pdserve.grammar`) to a JSON array of
+  separated by ``;``, after an optional ``<|python_tag|>``). The output runs under a lazily
+  triggered grammar: free text, but a call the model opens names a declared tool and its
+  arguments follow that tool's schema. Only calls of declared tools are returned: a call of
+  any other name (possible where the grammar is not applied: beside a ``response_format``)
+  stays in the content, as text.
+- ``required``: the output is constrained to a JSON array of
   ``{"name": <a tool>, "parameters": <its schema>}``, at least one (one when
   ``parallel_tool_calls`` is false), so even a small model returns schema-valid arguments.
 - named (``{"type": "function", "function": {"name": N}}``): the output is constrained to N's
@@ -33,12 +38,17 @@ from typing import Any, Literal
 
 from pdserve.errors import InvalidRequestError
 from pdserve.protocol import StructuredOutput
+from pdserve.server.tool_grammar import (
+    HERMES_CLOSE,
+    HERMES_OPEN,
+    PYTHON_TAG,
+    auto_grammar,
+    named_constraint,
+    required_constraint,
+)
 
 ToolMode = Literal["auto", "required", "named"]
 PARSERS = ("hermes", "llama3_json")
-
-_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
-_PYTHON_TAG = "<|python_tag|>"
 
 
 @dataclass(frozen=True)
@@ -60,96 +70,91 @@ class Call:
 
 @dataclass(frozen=True)
 class ToolPlan:
-    """How one request's tools are served. ``tools``: the OpenAI tool definitions (dicts);
-    ``named``: the forced function (mode ``named``); ``parallel``: more than one call allowed;
-    ``parser``: the auto mode's text format."""
+    """How one request's tools are served. ``tools``: the OpenAI tool definitions (dicts, at
+    least one, distinct names); ``named``: the forced function (mode ``named``); ``parallel``:
+    more than one call allowed; ``parser``: the auto mode's text format;
+    ``python_tag_token``: the tokenizer has ``<|python_tag|>`` as a special token (it may then
+    open llama3_json calls)."""
 
     mode: ToolMode
     tools: tuple[dict[str, Any], ...]
     named: str | None = None
     parallel: bool = True
     parser: str = "hermes"
+    python_tag_token: bool = False
 
-    def constraint(self) -> StructuredOutput | None:
-        """The structured output that ``required`` and named calls run under (None: auto)."""
+    @property
+    def names(self) -> frozenset[str]:
+        """The declared functions' names: the only calls :meth:`parse` returns."""
+        return frozenset(t["function"]["name"] for t in self.tools)
+
+    def constraint(self) -> StructuredOutput:
+        """The structured output the choice runs under (:mod:`.tool_grammar`): the JSON of
+        ``required`` and named calls, auto's lazily triggered grammar. The caller compiles it
+        to check it, as any constraint (a tool schema that does not compile: 400 ``tools``)."""
         if self.mode == "named":
             (tool,) = [t for t in self.tools if t["function"]["name"] == self.named]
-            return StructuredOutput(kind="json", spec=json.dumps(_parameters(tool)))
+            return named_constraint(tool)
         if self.mode == "required":
-            calls = [
-                {
-                    "type": "object",
-                    "properties": {
-                        "name": {"const": t["function"]["name"]},
-                        "parameters": _parameters(t),
-                    },
-                    "required": ["name", "parameters"],
-                    "additionalProperties": False,
-                }
-                for t in self.tools
-            ]
-            schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-            if not self.parallel:
-                schema["maxItems"] = 1
-            return StructuredOutput(kind="json", spec=json.dumps(schema))
-        return None
+            return required_constraint(self.tools, self.parallel)
+        spec = auto_grammar(
+            self.tools, self.parser, self.parallel, python_tag_token=self.python_tag_token
+        )
+        return StructuredOutput(kind="grammar", spec=spec)
 
     def parse(self, text: str) -> tuple[str | None, list[Call]]:
-        """``(content, calls)`` of a finished choice's text (no calls: the text unchanged)."""
+        """``(content, calls)`` of a finished choice's text (no calls: the text unchanged).
+        Only calls of declared tools come back (:attr:`names`); a hermes call of another name
+        stays in the content, and a llama3_json reply naming one is content as a whole."""
         if self.mode == "named":
             return None, [Call(self.named or "", text)]
         if self.mode == "required":
-            return _parse_required(text)
-        content, calls = (_parse_hermes if self.parser == "hermes" else _parse_llama3)(text)
+            return _parse_required(text, self.names)
+        parse = _parse_hermes if self.parser == "hermes" else _parse_llama3
+        content, calls = parse(text, self.names)
         if not self.parallel:
             calls = calls[:1]
         return content, calls
-
-
-def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
-    params = tool["function"].get("parameters")
-    return params if isinstance(params, dict) and params else {"type": "object"}
 
 
 def _arguments(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
-def _parse_required(text: str) -> tuple[str | None, list[Call]]:
+def _parse_required(text: str, names: frozenset[str]) -> tuple[str | None, list[Call]]:
     try:
         items = json.loads(text)
     except ValueError:
         return text, []  # cut off by max_tokens: the text stays content
     if not isinstance(items, list):
         return text, []
-    calls = [
-        Call(item["name"], _arguments(item.get("parameters", {})))
-        for item in items
-        if isinstance(item, dict) and isinstance(item.get("name"), str)
-    ]
-    return (None, calls) if calls else (text, [])
+    calls = [_call_of(item, "parameters", names) for item in items]
+    if not calls or any(c is None for c in calls):
+        return text, []
+    return None, [c for c in calls if c is not None]
 
 
-def _call_of(obj: Any, arguments_key: str) -> Call | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+def _call_of(obj: Any, arguments_key: str, names: frozenset[str]) -> Call | None:
+    """The call ``obj`` is, when it is one of a declared tool (``names``); else None."""
+    if not isinstance(obj, dict) or obj.get("name") not in names:
         return None
     args = obj.get(arguments_key, obj.get("arguments", obj.get("parameters", {})))
     return Call(obj["name"], _arguments(args))
 
 
-def _parse_hermes(text: str) -> tuple[str | None, list[Call]]:
+def _parse_hermes(text: str, names: frozenset[str]) -> tuple[str | None, list[Call]]:
     calls: list[Call] = []
     kept: list[str] = []
     pos = 0
     for match in re.finditer(
-        re.escape(_HERMES_OPEN) + r"(.*?)" + re.escape(_HERMES_CLOSE), text, re.DOTALL
+        re.escape(HERMES_OPEN) + r"(.*?)" + re.escape(HERMES_CLOSE), text, re.DOTALL
     ):
         try:
-            call = _call_of(json.loads(match.group(1).strip()), "arguments")
+            call = _call_of(json.loads(match.group(1).strip()), "arguments", names)
         except ValueError:
             call = None
         if call is None:
-            continue  # not a well-formed call: it stays in the content
+            continue  # not a well-formed call of a declared tool: it stays in the content
         kept.append(text[pos : match.start()])
         pos = match.end()
         calls.append(call)
@@ -160,10 +165,10 @@ def _parse_hermes(text: str) -> tuple[str | None, list[Call]]:
     return content or None, calls
 
 
-def _parse_llama3(text: str) -> tuple[str | None, list[Call]]:
+def _parse_llama3(text: str, names: frozenset[str]) -> tuple[str | None, list[Call]]:
     body = text.strip()
-    if body.startswith(_PYTHON_TAG):
-        body = body[len(_PYTHON_TAG) :].strip()
+    if body.startswith(PYTHON_TAG):
+        body = body[len(PYTHON_TAG) :].strip()
     if not body.startswith("{"):
         return text, []
     calls: list[Call] = []
@@ -174,9 +179,9 @@ def _parse_llama3(text: str) -> tuple[str | None, list[Call]]:
             obj, end = decoder.raw_decode(body, pos)
         except ValueError:
             return text, []
-        call = _call_of(obj, "parameters")
+        call = _call_of(obj, "parameters", names)
         if call is None:
-            return text, []
+            return text, []  # not all calls of declared tools: the reply is text
         calls.append(call)
         pos = end
         while pos < len(body) and body[pos] in " \t\r\n;":
@@ -195,6 +200,14 @@ def renders_tools(tokenizer: Any) -> bool:
     return isinstance(template, str) and "tools" in template
 
 
+def is_special_token(tokenizer: Any, text: str) -> bool:
+    """Whether ``text`` is one special token of ``tokenizer`` (an added token marked special,
+    such as Llama 3's ``<|python_tag|>``): llguidance then matches it as a token, never as
+    text, and the detokenized reply leaves it out."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return any(t.content == text and t.special for t in added.values())
+
+
 def default_tool_prompt(tools: tuple[dict[str, Any], ...]) -> str:
     """pdserve's system text for a chat template that cannot render tools: the tools as JSON
     lines and how to call them (the Hermes format, which the ``hermes`` parser reads)."""
@@ -203,8 +216,8 @@ def default_tool_prompt(tools: tuple[dict[str, Any], ...]) -> str:
         "You can call functions to help answer. The functions, one JSON object per line:\n"
         f"<tools>\n{listed}\n</tools>\n"
         "To call one, reply with a JSON object naming it and giving its arguments, between "
-        f"{_HERMES_OPEN} and {_HERMES_CLOSE} tags, one pair of tags per call:\n"
-        f'{_HERMES_OPEN}\n{{"name": "<function name>", "arguments": {{...}}}}\n{_HERMES_CLOSE}'
+        f"{HERMES_OPEN} and {HERMES_CLOSE} tags, one pair of tags per call:\n"
+        f'{HERMES_OPEN}\n{{"name": "<function name>", "arguments": {{...}}}}\n{HERMES_CLOSE}'
     )
 
 
@@ -232,7 +245,7 @@ def prompt_messages(
                 ]  # fmt: skip
         else:
             tagged = [
-                f"{_HERMES_OPEN}\n"
+                f"{HERMES_OPEN}\n"
                 + json.dumps(
                     {
                         "name": c["function"]["name"],
@@ -240,7 +253,7 @@ def prompt_messages(
                     },
                     ensure_ascii=False,
                 )
-                + f"\n{_HERMES_CLOSE}"
+                + f"\n{HERMES_CLOSE}"
                 for j, c in enumerate(calls)
             ]
             if tagged:
@@ -310,7 +323,7 @@ class ToolStream:
             head = self._buffer.lstrip()
             if not head:
                 return []
-            if head.startswith(("{", _PYTHON_TAG)) or _PYTHON_TAG.startswith(head):
+            if head.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(head):
                 self._json_call = True
                 return []
             out_text, self._buffer = self._buffer, ""
@@ -321,27 +334,27 @@ class ToolStream:
         out: list[StreamDelta] = []
         while self._buffer:
             if self._inside:
-                end = self._buffer.find(_HERMES_CLOSE)
+                end = self._buffer.find(HERMES_CLOSE)
                 if end < 0:
                     return out
-                block = self._buffer[: end + len(_HERMES_CLOSE)]
-                self._buffer = self._buffer[end + len(_HERMES_CLOSE) :]
+                block = self._buffer[: end + len(HERMES_CLOSE)]
+                self._buffer = self._buffer[end + len(HERMES_CLOSE) :]
                 self._inside = False
-                _, calls = _parse_hermes(_HERMES_OPEN + block)
+                _, calls = _parse_hermes(HERMES_OPEN + block, self.plan.names)
                 if not (calls and self._may_add()):
                     if not calls:
-                        out.append(StreamDelta(content=_HERMES_OPEN + block))
+                        out.append(StreamDelta(content=HERMES_OPEN + block))
                     continue
                 out.extend(self._call(calls[0]))
                 continue
-            start = self._buffer.find(_HERMES_OPEN)
+            start = self._buffer.find(HERMES_OPEN)
             if start >= 0:
                 if start:
                     out.append(StreamDelta(content=self._buffer[:start]))
-                self._buffer = self._buffer[start + len(_HERMES_OPEN) :]
+                self._buffer = self._buffer[start + len(HERMES_OPEN) :]
                 self._inside = True
                 continue
-            keep = _partial_suffix(self._buffer, _HERMES_OPEN)
+            keep = _partial_suffix(self._buffer, HERMES_OPEN)
             if len(self._buffer) > keep:
                 out.append(StreamDelta(content=self._buffer[: len(self._buffer) - keep]))
                 self._buffer = self._buffer[len(self._buffer) - keep :]
@@ -365,7 +378,7 @@ class ToolStream:
             return self.feed("") if self.calls == 0 else []
         text, self._buffer = self._buffer, ""
         if self._inside:
-            text, self._inside = _HERMES_OPEN + text, False
+            text, self._inside = HERMES_OPEN + text, False
         if not text:
             return []
         if self._held or self._json_call:

@@ -6,6 +6,8 @@ grammar its text is noise, so every valid document below is the grammar's doing)
   validates; seeded sampled output validates on every try; each of ``n`` choices does; a
   stream's deltas join into a valid document.
 - vLLM's ``structured_outputs`` (regex, choice, grammar) and ``guided_choice`` constrain too.
+- Tool calls: ``required`` and named ones are schema-valid; under ``auto`` the lazily triggered
+  grammar runs on both legs (free text, equal across the split).
 """
 
 from __future__ import annotations
@@ -279,6 +281,22 @@ def test_responses_required_tool_call_is_a_schema_valid_function_call(
     jsonschema.validate(json.loads(call.arguments), PARAMS[call.name])
     (other,) = _respond(colocated, **kw).output
     assert (other.name, other.arguments) == (call.name, call.arguments)
+
+
+def test_auto_tool_choice_runs_its_grammar_on_both_legs_and_free_text_stays_content(
+    stacks: tuple[Stack, Stack],
+) -> None:
+    # the random model does not open a call (the engine test resumes one inside a call): its
+    # text under auto's lazily triggered grammar is the same on both stacks, content, no calls
+    pd, colocated = stacks
+    kw = dict(tools=[WEATHER_TOOL, TIME_TOOL], temperature=0, max_tokens=40)
+    split = _chat(pd, **kw).choices[0]
+    alone = _chat(colocated, **kw).choices[0]
+    assert split.finish_reason in ("stop", "length") and split.message.tool_calls is None
+    assert split.message.content and split.message.content == alone.message.content
+    resp = _respond(pd, tools=FLAT_TOOLS, temperature=0, max_output_tokens=40)
+    assert [item.type for item in resp.output] == ["message"]
+    assert resp.output_text == split.message.content, "the same request as chat's"
 
 
 def test_responses_stream_ends_with_the_completed_response_of_the_deltas(

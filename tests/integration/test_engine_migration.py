@@ -3,7 +3,8 @@ stopped after ``k`` tokens of a choice and resumed on an engine with those token
 the client had continues exactly: the tokens and the text of every choice, joined, equal an
 undisturbed run's (greedy, seeded with penalties and ``n > 1``, stop strings whose held-back
 prefix the new engine emits, structured output). Choices left out do not run; blocks all come
-back."""
+back. A choice resumed inside a tool call its first worker opened (auto's lazily triggered
+grammar) completes a call of a declared tool whose arguments validate."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from pdserve.errors import InvalidRequestError
 from pdserve.protocol import FinishReason, ResumedChoice, SamplingParams, StructuredOutput
+from pdserve.server.tools import ToolPlan
 from pdserve.workers.engine.engine import Engine, EngineOutput, EngineRequest
 from tests.support.engine import make_engine
 
@@ -206,6 +209,45 @@ def test_structured_output_resumes_inside_its_grammar(engine: Engine, prompt: li
     assert json.loads(ref.text)["note"] and ref.finish is FinishReason.STOP
     for k in (3, len(ref.token_ids) - 1):
         check_continues(engine, f"j-{k}", prompt, STRUCTURED, ref, k)
+
+
+WEATHER_ARGS = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Oslo", "Lima"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+ZONE_ARGS = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+             "required": ["zone"], "additionalProperties": False}  # fmt: skip
+TOOL_ARGS = {"get_weather": WEATHER_ARGS, "get_time": ZONE_ARGS}
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_a_choice_resumed_inside_an_opened_tool_call_completes_a_declared_valid_call(
+    engine: Engine, prompt: list[int], parser: str
+) -> None:
+    # the random model never opens a call by itself: its first worker "did" (the resumed text)
+    tools = tuple(
+        {"type": "function", "function": {"name": n, "parameters": a}} for n, a in TOOL_ARGS.items()
+    )
+    plan = ToolPlan("auto", tools, parser=parser, parallel=False)
+    opened = "Checking.<tool_call>" if parser == "hermes" else '{"name": "'
+    ids = tuple(engine.tokenizer.encode(opened, add_special_tokens=False))
+    names = set()
+    for seed in range(4):
+        sampling = SamplingParams(
+            temperature=1.0, seed=seed, max_tokens=120, structured=plan.constraint()
+        )
+        cut = ResumedChoice(index=0, token_ids=ids, text_chars=len(opened))
+        rest = run_choices(engine, resumed(f"tool-{parser}-{seed}", prompt, sampling, cut), {0})
+        _, calls = plan.parse(opened + rest[0].text)
+        assert len(calls) == 1, (seed, rest[0].text)
+        jsonschema.validate(json.loads(calls[0].arguments), TOOL_ARGS[calls[0].name])
+        names.add(calls[0].name)
+    assert names <= set(TOOL_ARGS)
 
 
 def test_a_choice_its_replay_already_ended_finishes_at_once(

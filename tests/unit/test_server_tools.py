@@ -1,6 +1,8 @@
 """Tool calling's text side: the prompt (tools and earlier calls through the chat template, or
-pdserve's default for a template without tools), the constraints of required and named calls,
-and the parsers (hermes, llama3_json, required) whole and streamed."""
+pdserve's default for a template without tools), the constraints of required, named and auto
+calls (auto's lazily triggered grammar run through a matcher on the byte-level tokenizer), and
+the parsers (hermes, llama3_json, required) whole and streamed, which return calls of declared
+tools only."""
 
 from __future__ import annotations
 
@@ -9,9 +11,20 @@ from typing import Any
 
 import jsonschema
 import pytest
+import torch
 
 from pdserve.errors import InvalidRequestError
-from pdserve.server.tools import ToolPlan, ToolStream, prompt_messages, renders_tools
+from pdserve.grammar import check
+from pdserve.protocol import StructuredOutput
+from pdserve.server.tools import (
+    ToolPlan,
+    ToolStream,
+    is_special_token,
+    prompt_messages,
+    renders_tools,
+)
+from pdserve.workers.engine.grammar import GrammarCompiler
+from tests.support.models import TINY_SPECIAL_TOKENS, tiny_tokenizer
 
 WEATHER = {
     "type": "function",
@@ -93,6 +106,27 @@ def test_llama3_json_replies_are_calls_and_other_text_is_content() -> None:
     assert streamed(p, ["It is ", "sunny."]) == ("It is sunny.", [])
 
 
+ROGUE = '<tool_call>\n{"name": "delete_all_files", "arguments": {"path": "/"}}\n</tool_call>'
+
+
+def test_a_call_of_an_undeclared_tool_stays_content_whole_and_streamed() -> None:
+    # issue 39 (7): only get_weather and get_time are declared
+    assert plan().parse(ROGUE) == (ROGUE, [])
+    assert streamed(plan(), pieces_of(ROGUE, 3)) == (ROGUE, [])
+    mixed = f"First {ROGUE} then\n" + HERMES.split("\n", 1)[1]  # a rogue call, then two good
+    content, calls = plan().parse(mixed)
+    assert [c.name for c in calls] == ["get_weather", "get_time"]
+    assert content is not None and "delete_all_files" in content and "get_weather" not in content
+    text, got = streamed(plan(), pieces_of(mixed, 5))
+    assert [c["name"] for c in got] == ["get_weather", "get_time"] and ROGUE in text
+    rogue_json = '{"name": "delete_all_files", "parameters": {}}'
+    for reply in (rogue_json, '{"name": "get_time", "parameters": {}}; ' + rogue_json):
+        assert plan(parser="llama3_json").parse(reply) == (reply, [])  # the reply is text
+        assert streamed(plan(parser="llama3_json"), pieces_of(reply, 4)) == (reply, [])
+    required = '[{"name": "delete_all_files", "parameters": {}}]'
+    assert plan("required").parse(required) == (required, [])
+
+
 def test_required_constrains_to_an_array_of_the_tools_calls_and_parses_it() -> None:
     p = plan("required")
     so = p.constraint()
@@ -129,6 +163,95 @@ def test_a_named_call_is_constrained_to_its_schema_and_streams_its_arguments() -
     assert content == "" and calls[0]["name"] == "get_weather"
     assert json.loads(calls[0]["arguments"]) == {"city": "Lima"}
     assert p.parse('{"city":"Lima"}')[1][0].arguments == '{"city":"Lima"}'
+
+
+# --- auto's grammar, run through a matcher on the byte-level tokenizer (one token a byte) -------
+
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+        "required": ["city"], "additionalProperties": False}  # fmt: skip
+STRICT_WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
+EOS = 256 + TINY_SPECIAL_TOKENS.index("<|eos|>")
+
+
+@pytest.fixture(scope="module")
+def compiler() -> GrammarCompiler:
+    return GrammarCompiler(tiny_tokenizer(), 256 + len(TINY_SPECIAL_TOKENS), [EOS])
+
+
+def fits(compiler: GrammarCompiler, so: StructuredOutput, text: str) -> str:
+    """How ``so`` takes ``text``: ``"may end"`` (every byte fits and EOS may follow),
+    ``"open"`` (every byte fits, EOS may not follow) or ``"refused at N"`` (byte N does not)."""
+    state = compiler.state(so)
+    for i, byte in enumerate(text.encode()):
+        try:
+            state.consume(byte)
+        except InvalidRequestError:
+            return f"refused at {i}"
+    mask = torch.zeros(1, 9, dtype=torch.int32)
+    state.fill_mask(mask, 0)
+    return "may end" if int(mask[0, EOS // 32]) >> (EOS % 32) & 1 else "open"
+
+
+def auto(parser: str = "hermes", parallel: bool = True) -> StructuredOutput:
+    p = ToolPlan(mode="auto", tools=(STRICT_WEATHER, TIME), parser=parser, parallel=parallel)
+    so = p.constraint()
+    check(so, "tools")  # compiles as the router checks it
+    assert so.kind == "grammar" and so.spec == p.constraint().spec, "deterministic: one cache key"
+    return so
+
+
+def test_auto_hermes_grammar_frees_text_and_constrains_an_opened_call(
+    compiler: GrammarCompiler,
+) -> None:
+    so = auto()
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert fits(compiler, so, "") == "may end", "EOS before any text"
+    assert fits(compiler, so, "Any text <b>, even <tool_ca") == "may end"
+    assert fits(compiler, so, f"Let me look.{call}") == "may end", "free again after the call"
+    assert fits(compiler, so, f'{call} and <tool_call>{{"name": "get_time", "arguments": {{}}}}'
+                "</tool_call>") == "may end"  # fmt: skip
+    assert fits(compiler, so, '<tool_call>{"name": "get_weather", "arg') == "open"
+    rogue = '<tool_call>\n{"name": "d'
+    assert fits(compiler, so, rogue) == f"refused at {len(rogue) - 1}", "an undeclared name"
+    bad = '<tool_call>{"name": "get_weather", "arguments": {"city": "R'
+    assert fits(compiler, so, bad) == f"refused at {len(bad) - 1}", "outside the enum"
+    spaced = '<tool_call>{"name":"get_weather"'
+    assert fits(compiler, so, spaced) == f"refused at {spaced.index(':') + 1}", "json.dumps layout"
+    # without parallel calls the text after the one call is free, a second opening included
+    one = auto(parallel=False)
+    assert fits(compiler, one, f"{call}<tool_call>{{anything") == "may end"
+    content, calls = ToolPlan(mode="auto", tools=(STRICT_WEATHER,)).parse(f"Hi {call}")
+    assert content == "Hi" and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+
+
+def test_auto_llama3_json_grammar_constrains_a_reply_that_opens_with_a_brace(
+    compiler: GrammarCompiler,
+) -> None:
+    so = auto("llama3_json")
+    call = '{"name": "get_time", "parameters": {}}'
+    assert fits(compiler, so, "") == "may end" and fits(compiler, so, "  ") == "may end"
+    assert fits(compiler, so, "It is sunny {not a call}") == "may end"
+    assert fits(compiler, so, f" {call}; {call}") == "may end"
+    assert fits(compiler, so, f"<|python_tag|>{call}") == "may end"
+    assert fits(compiler, so, '{"name": "get_weather", "parameters": {"city": "Oslo"') == "open"
+    for rogue in ('\n{"name": "d', '<|python_tag|>{"name": "d'):
+        assert fits(compiler, so, rogue) == f"refused at {len(rogue) - 1}", rogue
+    single = auto("llama3_json", parallel=False)
+    assert fits(compiler, single, f"{call};") == f"refused at {len(call)}"
+
+
+def test_auto_grammar_skips_schema_keywords_it_lacks_and_needs_a_known_parser() -> None:
+    odd = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"not": {"type": "string"}}}}}}  # fmt: skip
+    check(ToolPlan(mode="auto", tools=(odd,)).constraint(), "tools")  # lenient: compiles
+    with pytest.raises(InvalidRequestError):
+        check(ToolPlan(mode="required", tools=(odd,)).constraint(), "tools")  # strict there
+    with pytest.raises(ValueError, match="no tool-call grammar"):
+        ToolPlan(mode="auto", tools=(odd,), parser="pythonic").constraint()
+    assert not is_special_token(tiny_tokenizer(), "<|python_tag|>")
+    assert is_special_token(tiny_tokenizer(), "<|eos|>")
 
 
 class _Tok:
@@ -189,7 +312,9 @@ def _replies(text: str) -> list[tuple[int, str]]:
     return [(65 + i % 20, text[i : i + 5]) for i in range(0, len(text), 5)]
 
 
-async def _post(model_dir: Any, body: dict[str, Any], reply: str = CALL_TEXT) -> tuple[Any, Any]:
+async def _post(
+    model_dir: Any, body: dict[str, Any], reply: str = CALL_TEXT, path: str = "chat/completions"
+) -> tuple[Any, Any]:
     from pdserve.config import RouterConfig
     from pdserve.protocol import Role
     from tests.support.fakes import FakeWorker, router_harness
@@ -200,7 +325,7 @@ async def _post(model_dir: Any, body: dict[str, Any], reply: str = CALL_TEXT) ->
         FakeWorker("d0", Role.DECODE, _replies(reply)),
     ]
     async with router_harness(cfg, workers) as h:
-        r = await h.client.post("/v1/chat/completions", json={"model": MODEL, **body})
+        r = await h.client.post(f"/v1/{path}", json={"model": MODEL, **body})
     return r, workers[0]
 
 
@@ -226,6 +351,8 @@ async def test_auto_tool_calls_come_back_as_tool_calls_whole_and_streamed(model_
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
     prompt = _prompt(model_dir, prefill)
     assert "get_weather" in prompt and "<tool_call>" in prompt, "the tools reach the prompt"
+    structured = prefill.contexts[0].sampling.structured
+    assert structured == ToolPlan("auto", (WEATHER,)).constraint(), "auto's grammar goes along"
     r, _ = await _post(model_dir, {**body, "stream": True})
     lines = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
     deltas = [c["choices"][0] for c in lines if c["choices"]]
@@ -236,6 +363,48 @@ async def test_auto_tool_calls_come_back_as_tool_calls_whole_and_streamed(model_
     }
     assert "".join(d["delta"].get("content") or "" for d in deltas) == "Checking."
     assert deltas[-1]["finish_reason"] == "tool_calls"
+
+
+ROGUE_REPLY = f"Cleaning up.{ROGUE}"
+
+
+async def test_a_call_of_an_undeclared_tool_comes_back_as_text_on_both_endpoints(
+    model_dir: Any,
+) -> None:
+    body = {"messages": MESSAGES, "tools": [WEATHER], "max_tokens": 60}
+    r, _ = await _post(model_dir, body, ROGUE_REPLY)
+    choice = r.json()["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": ROGUE_REPLY}
+    assert choice["finish_reason"] == "stop"
+    r, _ = await _post(model_dir, {**body, "stream": True}, ROGUE_REPLY)
+    lines = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+    deltas = [c["choices"][0] for c in lines if c["choices"]]
+    assert not any("tool_calls" in d["delta"] for d in deltas)
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == ROGUE_REPLY
+    assert deltas[-1]["finish_reason"] == "stop"
+    flat = {"type": "function", **WEATHER["function"]}  # type: ignore[dict-item]
+    r, _ = await _post(
+        model_dir,
+        {"input": "Clean up.", "tools": [flat], "max_output_tokens": 60},
+        ROGUE_REPLY,
+        path="responses",
+    )
+    (item,) = r.json()["output"]
+    assert item["type"] == "message" and item["content"][0]["text"] == ROGUE_REPLY
+
+
+async def test_auto_gives_way_to_a_response_format_and_none_or_no_tools_stay_free(
+    model_dir: Any,
+) -> None:
+    json_object = {"type": "json_object"}
+    r, prefill = await _post(
+        model_dir, {"messages": MESSAGES, "tools": [WEATHER], "response_format": json_object}
+    )
+    assert r.status_code == 200, r.text
+    assert prefill.contexts[0].sampling.structured.kind == "json", "the request's own governs"
+    for extra in ({"tools": [WEATHER], "tool_choice": "none"}, {}):
+        r, prefill = await _post(model_dir, {"messages": MESSAGES, **extra})
+        assert r.status_code == 200 and prefill.contexts[0].sampling.structured is None, extra
 
 
 async def test_tool_choice_none_keeps_tools_out_and_text_plain(model_dir: Any) -> None:
