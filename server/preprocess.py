@@ -44,9 +44,9 @@ from pdserve.errors import (
     ModelNotFoundError,
     UnsupportedFieldError,
 )
-from pdserve.grammar import JSON_OBJECT_SCHEMA
-from pdserve.grammar import check as check_grammar
+from pdserve.grammar import JSON_OBJECT_SCHEMA, check_size
 from pdserve.protocol import MAX_CHOICES, SamplingParams, StructuredOutput
+from pdserve.server.content_guard import ContentGuard
 from pdserve.server.schemas import (
     EXTENSION_DEFAULTS,
     MAX_PROMPTS,
@@ -87,6 +87,10 @@ class Prepared:
     sampling: SamplingParams
     tools: ToolPlan | None = None  # chat with tools (tool_choice other than none)
     echo: str | None = None  # completions with echo: the prompt's text
+    structured_param: str | None = None
+    """The field ``sampling.structured`` came from; set with it. The constraint is checked for
+    size here and compiled by the router's grammar checker before dispatch
+    (:mod:`pdserve.server.grammar_checker`)."""
 
 
 def load_tokenizer(model_path: Path) -> Any:
@@ -130,6 +134,7 @@ class Preprocessor:
         max_n: int = MAX_CHOICES,
         max_messages: int = 2048,
         tool_call_parser: str = "hermes",
+        special_tokens_in_content: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
@@ -144,6 +149,9 @@ class Preprocessor:
             raise ValueError(f"tool_call_parser must be one of {PARSERS}")
         self.tool_call_parser = tool_call_parser
         self.template_renders_tools = renders_tools(tokenizer)
+        # false: special-token text in user/tool content stays text (ConfigError: no fast
+        # tokenizer); vLLM's behaviour, the default, makes it the control tokens
+        self.content_guard = None if special_tokens_in_content else ContentGuard(tokenizer)
         self.python_tag_token = is_special_token(tokenizer, PYTHON_TAG)
 
     def chat(self, req: ChatCompletionRequest) -> Prepared:
@@ -151,8 +159,11 @@ class Preprocessor:
         self._check_common(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs=true", param="top_logprobs")
-        text, plan = self.render_chat(req)
-        n, ids = self._encode(text, add_special_tokens=False)
+        text, plan, guarded = self._render_chat(req)
+        if guarded is None:
+            n, ids = self._encode(text, add_special_tokens=False)
+        else:
+            n, ids = len(guarded), guarded
         max_tokens = self._max_tokens(
             n,
             req.max_completion_tokens or req.max_tokens,
@@ -160,7 +171,7 @@ class Preprocessor:
             prompt_param="messages",
         )
         assert ids is not None  # None only past the window, which _max_tokens refused
-        sampling = _sampling(
+        sampling, param = _sampling(
             req,
             max_tokens,
             self.vocab_size,
@@ -168,12 +179,20 @@ class Preprocessor:
             top_logprobs=req.top_logprobs or 0,
             tools=plan,
         )
-        return Prepared(ids, sampling, plan)
+        return Prepared(ids, sampling, plan, structured_param=param)
 
     def render_chat(self, req: ChatCompletionRequest) -> tuple[str, ToolPlan | None]:
         """The prompt text of ``req``'s messages (and tools) through the chat template, with
         ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs``; and
         how its tools are served. Raises InvalidRequestError naming the field."""
+        text, plan, _ = self._render_chat(req)
+        return text, plan
+
+    def _render_chat(
+        self, req: ChatCompletionRequest
+    ) -> tuple[str, ToolPlan | None, list[int] | None]:
+        """:meth:`render_chat`, plus the prompt's ids where the content guard encoded them
+        (:mod:`.content_guard`; None: encode the text as usual)."""
         if not req.messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
         if len(req.messages) > self.max_messages:
@@ -182,11 +201,8 @@ class Preprocessor:
                 param="messages",
             )
         plan = self._tool_plan(req)
-        messages = prompt_messages(
-            [_message(m, i) for i, m in enumerate(req.messages)],
-            plan,
-            self.template_renders_tools,
-        )
+        base = [_message(m, i) for i, m in enumerate(req.messages)]
+        messages = prompt_messages(base, plan, self.template_renders_tools)
         tools = list(plan.tools) if plan is not None and self.template_renders_tools else None
         kwargs = dict(req.chat_template_kwargs or {})
         reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
@@ -201,20 +217,29 @@ class Preprocessor:
                 "continue_final_message needs add_generation_prompt false",
                 param="continue_final_message",
             )
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages,
-                tools=tools,
-                add_generation_prompt=generation,
-                continue_final_message=bool(req.continue_final_message),
-                tokenize=False,
-                **kwargs,
-            )
-        except (TemplateError, ValueError, TypeError) as exc:
-            raise InvalidRequestError(
-                f"cannot apply the chat template: {exc}", param="messages"
-            ) from exc
-        return str(text), plan
+
+        def render(messages: list[dict[str, Any]]) -> str:
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    messages,
+                    tools=tools,
+                    add_generation_prompt=generation,
+                    continue_final_message=bool(req.continue_final_message),
+                    tokenize=False,
+                    **kwargs,
+                )
+            except (TemplateError, ValueError, TypeError) as exc:
+                raise InvalidRequestError(
+                    f"cannot apply the chat template: {exc}", param="messages"
+                ) from exc
+            return str(text)
+
+        if self.content_guard is None:
+            return render(messages), plan, None
+        guarded = self.content_guard.render(
+            base, lambda marked: render(prompt_messages(marked, plan, self.template_renders_tools))
+        )
+        return guarded.text, plan, guarded.ids
 
     def tokenize(self, req: TokenizeRequest) -> list[int]:
         """``/tokenize``: all the token ids of ``req``'s prompt or rendered messages (no
@@ -229,8 +254,10 @@ class Preprocessor:
                 req.model_dump(exclude={"prompt", "add_special_tokens", "return_token_strs"})
             )
             check_unsupported(chat)  # what a chat request refuses (a function_call message)
-            text, _ = self.render_chat(chat)
+            text, _, guarded = self._render_chat(chat)
             special = bool(req.add_special_tokens)
+            if guarded is not None and self.content_guard is not None:
+                return self.content_guard.with_special_tokens(guarded) if special else guarded
         return list(self.tokenizer.encode(text, add_special_tokens=special))
 
     def detokenize(self, req: DetokenizeRequest) -> str:
@@ -301,7 +328,7 @@ class Preprocessor:
                 prompt_param=param,
             )
             assert ids is not None  # None only past the window, which _max_tokens refused
-            sampling = _sampling(
+            sampling, structured_param = _sampling(
                 req,
                 max_tokens,
                 self.vocab_size,
@@ -314,7 +341,7 @@ class Preprocessor:
             echo = None
             if req.echo:
                 echo = prompt if isinstance(prompt, str) else str(self.tokenizer.decode(ids))
-            out.append(Prepared(ids, sampling, echo=echo))
+            out.append(Prepared(ids, sampling, echo=echo, structured_param=structured_param))
         return out
 
     # --- steps -------------------------------------------------------------------------------
@@ -455,10 +482,11 @@ def _sampling(
     logprobs: bool,
     top_logprobs: int,
     tools: ToolPlan | None = None,
-) -> SamplingParams:
-    """The worker-side settings of ``req``; raises InvalidRequestError for a ``logit_bias`` or
-    ``stop_token_ids`` id outside ``[0, vocab_size)``, for ``min_tokens > max_tokens``, and
-    for a structured output beside a ``tool_choice`` that constrains the output too."""
+) -> tuple[SamplingParams, str | None]:
+    """The worker-side settings of ``req`` and the field its structured output came from (None
+    without one); raises InvalidRequestError for a ``logit_bias`` or ``stop_token_ids`` id
+    outside ``[0, vocab_size)``, for ``min_tokens > max_tokens``, for a structured output
+    beside a ``tool_choice`` that constrains the output too, and for one past the size caps."""
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     bias = tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items())
     stop_ids = tuple(req.stop_token_ids or ())
@@ -473,7 +501,7 @@ def _sampling(
         raise InvalidRequestError(
             f"min_tokens ({min_tokens}) exceeds max_tokens ({max_tokens})", param="min_tokens"
         )
-    structured = structured_output(req)
+    structured, param = structured_output(req)
     calls = None
     if tools is not None and (tools.mode != "auto" or structured is None):
         calls = tools.constraint()  # auto beside a structured output: that one governs
@@ -484,9 +512,9 @@ def _sampling(
                 "output; send one",
                 param="tool_choice",
             )
-        check_grammar(calls, "tools")
-        structured = calls
-    return SamplingParams(
+        check_size(calls, "tools")
+        structured, param = calls, "tools"
+    sampling = SamplingParams(
         n=_choices(req),
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -506,13 +534,15 @@ def _sampling(
         logprobs=logprobs,
         top_logprobs=top_logprobs if logprobs else 0,
     )
+    return sampling, param
 
 
-def structured_output(req: _SamplingFields) -> StructuredOutput | None:
+def structured_output(req: _SamplingFields) -> tuple[StructuredOutput | None, str | None]:
     """The request's constraint from ``response_format`` (chat), ``structured_outputs`` or
-    vLLM's older ``guided_*`` fields (at most one of them), checked by compiling it
-    (:func:`pdserve.grammar.check`). Raises InvalidRequestError naming the field: two
-    constraints, none in a ``structured_outputs`` object, or one that does not compile."""
+    vLLM's older ``guided_*`` fields (at most one of them), and the field it came from; its
+    size checked (:func:`pdserve.grammar.check_size`; the router's grammar checker compiles it
+    later, off the tokenizer pool). Raises InvalidRequestError naming the field: two
+    constraints, none in a ``structured_outputs`` object, or one past the size caps."""
     found: list[tuple[str, StructuredOutput]] = []
     rf = getattr(req, "response_format", None)
     if rf is not None and rf.type == "json_object":
@@ -553,7 +583,7 @@ def structured_output(req: _SamplingFields) -> StructuredOutput | None:
         if value is not None:
             found.append(_constraint(name, name.removeprefix("guided_"), value))
     if not found:
-        return None
+        return None, None
     if len(found) > 1:
         raise InvalidRequestError(
             f"give one structured output, not {len(found)} ({', '.join(p for p, _ in found)})",
@@ -562,8 +592,8 @@ def structured_output(req: _SamplingFields) -> StructuredOutput | None:
     param, constraint = found[0]
     if not compact:
         constraint = constraint.model_copy(update={"whitespace": True})
-    check_grammar(constraint, param)
-    return constraint
+    check_size(constraint, param)
+    return constraint, param
 
 
 def _constraint(param: str, kind: str, value: Any) -> tuple[str, StructuredOutput]:
