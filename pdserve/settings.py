@@ -230,6 +230,16 @@ class RouterSettings(_Section):
         description="how tool_choice auto replies are read: hermes (<tool_call> tags, also what "
         "a model whose chat template cannot render tools is told to use) or llama3_json",
     )
+    special_tokens_in_content: Annotated[
+        bool, Flag("--special-tokens-in-content", ("up", "router"))
+    ] = Field(
+        default=True,
+        description="special-token text (<|im_start|>, <|eot_id|>, ...) inside user and tool "
+        "message content becomes the control tokens, as in vLLM and SGLang, so content can "
+        "open a turn of its own (a system turn); false (--no-special-tokens-in-content): "
+        "such text is encoded as plain text, and only the chat template's own special tokens "
+        "are control tokens (needs a fast tokenizer)",
+    )
     max_n: Annotated[int, Flag("--max-n", ("up", "router"))] = Field(
         default=16, gt=0, le=16, description="most choices (n) in one request (at most 16)"
     )

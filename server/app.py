@@ -285,6 +285,7 @@ async def _start(
             max_n=cfg.router.max_n,
             max_messages=cfg.router.max_messages,
             tool_call_parser=cfg.router.tool_call_parser,
+            special_tokens_in_content=cfg.router.special_tokens_in_content,
         ),
         tokenizer_pool=tokenizer_pool,
         grammars=grammars,

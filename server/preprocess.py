@@ -8,8 +8,10 @@ Steps, in order (the first failure raises a typed error, nothing is sent to a wo
    ``top_logprobs`` only with ``logprobs``, at most ``max_messages`` messages.
 3. prompt -> token ids: chat messages (and tools, :mod:`.tools`) through the chat template
    (its options: ``chat_template_kwargs``, ``add_generation_prompt``,
-   ``continue_final_message``), a completion prompt (or each of a list) through ``encode``, or
-   the client's own token ids (checked against the vocabulary).
+   ``continue_final_message``; with ``router.special_tokens_in_content`` false, special-token
+   text in user and tool content stays plain text, :mod:`.content_guard`), a completion prompt
+   (or each of a list) through ``encode``, or the client's own token ids (checked against the
+   vocabulary).
 4. context window: ``len(prompt) + max_tokens <= max_model_len``, else 400 with the numbers.
    Chat without ``max_tokens`` gets the rest of the window; completions default to 16.
 5. sampling: the sampling fields, the structured output (:func:`structured_output`, compiled
