@@ -44,6 +44,11 @@ Protocol history:
    13: a request's own errors mid-stream: ``GenerationChunk.error_code`` (``grammar_failed``:
        its structured output failed while decoding), which the router answers as a 400
        instead of migrating the request.
+   14: sampling that cannot make NaN logits: a ``SamplingParams.temperature`` below
+       :data:`GREEDY_TEMPERATURE` is greedy (it sampled from NaN before), ``repetition_penalty``
+       at least :data:`MIN_REPETITION_PENALTY`, ``logit_bias`` biases within
+       :data:`MAX_LOGIT_BIAS_VALUE`; workers of 13 and 14 would sample a tiny temperature
+       differently.
 
 Clocks: deadlines on the wire are wall-clock UNIX seconds (``time.time()``), never monotonic
 readings, because a monotonic clock does not cross processes.
@@ -59,7 +64,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 PROTOCOL_HEADER = "x-pdserve-protocol"
 
 
@@ -249,11 +254,29 @@ class StructuredOutput(_Msg):
 MAX_REPETITION_PENALTY = 10.0
 """Largest ``repetition_penalty`` (vLLM sets none; past 2 it already garbles text)."""
 
+MIN_REPETITION_PENALTY = 0.01
+"""Smallest ``repetition_penalty`` (vLLM takes any positive one): a seen token's logit grows at
+most 100-fold. A smaller factor overflows float32 (1e-300 is 0 there: the logits became inf and
+NaN, and the sampler picked whatever argmax made of NaN, often EOS)."""
+
+GREEDY_TEMPERATURE = 1e-5
+"""A temperature below this (0 included) is greedy: the argmax, as vLLM (its
+``_SAMPLING_EPS``). Dividing logits by a smaller one overflows float32 (5e-324 made them
+inf and the softmax NaN); at this one the sampled distribution is the argmax's in practice."""
+
+MAX_LOGIT_BIAS_VALUE = 100.0
+"""Largest ``logit_bias`` bias, either sign (OpenAI's range)."""
+
+
+LogitBiasValue = Annotated[float, Field(ge=-MAX_LOGIT_BIAS_VALUE, le=MAX_LOGIT_BIAS_VALUE)]
+"""A ``logit_bias`` bias: finite, within :data:`MAX_LOGIT_BIAS_VALUE` either way."""
+
 
 class SamplingParams(_Msg):
     """Per-request sampling settings.
 
-    ``temperature == 0`` means greedy. ``seed`` makes sampling reproducible: the random draw for
+    A ``temperature`` below :data:`GREEDY_TEMPERATURE` (0 included) means greedy
+    (:attr:`greedy`); every value these fields accept keeps the logits finite. ``seed`` makes sampling reproducible: the random draw for
     output position ``i`` depends only on ``(seed, i)``, so it is identical whether the token is
     sampled by the prefill worker (position 0) or the decode worker (positions >= 1).
 
@@ -289,8 +312,10 @@ class SamplingParams(_Msg):
     min_tokens: int = Field(default=0, ge=0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY)
-    logit_bias: tuple[tuple[int, float], ...] = Field(
+    repetition_penalty: float = Field(
+        default=1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY
+    )
+    logit_bias: tuple[tuple[int, LogitBiasValue], ...] = Field(
         default=(), description="(token id, bias in [-100, 100]) pairs"
     )
     structured: StructuredOutput | None = None
@@ -303,6 +328,12 @@ class SamplingParams(_Msg):
         description="the logprob of every prompt token after the first (the prompt is then "
         "computed whole, no prefix-cache reuse) with this many top alternatives; None: none",
     )
+
+    @property
+    def greedy(self) -> bool:
+        """Whether the sampler takes the argmax: a temperature below
+        :data:`GREEDY_TEMPERATURE`, or ``top_k`` 1. Both legs of a request decide alike."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def processes_logits(self) -> bool:

@@ -31,12 +31,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
+from pdserve.server.json_values import JSONObject, JSONText, Text
 from pdserve.server.schemas import (
     _FAIL_FAST,
     FUNCTION_NAME,
     MAX_MESSAGES,
     MAX_TOOLS,
-    Text,
     _accepts,
     _Req,
 )
@@ -57,7 +57,7 @@ class ContentPart(_Req):
     """A content part: ``input_text`` or ``output_text`` (an earlier reply passed back); any
     other type (``input_image``, ``input_file``, ...) is a 400 unsupported naming it."""
 
-    type: Annotated[str, WithJsonSchema({"enum": list(PART_TYPES)})] = Field(
+    type: Annotated[Text, WithJsonSchema({"enum": list(PART_TYPES)})] = Field(
         description="input_text or output_text (another type is a 400 unsupported)"
     )
     text: Text | None = Field(default=None, description="required")
@@ -73,7 +73,7 @@ class InputItem(_Req):
     ``output``. Other item types are a 400 unsupported naming ``input[i].type``."""
 
     type: Annotated[
-        str | None, WithJsonSchema({"anyOf": [{"enum": list(INPUT_ITEM_TYPES)}, {"type": "null"}]})
+        Text | None, WithJsonSchema({"anyOf": [{"enum": list(INPUT_ITEM_TYPES)}, {"type": "null"}]})
     ] = Field(default=None, description="message (the default), function_call or "
               "function_call_output")  # fmt: skip
     role: Literal["user", "system", "developer", "assistant"] | None = Field(
@@ -85,7 +85,7 @@ class InputItem(_Req):
         "function_call_output)"
     )  # fmt: skip
     name: str | None = Field(default=None, pattern=FUNCTION_NAME, description="function_call")
-    arguments: Text | None = Field(default=None, description="function_call: JSON text")
+    arguments: JSONText | None = Field(default=None, description="function_call: JSON text")
     output: Content | None = Field(default=None, description="function_call_output: the result")
 
 
@@ -95,14 +95,12 @@ class FunctionTool(_Req):
 
     model_config = ConfigDict(json_schema_extra={"required": ["type", "name"]})
 
-    type: Annotated[str, WithJsonSchema({"const": "function"})] = Field(
+    type: Annotated[Text, WithJsonSchema({"const": "function"})] = Field(
         description="function (another type is a 400 unsupported)"
     )
     name: str | None = Field(default=None, pattern=FUNCTION_NAME, description="required")
     description: Text | None = None
-    parameters: dict[str, Any] | None = Field(
-        default=None, description="the arguments' JSON Schema"
-    )
+    parameters: JSONObject | None = Field(default=None, description="the arguments' JSON Schema")
     strict: bool | None = Field(default=None, description="the schema is enforced either way")
 
 
@@ -121,7 +119,7 @@ class TextFormat(_Req):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = Field(default=None, max_length=64, description="json_schema: required")
     description: Text | None = None
-    schema_: dict[str, Any] | None = Field(
+    schema_: JSONObject | None = Field(
         default=None, alias="schema", description="json_schema: required"
     )
     strict: bool | None = None
@@ -133,14 +131,14 @@ class TextConfig(_Req):
     format: TextFormat | None = None
 
 
-MetadataKey = Annotated[str, Field(max_length=64)]
-MetadataValue = Annotated[str, Field(max_length=512)]
+MetadataKey = Annotated[Text, Field(max_length=64)]
+MetadataValue = Annotated[Text, Field(max_length=512)]
 
 
 class ResponsesRequest(_Req):
     """``POST /v1/responses`` (stateless: nothing is stored)."""
 
-    model: str
+    model: Text
     input: Text | Annotated[list[InputItem], Field(max_length=MAX_MESSAGES), _FAIL_FAST] = Field(
         description=f"a string (one user message) or a list of input items (at most "
         f"router.max_messages messages, at most {MAX_MESSAGES} items)"
@@ -165,7 +163,7 @@ class ResponsesRequest(_Req):
     metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=MAX_METADATA)] | None = (
         Field(default=None, description="accepted and echoed, unused")
     )
-    user: str | None = Field(default=None, description="accepted, unused")
+    user: Text | None = Field(default=None, description="accepted, unused, echoed")
     store: Annotated[bool | None, _accepts({"const": False})] = Field(
         default=None, description=_UNSUPPORTED + "false or absent (nothing is stored)"
     )

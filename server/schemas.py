@@ -10,14 +10,18 @@ refusals of unsupported fields.
 Bounds fixed here (module constants, documented in the OpenAPI schema): at most
 :data:`MAX_STOP_SEQUENCES` stop strings of at most :data:`MAX_STOP_CHARS` characters each
 (OpenAI's limit of 4), chat ``top_logprobs`` 0..20 and completions ``logprobs`` 0..5 (OpenAI's
-ranges), ``seed`` any integer, ``temperature`` 0..2, ``top_p`` in (0, 1], finite
-numbers only (``NaN``/``Infinity`` are refused).
+ranges), ``seed`` any integer, ``temperature`` 0..2 (below
+:data:`~pdserve.protocol.GREEDY_TEMPERATURE` greedy, as vLLM), ``top_p`` in (0, 1], finite
+numbers only (``NaN``/``Infinity`` are refused). Every string is Unicode text (no lone
+surrogate), and free-form JSON (tool ``parameters``, schemas, ``metadata``,
+``chat_template_kwargs``, a call's ``arguments`` decoded) is so throughout and at most
+:data:`~pdserve.server.json_values.MAX_JSON_DEPTH` levels deep (:mod:`.json_values`).
 
 Sampling beyond OpenAI's temperature/top_p: ``presence_penalty`` and ``frequency_penalty``
 (-2..2), ``logit_bias`` (at most :data:`MAX_LOGIT_BIAS` token ids, biases -100..100), and
-vLLM's extensions ``min_p``, ``min_tokens``, ``repetition_penalty``, ``stop_token_ids`` (at most
-:data:`MAX_STOP_TOKEN_IDS`) and ``ignore_eos``; :class:`pdserve.protocol.SamplingParams` says
-how each is applied.
+vLLM's extensions ``min_p``, ``min_tokens``, ``repetition_penalty`` (0.01..10, so no logit
+overflows float32), ``stop_token_ids`` (at most :data:`MAX_STOP_TOKEN_IDS`) and ``ignore_eos``;
+:class:`pdserve.protocol.SamplingParams` says how each is applied.
 
 OpenAI fields pdserve does not implement are declared (so they are documented, and refused
 rather than dropped): ``functions``, ``function_call``,
@@ -43,7 +47,19 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
 
-from pdserve.protocol import MAX_CHOICES, MAX_REPETITION_PENALTY
+from pdserve.protocol import (
+    GREEDY_TEMPERATURE,
+    MAX_CHOICES,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+)
+from pdserve.server.json_values import (
+    JSONObject,
+    JSONText,
+    JSONValue,
+    Text,
+    unicode_text,
+)
 
 MAX_STOP_SEQUENCES = 4
 """Most stop strings in one request (OpenAI's limit)."""
@@ -83,23 +99,6 @@ EXTENSION_DEFAULTS: dict[str, Any] = {
 with the one value pdserve's behaviour matches; any other value is refused (``unsupported``)."""
 
 
-def _unicode_text(value: str) -> str:
-    """Refuse a string holding a lone surrogate (JSON ``"\\ud800"`` without its pair): it is no
-    Unicode text, and the tokenizer cannot encode it. One pass over the string."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(
-            f"not valid Unicode text: a lone surrogate ({value[exc.start]!r}) at character "
-            f"{exc.start}; send each character outside the Basic Multilingual Plane as one "
-            "surrogate pair"
-        ) from None
-    return value
-
-
-Text = Annotated[str, AfterValidator(_unicode_text)]
-"""A string the model reads: valid Unicode (no lone surrogate), else a 400 naming the field."""
-
 _FAIL_FAST = Field(fail_fast=True)
 """On every list a client sends: validation stops at the first bad item, so a body of a
 hundred thousand bad items costs one error, not one per item (and per union member), on the
@@ -125,7 +124,7 @@ _NONE_OR_AUTO = _accepts({"enum": ["none", "auto"]})
 class TextPart(_Req):
     """A content part. Only ``{"type": "text", "text": ...}`` is supported."""
 
-    type: Annotated[str, WithJsonSchema({"const": "text"})] = Field(
+    type: Annotated[Text, WithJsonSchema({"const": "text"})] = Field(
         description="only text (another type is a 400 unsupported)"
     )
     text: Text | None = None
@@ -140,7 +139,7 @@ class CalledFunction(_Req):
     """An earlier call's function: its name and its arguments as JSON text."""
 
     name: str = Field(pattern=FUNCTION_NAME)
-    arguments: Text = Field(description="JSON text")
+    arguments: JSONText = Field(description="JSON text")
 
 
 class ToolCallIn(_Req):
@@ -173,7 +172,7 @@ class FunctionDef(_Req):
 
     name: str = Field(pattern=FUNCTION_NAME)
     description: Text | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: JSONObject | None = None
     strict: bool | None = Field(default=None, description="the schema is enforced either way")
 
 
@@ -201,7 +200,7 @@ class StreamOptions(_Req):
     include_usage: bool | None = False
 
 
-StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS), AfterValidator(_unicode_text)]
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS), AfterValidator(unicode_text)]
 _UNSUPPORTED = "not supported: refused (400 unsupported) unless "
 
 
@@ -237,7 +236,7 @@ class StructuredOutputs(_Req):
     backend takes). ``disable_any_whitespace`` (default true here, false in vLLM): JSON without
     whitespace between tokens."""
 
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_: JSONObject | JSONText | None = Field(default=None, alias="json")
     json_object: bool | None = None
     regex: Text | None = None
     choice: Annotated[list[Text], Field(min_length=1, max_length=1024), _FAIL_FAST] | None = None
@@ -250,9 +249,11 @@ class _SamplingFields(_Req):
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
-    model: str
+    model: Text
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    temperature: float | None = Field(
+        default=None, ge=0.0, le=2.0, description=f"below {GREEDY_TEMPERATURE:g}: greedy"
+    )
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(
         default=None, ge=-1, le=2**31 - 1, description="extension; 0 or -1 disable it"
@@ -300,7 +301,7 @@ class _SamplingFields(_Req):
     )
     repetition_penalty: float | None = Field(
         default=None,
-        gt=0.0,
+        ge=MIN_REPETITION_PENALTY,
         le=MAX_REPETITION_PENALTY,
         description="extension: a seen token's (prompt or output) logit is divided by it when "
         "positive, multiplied when negative; 1 is off",
@@ -312,7 +313,7 @@ class _SamplingFields(_Req):
     structured_outputs: StructuredOutputs | None = Field(
         default=None, description="extension (vLLM's): constrain the text to a schema or grammar"
     )
-    guided_json: dict[str, Any] | str | None = Field(
+    guided_json: JSONObject | JSONText | None = Field(
         default=None, description="extension, vLLM's older name of structured_outputs.json"
     )
     guided_regex: Text | None = Field(
@@ -324,15 +325,15 @@ class _SamplingFields(_Req):
     guided_grammar: Text | None = Field(
         default=None, description="extension, vLLM's older name of structured_outputs.grammar"
     )
-    user: str | None = Field(default=None, description="accepted, unused")
+    user: Text | None = Field(default=None, description="accepted, unused")
 
 
 class JSONSchemaFormat(_Req):
     """``response_format.json_schema``: the schema is enforced whether or not ``strict``."""
 
     name: str = Field(max_length=64)
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: Text | None = None
+    schema_: JSONObject | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
@@ -395,7 +396,7 @@ class ChatCompletionRequest(_SamplingFields):
     web_search_options: Annotated[Any, _NULL_ONLY] = Field(
         default=None, description=_UNSUPPORTED + "null"
     )
-    chat_template_kwargs: dict[str, Any] | None = Field(
+    chat_template_kwargs: JSONObject | None = Field(
         default=None,
         description="extension: more variables for the chat template (e.g. enable_thinking)",
     )
@@ -408,10 +409,10 @@ class ChatCompletionRequest(_SamplingFields):
         description="extension: continue the last (assistant) message instead of starting a new "
         "one; needs add_generation_prompt false",
     )
-    prediction: Any = Field(default=None, description="accepted, ignored (latency hint only)")
+    prediction: JSONValue = Field(default=None, description="accepted, ignored (latency hint only)")
     store: bool | None = Field(default=None, description="accepted, unused")
-    metadata: dict[str, Any] | None = Field(default=None, description="accepted, unused")
-    service_tier: str | None = Field(default=None, description="accepted, unused")
+    metadata: JSONObject | None = Field(default=None, description="accepted, unused")
+    service_tier: Text | None = Field(default=None, description="accepted, unused")
 
 
 MAX_PROMPTS = 64
@@ -460,7 +461,7 @@ class CompletionRequest(_SamplingFields):
     best_of: Annotated[int | None, _accepts({"type": "integer", "minimum": 1})] = Field(
         default=None, description=_UNSUPPORTED + "equal to n"
     )
-    suffix: Annotated[str | None, _accepts({"type": "string", "maxLength": 0})] = Field(
+    suffix: Annotated[Text | None, _accepts({"type": "string", "maxLength": 0})] = Field(
         default=None, description=_UNSUPPORTED + "empty"
     )
 
@@ -469,13 +470,13 @@ class TokenizeRequest(_Req):
     """``POST /tokenize`` (vLLM's): exactly one of ``prompt`` (text) or ``messages`` (through the
     chat template, with ``tools`` and the template options of a chat request)."""
 
-    model: str
+    model: Text
     prompt: Text | None = None
     messages: Annotated[list[ChatMessage], _FAIL_FAST] | None = Field(
         default=None, max_length=MAX_MESSAGES
     )
     tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS), _FAIL_FAST] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: JSONObject | None = None
     add_generation_prompt: bool | None = Field(
         default=None, description="messages only; default true"
     )
@@ -498,7 +499,7 @@ class TokenizeResponse(BaseModel):
 class DetokenizeRequest(_Req):
     """``POST /detokenize`` (vLLM's): token ids back to text."""
 
-    model: str
+    model: Text
     tokens: Annotated[list[int], _FAIL_FAST]
 
 

@@ -7,8 +7,15 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from pydantic import ValidationError
 
-from pdserve.protocol import SamplingParams
+from pdserve.protocol import (
+    GREEDY_TEMPERATURE,
+    MAX_LOGIT_BIAS_VALUE,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    SamplingParams,
+)
 from pdserve.workers.engine.sampler import Sampler
 
 VOCAB = 8
@@ -96,3 +103,68 @@ def test_processing_one_row_leaves_the_others_and_the_logprobs_raw() -> None:
     raw = torch.log_softmax(logits[0], dim=-1)
     lp = result.logprobs[0]
     assert lp is not None and lp.logprob == pytest.approx(raw[2].item())  # the model's own
+
+
+# Extremes of every sampling field the schema accepts (issue 39: temperature 5e-324 and
+# repetition_penalty 1e-300 made the logits NaN, and the sampler emitted EOS).
+EXTREMES = [
+    {"temperature": 5e-324},
+    {"temperature": GREEDY_TEMPERATURE * 0.999},
+    {"temperature": GREEDY_TEMPERATURE},
+    {"temperature": 2.0},
+    {"top_p": 5e-324},
+    {"min_p": 5e-324},
+    {"min_p": 1e-45},
+    {"min_p": 1.0},
+    {"top_k": 2**31 - 1},
+    {"repetition_penalty": MIN_REPETITION_PENALTY},
+    {"repetition_penalty": MAX_REPETITION_PENALTY},
+    {"presence_penalty": 2.0, "frequency_penalty": 2.0},
+    {"presence_penalty": -2.0, "frequency_penalty": -2.0},
+    {"presence_penalty": 5e-324, "frequency_penalty": -5e-324},
+    {"logit_bias": ((0, MAX_LOGIT_BIAS_VALUE), (6, -MAX_LOGIT_BIAS_VALUE))},
+    {"temperature": GREEDY_TEMPERATURE, "repetition_penalty": MIN_REPETITION_PENALTY,
+     "frequency_penalty": -2.0, "logit_bias": ((0, MAX_LOGIT_BIAS_VALUE),), "top_p": 5e-324,
+     "min_p": 5e-324},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fields", EXTREMES)
+def test_every_accepted_extreme_keeps_the_probabilities_finite(fields: dict[str, object]) -> None:
+    logits = torch.tensor([[30.0, 29.0, -30.0, 0.0, 1e-3, -1e-3, 12.0, 31.0]])
+    seen = History(prompt_token_ids=[0, 1, 2], output_token_ids=[0, 0, 5])
+    p = SamplingParams.model_validate({"temperature": 1.0, "seed": 1, **fields})
+    sampler = Sampler(eos_token_ids=[EOS])
+    x = sampler._processed(logits, [p], [0], [seen]) if p.processes_logits else logits
+    assert torch.isfinite(x).all(), x
+    token = sampler.sample(logits, [p], [0], [seen]).token_ids[0]
+    if p.greedy:
+        assert token == x.argmax().item()
+    else:
+        probs = sampler._filtered_probs(x, [p])[0]
+        assert not probs.isnan().any() and probs.sum().item() == pytest.approx(1.0), probs
+        assert probs.argmax().item() == x.argmax().item()  # the likeliest stays likeliest
+        assert probs[token] > 0
+
+
+def test_a_temperature_below_the_greedy_threshold_is_greedy_on_both_legs() -> None:
+    # Flat logits: any sampled draw would spread; greedy takes the first maximum every time.
+    logits = torch.tensor([[1.0, 1.0 + 1e-6, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
+    for temperature in (5e-324, 1e-300, GREEDY_TEMPERATURE / 2):
+        p = SamplingParams(temperature=temperature)
+        assert p.greedy
+        # position 0 is the prefill leg's sample, later positions the decode leg's
+        picks = Sampler().sample(logits.repeat(16, 1), [p] * 16, list(range(16))).token_ids
+        assert picks == [1] * 16
+    assert not SamplingParams(temperature=GREEDY_TEMPERATURE).greedy
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("repetition_penalty", 1e-300), ("repetition_penalty", MIN_REPETITION_PENALTY / 2),
+     ("logit_bias", ((0, 1e300),)), ("logit_bias", ((0, float("inf")),)),
+     ("temperature", float("nan")), ("presence_penalty", float("-inf"))],
+)  # fmt: skip
+def test_the_wire_refuses_values_that_would_overflow_the_logits(field: str, value: object) -> None:
+    with pytest.raises(ValidationError, match=field):
+        SamplingParams.model_validate({field: value})

@@ -275,6 +275,9 @@ SAMPLING = [
      {"structured": StructuredOutput(kind="json", spec='{"type": "object"}')}),
     (COMPLETION_PATH, {"guided_json": {"type": "object"}},
      {"structured": StructuredOutput(kind="json", spec='{"type": "object"}')}),
+    # issue 39: a temperature below vLLM's threshold is greedy (was: NaN logits, then EOS)
+    (CHAT_PATH, {"temperature": 5e-324, "repetition_penalty": 0.01},
+     {"temperature": 5e-324, "greedy": True, "repetition_penalty": 0.01}),
 ]  # fmt: skip
 
 
@@ -294,6 +297,9 @@ BAD_SAMPLING = [
     (CHAT_PATH, {"stop_token_ids": [99999]}, "stop_token_ids", "must lie in [0, "),
     (CHAT_PATH, {"min_tokens": 5, "max_tokens": 4}, "min_tokens", "exceeds max_tokens"),
     (CHAT_PATH, {"repetition_penalty": 0}, "repetition_penalty", ""),
+    # issue 39: a factor that overflows float32 (the logits became NaN, the sampler emitted EOS)
+    (CHAT_PATH, {"repetition_penalty": 1e-300}, "repetition_penalty", "greater than or equal"),
+    (COMPLETION_PATH, {"repetition_penalty": 0.009}, "repetition_penalty", "0.01"),
     (CHAT_PATH, {"min_p": 1.5}, "min_p", ""),
     (CHAT_PATH, {"response_format": "text"}, "response_format", ""),
     (CHAT_PATH, {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},

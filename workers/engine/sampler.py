@@ -17,6 +17,11 @@ Sampling uses the exponential-race form (as vLLM's sampler): ``argmax(probs / q)
 ``q ~ Exp(1)`` i.i.d. per vocabulary entry picks token ``t`` with probability ``probs[t]``
 exactly, and needs one noise tensor per row rather than a CDF search.
 
+Every value :class:`~pdserve.protocol.SamplingParams` accepts keeps the logits finite: a
+temperature below :data:`~pdserve.protocol.GREEDY_TEMPERATURE` is greedy (no division), and
+the penalties and biases are bounded so that processing then temperature stay far inside float32
+(no ``inf``, so no NaN from the softmax).
+
 Structured outputs: a constrained row's logits outside its grammar's next tokens are ``-inf``
 after processing (:mod:`pdserve.workers.engine.grammar`), so greedy and sampled picks alike stay
 inside the grammar.
@@ -98,7 +103,7 @@ class Sampler:
         advanced: the caller consumes the sampled token)."""
         n = logits.shape[0]
         assert len(params) == n and len(positions) == n, "one SamplingParams per logits row"
-        greedy = [i for i, p in enumerate(params) if p.temperature == 0.0 or p.top_k == 1]
+        greedy = [i for i, p in enumerate(params) if p.greedy]
         processed = [i for i, p in enumerate(params) if p.processes_logits]
         constrained = [(i, g) for i, g in enumerate(grammars or ()) if g is not None]
         if (
