@@ -306,12 +306,16 @@ def _resolve_model(cfg: PdserveConfig) -> Path:
 def _observe(
     cfg: PdserveConfig, level: str, service: str | None = None, instance: str = ""
 ) -> None:
-    """Apply the observability section to this process: the log format, and (``service``
-    given: a serving process) tracing."""
+    """Apply the observability section to this process: the log format (JSON: its stderr
+    relayed as JSON lines, and a serving process's stdout too), and (``service`` given: a
+    serving process) tracing."""
     from pdserve import tracing
-    from pdserve.logs import configure_logging
+    from pdserve.logs import configure_logging, relay_output_as_json
 
     configure_logging(level, cfg.observability.log_format)
+    if cfg.observability.log_format == "json":
+        # pdserve up keeps its stdout: its one "ready" line for a person or a script
+        relay_output_as_json(stdout=service is not None)
     if service is not None:
         tracing.configure(cfg.observability, service, instance or f"{service}-{os.getpid()}")
 

@@ -13,14 +13,18 @@ carries :attr:`~pdserve.errors.PdserveError.public_message`, never an internal w
 address or peer; the full message goes to the log under the request id (a 5xx as a warning).
 
 Every error body carries the request id (``error.request_id``) and every error response the
-``X-Request-Id`` header: the client's own ``X-Request-Id`` when it sent one, else one generated
-here (:func:`request_id`). The router and the workers install the same handlers
+``X-Request-Id`` header: the client's own ``X-Request-Id`` when it is an id
+(:data:`CLIENT_REQUEST_ID`: letters, digits and ``._:-``, at most 128 characters), else one
+generated here (:func:`request_id`). A client's id is never refused, only replaced (the response
+header says which id its request got): it lands in log lines, where spaces or quotes could fake
+fields. vLLM takes the header verbatim. The router and the workers install the same handlers
 (:func:`install_error_handlers`); nothing else registers exception handlers.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -43,19 +47,20 @@ log = logging.getLogger(__name__)
 
 
 REQUEST_ID_HEADER = "X-Request-Id"
-_MAX_CLIENT_ID = 128  # a longer client id is replaced (it is echoed into logs and bodies)
+CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+"""The client ``X-Request-Id`` values taken as the request's id (UUIDs, ULIDs, ``req_...``,
+``trace:span``); any other is replaced by a generated one."""
 
 
 def request_id(request: Request) -> str:
-    """The request's id: the client's ``X-Request-Id`` (when printable and at most 128
-    characters), else a generated ``req-<hex>``. Computed once per request (cached on
-    ``request.state``), so every log line and the error body agree."""
+    """The request's id: the client's ``X-Request-Id`` when it matches
+    :data:`CLIENT_REQUEST_ID`, else a generated ``req-<hex>``. Computed once per request
+    (cached on ``request.state``), so every log line and the error body agree."""
     cached = getattr(request.state, "request_id", None)
     if isinstance(cached, str):
         return cached
     given = request.headers.get(REQUEST_ID_HEADER, "").strip()
-    rid = given if given and len(given) <= _MAX_CLIENT_ID and given.isprintable() else None
-    rid = rid or f"req-{uuid.uuid4().hex}"
+    rid = given if CLIENT_REQUEST_ID.fullmatch(given) else f"req-{uuid.uuid4().hex}"
     request.state.request_id = rid
     return rid
 

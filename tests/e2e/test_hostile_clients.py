@@ -8,11 +8,15 @@ processes on the tiny model, embedded discovery, the default transfer backend).
    peer needs: every long-prompt request (its KV blocks pulled over new connections) succeeds
    (was: 3 of 3 got 502).
 3. A lone surrogate in a message or a prompt is a 400 that keeps the connection (was: a 500
-   with two tracebacks and a dropped keep-alive connection).
+   with two tracebacks and a dropped keep-alive connection); so is one in a tool's
+   ``parameters``, in an earlier call's ``arguments`` (escaped in its JSON text), in a
+   Responses ``function_call``'s arguments or its ``user``, and free-form JSON nested past
+   ``MAX_JSON_DEPTH`` (was: 500s, "Maximum serialization depth exceeded").
 4. The embedded registry is not on the public port (404 there, even with the cluster token);
    its internal listener answers 401 without the token.
 5. No public error body names a worker or an internal address, whatever failed; the router's
-   log has the details under the request id the body names. (Last: it kills the decode worker.)
+   log has the details under the request id the body names, and a client's ``X-Request-Id``
+   that could fake log fields is replaced, never logged. (Last: it kills the decode worker.)
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ INVALID = json.dumps(
 ).encode()  # fmt: skip
 LONG = [1, *(40 + i % 200 for i in range(300))]
 """A prompt of 301 tokens: several KV blocks, prefilled on the prefill worker and pulled."""
+FAKED_ID = 'x req chatcmpl-victim1 level="ERROR"'
+"""A client ``X-Request-Id`` (printable, under 128 characters) that names another request."""
 LEAK = re.compile(r"prefill-0|decode-0|127\.0\.0\.1|localhost|:\d{4,5}\b")
 
 
@@ -168,6 +174,59 @@ def test_a_lone_surrogate_is_a_400_and_the_connection_serves_on(stack: Stack) ->
     assert "Traceback" not in router_log and "unexpected error" not in router_log
 
 
+def _body(**fields: object) -> str:
+    """A request body of ``fields`` in which ``@lone@`` is the JSON escape of a lone surrogate
+    and ``@lone-in-text@`` that escape inside a JSON text held by a string (``arguments``)."""
+    text = json.dumps({"model": MODEL, **fields}).replace("@lone-in-text@", "\\\\ud800")
+    return text.replace("@lone@", "\\ud800")
+
+
+def _deep_schema(levels: int) -> dict[str, object]:
+    """A JSON Schema ``levels`` (odd) deep."""
+    schema: dict[str, object] = {"type": "string"}
+    for _ in range((levels - 1) // 2):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+HI = [{"role": "user", "content": "hi"}]
+CALL = {"name": "f", "arguments": '{"a": "@lone-in-text@"}'}
+"""An earlier call whose arguments (JSON text) escape a lone surrogate."""
+CALLED = [*HI, {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+          "function": CALL}]}, {"role": "tool", "tool_call_id": "c1", "content": "x"}]  # fmt: skip
+FREE_FORM = [
+    # (path, body, the param the 400 names)
+    ("/v1/chat/completions", _body(messages=HI, tools=[{"type": "function", "function": {
+     "name": "f", "parameters": {"description": "@lone@"}}}]), "tools[0].function.parameters"),
+    ("/v1/chat/completions", _body(messages=CALLED),
+     "messages[1].tool_calls[0].function.arguments"),
+    ("/v1/chat/completions", _body(messages=HI, tools=[{"type": "function", "function": {
+     "name": "f", "parameters": _deep_schema(151)}}]), "tools[0].function.parameters"),
+    ("/v1/responses", _body(input="hi", user="@lone@"), "user"),
+    ("/v1/responses", _body(input=[*HI, {"type": "function_call", "call_id": "c1", **CALL},
+     {"type": "function_call_output", "call_id": "c1", "output": "x"}]), "input[1].arguments"),
+    ("/v1/responses", _body(input="hi", tools=[{"type": "function", "name": "f",
+     "parameters": _deep_schema(151)}]), "tools[0].parameters"),
+]  # fmt: skip
+
+
+def test_surrogates_and_deep_json_anywhere_are_400s_on_the_same_connection(stack: Stack) -> None:
+    with httpx.Client(base_url=stack.url, timeout=60) as client:
+        for path, body, param in FREE_FORM:
+            json.loads(body)  # valid JSON: the server must refuse it for what it holds
+            r = client.post(path, content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == param, r.text
+            assert r.headers.get("connection") != "close"
+            peer = r.extensions["network_stream"].get_extra_info("client_addr")
+            ok = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi",
+                                                      "max_tokens": 2})  # fmt: skip
+            assert ok.status_code == 200, ok.text
+            assert ok.extensions["network_stream"].get_extra_info("client_addr") == peer
+    router_log = stack.procs["router"].log()
+    assert "Traceback" not in router_log and "unexpected error" not in router_log
+
+
 def test_the_registry_is_not_on_the_public_port_and_needs_the_cluster_token(
     stack: Stack,
 ) -> None:
@@ -205,7 +264,9 @@ def test_no_public_error_names_a_worker_or_an_address(stack: Stack) -> None:
         stack.procs["decode-0"].kill(signal.SIGKILL)
         request = {"model": MODEL, "prompt": LONG, "max_tokens": 4}
         for stream in (False, True):
-            r = client.post("/v1/completions", json={**request, "stream": stream})
+            r = client.post("/v1/completions", json={**request, "stream": stream},
+                            headers={"X-Request-Id": FAKED_ID})  # fmt: skip
+            assert r.headers["x-request-id"].startswith("req-"), r.headers
             if r.status_code == 200:  # a stream that started: its in-band error event
                 events = [e[6:] for e in r.text.split("\n\n") if e.startswith("data: {")]
                 bodies += [json.loads(e)["error"] for e in events if '"error"' in e]
@@ -221,6 +282,8 @@ def test_no_public_error_names_a_worker_or_an_address(stack: Stack) -> None:
     assert len(failures) == 3 and all(b["type"] == "server_error" for b in failures), bodies
     for body in bodies:
         assert not LEAK.search(json.dumps(body)), f"an internal detail reached a client: {body}"
-    # The router's log names what failed, under the request id each body names.
+    # The router's log names what failed, under the request id each body names; the client's
+    # id that would have faked a field is nowhere in it.
     for body in failures:
         stack.wait_logged("router", str(body["request_id"]), "decode")
+    assert "victim" not in stack.procs["router"].log()

@@ -10,6 +10,7 @@ import pytest
 from pdserve.config import RouterConfig
 from pdserve.errors import CapacityError, WorkerError
 from pdserve.protocol import Role
+from pdserve.server.json_values import MAX_JSON_DEPTH
 from tests.support.fakes import MODEL, FakeWorker, build_tokenizer_dir, router_harness
 
 REPLY = [(72, "H"), (105, "i"), (33, "!")]
@@ -31,6 +32,53 @@ def workers(**decode_kw):
         FakeWorker("p0", Role.PREFILL, REPLY),
         FakeWorker("d0", Role.DECODE, REPLY, **decode_kw),
     ]
+
+
+LONE = "@lone@"
+"""In a body built by :func:`_raw`: a lone surrogate, JSON-escaped (``\\ud800``)."""
+LONE_IN_TEXT = "@lone-in-text@"
+"""In a JSON text inside a string of such a body (``arguments``): the same escape, escaped once
+more, so the string is Unicode text and its decoded JSON is not."""
+
+ARGUMENTS_LONE = '{"a": "' + LONE_IN_TEXT + '"}'
+
+
+def _raw(body: dict[str, object]) -> bytes:
+    """``body`` as JSON, with :data:`LONE` and :data:`LONE_IN_TEXT` written as their escapes
+    (``json.dumps`` cannot write a lone surrogate's escape)."""
+    text = json.dumps(body).replace(LONE_IN_TEXT, "\\\\ud800")
+    return text.replace(LONE, "\\ud800").encode()
+
+
+def _chat(**fields: object) -> bytes:
+    return _raw({**CHAT, **fields})
+
+
+def _responses(**fields: object) -> bytes:
+    return _raw({"model": MODEL, "input": "hi", **fields})
+
+
+def _tokenize(**fields: object) -> bytes:
+    return _raw({"model": MODEL, "messages": CHAT["messages"], **fields})
+
+
+def _tool(parameters: dict[str, object]) -> dict[str, object]:
+    return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+
+def _called(arguments: str) -> list[dict[str, object]]:
+    """A history whose assistant message called ``f`` with ``arguments`` (JSON text)."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return [CHAT["messages"][0], {"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "x"}]  # fmt: skip
+
+
+def _deep(levels: int) -> dict[str, object]:
+    """A JSON Schema ``levels`` deep (each property's schema one object in another)."""
+    schema: dict[str, object] = {"type": "string"}
+    for _ in range((levels - 1) // 2):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema if levels % 2 else {"type": "array", "items": schema}
 
 
 BAD_REQUESTS = [
@@ -89,6 +137,46 @@ BAD_REQUESTS = [
      "invalid_request", "prompt", "lone surrogate"),
     ("/v1/completions", b'{"model": "tiny-test", "prompt": "x", "stop": ["\\udc00"]}', 400,
      "invalid_request", "stop[0]", "valid string"),
+    # ... anywhere else too: free-form JSON, JSON text (escaped once more), echoed fields; and
+    # free-form JSON nested past MAX_JSON_DEPTH (was: 500 "Maximum serialization depth").
+    ("/v1/chat/completions", _chat(tools=[_tool({"type": "object", "description": LONE})]),
+     400, "invalid_request", "tools[0].function.parameters", "at description: not valid Unicode"),
+    ("/v1/chat/completions", _chat(tools=[_tool({"properties": {LONE: {}}})]), 400,
+     "invalid_request", "tools[0].function.parameters", "a key in properties"),
+    ("/v1/chat/completions", _chat(tools=[_tool(_deep(MAX_JSON_DEPTH + 1))]), 400,
+     "invalid_request", "tools[0].function.parameters", f"more than {MAX_JSON_DEPTH} levels"),
+    ("/v1/chat/completions", _chat(messages=_called(ARGUMENTS_LONE)), 400,
+     "invalid_request", "messages[1].tool_calls[0].function.arguments", "lone surrogate"),
+    ("/v1/chat/completions", _chat(messages=_called("[" * 100_000 + "]" * 100_000)), 400,
+     "invalid_request", "messages[1].tool_calls[0].function.arguments", "levels deep"),
+    ("/v1/chat/completions", _chat(response_format={"type": "json_schema", "json_schema": {
+     "name": "x", "schema": _deep(MAX_JSON_DEPTH + 1)}}), 400, "invalid_request",
+     "response_format.json_schema.schema", "levels deep"),
+    ("/v1/chat/completions", _chat(user=LONE), 400, "invalid_request", "user",
+     "lone surrogate"),
+    ("/v1/chat/completions", _chat(metadata={"k": [LONE]}), 400, "invalid_request",
+     "metadata", "at k[0]: not valid Unicode"),
+    ("/v1/chat/completions", _chat(chat_template_kwargs={"x": LONE}), 400,
+     "invalid_request", "chat_template_kwargs", "lone surrogate"),
+    ("/v1/chat/completions", _chat(guided_json={"description": LONE}), 400,
+     "invalid_request", "guided_json", "lone surrogate"),
+    ("/v1/responses", _responses(user=LONE), 400, "invalid_request", "user",
+     "lone surrogate"),
+    ("/v1/responses", _responses(input=[{"role": "user", "content": "hi"}, {
+     "type": "function_call", "call_id": "c1", "name": "f", "arguments": ARGUMENTS_LONE}, {
+     "type": "function_call_output", "call_id": "c1", "output": "x"}]), 400, "invalid_request",
+     "input[1].arguments", "lone surrogate"),
+    ("/v1/responses", _responses(tools=[{"type": "function", "name": "f",
+     "parameters": {"enum": [LONE]}}]), 400, "invalid_request", "tools[0].parameters",
+     "at enum[0]: not valid Unicode"),
+    ("/v1/responses", _responses(tools=[{"type": "function", "name": "f",
+     "parameters": _deep(MAX_JSON_DEPTH + 1)}]), 400, "invalid_request",
+     "tools[0].parameters", "levels deep"),
+    ("/v1/responses", _responses(text={"format": {"type": "json_schema", "name": "x",
+     "schema": {"title": LONE}}}), 400, "invalid_request", "text.format.schema",
+     "lone surrogate"),
+    ("/tokenize", _tokenize(tools=[_tool(_deep(MAX_JSON_DEPTH + 1))]), 400, "invalid_request",
+     "tools[0].function.parameters", "levels deep"),
 ]  # fmt: skip
 
 
@@ -217,6 +305,28 @@ async def test_without_a_client_request_id_one_is_generated_and_returned():
     rid = r.headers["x-request-id"]
     assert rid.startswith("req-") and r.json()["error"]["request_id"] == rid
     assert rid in r.json()["error"]["message"] and "secret" not in r.text
+
+
+@pytest.mark.parametrize(
+    "given",
+    ["a req chatcmpl-victim1", 'x" level="ERROR', "ok\tid", "na\xc3\xafve", "x" * 129, "a=b"],
+)
+async def test_a_client_request_id_that_could_fake_log_fields_is_replaced(given, caplog):
+    header = given.encode("latin-1")  # as sent on the wire (the UTF-8 bytes of "naïve")
+    with caplog.at_level("WARNING", logger="pdserve.server.errors"):
+        r = await _get(_app_raising(CapacityError("busy")), "/boom", {"X-Request-Id": header})
+    rid = r.headers["x-request-id"]
+    assert rid.startswith("req-") and r.json()["error"]["request_id"] == rid
+    (line,) = [rec for rec in caplog.records if rid in rec.getMessage()]
+    assert given not in line.getMessage()
+
+
+@pytest.mark.parametrize(
+    "given", ["550e8400-e29b-41d4-a716-446655440000", "req_01HZX.trace:span-2", "a" * 128]
+)
+async def test_a_client_request_id_of_id_characters_is_kept(given):
+    r = await _get(_app_raising(CapacityError("busy")), "/boom", {"X-Request-Id": given})
+    assert r.headers["x-request-id"] == given == r.json()["error"]["request_id"]
 
 
 async def test_typed_errors_and_unknown_routes_carry_the_request_id_too():

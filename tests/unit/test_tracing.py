@@ -161,7 +161,7 @@ def test_json_logs_carry_the_request_id(capsys: pytest.CaptureFixture[str]) -> N
     logs.configure_logging("info", "json")
     try:
         log = logging.getLogger("pdserve.test")
-        log.info("req chatcmpl-abc123: migrating")  # named in the message (engine thread)
+        log.info("req %s: migrating", "chatcmpl-abc123")  # named by its argument (engine thread)
         log.info("no request here")
         logs.bind_request("cmpl-77", "ab" * 16)
         log.info("bound in this context")
