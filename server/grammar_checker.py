@@ -44,6 +44,7 @@ import logging
 import struct
 import sys
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from copy import copy
 from dataclasses import replace
@@ -65,6 +66,13 @@ SPAWN_TIMEOUT_S = 60.0
 
 MAX_WAITING = 8
 """Checks waiting or running at most; the next one is refused with 429 ``grammar_busy``."""
+
+KNOWN_ENTRIES = 512
+KNOWN_BYTES = 16 << 20
+"""The answers the checker remembers (least recently used out, at most this many and this many
+bytes of spec): an agent sends the same tools every turn, and a hostile client the same
+grammar, so most checks are a dictionary lookup. A deadline miss is not remembered (it may
+be the machine's load, not the grammar)."""
 
 CHECK_STACK_BYTES = 8 << 20
 """Stack of the child's compile thread (the usual ``ulimit -s``). Workers compile and mask on
@@ -113,6 +121,8 @@ class GrammarChecker:
         self._proc: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()
         self._waiting = 0
+        self._known: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._known_bytes = 0
         self.checked = 0  # checks answered by the child (tests, metrics)
         self.killed = 0  # children killed at the deadline or found dead
 
@@ -122,6 +132,11 @@ class GrammarChecker:
         longer than the deadline or crashes the compiler; QueueFullError (429
         ``grammar_busy``) when ``max_waiting`` checks are already queued."""
         check_size(so, param)
+        key = so.key()
+        answer = self._known.get(key)
+        if answer is not None:
+            self._known.move_to_end(key)
+            return _answered(so, param, answer)
         if self._waiting >= self.max_waiting:
             raise QueueFullError(
                 "too many structured outputs are being compiled; retry shortly",
@@ -133,10 +148,18 @@ class GrammarChecker:
             answer = await asyncio.shield(exchange)  # a disconnect must not cut the exchange
         finally:
             self._waiting -= 1
-        if "error" in answer:
-            raise InvalidRequestError(str(answer["error"]), param=param)
-        spec = answer.get("spec")
-        return so if spec is None else so.model_copy(update={"spec": spec})
+        if not answer.get("transient"):
+            self._remember(key, answer)
+        return _answered(so, param, answer)
+
+    def _remember(self, key: str, answer: dict[str, Any]) -> None:
+        if key in self._known:
+            return
+        self._known[key] = answer
+        self._known_bytes += len(key)
+        while len(self._known) > KNOWN_ENTRIES or self._known_bytes > KNOWN_BYTES:
+            old, _ = self._known.popitem(last=False)
+            self._known_bytes -= len(old)
 
     async def _exchange(self, so: StructuredOutput, param: str) -> dict[str, Any]:
         async with self._lock:
@@ -150,12 +173,11 @@ class GrammarChecker:
                 return await asyncio.wait_for(_read(proc.stdout), self.deadline_s)
             except TimeoutError:
                 await self._kill("past the deadline")
-                return {
-                    "error": f"{param} is too complex: not compiled within {self.deadline_s:g} s"
-                }
+                limit = f"{self.deadline_s:g} s"
+                return {"error": f"too complex: not compiled within {limit}", "transient": True}
             except (asyncio.IncompleteReadError, ConnectionError, ValueError) as exc:
                 await self._kill(f"died ({exc!r})")
-                return {"error": f"{param} nests too deeply to compile"}
+                return {"error": "nests too deeply to compile"}
             finally:
                 self.checked += 1
 
@@ -220,6 +242,19 @@ async def checked(checker: GrammarChecker, batch: list[Prepared]) -> list[Prepar
     if norm is so:
         return batch
     return [replace(p, sampling=p.sampling.model_copy(update={"structured": norm})) for p in batch]
+
+
+def _answered(so: StructuredOutput, param: str, answer: dict[str, Any]) -> StructuredOutput:
+    """The checked constraint of the child's ``answer``; raises its error as a 400 naming
+    ``param`` (a remembered answer may come from a request that sent it in another field)."""
+    if "error" in answer:
+        message = str(answer["error"])
+        field = str(answer.get("param", ""))
+        if field and message.startswith(field):
+            message = message[len(field) :].lstrip(": ")
+        raise InvalidRequestError(f"{param}: {message}", param=param)
+    spec = answer.get("spec")
+    return so if spec is None else so.model_copy(update={"spec": spec})
 
 
 def _write(stream: asyncio.StreamWriter, message: dict[str, Any]) -> None:
@@ -300,7 +335,7 @@ def _compile(tokenizer: Any, request: dict[str, Any]) -> dict[str, Any]:
     try:
         norm = check(so, request["param"], tokenizer)
     except InvalidRequestError as exc:
-        return {"error": exc.message}
+        return {"error": exc.message, "param": request["param"]}
     return {"spec": norm.spec} if norm.spec != so.spec else {}
 
 

@@ -51,7 +51,7 @@ async def test_a_check_past_the_deadline_is_killed_and_answered_400(
 ) -> None:
     await checker.check(OK, "x")  # the child is up: the deadline times the check alone
     chain = "".join(f'r{i} ::= "a" r{i + 1}\n' for i in range(MAX_RULES - 2))
-    slow = StructuredOutput(kind="grammar", spec=f"root ::= r0\n{chain}r{MAX_RULES - 2} ::= \"b\"\n")
+    slow = StructuredOutput(kind="grammar", spec=f'root ::= r0\n{chain}r{MAX_RULES - 2} ::= "b"\n')
     checker.deadline_s = 0.02  # the quadratic GBNF converter needs far longer
     with pytest.raises(InvalidRequestError, match="too complex: not compiled within"):
         await checker.check(slow, "structured_outputs.grammar")
@@ -74,3 +74,21 @@ async def test_a_full_queue_is_a_429_and_a_bad_grammar_a_400_naming_the_field(
     with pytest.raises(InvalidRequestError) as err:
         await checker.check(StructuredOutput(kind="regex", spec="(unclosed"), "guided_regex")
     assert err.value.param == "guided_regex" and "does not compile" in err.value.message
+
+
+async def test_answers_are_remembered_and_a_refusal_names_the_new_askers_field(
+    checker: GrammarChecker,
+) -> None:
+    tools = StructuredOutput(kind="json", spec='{"type": "array"}')
+    assert await checker.check(tools, "tools") == tools
+    bad = StructuredOutput(kind="regex", spec="[z-a]")
+    with pytest.raises(InvalidRequestError):
+        await checker.check(bad, "guided_regex")
+    asked = checker.checked
+    assert await checker.check(tools, "tools") == tools  # an agent's next turn: no child trip
+    with pytest.raises(InvalidRequestError) as err:
+        await checker.check(bad, "structured_outputs.regex")
+    assert checker.checked == asked
+    assert err.value.param == "structured_outputs.regex"
+    assert err.value.message.startswith("structured_outputs.regex: ")
+    assert "guided_regex" not in err.value.message

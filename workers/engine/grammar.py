@@ -55,7 +55,7 @@ CACHE_SIZE = 256
 """Distinct constraints whose compiled matcher an engine keeps at most (least recently used
 out)."""
 
-CACHE_BYTES = 256 << 20
+CACHE_BYTES = 128 << 20
 """Memory the cached matchers may hold together, as measured when each was compiled (a typical
 JSON Schema: well under 1 MiB; the worst a constraint within the parser limits reaches: about
 20 MiB)."""
@@ -187,11 +187,16 @@ class GrammarCompiler:
                 self.cached_bytes += cost
                 self.compiled += 1
             self._cache.move_to_end(key)
+            evicted = []
             while len(self._cache) > 1 and (
                 len(self._cache) > self.capacity or self.cached_bytes > self.capacity_bytes
             ):
-                _, (_, evicted) = self._cache.popitem(last=False)
-                self.cached_bytes -= evicted
+                _, entry = self._cache.popitem(last=False)
+                self.cached_bytes -= entry[1]
+                evicted.append(entry)
+        if evicted:  # freed outside the lock; malloc keeps freed pages unless asked
+            del evicted, entry
+            _malloc_trim()
         return matcher
 
     def _on_compiler_thread(self, work: Callable[[], T]) -> T:
@@ -225,17 +230,25 @@ class _MallInfo2(ctypes.Structure):
     ]  # fmt: skip
 
 
-def _load_mallinfo2() -> Callable[[], _MallInfo2] | None:
+def _libc() -> Any:
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        fn = libc.mallinfo2
-    except (OSError, AttributeError):  # not glibc (musl, macOS) or glibc before 2.33
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
         return None
-    fn.restype = _MallInfo2
-    return fn  # type: ignore[no-any-return]
 
 
-_MALLINFO2 = _load_mallinfo2()
+_LIBC = _libc()
+_MALLINFO2: Callable[[], _MallInfo2] | None = getattr(_LIBC, "mallinfo2", None)  # glibc 2.33+
+if _MALLINFO2 is not None:
+    _MALLINFO2.restype = _MallInfo2  # type: ignore[attr-defined]
+
+
+def _malloc_trim() -> None:
+    """Hand the pages malloc holds free back to the OS (glibc's ``malloc_trim``, every arena):
+    an evicted matcher's tens of MiB leave the RSS instead of staying in its thread's arena."""
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def _malloc_in_use() -> int | None:
