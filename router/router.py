@@ -40,6 +40,7 @@ from pdserve.errors import (
     WorkerError,
     WorkerUnreachableError,
 )
+from pdserve.observability.tracing import Timeline
 from pdserve.protocol import (
     ContextRequest,
     ContextResponse,
@@ -58,11 +59,10 @@ from pdserve.router.transaction import (
     drop_decode,
 )
 from pdserve.router.view import WorkerView
-from pdserve.tracing import Timeline
 
 if TYPE_CHECKING:
+    from pdserve.config.settings import RouterSettings
     from pdserve.router.metrics import RouterMetrics
-    from pdserve.settings import RouterSettings
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class Router:
         leg's typed error past the retries; nothing has reached the client yet when it
         raises. ``timeline``: the request's (the HTTP handler's; default a new one), which
         gets the phases ``route``, ``prefill`` / ``first_token``, the workers' phases and
-        each leg's span (module :mod:`pdserve.tracing`)."""
+        each leg's span (module :mod:`pdserve.observability.tracing`)."""
         t_in = time.monotonic()
         if timeline is None:
             timeline = Timeline("request", attributes={"pdserve.request_id": request_id})

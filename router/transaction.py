@@ -78,6 +78,7 @@ from pdserve.errors import (
     WorkerError,
     WorkerUnreachableError,
 )
+from pdserve.observability.tracing import Timeline
 from pdserve.protocol import (
     ContextResponse,
     FinishReason,
@@ -99,7 +100,6 @@ from pdserve.router.migration import (
 )
 from pdserve.router.policy import Pair, Route, load_key
 from pdserve.router.view import LOST
-from pdserve.tracing import Timeline
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -137,7 +137,7 @@ class TokenEvent:
 @dataclass(frozen=True)
 class RequestSpec:
     """What the router was asked to run. ``deadline`` is wall-clock UNIX seconds;
-    ``timeline``: the request's (:mod:`pdserve.tracing`), which the legs mark and whose
+    ``timeline``: the request's (:mod:`pdserve.observability.tracing`), which the legs mark and whose
     span their ``traceparent`` continues."""
 
     request_id: str

@@ -45,9 +45,11 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.config import RouterConfig
+from pdserve.config.loading import RouterConfig
 from pdserve.errors import ClientDisconnectedError, PdserveError
-from pdserve.metrics import CONTENT_TYPE
+from pdserve.http.error_responses import install_error_handlers, internal_error, log_failure
+from pdserve.observability.prometheus import CONTENT_TYPE
+from pdserve.observability.tracing import Timeline
 from pdserve.protocol import ROUTER_KEEPALIVE_S
 from pdserve.router.client import WorkerClient
 from pdserve.router.kv_index import follow_kv_events
@@ -56,7 +58,6 @@ from pdserve.router.router import Router
 from pdserve.router.view import WorkerSource, WorkerView
 from pdserve.security import APIKeys, ClusterKey
 from pdserve.server.batch import BatchTransaction, Started
-from pdserve.server.errors import install_error_handlers, internal_error, log_failure
 from pdserve.server.grammar_checker import GrammarChecker, checked
 from pdserve.server.guard import PublicPlaneGuard, log_auth_mode
 from pdserve.server.openapi import (
@@ -94,7 +95,6 @@ from pdserve.server.timelines import (
 )
 from pdserve.server.tokenizer_pool import TokenizerPool, backlog_bytes
 from pdserve.server.tokens import TokenFormatter
-from pdserve.tracing import Timeline
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import replace
 from typing import Protocol
 
+from pdserve.observability.tracing import Timeline
 from pdserve.protocol import SamplingParams
 from pdserve.router.transaction import TokenEvent, Transaction
-from pdserve.tracing import Timeline
 
 
 class Started(Protocol):

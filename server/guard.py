@@ -23,15 +23,15 @@ import time
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdserve.config.hosts import is_loopback
 from pdserve.errors import (
     InvalidAPIKeyError,
     InvalidRequestError,
     PdserveError,
     RequestTooLargeError,
 )
-from pdserve.hosts import is_loopback
+from pdserve.http.error_responses import error_response, request_id
 from pdserve.security import APIKeys, bearer
-from pdserve.server.errors import error_response, request_id
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from pdserve.config import RouterConfig
+from pdserve.config.loading import RouterConfig
 from pdserve.errors import (
     ConfigError,
     InvalidRequestError,

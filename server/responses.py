@@ -55,11 +55,11 @@ from typing import Any, Literal, Protocol
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.config import RouterConfig
+from pdserve.config.loading import RouterConfig
 from pdserve.errors import PdserveError
+from pdserve.http.error_responses import internal_error, log_failure
 from pdserve.router.router import Router
 from pdserve.router.transaction import TokenEvent, Transaction
-from pdserve.server.errors import internal_error, log_failure
 from pdserve.server.grammar_checker import GrammarChecker, checked
 from pdserve.server.openapi import responses_api_responses
 from pdserve.server.output import ChatFormatter, RequestInfo

@@ -29,7 +29,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from pdserve.errors import InvalidRequestError, PdserveError, UnsupportedFieldError
-from pdserve.server.errors import validation_error
+from pdserve.http.error_responses import validation_error
 from pdserve.server.responses_schemas import (
     INPUT_ITEM_TYPES,
     PART_TYPES,

@@ -7,7 +7,7 @@ owns SIGINT / SIGTERM, runs the lifespan that starts the registry and the watche
 one binds its socket first (a taken port fails the start at once, naming the listener), starts
 serving once the public server has started, and stops after the public server has drained and
 closed (so workers deregistering during the router's shutdown still reach the registry). Both
-use :class:`~pdserve.server.http_protocol.HeaderDeadlineH11Protocol`.
+use :class:`~pdserve.http.uvicorn_protocol.HeaderDeadlineH11Protocol`.
 
 The public port never serves ``/registry/*`` (404 there); the internal listener serves nothing
 else, and every one of its routes needs the cluster token.
@@ -24,11 +24,11 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from pdserve.config import RouterConfig
-from pdserve.hosts import listening_socket
-from pdserve.logs import uvicorn_log_config
+from pdserve.config.hosts import listening_socket
+from pdserve.config.loading import RouterConfig
+from pdserve.http.uvicorn_protocol import HeaderDeadlineH11Protocol
+from pdserve.observability.logs import uvicorn_log_config
 from pdserve.server.app import RouterApps, create_apps
-from pdserve.server.http_protocol import HeaderDeadlineH11Protocol
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class _InternalServer(uvicorn.Server):
 
 def bind_listener(host: str, port: int) -> socket.socket:
     """A TCP socket bound to ``host``:``port`` (0: the OS picks) and listening
-    (:func:`~pdserve.hosts.listening_socket`; uvicorn serves it). Raises OSError
+    (:func:`~pdserve.config.hosts.listening_socket`; uvicorn serves it). Raises OSError
     (``socket.gaierror`` for a host that does not resolve)."""
     return listening_socket(host, port)
 

@@ -1,4 +1,4 @@
-"""The router's side of a request's timeline (:mod:`pdserve.tracing`): the request span that
+"""The router's side of a request's timeline (:mod:`pdserve.observability.tracing`): the request span that
 the HTTP handler opens (continuing a client's W3C ``traceparent``), its GenAI attributes, and
 the phase line logged when the response ends.
 
@@ -21,8 +21,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, TypeVar
 
-from pdserve.logs import bind_request
-from pdserve.tracing import Timeline
+from pdserve.observability.logs import bind_request
+from pdserve.observability.tracing import Timeline
 
 if TYPE_CHECKING:
     from starlette.requests import Request

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
+from pdserve.config.settings import TransferSettings
 from pdserve.errors import ConfigError, TransferError
-from pdserve.settings import TransferSettings
 from pdserve.transfer import wire
 from pdserve.transfer.copies import CopyCounter
 from pdserve.transfer.formatter import PoolGeometry, TransferPlan

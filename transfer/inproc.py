@@ -45,7 +45,7 @@ from pdserve.transfer.backend import Backend, Digests, Outbound, Peer, TransferS
 from pdserve.transfer.formatter import PoolGeometry, TransferPlan, pool_bytes
 
 if TYPE_CHECKING:
-    from pdserve.settings import TransferSettings
+    from pdserve.config.settings import TransferSettings
     from pdserve.transfer.control import Connection
 
 log = logging.getLogger(__name__)

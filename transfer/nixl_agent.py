@@ -45,8 +45,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pdserve.config.settings import TransferSettings
 from pdserve.errors import TransferError
-from pdserve.settings import TransferSettings
 from pdserve.transfer import wire
 from pdserve.transfer.backend import Backend, Digests, Outbound, Peer, Poller, TransferState
 from pdserve.transfer.control import Connection

@@ -54,8 +54,8 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from pdserve import tracing
 from pdserve.errors import HandleError, TransferError
+from pdserve.observability import tracing
 from pdserve.protocol import TransferHandle
 from pdserve.transfer import wire
 from pdserve.transfer.control import Connection

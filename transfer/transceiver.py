@@ -29,11 +29,11 @@ from typing import Literal
 
 import torch
 
+from pdserve.config.hosts import advertised_host, listening_socket
+from pdserve.config.settings import TransferSettings
 from pdserve.errors import ConfigError, TransferError
-from pdserve.hosts import advertised_host, listening_socket
 from pdserve.protocol import KVLayout, TransferHandle
 from pdserve.security import ClusterKey
-from pdserve.settings import TransferSettings
 from pdserve.transfer.admission import ConnectionSlots, SlotLimits
 from pdserve.transfer.auth import AuthFailures
 from pdserve.transfer.backend import Backend, open_backend
@@ -110,7 +110,7 @@ class Transceiver:
 
     async def start(self) -> None:
         """Listen for peers on ``cfg.bind_host:cfg.port`` (port 0 picks one) and set ``endpoint``
-        (the advertised host, :func:`pdserve.hosts.advertised_host`, and the bound port). A
+        (the advertised host, :func:`pdserve.config.hosts.advertised_host`, and the bound port). A
         pool on a GPU first gets its digest kernel compiled (seconds, once per process).
         Raises ConfigError if the address cannot be bound."""
         if self._listener is not None:

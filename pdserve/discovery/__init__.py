@@ -49,9 +49,9 @@ from pdserve.discovery.registry import EmbeddedRegistry, EmbeddedWatcher
 from pdserve.discovery.url import DiscoveryURL, InvalidDiscoveryURLError, parse_discovery_url
 
 if TYPE_CHECKING:
+    from pdserve.config.settings import DiscoverySettings
     from pdserve.discovery.tls import ControlPlaneTLS
     from pdserve.security import ClusterKey
-    from pdserve.settings import DiscoverySettings
 
 __all__ = [
     "DiscoveryURL",

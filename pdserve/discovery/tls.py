@@ -34,7 +34,7 @@ from pdserve.errors import ConfigError
 if TYPE_CHECKING:
     import grpc  # type: ignore[import-untyped]  # grpcio ships no type stubs
 
-    from pdserve.settings import DiscoverySettings
+    from pdserve.config.settings import DiscoverySettings
 
 _FLAGS = {
     "ca_file": "--discovery-ca-file",

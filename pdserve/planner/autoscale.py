@@ -27,7 +27,7 @@ and decode workers the deployment should have, log why, export it, and let an ac
 
 :class:`AutoscaleLoop` runs the planner on a thread of its own against a metrics source and
 hands each target to an actuator: ``pdserve up --autoscale`` starts and drains its own workers
-(:mod:`pdserve.launcher`); ``pdserve planner`` only exports
+(:mod:`pdserve.launch.launcher`); ``pdserve planner`` only exports
 ``pdserve_planner_desired_workers{role}`` for KEDA or an HPA to scale the Deployments.
 """
 
@@ -54,9 +54,9 @@ from pdserve.planner.plan import Targets, candidates, evaluate, recommend
 from pdserve.planner.simulate import LengthDist, Workload
 
 if TYPE_CHECKING:
+    from pdserve.config.planner_settings import PlannerSettings
+    from pdserve.config.settings import PdserveConfig
     from pdserve.planner.profile import Profile
-    from pdserve.settings import PdserveConfig
-    from pdserve.settings_planner import PlannerSettings
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ and the ones running never need resizing. The stack starts with the configured r
 clamped into the planner's bounds.
 
 Acting (:class:`LocalActuator`): the planner thread only posts its target; the supervisor's
-thread applies it between polls (:meth:`pdserve.supervisor.ProcessSupervisor.watch`'s
+thread applies it between polls (:meth:`pdserve.launch.supervisor.ProcessSupervisor.watch`'s
 ``tick``): a missing worker is started (``<role>-<n>``, a new name each time), one surplus
 worker, the newest of its role, is retired: SIGTERM, so it deregisters, migrates its running
 streams and lets its parked KV be pulled (docs/reliability.md, "Draining"), SIGKILL only after
@@ -31,16 +31,16 @@ from pdserve.planner.autoscale import (
 )
 
 if TYPE_CHECKING:
+    from pdserve.config.settings import PdserveConfig
+    from pdserve.launch.stack import Stack
     from pdserve.planner.profile import Profile
-    from pdserve.settings import PdserveConfig
-    from pdserve.stack import Stack
 
 logger = logging.getLogger(__name__)
 
 
 def autoscale_settings(cfg: PdserveConfig) -> tuple[PdserveConfig, dict[str, int]]:
     """``(cfg sized for the maximum, initial worker counts)``: replicas set to the planner's
-    ``max_*`` (threads and KV are split by them; :func:`pdserve.launcher.child_config`), and
+    ``max_*`` (threads and KV are split by them; :func:`pdserve.launch.launcher.child_config`), and
     the configured replicas clamped into ``min_*``..``max_*`` as the counts to start with."""
     p = cfg.planner
     bounds = {"prefill": (p.min_prefill, p.max_prefill), "decode": (p.min_decode, p.max_decode)}

@@ -23,7 +23,7 @@ from pdserve.planner.autoscale import (
 from pdserve.planner.profile import Profile, ProfileError
 
 if TYPE_CHECKING:
-    from pdserve.settings import PdserveConfig
+    from pdserve.config.settings import PdserveConfig
 
 
 def run_planner(cfg: PdserveConfig, router_url: str, host: str = "0.0.0.0") -> int:

@@ -1,7 +1,7 @@
 """Operator tools that sit beside the serving stack, never inside it.
 
 ``bench_commands`` (every ``pdserve bench`` subcommand: its options and what runs it), ``bench``
-(``serve`` and ``transfer``, and the benchmarks' stacks, :class:`pdserve.stack.Stack`),
+(``serve`` and ``transfer``, and the benchmarks' stacks, :class:`pdserve.launch.stack.Stack`),
 ``bench_serve`` (the serving benchmark's client and metrics), ``bench_plot`` (``bench serve
 --plot``: the PNG of TTFT/ITL distributions and output tokens/s against concurrency; matplotlib
 imported lazily), ``bench_transfer`` /

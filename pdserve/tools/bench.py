@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pdserve.settings import PdserveConfig
-    from pdserve.stack import Stack
+    from pdserve.config.settings import PdserveConfig
+    from pdserve.launch.stack import Stack
 
 SERVE_DESCRIPTION = """\
 With --url: drive an already running OpenAI-compatible server (pdserve, vLLM, ...) with a
@@ -415,12 +415,12 @@ def stack_settings(
 ) -> PdserveConfig:
     """The settings of a benchmark stack on this machine: ``workers[role]`` workers of each role
     (a role left out: none), resolved as ``pdserve up`` resolves them
-    (:func:`pdserve.launcher.child_config`: threads and KV memory split between the workers,
+    (:func:`pdserve.launch.launcher.child_config`: threads and KV memory split between the workers,
     model pinned, UCX on loopback), the router and its registry on free ports (``router.port``
     0, no ``router.registry_port`` nor ``router.url``), every other setting from ``cfg``."""
-    from pdserve.launcher import child_config
-    from pdserve.settings import ROLES
-    from pdserve.stack import with_replicas
+    from pdserve.config.settings import ROLES
+    from pdserve.launch.launcher import child_config
+    from pdserve.launch.stack import with_replicas
 
     sized = with_replicas(cfg, {role: workers.get(role, 0) for role in ROLES})
     child = child_config(sized, model_path)
@@ -435,11 +435,11 @@ def bench_stack(
     args: Mapping[str, Sequence[str]] | None = None,
     grace_s: float = GRACE_S,
 ) -> Stack:
-    """A benchmark's :class:`pdserve.stack.Stack` of ``settings`` (:func:`stack_settings`):
+    """A benchmark's :class:`pdserve.launch.stack.Stack` of ``settings`` (:func:`stack_settings`):
     every child in its own session, logging at ``warning`` into ``log_dir/<name>.log``, its
     secrets in a private temporary folder removed at the end; ``args`` as the stack takes them
     (by role or process name)."""
-    from pdserve.stack import Stack, StackSpec
+    from pdserve.launch.stack import Stack, StackSpec
 
     spec = StackSpec(
         settings,
@@ -501,7 +501,7 @@ def compare_main(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path,
     secrets and config file live in a private temporary folder, deleted when it stops; the
     logs stay in a temporary folder printed at the end. Raises ConfigError (an unreadable API key file),
     ProcessExitedError or ReadyTimeoutError when a stack does not start."""
-    from pdserve.hosts import free_port
+    from pdserve.config.hosts import free_port
     from pdserve.tools import bench_serve as bs
 
     cores = os.cpu_count() or 2

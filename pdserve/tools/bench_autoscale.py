@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pdserve.settings import PdserveConfig
+    from pdserve.config.settings import PdserveConfig
 
 DESCRIPTION = """\
 pdserve up --autoscale against a fixed deployment sized for the peak: the same stepped load
@@ -135,10 +135,10 @@ def _arm(name: str, cfg: PdserveConfig, model_path: Path, counts: dict[str, int]
          args: argparse.Namespace, phases: list[tuple[int, float]], logs: Path,
          autoscale: bool) -> dict[str, Any]:  # fmt: skip
     """One arm: start the stack, drive the phases, count worker-seconds."""
+    from pdserve.launch.stack import with_replicas
+    from pdserve.launch.supervisor import RestartPolicy
     from pdserve.planner.local import LocalActuator, start_autoscaler
     from pdserve.planner.profile import Profile
-    from pdserve.stack import with_replicas
-    from pdserve.supervisor import RestartPolicy
     from pdserve.tools.bench import READY_TIMEOUT_S, bench_stack, stack_settings
     from pdserve.tools.bench_serve import slo_from_args
 

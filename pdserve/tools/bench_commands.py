@@ -5,7 +5,7 @@ its ``run``. Importing this module is light (argparse only; no httpx, no torch):
 imports its benchmark when the command runs. Where a benchmark starts pdserve itself (``serve``
 without ``--url``, ``multiturn``, ``kv-restart``, ``handoff``), its stacks take their settings
 from ``--config`` and the ``PDSERVE_*`` variables (``serve`` also from its setting flags) and
-start through :class:`pdserve.stack.Stack` (:func:`pdserve.tools.bench.bench_stack`).
+start through :class:`pdserve.launch.stack.Stack` (:func:`pdserve.tools.bench.bench_stack`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from pdserve.settings import PdserveConfig
+    from pdserve.config.settings import PdserveConfig
 
 Settings = Literal["none", "config", "flags"]
 """What pdserve settings a subcommand takes: none; ``--config`` and the environment; those and

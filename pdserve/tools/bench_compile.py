@@ -83,8 +83,8 @@ print(f"{runner(Path(sys.argv[1]), compile=True).compiled.compile_s:.2f}")
 def runner(model: Path, *, compile: bool) -> ModelRunner:
     """A model runner of the model folder ``model``, ``model.compile`` as given, every other
     setting its default (CPU, the model's dtype)."""
-    from pdserve.config import EngineConfig
-    from pdserve.settings import ModelSettings
+    from pdserve.config.loading import EngineConfig
+    from pdserve.config.settings import ModelSettings
     from pdserve.workers.engine.model_runner import ModelRunner
 
     return ModelRunner(EngineConfig(model_path=model, model=ModelSettings(compile=compile)))
@@ -169,8 +169,8 @@ def run(args: argparse.Namespace) -> int:
     start-up child fails."""
     import torch
 
+    from pdserve.config.settings import default_cache_dir
     from pdserve.models import prepare_default_model
-    from pdserve.settings import default_cache_dir
     from pdserve.workers.engine.compile import prepack_linears
 
     model = args.model or prepare_default_model(default_cache_dir())

@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
+from pdserve.config.settings import TransferSettings
 from pdserve.protocol import KVLayout, TransferHandle
 from pdserve.security import ClusterKey, generate_secret
-from pdserve.settings import TransferSettings
 from pdserve.tools.bench_transfer_peers import BENCH_EPOCH, AllParked, transfer_settings
 from pdserve.transfer.formatter import Formatter, PoolGeometry
 from pdserve.transfer.transceiver import create_transceiver

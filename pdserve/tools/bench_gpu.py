@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from pdserve.config import EngineConfig
+    from pdserve.config.loading import EngineConfig
 
 RESULT_PREFIX = "PDSERVE-GPU "
 SMOL_LAYOUT = {
@@ -96,8 +96,8 @@ def engine_config(
     """The engine of one benchmark run: the model's ``device`` and ``dtype``, a pool of exactly
     ``num_blocks`` blocks, the scheduler's bounds, CUDA graphs of decode steps on or off,
     ``model.compile`` when given; every other setting its default."""
-    from pdserve.config import EngineConfig
-    from pdserve.settings import KVCacheSettings, ModelSettings, SchedulerSettings
+    from pdserve.config.loading import EngineConfig
+    from pdserve.config.settings import KVCacheSettings, ModelSettings, SchedulerSettings
 
     model: dict[str, Any] = {"device": device, "dtype": dtype}
     if compile is not None:

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pdserve.settings import PdserveConfig
+    from pdserve.config.settings import PdserveConfig
 
 DESCRIPTION = """\
 Run the GPU proof in one call, each step in its own process under its own time limit: the GPU

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import httpx
 
-    from pdserve.settings import PdserveConfig
+    from pdserve.config.settings import PdserveConfig
 
 DESCRIPTION = """\
 The streamed hand-off against the whole-request hand-off (router --kv-stream-min-tokens): two
@@ -292,7 +292,7 @@ def start_mode(settings: PdserveConfig, mode: str, log_dir: Path, stacks: ExitSt
     router's ``--kv-stream-min-tokens`` 0 or 1, ``--local-prefill-max-tokens`` 0), logs in
     ``log_dir``, stopped when ``stacks`` closes; wait until it is ready. Raises
     ProcessExitedError or ReadyTimeoutError when it does not start."""
-    from pdserve.hosts import free_port
+    from pdserve.config.hosts import free_port
     from pdserve.tools.bench import READY_TIMEOUT_S, bench_stack
 
     least = "1" if mode == "streamed" else "0"
@@ -433,8 +433,8 @@ def main(args: argparse.Namespace, cfg: PdserveConfig) -> int:
     import httpx
 
     from pdserve.hardware import cpu_model
+    from pdserve.launch.supervisor import ReadyTimeoutError
     from pdserve.models import resolve_model
-    from pdserve.supervisor import ReadyTimeoutError
     from pdserve.tools.bench_serve import write_json
 
     if args.max_tokens < 2 or args.requests < 1 or min(args.prompt_tokens) < 1:

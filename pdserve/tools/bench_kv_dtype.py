@@ -57,10 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run and print one row per dtype; returns 0."""
-    from pdserve.config import EngineConfig
+    from pdserve.config.loading import EngineConfig
+    from pdserve.config.settings import KVCacheSettings, ModelSettings, SchedulerSettings
     from pdserve.models import resolve_model
     from pdserve.protocol import SamplingParams
-    from pdserve.settings import KVCacheSettings, ModelSettings, SchedulerSettings
     from pdserve.workers.engine.engine import Engine, EngineRequest
 
     path = resolve_model(args.model, cache_dir=None)

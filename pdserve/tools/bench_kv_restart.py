@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pdserve.settings import PdserveConfig
+    from pdserve.config.settings import PdserveConfig
 
 TARGET_RATIO = 0.5
 """Target: TTFT of the first request after the restart, at most this times cold."""
@@ -77,7 +77,7 @@ def run_stack(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path, la
     grace at least: the disk tier finishes its writes); returns that run's numbers. Logs go to
     ``log_dir``. Raises ProcessExitedError or ReadyTimeoutError when the stack does not start,
     RuntimeError when a request fails."""
-    from pdserve.hosts import free_port
+    from pdserve.config.hosts import free_port
     from pdserve.tools.bench import GRACE_S, READY_TIMEOUT_S, bench_stack, stack_settings
 
     settings = stack_settings(cfg, model_path, {"prefill": 1, "decode": 1})

@@ -56,7 +56,7 @@ from pdserve.tools.scrape import parse_metrics as parse_metrics
 if TYPE_CHECKING:
     import httpx
 
-    from pdserve.settings import PdserveConfig
+    from pdserve.config.settings import PdserveConfig
     from pdserve.tools.bench_serve import RequestResult
 
 TARGET_RATIO = 0.3
@@ -339,7 +339,7 @@ def run_arm(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path, wl: 
     the stack; returns :func:`summarize_arm`'s dict (prefill metrics summed over the prefill
     workers). Logs go to ``logs/<spec.tag>/``. Raises ProcessExitedError or ReadyTimeoutError
     when the stack does not start, RuntimeError when the warm-up fails."""
-    from pdserve.hosts import free_port
+    from pdserve.config.hosts import free_port
     from pdserve.tools.bench import READY_TIMEOUT_S, bench_stack, stack_settings
 
     label, tag, n = spec.label, spec.tag, spec.prefill_workers

@@ -156,10 +156,10 @@ def _steps(args: argparse.Namespace) -> int:
     """``--steps``: decode step time of the whole model at batch 2 against context length."""
     import torch
 
-    from pdserve.config import EngineConfig
+    from pdserve.config.loading import EngineConfig
+    from pdserve.config.settings import KVCacheSettings, ModelSettings, SchedulerSettings
     from pdserve.models import resolve_model
     from pdserve.protocol import SamplingParams
-    from pdserve.settings import KVCacheSettings, ModelSettings, SchedulerSettings
     from pdserve.workers.engine.engine import Engine
     from pdserve.workers.engine.scheduler import ScheduledBatch, ScheduledSequence
     from pdserve.workers.engine.sequence import Sequence

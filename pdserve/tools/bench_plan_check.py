@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pdserve.settings import PdserveConfig
+    from pdserve.config.settings import PdserveConfig
 
 DESCRIPTION = """\
 The planner's predictions (pdserve plan) against real runs here: for each --configs deployment

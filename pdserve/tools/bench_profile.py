@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pdserve.settings import PdserveConfig
+    from pdserve.config.settings import PdserveConfig
 
 DESCRIPTION = """\
 The profile `pdserve plan` reads (docs/planning.md): in a fresh process per --threads count,
@@ -138,8 +138,8 @@ def measure_engine(cfg: PdserveConfig, model_path: Path, threads: int,
                    args: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
     """One engine at ``threads`` threads: the ``prefill``, ``decode`` and ``mixed`` tables
     (seconds) and the layout's ``kv_bytes_per_token``. Runs in a spawned child."""
-    from pdserve.config import EngineConfig
-    from pdserve.settings import KVCacheSettings
+    from pdserve.config.loading import EngineConfig
+    from pdserve.config.settings import KVCacheSettings
     from pdserve.workers.engine.engine import Engine
 
     top_b, top_c = max(args["batches"]), max(args["contexts"])

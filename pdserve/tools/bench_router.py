@@ -140,7 +140,7 @@ async def _serve(tokens: int) -> None:
     from starlette.responses import Response, StreamingResponse
     from starlette.routing import Route
 
-    from pdserve.config import RouterConfig
+    from pdserve.config.loading import RouterConfig
     from pdserve.models import resolve_model
     from pdserve.protocol import (
         FinishReason,

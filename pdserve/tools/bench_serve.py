@@ -494,7 +494,7 @@ async def served_model(client: httpx.AsyncClient, base: str) -> str:
 
 def default_tokenizer(model: str | None, cache_dir: Path | None = None) -> Path:
     """``model`` when it is a local folder, else the converted SmolLM2 folder in the cache."""
-    from pdserve.settings import DEFAULT_MODEL, default_cache_dir
+    from pdserve.config.settings import DEFAULT_MODEL, default_cache_dir
 
     if model and Path(model).expanduser().is_dir():
         return Path(model).expanduser()

@@ -97,10 +97,10 @@ def _one(engine: Engine, rid: str, prompt: list[int], max_tokens: int) -> _Run:
 def main(args: argparse.Namespace) -> int:
     """Run every workload under every ``--speculative-tokens`` value and print one row each;
     returns 1 when a speculative run's tokens differ from plain decoding's, else 0."""
-    from pdserve.config import EngineConfig
+    from pdserve.config.loading import EngineConfig
+    from pdserve.config.settings import KVCacheSettings, ModelSettings, SchedulerSettings
     from pdserve.hardware import cpu_model
     from pdserve.models import resolve_model
-    from pdserve.settings import KVCacheSettings, ModelSettings, SchedulerSettings
     from pdserve.workers.engine.engine import Engine
 
     path = resolve_model(args.model, cache_dir=None)

@@ -43,9 +43,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pdserve.config.settings import TransferSettings
 from pdserve.protocol import KVLayout
 from pdserve.security import generate_secret
-from pdserve.settings import TransferSettings
 from pdserve.tools.bench_transfer_peers import (
     RESULT_PREFIX,
     SECRET_ENV,

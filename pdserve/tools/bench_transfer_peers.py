@@ -46,10 +46,10 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from pdserve.config.settings import TransferSettings
 from pdserve.errors import HandleError
 from pdserve.protocol import KVLayout, TransferHandle
 from pdserve.security import ClusterKey, generate_secret
-from pdserve.settings import TransferSettings
 from pdserve.transfer.control import SOCKET_BUFFER_BYTES
 from pdserve.transfer.transceiver import create_transceiver
 

@@ -36,8 +36,8 @@ from pdserve.errors import ConfigError, DiscoveryError, PdserveError, TransferEr
 from pdserve.tools.doctor_facts import Facts, gather_facts
 
 if TYPE_CHECKING:
+    from pdserve.config.settings import DiscoverySettings
     from pdserve.security import ClusterKey
-    from pdserve.settings import DiscoverySettings
 
 _SHM_TLS = {"shm", "sm", "cma", "posix", "sysv", "all"}
 SLOW_GBPS = 0.5
@@ -432,11 +432,11 @@ def deployment(args: argparse.Namespace) -> tuple[ClusterKey, DiscoverySettings]
     """The cluster key a probe authenticates with, and the discovery settings (TLS toward etcd
     / NATS) for ``--discovery``: ``--cluster-secret-file`` > environment
     (``PDSERVE_SECURITY__CLUSTER_SECRET_FILE`` / ``..._CLUSTER_SECRET``) > the ``--config`` /
-    ``$PDSERVE_CONFIG`` file, as :func:`pdserve.config.load_config` layers them. Raises
+    ``$PDSERVE_CONFIG`` file, as :func:`pdserve.config.loading.load_config` layers them. Raises
     ConfigError (no secret anywhere, unreadable, too short) saying how to pass one."""
-    from pdserve.config import load_config
+    from pdserve.config.loading import load_config
+    from pdserve.config.settings import ENV_CONFIG_FILE
     from pdserve.security import ClusterKey, load_cluster_secret
-    from pdserve.settings import ENV_CONFIG_FILE
 
     secret_file = getattr(args, "cluster_secret_file", None)
     overrides = {"security": {"cluster_secret_file": str(secret_file)}} if secret_file else None

@@ -1,5 +1,5 @@
 """The benchmarks' one reading of Prometheus metrics: ``GET {url}/metrics`` (the router and every
-worker serve it, :mod:`pdserve.metrics`) parsed into ``{sample: value}``.
+worker serve it, :mod:`pdserve.observability.prometheus`) parsed into ``{sample: value}``.
 
 A sample is keyed ``name`` or ``name{k="v",...}`` with its labels sorted, e.g.
 ``pdserve_kv_tier_hit_tokens_total{tier="disk"}``; a histogram gives its ``_bucket``, ``_count``

@@ -136,7 +136,7 @@ def test_a_tensor_parallel_prefill_resolves_to_a_valid_config() -> None:
     """PDSERVE_PREFILL_TENSOR_PARALLEL_SIZE=3 reaches the prefill worker only, and the mounted
     config plus the container's environment is one pdserve accepts (SmolLM2: 9 heads, 3 KV
     heads, so 3 divides them)."""
-    from pdserve.config import load_config
+    from pdserve.config.loading import load_config
 
     proc = _docker_compose_config(
         None, quiet=False, PDSERVE_CLUSTER_SECRET="0" * 64, PDSERVE_PREFILL_TENSOR_PARALLEL_SIZE="3"
@@ -168,7 +168,7 @@ def test_every_pdserve_service_takes_the_traces_endpoint_from_one_variable() -> 
 
 @pytest.mark.parametrize("endpoint", [None, JAEGER_OTLP])
 def test_the_traces_endpoint_resolves_to_the_tracing_setting(endpoint: str | None) -> None:
-    from pdserve.config import load_config
+    from pdserve.config.loading import load_config
 
     extra = {} if endpoint is None else {"PDSERVE_OTLP_TRACES_ENDPOINT": endpoint}
     proc = _docker_compose_config(

@@ -6,7 +6,7 @@ the configured ports, PDBs that select their Deployment, GPUs on the GPU workers
 Offline: ``kubectl kustomize`` renders (kubectl ships in the project's machine image; the tests
 skip with the reason when it is missing) and ``kubernetes-validate`` (the ``test`` extra) holds
 the Kubernetes JSON schemas. The effective config of a pod is what pdserve itself resolves from
-the mounted file plus the pod's ``PDSERVE_*`` environment (:func:`pdserve.config.load_config`).
+the mounted file plus the pod's ``PDSERVE_*`` environment (:func:`pdserve.config.loading.load_config`).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from pdserve.cli import build_parser
-from pdserve.config import load_config
+from pdserve.config.loading import load_config
 from pdserve.planner.autoscale import PlannerMetrics
 from pdserve.planner.profile import Profile
 from tests.support.k8s import K8S, KUBECTL, KUBERNETES_VERSION, Rendered, kustomize

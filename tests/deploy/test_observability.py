@@ -280,7 +280,7 @@ def test_the_exported_names_cover_every_metric_the_source_defines(families: list
 
 def test_histogram_bucket_boundaries_in_queries_exist(families: list[Any]) -> None:
     """``foo_bucket{le="2.0"}`` names a bucket foo really has (the TTFT SLO's 2 s boundary is
-    one of pdserve.metrics.LATENCY_BUCKETS), written as the exporter writes it."""
+    one of pdserve.observability.prometheus.LATENCY_BUCKETS), written as the exporter writes it."""
     bounds = _histogram_bounds(families)
     used = []
     for where, expr in _expressions():

@@ -145,7 +145,7 @@ def test_the_documented_overlay_adds_monitoring_and_turns_tracing_on(tmp_path: P
     """The docs' overlay (run from the repository root) renders: the operator's resources carry
     the release label, and every role's effective config exports traces to the collector, on
     the port the egress policy opens."""
-    from pdserve.config import load_config
+    from pdserve.config.loading import load_config
 
     doc = _documented_overlay()
     overlay = tmp_path / "my-pdserve"

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pdserve.config import RouterConfig
+from pdserve.config.loading import RouterConfig
 from pdserve.errors import InvalidRequestError
 from pdserve.server.preprocess import Preprocessor, context_window, load_tokenizer
 from pdserve.server.schemas import ChatCompletionRequest, CompletionRequest

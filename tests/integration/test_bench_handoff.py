@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pdserve.settings import PdserveConfig
+from pdserve.config.settings import PdserveConfig
 from pdserve.tools.bench_handoff import MODES, format_table, measure
 
 

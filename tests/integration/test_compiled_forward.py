@@ -16,7 +16,7 @@ from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM
 
 from pdserve.cli import build_parser, resolve_config
-from pdserve.config import worker_config
+from pdserve.config.loading import worker_config
 from pdserve.protocol import KVLayout, SamplingParams
 from pdserve.workers.engine.compile import CompiledForward, OneDNNLinear
 from pdserve.workers.engine.engine import Engine, EngineRequest

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.config.settings import DiscoverySettings
 from pdserve.discovery import Registration, RegistrationState, Watcher, open_registration
 from pdserve.discovery import open_watcher as _open_watcher
 from pdserve.discovery.etcd import EtcdRegistration, EtcdWatcher
@@ -24,7 +25,6 @@ from pdserve.discovery.events import event_publisher
 from pdserve.discovery.nats import NatsRegistration
 from pdserve.discovery.nats_watcher import NatsWatcher
 from pdserve.protocol import WorkerLoad
-from pdserve.settings import DiscoverySettings
 from tests.support.discovery_backends import make_record
 from tests.support.fakes import CLUSTER_KEY
 from tests.support.pki import PKI, NatsOperator, make_nats_operator, make_pki

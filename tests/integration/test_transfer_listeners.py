@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 PROBE = """
 import json, sys, psutil, torch
-from pdserve.settings import TransferSettings
+from pdserve.config.settings import TransferSettings
 from pdserve.transfer.backend import open_backend
 from pdserve.transfer.formatter import PoolGeometry
 from tests.support.fakes import layout

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import torch
 
+from pdserve.config.settings import TransferSettings
 from pdserve.errors import LayoutMismatchError
 from pdserve.protocol import KVLayout, TransferHandle
-from pdserve.settings import TransferSettings
 from pdserve.transfer import Transceiver, create_transceiver
 from pdserve.workers.kv.manager import blocks_for_tokens
 from pdserve.workers.roles.parking import ParkedBlocks

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.config.loading import EngineConfig
+from pdserve.config.settings import KVCacheSettings, ModelSettings, SchedulerSettings
 from pdserve.protocol import FinishReason, SamplingParams
-from pdserve.settings import KVCacheSettings, ModelSettings, SchedulerSettings
 from pdserve.workers.engine.engine import Engine, EngineOutput, EngineRequest
 
 _SECTIONS = {"model": ModelSettings, "kv_cache": KVCacheSettings, "scheduler": SchedulerSettings}

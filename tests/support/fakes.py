@@ -33,9 +33,11 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import SecretStr
 
-from pdserve.config import RouterConfig
+from pdserve.config.loading import RouterConfig
+from pdserve.config.settings import SecuritySettings
 from pdserve.discovery import EmbeddedRegistry
 from pdserve.errors import PdserveError
+from pdserve.http.error_responses import install_error_handlers
 from pdserve.protocol import (
     ContextRequest,
     ContextResponse,
@@ -53,8 +55,6 @@ from pdserve.protocol import (
     WorkerRecord,
 )
 from pdserve.security import ClusterKey
-from pdserve.server.errors import install_error_handlers
-from pdserve.settings import SecuritySettings
 from tests.support.servers import bound_socket, uvicorn_started
 
 if TYPE_CHECKING:
@@ -484,11 +484,11 @@ async def make_router(
     streamed hand-off's threshold (0: off); ``migration_limit`` and ``worker_wait_s`` as the
     router settings (no wait by default: a test of a failure gets it at once); ``watcher``:
     the discovery the router follows (the workers' and extra records are put in it)."""
+    from pdserve.config.settings import RouterSettings
     from pdserve.router.client import WorkerClient
     from pdserve.router.metrics import RouterMetrics
     from pdserve.router.router import Router
     from pdserve.router.view import WorkerView
-    from pdserve.settings import RouterSettings
 
     mounts = {w.http_url: httpx.ASGITransport(app=w.app()) for w in workers}
     watcher = watcher if watcher is not None else FakeWatcher()

@@ -127,9 +127,11 @@ def kustomize(kustomization: dict[str, Any], folder: Path) -> Rendered:
 def effective_config(target: str, role: str, tmp_root: Path) -> Any:
     """The pdserve config ``role``'s pod resolves: the mounted file + its PDSERVE_* env."""
     try:
-        from pdserve.config import load_config
+        from pdserve.config.loading import load_config
     except ImportError as exc:
-        pytest.fail(f"pdserve.config.load_config is missing (the issue-4 config contract): {exc}")
+        pytest.fail(
+            f"pdserve.config.loading.load_config is missing (the issue-4 config contract): {exc}"
+        )
     r = render(target)
     path = tmp_root / target.replace("/", "_") / "config.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -28,10 +28,10 @@ from typing import Any
 import pytest
 import torch
 
+from pdserve.config.settings import TransferSettings
 from pdserve.errors import HandleError
 from pdserve.protocol import GenerationRequest, KVLayout, SamplingParams, TransferHandle
 from pdserve.security import ClusterKey
-from pdserve.settings import TransferSettings
 from pdserve.transfer import create_transceiver
 from pdserve.transfer.convert import torch_dtype
 from pdserve.transfer.formatter import TransferPlan, pool_bytes

@@ -34,10 +34,10 @@ from typing import NamedTuple
 import pytest
 import torch
 
+from pdserve.config.settings import TransferSettings
 from pdserve.errors import TransferError
 from pdserve.protocol import KVLayout, TransferHandle
 from pdserve.security import ClusterKey
-from pdserve.settings import TransferSettings
 from pdserve.transfer import Transceiver, create_transceiver
 from pdserve.transfer.backend import open_backend
 from pdserve.transfer.formatter import PoolGeometry

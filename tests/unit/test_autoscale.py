@@ -10,6 +10,8 @@ import httpx
 import pytest
 from prometheus_client import generate_latest
 
+from pdserve.config.planner_settings import PlannerSettings
+from pdserve.config.settings import PdserveConfig
 from pdserve.planner.autoscale import AutoscaleLoop, Planner, router_metrics_fetcher
 from pdserve.planner.local import autoscale_settings
 from pdserve.planner.observe import (
@@ -21,8 +23,6 @@ from pdserve.planner.observe import (
 )
 from pdserve.planner.profile import EngineProfile, Profile
 from pdserve.router.metrics import RouterMetrics
-from pdserve.settings import PdserveConfig
-from pdserve.settings_planner import PlannerSettings
 from tests.support.servers import free_port
 
 

@@ -12,7 +12,7 @@ import pytest
 from pydantic import SecretStr
 
 from pdserve.cli import build_parser, main, resolve_config
-from pdserve.config import (
+from pdserve.config.loading import (
     ConfigError,
     PdserveConfig,
     dump_config,
@@ -21,9 +21,9 @@ from pdserve.config import (
     router_config,
     worker_config,
 )
-from pdserve.launcher import child_config
-from pdserve.settings import ROLES, RouterSettings, SchedulerSettings, Setting, settings
-from pdserve.stack import all_registered, child_env, worker_commands
+from pdserve.config.settings import ROLES, RouterSettings, SchedulerSettings, Setting, settings
+from pdserve.launch.launcher import child_config
+from pdserve.launch.stack import all_registered, child_env, worker_commands
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
 MODEL = Path("/models/m")

@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pdserve.config_reference import reference_markdown
-from pdserve.settings import PdserveConfig, settings
+from pdserve.config.reference import reference_markdown
+from pdserve.config.settings import PdserveConfig, settings
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "configuration.md"

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.config import EngineConfig, WorkerConfig
+from pdserve.config.loading import EngineConfig, WorkerConfig
+from pdserve.config.settings import WorkerSettings
 from pdserve.discovery import RegistrationState
 from pdserve.protocol import (
     DRAINING_ERROR,
@@ -26,7 +27,6 @@ from pdserve.protocol import (
     SamplingParams,
     WorkerRecord,
 )
-from pdserve.settings import WorkerSettings
 from pdserve.workers.engine.requests import EngineOutput
 from pdserve.workers.roles.bridge import OutputStream
 from pdserve.workers.roles.colocated import ColocatedWorker

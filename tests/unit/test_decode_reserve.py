@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from pdserve.config.settings import SchedulerSettings
 from pdserve.errors import CapacityError, QueueFullError
 from pdserve.protocol import GenerationRequest, KVLayout, SamplingParams, TransferHandle
-from pdserve.settings import SchedulerSettings
 from pdserve.workers.engine.requests import Reservation
 from pdserve.workers.roles.decode import DecodeHandler
 from tests.support.fakes import layout

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from pdserve.config import RouterConfig
+from pdserve.config.loading import RouterConfig
 from pdserve.discovery import EmbeddedRegistry, open_registration, open_watcher
 from pdserve.discovery.records import RecordTable
 from pdserve.errors import ConfigError

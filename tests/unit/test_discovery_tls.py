@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.config.settings import DiscoverySettings
 from pdserve.discovery import open_registration, open_watcher
 from pdserve.discovery.tls import ControlPlaneTLS
 from pdserve.errors import ConfigError
-from pdserve.settings import DiscoverySettings
 from tests.support.fakes import CLUSTER_KEY
 from tests.support.pki import PKI, make_nats_operator, make_pki
 

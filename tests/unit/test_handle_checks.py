@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
+from pdserve.config.settings import TransferSettings
 from pdserve.errors import HandleError, IntegrityError, LayoutMismatchError, TransferError
 from pdserve.protocol import GenerationRequest, KVLayout, SamplingParams, TransferHandle
-from pdserve.settings import TransferSettings
 from pdserve.workers.engine.requests import Reservation
 from pdserve.workers.roles.decode import DecodeHandler, check_handle
 from tests.support.transfer import handed_generation

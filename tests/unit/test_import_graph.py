@@ -6,7 +6,7 @@ arrows they may not take (``A -/-> B``: no module of A imports one of B)::
 
     leaf contracts   pdserve.errors, pdserve.protocol, pdserve.block_hash -/-> anything of pdserve
     core             pdserve.<module> (settings, security, config, metrics, ...) -/-> a room
-                     (the entry points pdserve.cli and pdserve.launcher compose the rooms)
+                     (the entry points pdserve.cli and pdserve.launch.launcher compose the rooms)
     workers          kv -/-> engine, roles;  engine -/-> roles
     router           -/-> workers, server, transfer
     transfer         -/-> workers, router, server, discovery
@@ -20,6 +20,7 @@ The checker is tested on injected cycles of each kind and on an arrow against th
 from __future__ import annotations
 
 import ast
+import importlib.util
 import tomllib
 from collections.abc import Iterable
 from pathlib import Path
@@ -37,7 +38,7 @@ ROOMS = (
     "pdserve.discovery",
     "pdserve.tools",
 )
-ENTRY_POINTS = ("pdserve.cli", "pdserve.launcher")
+ENTRY_POINTS = ("pdserve.cli", "pdserve.launch.launcher")
 FORBIDDEN: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("pdserve.workers.kv", ("pdserve.workers.engine", "pdserve.workers.roles")),
     ("pdserve.workers.engine", ("pdserve.workers.roles",)),
@@ -219,8 +220,8 @@ def test_the_checker_catches_an_injected_cycle_of_each_kind(code: str) -> None:
          "pdserve.router.policy -> pdserve.workers.kv.sizing"),
         ("pdserve.transfer.sender", "from pdserve.tools import bench",
          "pdserve.transfer.sender -> pdserve.tools.bench"),
-        ("pdserve.settings", "from pdserve.router import policy",
-         "pdserve.settings -> pdserve.router.policy"),
+        ("pdserve.config.settings", "from pdserve.router import policy",
+         "pdserve.config.settings -> pdserve.router.policy"),
     ],
 )  # fmt: skip
 def test_the_checker_catches_an_arrow_against_the_rooms_order(
@@ -231,22 +232,30 @@ def test_the_checker_catches_an_arrow_against_the_rooms_order(
 
 
 def test_the_image_model_stage_copies_every_module_the_conversion_imports() -> None:
-    """The Dockerfile's ``model`` stage copies only the modules ``pdserve.models`` needs (so
-    source edits rarely redo the conversion): exactly its run-time closure."""
+    """The Dockerfile's ``model`` stage gets only the modules ``pdserve.models`` needs (so source
+    edits rarely redo the conversion), found by ``deploy/image/model_sources.py`` on each build:
+    exactly the run-time closure this test's own graph computes, and the Dockerfile uses it."""
     g = graph(_sources(), every=False)
     needed, todo = {"pdserve", "pdserve.models"}, ["pdserve.models"]
     while todo:
         for dep in g[todo.pop()] - needed:
             needed.add(dep)
             todo.append(dep)
+    # the packages on the way run on import too
+    needed |= {".".join(m.split(".")[:n]) for m in needed for n in range(1, m.count(".") + 1)}
+    spec = importlib.util.spec_from_file_location(
+        "model_sources", ROOT / "deploy" / "image" / "model_sources.py"
+    )
+    assert spec is not None and spec.loader is not None
+    finder = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(finder)
+    assert set(finder.closure(ROOT)) == needed
     text = (ROOT / "Dockerfile").read_text()
-    stage = text[text.index("AS model") :].split("\nFROM ", 1)[0]
-    copy = stage[stage.index("\nCOPY ") : stage.index("/src/pdserve/")].replace("\\\n", " ")
-    copied = {
-        "pdserve" if w == "pdserve/__init__.py" else w.removesuffix(".py").replace("/", ".")
-        for w in copy.split()[1:]
-    }
-    assert copied == needed
+    stage = text[text.index("AS model-sources") :].split("\nFROM ", 1)[0]
+    assert "model_sources.py /src /model-src" in stage
+    model = text[text.index("AS model\n") :].split("\nFROM ", 1)[0]
+    assert "COPY --from=model-sources /model-src/ /src/" in model
+    assert "!deploy/image/model_sources.py" in (ROOT / ".dockerignore").read_text()
 
 
 def test_test_modules_import_only_the_support_kit() -> None:

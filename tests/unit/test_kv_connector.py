@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdserve.config.settings import SchedulerSettings
 from pdserve.protocol import KVLayout, SamplingParams
-from pdserve.settings import SchedulerSettings
 from pdserve.workers.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.workers.engine.sequence import Sequence
 from pdserve.workers.kv.connector import KVConnector
@@ -202,7 +202,7 @@ def test_the_worker_exports_the_tier_counters(rig: Rig) -> None:
 def test_the_settings_build_a_connector_only_with_a_tier_and_the_prefix_cache(
     tmp_path: Path,
 ) -> None:
-    from pdserve.settings import HOST_CACHE_CUDA_MB, KVCacheSettings
+    from pdserve.config.settings import HOST_CACHE_CUDA_MB, KVCacheSettings
     from pdserve.workers.kv.connector import build_connector
 
     defaults = KVCacheSettings()

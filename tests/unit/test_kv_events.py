@@ -183,7 +183,7 @@ async def registry_client() -> httpx.AsyncClient:
     index = KVIndex(key=CLUSTER_KEY)
     registry.subscribe_kv_events(index.apply)
     app = fastapi.FastAPI()
-    from pdserve.server.errors import install_error_handlers
+    from pdserve.http.error_responses import install_error_handlers
 
     install_error_handlers(app)
     app.include_router(registry.api_router())
@@ -255,7 +255,7 @@ async def test_open_kv_events_publishes_only_when_everything_is_on(
 ) -> None:
     from contextlib import AsyncExitStack
 
-    from pdserve.settings import DiscoverySettings
+    from pdserve.config.settings import DiscoverySettings
     from pdserve.workers.kv.events import open_kv_events
     from tests.support.servers import wait_until
 

@@ -169,7 +169,7 @@ def test_the_warning_comes_again_after_the_interval(caplog: pytest.LogCaptureFix
 async def test_the_registry_route_passes_the_signature_and_the_index_checks_it() -> None:
     import fastapi
 
-    from pdserve.server.errors import install_error_handlers
+    from pdserve.http.error_responses import install_error_handlers
 
     registry = EmbeddedRegistry(ttl_s=10.0, key=CLUSTER_KEY)
     index = follow_kv_events(EmbeddedWatcher(registry, manage_sweep=False))

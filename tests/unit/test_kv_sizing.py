@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.config.settings import KVCacheSettings
 from pdserve.protocol import KVLayout
-from pdserve.settings import KVCacheSettings
 from pdserve.workers.kv import sizing as kv_sizing
 from pdserve.workers.kv.sizing import cuda_kv_budget, pool_size
 

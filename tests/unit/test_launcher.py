@@ -1,5 +1,5 @@
 """`pdserve up`'s own decisions: the KV memory share split between its workers, a router port
-that is already taken, the children's secrets (files, never the config: :mod:`pdserve.stack`,
+that is already taken, the children's secrets (files, never the config: :mod:`pdserve.launch.stack`,
 which every stack uses) and the give-up line; ``bench serve`` stacks get secret files the same
 way."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve import launcher, stack
-from pdserve.settings import PdserveConfig
+from pdserve.config.settings import PdserveConfig
+from pdserve.launch import launcher, stack
 
 GIB = 2**30
 
@@ -62,7 +62,7 @@ def test_up_refuses_a_registry_port_that_is_taken(capsys: pytest.CaptureFixture[
 
 
 def _read_back(config_file: Path) -> PdserveConfig:
-    from pdserve.config import load_file
+    from pdserve.config.loading import load_file
 
     return load_file(config_file)
 
@@ -148,7 +148,7 @@ def test_bench_serve_stacks_get_secret_files_too(tmp_path: Path) -> None:
 
 
 def test_give_up_line_names_the_limit() -> None:
-    from pdserve.supervisor import RestartPolicy
+    from pdserve.launch.supervisor import RestartPolicy
 
     line = launcher.gave_up("prefill-0", -9, RestartPolicy(limit=5, window_s=300))
     assert line.startswith("prefill-0 exited with code -9 after 5 restart(s) within 300 s")

@@ -1,11 +1,11 @@
-"""A server's port cannot be taken from under it (:mod:`pdserve.hosts`).
+"""A server's port cannot be taken from under it (:mod:`pdserve.config.hosts`).
 
 Linux lets two sockets with SO_REUSEADDR bind one port while neither listens, and the first to
 listen wins. CI lost a test stack's worker to that: the worker bound port 0, loaded its model for
 seconds before listening, and a server given a port picked a moment earlier bound and listened
 on the same one (``OSError: [Errno 98] Address already in use`` from the worker's ``listen``).
-:func:`pdserve.hosts.listening_socket` listens at once (SO_REUSEADDR kept, for restarts);
-:func:`pdserve.hosts.free_port` picks ports for servers started later out of the kernel's
+:func:`pdserve.config.hosts.listening_socket` listens at once (SO_REUSEADDR kept, for restarts);
+:func:`pdserve.config.hosts.free_port` picks ports for servers started later out of the kernel's
 ephemeral range, where no ``bind(0)`` or outgoing connection lands in the meantime.
 """
 
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve import hosts
-from pdserve.hosts import listening_socket
+from pdserve.config import hosts
+from pdserve.config.hosts import listening_socket
 
 
 def _rival(port: int) -> socket.socket:

@@ -1,7 +1,7 @@
-"""JSON logs (pdserve.logs): the request id is a field of the record, taken from the context or
+"""JSON logs (pdserve.observability.logs): the request id is a field of the record, taken from the context or
 the argument the format names, never parsed out of a message's text; and what a process writes
 to its stderr and stdout besides log records (a C++ library's warning, a print, its last words
-before an abort) reaches the log as JSON lines, through the relay (pdserve.log_relay)."""
+before an abort) reaches the log as JSON lines, through the relay (pdserve.observability.log_relay)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdserve import log_relay, logs
+from pdserve.observability import log_relay, logs
 
 
 @pytest.fixture
@@ -83,7 +83,7 @@ def test_the_relay_passes_records_and_wraps_every_other_line() -> None:
 CHILD = textwrap.dedent(
     """
     import logging, os, sys, threading, warnings
-    from pdserve import logs
+    from pdserve.observability import logs
     logs.configure_logging("info", "json")
     logs.relay_output_as_json(stdout=True)
     logging.getLogger("child").info("req %s: started", "cmpl-1")

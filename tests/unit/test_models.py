@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from pdserve import models
+from pdserve.config.settings import DEFAULT_MODEL
 from pdserve.errors import ConfigError
-from pdserve.settings import DEFAULT_MODEL
 from tests.support.models import build_tiny_model
 
 

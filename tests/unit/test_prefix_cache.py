@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import pytest
 
 from pdserve.block_hash import BlockHasher
+from pdserve.config.settings import SchedulerSettings
 from pdserve.errors import CapacityError
 from pdserve.protocol import KVLayout, SamplingParams
-from pdserve.settings import SchedulerSettings
 from pdserve.workers.engine.scheduler import Scheduler
 from pdserve.workers.engine.sequence import Sequence
 from pdserve.workers.kv.manager import KVCacheManager

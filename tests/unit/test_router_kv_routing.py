@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from pdserve.block_hash import BlockHasher
+from pdserve.config.settings import RouterSettings
 from pdserve.discovery.kvcache import KVCacheEvent, encode_hash
 from pdserve.protocol import SamplingParams, WorkerLoad
 from pdserve.router.client import WorkerClient
@@ -19,7 +20,6 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import LEAST_LOADED, RoutePath, RouteWeights, choose_route, route_cost
 from pdserve.router.router import Router
 from pdserve.router.view import WorkerView
-from pdserve.settings import RouterSettings
 from tests.support.fakes import CLUSTER_KEY, MODEL, FakeWatcher, FakeWorker, layout, record
 
 KV = RouteWeights(kv_overlap_weight=1.0, load_weight=256.0)

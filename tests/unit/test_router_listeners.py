@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.config import RouterConfig
-from pdserve.settings import RouterSettings
+from pdserve.config.loading import RouterConfig
+from pdserve.config.settings import RouterSettings
 from tests.support.fakes import INTERNAL_AUTH, MODEL, SECURITY, build_tokenizer_dir, record
 from tests.support.servers import free_port
 

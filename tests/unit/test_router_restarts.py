@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from pdserve.config import RouterConfig
+from pdserve.config.loading import RouterConfig
 from pdserve.discovery import EmbeddedRegistry
 from pdserve.protocol import SamplingParams, WorkerLoad, WorkerRecord
 from pdserve.router.metrics import RouterMetrics

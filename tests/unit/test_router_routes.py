@@ -10,7 +10,8 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 
-from pdserve.config import RouterConfig
+from pdserve.config.loading import RouterConfig
+from pdserve.config.settings import RouterSettings
 from pdserve.errors import CapacityError, NoWorkerError, WorkerError
 from pdserve.protocol import FinishReason, Role, SamplingParams, WorkerLoad
 from pdserve.router.client import WorkerClient
@@ -18,7 +19,6 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import RoutePath, choose_route, prefill_locally
 from pdserve.router.router import Router
 from pdserve.router.view import WorkerView
-from pdserve.settings import RouterSettings
 from tests.support.fakes import (
     CLUSTER_KEY,
     MODEL,

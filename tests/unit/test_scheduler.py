@@ -7,9 +7,9 @@ import random
 
 import pytest
 
+from pdserve.config.settings import SchedulerSettings
 from pdserve.errors import CapacityError
 from pdserve.protocol import KVLayout, SamplingParams
-from pdserve.settings import SchedulerSettings
 from pdserve.workers.engine.scheduler import CapacityPolicy, ScheduledBatch, Scheduler
 from pdserve.workers.engine.sequence import Sequence, SequenceStatus
 from pdserve.workers.kv.manager import KVCacheManager

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.config.settings import SchedulerSettings
 from pdserve.errors import CapacityError
 from pdserve.protocol import KVLayout, SamplingParams
-from pdserve.settings import SchedulerSettings
 from pdserve.workers.engine.scheduler import Scheduler
 from pdserve.workers.engine.sequence import Sequence, SequenceStatus
 from pdserve.workers.kv.manager import KVCacheManager

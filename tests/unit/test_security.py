@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli import main
-from pdserve.config import dump_config, load_config
+from pdserve.config.loading import dump_config, load_config
+from pdserve.config.settings import SecuritySettings
 from pdserve.errors import ConfigError
 from pdserve.security import (
     MIN_SECRET_CHARS,
@@ -21,7 +22,6 @@ from pdserve.security import (
     load_cluster_secret,
     write_secret_file,
 )
-from pdserve.settings import SecuritySettings
 
 SECRET = "s" * MIN_SECRET_CHARS
 

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 
-from pdserve.config import RouterConfig
+from pdserve.config.loading import RouterConfig
+from pdserve.config.settings import RouterSettings, SecuritySettings
 from pdserve.protocol import Role
 from pdserve.server.guard import TOKENIZER_PATHS
-from pdserve.settings import RouterSettings, SecuritySettings
 from tests.support.fakes import MODEL, FakeWorker, build_tokenizer_dir, router_harness
 
 REPLY = [(72, "H"), (105, "i"), (33, "!")]

@@ -7,7 +7,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from pdserve.config import RouterConfig
+from pdserve.config.loading import RouterConfig
 from pdserve.protocol import Role
 from tests.support.fakes import MODEL, FakeWorker, build_tokenizer_dir, router_harness
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from tokenizers import AddedToken, Tokenizer, normalizers, processors
 
-from pdserve.config import RouterConfig, RouterSettings
+from pdserve.config.loading import RouterConfig, RouterSettings
 from pdserve.errors import ConfigError, InvalidRequestError
 from pdserve.protocol import Role
 from pdserve.server.content_guard import ContentGuard

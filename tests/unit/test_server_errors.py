@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pdserve.config import RouterConfig
+from pdserve.config.loading import RouterConfig
 from pdserve.errors import CapacityError, WorkerError
 from pdserve.protocol import Role
 from pdserve.server.json_values import MAX_JSON_DEPTH
@@ -267,7 +267,7 @@ async def test_decode_error_without_streaming_is_a_502(cfg, caplog):
 def _app_raising(exc: Exception):  # type: ignore[no-untyped-def]
     from fastapi import FastAPI
 
-    from pdserve.server.errors import install_error_handlers
+    from pdserve.http.error_responses import install_error_handlers
 
     app = FastAPI()
     install_error_handlers(app)
@@ -289,7 +289,7 @@ async def _get(app, path: str, headers: dict[str, str] | None = None):  # type: 
 
 async def test_an_unexpected_exception_is_a_generic_500_naming_only_the_request_id(caplog):
     app = _app_raising(RuntimeError("secret"))
-    with caplog.at_level("ERROR", logger="pdserve.server.errors"):
+    with caplog.at_level("ERROR", logger="pdserve.http.error_responses"):
         r = await _get(app, "/boom", {"X-Request-Id": "client-42"})
     assert r.status_code == 500
     assert "secret" not in r.text and "RuntimeError" not in r.text
@@ -313,7 +313,7 @@ async def test_without_a_client_request_id_one_is_generated_and_returned():
 )
 async def test_a_client_request_id_that_could_fake_log_fields_is_replaced(given, caplog):
     header = given.encode("latin-1")  # as sent on the wire (the UTF-8 bytes of "naïve")
-    with caplog.at_level("WARNING", logger="pdserve.server.errors"):
+    with caplog.at_level("WARNING", logger="pdserve.http.error_responses"):
         r = await _get(_app_raising(CapacityError("busy")), "/boom", {"X-Request-Id": header})
     rid = r.headers["x-request-id"]
     assert rid.startswith("req-") and r.json()["error"]["request_id"] == rid

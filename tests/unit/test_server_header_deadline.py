@@ -1,5 +1,5 @@
 """The servers' HTTP protocol closes a connection whose request headers are not complete in
-time (:mod:`pdserve.server.http_protocol`), before any route or API key check runs; bodies,
+time (:mod:`pdserve.http.uvicorn_protocol`), before any route or API key check runs; bodies,
 responses and idle keep-alive connections keep their own bounds. Real uvicorn, real sockets;
 the deadline is shortened to :data:`DEADLINE_S` for the test."""
 
@@ -13,7 +13,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 
-from pdserve.server.http_protocol import HEADER_TIMEOUT_S, HeaderDeadlineH11Protocol
+from pdserve.http.uvicorn_protocol import HEADER_TIMEOUT_S, HeaderDeadlineH11Protocol
 from tests.support.servers import bound_socket, uvicorn_started
 
 DEADLINE_S = 0.5

@@ -5,9 +5,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from pdserve.config import RouterConfig
+from pdserve.config.loading import RouterConfig
+from pdserve.config.settings import ModelSettings
 from pdserve.protocol import Role
-from pdserve.settings import ModelSettings
 from tests.support.fakes import (
     INTERNAL_AUTH,
     MODEL,

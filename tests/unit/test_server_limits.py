@@ -11,10 +11,11 @@ import pytest
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
-from pdserve.config import RouterConfig, load_config
+from pdserve.config.loading import RouterConfig, load_config
+from pdserve.config.settings import RouterSettings
 from pdserve.errors import ConfigError
+from pdserve.http.error_responses import validation_error
 from pdserve.protocol import MAX_CHOICES, Role, StructuredOutput
-from pdserve.server.errors import validation_error
 from pdserve.server.preprocess import Preprocessor
 from pdserve.server.schemas import (
     MAX_LOGIT_BIAS,
@@ -25,7 +26,6 @@ from pdserve.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
 )
-from pdserve.settings import RouterSettings
 from tests.support.fakes import MODEL, FakeWorker, build_tokenizer_dir, router_harness
 
 REPLY = [(72, "H"), (105, "i"), (33, "!")]

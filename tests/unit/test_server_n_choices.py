@@ -16,7 +16,8 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from transformers import AutoTokenizer
 
-from pdserve.config import RouterConfig
+from pdserve.config.loading import RouterConfig
+from pdserve.config.settings import RouterSettings
 from pdserve.errors import WorkerError
 from pdserve.protocol import (
     ContextRequest,
@@ -32,7 +33,6 @@ from pdserve.router.client import WorkerClient
 from pdserve.router.router import Router
 from pdserve.router.transaction import TxnState
 from pdserve.router.view import WorkerView
-from pdserve.settings import RouterSettings
 from tests.support.fakes import (
     CLUSTER_KEY,
     MODEL,

@@ -10,7 +10,8 @@ import re
 
 import pytest
 
-from pdserve.config import RouterConfig
+from pdserve.config.loading import RouterConfig
+from pdserve.config.settings import RouterSettings
 from pdserve.errors import (
     CapacityError,
     DeadlineExceededError,
@@ -26,7 +27,6 @@ from pdserve.errors import (
 )
 from pdserve.protocol import Role
 from pdserve.router.client import error_from_envelope
-from pdserve.settings import RouterSettings
 from tests.support.fakes import MODEL, FakeWorker, build_tokenizer_dir, router_harness
 
 PREFILL, DECODE = "prefill-secret-7", "decode-secret-9"

@@ -13,10 +13,10 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from pdserve.config import RouterConfig
+from pdserve.config.loading import RouterConfig
+from pdserve.config.settings import RouterSettings
 from pdserve.errors import WorkerError
 from pdserve.protocol import Role
-from pdserve.settings import RouterSettings
 from tests.support.fakes import FakeWorker, build_tokenizer_dir, router_harness
 from tests.support.servers import wait_until
 

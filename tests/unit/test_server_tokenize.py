@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.config import RouterConfig
+from pdserve.config.loading import RouterConfig
 from pdserve.errors import InvalidRequestError
 from pdserve.protocol import Role
 from pdserve.security import SecuritySettings

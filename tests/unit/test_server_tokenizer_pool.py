@@ -134,10 +134,10 @@ async def test_the_router_answers_429_tokenizer_busy_when_the_backlog_is_full(
     """Through the router: while 4 maximal bodies are being tokenized (held on ``gate``), one
     more gets an OpenAI error body with 429 ``tokenizer_busy`` and ``Retry-After``; once they
     finish, the router serves again."""
-    from pdserve.config import RouterConfig
+    from pdserve.config.loading import RouterConfig
+    from pdserve.config.settings import RouterSettings
     from pdserve.protocol import Role
     from pdserve.server.preprocess import Preprocessor
-    from pdserve.settings import RouterSettings
     from tests.support.fakes import MODEL, FakeWorker, build_tokenizer_dir, router_harness
 
     max_bytes = 2048

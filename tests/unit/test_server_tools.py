@@ -315,7 +315,7 @@ def _replies(text: str) -> list[tuple[int, str]]:
 async def _post(
     model_dir: Any, body: dict[str, Any], reply: str = CALL_TEXT, path: str = "chat/completions"
 ) -> tuple[Any, Any]:
-    from pdserve.config import RouterConfig
+    from pdserve.config.loading import RouterConfig
     from pdserve.protocol import Role
     from tests.support.fakes import FakeWorker, router_harness
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.config.settings import SchedulerSettings
 from pdserve.protocol import KVLayout, SamplingParams
-from pdserve.settings import SchedulerSettings
 from pdserve.workers.engine.scheduler import Scheduler
 from pdserve.workers.engine.sequence import Sequence
 from pdserve.workers.engine.speculative import (

@@ -1,4 +1,4 @@
-"""The one stack builder (:mod:`pdserve.stack`) behind ``pdserve up``, the benchmarks and the
+"""The one stack builder (:mod:`pdserve.launch.stack`) behind ``pdserve up``, the benchmarks and the
 tests' stack: the config file and secrets, each process's command line (extra flags by role and
 by name), and a whole lifecycle with stand-in children (the router a static HTTP server whose
 ``/ready`` lists the workers, the workers sleepers): start, ready, a worker added and killed,
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from pdserve import stack
-from pdserve.config import load_file
+from pdserve.config.loading import load_file
+from pdserve.config.settings import PdserveConfig
+from pdserve.launch import stack
+from pdserve.launch.supervisor import ProcessSpec, ReadyTimeoutError, pdserve_argv
 from pdserve.security import load_cluster_secret
-from pdserve.settings import PdserveConfig
-from pdserve.supervisor import ProcessSpec, ReadyTimeoutError, pdserve_argv
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -157,6 +157,7 @@ def _private_imports(file: Path) -> list[str]:
 
 def test_tools_and_entry_points_import_no_private_names() -> None:
     files = [*(ROOT / "pdserve" / "tools").glob("*.py")]
-    files += [ROOT / "pdserve" / n for n in ("stack.py", "launcher.py", "cli.py")]
+    files += [ROOT / "pdserve" / "launch" / n for n in ("stack.py", "launcher.py")]
+    files.append(ROOT / "pdserve" / "cli.py")
     found = {f.name: bad for f in files if (bad := _private_imports(f))}
     assert found == {}

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.settings import SupervisorSettings
-from pdserve.supervisor import (
+from pdserve.config.settings import SupervisorSettings
+from pdserve.launch.supervisor import (
     ProcessExitedError,
     ProcessSpec,
     ProcessSupervisor,

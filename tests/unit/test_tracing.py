@@ -1,4 +1,4 @@
-"""Request timelines and their spans (pdserve.tracing), JSON logs (pdserve.logs), the
+"""Request timelines and their spans (pdserve.observability.tracing), JSON logs (pdserve.observability.logs), the
 observability settings and the protocol's tracing fields."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
 from pydantic import ValidationError
 
-from pdserve import logs, tracing
+from pdserve.config.settings import ObservabilitySettings
+from pdserve.observability import logs, tracing
+from pdserve.observability.tracing import Timeline
 from pdserve.protocol import ContextRequest, GenerationChunk, SamplingParams
-from pdserve.settings import ObservabilitySettings
-from pdserve.tracing import Timeline
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 

@@ -15,10 +15,10 @@ import torch
 import xxhash
 
 from pdserve.cli import build_parser, resolve_config
-from pdserve.config import worker_config
+from pdserve.config.loading import worker_config
+from pdserve.config.settings import TransferSettings
 from pdserve.errors import IntegrityError, TransferError
 from pdserve.protocol import KVLayout
-from pdserve.settings import TransferSettings
 from pdserve.transfer import integrity
 from pdserve.transfer.formatter import Formatter, PoolGeometry, TransferPlan, pool_bytes
 from pdserve.transfer.integrity import BlockDigester

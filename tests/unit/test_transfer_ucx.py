@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
+from pdserve.config.settings import TransferSettings
 from pdserve.errors import TransferError
 from pdserve.protocol import KVLayout
-from pdserve.settings import TransferSettings
 from pdserve.transfer import wire
 from pdserve.transfer.backend import TransferState
 from pdserve.transfer.formatter import PoolGeometry

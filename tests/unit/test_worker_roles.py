@@ -19,7 +19,13 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from pdserve.config import EngineConfig, WorkerConfig
+from pdserve.config.loading import EngineConfig, WorkerConfig
+from pdserve.config.settings import (
+    KVCacheSettings,
+    SchedulerSettings,
+    TransferSettings,
+    WorkerSettings,
+)
 from pdserve.discovery import RegistrationState
 from pdserve.errors import TransferError
 from pdserve.protocol import (
@@ -32,7 +38,6 @@ from pdserve.protocol import (
     WorkerRecord,
 )
 from pdserve.security import ClusterKey
-from pdserve.settings import KVCacheSettings, SchedulerSettings, TransferSettings, WorkerSettings
 from pdserve.transfer.inproc import FABRIC
 from pdserve.workers.roles.app import create_worker_app
 from pdserve.workers.roles.decode import DecodeHandler

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from pdserve.config import EngineConfig
+    from pdserve.config.loading import EngineConfig
     from pdserve.protocol import KVLayout, SamplingParams, WorkerLoad
     from pdserve.workers.engine.requests import EngineRequest, Reservation, Sink
     from pdserve.workers.kv.connector import KVConnectorStats

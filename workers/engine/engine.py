@@ -59,7 +59,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.config.loading import EngineConfig
 from pdserve.errors import ConfigError, InvalidRequestError, QueueFullError
 from pdserve.protocol import FinishReason, KVLayout, SamplingParams, TokenLogprob, WorkerLoad
 from pdserve.workers.engine.grammar import (

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.config.loading import EngineConfig
 from pdserve.errors import ConfigError
 from pdserve.hardware import choose_dtype
 from pdserve.protocol import KVLayout, SamplingParams

@@ -65,7 +65,7 @@ from pdserve.errors import ConfigError, PdserveError
 from pdserve.protocol import rank_kv_heads
 
 if TYPE_CHECKING:
-    from pdserve.config import EngineConfig
+    from pdserve.config.loading import EngineConfig
     from pdserve.workers.engine.attention import PagedAttentionMetadata
 
 log = logging.getLogger(__name__)

@@ -64,11 +64,11 @@ from pdserve.workers.engine.speculative import NgramProposer, speculates, take_t
 from pdserve.workers.kv.manager import KVCacheManager
 
 if TYPE_CHECKING:
-    from pdserve.settings import SchedulerSettings
+    from pdserve.config.settings import SchedulerSettings
     from pdserve.workers.kv.connector import KVConnectorScheduler
 
 CapacityPolicy = Literal["max_utilization", "guaranteed_no_evict"]
-"""``scheduler.capacity_policy`` (declared in :class:`~pdserve.settings.SchedulerSettings`)."""
+"""``scheduler.capacity_policy`` (declared in :class:`~pdserve.config.settings.SchedulerSettings`)."""
 
 
 @dataclass(frozen=True, eq=False)

@@ -44,7 +44,7 @@ from typing import Literal, Protocol
 import torch
 
 from pdserve.block_hash import BlockHasher, TokenBlocks
-from pdserve.settings import KVCacheSettings
+from pdserve.config.settings import KVCacheSettings
 from pdserve.workers.kv.manager import KVCacheManager
 from pdserve.workers.kv.tiers import DiskTier, HostTier, TierStats
 

@@ -53,8 +53,8 @@ from pdserve.discovery.kvcache import (
 )
 
 if TYPE_CHECKING:
+    from pdserve.config.settings import DiscoverySettings
     from pdserve.security import ClusterKey
-    from pdserve.settings import DiscoverySettings
     from pdserve.workers.kv.manager import KVCacheManager
 
 log = logging.getLogger(__name__)

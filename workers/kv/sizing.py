@@ -25,8 +25,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.config.settings import KVCacheSettings
 from pdserve.protocol import KVLayout
-from pdserve.settings import KVCacheSettings
 
 log = logging.getLogger(__name__)
 

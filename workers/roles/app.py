@@ -19,7 +19,7 @@ colocated); every role serves ``GET /health``, ``GET /ready``,
 answers 404. The ``/internal/*`` routes need ``Authorization: Bearer`` with the cluster key's
 token (401 ``unauthorized`` otherwise, checked before the body is read); the others stay open
 for probes and scrapers. Errors are mapped by the handlers the router uses too
-(:func:`pdserve.server.errors.install_error_handlers`).
+(:func:`pdserve.http.error_responses.install_error_handlers`).
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdserve.config.hosts import listening_socket, url_host
 from pdserve.discovery.registry import internal_route_class
-from pdserve.hosts import listening_socket, url_host
+from pdserve.http.error_responses import install_error_handlers
 from pdserve.protocol import PROTOCOL_HEADER, PROTOCOL_VERSION, WORKER_KEEPALIVE_S, Role
 from pdserve.security import ClusterKey
-from pdserve.server.errors import install_error_handlers
 from pdserve.workers.engine.api import default_engine_factory
 from pdserve.workers.roles import service
 from pdserve.workers.roles.colocated import ColocatedWorker
@@ -56,7 +56,7 @@ from pdserve.workers.roles.service import (
 )
 
 if TYPE_CHECKING:
-    from pdserve.config import WorkerConfig
+    from pdserve.config.loading import WorkerConfig
     from pdserve.workers.engine.api import EngineFactory
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ class _ProtocolHeader:
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """The request-plane socket, bound and listening up front
-    (:func:`~pdserve.hosts.listening_socket`) so that port 0 resolves to a real port that can
+    (:func:`~pdserve.config.hosts.listening_socket`) so that port 0 resolves to a real port that can
     go into the discovery record before the server starts, and stays this worker's while the
     model loads (connections wait in the backlog until uvicorn accepts them).
 
@@ -164,8 +164,8 @@ def run_worker(cfg: WorkerConfig, *, log_level: str = "info") -> None:
     """Serve a worker until SIGINT/SIGTERM (blocking)."""
     import uvicorn
 
-    from pdserve.logs import uvicorn_log_config
-    from pdserve.server.http_protocol import HeaderDeadlineH11Protocol
+    from pdserve.http.uvicorn_protocol import HeaderDeadlineH11Protocol
+    from pdserve.observability.logs import uvicorn_log_config
 
     sock = bind_socket(cfg.worker.host, cfg.worker.port)
     port = sock.getsockname()[1]

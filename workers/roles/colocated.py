@@ -19,7 +19,7 @@ from pdserve.workers.roles.decode import DecodeHandler, add_generate_route
 from pdserve.workers.roles.service import WorkerIdentity, WorkerService
 
 if TYPE_CHECKING:
-    from pdserve.config import WorkerConfig
+    from pdserve.config.loading import WorkerConfig
     from pdserve.discovery import Registration
     from pdserve.workers.engine.api import WorkerEngine
 

@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from pdserve import tracing
+from pdserve.config.settings import SchedulerSettings, TransferSettings
 from pdserve.errors import (
     CapacityError,
     DeadlineExceededError,
@@ -69,6 +69,7 @@ from pdserve.errors import (
     LayoutMismatchError,
     QueueFullError,
 )
+from pdserve.observability import tracing
 from pdserve.protocol import (
     DRAINING_ERROR,
     FinishReason,
@@ -77,7 +78,6 @@ from pdserve.protocol import (
     Role,
     TransferHandle,
 )
-from pdserve.settings import SchedulerSettings, TransferSettings
 from pdserve.workers.engine.requests import EngineRequest, Reservation
 from pdserve.workers.roles.bridge import OutputStream, StreamInterrupted
 from pdserve.workers.roles.prefill_directory import PrefillDirectory
@@ -86,9 +86,9 @@ from pdserve.workers.roles.timing import EngineClock, end_leg, leg_timeline
 from pdserve.workers.roles.transfer_worker import TransferWorker, capped, open_transceiver
 
 if TYPE_CHECKING:
-    from pdserve.config import WorkerConfig
+    from pdserve.config.loading import WorkerConfig
     from pdserve.discovery import Registration
-    from pdserve.tracing import Timeline
+    from pdserve.observability.tracing import Timeline
     from pdserve.transfer import Transceiver
     from pdserve.workers.engine.api import WorkerEngine
     from pdserve.workers.engine.requests import EngineOutput

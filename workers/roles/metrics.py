@@ -1,5 +1,5 @@
 """A worker's Prometheus metrics (``GET /metrics`` of every worker); shared parts in
-:mod:`pdserve.metrics`.
+:mod:`pdserve.observability.prometheus`.
 
 Worker (:class:`WorkerMetrics`): the engine's load read at scrape time
 (``pdserve_kv_blocks{state=free|used|parked}``: ``free`` includes evictable prefix-cached
@@ -41,7 +41,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from pdserve.metrics import (
+from pdserve.observability.prometheus import (
     LATENCY_BUCKETS,
     add_process_restarts,
 )

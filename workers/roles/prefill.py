@@ -65,10 +65,10 @@ from pdserve.workers.roles.timing import EngineClock, end_leg, leg_timeline
 from pdserve.workers.roles.transfer_worker import TransferWorker, capped, open_transceiver
 
 if TYPE_CHECKING:
-    from pdserve.config import WorkerConfig
+    from pdserve.config.loading import WorkerConfig
     from pdserve.discovery import Registration
     from pdserve.discovery.events import ParkedCounts
-    from pdserve.tracing import Timeline
+    from pdserve.observability.tracing import Timeline
     from pdserve.transfer import Transceiver
     from pdserve.workers.engine.api import WorkerEngine
 

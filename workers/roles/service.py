@@ -20,10 +20,10 @@ Lifecycle of one service (start -> serve -> drain -> cleanup; cleanup is idempot
     4 CLEANUP  the exit stack unwinds in reverse: refresh task, registration, transceiver,
                parked blocks, engine
 
-Config: every part reads the :class:`~pdserve.config.WorkerConfig` it is handed, whole (the
+Config: every part reads the :class:`~pdserve.config.loading.WorkerConfig` it is handed, whole (the
 service keeps it as :attr:`WorkerService.cfg`); derived values are properties of its sections
 (``cfg.engine.scheduler.evicts``, ``cfg.worker.advertised_host``). A setting read by a role is
-one declaration in :mod:`pdserve.settings` and one read such as ``self.cfg.engine.kv_cache.lease_s``.
+one declaration in :mod:`pdserve.config.settings` and one read such as ``self.cfg.engine.kv_cache.lease_s``.
 """
 
 from __future__ import annotations
@@ -42,12 +42,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.metrics import CONTENT_TYPE
+from pdserve.observability.prometheus import CONTENT_TYPE
 from pdserve.protocol import Role, WorkerLoad, WorkerRecord
 from pdserve.workers.roles.metrics import WorkerMetrics
 
 if TYPE_CHECKING:
-    from pdserve.config import WorkerConfig
+    from pdserve.config.loading import WorkerConfig
     from pdserve.discovery import Registration, Watcher
     from pdserve.discovery.events import EventPublisher, ParkedCounts
     from pdserve.security import ClusterKey

@@ -1,4 +1,4 @@
-"""A worker's side of a request's timeline (:mod:`pdserve.tracing`): the leg's span, joined to
+"""A worker's side of a request's timeline (:mod:`pdserve.observability.tracing`): the leg's span, joined to
 the router's trace by the request's ``traceparent``, and the phases the worker sends back to
 the router (``ContextResponse.phases``, the last ``GenerationChunk.phases``).
 
@@ -23,9 +23,9 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from pdserve.logs import bind_request
+from pdserve.observability.logs import bind_request
+from pdserve.observability.tracing import Timeline
 from pdserve.protocol import ContextRequest, GenerationRequest
-from pdserve.tracing import Timeline
 
 if TYPE_CHECKING:
     from pdserve.workers.engine.requests import EngineOutput
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 def leg_timeline(role: str, worker_id: str, req: ContextRequest | GenerationRequest) -> Timeline:
     """The timeline of ``req`` on this worker (span ``role``, a child of the router leg's span
     named by ``req.traceparent``), started now; also names the request on this task's log
-    lines (:func:`pdserve.logs.bind_request`)."""
+    lines (:func:`pdserve.observability.logs.bind_request`)."""
     timeline = Timeline(
         role,
         traceparent=req.traceparent,

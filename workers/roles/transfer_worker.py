@@ -19,7 +19,7 @@ from pdserve.workers.roles.parking import ParkedBlocks
 from pdserve.workers.roles.service import WorkerIdentity, WorkerService
 
 if TYPE_CHECKING:
-    from pdserve.config import WorkerConfig
+    from pdserve.config.loading import WorkerConfig
     from pdserve.transfer import Transceiver
     from pdserve.workers.engine.api import WorkerEngine
 

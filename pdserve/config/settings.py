@@ -5,7 +5,7 @@ its name, type, default, range and help live there, and everything else comes fr
 declaration: the YAML file schema (``pdserve config schema``), the environment variable
 ``PDSERVE_<SECTION>__<FIELD>``, and, for a field annotated with a :class:`Flag`, the
 command-line flag on the subcommands the flag names (:mod:`pdserve.cli` builds argparse from
-:func:`settings`). The runtime configs of :mod:`pdserve.config` are made of these same section
+:func:`settings`). The runtime configs of :mod:`pdserve.config.loading` are made of these same section
 objects, so no default is stored twice. The design follows SGLang's ``ServerArgs``
 (``add_cli_args``/``from_cli_args``: flags generated from one declaration) and mini-sglang's
 frozen configs.
@@ -25,9 +25,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-from pdserve.flags import OWN_SECTION, EnvAlias, Flag
-from pdserve.hosts import WILDCARD_HOSTS, advertised_host, is_loopback, url_host
-from pdserve.settings_engine import (
+from pdserve.config.engine_settings import (
     DEFAULT_MODEL,
     ENV_CONFIG_FILE,
     ENV_PREFIX,
@@ -46,7 +44,9 @@ from pdserve.settings_engine import (
     _Section,
     default_cache_dir,
 )
-from pdserve.settings_planner import PlannerSettings
+from pdserve.config.flags import OWN_SECTION, EnvAlias, Flag
+from pdserve.config.hosts import WILDCARD_HOSTS, advertised_host, is_loopback, url_host
+from pdserve.config.planner_settings import PlannerSettings
 
 __all__ = [
     "DEFAULT_MODEL",

@@ -1,7 +1,7 @@
-"""The JSON-log relay: ``python -m pdserve.log_relay PID`` copies its stdin to its stdout one
+"""The JSON-log relay: ``python -m pdserve.observability.log_relay PID`` copies its stdin to its stdout one
 line at a time, every line a JSON object.
 
-A serving process in JSON log mode (:func:`pdserve.logs.relay_output_as_json`) points its
+A serving process in JSON log mode (:func:`pdserve.observability.logs.relay_output_as_json`) points its
 stderr (and stdout) at a pipe into this process, whose stdout is the process's original
 stderr. A line that already is a JSON object (a log record) passes unchanged; any other line
 (a C++ library's warning, a ``print``, Python's last words before a fatal error) becomes a

@@ -16,7 +16,7 @@ inside a message could otherwise name another request). It comes from, in order:
 uvicorn's own loggers join the root handler then (:func:`uvicorn_log_config`), and Python
 warnings become log records (``logging.captureWarnings``). What libraries write straight to the
 process's stderr (C++ warnings of torch, gloo, NIXL, UCX) is no JSON; a serving process in
-JSON mode therefore sends its stderr (and stdout) through :mod:`pdserve.log_relay`
+JSON mode therefore sends its stderr (and stdout) through :mod:`pdserve.observability.log_relay`
 (:func:`relay_output_as_json`), which wraps each such line into a record.
 """
 
@@ -136,7 +136,7 @@ def configure_logging(level: str, fmt: str = "text") -> None:
 
 def relay_output_as_json(*, stdout: bool) -> None:
     """Keep this process's stderr (and with ``stdout``, its stdout) one JSON object a line:
-    file descriptor 2 (and 1) becomes a pipe read by a :mod:`pdserve.log_relay` process, which
+    file descriptor 2 (and 1) becomes a pipe read by a :mod:`pdserve.observability.log_relay` process, which
     passes JSON object lines through and wraps any other line (a C++ library's warning, a
     ``print``) into a record on the original stderr. Uncaught exceptions (main thread and
     others) are logged as one record each instead of a traceback's lines. Child processes
@@ -155,7 +155,7 @@ def relay_output_as_json(*, stdout: bool) -> None:
     read, write = os.pipe()
     try:
         _RELAY = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.log_relay", str(os.getpid())],
+            [sys.executable, "-m", "pdserve.observability.log_relay", str(os.getpid())],
             stdin=read,
             stdout=2,
             stderr=2,

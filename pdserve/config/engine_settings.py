@@ -1,5 +1,5 @@
 """The engine's setting sections (the model, the KV cache, the scheduler) and what every
-section shares. Declared here, re-exported by :mod:`pdserve.settings` (read its docstring: one
+section shares. Declared here, re-exported by :mod:`pdserve.config.settings` (read its docstring: one
 declaration per setting gives its file key, environment variable and flag)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pdserve.flags import Flag
+from pdserve.config.flags import Flag
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 ENV_PREFIX = "PDSERVE_"

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from opentelemetry.context import Context
     from opentelemetry.trace import Span, Tracer
 
-    from pdserve.settings import ObservabilitySettings
+    from pdserve.config.settings import ObservabilitySettings
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """``pdserve up``: a router and N prefill + M decode (+ K colocated) workers on one machine.
 
-Lifecycle (the processes are a :class:`pdserve.stack.Stack`, the one way pdserve starts a
+Lifecycle (the processes are a :class:`pdserve.launch.stack.Stack`, the one way pdserve starts a
 stack; ``up`` adds the settings resolved for this host, the port check, the signals, the
 messages and the restart policy)::
 
@@ -13,13 +13,13 @@ messages and the restart policy)::
     3 SERVE   watch the children; one that exits is restarted after a backoff (the same
               argv: a worker keeps its worker id, with a new epoch), up to ``restart_limit``
               restarts within ``restart_window_s`` (section ``supervisor``); past that, say
-              which and stop the rest (:class:`~pdserve.supervisor.RestartPolicy`)
+              which and stop the rest (:class:`~pdserve.launch.supervisor.RestartPolicy`)
     4 STOP    on Ctrl-C / SIGTERM: SIGTERM workers first (they deregister and free parked
               blocks), then the router; SIGKILL whatever is left after the grace period
 
 Secrets: the children share a cluster secret (the user's, else a fresh one,
 :func:`pdserve.security.generate_secret`) and the client API keys given to ``up``, each in a
-0600 file of the stack's private temporary folder (:func:`pdserve.stack.write_child_secrets`);
+0600 file of the stack's private temporary folder (:func:`pdserve.launch.stack.write_child_secrets`);
 the children's config file names those files and holds no secret itself.
 """
 
@@ -31,10 +31,10 @@ import socket
 import sys
 from pathlib import Path
 
-from pdserve.config import served_model_name
-from pdserve.settings import ROLES, KVCacheSettings, PdserveConfig
-from pdserve.stack import Stack, StackSpec
-from pdserve.supervisor import RestartPolicy
+from pdserve.config.loading import served_model_name
+from pdserve.config.settings import ROLES, KVCacheSettings, PdserveConfig
+from pdserve.launch.stack import Stack, StackSpec
+from pdserve.launch.supervisor import RestartPolicy
 from pdserve.workers.kv.sizing import available_host_memory
 
 __all__ = [
@@ -132,9 +132,9 @@ def run_up(
     autoscale = cfg.planner.autoscale
     profile = None
     if autoscale:
+        from pdserve.launch.stack import with_replicas
         from pdserve.planner.local import autoscale_settings
         from pdserve.planner.profile import Profile, ProfileError
-        from pdserve.stack import with_replicas
 
         try:
             profile = Profile.load(cfg.planner.profile) if cfg.planner.profile else None

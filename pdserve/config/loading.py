@@ -1,8 +1,8 @@
 """Runtime configs and configuration loading.
 
-The settings themselves are declared once, in :mod:`pdserve.settings` (sections, flags,
+The settings themselves are declared once, in :mod:`pdserve.config.settings` (sections, flags,
 environment variables). This module layers a YAML file, the environment and command-line
-overrides into a validated :class:`~pdserve.settings.PdserveConfig` (:func:`load_config`), and
+overrides into a validated :class:`~pdserve.config.settings.PdserveConfig` (:func:`load_config`), and
 turns it into the frozen runtime configs each process runs on (:func:`worker_config`,
 :func:`router_config`): the same section objects plus what resolution adds (the model folder,
 the role, the control-plane URL). Derived values are properties.
@@ -19,9 +19,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from pdserve.errors import ConfigError
-from pdserve.hosts import advertised_host
-from pdserve.settings import (
+from pdserve.config.hosts import advertised_host
+from pdserve.config.settings import (
     DEFAULT_MODEL,
     ENV_PREFIX,
     DiscoverySettings,
@@ -37,6 +36,7 @@ from pdserve.settings import (
     WorkerSettings,
     settings,
 )
+from pdserve.errors import ConfigError
 
 # --------------------------------------------------------------------------------------------
 # Runtime configs: the sections a process runs on, plus what resolution adds
@@ -163,7 +163,7 @@ def _env_layer(env: Mapping[str, str]) -> tuple[dict[str, Any], Sources]:
     """``PDSERVE_KV_CACHE__TOKENS_PER_BLOCK=32`` -> ``{"kv_cache": {"tokens_per_block": "32"}}``.
 
     Only names with ``__`` are settings (``PDSERVE_CONFIG`` and ``PDSERVE_CACHE_DIR`` are not),
-    plus the aliases a setting declares (:class:`~pdserve.settings.EnvAlias`, e.g.
+    plus the aliases a setting declares (:class:`~pdserve.config.settings.EnvAlias`, e.g.
     ``PDSERVE_API_KEY``); an empty value means null. Strings are converted by the schema's
     types.
     """

@@ -8,8 +8,8 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from pdserve.flags import Flag
-from pdserve.settings_engine import _Section
+from pdserve.config.engine_settings import _Section
+from pdserve.config.flags import Flag
 
 PLANNING = ("up", "planner")
 """The subcommands that run the planner loop."""

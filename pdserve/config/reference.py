@@ -1,6 +1,6 @@
 """The configuration reference (docs/configuration.md), generated from the declarations.
 
-Every setting is declared once, in :mod:`pdserve.settings` (its type, default, range,
+Every setting is declared once, in :mod:`pdserve.config.settings` (its type, default, range,
 description, flag and environment variable); this module renders those declarations as one
 Markdown page, ``pdserve config reference`` prints it, and a unit test keeps the committed
 page equal to it, so no section or field can go missing from the docs.
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.settings import ENV_PREFIX, PdserveConfig, Setting, settings
+from pdserve.config.settings import ENV_PREFIX, PdserveConfig, Setting, settings
 
 HEADER = f"""# Configuration reference
 
-Generated from the declarations in `pdserve/settings.py` by `pdserve config reference`
+Generated from the declarations in `pdserve/config/settings.py` by `pdserve config reference`
 (`tests/unit/test_config_reference.py` keeps this page equal to its output): do not edit it by
 hand. One YAML file configures every role (`--config FILE`); each setting resolves as
 command-line flag > environment variable > file > default. Environment variables are

@@ -1,6 +1,6 @@
 """How a setting declares its command-line flag and a second environment variable: markers
-attached to a field of :mod:`pdserve.settings` with ``Annotated[type, Flag(...)]`` and read by
-:func:`pdserve.settings.settings`, which the CLI, the config loader and the generated reference
+attached to a field of :mod:`pdserve.config.settings` with ``Annotated[type, Flag(...)]`` and read by
+:func:`pdserve.config.settings.settings`, which the CLI, the config loader and the generated reference
 build on. Imports nothing of pdserve."""
 
 from __future__ import annotations

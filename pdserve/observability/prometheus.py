@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Gauge
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 RESTARTS_ENV = "PDSERVE_RESTARTS"
-"""Set by the supervisor (:data:`pdserve.supervisor.RESTARTS_ENV`) on every child it starts."""
+"""Set by the supervisor (:data:`pdserve.launch.supervisor.RESTARTS_ENV`) on every child it starts."""
 
 
 def process_restarts() -> int:

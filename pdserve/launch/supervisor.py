@@ -1,5 +1,5 @@
 """Child processes started, waited for, watched and stopped in one way: the supervisor under
-every stack (:mod:`pdserve.stack`, which ``pdserve up``, the benchmarks and the tests' stack
+every stack (:mod:`pdserve.launch.stack`, which ``pdserve up``, the benchmarks and the tests' stack
 build on).
 
 Lifecycle of the processes of one :class:`ProcessSupervisor`::
@@ -22,7 +22,7 @@ Lifecycle of the processes of one :class:`ProcessSupervisor`::
               then SIGKILL for what is left. Idempotent; also run on leaving the ``with`` block
 
 Every child gets ``PDSERVE_RESTARTS=<n>`` in its environment (:data:`RESTARTS_ENV`): 0 at the
-first start, the process's restart count after that; :mod:`pdserve.metrics` exports it as
+first start, the process's restart count after that; :mod:`pdserve.observability.prometheus` exports it as
 ``pdserve_process_restarts``.
 
 Thread-safety: none; drive a supervisor from one thread. A signal handler should only set the
@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 if TYPE_CHECKING:
-    from pdserve.settings import SupervisorSettings
+    from pdserve.config.settings import SupervisorSettings
 
 logger = logging.getLogger(__name__)
 

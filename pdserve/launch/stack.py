@@ -1,6 +1,6 @@
 """The one way to start a stack: a router and its prefill, decode and colocated workers as child
-processes of this one, under one :class:`~pdserve.supervisor.ProcessSupervisor`. ``pdserve up``
-(:mod:`pdserve.launcher`), every benchmark that starts pdserve (:mod:`pdserve.tools`) and the
+processes of this one, under one :class:`~pdserve.launch.supervisor.ProcessSupervisor`. ``pdserve up``
+(:mod:`pdserve.launch.launcher`), every benchmark that starts pdserve (:mod:`pdserve.tools`) and the
 tests' stack (``tests/support/stack.py``) all build their processes here.
 
 Lifecycle of a :class:`Stack` (made from a :class:`StackSpec`)::
@@ -24,8 +24,8 @@ the call that starts it: flags outrank the file, so a later flag wins. The child
 the same file: give per-worker values (a port, a host) as arguments.
 
 What the stack does not do: resolve settings for a host (``pdserve up`` splits threads and the
-KV memory between its workers first, :func:`pdserve.launcher.child_config`), restart children
-(the caller runs :meth:`~pdserve.supervisor.ProcessSupervisor.watch` on :attr:`Stack.supervisor`)
+KV memory between its workers first, :func:`pdserve.launch.launcher.child_config`), restart children
+(the caller runs :meth:`~pdserve.launch.supervisor.ProcessSupervisor.watch` on :attr:`Stack.supervisor`)
 or check that the router's port is free.
 
 Thread-safety: none, like the supervisor underneath; drive a stack from one thread.
@@ -45,10 +45,10 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from pdserve.hosts import free_port
+from pdserve.config.hosts import free_port
+from pdserve.config.settings import ENV_PREFIX, ROLES, PdserveConfig, settings
+from pdserve.launch.supervisor import ManagedProcess, ProcessSpec, ProcessSupervisor, pdserve_argv
 from pdserve.security import ClusterKey, generate_secret, load_api_keys, write_secret_file
-from pdserve.settings import ENV_PREFIX, ROLES, PdserveConfig, settings
-from pdserve.supervisor import ManagedProcess, ProcessSpec, ProcessSupervisor, pdserve_argv
 
 if TYPE_CHECKING:
     import httpx
@@ -153,7 +153,7 @@ class StackSpec:
     """What to start and how.
 
     ``settings``: what the children read (resolve them for the host first where that matters:
-    :func:`pdserve.launcher.child_config`); ``settings.<role>.replicas`` workers of each role
+    :func:`pdserve.launch.launcher.child_config`); ``settings.<role>.replicas`` workers of each role
     start with :meth:`Stack.start`; a router port of 0 becomes a free port of the router's host
     (and an unset registry port another one).
     ``config_dir``: where the config file and the secret files go (made 0700 when missing);
@@ -334,8 +334,8 @@ class Stack:
         """Wait until the router's ``/ready`` answers 200 and its JSON body lists the
         :meth:`expected` workers of each role (or ``accept(body)`` holds), polling every
         ``poll_s``. True when ready, False when ``stopping()`` came first. Raises
-        :class:`~pdserve.supervisor.ProcessExitedError` (a RuntimeError) when a process not
-        stopped on purpose exits first, :class:`~pdserve.supervisor.ReadyTimeoutError` (a
+        :class:`~pdserve.launch.supervisor.ProcessExitedError` (a RuntimeError) when a process not
+        stopped on purpose exits first, :class:`~pdserve.launch.supervisor.ReadyTimeoutError` (a
         TimeoutError naming ``what``, with the end of every log) after ``timeout_s`` seconds."""
         expected = tuple(self.expected().values())
 
