@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
         "`pdserve bench NAME --help` describes one.",
     )
     bsub = bench.add_subparsers(dest="bench_command", required=True)
-    from pdserve.tools.bench_commands import COMMANDS as BENCH_COMMANDS  # light: no httpx
+    from pdserve.bench.bench_commands import COMMANDS as BENCH_COMMANDS  # light: no httpx
 
     for command in BENCH_COMMANDS:
         b = bsub.add_parser(
@@ -257,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--router-url", required=True, help="the router, e.g. http://router:8000")
     _add_config_arg(planner)
     add_setting_flags(planner, "planner")
-    from pdserve.tools.doctor import add_arguments as add_doctor_arguments  # light: no torch
+    from pdserve.bench.doctor.doctor import add_arguments as add_doctor_arguments  # light: no torch
 
     add_doctor_arguments(
         sub.add_parser("doctor", help="check the KV transfer environment, probe a worker")
@@ -377,7 +377,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             run_worker(wcfg, log_level=args.log_level)
             return 0
         if args.command == "bench":
-            from pdserve.tools.bench_commands import BY_NAME
+            from pdserve.bench.bench_commands import BY_NAME
 
             command = BY_NAME[args.bench_command]
             settings = resolve_config(args)[0] if command.settings != "none" else None
@@ -391,7 +391,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
             return run_plan(args)
         if args.command == "doctor":
-            from pdserve.tools.doctor import run as run_doctor
+            from pdserve.bench.doctor.doctor import run as run_doctor
 
             return run_doctor(args)
     except ConfigError:

@@ -17,7 +17,7 @@ messages and raw byte streams over TCP), ``integrity`` (xxh3 digests of the move
 ``nixl_agent`` (TransferAgent over NIXL, the NIXL backend), ``ucx`` (Connection over ucxx, the
 UCX backend), ``backend`` (data-plane interface and lazy registry), ``probe`` (bandwidth probe
 served in place of a Hello, for ``pdserve doctor``). The benchmarks and the doctor live in
-:mod:`pdserve.tools`; nothing here imports them.
+:mod:`pdserve.bench`; nothing here imports them.
 
 Importing this package imports neither NIXL nor ucxx: each backend loads on first use.
 """

@@ -13,7 +13,7 @@ between the socket and ``memoryview`` slices of the pool with no Python-level co
 segments per system call (scatter-gather), waiting for readiness on the event loop in between;
 reads never run ahead of a frame, so the bytes after a :class:`~pdserve.transfer.wire.BlockData`
 header land directly in the pool. (Per-segment ``loop.sock_recv_into`` measured about half the
-raw-socket rate on 1-16 MiB requests; see :mod:`pdserve.tools.bench_transfer`.) The Python work
+raw-socket rate on 1-16 MiB requests; see :mod:`pdserve.bench.transfer.bench_transfer`.) The Python work
 per system call does not grow with the number of segments (prefix sums + bisect), and a call
 that would block first polls for :data:`SPIN_S` (yielding the CPU) before waiting in epoll.
 

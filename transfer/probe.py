@@ -1,7 +1,7 @@
 """Bandwidth probe between this host and a worker's transceiver (``pdserve doctor --peer``).
 
 Design origin: the doctor's need to measure the bandwidth between this host and a named worker, and
-the raw-socket reference of :mod:`pdserve.tools.bench_transfer`: what the network path between two
+the raw-socket reference of :mod:`pdserve.bench.transfer.bench_transfer`: what the network path between two
 hosts carries, measured through the worker's own transfer listener, so it needs no extra port,
 no model and no peer configuration.
 

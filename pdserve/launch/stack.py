@@ -1,6 +1,6 @@
 """The one way to start a stack: a router and its prefill, decode and colocated workers as child
 processes of this one, under one :class:`~pdserve.launch.supervisor.ProcessSupervisor`. ``pdserve up``
-(:mod:`pdserve.launch.launcher`), every benchmark that starts pdserve (:mod:`pdserve.tools`) and the
+(:mod:`pdserve.launch.launcher`), every benchmark that starts pdserve (:mod:`pdserve.bench`) and the
 tests' stack (``tests/support/stack.py``) all build their processes here.
 
 Lifecycle of a :class:`Stack` (made from a :class:`StackSpec`)::

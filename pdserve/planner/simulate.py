@@ -377,7 +377,7 @@ def _pct(values: Sequence[float], q: float) -> float | None:
 def summarize(done: Sequence[SimRequest], slo: Any | None = None) -> dict[str, Any]:
     """The figures ``pdserve bench serve`` reports, predicted: TTFT/ITL/TPOT/E2E p50 and p90
     (ms), output tokens/s and requests/s over the span from the first arrival to the last end,
-    and with ``slo`` (:class:`pdserve.tools.bench_serve.Slo`-like: ``ttft_s``, ``tpot_s``,
+    and with ``slo`` (:class:`pdserve.bench.serving.bench_serve.Slo`-like: ``ttft_s``, ``tpot_s``,
     ``itl_s``) goodput: the share and rate of requests meeting every target."""
     if not done:
         return {"requests": 0}

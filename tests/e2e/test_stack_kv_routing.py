@@ -19,8 +19,8 @@ import httpx
 import openai
 import pytest
 
+from pdserve.bench.serving.bench_multiturn import parse_metrics
 from pdserve.protocol import ContextRequest, ContextResponse, ReleaseRequest, SamplingParams
-from pdserve.tools.bench_multiturn import parse_metrics
 from tests.support.servers import wait_until_sync
 from tests.support.stack import Stack, start_stack
 

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from pdserve.tools.bench_multiturn import parse_metrics
+from pdserve.bench.serving.bench_multiturn import parse_metrics
 from tests.support.servers import free_port
 from tests.support.stack import Stack
 

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from pdserve.tools.bench_multiturn import parse_metrics
+from pdserve.bench.serving.bench_multiturn import parse_metrics
 from tests.support.stack import Stack, start_stack
 
 MODEL = "tiny-llama"

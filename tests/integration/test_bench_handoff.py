@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pdserve.bench.transfer.bench_handoff import MODES, format_table, measure
 from pdserve.config.settings import PdserveConfig
-from pdserve.tools.bench_handoff import MODES, format_table, measure
 
 
 def test_both_hand_offs_give_positive_times_per_prompt_length(

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.tools.bench_kv_dtype import add_arguments, main
+from pdserve.bench.engine.bench_kv_dtype import add_arguments, main
 
 
 def test_rows_show_the_fp8_pool_holding_four_times_float32(

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from pdserve.tools.bench_router import add_arguments, main
+from pdserve.bench.serving.bench_router import add_arguments, main
 
 
 def test_rows_for_each_concurrency(capsys: pytest.CaptureFixture[str]) -> None:

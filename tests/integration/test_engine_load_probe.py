@@ -17,9 +17,13 @@ import pytest
 import torch
 import transformers
 
+from pdserve.bench.engine.bench_models import (
+    BYTE_SPECIAL_TOKENS,
+    build_random_model,
+    byte_tokenizer,
+)
 from pdserve.errors import ConfigError
 from pdserve.protocol import SamplingParams
-from pdserve.tools.bench_models import BYTE_SPECIAL_TOKENS, build_random_model, byte_tokenizer
 from pdserve.workers.engine import attention
 from tests.support.engine import complete, make_engine
 

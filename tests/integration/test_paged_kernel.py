@@ -17,7 +17,7 @@ import shutil
 import pytest
 import torch
 
-from pdserve.tools import bench_paged_kernel as bench
+from pdserve.bench.engine import bench_paged_kernel as bench
 from pdserve.workers.engine import attention as att
 from pdserve.workers.engine import paged_kernel
 

@@ -6,15 +6,20 @@ import re
 
 import pytest
 
-from pdserve.cli import build_parser
-from pdserve.tools.bench_transfer import CASES, SMOLLM2_LAYOUT, Case, run_transfer_benchmark
-from pdserve.tools.bench_transfer_report import (
+from pdserve.bench.transfer.bench_transfer import (
+    CASES,
+    SMOLLM2_LAYOUT,
+    Case,
+    run_transfer_benchmark,
+)
+from pdserve.bench.transfer.bench_transfer_report import (
     check_targets,
     format_targets,
     mapped_ratios,
     parse_tp_pair,
     run_from_args,
 )
+from pdserve.cli import build_parser
 
 
 def test_tiny_run_moves_real_bytes_between_processes_and_fits_them() -> None:

@@ -1,5 +1,5 @@
 """The GPU tests' prefill transfer peer: the product's
-:class:`pdserve.tools.bench_transfer_peers.PatternPeer` (a spawned process whose pool, on a
+:class:`pdserve.bench.transfer.bench_transfer_peers.PatternPeer` (a spawned process whose pool, on a
 chosen device, holds :func:`pattern`) keyed with the test cluster secret, so the test side's
 ``tests.support.kv_peer.TEST_KEY`` pulls from it; ``pdserve bench gpu`` runs the same peer with
 a fresh secret. The calling process plays the decode worker.
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdserve.bench.transfer import bench_transfer_peers as peers
+from pdserve.bench.transfer.bench_transfer_peers import empty_pool, pattern
 from pdserve.protocol import KVLayout
-from pdserve.tools import bench_transfer_peers as peers
-from pdserve.tools.bench_transfer_peers import empty_pool, pattern
 from tests.support.fakes import TEST_SECRET
 
 __all__ = ["PatternPeer", "empty_pool", "pattern", "transfer_cfg"]
@@ -25,7 +25,7 @@ def transfer_cfg(backend: str, *, integrity: bool = True, timeout_s: float = 30.
 
 
 class PatternPeer(peers.PatternPeer):
-    """:class:`pdserve.tools.bench_transfer_peers.PatternPeer` with the test cluster secret."""
+    """:class:`pdserve.bench.transfer.bench_transfer_peers.PatternPeer` with the test cluster secret."""
 
     def __init__(self, backend: str, layout: KVLayout, num_blocks: int, device: str) -> None:
         super().__init__(backend, layout, num_blocks, device, secret=TEST_SECRET)

@@ -1,5 +1,5 @@
 """Decoder families for the fidelity tests: one tiny random model per family
-(:func:`pdserve.tools.bench_models.build_random_model`, byte tokenizer, the family's own
+(:func:`pdserve.bench.engine.bench_models.build_random_model`, byte tokenizer, the family's own
 features on), built once per session, and the transformers reference to compare with.
 
 The engine tests (``tests/integration/test_engine_families.py``) and the stack tests
@@ -19,13 +19,13 @@ from typing import Any
 import pytest
 import torch
 
+from pdserve.bench.engine.bench_models import FAMILY_ARCH, build_random_model
 from pdserve.protocol import SamplingParams
-from pdserve.tools.bench_models import FAMILY_ARCH, build_random_model
 from pdserve.workers.engine.engine import Engine
 from tests.support.engine import Completion, split_complete, tiny_prompts
 
 FAMILIES: tuple[str, ...] = tuple(FAMILY_ARCH)
-"""Family names (keys of :data:`pdserve.tools.bench_models.FAMILY_ARCH`)."""
+"""Family names (keys of :data:`pdserve.bench.engine.bench_models.FAMILY_ARCH`)."""
 MAX_NEW_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
 GREEDY_LOGPROBS = GREEDY.model_copy(update={"logprobs": True})

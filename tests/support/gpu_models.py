@@ -5,7 +5,7 @@ weights) is too large to carry there, so GPU tests and benchmarks build this sta
 spot: LlamaForCausalLM with SmolLM2-135M-Instruct's config (30 layers, hidden 576, 9 heads,
 3 KV heads, head_dim 64, vocab 49152, tied embeddings) and the tiny byte-level tokenizer of
 :func:`tests.support.models.build_tiny_model` (ids >= 260 decode to nothing); built by
-:func:`pdserve.tools.bench_models.build_smollm2_like`, which ``pdserve bench gpu`` uses too. Compute, KV layout
+:func:`pdserve.bench.engine.bench_models.build_smollm2_like`, which ``pdserve bench gpu`` uses too. Compute, KV layout
 (720 KiB per 16-token float32 block) and step times are SmolLM2's; the text is not.
 
 Also the GPU tests' helpers: :func:`hf_greedy_on` (transformers' greedy generate on the model's
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
+from pdserve.bench.engine.bench_models import SMOLLM2_ARCH, build_smollm2_like
 from pdserve.protocol import SamplingParams
-from pdserve.tools.bench_models import SMOLLM2_ARCH, build_smollm2_like
 from tests.support.engine import complete, make_engine
 
 __all__ = ["SMOLLM2_ARCH", "build_smollm2_like", "hf_greedy_on", "syncs_per_forward"]

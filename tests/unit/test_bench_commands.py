@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from pdserve.bench.bench_commands import BY_NAME, COMMANDS
 from pdserve.cli import build_parser
-from pdserve.tools.bench_commands import BY_NAME, COMMANDS
 
 TRANSFER_HELP = (
     "--backends", "--integrity", "raw-socket", "memcpy", "--tp-pairs", "--profile",
@@ -92,8 +92,8 @@ def test_the_options_parse_with_their_defaults() -> None:
 def test_building_the_command_line_imports_no_benchmark() -> None:
     code = (
         "import sys; from pdserve.cli import build_parser; build_parser(); "
-        "print(sorted(m for m in ('torch', 'httpx', 'pdserve.tools.bench_gpu', "
-        "'pdserve.tools.bench_multiturn') if m in sys.modules))"
+        "print(sorted(m for m in ('torch', 'httpx', 'pdserve.bench.gpu.bench_gpu', "
+        "'pdserve.bench.serving.bench_multiturn') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

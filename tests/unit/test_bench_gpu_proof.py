@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from pdserve.tools import bench_gpu_proof as proof
-from pdserve.tools.bench_gpu_report import summary
-from pdserve.tools.bench_models import byte_tokenizer
+from pdserve.bench.engine.bench_models import byte_tokenizer
+from pdserve.bench.gpu import bench_gpu_proof as proof
+from pdserve.bench.gpu.bench_gpu_report import summary
 
 
 def test_a_step_that_overruns_its_limit_is_interrupted(tmp_path: Path) -> None:

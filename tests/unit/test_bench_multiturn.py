@@ -3,8 +3,8 @@ each turn's prompt extends the previous one), the metrics parser and the table's
 
 from __future__ import annotations
 
-from pdserve.tools import bench_multiturn as bm
-from pdserve.tools.scrape import delta, parse_metrics
+from pdserve.bench.scrape import delta, parse_metrics
+from pdserve.bench.serving import bench_multiturn as bm
 
 
 def test_the_workload_is_deterministic_for_a_seed() -> None:

@@ -3,7 +3,7 @@ prompts per conversation, and the KV-aware / least-loaded ratios."""
 
 from __future__ import annotations
 
-from pdserve.tools import bench_multiturn as bm
+from pdserve.bench.serving import bench_multiturn as bm
 
 
 def test_the_routing_arms_differ_only_in_the_kv_overlap_weight() -> None:

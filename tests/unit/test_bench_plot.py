@@ -11,9 +11,9 @@ from typing import Any
 import matplotlib.image
 import pytest
 
+from pdserve.bench import bench_plot as bp
+from pdserve.bench.serving import bench_serve as bs
 from pdserve.cli import build_parser, main
-from pdserve.tools import bench_plot as bp
-from pdserve.tools import bench_serve as bs
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -17,8 +17,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from pdserve.bench.serving import bench_serve as bs
 from pdserve.cli import build_parser, main
-from pdserve.tools import bench_serve as bs
 from tests.support.models import tiny_tokenizer
 from tests.support.servers import wait_until_sync
 

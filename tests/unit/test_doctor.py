@@ -10,7 +10,7 @@ import socket
 import pydantic
 import pytest
 
-from pdserve.tools.doctor import (
+from pdserve.bench.doctor.doctor import (
     Finding,
     Level,
     check_backends,
@@ -24,8 +24,8 @@ from pdserve.tools.doctor import (
     exit_code,
     format_report,
 )
-from pdserve.tools.doctor import main as doctor_main
-from pdserve.tools.doctor_facts import BackendFacts, Facts, parse_ucx_info
+from pdserve.bench.doctor.doctor import main as doctor_main
+from pdserve.bench.doctor.doctor_facts import BackendFacts, Facts, parse_ucx_info
 from pdserve.transfer import auth, wire
 from pdserve.transfer.control import Connection
 from pdserve.transfer.probe import chunks

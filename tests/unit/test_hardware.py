@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.bench.doctor.doctor import check_cpu_features
 from pdserve.hardware import checkpoint_dtype, choose_dtype, cpu_flags
-from pdserve.tools.doctor import check_cpu_features
 
 AMX = frozenset({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
 ZEN4 = frozenset({"avx2", "avx512f", "avx512_bf16"})

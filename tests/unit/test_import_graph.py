@@ -12,7 +12,7 @@ arrows they may not take (``A -/-> B``: no module of A imports one of B)::
     transfer         -/-> workers, router, server, discovery
     discovery        -/-> workers, router, server, transfer
     server           -/-> workers
-    tools            only pdserve.cli (and the tools themselves) import pdserve.tools
+    tools            only pdserve.cli (and the tools themselves) import pdserve.bench
 
 The checker is tested on injected cycles of each kind and on an arrow against the order.
 """
@@ -36,7 +36,7 @@ ROOMS = (
     "pdserve.server",
     "pdserve.transfer",
     "pdserve.discovery",
-    "pdserve.tools",
+    "pdserve.bench",
 )
 ENTRY_POINTS = ("pdserve.cli", "pdserve.launch.launcher")
 FORBIDDEN: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -158,8 +158,8 @@ def wrong_arrows(g: dict[str, set[str]]) -> list[str]:
         for dep in sorted(deps):
             if name in LEAVES:
                 bad.append(f"{name} -> {dep} (a leaf contract imports nothing of pdserve)")
-            elif _under(dep, "pdserve.tools") and not (
-                name == "pdserve.cli" or _under(name, "pdserve.tools")
+            elif _under(dep, "pdserve.bench") and not (
+                name == "pdserve.cli" or _under(name, "pdserve.bench")
             ):
                 bad.append(f"{name} -> {dep} (only the CLI imports the tools)")
             elif (
@@ -218,8 +218,8 @@ def test_the_checker_catches_an_injected_cycle_of_each_kind(code: str) -> None:
          "pdserve.workers.kv.manager -> pdserve.workers.engine.sequence"),
         ("pdserve.router.policy", "def _f():\n    from pdserve.workers.kv import sizing",
          "pdserve.router.policy -> pdserve.workers.kv.sizing"),
-        ("pdserve.transfer.sender", "from pdserve.tools import bench",
-         "pdserve.transfer.sender -> pdserve.tools.bench"),
+        ("pdserve.transfer.sender", "from pdserve.bench import bench",
+         "pdserve.transfer.sender -> pdserve.bench.bench"),
         ("pdserve.config.settings", "from pdserve.router import policy",
          "pdserve.config.settings -> pdserve.router.policy"),
     ],

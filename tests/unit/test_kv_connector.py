@@ -181,7 +181,7 @@ def test_a_damaged_disk_block_is_computed_instead_and_counted(rig: Rig) -> None:
 
 
 def test_the_worker_exports_the_tier_counters(rig: Rig) -> None:
-    from pdserve.tools.bench_multiturn import parse_metrics
+    from pdserve.bench.serving.bench_multiturn import parse_metrics
     from pdserve.workers.roles.metrics import WorkerMetrics
 
     s = seq("a", 10)

@@ -124,8 +124,8 @@ def test_children_do_not_inherit_setting_variables_or_the_api_key_alias(
 
 
 def test_bench_serve_stacks_get_secret_files_too(tmp_path: Path) -> None:
+    from pdserve.bench.bench import stack_settings
     from pdserve.security import load_cluster_secret
-    from pdserve.tools.bench import stack_settings
 
     model = tmp_path / "model"
     model.mkdir()

@@ -156,7 +156,7 @@ def _private_imports(file: Path) -> list[str]:
 
 
 def test_tools_and_entry_points_import_no_private_names() -> None:
-    files = [*(ROOT / "pdserve" / "tools").glob("*.py")]
+    files = [*(ROOT / "pdserve" / "bench").rglob("*.py")]
     files += [ROOT / "pdserve" / "launch" / n for n in ("stack.py", "launcher.py")]
     files.append(ROOT / "pdserve" / "cli.py")
     found = {f.name: bad for f in files if (bad := _private_imports(f))}

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from pdserve.tools.bench_transfer import (
+from pdserve.bench.transfer.bench_transfer import (
     CASES,
     DEFAULT_BLOCKS,
     SMOLLM2_LAYOUT,
@@ -19,8 +19,8 @@ from pdserve.tools.bench_transfer import (
     resolve_cases,
     unavailable,
 )
-from pdserve.tools.bench_transfer_peers import block_bytes
-from pdserve.tools.bench_transfer_report import (
+from pdserve.bench.transfer.bench_transfer_peers import block_bytes
+from pdserve.bench.transfer.bench_transfer_report import (
     Target,
     check_size,
     check_targets,
@@ -224,7 +224,7 @@ def test_a_single_size_has_no_fit_and_says_so() -> None:
 
 
 def test_rounds_pool_the_repetitions_of_each_series() -> None:
-    from pdserve.tools.bench_transfer import _add
+    from pdserve.bench.transfer.bench_transfer import _add
 
     result = Result(SMOLLM2_LAYOUT, [1], [], {})
     _add(result, Series("tcp", "tcp", {"1": [1e-3]}))  # type: ignore[dict-item]  # JSON keys

@@ -30,6 +30,7 @@ class Out:
     token_ids: list[int]
     finish_reason: FinishReason | None = None
     error: str | None = None
+    error_code: str | None = None
     request_id: str = "r1"
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -71,7 +71,7 @@ async def _measure(url: str, headers: dict[str, str], model: str, inp: int, out:
                    args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:  # fmt: skip
     import httpx
 
-    from pdserve.tools import bench_serve as bs
+    from pdserve.bench.serving import bench_serve as bs
 
     def prompt() -> list[int]:
         return [rng.randrange(100, 10100) for _ in range(inp)]
@@ -100,11 +100,11 @@ def _err(pred: float | None, real: float | None) -> float | None:
 
 def run(args: argparse.Namespace, cfg: PdserveConfig) -> int:
     """Every config x workload; 0, 1 when a level failed, 2 for bad options."""
+    from pdserve.bench.bench import READY_TIMEOUT_S, bench_stack, stack_settings
     from pdserve.hardware import cpu_model
     from pdserve.models import resolve_model
     from pdserve.planner.profile import Profile, ProfileError
     from pdserve.planner.simulate import Deployment
-    from pdserve.tools.bench import READY_TIMEOUT_S, bench_stack, stack_settings
 
     try:
         profile = Profile.load(Path(args.profile))

@@ -2,18 +2,18 @@
 
 ``pdserve bench kv-restart`` starts the stack ``pdserve bench serve`` starts (router + 1
 prefill worker + 1 decode worker, the SmolLM2 default model, settings from ``--config`` and
-``PDSERVE_*`` variables resolved by :func:`pdserve.tools.bench.stack_settings`, started by
-:func:`pdserve.tools.bench.bench_stack`) with ``kv_cache.disk_cache_dir`` pointing at
+``PDSERVE_*`` variables resolved by :func:`pdserve.bench.bench.stack_settings`, started by
+:func:`pdserve.bench.bench.bench_stack`) with ``kv_cache.disk_cache_dir`` pointing at
 a fresh temporary directory, sends one long prompt (about 4,000 tokens by the model's
-tokenizer: :func:`pdserve.tools.bench_multiturn.system_prompt`) and times its TTFT: the cold
+tokenizer: :func:`pdserve.bench.serving.bench_multiturn.system_prompt`) and times its TTFT: the cold
 run, nothing cached anywhere. It waits until the prefill worker's disk tier has written every
 queued block (``pdserve_kv_tier_pending_saves`` 0 on its ``/metrics``,
-:mod:`pdserve.tools.scrape`), stops the whole stack (router and every
+:mod:`pdserve.bench.scrape`), stops the whole stack (router and every
 worker, SIGTERM), starts it again on the same directory and sends the same prompt: the warm
 run, the first request after the restart. Before each measured request a short warm-up
 request that shares no prefix with it goes through the stack and is not counted.
 
-Reported: TTFT (send -> first content delta, :func:`pdserve.tools.bench_serve.stream_openai`)
+Reported: TTFT (send -> first content delta, :func:`pdserve.bench.serving.bench_serve.stream_openai`)
 of both runs, warm / cold against the issue's target (at most 0.5x), the prompt's tokens, the
 tokens the restarted prefill worker loaded from the disk tier instead of computing
 (``pdserve_kv_tier_hit_tokens_total{tier="disk"}``) and the directory's files and bytes.
@@ -45,9 +45,9 @@ async def _send(args: argparse.Namespace, router: str, prefill: str, model: str,
     the TTFT (s), prompt tokens and the prefill worker's metrics after the request."""
     import httpx
 
-    from pdserve.tools.bench_multiturn import chat_request
-    from pdserve.tools.bench_serve import stream_openai
-    from pdserve.tools.scrape import scrape
+    from pdserve.bench.scrape import scrape
+    from pdserve.bench.serving.bench_multiturn import chat_request
+    from pdserve.bench.serving.bench_serve import stream_openai
 
     url = f"{router}/v1/chat/completions"
     async with httpx.AsyncClient(
@@ -77,8 +77,8 @@ def run_stack(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path, la
     grace at least: the disk tier finishes its writes); returns that run's numbers. Logs go to
     ``log_dir``. Raises ProcessExitedError or ReadyTimeoutError when the stack does not start,
     RuntimeError when a request fails."""
+    from pdserve.bench.bench import GRACE_S, READY_TIMEOUT_S, bench_stack, stack_settings
     from pdserve.config.hosts import free_port
-    from pdserve.tools.bench import GRACE_S, READY_TIMEOUT_S, bench_stack, stack_settings
 
     settings = stack_settings(cfg, model_path, {"prefill": 1, "decode": 1})
     pport = free_port()
@@ -128,13 +128,13 @@ def format_result(cold: dict[str, Any], warm: dict[str, Any], files: int, size: 
 
 
 def run(args: argparse.Namespace, cfg: PdserveConfig) -> int:
-    """``pdserve bench kv-restart`` (options: :mod:`pdserve.tools.bench_commands`): cold run,
+    """``pdserve bench kv-restart`` (options: :mod:`pdserve.bench.bench_commands`): cold run,
     restart, warm run on ``cfg`` (the resolved settings, its disk tier replaced); print the
     comparison. 0, or 1 when the target is missed or the warm run loaded nothing from the disk
     tier; 2 when ``--disk-dir`` is not empty. Raises as :func:`run_stack` does."""
+    from pdserve.bench.serving.bench_multiturn import system_prompt, token_counter
+    from pdserve.bench.serving.bench_serve import write_json
     from pdserve.models import resolve_model
-    from pdserve.tools.bench_multiturn import system_prompt, token_counter
-    from pdserve.tools.bench_serve import write_json
 
     path = args.model or (str(cfg.model.path) if cfg.model.path is not None else None)
     model_path = resolve_model(path, cache_dir=cfg.model.cache_dir)

@@ -23,8 +23,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from pdserve.protocol import KVLayout
-from pdserve.tools.bench_transfer import (
+from pdserve.bench.transfer.bench_transfer import (
     DEFAULT_BLOCKS,
     SMOLLM2_LAYOUT,
     Fit,
@@ -35,8 +34,9 @@ from pdserve.tools.bench_transfer import (
     resolve_cases,
     run_transfer_benchmark,
 )
-from pdserve.tools.bench_transfer_peers import block_bytes
-from pdserve.tools.bench_transfer_profile import profile_backends, run_profiles
+from pdserve.bench.transfer.bench_transfer_peers import block_bytes
+from pdserve.bench.transfer.bench_transfer_profile import profile_backends, run_profiles
+from pdserve.protocol import KVLayout
 
 FIXED_COST_US = 100.0
 FIXED_COST_CASES = ("tcp", "nixl-shm")
@@ -318,7 +318,7 @@ def print_results(result: Result) -> None:
 def run_from_args(args: argparse.Namespace) -> int:
     """Run with the parsed flags of ``pdserve bench transfer`` (``sizes_mib``, ``backends``,
     ``integrity``, ``min_seconds``, ``rounds``, ``tp_pairs``, ``profile``, ``profile_pulls``;
-    see :mod:`pdserve.tools.bench_commands`) and print. ``backends`` None: the mode's default
+    see :mod:`pdserve.bench.bench_commands`) and print. ``backends`` None: the mode's default
     (:data:`DEFAULT_BACKENDS`; with ``profile``, :data:`PROFILE_BACKENDS`). Returns 0 when it
     ran (targets met or missed: they are reported, not an error), 1 when a profile failed, 2 for
     an unknown case name, a tensor parallel pair that does not split the layout's KV heads or

@@ -18,7 +18,7 @@ every measured prompt is one step:
 
 Then the hand-off: KV pulls of 1, 4, 16 and 64 blocks of SmolLM2's layout (720 KiB each)
 between this process and a spawned prefill peer over the configured ``transfer.backend``,
-integrity as configured (:func:`pdserve.tools.bench_gpu.pull_sizes`); the median per size.
+integrity as configured (:func:`pdserve.bench.gpu.bench_gpu.pull_sizes`); the median per size.
 
 ``router_s`` and ``leg_s`` keep their defaults (one real trace of SmolLM2 on this 2-core AMD
 EPYC: tokenize + route 1.4 ms; the prefill leg's HTTP round trip beyond the worker's compute
@@ -224,9 +224,9 @@ def measure_engine(cfg: PdserveConfig, model_path: Path, threads: int,
 
 def measure_handoff(cfg: PdserveConfig) -> tuple[str, list[tuple[int, float]]]:
     """``(backend, [(bytes, seconds)])``: median KV pulls of :data:`HANDOFF_BLOCKS` blocks."""
+    from pdserve.bench.gpu.bench_gpu import SMOL_LAYOUT, pull_sizes
+    from pdserve.bench.transfer.bench_transfer_peers import PatternPeer
     from pdserve.protocol import KVLayout
-    from pdserve.tools.bench_gpu import SMOL_LAYOUT, pull_sizes
-    from pdserve.tools.bench_transfer_peers import PatternPeer
 
     layout = KVLayout(**SMOL_LAYOUT)
     block = layout.block_bytes

@@ -1,7 +1,7 @@
 """What layout conversion costs: the staging kernel alone, and a whole pull between processes.
 
 ``pdserve bench formatter [--tokens 512 2048] [--backends tcp nixl] [--threads 1]`` (options:
-:mod:`pdserve.tools.bench_commands`)
+:mod:`pdserve.bench.bench_commands`)
 
 Two measurements on SmolLM2's KV layout (30 layers, 3 KV heads, head dim 64), one request of
 ``tokens`` tokens each, medians of repeated runs (1 GB = 1e9 bytes):
@@ -15,7 +15,7 @@ Two measurements on SmolLM2's KV layout (30 layers, 3 KV heads, head dim 64), on
    the matched row of the same prefill dtype is what the formatter adds end to end. Integrity
    digests are off here, so the figures isolate the conversion (``pdserve bench transfer``
    measures the backends themselves). The prefill side serves every request as parked
-   (:class:`pdserve.tools.bench_transfer_peers.AllParked`).
+   (:class:`pdserve.bench.transfer.bench_transfer_peers.AllParked`).
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
+from pdserve.bench.transfer.bench_transfer_peers import BENCH_EPOCH, AllParked, transfer_settings
 from pdserve.config.settings import TransferSettings
 from pdserve.protocol import KVLayout, TransferHandle
 from pdserve.security import ClusterKey, generate_secret
-from pdserve.tools.bench_transfer_peers import BENCH_EPOCH, AllParked, transfer_settings
 from pdserve.transfer.formatter import Formatter, PoolGeometry
 from pdserve.transfer.transceiver import create_transceiver
 

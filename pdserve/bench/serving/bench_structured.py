@@ -190,7 +190,7 @@ async def cost(
     client: httpx.AsyncClient, base: str, model: str, args: argparse.Namespace
 ) -> dict[str, Any]:
     """ITL p50 unconstrained vs under a json_schema (module docstring, 2)."""
-    from pdserve.tools import bench_serve as bs
+    from pdserve.bench.serving import bench_serve as bs
 
     url = f"{base}/chat/completions"
     schema = long_schema(args.output_len * 3)  # about 3 characters a token
@@ -256,7 +256,7 @@ def main(args: argparse.Namespace) -> int:
     """Run the benchmark; print the figures (and write ``--json``). Returns the exit code."""
     import httpx
 
-    from pdserve.tools import bench_serve as bs
+    from pdserve.bench.serving import bench_serve as bs
 
     base = args.url.rstrip("/")
 

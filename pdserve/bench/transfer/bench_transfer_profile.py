@@ -1,9 +1,9 @@
 """``pdserve bench transfer --profile``: where the fixed cost of one hand-off goes.
 
-Per transfer backend, a fresh child process (``python -m pdserve.tools.bench_transfer_profile
+Per transfer backend, a fresh child process (``python -m pdserve.bench.transfer.bench_transfer_profile
 BACKEND PULLS INTEGRITY``; NIXL and ucxx bundle UCX builds that conflict, so one backend per
 process) runs a prefill-side and a decode-side transceiver in one event loop, as the benchmark's
-serve and pull roles do across two processes (:mod:`pdserve.tools.bench_transfer_peers`):
+serve and pull roles do across two processes (:mod:`pdserve.bench.transfer.bench_transfer_peers`):
 pool of SmolLM2's layout, one handle pulled again and again (its blocks stay parked), UCX with
 its default transports (the ``-shm`` cases' setting). After a warm-up it times ``pulls`` one-block
 pulls (wall and process CPU time, every thread of the process included), then runs as many again
@@ -32,10 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdserve.protocol import KVLayout, TransferHandle
-from pdserve.security import ClusterKey, generate_secret
-from pdserve.tools.bench_transfer import SMOLLM2_LAYOUT, Case, resolve_cases, unavailable
-from pdserve.tools.bench_transfer_peers import (
+from pdserve.bench.transfer.bench_transfer import SMOLLM2_LAYOUT, Case, resolve_cases, unavailable
+from pdserve.bench.transfer.bench_transfer_peers import (
     BENCH_EPOCH,
     RESULT_PREFIX,
     AllParked,
@@ -44,6 +42,8 @@ from pdserve.tools.bench_transfer_peers import (
     empty_pool,
     transfer_settings,
 )
+from pdserve.protocol import KVLayout, TransferHandle
+from pdserve.security import ClusterKey, generate_secret
 from pdserve.transfer.transceiver import create_transceiver
 
 DEFAULT_PULLS = 2000
@@ -251,7 +251,7 @@ def run_profiles(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m pdserve.tools.bench_transfer_profile BACKEND PULLS INTEGRITY_JSON``."""
+    """``python -m pdserve.bench.transfer.bench_transfer_profile BACKEND PULLS INTEGRITY_JSON``."""
     backend, pulls, integrity = (argv if argv is not None else sys.argv[1:])[:3]
     result = asyncio.run(profile_pulls(backend, int(pulls), json.loads(integrity)))
     data = {**result.__dict__, "rows": [row.__dict__ for row in result.rows]}

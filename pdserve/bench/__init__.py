@@ -14,5 +14,5 @@ forward), ``bench_gpu`` + ``bench_models`` (engine and transfer on a GPU, random
 (``pdserve doctor``: the KV transfer environment and a probe of a worker).
 
 Dependency direction: tools import the router, the workers and the data plane
-(:mod:`pdserve.transfer`); nothing in the serving stack imports :mod:`pdserve.tools`.
+(:mod:`pdserve.transfer`); nothing in the serving stack imports :mod:`pdserve.bench`.
 """

@@ -43,7 +43,7 @@ def main(args: argparse.Namespace) -> int:
     from pdserve.security import generate_secret
 
     env = {**os.environ, SECRET_ENV: generate_secret()}
-    cmd = [sys.executable, "-m", "pdserve.tools.bench_router", str(args.tokens)]
+    cmd = [sys.executable, "-m", "pdserve.bench.serving.bench_router", str(args.tokens)]
     child = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None

@@ -8,7 +8,7 @@
 3. Output tokens/s against concurrency: one line per run (system), one point per level.
 
 The data are :class:`RunSamples`: a run's label and, per concurrency level, the raw TTFT and ITL
-samples in seconds and the level's output tokens/s (:func:`pdserve.tools.bench_serve.summarize`).
+samples in seconds and the level's output tokens/s (:func:`pdserve.bench.serving.bench_serve.summarize`).
 ``bench serve --json`` keeps the samples (:func:`level_samples_json`), so a later ``--plot-with
 FILE.json`` can draw an earlier run (another server's, say) beside this one's
 (:func:`runs_from_report`).
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from pdserve.tools.bench_serve import RequestResult
+    from pdserve.bench.serving.bench_serve import RequestResult
 
 INSTALL_HINT = "pip install 'pdserve[plot]'"
 DPI = 90

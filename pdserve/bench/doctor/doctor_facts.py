@@ -1,7 +1,7 @@
 """What ``pdserve doctor`` looks at, gathered once: the one place the doctor reads the
 environment, ``/proc`` and ``/sys``, imports the optional transfer libraries and runs
 ``ucx_info``. Every step degrades to "unknown" instead of failing: a missing library or tool
-is itself a finding of the checks (:mod:`pdserve.tools.doctor`).
+is itself a finding of the checks (:mod:`pdserve.bench.doctor.doctor`).
 """
 
 from __future__ import annotations

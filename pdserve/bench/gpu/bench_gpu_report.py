@@ -1,4 +1,4 @@
-"""The summary of ``pdserve bench gpu-proof`` (:mod:`pdserve.tools.bench_gpu_proof`): markdown
+"""The summary of ``pdserve bench gpu-proof`` (:mod:`pdserve.bench.gpu.bench_gpu_proof`): markdown
 tables ready for docs/benchmarks.md, the targets of issue 29 met or missed with the figures, and
 the verdict on CUDA graphs as the CUDA default.
 

@@ -16,7 +16,7 @@ measured in child processes: once with an empty inductor cache (cold) and once r
     pdserve bench compile [--model DIR] [--threads 1 2] [--rounds 7]
 
 Importing this module is light (torch and the engine load when the benchmark runs); the options
-live in :mod:`pdserve.tools.bench_commands`.
+live in :mod:`pdserve.bench.bench_commands`.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ TOKENS_PER_BLOCK = 16
 STARTUP_CHILD = """
 import sys, torch
 from pathlib import Path
-from pdserve.tools.bench_compile import runner
+from pdserve.bench.engine.bench_compile import runner
 torch.set_num_threads(int(sys.argv[2]))
 print(f"{runner(Path(sys.argv[1]), compile=True).compiled.compile_s:.2f}")
 """
@@ -164,7 +164,7 @@ def startup_s(model: Path, threads: int, cache_dir: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``pdserve bench compile`` (options: :mod:`pdserve.tools.bench_commands`): start-up
+    """``pdserve bench compile`` (options: :mod:`pdserve.bench.bench_commands`): start-up
     compile times, then the table per thread count; 0. Raises CalledProcessError when a
     start-up child fails."""
     import torch

@@ -32,8 +32,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pdserve.bench.doctor.doctor_facts import Facts, gather_facts
 from pdserve.errors import ConfigError, DiscoveryError, PdserveError, TransferError
-from pdserve.tools.doctor_facts import Facts, gather_facts
 
 if TYPE_CHECKING:
     from pdserve.config.settings import DiscoverySettings
@@ -479,7 +479,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pdserve.tools.doctor``, same as ``pdserve doctor``."""
+    """``python -m pdserve.bench.doctor.doctor``, same as ``pdserve doctor``."""
     parser = argparse.ArgumentParser(prog="pdserve doctor", description=__doc__.splitlines()[0])
     add_arguments(parser)
     try:

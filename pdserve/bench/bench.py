@@ -1,7 +1,7 @@
 """Benchmarks that print numbers: ``pdserve bench serve`` and ``pdserve bench transfer``.
 
 ``serve --url http://HOST:PORT/v1`` drives an already running OpenAI-compatible server (pdserve,
-vLLM, ...) with a fixed-seed synthetic chat workload (:mod:`pdserve.tools.bench_serve`).
+vLLM, ...) with a fixed-seed synthetic chat workload (:mod:`pdserve.bench.serving.bench_serve`).
 
 ``serve`` without ``--url`` starts pdserve itself and compares (a) the disaggregated stack
 (router -> prefill worker -> KV transfer -> decode worker, requests through the router's
@@ -11,8 +11,8 @@ on the same token-id prompts, in one run. Both get the same CPU budget: the disa
 runs each worker on half the cores, the colocated worker on all of them.
 
 Both modes report, per level, TTFT, ITL, TPOT and e2e latency (mean, p50, p90, p99 in ms),
-output tokens/s and request errors; the definitions are in :mod:`pdserve.tools.bench_serve`.
-``--plot PATH.png`` draws the runs (:mod:`pdserve.tools.bench_plot`).
+output tokens/s and request errors; the definitions are in :mod:`pdserve.bench.serving.bench_serve`.
+``--plot PATH.png`` draws the runs (:mod:`pdserve.bench.bench_plot`).
 Importing this module is light (no httpx, no torch); the CLI builds its options from here.
 """
 
@@ -175,8 +175,8 @@ def serve_main(args: argparse.Namespace, cfg: PdserveConfig) -> int:
     settings: ``--config``, ``PDSERVE_*`` variables, setting flags) and compare. With
     ``--plot``, matplotlib and the ``--plot-with`` reports are checked first (exit 2), so that a
     picture that cannot be drawn costs no run."""
-    from pdserve.tools.bench_plot import PlotError
-    from pdserve.tools.bench_serve import check_load_arguments
+    from pdserve.bench.bench_plot import PlotError
+    from pdserve.bench.serving.bench_serve import check_load_arguments
 
     if problem := check_load_arguments(args):
         print(f"bench serve: {problem}", file=sys.stderr)
@@ -198,7 +198,7 @@ def serve_main(args: argparse.Namespace, cfg: PdserveConfig) -> int:
 
 
 def _workload(args: argparse.Namespace, api: str) -> dict[str, Any]:
-    from pdserve.tools.bench_serve import slo_from_args
+    from pdserve.bench.serving.bench_serve import slo_from_args
 
     return {
         "api": api,
@@ -234,10 +234,10 @@ def _report(args: argparse.Namespace, api: str, runs: list[dict[str, Any]],
 
 
 def _plot_inputs(args: argparse.Namespace) -> list[Any]:
-    """The runs of the ``--plot-with`` reports (:class:`pdserve.tools.bench_plot.RunSamples`);
+    """The runs of the ``--plot-with`` reports (:class:`pdserve.bench.bench_plot.RunSamples`);
     raises PlotError when ``--plot`` cannot be drawn (no matplotlib, not a .png, a report that
     cannot be read or holds no samples)."""
-    from pdserve.tools.bench_plot import PlotError, require_matplotlib, runs_from_report
+    from pdserve.bench.bench_plot import PlotError, require_matplotlib, runs_from_report
 
     plot, extra = args.plot, args.plot_with
     if extra and not plot:
@@ -265,8 +265,8 @@ def _write_plot(args: argparse.Namespace, earlier: Sequence[Any], runs: list[dic
     report's); ``what`` heads the title. Returns 0, or 1 when the PNG cannot be written."""
     if not args.plot:
         return 0
+    from pdserve.bench.bench_plot import PlotError, runs_from_report, write_plot
     from pdserve.hardware import cpu_model
-    from pdserve.tools.bench_plot import PlotError, runs_from_report, write_plot
 
     title = f"pdserve bench serve: {what}; {cpu_model()}, {os.cpu_count()} cores"
     try:
@@ -280,7 +280,7 @@ def _write_plot(args: argparse.Namespace, earlier: Sequence[Any], runs: list[dic
 
 
 def _counts(args: argparse.Namespace) -> list[int]:
-    from pdserve.tools.bench_serve import default_num_requests
+    from pdserve.bench.serving.bench_serve import default_num_requests
 
     if args.request_rate:
         return [args.num_requests or max(16, math.ceil(10 * r)) for r in args.request_rate]
@@ -303,8 +303,8 @@ async def _levels(args: argparse.Namespace, one: Callable[[Any], Awaitable[Any]]
                   prompts: list[list[Any]], label: str | None) -> dict[str, Any]:  # fmt: skip
     """Warm-up, then each concurrency level; prints each level as it ends. Returns a run's
     ``levels`` (summaries) and ``samples`` (raw TTFT and ITL seconds, for ``--plot``)."""
-    from pdserve.tools import bench_serve as bs
-    from pdserve.tools.bench_plot import level_samples_json
+    from pdserve.bench.bench_plot import level_samples_json
+    from pdserve.bench.serving import bench_serve as bs
 
     for item in warm:
         w = await one(item)
@@ -334,7 +334,7 @@ def url_main(args: argparse.Namespace, earlier: Sequence[Any] = ()) -> int:
     of some level failed or the picture could not be written."""
     import httpx
 
-    from pdserve.tools import bench_serve as bs
+    from pdserve.bench.serving import bench_serve as bs
 
     base = bs.base_url(args.url)
     tok_path = Path(args.tokenizer).expanduser() if args.tokenizer else bs.default_tokenizer(
@@ -368,7 +368,7 @@ def url_main(args: argparse.Namespace, earlier: Sequence[Any] = ()) -> int:
             def one(prompt: str) -> Awaitable[bs.RequestResult]:
                 body = bs.chat_body(model, prompt, args.output_len, args.ignore_eos)
                 if args.json_schema:  # the grammar's cost: output constrained, about as long
-                    from pdserve.tools.bench_structured import long_schema
+                    from pdserve.bench.serving.bench_structured import long_schema
 
                     schema = long_schema(max(8, 3 * args.output_len))
                     body["response_format"] = {
@@ -456,7 +456,7 @@ async def _one_colocated(client, url: str, ids: list[int], args: argparse.Namesp
     """One request to a colocated worker's NDJSON ``/internal/generate``; a stamp per chunk."""
     import httpx
 
-    from pdserve.tools.bench_serve import failed, from_stamps
+    from pdserve.bench.serving.bench_serve import failed, from_stamps
 
     body = {
         "request_id": uuid.uuid4().hex,
@@ -501,8 +501,8 @@ def compare_main(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path,
     secrets and config file live in a private temporary folder, deleted when it stops; the
     logs stay in a temporary folder printed at the end. Raises ConfigError (an unreadable API key file),
     ProcessExitedError or ReadyTimeoutError when a stack does not start."""
+    from pdserve.bench.serving import bench_serve as bs
     from pdserve.config.hosts import free_port
-    from pdserve.tools import bench_serve as bs
 
     cores = os.cpu_count() or 2
     logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
@@ -572,8 +572,8 @@ def compare_main(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path,
 
 def transfer_main(args: argparse.Namespace) -> int:
     """KV transfer per backend beside raw-socket and memcpy references, with fits and the
-    the targets (:mod:`pdserve.tools.bench_transfer`,
-    :mod:`pdserve.tools.bench_transfer_report`)."""
-    from pdserve.tools.bench_transfer_report import run_from_args
+    the targets (:mod:`pdserve.bench.transfer.bench_transfer`,
+    :mod:`pdserve.bench.transfer.bench_transfer_report`)."""
+    from pdserve.bench.transfer.bench_transfer_report import run_from_args
 
     return run_from_args(args)

@@ -9,7 +9,7 @@ into ``--out`` (default ``$OUT``, the folder such a machine sends back):
    ``generate()``, KV transfer VRAM -> VRAM over NIXL with integrity on, mixed CPU <-> CUDA
    pairs, the newer engine paths); the outcome of every test, from pytest's JUnit XML;
 2. ``engine``: ``pdserve bench gpu engine`` on the SmolLM2-architecture stand-in
-   (:func:`pdserve.tools.bench_models.build_smollm2_like`: SmolLM2's weights cannot be carried
+   (:func:`pdserve.bench.engine.bench_models.build_smollm2_like`: SmolLM2's weights cannot be carried
    to the GPU machine, which has no network) with CUDA graphs on and off: decode step (TPOT) at
    each batch size, TTFT, prefill tokens/s;
 3. ``serve``: ``pdserve bench serve`` on the stand-in (a 1 prefill + 1 decode stack, then one
@@ -162,7 +162,7 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
 
 def gpu_results(log: Path) -> list[dict[str, Any]]:
     """The ``PDSERVE-GPU <json>`` results ``pdserve bench gpu`` printed into ``log``."""
-    from pdserve.tools.bench_gpu import RESULT_PREFIX
+    from pdserve.bench.gpu.bench_gpu import RESULT_PREFIX
 
     out = []
     for line in log.read_text(errors="replace").splitlines():
@@ -303,7 +303,7 @@ def run(args: argparse.Namespace, cfg: PdserveConfig | None = None) -> int:
                       if k != "func"},
              "machine": facts, "steps": [asdict(o) for o in outcomes]}  # fmt: skip
     (out / "proof.json").write_text(json.dumps(proof, indent=2, default=str) + "\n")
-    from pdserve.tools.bench_gpu_report import summary
+    from pdserve.bench.gpu.bench_gpu_report import summary
 
     text = summary(proof)
     (out / "summary.md").write_text(text)
@@ -344,7 +344,7 @@ def _step_engine(args: argparse.Namespace, work: Path, log: Path, limit: float) 
 
 
 def _step_serve(args: argparse.Namespace, work: Path, log: Path, limit: float) -> StepOutcome:
-    from pdserve.tools.bench_models import build_smollm2_like
+    from pdserve.bench.engine.bench_models import build_smollm2_like
 
     t0 = time.monotonic()
     model = build_smollm2_like(work / "smollm2-like", seed=0)

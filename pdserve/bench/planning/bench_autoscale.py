@@ -68,7 +68,7 @@ async def _phases(url: str, headers: dict[str, str], model: str, args: argparse.
     """The results of each phase's requests (closed loops until the phase's deadline)."""
     import httpx
 
-    from pdserve.tools import bench_serve as bs
+    from pdserve.bench.serving import bench_serve as bs
 
     rng = random.Random(args.seed)
     top = max(c for c, _ in phases) + 4
@@ -100,7 +100,7 @@ async def _phases(url: str, headers: dict[str, str], model: str, args: argparse.
 
 
 def _summary(results: list[Any], slo: Any) -> dict[str, Any]:
-    from pdserve.tools import bench_serve as bs
+    from pdserve.bench.serving import bench_serve as bs
 
     ok = [r for r in results if r.ok]
     good = sum(slo.met(r) for r in results)
@@ -135,12 +135,12 @@ def _arm(name: str, cfg: PdserveConfig, model_path: Path, counts: dict[str, int]
          args: argparse.Namespace, phases: list[tuple[int, float]], logs: Path,
          autoscale: bool) -> dict[str, Any]:  # fmt: skip
     """One arm: start the stack, drive the phases, count worker-seconds."""
+    from pdserve.bench.bench import READY_TIMEOUT_S, bench_stack, stack_settings
+    from pdserve.bench.serving.bench_serve import slo_from_args
     from pdserve.launch.stack import with_replicas
     from pdserve.launch.supervisor import RestartPolicy
     from pdserve.planner.local import LocalActuator, start_autoscaler
     from pdserve.planner.profile import Profile
-    from pdserve.tools.bench import READY_TIMEOUT_S, bench_stack, stack_settings
-    from pdserve.tools.bench_serve import slo_from_args
 
     # sized for the planner's maximum in both arms: the same threads and KV share per worker
     p = cfg.planner

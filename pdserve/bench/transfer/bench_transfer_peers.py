@@ -1,9 +1,9 @@
-"""The processes of the transfer benchmark (:mod:`pdserve.tools.bench_transfer`), one role each.
+"""The processes of the transfer benchmark (:mod:`pdserve.bench.transfer.bench_transfer`), one role each.
 
 Each measurement runs in fresh child processes started by the benchmark with an environment of
 its own (e.g. ``UCX_TLS=tcp`` for "NIXL over TCP"), because UCX reads its transports from the
 environment when a context is created and the benchmark's own process must not be configured
-through ``os.environ``. Roles (``python -m pdserve.tools.bench_transfer_peers ROLE SPEC``)::
+through ``os.environ``. Roles (``python -m pdserve.bench.transfer.bench_transfer_peers ROLE SPEC``)::
 
     serve    a prefill-side transceiver over a pool of ``max(blocks)`` blocks that all count as
              parked (:class:`AllParked`); prints {"endpoint", "backend"}; runs until stdin closes
@@ -430,7 +430,7 @@ class PatternPeer:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m pdserve.tools.bench_transfer_peers ROLE SPEC_JSON``."""
+    """``python -m pdserve.bench.transfer.bench_transfer_peers ROLE SPEC_JSON``."""
     role, raw = (argv if argv is not None else sys.argv[1:])[:2]
     spec = PeerSpec.model_validate_json(raw)
     if role == "source":

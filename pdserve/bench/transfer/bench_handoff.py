@@ -1,7 +1,7 @@
 """``pdserve bench handoff``: the streamed hand-off against the whole-request hand-off.
 
-Two stacks of router + 1 prefill + 1 decode worker (:func:`pdserve.tools.bench.stack_settings`,
-started by :func:`pdserve.tools.bench.bench_stack`, settings from ``--config`` and ``PDSERVE_*``
+Two stacks of router + 1 prefill + 1 decode worker (:func:`pdserve.bench.bench.stack_settings`,
+started by :func:`pdserve.bench.bench.bench_stack`, settings from ``--config`` and ``PDSERVE_*``
 variables, the transfer backend from ``--backend``), one with the whole-request hand-off (router
 ``--kv-stream-min-tokens 0``), one with the streamed hand-off for every prompt
 (``--kv-stream-min-tokens 1``); both routers send every prompt through the prefill worker
@@ -197,7 +197,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any],
     """POST one streamed completion and time its tokens (a chunk's ``logprobs.tokens`` says how
     many it carries). Raises RuntimeError when it fails or yields fewer than 2 tokens,
     httpx.HTTPError when the connection does."""
-    from pdserve.tools.bench_serve import sse_chunks
+    from pdserve.bench.serving.bench_serve import sse_chunks
 
     t0 = time.perf_counter()
     stamps: list[float] = []
@@ -256,7 +256,7 @@ async def _drive(arms: list[Arm], prompts: dict[str, dict[int, list[list[int]]]]
     second; counts each decode worker's streamed pulls over the measured requests."""
     import httpx
 
-    from pdserve.tools.scrape import scrape
+    from pdserve.bench.scrape import scrape
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30)) as client:
 
@@ -292,8 +292,8 @@ def start_mode(settings: PdserveConfig, mode: str, log_dir: Path, stacks: ExitSt
     router's ``--kv-stream-min-tokens`` 0 or 1, ``--local-prefill-max-tokens`` 0), logs in
     ``log_dir``, stopped when ``stacks`` closes; wait until it is ready. Raises
     ProcessExitedError or ReadyTimeoutError when it does not start."""
+    from pdserve.bench.bench import READY_TIMEOUT_S, bench_stack
     from pdserve.config.hosts import free_port
-    from pdserve.tools.bench import READY_TIMEOUT_S, bench_stack
 
     least = "1" if mode == "streamed" else "0"
     dport = free_port()
@@ -327,7 +327,7 @@ def measure(cfg: PdserveConfig, model_path: Path, sizes: Sequence[int], requests
     ValueError when a prompt does not fit the model's window, ProcessExitedError or
     ReadyTimeoutError when a stack does not start, RuntimeError or httpx.HTTPError when a
     request fails."""
-    from pdserve.tools.bench import stack_settings
+    from pdserve.bench.bench import stack_settings
 
     need = max(sizes) + max_tokens
     window = model_window(model_path)
@@ -432,10 +432,10 @@ def main(args: argparse.Namespace, cfg: PdserveConfig) -> int:
     0 when every request succeeded, 1 when one failed, 2 for bad options."""
     import httpx
 
+    from pdserve.bench.serving.bench_serve import write_json
     from pdserve.hardware import cpu_model
     from pdserve.launch.supervisor import ReadyTimeoutError
     from pdserve.models import resolve_model
-    from pdserve.tools.bench_serve import write_json
 
     if args.max_tokens < 2 or args.requests < 1 or min(args.prompt_tokens) < 1:
         print("bench handoff: --max-tokens >= 2, --requests >= 1 and positive --prompt-tokens "

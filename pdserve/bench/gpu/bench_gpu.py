@@ -15,10 +15,10 @@ token. ``--cuda-graphs on
 off`` runs each dtype twice, with and without CUDA graphs of decode steps (``EngineConfig.
 cuda_graphs``; no effect on CPU); graphs are captured in the first pass of a level.
 
-The models are built on the spot with random weights (:mod:`pdserve.tools.bench_models`: the
+The models are built on the spot with random weights (:mod:`pdserve.bench.engine.bench_models`: the
 tiny one, or one with SmolLM2-135M's architecture), so nothing is downloaded.
 
-``transfer``: a spawned prefill peer (:class:`pdserve.tools.bench_transfer_peers.PatternPeer`)
+``transfer``: a spawned prefill peer (:class:`pdserve.bench.transfer.bench_transfer_peers.PatternPeer`)
 and a decode transceiver in this process, pools on the given devices, SmolLM2's KV layout (30
 layers, 3 KV heads, head dim 64, 16 tokens per block, float32: 720 KiB per block). Each size is pulled once
 to warm up, then at least 5 times and for at least 0.5 s; GB/s at the median. The bytes are
@@ -27,7 +27,7 @@ GPU (:mod:`pdserve.transfer.mix64`), elsewhere with xxh3 on the CPU.
 
 Prints one ``PDSERVE-GPU <json>`` line per result and a markdown table at the end. Importing
 this module is light (torch loads when a benchmark runs); the options live in
-:mod:`pdserve.tools.bench_commands`.
+:mod:`pdserve.bench.bench_commands`.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _device_name(device: str) -> str:
 
 
 def _model_dir(name: str, root: Path) -> Path:
-    from pdserve.tools.bench_models import build_random_llama, build_smollm2_like
+    from pdserve.bench.engine.bench_models import build_random_llama, build_smollm2_like
 
     if name == "tiny":
         return build_random_llama(root / "tiny", seed=0)
@@ -241,8 +241,8 @@ async def pull_sizes(
     RuntimeError when the pulled bytes are wrong."""
     import torch
 
+    from pdserve.bench.transfer.bench_transfer_peers import empty_pool, pattern, transfer_settings
     from pdserve.protocol import KVLayout
-    from pdserve.tools.bench_transfer_peers import empty_pool, pattern, transfer_settings
     from pdserve.transfer import create_transceiver
 
     layout = KVLayout(**SMOL_LAYOUT)
@@ -274,8 +274,8 @@ async def pull_sizes(
 
 def bench_transfer(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every ``--backends`` x ``--devices`` pair, integrity off then on, each ``--blocks``."""
+    from pdserve.bench.transfer.bench_transfer_peers import PatternPeer
     from pdserve.protocol import KVLayout
-    from pdserve.tools.bench_transfer_peers import PatternPeer
     from pdserve.transfer import mix64
 
     layout = KVLayout(**SMOL_LAYOUT)
@@ -347,7 +347,7 @@ def _table(results: list[dict[str, Any]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``pdserve bench gpu engine|transfer`` (options: :mod:`pdserve.tools.bench_commands`):
+    """``pdserve bench gpu engine|transfer`` (options: :mod:`pdserve.bench.bench_commands`):
     print each result as it comes and the table at the end; 0."""
     if args.what == "engine":
         if args.threads:

@@ -5,7 +5,7 @@ its ``run``. Importing this module is light (argparse only; no httpx, no torch):
 imports its benchmark when the command runs. Where a benchmark starts pdserve itself (``serve``
 without ``--url``, ``multiturn``, ``kv-restart``, ``handoff``), its stacks take their settings
 from ``--config`` and the ``PDSERVE_*`` variables (``serve`` also from its setting flags) and
-start through :class:`pdserve.launch.stack.Stack` (:func:`pdserve.tools.bench.bench_stack`).
+start through :class:`pdserve.launch.stack.Stack` (:func:`pdserve.bench.bench.bench_stack`).
 """
 
 from __future__ import annotations
@@ -42,23 +42,23 @@ def _need(cfg: PdserveConfig | None) -> PdserveConfig:
     return cfg
 
 
-# --- serve, transfer (options in pdserve.tools.bench) -----------------------------------------
+# --- serve, transfer (options in pdserve.bench.bench) -----------------------------------------
 
 
 def _serve_arguments(p: argparse.ArgumentParser) -> None:
-    from pdserve.tools.bench import add_serve_arguments
+    from pdserve.bench.bench import add_serve_arguments
 
     add_serve_arguments(p)
 
 
 def _run_serve(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
-    from pdserve.tools.bench import serve_main
+    from pdserve.bench.bench import serve_main
 
     return serve_main(args, _need(cfg))
 
 
 def _transfer_arguments(p: argparse.ArgumentParser) -> None:
-    from pdserve.tools.bench import add_transfer_arguments
+    from pdserve.bench.bench import add_transfer_arguments
 
     add_transfer_arguments(p)
     # None: each mode's own default (the measurement: tcp nixl ucx; --profile: tcp nixl).
@@ -76,7 +76,7 @@ def _transfer_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run_transfer(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
-    from pdserve.tools.bench import transfer_main
+    from pdserve.bench.bench import transfer_main
 
     return transfer_main(args)
 
@@ -168,7 +168,7 @@ def _timeout_json_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run_multiturn(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
-    from pdserve.tools.bench_multiturn import run
+    from pdserve.bench.serving.bench_multiturn import run
 
     return run(args, _need(cfg))
 
@@ -205,7 +205,7 @@ def _kv_restart_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run_kv_restart(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
-    from pdserve.tools.bench_kv_restart import run
+    from pdserve.bench.engine.bench_kv_restart import run
 
     return run(args, _need(cfg))
 
@@ -214,13 +214,13 @@ def _run_kv_restart(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
 
 
 def _handoff_arguments(p: argparse.ArgumentParser) -> None:
-    from pdserve.tools.bench_handoff import add_arguments
+    from pdserve.bench.transfer.bench_handoff import add_arguments
 
     add_arguments(p)
 
 
 def _run_handoff(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
-    from pdserve.tools.bench_handoff import main
+    from pdserve.bench.transfer.bench_handoff import main
 
     return main(args, _need(cfg))
 
@@ -229,13 +229,13 @@ def _run_handoff(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
 
 
 def _compile_arguments(p: argparse.ArgumentParser) -> None:
-    from pdserve.tools.bench_compile import add_arguments
+    from pdserve.bench.engine.bench_compile import add_arguments
 
     add_arguments(p)
 
 
 def _run_compile(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
-    from pdserve.tools.bench_compile import run
+    from pdserve.bench.engine.bench_compile import run
 
     return run(args)
 
@@ -265,7 +265,7 @@ def _formatter_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run_formatter(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
-    from pdserve.tools.bench_formatter import run
+    from pdserve.bench.transfer.bench_formatter import run
 
     return run(args)
 
@@ -328,48 +328,49 @@ def _gpu_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run_gpu(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
-    from pdserve.tools.bench_gpu import run
+    from pdserve.bench.gpu.bench_gpu import run
 
     return run(args)
 
 
 def _module(name: str, settings: Settings = "config") -> BenchCommand:
-    """A ``BenchCommand`` whose module ``pdserve.tools.<name>`` (light to import) holds
+    """A ``BenchCommand`` whose module ``pdserve.bench.<name>`` (``name`` is dotted below
+    ``pdserve.bench``, e.g. ``planning.bench_profile``; light to import) holds
     ``DESCRIPTION``, ``HELP``, ``add_arguments(p)`` and ``run(args, cfg)``; ``cfg`` is the
     resolved settings, or None for ``settings="none"``."""
     import importlib
 
-    module = importlib.import_module(f"pdserve.tools.{name}")
+    module = importlib.import_module(f"pdserve.bench.{name}")
 
     def run(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
         return int(module.run(args, cfg if settings == "none" else _need(cfg)))
 
-    command = name.removeprefix("bench_").replace("_", "-")
+    command = name.rpartition(".")[2].removeprefix("bench_").replace("_", "-")
     return BenchCommand(command, module.HELP, module.DESCRIPTION, module.add_arguments, run,
                         settings)  # fmt: skip
 
 
 def _description(module: str) -> str:
-    """The ``DESCRIPTION`` of ``pdserve.tools.<module>`` (a module light to import)."""
+    """The ``DESCRIPTION`` of ``pdserve.bench.<module>`` (a module light to import)."""
     import importlib
 
-    return str(importlib.import_module(f"pdserve.tools.{module}").DESCRIPTION)
+    return str(importlib.import_module(f"pdserve.bench.{module}").DESCRIPTION)
 
 
 def _serve_description() -> str:
-    from pdserve.tools.bench import SERVE_DESCRIPTION
+    from pdserve.bench.bench import SERVE_DESCRIPTION
 
     return SERVE_DESCRIPTION
 
 
 def _structured_arguments(p: argparse.ArgumentParser) -> None:
-    from pdserve.tools.bench_structured import add_arguments
+    from pdserve.bench.serving.bench_structured import add_arguments
 
     add_arguments(p)
 
 
 def _run_structured(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
-    from pdserve.tools.bench_structured import main
+    from pdserve.bench.serving.bench_structured import main
 
     return main(args)
 
@@ -384,13 +385,13 @@ calls whose deltas join into valid arguments; ITL p50 under a json_schema vs unc
 
 
 def _speculative_arguments(p: argparse.ArgumentParser) -> None:
-    from pdserve.tools.bench_speculative import add_arguments
+    from pdserve.bench.serving.bench_speculative import add_arguments
 
     add_arguments(p)
 
 
 def _run_speculative(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
-    from pdserve.tools.bench_speculative import main
+    from pdserve.bench.serving.bench_speculative import main
 
     return main(args)
 
@@ -405,13 +406,13 @@ whether the output equals plain decoding's (it must: exit status 1 otherwise).
 
 
 def _kv_dtype_arguments(p: argparse.ArgumentParser) -> None:
-    from pdserve.tools.bench_kv_dtype import add_arguments
+    from pdserve.bench.engine.bench_kv_dtype import add_arguments
 
     add_arguments(p)
 
 
 def _run_kv_dtype(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
-    from pdserve.tools.bench_kv_dtype import main
+    from pdserve.bench.engine.bench_kv_dtype import main
 
     return main(args)
 
@@ -425,13 +426,13 @@ fp8_e5m2).
 
 
 def _router_arguments(p: argparse.ArgumentParser) -> None:
-    from pdserve.tools.bench_router import add_arguments
+    from pdserve.bench.serving.bench_router import add_arguments
 
     add_arguments(p)
 
 
 def _run_router(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
-    from pdserve.tools.bench_router import main
+    from pdserve.bench.serving.bench_router import main
 
     return main(args)
 
@@ -445,13 +446,13 @@ per --concurrency, and the router's completed requests per second.
 
 
 def _paged_attention_arguments(p: argparse.ArgumentParser) -> None:
-    from pdserve.tools.bench_paged_kernel import add_arguments
+    from pdserve.bench.engine.bench_paged_kernel import add_arguments
 
     add_arguments(p)
 
 
 def _run_paged_attention(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
-    from pdserve.tools.bench_paged_kernel import main
+    from pdserve.bench.engine.bench_paged_kernel import main
 
     return main(args)
 
@@ -502,7 +503,7 @@ COMMANDS: tuple[BenchCommand, ...] = (
     BenchCommand(
         "handoff",
         "streamed vs whole-request KV hand-off: TTFT and time to the second token",
-        _description("bench_handoff"),
+        _description("transfer.bench_handoff"),
         _handoff_arguments,
         _run_handoff,
         "config",
@@ -510,7 +511,7 @@ COMMANDS: tuple[BenchCommand, ...] = (
     BenchCommand(
         "compile",
         "eager vs compiled forward of the model runner (prefill, decode steps)",
-        _description("bench_compile"),
+        _description("engine.bench_compile"),
         _compile_arguments,
         _run_compile,
     ),
@@ -556,9 +557,9 @@ COMMANDS: tuple[BenchCommand, ...] = (
         _speculative_arguments,
         _run_speculative,
     ),
-    _module("bench_profile"),
-    _module("bench_plan_check"),
-    _module("bench_autoscale"),
+    _module("planning.bench_profile"),
+    _module("planning.bench_plan_check"),
+    _module("planning.bench_autoscale"),
     BenchCommand(
         "gpu",
         "engine TTFT/TPOT and KV transfer GB/s on a GPU (random-weight models)",
@@ -566,7 +567,7 @@ COMMANDS: tuple[BenchCommand, ...] = (
         _gpu_arguments,
         _run_gpu,
     ),
-    _module("bench_gpu_proof", "none"),
+    _module("gpu.bench_gpu_proof", "none"),
 )
 """Every ``pdserve bench`` subcommand, in the order ``--help`` lists them."""
 

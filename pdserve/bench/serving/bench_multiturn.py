@@ -2,8 +2,8 @@
 
 ``pdserve bench multiturn`` starts two stacks in turn, each the one ``pdserve bench serve``
 starts (router + 1 prefill worker + 1 decode worker, the SmolLM2 default model, settings from
-``--config`` and ``PDSERVE_*`` variables resolved by :func:`pdserve.tools.bench.stack_settings`,
-started by :func:`pdserve.tools.bench.bench_stack`), the first with
+``--config`` and ``PDSERVE_*`` variables resolved by :func:`pdserve.bench.bench.stack_settings`,
+started by :func:`pdserve.bench.bench.bench_stack`), the first with
 ``--prefix-caching``, the second with ``--no-prefix-caching``, and runs the same workload on
 each. The router runs with ``--local-prefill-max-tokens 0``: every turn goes through the prefill
 worker and the KV hand-off, so the prefill worker's prefix cache sees every prompt.
@@ -16,10 +16,10 @@ Requests are streamed chat completions, greedy, ``max_tokens`` small; K conversa
 once, the turns of one conversation in order. Two warm-up requests (a short one, and a long one
 that shares no prefix with the workload) go first and are not counted.
 
-Reported per arm: TTFT (send -> first content delta, :func:`pdserve.tools.bench_serve.
+Reported per arm: TTFT (send -> first content delta, :func:`pdserve.bench.serving.bench_serve.
 stream_openai`) p50/p90 on turn 1 and on turns 2+; prompt tokens (the responses' ``usage``);
 tokens the prefill worker computed (``pdserve_prefix_cache_query_tokens_total`` minus
-``pdserve_prefix_cache_hit_tokens_total`` on its ``/metrics``, :mod:`pdserve.tools.scrape`, the
+``pdserve_prefix_cache_hit_tokens_total`` on its ``/metrics``, :mod:`pdserve.bench.scrape`, the
 workload's delta; with the
 cache off there are no lookups and every prompt token is computed) and the hit rate; then
 cache-on / cache-off TTFT p50 on turns 2+ against the issue's target (at most 0.3x).
@@ -51,13 +51,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 # The metrics reading the benchmarks share, importable from here too (stack tests use it).
-from pdserve.tools.scrape import parse_metrics as parse_metrics
+from pdserve.bench.scrape import parse_metrics as parse_metrics
 
 if TYPE_CHECKING:
     import httpx
 
+    from pdserve.bench.serving.bench_serve import RequestResult
     from pdserve.config.settings import PdserveConfig
-    from pdserve.tools.bench_serve import RequestResult
 
 TARGET_RATIO = 0.3
 """Target: TTFT p50 on turns 2+ with the cache on, at most this times the cache-off run."""
@@ -210,7 +210,7 @@ def turn_messages(
 
 def chat_request(model: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
     """A streaming greedy chat completion of ``messages``, usage in the last chunk."""
-    from pdserve.tools.bench_serve import chat_body
+    from pdserve.bench.serving.bench_serve import chat_body
 
     body = chat_body(model, "", max_tokens, ignore_eos=False)
     body["messages"] = messages
@@ -234,7 +234,7 @@ async def run_workload(client: httpx.AsyncClient, url: str, model: str, wl: Work
     """Run every conversation of ``wl`` against ``url`` (``.../chat/completions``),
     ``concurrency`` conversations at once, turns in order; a failed turn ends its conversation.
     Returns the turns (in completion order) and the wall time in seconds."""
-    from pdserve.tools.bench_serve import stream_openai
+    from pdserve.bench.serving.bench_serve import stream_openai
 
     todo = iter(range(len(wl.users)))
     out: list[Turn] = []
@@ -258,7 +258,7 @@ async def run_workload(client: httpx.AsyncClient, url: str, model: str, wl: Work
 
 
 def _pcts(values_s: Sequence[float]) -> dict[str, float | None]:
-    from pdserve.tools.bench_serve import percentile
+    from pdserve.bench.serving.bench_serve import percentile
 
     ms = [v * 1e3 for v in values_s]
     return {"p50": percentile(ms, 50), "p90": percentile(ms, 90), "n": float(len(ms))}
@@ -308,8 +308,8 @@ async def _measure(args: argparse.Namespace, router: str, workers: Sequence[str]
     workload's deltas of the metrics of ``router`` and each of ``workers``."""
     import httpx
 
-    from pdserve.tools.bench_serve import stream_openai
-    from pdserve.tools.scrape import delta, scrape
+    from pdserve.bench.scrape import delta, scrape
+    from pdserve.bench.serving.bench_serve import stream_openai
 
     url = f"{router}/v1/chat/completions"
     n = args.concurrency + 4
@@ -339,8 +339,8 @@ def run_arm(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path, wl: 
     the stack; returns :func:`summarize_arm`'s dict (prefill metrics summed over the prefill
     workers). Logs go to ``logs/<spec.tag>/``. Raises ProcessExitedError or ReadyTimeoutError
     when the stack does not start, RuntimeError when the warm-up fails."""
+    from pdserve.bench.bench import READY_TIMEOUT_S, bench_stack, stack_settings
     from pdserve.config.hosts import free_port
-    from pdserve.tools.bench import READY_TIMEOUT_S, bench_stack, stack_settings
 
     label, tag, n = spec.label, spec.tag, spec.prefill_workers
     caching = {"prefix_caching": spec.prefix_caching}
@@ -447,7 +447,7 @@ def routing_ratios(arms: Sequence[dict[str, Any]]) -> dict[str, float | None]:
 
 def token_counter(model_path: Path) -> Callable[[str], int]:
     """Token count by the model's tokenizer, or :func:`approx_tokens` when it has none."""
-    from pdserve.tools.bench_serve import load_tokenizer
+    from pdserve.bench.serving.bench_serve import load_tokenizer
 
     if not (model_path / "tokenizer_config.json").is_file():
         return approx_tokens
@@ -456,11 +456,11 @@ def token_counter(model_path: Path) -> Callable[[str], int]:
 
 
 def run(args: argparse.Namespace, cfg: PdserveConfig) -> int:
-    """``pdserve bench multiturn`` (options: :mod:`pdserve.tools.bench_commands`): run both
+    """``pdserve bench multiturn`` (options: :mod:`pdserve.bench.bench_commands`): run both
     arms on ``cfg`` (the resolved settings) and print the table; 0, or 1 when an arm had failed
     turns. Raises as :func:`run_arm` does."""
+    from pdserve.bench.serving.bench_serve import write_json
     from pdserve.models import resolve_model
-    from pdserve.tools.bench_serve import write_json
 
     path = args.model or (str(cfg.model.path) if cfg.model.path is not None else None)
     model_path = resolve_model(path, cache_dir=cfg.model.cache_dir)

@@ -3,7 +3,7 @@
 The KV transfer benchmark. Each *case* moves KV blocks of a real layout (default SmolLM2-135M: 30
 layers, 3 KV heads, head dim 64, 16 tokens per block, float32 = 720 KiB per block) from a
 prefill-side transceiver to a decode-side transceiver, in two fresh processes started with the
-case's environment (:mod:`pdserve.tools.bench_transfer_peers`), exactly as workers do:
+case's environment (:mod:`pdserve.bench.transfer.bench_transfer_peers`), exactly as workers do:
 authenticate and handshake once per connection (outside the timing), then per request
 SendBlocks -> bytes -> Release. Cases::
 
@@ -43,16 +43,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pdserve.config.settings import TransferSettings
-from pdserve.protocol import KVLayout
-from pdserve.security import generate_secret
-from pdserve.tools.bench_transfer_peers import (
+from pdserve.bench.transfer.bench_transfer_peers import (
     RESULT_PREFIX,
     SECRET_ENV,
     PeerSpec,
     block_bytes,
     memcpy_times,
 )
+from pdserve.config.settings import TransferSettings
+from pdserve.protocol import KVLayout
+from pdserve.security import generate_secret
 from pdserve.transfer import backend as backend_registry
 
 SMOLLM2_LAYOUT = KVLayout(
@@ -300,7 +300,7 @@ def _command(role: str, spec: PeerSpec) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "pdserve.tools.bench_transfer_peers",
+        "pdserve.bench.transfer.bench_transfer_peers",
         role,
         spec.model_dump_json(),
     ]
