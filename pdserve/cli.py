@@ -367,7 +367,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             _observe(cfg, args.log_level, "pdserve-router")
             return _run_router(router_config(cfg, _resolve_model(cfg)), args.log_level)
         if args.command in ("prefill", "decode", "colocated"):
-            from pdserve.workers.roles.app import run_worker
+            from pdserve.workers.roles.worker_app import run_worker
 
             cfg, _ = resolve_config(args, args.command)
             _check_secrets(cfg)
@@ -383,7 +383,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             settings = resolve_config(args)[0] if command.settings != "none" else None
             return command.run(args, settings)
         if args.command == "planner":
-            from pdserve.planner.service import run_planner
+            from pdserve.planner.standalone import run_planner
 
             return run_planner(resolve_config(args)[0], args.router_url)
         if args.command == "plan":

@@ -220,7 +220,7 @@ class QueueFullError(PdserveError):
     """A worker's waiting queue is at its bound (``scheduler.max_queued_requests``), or a
     decode worker found no free KV blocks for a transferred prompt before its lease ran out,
     or the router's tokenizer pool is at its backlog bound (code ``tokenizer_busy``,
-    :mod:`pdserve.server.tokenizer_pool`): the request is refused now and may be retried
+    :mod:`pdserve.server.chat.tokenizer_pool`): the request is refused now and may be retried
     (HTTP 429 with ``Retry-After``)."""
 
     status = 429

@@ -14,8 +14,8 @@ This module is the part the router and the workers share: the caps on a constrai
 (:func:`check_size`), the parser limits every matcher is built with (:func:`parser_limits`), the
 grammar text of a constraint (:func:`grammar_of`) and its validation (:func:`check`). The
 router runs :func:`check` in a child process under a deadline
-(:mod:`pdserve.server.grammar_checker`); the per-request matcher state lives in
-:mod:`pdserve.workers.engine.grammar`. llguidance is imported on first use.
+(:mod:`pdserve.server.chat.grammar_checker`); the per-request matcher state lives in
+:mod:`pdserve.workers.engine.sampling.grammar_masks`. llguidance is imported on first use.
 
 What a hostile constraint can cost, and what bounds it (docs/reliability.md):
 
@@ -166,7 +166,7 @@ def check(
     worker will (where a lexer spends its build fuel); without, the grammar alone is validated.
     Cost: bounded by the caps and :func:`parser_limits` but up to seconds, and a deep enough
     grammar overflows an 8 MiB stack: on untrusted input run it where it can be killed
-    (:mod:`pdserve.server.grammar_checker`)."""
+    (:mod:`pdserve.server.chat.grammar_checker`)."""
     from llguidance import LLMatcher
 
     check_size(so, param)

@@ -39,7 +39,7 @@ Protocol history:
        :class:`ContextResponse` and on a stream's last :class:`GenerationChunk`.
    12: block digests computed on the GPU: transfer ``Hello``/``HelloAck.pool_device`` (``cpu``,
        ``cuda``) and ``SendBlocks.digest``, the algorithm the pulling side asks for (``mix64``
-       when both pools are on a GPU, :mod:`pdserve.transfer.mix64`; else ``xxh3_64``), echoed
+       when both pools are on a GPU, :mod:`pdserve.transfer.integrity.mix64`; else ``xxh3_64``), echoed
        in ``BlockDigests.algorithm``.
    13: a request's own errors mid-stream: ``GenerationChunk.error_code`` (``grammar_failed``:
        its structured output failed while decoding), which the router answers as a 400
@@ -209,7 +209,7 @@ class KVLayout(_Msg):
     def describe_unmappable(self, dst: KVLayout) -> str:
         """The differences that no KV formatter can bridge when this (prefill) layout is sent
         into ``dst`` (decode), as :meth:`describe_mismatch` writes them; ``""`` when it can.
-        ``tokens_per_block`` and ``dtype`` may differ (``pdserve.transfer.formatter`` re-blocks
+        ``tokens_per_block`` and ``dtype`` may differ (``pdserve.transfer.formatter.mapping`` re-blocks
         and converts, and maps KV heads between tensor parallel layouts, ``tp_size``); model
         identity, layers, KV heads and head size must be equal."""
         fields = ("model", "num_layers", "num_kv_heads", "head_dim")
@@ -284,7 +284,7 @@ class SamplingParams(_Msg):
     its seed were ``seed + i`` (vLLM's convention), so the choices differ and each repeats.
     ``max_tokens`` bounds each choice.
 
-    Logits processing (:mod:`pdserve.workers.engine.sampler`, in vLLM's order): while fewer
+    Logits processing (:mod:`pdserve.workers.engine.sampling.sampler`, in vLLM's order): while fewer
     than ``min_tokens`` tokens are out, EOS and ``stop_token_ids`` are masked; ``logit_bias``
     (token id, bias) pairs are added; ``repetition_penalty`` (CTRL's: a logit of a token seen
     in the prompt or the output is divided by it when positive, multiplied when negative), then

@@ -37,10 +37,10 @@ KVCACHE_EVENT_LABEL = "kvcache event"
 """The :meth:`ClusterKey.proof` label of a :class:`~pdserve.discovery.kvcache.KVCacheEvent`'s
 signature."""
 LOAD_EVENT_LABEL = "load event"
-"""The :meth:`ClusterKey.proof` label of a :class:`~pdserve.discovery.events.LoadEvent`'s
+"""The :meth:`ClusterKey.proof` label of a :class:`~pdserve.discovery.load_events.LoadEvent`'s
 signature."""
 KV_BLOCK_EVENT_LABEL = "kv block event"
-"""The :meth:`ClusterKey.proof` label of a :class:`~pdserve.discovery.events.KVBlockEvent`'s
+"""The :meth:`ClusterKey.proof` label of a :class:`~pdserve.discovery.load_events.KVBlockEvent`'s
 signature."""
 
 MIN_SECRET_CHARS = 32

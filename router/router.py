@@ -62,7 +62,7 @@ from pdserve.router.view import WorkerView
 
 if TYPE_CHECKING:
     from pdserve.config.settings import RouterSettings
-    from pdserve.router.metrics import RouterMetrics
+    from pdserve.router.router_metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
 

@@ -104,7 +104,7 @@ from pdserve.router.view import LOST
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
-    from pdserve.router.metrics import RouterMetrics
+    from pdserve.router.router_metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
 

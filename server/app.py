@@ -14,7 +14,7 @@ Lifecycle (the lifespan)::
 
 Request path: the client API key and the body limit on ``/v1`` (:mod:`.guard`, before the body
 is read), JSON parsing and schema validation (on the loop: linear, milliseconds for the largest
-body), validate + chat template + tokenize (:mod:`pdserve.server.preprocess`) on the tokenizer
+body), validate + chat template + tokenize (:mod:`pdserve.server.chat.preprocess`) on the tokenizer
 pool's threads, never on the event loop (a full pool: 429 ``tokenizer_busy``), route it and run up to its
 first token (``Router.start``: the prefill leg, or a one-leg stream's start; its failure is an
 HTTP error status), then relay the rest as one JSON body or as SSE (a failure after the first byte is an in-band error event, :mod:`.sse`). A
@@ -53,31 +53,14 @@ from pdserve.observability.tracing import Timeline
 from pdserve.protocol import ROUTER_KEEPALIVE_S
 from pdserve.router.client import WorkerClient
 from pdserve.router.kv_index import follow_kv_events
-from pdserve.router.metrics import RouterMetrics
 from pdserve.router.router import Router
+from pdserve.router.router_metrics import RouterMetrics
 from pdserve.router.view import WorkerSource, WorkerView
 from pdserve.security import APIKeys, ClusterKey
-from pdserve.server.batch import BatchTransaction, Started
-from pdserve.server.grammar_checker import GrammarChecker, checked
-from pdserve.server.guard import PublicPlaneGuard, log_auth_mode
-from pdserve.server.openapi import (
-    completion_responses,
-    install_openapi,
-    tokenizer_responses,
-    v1_errors,
-)
-from pdserve.server.output import ChatFormatter, CompletionFormatter, RequestInfo
-from pdserve.server.preprocess import Prepared, Preprocessor, context_window, load_tokenizer
-from pdserve.server.replies import (
-    ChatCompletionResponse,
-    CompletionResponse,
-    Health,
-    ModelCard,
-    ModelList,
-    Readiness,
-)
-from pdserve.server.responses import add_responses_routes
-from pdserve.server.schemas import (
+from pdserve.server.chat.batch import BatchTransaction, Started
+from pdserve.server.chat.grammar_checker import GrammarChecker, checked
+from pdserve.server.chat.preprocess import Prepared, Preprocessor, context_window, load_tokenizer
+from pdserve.server.chat.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -85,7 +68,26 @@ from pdserve.server.schemas import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from pdserve.server.sse import DONE, SSEResponse, encode_error, encode_event
+from pdserve.server.chat.tokenizer_pool import TokenizerPool, backlog_bytes
+from pdserve.server.guard import PublicPlaneGuard, log_auth_mode
+from pdserve.server.openapi import (
+    completion_responses,
+    install_openapi,
+    tokenizer_responses,
+    v1_errors,
+)
+from pdserve.server.rendering.chunks import ChatRenderer, CompletionRenderer, RequestInfo
+from pdserve.server.rendering.logprobs import TokenRenderer
+from pdserve.server.rendering.replies import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    Health,
+    ModelCard,
+    ModelList,
+    Readiness,
+)
+from pdserve.server.rendering.sse import DONE, SSEResponse, encode_error, encode_event
+from pdserve.server.responses.routes import add_responses_routes
 from pdserve.server.timelines import (
     closer,
     collecting,
@@ -93,15 +95,13 @@ from pdserve.server.timelines import (
     request_timeline,
     started,
 )
-from pdserve.server.tokenizer_pool import TokenizerPool, backlog_bytes
-from pdserve.server.tokens import TokenFormatter
 
 log = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.5
 """How often a non-streamed request checks whether its client is still connected (seconds)."""
 
-ResponseFormatter: TypeAlias = ChatFormatter | CompletionFormatter
+ResponseRenderer: TypeAlias = ChatRenderer | CompletionRenderer
 
 
 @dataclass
@@ -112,7 +112,7 @@ class ServerState:
     preprocessor: Preprocessor
     tokenizer_pool: TokenizerPool
     grammars: GrammarChecker
-    tokens: TokenFormatter
+    tokens: TokenRenderer
     view: WorkerView
     router: Router
     max_model_len: int
@@ -289,7 +289,7 @@ async def _start(
         ),
         tokenizer_pool=tokenizer_pool,
         grammars=grammars,
-        tokens=TokenFormatter(tokenizer),
+        tokens=TokenRenderer(tokenizer),
         view=view,
         router=Router(
             view,
@@ -374,7 +374,7 @@ def _add_routes(app: FastAPI, *, secured: bool) -> None:
         )
         (prepared,) = await checked(st.grammars, [prepared])
         info = _info(f"chatcmpl-{uuid.uuid4().hex}", st, prepared, bool(body.logprobs), body)
-        fmt = ChatFormatter(info, st.tokens, prepared.tools)
+        fmt = ChatRenderer(info, st.tokens, prepared.tools)
         return await _serve(request, st, prepared, fmt, stream=bool(body.stream), start_ns=t0)
 
     @app.post(
@@ -396,7 +396,7 @@ def _add_routes(app: FastAPI, *, secured: bool) -> None:
         echo = [p.echo or "" for p in batch for _ in range(p.sampling.n)] if body.echo else None
         wanted = batch[0].sampling.prompt_logprobs is not None
         prompts = [list(p.prompt_token_ids) for p in batch] if wanted else None
-        fmt = CompletionFormatter(
+        fmt = CompletionRenderer(
             info, st.tokens, echo, prompts, prompt_logprobs=body.prompt_logprobs is not None
         )
         return await _serve(request, st, batch, fmt, stream=bool(body.stream), start_ns=t0)
@@ -467,18 +467,18 @@ async def _serve(
     request: Request,
     st: ServerState,
     prepared: Prepared | list[Prepared],
-    fmt: ResponseFormatter,
+    fmt: ResponseRenderer,
     *,
     stream: bool,
     start_ns: int,
 ) -> Response:
     """Run the transaction (a list of several prompts: one per prompt, as one
-    :class:`~pdserve.server.batch.BatchTransaction`); errors before the first byte raise (->
+    :class:`~pdserve.server.chat.batch.BatchTransaction`); errors before the first byte raise (->
     HTTP status). The request's timeline (:mod:`.timelines`) began at ``start_ns`` and ends
     with the response."""
     request_id = fmt.info.response_id
     batch = prepared if isinstance(prepared, list) else [prepared]
-    operation = "chat" if isinstance(fmt, ChatFormatter) else "text_completion"
+    operation = "chat" if isinstance(fmt, ChatRenderer) else "text_completion"
     timeline = request_timeline(request, operation, st.cfg.served_model_name, request_id,
                                 fmt.info.prompt_tokens, batch[0].sampling, start_ns)  # fmt: skip
     phase_log = st.cfg.observability.phase_log
@@ -509,7 +509,7 @@ async def _serve(
     return response
 
 
-async def _collect(request: Request, txn: Started, fmt: ResponseFormatter) -> None:
+async def _collect(request: Request, txn: Started, fmt: ResponseRenderer) -> None:
     """Feed every event to ``fmt``. A client that disconnects (checked every
     ``DISCONNECT_POLL_S``) abandons the transaction, so the workers stop generating for nobody."""
 
@@ -533,7 +533,7 @@ async def _collect(request: Request, txn: Started, fmt: ResponseFormatter) -> No
     task.result()  # raises the transaction's typed error, if any
 
 
-async def _sse(txn: Started, fmt: ResponseFormatter, timeline: Timeline) -> AsyncIterator[bytes]:
+async def _sse(txn: Started, fmt: ResponseRenderer, timeline: Timeline) -> AsyncIterator[bytes]:
     """The SSE body: chunks, the usage chunk if asked, ``[DONE]``; a failure becomes an error
     event followed by ``[DONE]`` (and the timeline's error). The transaction is closed however
     this ends."""

@@ -5,7 +5,7 @@ Status codes of the completion routes (``POST /v1/chat/completions``, ``POST /v1
 and where they come from:
 
 - 200: JSON, or ``text/event-stream`` with ``stream: true`` (a failure after the first byte is
-  an in-band error event, :mod:`pdserve.server.sse`);
+  an in-band error event, :mod:`pdserve.server.rendering.sse`);
 - 400: invalid or unsupported request (validation, :mod:`.preprocess`; FastAPI's 422 is turned
   into 400 by :mod:`.errors`, so no route declares 422), or a worker refused it;
 - 401: missing or wrong API key (only with keys configured; :mod:`.guard`);
@@ -135,7 +135,7 @@ RESPONSES_SSE_EVENT = {
 def responses_api_responses(model: type[Any], *, secured: bool) -> Responses:
     """Every status ``POST /v1/responses`` returns: those of a completion route (module
     docstring), 200 being ``model`` as JSON or, with ``stream: true``, named server-sent
-    events (:mod:`pdserve.server.responses`)."""
+    events (:mod:`pdserve.server.responses.routes`)."""
     out = completion_responses(model, secured=secured)
     out[200] = {
         "model": model,

@@ -33,11 +33,11 @@ import torch
 from pdserve.config.settings import TransferSettings
 from pdserve.errors import ConfigError, TransferError
 from pdserve.transfer import wire
-from pdserve.transfer.copies import CopyCounter
-from pdserve.transfer.formatter import PoolGeometry, TransferPlan
+from pdserve.transfer.formatter.copies import CopyCounter
+from pdserve.transfer.formatter.mapping import PoolGeometry, TransferPlan
 
 if TYPE_CHECKING:
-    from pdserve.transfer.control import Connection
+    from pdserve.transfer.connection.control import Connection
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class Poller:
 
 class Digests(Protocol):
     """The integrity digests of one transfer's plan segments, computed as they are touched
-    (:class:`pdserve.transfer.integrity.SegmentDigests`): ``update(stop)`` hashes segments
+    (:class:`pdserve.transfer.integrity.digests.SegmentDigests`): ``update(stop)`` hashes segments
     ``done .. stop - 1``; what a backend leaves, the sender or receiver finishes."""
 
     done: int
@@ -135,7 +135,7 @@ class Backend(ABC):
     so the connection must be closed.
 
     ``copies``: where the backend counts its payload and staging copies
-    (:mod:`pdserve.transfer.copies`); the transceiver sets its own counter right after
+    (:mod:`pdserve.transfer.formatter.copies`); the transceiver sets its own counter right after
     :func:`open_backend`, and a backend without one makes its own on first use.
     """
 
@@ -199,7 +199,7 @@ class Backend(ABC):
 
     def register_staging(self, buf: torch.Tensor) -> None:  # noqa: B027 - optional hook
         """Sender side: make ``buf`` (1-D uint8, contiguous, on the pool's device; a staging
-        buffer of :class:`pdserve.transfer.staging.StagingPool`) a valid ``plan.source`` for
+        buffer of :class:`pdserve.transfer.formatter.staging.StagingPool`) a valid ``plan.source`` for
         :meth:`start_send` until :meth:`deregister_staging`. Default: nothing to do (backends
         that send from any memory). Raises TransferError (NIXL: registration refused)."""
 
@@ -211,11 +211,11 @@ class Backend(ABC):
 
 
 _REGISTRY: dict[str, str] = {
-    "tcp": "pdserve.transfer.tcp:TcpBackend",
-    "nixl": "pdserve.transfer.nixl_agent:NixlBackend",
-    "ucx": "pdserve.transfer.ucx:UcxBackend",
+    "tcp": "pdserve.transfer.agents.tcp:TcpBackend",
+    "nixl": "pdserve.transfer.agents.nixl_agent:NixlBackend",
+    "ucx": "pdserve.transfer.agents.ucx:UcxBackend",
     # Peers in one process (unit tests): not a deployment choice, so not offered by the config.
-    "inproc": "pdserve.transfer.inproc:InprocBackend",
+    "inproc": "pdserve.transfer.agents.inproc:InprocBackend",
 }
 """Backend name -> ``module:class``; a backend's module is imported only when it is chosen."""
 

@@ -27,7 +27,7 @@ Lifecycle of one :meth:`Receiver.pull`, all within ``timeout_s``::
                    they land; otherwise right after TransferDone, while the sender hashes its
                    source), then BlockDigests (the trailer of the bytes on TCP, right after
                    TransferDone otherwise), compared
-                   (:class:`~pdserve.transfer.integrity.BlockDigester`); a
+                   (:class:`~pdserve.transfer.integrity.digests.BlockDigester`); a
                    mismatch raises IntegrityError naming the blocks, closes the connection and
                    sends no Release
     5. RELEASE     Release(request id, lease id); the connection goes back to the idle list
@@ -58,10 +58,10 @@ from pdserve.errors import HandleError, TransferError
 from pdserve.observability import tracing
 from pdserve.protocol import TransferHandle
 from pdserve.transfer import wire
-from pdserve.transfer.control import Connection
-from pdserve.transfer.formatter import Formatter, TransferPlan
-from pdserve.transfer.handshake import LocalSide
-from pdserve.transfer.integrity import BlockDigester, SegmentDigests, choose_algorithm
+from pdserve.transfer.connection.control import Connection
+from pdserve.transfer.connection.handshake import LocalSide
+from pdserve.transfer.formatter.mapping import Formatter, TransferPlan
+from pdserve.transfer.integrity.digests import BlockDigester, SegmentDigests, choose_algorithm
 
 log = logging.getLogger(__name__)
 
@@ -400,7 +400,7 @@ class Receiver:
     async def _dial(self, endpoint: str) -> tuple[Connection, wire.HelloAck, Formatter]:
         """Open, authenticate and handshake a new connection to ``endpoint``. A connection
         the listener shed before its challenge (admission: a flood of unauthenticated
-        connections evicted this one, :mod:`pdserve.transfer.admission`) is dialled again, up
+        connections evicted this one, :mod:`pdserve.transfer.connection.admission`) is dialled again, up
         to :data:`SHED_RETRIES` times with a short backoff. Raises TransferError,
         LayoutMismatchError."""
         for attempt in range(SHED_RETRIES + 1):

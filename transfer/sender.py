@@ -6,18 +6,18 @@ control messages by sending the KV cache it asks for).
 Lifecycle of a connection and of each request on it::
 
     0. AUTH        mutual challenge-response on the cluster secret
-                   (:func:`pdserve.transfer.auth.accept`, frames <= 64 KiB): its AuthHello
+                   (:func:`pdserve.transfer.connection.auth.accept`, frames <= 64 KiB): its AuthHello
                    within :data:`AUTH_START_S`, its proof and first message within
                    :data:`AUTH_TIMEOUT_S` (both at most the transfer timeout); meanwhile the
                    connection holds an *unproven* slot, which a newer unproven connection may
-                   evict (:mod:`pdserve.transfer.admission`), and a proof moves it to a proven
+                   evict (:mod:`pdserve.transfer.connection.admission`), and a proof moves it to a proven
                    one (``on_proven``; past a cap the connection closes). A peer that fails
                    is answered AuthRefused (wrong proof) or nothing (garbage, oversized frame,
                    silence past a deadline), counted and logged (rate-limited) with its
                    address, and disconnected; nothing below happens for it
     1. HANDSHAKE   receive Hello, check it (:class:`LocalSide.accept`), answer HelloAck;
                    a refusal is recorded, answered with ok=False, and closes the connection
-                   (a Probe instead of Hello: :func:`pdserve.transfer.probe.serve_probes`)
+                   (a Probe instead of Hello: :func:`pdserve.transfer.bandwidth_probe.serve_probes`)
     2. IDLE        wait for the next message (a connection serves many requests, one at a time);
                    closed after :data:`IDLE_TIMEOUT_S` without one, and a frame once begun must
                    complete within ``control.FRAME_TIMEOUT_S``
@@ -34,7 +34,7 @@ Lifecycle of a connection and of each request on it::
                    count is the completion, and a stream that broke closes the connection
     5b DIGESTS     if SendBlocks asked (integrity): BlockDigests, the ``SendBlocks.digest`` of
                    each plan segment over the source bytes (xxh3_64; mix64 on the GPU when
-                   both pools are on one: :mod:`pdserve.transfer.integrity`),
+                   both pools are on one: :mod:`pdserve.transfer.integrity.digests`),
                    computed where the bytes are touched anyway: on TCP group by group right
                    before the socket reads them, and sent as the trailer of the bytes; on
                    NIXL / UCX once the WRITE is done, right after TransferDone, while the
@@ -61,13 +61,14 @@ from collections.abc import Callable
 from typing import Protocol
 
 from pdserve.errors import HandleError, TransferError
-from pdserve.transfer import auth, wire
+from pdserve.transfer import wire
 from pdserve.transfer.backend import Outbound, Peer
-from pdserve.transfer.control import Connection
-from pdserve.transfer.formatter import Formatter, TransferPlan
-from pdserve.transfer.handshake import LocalSide
-from pdserve.transfer.integrity import BlockDigester, encode
-from pdserve.transfer.probe import serve_probes
+from pdserve.transfer.bandwidth_probe import serve_probes
+from pdserve.transfer.connection import auth
+from pdserve.transfer.connection.control import Connection
+from pdserve.transfer.connection.handshake import LocalSide
+from pdserve.transfer.formatter.mapping import Formatter, TransferPlan
+from pdserve.transfer.integrity.digests import BlockDigester, encode
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ class Sender:
     cannot push the real errors out of ``errors``). ``digester`` computes the block digests a
     receiver asks for (over this worker's pool). ``on_proven`` is called once the peer has
     proven itself and says whether the connection may stay (the transceiver's admission,
-    :meth:`pdserve.transfer.admission.ConnectionSlots.promote`; default: always).
+    :meth:`pdserve.transfer.connection.admission.ConnectionSlots.promote`; default: always).
     """
 
     def __init__(

@@ -34,17 +34,17 @@ from pdserve.config.settings import TransferSettings
 from pdserve.errors import ConfigError, TransferError
 from pdserve.protocol import KVLayout, TransferHandle
 from pdserve.security import ClusterKey
-from pdserve.transfer.admission import ConnectionSlots, SlotLimits
-from pdserve.transfer.auth import AuthFailures
 from pdserve.transfer.backend import Backend, open_backend
-from pdserve.transfer.control import Connection
-from pdserve.transfer.copies import CopyCounter
-from pdserve.transfer.formatter import PoolGeometry
-from pdserve.transfer.handshake import LocalSide
-from pdserve.transfer.integrity import BlockDigester
+from pdserve.transfer.connection.admission import ConnectionSlots, SlotLimits
+from pdserve.transfer.connection.auth import AuthFailures
+from pdserve.transfer.connection.control import Connection
+from pdserve.transfer.connection.handshake import LocalSide
+from pdserve.transfer.formatter.copies import CopyCounter
+from pdserve.transfer.formatter.mapping import PoolGeometry
+from pdserve.transfer.formatter.staging import StagingPool
+from pdserve.transfer.integrity.digests import BlockDigester
 from pdserve.transfer.receiver import Receiver
 from pdserve.transfer.sender import ParkedLookup, Sender
-from pdserve.transfer.staging import StagingPool
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +60,11 @@ class Transceiver:
     ``recent_errors`` holds the last TransferErrors the serving side raised (newest last),
     e.g. the LayoutMismatchError of a refused handshake. ``auth_failures.total`` counts the
     connections ended because the peer did not prove it holds the cluster secret
-    (:mod:`pdserve.transfer.auth`) in time, was evicted while unproven, or proved itself past
-    a cap on proven connections (:mod:`pdserve.transfer.admission`; those two also in
+    (:mod:`pdserve.transfer.connection.auth`) in time, was evicted while unproven, or proved itself past
+    a cap on proven connections (:mod:`pdserve.transfer.connection.admission`; those two also in
     ``refused_connections``). ``slots`` holds the admission state (``limits``: its caps).
     ``copies`` counts the payload of this worker's sends and receives and the staging copies
-    its side makes of them (:mod:`pdserve.transfer.copies`); it is its backend's counter.
+    its side makes of them (:mod:`pdserve.transfer.formatter.copies`); it is its backend's counter.
     """
 
     def __init__(
@@ -207,7 +207,7 @@ class Transceiver:
 
     def _serve(self, sock: socket.socket, peer: str, host: str) -> None:
         """Start the handler of an accepted connection, unproven (evicting the oldest
-        unproven ones past their caps, :mod:`pdserve.transfer.admission`)."""
+        unproven ones past their caps, :mod:`pdserve.transfer.connection.admission`)."""
         task: asyncio.Task[None]
         conn = Connection(sock, peer)
         sender = Sender(
@@ -261,7 +261,7 @@ def create_transceiver(
     outlive the transceiver. ``parked``: the prefill worker's parked blocks (None on a pure
     decode worker: its SendBlocks are refused). ``key``: the deployment's cluster secret
     (:class:`~pdserve.security.ClusterKey`); every connection, served or dialled, proves it
-    both ways before anything else (:mod:`pdserve.transfer.auth`). ``advertise_host``: the
+    both ways before anything else (:mod:`pdserve.transfer.connection.auth`). ``advertise_host``: the
     address peers dial (default: the bind host; a wildcard bind: this machine's hostname).
     Picks the backend (``cfg.backend``; ``"auto"`` = NIXL if it imports and initialises, else
     TCP). Raises ConfigError for a pool that does not match

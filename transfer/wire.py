@@ -12,7 +12,7 @@ Every message carries a ``type`` tag; the handshake carries ``protocol_version``
 (no framing inside). Until the peer is authenticated a frame may hold at most
 :data:`PREAUTH_MAX_FRAME_BYTES` (64 KiB), afterwards :data:`MAX_FRAME_BYTES`.
 
-Conversation on one connection (decode D connects to prefill P; :mod:`pdserve.transfer.auth`
+Conversation on one connection (decode D connects to prefill P; :mod:`pdserve.transfer.connection.auth`
 has the proofs)::
 
     D -> P  AuthHello       (D's worker id, nonce n_d)                 | challenge-response
@@ -49,7 +49,7 @@ has the proofs)::
 D sends Hello right behind AuthProof (it has verified P by then); P reads it only once proof_d
 checked out, so nothing of the peer is used before it is proven.
 
-A bandwidth probe (``pdserve doctor``, :mod:`pdserve.transfer.probe`) opens a connection to any
+A bandwidth probe (``pdserve doctor``, :mod:`pdserve.transfer.bandwidth_probe`) opens a connection to any
 transceiver, authenticates the same way (the doctor needs the cluster secret), then sends Probe
 instead of Hello, any number of times; each is answered with ProbeData + ``nbytes`` zero
 bytes. No Hello, no KV block is involved.
@@ -84,7 +84,7 @@ AUTH_FAILED = "kv_auth_failed"
 """TransferError code: the peer could not prove it holds the cluster secret (or refused ours)."""
 CONNECTION_SHED = "kv_connection_shed"
 """TransferError code: the listener closed a dialled connection before its AuthChallenge
-(admission shed it, :mod:`pdserve.transfer.admission`); nothing was exchanged, so the
+(admission shed it, :mod:`pdserve.transfer.connection.admission`); nothing was exchanged, so the
 dialler may dial again."""
 
 _NONCE = r"^[0-9a-f]{32}$"  # 16 bytes (pdserve.security.nonce), hex
@@ -96,7 +96,7 @@ class _Wire(BaseModel):
 
 
 DigestAlgorithm = Literal["xxh3_64", "mix64"]
-"""Block digest algorithms (:data:`pdserve.transfer.integrity.ALGORITHMS`)."""
+"""Block digest algorithms (:data:`pdserve.transfer.integrity.digests.ALGORITHMS`)."""
 
 
 class NixlPeerInfo(_Wire):
@@ -135,7 +135,7 @@ class AuthHello(_Wire):
 class AuthChallenge(_Wire):
     """Listener -> dialer: the listener's incarnation, its own fresh ``nonce`` and ``proof``
     (hex HMAC-SHA256) that it holds the cluster secret, over both nonces and both identities
-    (:func:`pdserve.transfer.auth.listener_proof`)."""
+    (:func:`pdserve.transfer.connection.auth.listener_proof`)."""
 
     type: Literal["auth_challenge"] = "auth_challenge"
     protocol_version: int = PROTOCOL_VERSION
@@ -147,7 +147,7 @@ class AuthChallenge(_Wire):
 
 class AuthProof(_Wire):
     """Dialer -> listener, after it verified the challenge: its own ``proof`` (hex), over the
-    nonces in the other order and the other label (:func:`pdserve.transfer.auth.dialer_proof`)."""
+    nonces in the other order and the other label (:func:`pdserve.transfer.connection.auth.dialer_proof`)."""
 
     type: Literal["auth_proof"] = "auth_proof"
     proof: str = Field(pattern=_PROOF)
@@ -218,7 +218,7 @@ class SendBlocks(_Wire):
     digest: DigestAlgorithm = Field(
         default="xxh3_64",
         description="the BlockDigests' algorithm (the pulling side's choice: "
-        "pdserve.transfer.integrity.choose_algorithm)",
+        "pdserve.transfer.integrity.digests.choose_algorithm)",
     )
     skip_blocks: int = Field(default=0, ge=0, description="leading parked blocks not sent")
     stream: bool = Field(
@@ -272,7 +272,7 @@ class BlockDigests(_Wire):
 
     ``digests`` is base64 of ``len(plan)`` little-endian uint64 ``algorithm`` digests, one per
     transfer-plan segment in plan order, computed over the source bytes the sender moved
-    (:mod:`pdserve.transfer.integrity`: as they were sent, or right after the WRITE; the
+    (:mod:`pdserve.transfer.integrity.digests`: as they were sent, or right after the WRITE; the
     parked blocks cannot change meanwhile)."""
 
     type: Literal["block_digests"] = "block_digests"

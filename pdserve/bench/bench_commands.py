@@ -461,7 +461,7 @@ PAGED_ATTENTION_DESCRIPTION = """\
 One layer's paged attention on SmolLM2-135M's layout (9 heads, 3 kv heads, head size 64, 16
 tokens per block), random data, in this process: today's path (K/V store, index_select gather
 of each sequence's blocks into a workspace, SDPA) against the C++ kernel that reads the blocks
-in place (pdserve.workers.engine.paged_kernel, compiled at first use), for decode batches
+in place (pdserve.workers.engine.model.paged_kernel, compiled at first use), for decode batches
 (BxC: B sequences at C tokens of context) and one continued prefill chunk, float32 and
 bfloat16. Prints the CPU, torch's threads, the median ms per call of each path, their ratio
 and the largest difference between their outputs.

@@ -75,7 +75,7 @@ __all__ = [
 
 class TransferSettings(_Section):
     """KV cache transfer between prefill and decode workers (``auto``: NIXL where it imports,
-    else TCP; ``ucx``: ucxx tagged send/receive, :mod:`pdserve.transfer.ucx`)."""
+    else TCP; ``ucx``: ucxx tagged send/receive, :mod:`pdserve.transfer.agents.ucx`)."""
 
     backend: Annotated[Backend, Flag("--transfer-backend", SERVING)] = Field(
         default="auto", description="nixl, ucx (ucxx), tcp; auto: NIXL where it imports, else TCP"

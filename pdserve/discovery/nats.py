@@ -1,13 +1,13 @@
 """NATS discovery backend (URL ``nats://host:port``): a JetStream key-value bucket with TTLs.
 
 Records live in the bucket ``pdserve_workers`` (stream ``KV_pdserve_workers``, file storage,
-history 1) under the worker id escaped by :func:`~pdserve.discovery.events.subject_token`, as
+history 1) under the worker id escaped by :func:`~pdserve.discovery.load_events.subject_token`, as
 ``WorkerRecord`` JSON. Every write carries a per-message TTL (``Nats-TTL``, ``ceil(ttl_s)``
 whole seconds, minimum 1; nats-server 2.11+), so a put is also the lease refresh. When a key's
 last message expires, the server places a marker (``Nats-Marker-Reason: MaxAge``, seen by
 watchers as a PURGE); :meth:`NatsRegistration.close` writes a DEL marker. Both markers expire
 after :data:`MARKER_TTL_S`, so the bucket does not fill with tombstones of past workers. Load
-and KV block counters travel on core NATS subjects instead (:mod:`pdserve.discovery.events`).
+and KV block counters travel on core NATS subjects instead (:mod:`pdserve.discovery.load_events`).
 
 :class:`NatsRegistration` (worker side) lifecycle:
 
@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from pdserve.discovery.events import EventPublisher, subject_token
 from pdserve.discovery.kvcache import KVCacheEvent, KVEventAck
+from pdserve.discovery.load_events import EventPublisher, subject_token
 from pdserve.discovery.registration import Registration, SupersededError
 from pdserve.discovery.tls import ControlPlaneTLS
 from pdserve.protocol import WorkerLoad, WorkerRecord

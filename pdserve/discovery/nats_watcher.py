@@ -4,7 +4,7 @@
 
 1. ``start()``: connect (2 s at most inline, then in the background), ``watchall`` the bucket:
    the last entry per key is the listing (put into the view), then live updates follow. It
-   also subscribes to ``pdserve.load.>`` and ``pdserve.kv.>`` (:mod:`pdserve.discovery.events`).
+   also subscribes to ``pdserve.load.>`` and ``pdserve.kv.>`` (:mod:`pdserve.discovery.load_events`).
 2. follow: a put -> the view; a DEL marker (a worker's ``close()``) -> removed at once; an
    expiry marker (the record's TTL ran out: the worker stopped refreshing) -> removed, within
    TTL + the server's marker delay of the worker's last refresh.
@@ -17,11 +17,11 @@
 4. ``close()``: stop following; the last view stays readable. Idempotent.
 
 Every event is signed with the cluster key, like the records: the
-:class:`~pdserve.discovery.events.EventConsumer` drops load and KV block events whose signature
+:class:`~pdserve.discovery.load_events.EventConsumer` drops load and KV block events whose signature
 does not verify before they reach the overlay below, and the router's KV index
 (:meth:`pdserve.router.kv_index.KVIndex.apply`) does the same for KV cache events.
 
-Load events: a :class:`~pdserve.discovery.events.LoadEvent` of the record's epoch, newer than
+Load events: a :class:`~pdserve.discovery.load_events.LoadEvent` of the record's epoch, newer than
 the record (``sent_at > updated_at``), replaces the record's ``load`` in the view, so the
 pairing policy sees load about once a second while records are written every ``ttl_s / 3``.
 KV block events are kept per worker (:meth:`NatsWatcher.kv_events`); a rise in a prefill
@@ -40,14 +40,14 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING
 
-from pdserve.discovery.events import (
+from pdserve.discovery.kvcache import KVSYNC_SUBJECT, KVCacheEvent, KVEventHandler
+from pdserve.discovery.load_events import (
     EventConsumer,
     KVBlockEvent,
     LoadEvent,
     subject_token,
     worker_id_of,
 )
-from pdserve.discovery.kvcache import KVSYNC_SUBJECT, KVCacheEvent, KVEventHandler
 from pdserve.discovery.nats import (
     CLOSE_TIMEOUT_S,
     CONNECT_WAIT_S,

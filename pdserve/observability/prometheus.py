@@ -4,8 +4,8 @@ Each app owns one :class:`prometheus_client.CollectorRegistry` (never the global
 so several apps in one process (tests) do not collide. Names follow Prometheus conventions:
 seconds, ``_total`` counters, a ``pdserve_`` prefix.
 
-The router's metrics are :mod:`pdserve.router.metrics`, a worker's
-:mod:`pdserve.workers.roles.metrics` (each room owns its collectors); this module holds what
+The router's metrics are :mod:`pdserve.router.router_metrics`, a worker's
+:mod:`pdserve.workers.roles.worker_metrics` (each room owns its collectors); this module holds what
 they share: the exposition content type, the latency buckets and the process restart gauge.
 
 Every process (router and workers): ``pdserve_process_restarts``, how many times the

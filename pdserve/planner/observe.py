@@ -1,5 +1,5 @@
 """What the planner sees of a live deployment: the router's Prometheus metrics (``GET
-/metrics``, :mod:`pdserve.router.metrics`; of every router replica, summed), sampled twice and
+/metrics``, :mod:`pdserve.router.router_metrics`; of every router replica, summed), sampled twice and
 turned into the workload and the latencies of the window between (:class:`Observation`), as a
 Prometheus ``rate()`` would.
 """

@@ -231,7 +231,7 @@ def test_tensor_parallel_workers_divide_the_model_and_get_cpus_and_shared_memory
     whole pool, every rank's shard), within the memory limit."""
     from types import SimpleNamespace
 
-    from pdserve.workers.engine.parallel import check_shardable
+    from pdserve.workers.engine.model.parallel import check_shardable
 
     r = render(target)
     for role in WORKERS:

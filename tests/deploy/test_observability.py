@@ -48,15 +48,15 @@ def _registries() -> Iterator[Any]:
     KV-aware router serve them, and the autoscaling planner's."""
     from pdserve.protocol import WorkerLoad
     from pdserve.router.kv_index import KVIndexStats
-    from pdserve.router.metrics import RouterMetrics
-    from pdserve.transfer.copies import CopyCounter
+    from pdserve.router.router_metrics import RouterMetrics
+    from pdserve.transfer.formatter.copies import CopyCounter
     from pdserve.workers.kv.prefix_cache import PrefixCacheStats
-    from pdserve.workers.roles.metrics import WorkerMetrics
+    from pdserve.workers.roles.worker_metrics import WorkerMetrics
 
     index = KVIndexStats(outcomes={"applied": 1}, workers=1, synced=1, blocks=1)
     yield RouterMetrics(workers=lambda: {"decode": 1}, kv_index=lambda: index).registry
     tier = SimpleNamespace(blocks=0, bytes=0, stored=0, evicted=0, corrupt=0, dropped=0, pending=0)
-    # Stands in for pdserve.workers.kv.connector.KVConnectorStats (whose module imports torch).
+    # Stands in for pdserve.workers.kv.offload.KVConnectorStats (whose module imports torch).
     tiers = SimpleNamespace(host=tier, disk=tier, hit_blocks={}, hit_tokens=lambda tier: 0)
     worker = WorkerMetrics(
         "decode",

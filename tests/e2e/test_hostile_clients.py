@@ -33,8 +33,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.transfer.admission import MAX_UNPROVEN_PER_HOST
-from pdserve.transfer.control import split_endpoint
+from pdserve.transfer.connection.admission import MAX_UNPROVEN_PER_HOST
+from pdserve.transfer.connection.control import split_endpoint
 from tests.support.servers import wait_until_sync
 from tests.support.stack import Stack, start_stack
 

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pdserve.workers.engine.grammar import CACHE_BYTES
+from pdserve.workers.engine.sampling.grammar_masks import CACHE_BYTES
 from tests.support.stack import Stack, start_stack
 
 MODEL = "tiny-llama"

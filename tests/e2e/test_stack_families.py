@@ -19,7 +19,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from pdserve.server.tokens import TokenFormatter
+from pdserve.server.rendering.logprobs import TokenRenderer
 from tests.support.families import (
     FAMILIES,
     MAX_NEW_TOKENS,
@@ -87,7 +87,7 @@ def test_greedy_completions_equal_transformers_generate(family_stack: FamilyStac
     """Token for token (as the API's token strings) and logprob for logprob."""
     fs = family_stack
     tok = AutoTokenizer.from_pretrained(fs.model_dir, local_files_only=True)
-    text = TokenFormatter(tok).text
+    text = TokenRenderer(tok).text
     prompts = family_prompts(tok)
     hf: Any = hf_model(fs.model_dir)
     want = []

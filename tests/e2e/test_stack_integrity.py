@@ -28,8 +28,8 @@ HOOK = """
 import os, sys
 
 if "prefill" in sys.argv:  # python -m pdserve.cli ... prefill ...
-    from pdserve.transfer import integrity
-    from pdserve.transfer.formatter import pool_bytes
+    from pdserve.transfer.integrity import digests as integrity
+    from pdserve.transfer.formatter.mapping import pool_bytes
 
     _at_source = integrity.BlockDigester.at_source
 

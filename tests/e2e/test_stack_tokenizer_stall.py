@@ -25,8 +25,8 @@ import pytest
 
 from pdserve.config.loading import RouterConfig
 from pdserve.errors import InvalidRequestError
-from pdserve.server.preprocess import Preprocessor, context_window, load_tokenizer
-from pdserve.server.schemas import ChatCompletionRequest, CompletionRequest
+from pdserve.server.chat.preprocess import Preprocessor, context_window, load_tokenizer
+from pdserve.server.chat.schemas import ChatCompletionRequest, CompletionRequest
 from tests.support.servers import wait_until_sync
 from tests.support.stack import Stack, start_stack
 

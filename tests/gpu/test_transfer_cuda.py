@@ -22,9 +22,10 @@ import torch
 
 from pdserve.errors import ConfigError, IntegrityError
 from pdserve.protocol import KVLayout
-from pdserve.transfer import create_transceiver, mix64, receiver
-from pdserve.transfer.formatter import Formatter, PoolGeometry
-from pdserve.transfer.integrity import BlockDigester
+from pdserve.transfer import create_transceiver, receiver
+from pdserve.transfer.formatter.mapping import Formatter, PoolGeometry
+from pdserve.transfer.integrity import mix64
+from pdserve.transfer.integrity.digests import BlockDigester
 from tests.support.cuda_peer import PatternPeer, empty_pool, pattern, transfer_cfg
 from tests.support.transfer import TEST_KEY
 

@@ -18,9 +18,9 @@ from transformers import AutoModelForCausalLM
 from pdserve.cli import build_parser, resolve_config
 from pdserve.config.loading import worker_config
 from pdserve.protocol import KVLayout, SamplingParams
-from pdserve.workers.engine.compile import CompiledForward, OneDNNLinear
 from pdserve.workers.engine.engine import Engine, EngineRequest
-from pdserve.workers.engine.model_runner import ModelRunner
+from pdserve.workers.engine.model.compile import CompiledForward, OneDNNLinear
+from pdserve.workers.engine.model.model_runner import ModelRunner
 from pdserve.workers.engine.scheduler import ScheduledBatch, ScheduledSequence
 from pdserve.workers.engine.sequence import Sequence
 from pdserve.workers.kv.manager import KVCacheManager

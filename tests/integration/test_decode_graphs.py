@@ -1,4 +1,4 @@
-"""The padded, static-shape decode path of :mod:`pdserve.workers.engine.cuda_graphs` computes what the
+"""The padded, static-shape decode path of :mod:`pdserve.workers.engine.model.cuda_graphs` computes what the
 eager path computes: a batch of sequences of different lengths, decoded through padded buckets
 (batch 1, 2, 4, 8; block-table widths 16 and 32) while other sequences still prefill in
 chunks, emits every sequence's solo eager tokens and transformers' ``generate()`` tokens.
@@ -19,9 +19,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pdserve.workers.engine.attention import register_paged_attention
-from pdserve.workers.engine.cuda_graphs import DecodeGraphs
 from pdserve.workers.engine.engine import Engine
+from pdserve.workers.engine.model.attention import register_paged_attention
+from pdserve.workers.engine.model.cuda_graphs import DecodeGraphs
 from tests.support.engine import (
     check_batched_equals_solo,
     hf_greedy,

@@ -14,7 +14,7 @@ import nats
 import pytest
 
 from pdserve.discovery import RegistrationState, open_registration, open_watcher
-from pdserve.discovery.events import KVBlockEvent, LoadEvent, event_publisher
+from pdserve.discovery.load_events import KVBlockEvent, LoadEvent, event_publisher
 from pdserve.discovery.nats import NatsRegistration
 from pdserve.discovery.nats_watcher import NatsWatcher
 from pdserve.protocol import Role, WorkerLoad, WorkerRecord

@@ -21,7 +21,7 @@ from pdserve.config.settings import DiscoverySettings
 from pdserve.discovery import Registration, RegistrationState, Watcher, open_registration
 from pdserve.discovery import open_watcher as _open_watcher
 from pdserve.discovery.etcd import EtcdRegistration, EtcdWatcher
-from pdserve.discovery.events import event_publisher
+from pdserve.discovery.load_events import event_publisher
 from pdserve.discovery.nats import NatsRegistration
 from pdserve.discovery.nats_watcher import NatsWatcher
 from pdserve.protocol import WorkerLoad

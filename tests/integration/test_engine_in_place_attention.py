@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from pdserve.protocol import SamplingParams
-from pdserve.workers.engine import paged_kernel
 from pdserve.workers.engine.engine import Engine, EngineRequest
+from pdserve.workers.engine.model import paged_kernel
 from tests.support.engine import joined, make_engine, mixed_cases, run
 
 pytestmark = pytest.mark.skipif(

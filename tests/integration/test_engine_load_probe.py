@@ -24,7 +24,7 @@ from pdserve.bench.engine.bench_models import (
 )
 from pdserve.errors import ConfigError
 from pdserve.protocol import SamplingParams
-from pdserve.workers.engine import attention
+from pdserve.workers.engine.model import attention
 from tests.support.engine import complete, make_engine
 
 

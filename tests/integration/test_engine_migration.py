@@ -21,7 +21,7 @@ import pytest
 
 from pdserve.errors import InvalidRequestError
 from pdserve.protocol import FinishReason, ResumedChoice, SamplingParams, StructuredOutput
-from pdserve.server.tools import ToolPlan
+from pdserve.server.chat.tool_calls import ToolPlan
 from pdserve.workers.engine.engine import Engine, EngineOutput, EngineRequest
 from tests.support.engine import make_engine
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pdserve.protocol import SamplingParams
-from pdserve.transfer.formatter import Formatter, PoolGeometry, pool_bytes
+from pdserve.transfer.formatter.mapping import Formatter, PoolGeometry, pool_bytes
 from pdserve.workers.engine.engine import Engine, EngineRequest
 from tests.support.engine import joined, make_engine, run
 

@@ -13,7 +13,7 @@ import pytest
 from pdserve.errors import InvalidRequestError, QueueFullError
 from pdserve.grammar import MAX_RULES
 from pdserve.protocol import StructuredOutput
-from pdserve.server.grammar_checker import GrammarChecker
+from pdserve.server.chat.grammar_checker import GrammarChecker
 from tests.support.models import tiny_tokenizer
 
 OK = StructuredOutput(kind="json", spec='{"type": "object"}')

@@ -12,7 +12,7 @@ import pytest
 
 from pdserve.discovery.kvcache import kv_event_sender, kv_snapshot_requests
 from pdserve.router.kv_index import KVIndex, follow_kv_events
-from pdserve.workers.kv.events import KVEventPublisher, KVEventRecorder
+from pdserve.workers.kv.cache_events import KVEventPublisher, KVEventRecorder
 from pdserve.workers.kv.manager import KVCacheManager
 from tests.support.discovery_backends import (
     WORKER_ID,

@@ -1,6 +1,6 @@
-"""The C++ paged-attention kernel (:mod:`pdserve.workers.engine.paged_kernel`) computes what a
+"""The C++ paged-attention kernel (:mod:`pdserve.workers.engine.model.paged_kernel`) computes what a
 float64 reference computes over K/V gathered through the block tables, and what today's path
-(:func:`pdserve.workers.engine.attention.paged_attention`, gather + SDPA) returns: decode rows,
+(:func:`pdserve.workers.engine.model.attention.paged_attention`, gather + SDPA) returns: decode rows,
 continued prefill chunks and whole prompts in one call; GQA group sizes 1, 3 and 4; head sizes
 64 and 128; 1, 16 and 32 tokens per block; sliding window, soft-capping and sinks; float32,
 bfloat16, FP8 caches under float32 and bfloat16 queries; the split-context (flash-decoding)
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from pdserve.bench.engine import bench_paged_kernel as bench
-from pdserve.workers.engine import attention as att
-from pdserve.workers.engine import paged_kernel
+from pdserve.workers.engine.model import attention as att
+from pdserve.workers.engine.model import paged_kernel
 
 F32, BF16 = torch.float32, torch.bfloat16
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

@@ -20,8 +20,8 @@ import pytest
 from pdserve.errors import TransferError
 from pdserve.security import nonce
 from pdserve.transfer import wire
-from pdserve.transfer.auth import Exchange
-from pdserve.transfer.control import Connection, split_endpoint
+from pdserve.transfer.connection.auth import Exchange
+from pdserve.transfer.connection.control import Connection, split_endpoint
 from tests.support.kv_peer import PeerState, PrefillProcess
 from tests.support.transfer import OTHER_KEY, OTHER_SECRET, TEST_KEY, assert_landed
 from tests.support.transfer_inproc import DecodeSide, bare_side, decode_side

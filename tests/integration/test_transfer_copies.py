@@ -1,6 +1,6 @@
 """How many times the KV bytes are copied between the prefill pool and the decode pool, for each
 backend and layout pair, read from both transceivers' copy counters (``Transceiver.copies``,
-:mod:`pdserve.transfer.copies`) after real pulls between two processes.
+:mod:`pdserve.transfer.formatter.copies`) after real pulls between two processes.
 
 A spawned prefill process runs one transceiver per prefill layout below (each counts its own
 sends; the test reads its counter through the pipe, before and after a pull); this test
@@ -22,7 +22,7 @@ import pytest
 
 from pdserve.protocol import KVLayout, TransferHandle
 from pdserve.transfer import Transceiver, create_transceiver
-from pdserve.transfer.copies import (
+from pdserve.transfer.formatter.copies import (
     FORMATTER_STAGING,
     HOST_STAGING,
     RECEIVE,

@@ -18,7 +18,7 @@ import pytest
 from pdserve.errors import HandleError, TransferError
 from pdserve.protocol import TransferHandle
 from pdserve.transfer import wire
-from pdserve.transfer.control import Connection
+from pdserve.transfer.connection.control import Connection
 from tests.support.kv_peer import PrefillProcess
 from tests.support.transfer import assert_landed
 from tests.support.transfer_inproc import DecodeSide, bare_side, decode_side

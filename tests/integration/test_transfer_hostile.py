@@ -23,9 +23,9 @@ import pytest
 
 from pdserve.protocol import PROTOCOL_VERSION
 from pdserve.transfer import wire
-from pdserve.transfer.admission import MAX_UNPROVEN_PER_HOST
-from pdserve.transfer.auth import dial
-from pdserve.transfer.control import FRAME_TIMEOUT_S, Connection, split_endpoint
+from pdserve.transfer.connection.admission import MAX_UNPROVEN_PER_HOST
+from pdserve.transfer.connection.auth import dial
+from pdserve.transfer.connection.control import FRAME_TIMEOUT_S, Connection, split_endpoint
 from pdserve.transfer.sender import AUTH_START_S
 from tests.support.kv_peer import PrefillProcess
 from tests.support.servers import wait_until

@@ -19,7 +19,7 @@ PROBE = """
 import json, sys, psutil, torch
 from pdserve.config.settings import TransferSettings
 from pdserve.transfer.backend import open_backend
-from pdserve.transfer.formatter import PoolGeometry
+from pdserve.transfer.formatter.mapping import PoolGeometry
 from tests.support.fakes import layout
 
 def listening():

@@ -245,7 +245,7 @@ class NatsBackend(Backend):
     async def remove_behind_back(self, reg: Registration, worker_id: str) -> None:
         import nats
 
-        from pdserve.discovery.events import subject_token
+        from pdserve.discovery.load_events import subject_token
 
         nc = await nats.connect(self.server.url)
         try:
@@ -259,7 +259,7 @@ class NatsBackend(Backend):
     async def write_forged(self, rec: WorkerRecord) -> None:
         import nats
 
-        from pdserve.discovery.events import subject_token
+        from pdserve.discovery.load_events import subject_token
 
         nc = await nats.connect(self.server.url)
         try:
@@ -271,7 +271,7 @@ class NatsBackend(Backend):
     async def erase(self, worker_id: str) -> None:
         import nats
 
-        from pdserve.discovery.events import subject_token
+        from pdserve.discovery.load_events import subject_token
 
         nc = await nats.connect(self.server.url)
         try:
@@ -285,7 +285,7 @@ async def nats_stored_record(server: NatsServer, worker_id: str) -> WorkerRecord
     import nats
     import nats.js.errors
 
-    from pdserve.discovery.events import subject_token
+    from pdserve.discovery.load_events import subject_token
 
     nc = await nats.connect(server.url)
     try:

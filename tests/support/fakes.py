@@ -486,8 +486,8 @@ async def make_router(
     the discovery the router follows (the workers' and extra records are put in it)."""
     from pdserve.config.settings import RouterSettings
     from pdserve.router.client import WorkerClient
-    from pdserve.router.metrics import RouterMetrics
     from pdserve.router.router import Router
+    from pdserve.router.router_metrics import RouterMetrics
     from pdserve.router.view import WorkerView
 
     mounts = {w.http_url: httpx.ASGITransport(app=w.app()) for w in workers}

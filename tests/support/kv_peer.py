@@ -61,8 +61,8 @@ def _child(pipe: Pipe, backend: str, epoch: int, port: int, secret: str) -> None
 
 
 async def _serve(pipe: Pipe, backend: str, epoch: int, port: int, secret: str) -> None:
-    from pdserve.transfer import integrity
-    from pdserve.transfer.formatter import pool_bytes
+    from pdserve.transfer.formatter.mapping import pool_bytes
+    from pdserve.transfer.integrity import digests as integrity
 
     prefill = LocalPrefill(
         backend_cfg(backend, port=port),

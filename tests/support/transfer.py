@@ -33,8 +33,8 @@ from pdserve.errors import HandleError
 from pdserve.protocol import GenerationRequest, KVLayout, SamplingParams, TransferHandle
 from pdserve.security import ClusterKey
 from pdserve.transfer import create_transceiver
-from pdserve.transfer.convert import torch_dtype
-from pdserve.transfer.formatter import TransferPlan, pool_bytes
+from pdserve.transfer.formatter.convert import torch_dtype
+from pdserve.transfer.formatter.mapping import TransferPlan, pool_bytes
 from tests.support.fakes import CLUSTER_KEY
 from tests.support.servers import wait_until_sync
 
@@ -256,7 +256,7 @@ class _Parked:
 def _die_after_half_of_the_bytes() -> None:
     """Make this (prefill) process exit once the first half of a TCP KV stream is out: a
     death mid-stream, whatever the speed of the machine."""
-    from pdserve.transfer.control import Connection  # the TCP backend's
+    from pdserve.transfer.connection.control import Connection  # the TCP backend's
 
     original = Connection.send_segments
 

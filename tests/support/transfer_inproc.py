@@ -40,8 +40,8 @@ from pdserve.protocol import KVLayout, TransferHandle
 from pdserve.security import ClusterKey
 from pdserve.transfer import Transceiver, create_transceiver
 from pdserve.transfer.backend import open_backend
-from pdserve.transfer.formatter import PoolGeometry
-from pdserve.transfer.handshake import LocalSide
+from pdserve.transfer.connection.handshake import LocalSide
+from pdserve.transfer.formatter.mapping import PoolGeometry
 from pdserve.workers.kv.manager import KVCacheManager
 from pdserve.workers.roles.parking import ParkedBlocks
 from tests.support.transfer import (

@@ -9,19 +9,19 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from pdserve.server.responses_schemas import (
+from pdserve.server.chat.schemas import (
+    EXTENSION_DEFAULTS,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+)
+from pdserve.server.responses.schemas import (
     ContentPart,
     FunctionTool,
     FunctionToolChoice,
     InputItem,
     ResponsesRequest,
     TextFormat,
-)
-from pdserve.server.schemas import (
-    EXTENSION_DEFAULTS,
-    ChatCompletionRequest,
-    ChatMessage,
-    CompletionRequest,
 )
 
 DOC = (Path(__file__).parents[2] / "docs" / "api.md").read_text()

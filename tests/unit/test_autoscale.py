@@ -22,7 +22,7 @@ from pdserve.planner.observe import (
     parse_metrics,
 )
 from pdserve.planner.profile import EngineProfile, Profile
-from pdserve.router.metrics import RouterMetrics
+from pdserve.router.router_metrics import RouterMetrics
 from tests.support.servers import free_port
 
 

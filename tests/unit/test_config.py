@@ -56,7 +56,7 @@ def test_the_tensor_parallel_example_splits_prefill_only_as_its_header_says() ->
     heads divide), the decode worker started with ``--tensor-parallel-size 1`` runs one."""
     from types import SimpleNamespace
 
-    from pdserve.workers.engine.parallel import check_shardable
+    from pdserve.workers.engine.model.parallel import check_shardable
 
     path = str(Path(__file__).parents[2] / "configs" / "1p1d-tp3.yaml")
     sizes = {}

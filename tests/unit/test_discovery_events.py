@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from pdserve.discovery import InvalidDiscoveryURLError, open_registration, parse_discovery_url
-from pdserve.discovery.events import (
+from pdserve.discovery.load_events import (
     EVENTS_VERSION,
     KVBlockEvent,
     LoadEvent,

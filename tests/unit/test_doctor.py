@@ -26,9 +26,10 @@ from pdserve.bench.doctor.doctor import (
 )
 from pdserve.bench.doctor.doctor import main as doctor_main
 from pdserve.bench.doctor.doctor_facts import BackendFacts, Facts, parse_ucx_info
-from pdserve.transfer import auth, wire
-from pdserve.transfer.control import Connection
-from pdserve.transfer.probe import chunks
+from pdserve.transfer import wire
+from pdserve.transfer.bandwidth_probe import chunks
+from pdserve.transfer.connection import auth
+from pdserve.transfer.connection.control import Connection
 from tests.support.servers import wait_until
 from tests.support.transfer import OTHER_KEY, TEST_KEY
 from tests.support.transfer_inproc import serving_transceiver as transceiver

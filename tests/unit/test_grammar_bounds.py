@@ -21,7 +21,7 @@ from pdserve.grammar import (
     parser_limits,
 )
 from pdserve.protocol import StructuredOutput
-from pdserve.workers.engine.grammar import (
+from pdserve.workers.engine.sampling.grammar_masks import (
     MIN_ENTRY_BYTES,
     GrammarCompiler,
     GrammarError,

@@ -211,8 +211,8 @@ def test_the_checker_catches_an_injected_cycle_of_each_kind(code: str) -> None:
 @pytest.mark.parametrize(
     ("name", "code", "arrow"),
     [
-        ("pdserve.workers.engine.engine", "from pdserve.workers.roles import app",
-         "pdserve.workers.engine.engine -> pdserve.workers.roles.app"),
+        ("pdserve.workers.engine.engine", "from pdserve.workers.roles import worker_app as app",
+         "pdserve.workers.engine.engine -> pdserve.workers.roles.worker_app"),
         ("pdserve.workers.kv.manager",
          "if TYPE_CHECKING:\n    from pdserve.workers.engine.sequence import Sequence",
          "pdserve.workers.kv.manager -> pdserve.workers.engine.sequence"),

@@ -1,4 +1,4 @@
-"""The KV cache connector's logic (:mod:`pdserve.workers.kv.connector`) with the scheduler and
+"""The KV cache connector's logic (:mod:`pdserve.workers.kv.offload`) with the scheduler and
 a real CPU pool, no model: admission matches the blocks after the pool prefix in the host tier,
 then the disk tier, up to the first miss and never the last token; the step loads them into the
 admitted sequence's blocks; every full block a step completes is saved once; an evicted cached
@@ -15,8 +15,8 @@ from pdserve.config.settings import SchedulerSettings
 from pdserve.protocol import KVLayout, SamplingParams
 from pdserve.workers.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.workers.engine.sequence import Sequence
-from pdserve.workers.kv.connector import KVConnector
 from pdserve.workers.kv.manager import KVCacheManager
+from pdserve.workers.kv.offload import KVConnector
 from pdserve.workers.kv.tiers import DiskTier, HostTier
 
 TPB = 4
@@ -182,7 +182,7 @@ def test_a_damaged_disk_block_is_computed_instead_and_counted(rig: Rig) -> None:
 
 def test_the_worker_exports_the_tier_counters(rig: Rig) -> None:
     from pdserve.bench.serving.bench_multiturn import parse_metrics
-    from pdserve.workers.roles.metrics import WorkerMetrics
+    from pdserve.workers.roles.worker_metrics import WorkerMetrics
 
     s = seq("a", 10)
     rig.host.put(rig.hashes(s)[0], block(0))
@@ -203,7 +203,7 @@ def test_the_settings_build_a_connector_only_with_a_tier_and_the_prefix_cache(
     tmp_path: Path,
 ) -> None:
     from pdserve.config.settings import HOST_CACHE_CUDA_MB, KVCacheSettings
-    from pdserve.workers.kv.connector import build_connector
+    from pdserve.workers.kv.offload import build_connector
 
     defaults = KVCacheSettings()
     assert defaults.host_cache_bytes("cpu") == 0, "the CPU pool already is host memory"

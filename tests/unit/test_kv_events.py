@@ -1,4 +1,4 @@
-"""KV cache events, worker side (workers/kv/events.py): what the publisher sends makes the
+"""KV cache events, worker side (workers/kv/cache_events.py): what the publisher sends makes the
 router's index equal the worker's prefix index, across evictions, lost sends, overflow,
 snapshot requests and large snapshots; and the embedded registry's event route."""
 
@@ -11,7 +11,7 @@ from pdserve.block_hash import BlockHasher
 from pdserve.discovery import EmbeddedRegistry
 from pdserve.discovery.kvcache import MAX_HASHES_PER_EVENT, KVCacheEvent, KVEventAck
 from pdserve.router.kv_index import KVIndex
-from pdserve.workers.kv.events import KVEventPublisher, KVEventRecorder
+from pdserve.workers.kv.cache_events import KVEventPublisher, KVEventRecorder
 from pdserve.workers.kv.manager import KVCacheManager
 from tests.support.fakes import CLUSTER_KEY, INTERNAL_AUTH, layout
 
@@ -256,7 +256,7 @@ async def test_open_kv_events_publishes_only_when_everything_is_on(
     from contextlib import AsyncExitStack
 
     from pdserve.config.settings import DiscoverySettings
-    from pdserve.workers.kv.events import open_kv_events
+    from pdserve.workers.kv.cache_events import open_kv_events
     from tests.support.servers import wait_until
 
     cache = KVCacheManager(LAYOUT, 8, prefix_caching=prefix_caching)

@@ -14,13 +14,13 @@ import httpx
 import pytest
 
 from pdserve.discovery import EmbeddedRegistry, EmbeddedWatcher
-from pdserve.discovery.events import (
+from pdserve.discovery.kvcache import KVCacheEvent, UnsignedWarnings, encode_hash
+from pdserve.discovery.load_events import (
     EventConsumer,
     EventPublisher,
     KVBlockEvent,
     LoadEvent,
 )
-from pdserve.discovery.kvcache import KVCacheEvent, UnsignedWarnings, encode_hash
 from pdserve.protocol import WorkerLoad
 from pdserve.router.kv_index import OUTCOMES, KVIndex, follow_kv_events
 from pdserve.security import (
@@ -242,7 +242,7 @@ async def test_the_nats_consumer_hands_on_only_signed_events(
     got = consumer.loads if isinstance(signed, LoadEvent) else consumer.kvs
     assert got == [signed] and consumer.events.received == 1
     forged = forgeries(signed)
-    with caplog.at_level(logging.WARNING, logger="pdserve.discovery.events"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.discovery.load_events"):
         for event in forged.values():
             await consumer.send(event)
     assert got == [signed]

@@ -16,9 +16,9 @@ from pdserve.discovery.kvcache import KVCacheEvent, encode_hash
 from pdserve.protocol import SamplingParams, WorkerLoad
 from pdserve.router.client import WorkerClient
 from pdserve.router.kv_index import KVIndex
-from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import LEAST_LOADED, RoutePath, RouteWeights, choose_route, route_cost
 from pdserve.router.router import Router
+from pdserve.router.router_metrics import RouterMetrics
 from pdserve.router.view import WorkerView
 from tests.support.fakes import CLUSTER_KEY, MODEL, FakeWatcher, FakeWorker, layout, record
 

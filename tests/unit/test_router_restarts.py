@@ -12,9 +12,9 @@ import pytest
 from pdserve.config.loading import RouterConfig
 from pdserve.discovery import EmbeddedRegistry
 from pdserve.protocol import SamplingParams, WorkerLoad, WorkerRecord
-from pdserve.router.metrics import RouterMetrics
+from pdserve.router.router_metrics import RouterMetrics
 from pdserve.router.view import WorkerView
-from pdserve.workers.roles.metrics import WorkerMetrics
+from pdserve.workers.roles.worker_metrics import WorkerMetrics
 from tests.support.fakes import CLUSTER_KEY, MODEL, PROMPT, build_tokenizer_dir, make_router, record
 from tests.support.fakes import decode_worker as decode
 from tests.support.fakes import prefill_worker as prefill

@@ -15,9 +15,9 @@ from pdserve.config.settings import RouterSettings
 from pdserve.errors import CapacityError, NoWorkerError, WorkerError
 from pdserve.protocol import FinishReason, Role, SamplingParams, WorkerLoad
 from pdserve.router.client import WorkerClient
-from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import RoutePath, choose_route, prefill_locally
 from pdserve.router.router import Router
+from pdserve.router.router_metrics import RouterMetrics
 from pdserve.router.view import WorkerView
 from tests.support.fakes import (
     CLUSTER_KEY,

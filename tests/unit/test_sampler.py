@@ -7,7 +7,7 @@ import math
 import torch
 
 from pdserve.protocol import SamplingParams
-from pdserve.workers.engine.sampler import Sampler, position_seed
+from pdserve.workers.engine.sampling.sampler import Sampler, position_seed
 
 VOCAB = 16
 

@@ -16,7 +16,7 @@ from pdserve.protocol import (
     MIN_REPETITION_PENALTY,
     SamplingParams,
 )
-from pdserve.workers.engine.sampler import Sampler
+from pdserve.workers.engine.sampling.sampler import Sampler
 
 VOCAB = 8
 EOS = 7

@@ -15,9 +15,9 @@ from tokenizers import AddedToken, Tokenizer, normalizers, processors
 from pdserve.config.loading import RouterConfig, RouterSettings
 from pdserve.errors import ConfigError, InvalidRequestError
 from pdserve.protocol import Role
-from pdserve.server.content_guard import ContentGuard
-from pdserve.server.preprocess import Preprocessor, load_tokenizer
-from pdserve.server.schemas import ChatCompletionRequest, TokenizeRequest
+from pdserve.server.chat.content_guard import ContentGuard
+from pdserve.server.chat.preprocess import Preprocessor, load_tokenizer
+from pdserve.server.chat.schemas import ChatCompletionRequest, TokenizeRequest
 from tests.support.fakes import MODEL, FakeWorker, build_tokenizer_dir, router_harness
 from tests.support.models import TINY_SPECIAL_TOKENS, tiny_tokenizer
 

@@ -10,7 +10,7 @@ import pytest
 from pdserve.config.loading import RouterConfig
 from pdserve.errors import CapacityError, WorkerError
 from pdserve.protocol import Role
-from pdserve.server.json_values import MAX_JSON_DEPTH
+from pdserve.server.chat.json_values import MAX_JSON_DEPTH
 from tests.support.fakes import MODEL, FakeWorker, build_tokenizer_dir, router_harness
 
 REPLY = [(72, "H"), (105, "i"), (33, "!")]

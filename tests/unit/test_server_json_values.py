@@ -1,4 +1,4 @@
-"""Client text and free-form JSON (pdserve.server.json_values): Unicode text throughout, at most
+"""Client text and free-form JSON (pdserve.server.chat.json_values): Unicode text throughout, at most
 MAX_JSON_DEPTH deep, checked in time linear in the value and without recursion."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.server.json_values import (
+from pdserve.server.chat.json_values import (
     MAX_JSON_DEPTH,
     check_json_value,
     json_text,

@@ -16,8 +16,8 @@ from pdserve.config.settings import RouterSettings
 from pdserve.errors import ConfigError
 from pdserve.http.error_responses import validation_error
 from pdserve.protocol import MAX_CHOICES, Role, StructuredOutput
-from pdserve.server.preprocess import Preprocessor
-from pdserve.server.schemas import (
+from pdserve.server.chat.preprocess import Preprocessor
+from pdserve.server.chat.schemas import (
     MAX_LOGIT_BIAS,
     MAX_MESSAGES,
     MAX_STOP_CHARS,

@@ -13,8 +13,8 @@ import pytest
 from pdserve.errors import InvalidRequestError
 from pdserve.grammar import JSON_OBJECT_SCHEMA, check
 from pdserve.protocol import StructuredOutput
-from pdserve.server.preprocess import structured_output
-from pdserve.server.schemas import ChatCompletionRequest, CompletionRequest
+from pdserve.server.chat.preprocess import structured_output
+from pdserve.server.chat.schemas import ChatCompletionRequest, CompletionRequest
 
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

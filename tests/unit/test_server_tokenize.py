@@ -11,8 +11,8 @@ from pdserve.config.loading import RouterConfig
 from pdserve.errors import InvalidRequestError
 from pdserve.protocol import Role
 from pdserve.security import SecuritySettings
-from pdserve.server.preprocess import Preprocessor
-from pdserve.server.schemas import ChatCompletionRequest
+from pdserve.server.chat.preprocess import Preprocessor
+from pdserve.server.chat.schemas import ChatCompletionRequest
 from tests.support.fakes import MODEL, FakeWorker, build_tokenizer_dir, router_harness
 from tests.support.models import tiny_tokenizer
 

@@ -1,4 +1,4 @@
-"""The router's tokenizer pool (pdserve.server.tokenizer_pool): work runs off the event loop,
+"""The router's tokenizer pool (pdserve.server.chat.tokenizer_pool): work runs off the event loop,
 the backlog is bounded in bytes and requests (429 ``tokenizer_busy`` beyond it), and a share is
 held until the thread is done with it, even when its caller gave up."""
 
@@ -13,7 +13,7 @@ import pytest
 
 from pdserve.errors import InvalidRequestError, QueueFullError
 from pdserve.server import app as server_app
-from pdserve.server.tokenizer_pool import TokenizerPool
+from pdserve.server.chat.tokenizer_pool import TokenizerPool
 from tests.support.servers import wait_until
 
 
@@ -137,7 +137,7 @@ async def test_the_router_answers_429_tokenizer_busy_when_the_backlog_is_full(
     from pdserve.config.loading import RouterConfig
     from pdserve.config.settings import RouterSettings
     from pdserve.protocol import Role
-    from pdserve.server.preprocess import Preprocessor
+    from pdserve.server.chat.preprocess import Preprocessor
     from tests.support.fakes import MODEL, FakeWorker, build_tokenizer_dir, router_harness
 
     max_bytes = 2048
@@ -187,8 +187,8 @@ async def test_the_router_answers_429_tokenizer_busy_when_the_backlog_is_full(
 def test_the_fast_encode_path_gives_the_ids_of_transformers_encode(text: str) -> None:
     """:class:`Preprocessor` calls the backend's ``encode_batch_fast`` (GIL released, no
     offsets): the ids must be those of ``tokenizer.encode``, with and without special tokens."""
-    from pdserve.server.preprocess import Preprocessor
-    from pdserve.server.schemas import CompletionRequest
+    from pdserve.server.chat.preprocess import Preprocessor
+    from pdserve.server.chat.schemas import CompletionRequest
     from tests.support.models import tiny_tokenizer
 
     tok = tiny_tokenizer()
@@ -204,8 +204,8 @@ def test_the_fast_encode_path_gives_the_ids_of_transformers_encode(text: str) ->
 
 def test_a_prompt_past_the_window_is_refused_from_its_count() -> None:
     """Its ids never become a list: the count alone refuses it (400, with the numbers)."""
-    from pdserve.server.preprocess import Preprocessor
-    from pdserve.server.schemas import CompletionRequest
+    from pdserve.server.chat.preprocess import Preprocessor
+    from pdserve.server.chat.schemas import CompletionRequest
     from tests.support.models import tiny_tokenizer
 
     pre = Preprocessor(tiny_tokenizer(), served_model_name="m", max_model_len=8)

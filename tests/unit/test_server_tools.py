@@ -16,14 +16,14 @@ import torch
 from pdserve.errors import InvalidRequestError
 from pdserve.grammar import check
 from pdserve.protocol import StructuredOutput
-from pdserve.server.tools import (
+from pdserve.server.chat.tool_calls import (
     ToolPlan,
     ToolStream,
     is_special_token,
     prompt_messages,
     renders_tools,
 )
-from pdserve.workers.engine.grammar import GrammarCompiler
+from pdserve.workers.engine.sampling.grammar_masks import GrammarCompiler
 from tests.support.models import TINY_SPECIAL_TOKENS, tiny_tokenizer
 
 WEATHER = {

@@ -6,9 +6,7 @@ import pytest
 
 from pdserve.config.settings import SchedulerSettings
 from pdserve.protocol import KVLayout, SamplingParams
-from pdserve.workers.engine.scheduler import Scheduler
-from pdserve.workers.engine.sequence import Sequence
-from pdserve.workers.engine.speculative import (
+from pdserve.workers.engine.sampling.speculative import (
     MAX_BACKOFF,
     NgramProposer,
     accepted,
@@ -16,6 +14,8 @@ from pdserve.workers.engine.speculative import (
     speculates,
     take_turn,
 )
+from pdserve.workers.engine.scheduler import Scheduler
+from pdserve.workers.engine.sequence import Sequence
 from pdserve.workers.kv.manager import KVCacheManager
 
 TPB = 4

@@ -1,10 +1,10 @@
-"""Admission of served transfer connections (:mod:`pdserve.transfer.admission`): unproven
+"""Admission of served transfer connections (:mod:`pdserve.transfer.connection.admission`): unproven
 connections are capped apart from proven ones and evict the oldest; proven ones never lose
 their slots to unproven ones."""
 
 from __future__ import annotations
 
-from pdserve.transfer.admission import ConnectionSlots, SlotLimits
+from pdserve.transfer.connection.admission import ConnectionSlots, SlotLimits
 
 LIMITS = SlotLimits(unproven_per_host=2, unproven=3, proven_per_host=2, proven=3)
 

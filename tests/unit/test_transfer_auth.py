@@ -1,4 +1,4 @@
-"""The transceivers' challenge-response (:mod:`pdserve.transfer.auth`): the proofs, the frames,
+"""The transceivers' challenge-response (:mod:`pdserve.transfer.connection.auth`): the proofs, the frames,
 the rate-limited refusal log, and the two sides' behaviour against peers that misbehave, over
 real sockets in this process (the process-level tests: tests/integration/test_transfer_auth.py)."""
 
@@ -12,9 +12,10 @@ import pytest
 
 from pdserve.errors import TransferError
 from pdserve.security import nonce
-from pdserve.transfer import auth, wire
-from pdserve.transfer.auth import AuthFailures, Exchange
-from pdserve.transfer.control import Connection
+from pdserve.transfer import wire
+from pdserve.transfer.connection import auth
+from pdserve.transfer.connection.auth import AuthFailures, Exchange
+from pdserve.transfer.connection.control import Connection
 from tests.support.servers import wait_until
 from tests.support.transfer import OTHER_KEY, TEST_KEY, backend_cfg
 from tests.support.transfer_inproc import LAYOUT_SMALL as LAYOUT
@@ -101,7 +102,7 @@ def test_refusals_are_counted_and_logged_at_most_once_per_interval(
 ) -> None:
     now = [100.0]
     failures = AuthFailures(interval_s=10.0, clock=lambda: now[0])
-    with caplog.at_level(logging.WARNING, logger="pdserve.transfer.auth"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.transfer.connection.auth"):
         for i in range(5):
             failures.record(f"10.0.0.9:{4000 + i}", "wrong proof")
         now[0] += 10.0

@@ -1,4 +1,4 @@
-"""The copy counter (:mod:`pdserve.transfer.copies`): its arithmetic, what in-process pulls count
+"""The copy counter (:mod:`pdserve.transfer.formatter.copies`): its arithmetic, what in-process pulls count
 into it on both sides (the inproc backend, and tcp on loopback), and its Prometheus export.
 tests/integration/test_transfer_copies.py counts nixl, ucx and tcp between two processes.
 """
@@ -9,7 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdserve.transfer.copies import (
+from pdserve.transfer.agents.inproc import FABRIC, InprocBackend
+from pdserve.transfer.formatter.copies import (
     FORMATTER_STAGING,
     HOST_STAGING,
     RECEIVE,
@@ -18,10 +19,9 @@ from pdserve.transfer.copies import (
     CopyCounter,
     path_copies,
 )
-from pdserve.transfer.formatter import PoolGeometry
-from pdserve.transfer.inproc import FABRIC, InprocBackend
+from pdserve.transfer.formatter.mapping import PoolGeometry
 from pdserve.workers.kv.manager import blocks_for_tokens
-from pdserve.workers.roles.metrics import WorkerMetrics
+from pdserve.workers.roles.worker_metrics import WorkerMetrics
 from tests.support.transfer import LAYOUT, backend_cfg, zeros_pool
 from tests.support.transfer_inproc import LocalPrefill, decode_side
 

@@ -14,8 +14,8 @@ import torch
 
 from pdserve.errors import LayoutMismatchError, TransferError
 from pdserve.protocol import KVLayout
-from pdserve.transfer import convert
-from pdserve.transfer.formatter import (
+from pdserve.transfer.formatter import convert
+from pdserve.transfer.formatter.mapping import (
     ConvertingFormatter,
     Formatter,
     IdentityFormatter,

@@ -12,9 +12,9 @@ import torch
 from pdserve.errors import LayoutMismatchError, TransferError
 from pdserve.protocol import KVLayout
 from pdserve.transfer.backend import Backend, Digests, Outbound, Peer
-from pdserve.transfer.control import Connection
-from pdserve.transfer.formatter import Formatter, PoolGeometry, TransferPlan
-from pdserve.transfer.staging import StagingPool
+from pdserve.transfer.connection.control import Connection
+from pdserve.transfer.formatter.mapping import Formatter, PoolGeometry, TransferPlan
+from pdserve.transfer.formatter.staging import StagingPool
 from pdserve.workers.roles.decode import check_handle
 from tests.support.transfer import handed_generation, random_pool
 

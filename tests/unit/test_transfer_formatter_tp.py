@@ -12,7 +12,7 @@ import torch
 
 from pdserve.errors import LayoutMismatchError
 from pdserve.protocol import KVLayout
-from pdserve.transfer.formatter import (
+from pdserve.transfer.formatter.mapping import (
     ConvertingFormatter,
     Formatter,
     HeadPart,

@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from pdserve.errors import HandleError, IntegrityError, TransferError
-from pdserve.transfer import mix64, receiver
+from pdserve.transfer import receiver
+from pdserve.transfer.agents.inproc import FABRIC, InprocBackend
 from pdserve.transfer.backend import _REGISTRY
-from pdserve.transfer.formatter import TransferPlan
-from pdserve.transfer.inproc import FABRIC, InprocBackend
+from pdserve.transfer.formatter.mapping import TransferPlan
+from pdserve.transfer.integrity import mix64
 from tests.support.servers import wait_until
 from tests.support.transfer import EPOCH, NUM_BLOCKS, assert_landed, backend_cfg
 from tests.support.transfer_inproc import DecodeSide, LocalPrefill, decode_side
@@ -50,7 +51,7 @@ async def decode() -> AsyncIterator[DecodeSide]:
 
 
 def test_inproc_is_a_registered_backend_that_never_writes_late() -> None:
-    assert _REGISTRY["inproc"] == "pdserve.transfer.inproc:InprocBackend"
+    assert _REGISTRY["inproc"] == "pdserve.transfer.agents.inproc:InprocBackend"
     assert InprocBackend.inline_bytes is False
 
 

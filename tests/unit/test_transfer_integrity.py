@@ -19,9 +19,9 @@ from pdserve.config.loading import worker_config
 from pdserve.config.settings import TransferSettings
 from pdserve.errors import IntegrityError, TransferError
 from pdserve.protocol import KVLayout
-from pdserve.transfer import integrity
-from pdserve.transfer.formatter import Formatter, PoolGeometry, TransferPlan, pool_bytes
-from pdserve.transfer.integrity import BlockDigester
+from pdserve.transfer.formatter.mapping import Formatter, PoolGeometry, TransferPlan, pool_bytes
+from pdserve.transfer.integrity import digests as integrity
+from pdserve.transfer.integrity.digests import BlockDigester
 from tests.support.transfer import apply_plan, pattern_pool, zeros_pool
 
 LAYOUT = KVLayout(

@@ -11,9 +11,14 @@ import torch
 
 from pdserve.errors import IntegrityError, TransferError
 from pdserve.protocol import KVLayout
-from pdserve.transfer import mix64
-from pdserve.transfer.formatter import Formatter, PoolGeometry
-from pdserve.transfer.integrity import ALGORITHM, ALGORITHMS, BlockDigester, choose_algorithm
+from pdserve.transfer.formatter.mapping import Formatter, PoolGeometry
+from pdserve.transfer.integrity import mix64
+from pdserve.transfer.integrity.digests import (
+    ALGORITHM,
+    ALGORITHMS,
+    BlockDigester,
+    choose_algorithm,
+)
 from tests.support.transfer import apply_plan, pattern_pool, zeros_pool
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.errors import TransferError
 from pdserve.transfer import wire
-from pdserve.transfer.control import (
+from pdserve.transfer.connection.control import (
     KEEPALIVE_IDLE_S,
     KEEPALIVE_PROBES,
     Connection,

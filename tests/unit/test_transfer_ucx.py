@@ -20,10 +20,7 @@ from pdserve.config.settings import TransferSettings
 from pdserve.errors import TransferError
 from pdserve.protocol import KVLayout
 from pdserve.transfer import wire
-from pdserve.transfer.backend import TransferState
-from pdserve.transfer.formatter import PoolGeometry
-from pdserve.transfer.handshake import LocalSide
-from pdserve.transfer.ucx import (
+from pdserve.transfer.agents.ucx import (
     SEGMENT_BITS,
     UcxBackend,
     UcxConnection,
@@ -31,6 +28,9 @@ from pdserve.transfer.ucx import (
     UcxWorker,
     transfer_tag,
 )
+from pdserve.transfer.backend import TransferState
+from pdserve.transfer.connection.handshake import LocalSide
+from pdserve.transfer.formatter.mapping import PoolGeometry
 from tests.support.transfer import TEST_KEY
 
 pytest.importorskip("ucxx")
@@ -38,7 +38,7 @@ pytest.importorskip("ucxx")
 
 def test_importing_the_ucx_backend_module_does_not_import_ucxx():
     code = (
-        "import sys, pdserve.transfer, pdserve.transfer.ucx; "
+        "import sys, pdserve.transfer, pdserve.transfer.agents.ucx; "
         "print(any(m.split('.')[0] == 'ucxx' for m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

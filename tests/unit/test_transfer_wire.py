@@ -12,7 +12,7 @@ import torch
 from pdserve.errors import ConfigError, HandleError, LayoutMismatchError, TransferError
 from pdserve.protocol import PROTOCOL_VERSION, KVLayout
 from pdserve.transfer import wire
-from pdserve.transfer.formatter import (
+from pdserve.transfer.formatter.mapping import (
     Formatter,
     IdentityFormatter,
     PoolGeometry,

@@ -38,9 +38,9 @@ from pdserve.protocol import (
     WorkerRecord,
 )
 from pdserve.security import ClusterKey
-from pdserve.transfer.inproc import FABRIC
-from pdserve.workers.roles.app import create_worker_app
+from pdserve.transfer.agents.inproc import FABRIC
 from pdserve.workers.roles.decode import DecodeHandler
+from pdserve.workers.roles.worker_app import create_worker_app
 from tests.support.fake_engine import FakeEngine, token_at
 from tests.support.fakes import CLUSTER_KEY, INTERNAL_AUTH, layout
 from tests.support.servers import wait_until
@@ -395,7 +395,7 @@ async def _until(cond, timeout: float = 2.0) -> None:  # type: ignore[no-untyped
 
 
 async def test_a_callers_deadline_is_capped_by_the_workers_own_maximum() -> None:
-    from pdserve.workers.roles.transfer_worker import capped
+    from pdserve.workers.roles.kv_transfer import capped
 
     far = ContextRequest.model_validate({**context_body(), "deadline": time.time() + 10**9})
     cut = capped(far, 60.0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import socket
 
-from pdserve.workers.roles.app import bind_socket
+from pdserve.workers.roles.worker_app import bind_socket
 
 
 def test_accepted_connections_have_nodelay() -> None:

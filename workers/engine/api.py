@@ -20,8 +20,8 @@ if TYPE_CHECKING:
     from pdserve.config.loading import EngineConfig
     from pdserve.protocol import KVLayout, SamplingParams, WorkerLoad
     from pdserve.workers.engine.requests import EngineRequest, Reservation, Sink
-    from pdserve.workers.kv.connector import KVConnectorStats
     from pdserve.workers.kv.manager import KVCacheManager
+    from pdserve.workers.kv.offload import KVConnectorStats
 
 
 class WorkerEngine(Protocol):

@@ -33,7 +33,7 @@ Prefix cache (``kv_cache.prefix_caching``, :mod:`pdserve.workers.kv.manager`): e
 a forward completes is registered under its chained hash after the step (resume: the
 transferred prompt's full blocks, when the resume request arrives); an admitted sequence starts
 at its longest cached prefix, in every mode. KV cache connector (``kv_cache.host_cache_mb``,
-``disk_cache_dir``; :mod:`pdserve.workers.kv.connector`): blocks after that prefix found in the
+``disk_cache_dir``; :mod:`pdserve.workers.kv.offload`): blocks after that prefix found in the
 host or disk tier are loaded before the admitting step's forward; completed blocks are queued
 for the disk tier after each step; :meth:`Engine.shutdown` writes what is queued.
 
@@ -62,14 +62,7 @@ import torch
 from pdserve.config.loading import EngineConfig
 from pdserve.errors import ConfigError, InvalidRequestError, QueueFullError
 from pdserve.protocol import FinishReason, KVLayout, SamplingParams, TokenLogprob, WorkerLoad
-from pdserve.workers.engine.grammar import (
-    GRAMMAR_STACK_BYTES,
-    GrammarCompiler,
-    GrammarError,
-    GrammarState,
-)
-from pdserve.workers.engine.migration import replay_stop, resumed_choices
-from pdserve.workers.engine.model_runner import ModelRunner, kept_rows, model_digest
+from pdserve.workers.engine.model.model_runner import ModelRunner, kept_rows, model_digest
 from pdserve.workers.engine.omp import context_thread, in_fresh_thread
 from pdserve.workers.engine.requests import (
     EngineOutput,
@@ -82,12 +75,19 @@ from pdserve.workers.engine.requests import (
     choice_sampling,
     progress_output,
 )
-from pdserve.workers.engine.sampler import Sampler, record_prompt_logprobs
+from pdserve.workers.engine.resume import replay_stop, resumed_choices
+from pdserve.workers.engine.sampling.grammar_masks import (
+    GRAMMAR_STACK_BYTES,
+    GrammarCompiler,
+    GrammarError,
+    GrammarState,
+)
+from pdserve.workers.engine.sampling.sampler import Sampler, record_prompt_logprobs
+from pdserve.workers.engine.sampling.speculative import SpecDecodeStats
 from pdserve.workers.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.workers.engine.sequence import IncrementalDetokenizer, Sequence, SequenceStatus
-from pdserve.workers.engine.speculative import SpecDecodeStats
-from pdserve.workers.kv.connector import KVConnectorStats, build_connector
 from pdserve.workers.kv.manager import KVCacheManager
+from pdserve.workers.kv.offload import KVConnectorStats, build_connector
 from pdserve.workers.kv.sizing import log_pool, pool_size
 
 __all__ = ["Engine", "EngineOutput", "EngineRequest", "Sink"]

@@ -25,7 +25,7 @@ from pdserve.workers.engine.sequence import EngineMode, IncrementalDetokenizer, 
 from pdserve.workers.kv.manager import KVCacheManager
 
 if TYPE_CHECKING:
-    from pdserve.workers.engine.grammar import GrammarState
+    from pdserve.workers.engine.sampling.grammar_masks import GrammarState
 
 
 @dataclass(frozen=True)

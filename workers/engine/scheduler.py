@@ -32,7 +32,7 @@ context phase computes only the rest (at least its last token). The admission te
 with those blocks held; a sequence that still does not fit drops them again (they return to the
 evictable LRU) and stays first in line. A preempted sequence freed its blocks to the cache, so
 when readmitted it usually finds its own prefix. Evictable cached blocks count as free
-everywhere below. With a KV cache connector (host/disk tiers, :mod:`pdserve.workers.kv.connector`)
+everywhere below. With a KV cache connector (host/disk tiers, :mod:`pdserve.workers.kv.offload`)
 an admitted sequence then asks it for the blocks after its pool prefix: those found count as
 computed, get blocks with the step's allocation, and are loaded before the step's forward.
 
@@ -59,13 +59,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from pdserve.errors import CapacityError, InvalidRequestError
+from pdserve.workers.engine.sampling.speculative import NgramProposer, speculates, take_turn
 from pdserve.workers.engine.sequence import Sequence, SequenceStatus
-from pdserve.workers.engine.speculative import NgramProposer, speculates, take_turn
 from pdserve.workers.kv.manager import KVCacheManager
 
 if TYPE_CHECKING:
     from pdserve.config.settings import SchedulerSettings
-    from pdserve.workers.kv.connector import KVConnectorScheduler
+    from pdserve.workers.kv.offload import KVConnectorScheduler
 
 CapacityPolicy = Literal["max_utilization", "guaranteed_no_evict"]
 """``scheduler.capacity_policy`` (declared in :class:`~pdserve.config.settings.SchedulerSettings`)."""
@@ -77,7 +77,7 @@ class ScheduledSequence:
     position ``start_position``; ``samples`` when the step ends on the sequence's last known
     token (so its logits give the next token). Build with :meth:`of`.
 
-    ``draft``: speculative decoding (:mod:`pdserve.workers.engine.speculative`): tokens proposed
+    ``draft``: speculative decoding (:mod:`pdserve.workers.engine.sampling.speculative`): tokens proposed
     to follow the last known token, fed after it and counted in ``num_new_tokens``; every fed
     row is sampled and the drafts are verified after the forward."""
 
@@ -151,7 +151,7 @@ class Scheduler:
     need with recompute preemption, or ``guaranteed_no_evict``, admission by the whole
     completion that never preempts; see the module docstring; ``speculative_tokens`` and the
     other ``speculative_*`` fields: n-gram drafts for generation-phase sequences, see
-    :mod:`pdserve.workers.engine.speculative`). ``watermark_blocks``: free blocks a
+    :mod:`pdserve.workers.engine.sampling.speculative`). ``watermark_blocks``: free blocks a
     ``max_utilization`` admission leaves for the running sequences to grow into (default: 1 %
     of the pool, at least 1, as vLLM's watermark). ``num_preemptions`` counts preemptions since
     start. Drafts never cause a preemption: a sequence whose drafts' blocks are not free runs
@@ -458,7 +458,7 @@ class Scheduler:
         return True
 
     def _match_external(self, seq: Sequence) -> int:
-        """KV cache connector (:mod:`pdserve.workers.kv.connector`): the tokens after ``seq``'s
+        """KV cache connector (:mod:`pdserve.workers.kv.offload`): the tokens after ``seq``'s
         pool prefix that a tier holds; they count as computed (their blocks are loaded before
         the admitting step's forward). 0 without a connector."""
         if self.connector is None:

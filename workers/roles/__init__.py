@@ -1,6 +1,6 @@
 """The worker process and its roles.
 
-- ``app``: the HTTP app and the run loop (:func:`~pdserve.workers.roles.app.run_worker`),
+- ``app``: the HTTP app and the run loop (:func:`~pdserve.workers.roles.worker_app.run_worker`),
   ``WORKER_CLASSES``
 - ``service``: :class:`~pdserve.workers.roles.service.WorkerService`, what every role shares
   (settings, identity, registration, common routes, drain)

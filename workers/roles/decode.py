@@ -44,7 +44,7 @@ the engine runs the prefill itself (mode ``full``).
 Migration (protocol 10): a request with ``resume`` (no handle) continues one another worker had
 started (it died, or drained as above): 1 -> 4 with engine mode ``full``, only the listed
 choices run (each recomputes the prompt and the tokens the client already has, then goes on
-exactly where that worker stopped; :mod:`pdserve.workers.engine.migration`), and the stream
+exactly where that worker stopped; :mod:`pdserve.workers.engine.resume`), and the stream
 ends after those choices.
 """
 
@@ -80,10 +80,10 @@ from pdserve.protocol import (
 )
 from pdserve.workers.engine.requests import EngineRequest, Reservation
 from pdserve.workers.roles.bridge import OutputStream, StreamInterrupted
+from pdserve.workers.roles.kv_transfer import TransferWorker, capped, open_transceiver
 from pdserve.workers.roles.prefill_directory import PrefillDirectory
 from pdserve.workers.roles.service import WatcherFactory, WorkerIdentity, service_of
 from pdserve.workers.roles.timing import EngineClock, end_leg, leg_timeline
-from pdserve.workers.roles.transfer_worker import TransferWorker, capped, open_transceiver
 
 if TYPE_CHECKING:
     from pdserve.config.loading import WorkerConfig
@@ -92,7 +92,7 @@ if TYPE_CHECKING:
     from pdserve.transfer import Transceiver
     from pdserve.workers.engine.api import WorkerEngine
     from pdserve.workers.engine.requests import EngineOutput
-    from pdserve.workers.roles.metrics import WorkerMetrics
+    from pdserve.workers.roles.worker_metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 

@@ -59,15 +59,15 @@ from pdserve.protocol import (
 )
 from pdserve.workers.engine.requests import EngineRequest
 from pdserve.workers.roles.bridge import OutputStream
+from pdserve.workers.roles.kv_transfer import TransferWorker, capped, open_transceiver
 from pdserve.workers.roles.parking import Lease, ParkedBlocks
 from pdserve.workers.roles.service import WatcherFactory, WorkerIdentity, service_of
 from pdserve.workers.roles.timing import EngineClock, end_leg, leg_timeline
-from pdserve.workers.roles.transfer_worker import TransferWorker, capped, open_transceiver
 
 if TYPE_CHECKING:
     from pdserve.config.loading import WorkerConfig
     from pdserve.discovery import Registration
-    from pdserve.discovery.events import ParkedCounts
+    from pdserve.discovery.load_events import ParkedCounts
     from pdserve.observability.tracing import Timeline
     from pdserve.transfer import Transceiver
     from pdserve.workers.engine.api import WorkerEngine

@@ -44,12 +44,12 @@ from fastapi.responses import JSONResponse, Response
 
 from pdserve.observability.prometheus import CONTENT_TYPE
 from pdserve.protocol import Role, WorkerLoad, WorkerRecord
-from pdserve.workers.roles.metrics import WorkerMetrics
+from pdserve.workers.roles.worker_metrics import WorkerMetrics
 
 if TYPE_CHECKING:
     from pdserve.config.loading import WorkerConfig
     from pdserve.discovery import Registration, Watcher
-    from pdserve.discovery.events import EventPublisher, ParkedCounts
+    from pdserve.discovery.load_events import EventPublisher, ParkedCounts
     from pdserve.security import ClusterKey
     from pdserve.workers.engine.api import EngineFactory, WorkerEngine
 
@@ -226,9 +226,9 @@ class WorkerService:
 
     async def serve(self, stack: AsyncExitStack) -> None:
         """Register, start the load refresh and the KV cache events
-        (:mod:`pdserve.workers.kv.events`), turn ready (the end of lifecycle step 1)."""
-        from pdserve.discovery.events import event_publisher
-        from pdserve.workers.kv.events import open_kv_events
+        (:mod:`pdserve.workers.kv.cache_events`), turn ready (the end of lifecycle step 1)."""
+        from pdserve.discovery.load_events import event_publisher
+        from pdserve.workers.kv.cache_events import open_kv_events
 
         stack.push_async_callback(self.deregister)
         await self.registration.start(self.record())

@@ -13,7 +13,7 @@ does not load, a peer that cannot be probed), else 0.
 
 ``--peer HOST:PORT`` (a worker's transfer endpoint: the ``endpoint`` of the communicator in its
 discovery record), or ``--discovery URL --worker ID`` to look it up, adds a probe of that worker
-(:mod:`pdserve.transfer.probe`): round trips and the bandwidth of ``--probe-mib`` MiB over TCP.
+(:mod:`pdserve.transfer.bandwidth_probe`): round trips and the bandwidth of ``--probe-mib`` MiB over TCP.
 A transceiver answers only a peer that proves it holds the deployment's cluster secret, so a
 probe needs it: ``--cluster-secret-file``, else ``PDSERVE_SECURITY__CLUSTER_SECRET_FILE`` /
 ``PDSERVE_SECURITY__CLUSTER_SECRET``, else the ``--config`` / ``$PDSERVE_CONFIG`` file's
@@ -312,7 +312,7 @@ async def check_peer(
     who it is, round trip, bandwidth. FAIL when it cannot be probed (a refused authentication
     says so); WARN below :data:`SLOW_GBPS` or for another protocol version."""
     from pdserve.protocol import PROTOCOL_VERSION
-    from pdserve.transfer.probe import probe
+    from pdserve.transfer.bandwidth_probe import probe
     from pdserve.transfer.wire import AUTH_FAILED
 
     try:

@@ -6,7 +6,7 @@ the same model folder:
 
 - ``eager``: transformers' forward, ``model.compile: false``;
 - ``prepacked``: the same eager forward with oneDNN-prepacked linears only
-  (:func:`pdserve.workers.engine.compile.prepack_linears`), to show what the packing alone buys;
+  (:func:`pdserve.workers.engine.model.compile.prepack_linears`), to show what the packing alone buys;
 - ``compiled``: ``model.compile: true`` (prepacked + ``torch.compile``).
 
 Calls alternate between the runners (``--rounds`` rounds, median of each), so load from other
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pdserve.workers.engine.model_runner import ModelRunner
+    from pdserve.workers.engine.model.model_runner import ModelRunner
     from pdserve.workers.engine.scheduler import ScheduledBatch
     from pdserve.workers.engine.sequence import Sequence
 
@@ -85,7 +85,7 @@ def runner(model: Path, *, compile: bool) -> ModelRunner:
     setting its default (CPU, the model's dtype)."""
     from pdserve.config.loading import EngineConfig
     from pdserve.config.settings import ModelSettings
-    from pdserve.workers.engine.model_runner import ModelRunner
+    from pdserve.workers.engine.model.model_runner import ModelRunner
 
     return ModelRunner(EngineConfig(model_path=model, model=ModelSettings(compile=compile)))
 
@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
 
     from pdserve.config.settings import default_cache_dir
     from pdserve.models import prepare_default_model
-    from pdserve.workers.engine.compile import prepack_linears
+    from pdserve.workers.engine.model.compile import prepack_linears
 
     model = args.model or prepare_default_model(default_cache_dir())
 

@@ -70,7 +70,7 @@ def byte_tokenizer(vocab_size: int | None = None) -> Any:
 
     fast: Any = Fast  # transformers' classes carry no complete annotations
 
-    from pdserve.server.tokens import bytes_to_unicode
+    from pdserve.server.rendering.logprobs import bytes_to_unicode
 
     byte_to_char = bytes_to_unicode()
     vocab = {byte_to_char[b]: b for b in range(256)}

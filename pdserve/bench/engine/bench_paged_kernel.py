@@ -5,9 +5,9 @@ One layer's attention on SmolLM2-135M's layout (9 query heads, 3 kv heads, head 
 tokens each (``BxC``), and one continued prefill chunk (``q Q/C``: Q query rows over a C-token
 context). Blocks are scattered over the pool (a random permutation), as in a served pool.
 
-Columns: time per layer call of :func:`pdserve.workers.engine.attention.paged_attention` (the
+Columns: time per layer call of :func:`pdserve.workers.engine.model.attention.paged_attention` (the
 step's K/V store, the ``index_select`` gather into a workspace, SDPA) and of the same store
-followed by :func:`pdserve.workers.engine.paged_kernel.paged_attention_varlen`, medians;
+followed by :func:`pdserve.workers.engine.model.paged_kernel.paged_attention_varlen`, medians;
 ``speed-up`` is their ratio; ``max|diff|`` the largest difference between the two outputs.
 """
 
@@ -86,8 +86,8 @@ def _run_case(case: _Case, dtype: torch.dtype, min_time: float) -> tuple[float, 
     """(gather + SDPA ms, kernel ms, max |diff|) of one case."""
     import torch
 
-    from pdserve.workers.engine import attention as att
-    from pdserve.workers.engine.paged_kernel import paged_attention_varlen
+    from pdserve.workers.engine.model import attention as att
+    from pdserve.workers.engine.model.paged_kernel import paged_attention_varlen
 
     gen = torch.Generator().manual_seed(0)
     per_seq = math.ceil(case.ctx / TPB)
@@ -205,7 +205,7 @@ def main(args: argparse.Namespace) -> int:
     """Print the table; returns 0, or 1 when the kernel is unavailable."""
     import torch
 
-    from pdserve.workers.engine.paged_kernel import available, unavailable_reason
+    from pdserve.workers.engine.model.paged_kernel import available, unavailable_reason
 
     if args.threads:
         torch.set_num_threads(args.threads)

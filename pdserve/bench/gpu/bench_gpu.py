@@ -23,7 +23,7 @@ and a decode transceiver in this process, pools on the given devices, SmolLM2's 
 layers, 3 KV heads, head dim 64, 16 tokens per block, float32: 720 KiB per block). Each size is pulled once
 to warm up, then at least 5 times and for at least 0.5 s; GB/s at the median. The bytes are
 checked after the timed pulls. Integrity on between two CUDA pools digests with mix64 on the
-GPU (:mod:`pdserve.transfer.mix64`), elsewhere with xxh3 on the CPU.
+GPU (:mod:`pdserve.transfer.integrity.mix64`), elsewhere with xxh3 on the CPU.
 
 Prints one ``PDSERVE-GPU <json>`` line per result and a markdown table at the end. Importing
 this module is light (torch loads when a benchmark runs); the options live in
@@ -276,7 +276,7 @@ def bench_transfer(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every ``--backends`` x ``--devices`` pair, integrity off then on, each ``--blocks``."""
     from pdserve.bench.transfer.bench_transfer_peers import PatternPeer
     from pdserve.protocol import KVLayout
-    from pdserve.transfer import mix64
+    from pdserve.transfer.integrity import mix64
 
     layout = KVLayout(**SMOL_LAYOUT)
     block = layout.block_bytes_per_layer * layout.num_layers

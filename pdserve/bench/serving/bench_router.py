@@ -153,7 +153,7 @@ async def _serve(tokens: int) -> None:
     )  # fmt: skip
     from pdserve.security import ClusterKey
     from pdserve.server.app import create_app
-    from pdserve.workers.roles.app import bind_socket
+    from pdserve.workers.roles.worker_app import bind_socket
 
     key = ClusterKey(os.environ[SECRET_ENV].encode())
 

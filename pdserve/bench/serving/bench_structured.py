@@ -228,8 +228,8 @@ def compile_times(tokenizer_dir: str) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from pdserve.protocol import StructuredOutput
-    from pdserve.server.tools import ToolPlan
-    from pdserve.workers.engine.grammar import GrammarCompiler
+    from pdserve.server.chat.tool_calls import ToolPlan
+    from pdserve.workers.engine.sampling.grammar_masks import GrammarCompiler
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []

@@ -36,7 +36,7 @@ from pdserve.bench.transfer.bench_transfer_peers import BENCH_EPOCH, AllParked, 
 from pdserve.config.settings import TransferSettings
 from pdserve.protocol import KVLayout, TransferHandle
 from pdserve.security import ClusterKey, generate_secret
-from pdserve.transfer.formatter import Formatter, PoolGeometry
+from pdserve.transfer.formatter.mapping import Formatter, PoolGeometry
 from pdserve.transfer.transceiver import create_transceiver
 
 BASE = KVLayout(

@@ -13,7 +13,7 @@ through ``os.environ``. Roles (``python -m pdserve.bench.transfer.bench_transfer
     sink     raw-socket reference, receiving side: asks for each size, ``recv_into`` a buffer
     memcpy   in-process reference: ``numpy.copyto`` of the same byte counts
 
-The transceivers authenticate each other like workers do (:mod:`pdserve.transfer.auth`), with
+The transceivers authenticate each other like workers do (:mod:`pdserve.transfer.connection.auth`), with
 the cluster secret the parent hands down in :data:`SECRET_ENV` (a fresh one per case); the
 handshake runs once per connection, so the timed pulls carry no authentication cost.
 
@@ -50,7 +50,7 @@ from pdserve.config.settings import TransferSettings
 from pdserve.errors import HandleError
 from pdserve.protocol import KVLayout, TransferHandle
 from pdserve.security import ClusterKey, generate_secret
-from pdserve.transfer.control import SOCKET_BUFFER_BYTES
+from pdserve.transfer.connection.control import SOCKET_BUFFER_BYTES
 from pdserve.transfer.transceiver import create_transceiver
 
 RESULT_PREFIX = "PDSERVE-BENCH "
@@ -249,7 +249,7 @@ def _puller(t: Any, spec: PeerSpec, n: int) -> Callable[[], Awaitable[None]]:
 
 
 def _tune(sock: socket.socket) -> None:
-    """The same socket options the TCP backend uses (:func:`pdserve.transfer.control.tune`), so
+    """The same socket options the TCP backend uses (:func:`pdserve.transfer.connection.control.tune`), so
     the reference and the backend differ only in what runs above the socket."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
