@@ -102,16 +102,25 @@ class Planner:
     _hold: int = field(default=0, init=False)
 
     @classmethod
-    def for_config(cls, cfg: PdserveConfig, profile: Profile | None, *, cores: int | None,
-                   threads_per_worker: int | None = None) -> Planner:  # fmt: skip
+    def for_config(
+        cls,
+        cfg: PdserveConfig,
+        profile: Profile | None,
+        *,
+        cores: int | None,
+        threads_per_worker: int | None = None,
+    ) -> Planner:
         """The planner of a deployment configured by ``cfg`` (its ``planner`` section, the
         scheduler's step budget and sequence bound, the router's local-prefill threshold)."""
         return cls(
-            cfg.planner, profile, chunk=cfg.scheduler.max_num_batched_tokens,
+            cfg.planner,
+            profile,
+            chunk=cfg.scheduler.max_num_batched_tokens,
             local_prefill_max_tokens=cfg.router.local_prefill_max_tokens,
-            max_num_seqs=cfg.scheduler.max_num_seqs, cores=cores,
+            max_num_seqs=cfg.scheduler.max_num_seqs,
+            cores=cores,
             threads_per_worker=threads_per_worker,
-        )  # fmt: skip
+        )
 
     @property
     def targets(self) -> Targets:
@@ -129,9 +138,15 @@ class Planner:
 
     def _best(self, profile: Profile, workload: Workload) -> tuple[dict[str, Any], bool]:
         (pmin, pmax), (dmin, dmax) = self.bounds("prefill"), self.bounds("decode")
-        deps = candidates(range(pmin, pmax + 1), range(dmin, dmax + 1), [self.chunk],
-                          [self.local_prefill_max_tokens], max_num_seqs=self.max_num_seqs,
-                          cores=self.cores, threads_per_worker=self.threads_per_worker)  # fmt: skip
+        deps = candidates(
+            range(pmin, pmax + 1),
+            range(dmin, dmax + 1),
+            [self.chunk],
+            [self.local_prefill_max_tokens],
+            max_num_seqs=self.max_num_seqs,
+            cores=self.cores,
+            threads_per_worker=self.threads_per_worker,
+        )
         rows = evaluate(profile, deps, workload, self.targets)
         best, ok = recommend(rows, self.targets)
         if not ok:  # overloaded whatever the count: the most capacity, not the best per worker
@@ -151,8 +166,8 @@ class Planner:
         n = int(min(self.sim_requests, max(30, obs.request_rate * 60)))
         views = []
         if obs.request_rate > 0:
-            views.append((f"{obs.request_rate:.2f} req/s",
-                          Workload(prompt, output, n, request_rate=obs.request_rate)))  # fmt: skip
+            poisson = Workload(prompt, output, n, request_rate=obs.request_rate)
+            views.append((f"{obs.request_rate:.2f} req/s", poisson))
         if round(obs.running) >= 1:
             c = round(obs.running)
             views.append((f"{c} in flight", Workload(prompt, output, max(n, 4 * c), concurrency=c)))
@@ -161,10 +176,12 @@ class Planner:
         answers = [(what, *self._best(self.profile, w)) for what, w in views]
         what, best, ok = max(answers, key=lambda a: (a[1]["workers"], a[1]["deployment"]["decode"]))
         dep = best["deployment"]
-        why = (f"model: {what} of ~{obs.mean_prompt:.0f}+{obs.mean_output:.0f} tokens -> "
-               f"{dep['prefill']}P+{dep['decode']}D predicted "
-               f"{100 * best['goodput']['fraction']:.0f} % within SLO"
-               + ("" if ok else " (best reachable, below the attainment target)"))  # fmt: skip
+        why = (
+            f"model: {what} of ~{obs.mean_prompt:.0f}+{obs.mean_output:.0f} tokens -> "
+            f"{dep['prefill']}P+{dep['decode']}D predicted "
+            f"{100 * best['goodput']['fraction']:.0f} % within SLO"
+            + ("" if ok else " (best reachable, below the attainment target)")
+        )
         return {"prefill": dep["prefill"], "decode": dep["decode"]}, why, best
 
     def decide(self, obs: Observation, current: dict[str, int]) -> Decision:
@@ -173,8 +190,7 @@ class Planner:
         now = self._clamp(current)
         if self._hold > 0:
             self._hold -= 1
-            return Decision(now, [f"cooling down after a change ({self._hold + 1} window(s) "
-                                  "left)"])  # fmt: skip
+            return Decision(now, [f"cooling down after a change ({self._hold + 1} window(s) left)"])
         reasons: list[str] = []
         predicted = None
         idle = obs.request_rate == 0 and obs.running == 0
@@ -186,8 +202,13 @@ class Planner:
             reasons.append(why)
         else:
             want = dict(now)
-            calm = [v is not None and v < 0.5 * slo for v, slo in
-                    ((obs.ttft_p90, s.ttft_slo_ms / 1e3), (obs.itl_p90, s.itl_slo_ms / 1e3))]  # fmt: skip
+            calm = [
+                v is not None and v < 0.5 * slo
+                for v, slo in (
+                    (obs.ttft_p90, s.ttft_slo_ms / 1e3),
+                    (obs.itl_p90, s.itl_slo_ms / 1e3),
+                )
+            ]
             if self.profile is None and all(calm) and obs.finished >= MIN_REACTION_REQUESTS:
                 role = "decode" if now["decode"] > self.bounds("decode")[0] else "prefill"
                 want[role] -= 1
@@ -212,11 +233,15 @@ class Planner:
                 role = max(ROLES, key=lambda r: (now[r] - want[r], r == "decode"))
                 target[role] -= 1
                 self._fewer = 0
-                reasons.append(f"fewer asked for {s.scale_down_intervals} intervals in a row: "
-                               f"draining one {role} worker")  # fmt: skip
+                reasons.append(
+                    f"fewer asked for {s.scale_down_intervals} intervals in a row: "
+                    f"draining one {role} worker"
+                )
             else:
-                reasons.append(f"fewer asked for ({self._fewer} of {s.scale_down_intervals} "
-                               "intervals before a drain)")  # fmt: skip
+                reasons.append(
+                    f"fewer asked for ({self._fewer} of {s.scale_down_intervals} "
+                    "intervals before a drain)"
+                )
         else:
             self._fewer = 0
         if not reasons:
@@ -237,18 +262,31 @@ class PlannerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.desired = Gauge("pdserve_planner_desired_workers", "workers the planner wants",
-                             ["role"], registry=r)  # fmt: skip
-        self.decisions = Counter("pdserve_planner_decisions", "scaling decisions by direction",
-                                 ["role", "direction"], registry=r)  # fmt: skip
-        self.rate = Gauge("pdserve_planner_observed_request_rate",
-                          "requests/s arriving in the last interval", registry=r)  # fmt: skip
-        self.ttft = Gauge("pdserve_planner_observed_ttft_p90_seconds",
-                          "TTFT p90 of the last interval", registry=r)  # fmt: skip
-        self.itl = Gauge("pdserve_planner_observed_itl_p90_seconds",
-                         "ITL p90 of the last interval", registry=r)  # fmt: skip
-        self.goodput = Gauge("pdserve_planner_predicted_goodput_ratio",
-                             "predicted share of requests within SLO", registry=r)  # fmt: skip
+        self.desired = Gauge(
+            "pdserve_planner_desired_workers", "workers the planner wants", ["role"], registry=r
+        )
+        self.decisions = Counter(
+            "pdserve_planner_decisions",
+            "scaling decisions by direction",
+            ["role", "direction"],
+            registry=r,
+        )
+        self.rate = Gauge(
+            "pdserve_planner_observed_request_rate",
+            "requests/s arriving in the last interval",
+            registry=r,
+        )
+        self.ttft = Gauge(
+            "pdserve_planner_observed_ttft_p90_seconds", "TTFT p90 of the last interval", registry=r
+        )
+        self.itl = Gauge(
+            "pdserve_planner_observed_itl_p90_seconds", "ITL p90 of the last interval", registry=r
+        )
+        self.goodput = Gauge(
+            "pdserve_planner_predicted_goodput_ratio",
+            "predicted share of requests within SLO",
+            registry=r,
+        )
 
     def record(self, obs: Observation, decision: Decision, current: dict[str, int]) -> None:
         for role in ROLES:
@@ -320,9 +358,14 @@ class AutoscaleLoop:
     window then spans both intervals). :meth:`start` runs it on a daemon thread; :meth:`step`
     is one round (the tests drive it)."""
 
-    def __init__(self, planner: Planner, fetch: Callable[[], list[str]],
-                 current: Callable[[], dict[str, int]], act: Callable[[dict[str, int]], None],
-                 metrics: PlannerMetrics | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        planner: Planner,
+        fetch: Callable[[], list[str]],
+        current: Callable[[], dict[str, int]],
+        act: Callable[[dict[str, int]], None],
+        metrics: PlannerMetrics | None = None,
+    ) -> None:
         self.planner, self.fetch, self.current, self.act = planner, fetch, current, act
         self.metrics = metrics or PlannerMetrics()
         self.last: Snapshot | None = None
@@ -335,8 +378,9 @@ class AutoscaleLoop:
         try:
             snap = merge_snapshots([parse_metrics(text) for text in self.fetch()])
         except Exception as exc:  # noqa: BLE001 - any failure of the source skips a round
-            logger.warning("planner: cannot read the router's metrics: %s: %s",
-                           type(exc).__name__, exc)  # fmt: skip
+            logger.warning(
+                "planner: cannot read the router's metrics: %s: %s", type(exc).__name__, exc
+            )
             return None
         before, self.last = self.last, snap
         if before is None:

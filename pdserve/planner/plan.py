@@ -33,10 +33,17 @@ class Targets:
     attainment: float = 0.9
 
 
-def candidates(prefill: Iterable[int], decode: Iterable[int], chunks: Iterable[int],
-               local_prefill: Iterable[int], *, max_workers: int | None = None,
-               max_num_seqs: int = 32, cores: int | None = None,
-               threads_per_worker: int | None = None) -> list[Deployment]:  # fmt: skip
+def candidates(
+    prefill: Iterable[int],
+    decode: Iterable[int],
+    chunks: Iterable[int],
+    local_prefill: Iterable[int],
+    *,
+    max_workers: int | None = None,
+    max_num_seqs: int = 32,
+    cores: int | None = None,
+    threads_per_worker: int | None = None,
+) -> list[Deployment]:
     """Every combination (decode workers at least 1; at most ``max_workers`` in all)."""
     out = []
     for p, d, c, lp in itertools.product(prefill, decode, chunks, local_prefill):
@@ -46,8 +53,9 @@ def candidates(prefill: Iterable[int], decode: Iterable[int], chunks: Iterable[i
     return out
 
 
-def evaluate(profile: Profile, deployments: Sequence[Deployment], workload: Workload,
-             targets: Targets) -> list[dict[str, Any]]:  # fmt: skip
+def evaluate(
+    profile: Profile, deployments: Sequence[Deployment], workload: Workload, targets: Targets
+) -> list[dict[str, Any]]:
     """One row per deployment: the deployment and its predicted figures
     (:func:`pdserve.planner.simulate.simulate`)."""
     return [
@@ -56,7 +64,7 @@ def evaluate(profile: Profile, deployments: Sequence[Deployment], workload: Work
             "label": d.label(),
             "workers": d.workers,
             **simulate(profile, d, workload, targets),
-        }  # fmt: skip
+        }
         for d in deployments
     ]
 
@@ -82,8 +90,10 @@ def _f(v: float | None, width: int, digits: int = 1) -> str:
 
 def format_table(rows: Sequence[dict[str, Any]], best: dict[str, Any] | None = None) -> str:
     """One line per candidate: predicted TTFT/ITL/TPOT p50 and p90 (ms), tokens/s, goodput."""
-    head = (f"  {'deployment':<30} {'TTFT p50':>8} {'p90':>8} {'ITL p50':>8} {'p90':>7} "
-            f"{'TPOT p50':>8} {'tok/s':>7} {'good%':>5} {'good/s':>6} {'util P/D':>9}")  # fmt: skip
+    head = (
+        f"  {'deployment':<30} {'TTFT p50':>8} {'p90':>8} {'ITL p50':>8} {'p90':>7} "
+        f"{'TPOT p50':>8} {'tok/s':>7} {'good%':>5} {'good/s':>6} {'util P/D':>9}"
+    )
     lines = [head]
     for r in rows:
         u = r["utilization"]
@@ -113,43 +123,101 @@ def _ints(text: str) -> list[int]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``pdserve plan``."""
-    p.add_argument("--profile", required=True, metavar="FILE",
-                   help="the profile `pdserve bench profile` wrote for this model and hardware")  # fmt: skip
+    p.add_argument(
+        "--profile",
+        required=True,
+        metavar="FILE",
+        help="the profile `pdserve bench profile` wrote for this model and hardware",
+    )
     w = p.add_argument_group("workload")
-    w.add_argument("--input-len", default="256", metavar="N|LO:HI",
-                   help="prompt tokens per request, fixed or uniform in LO:HI (default: 256)")  # fmt: skip
-    w.add_argument("--output-len", default="64", metavar="N|LO:HI",
-                   help="output tokens per request, fixed or uniform in LO:HI (default: 64)")  # fmt: skip
+    w.add_argument(
+        "--input-len",
+        default="256",
+        metavar="N|LO:HI",
+        help="prompt tokens per request, fixed or uniform in LO:HI (default: 256)",
+    )
+    w.add_argument(
+        "--output-len",
+        default="64",
+        metavar="N|LO:HI",
+        help="output tokens per request, fixed or uniform in LO:HI (default: 64)",
+    )
     load = w.add_mutually_exclusive_group()
-    load.add_argument("--request-rate", type=float, default=None, metavar="REQ_PER_S",
-                      help="Poisson arrivals at this rate (requests/s)")  # fmt: skip
-    load.add_argument("--concurrency", type=int, default=None,
-                      help="a closed loop keeping this many requests in flight (default: 8 "
-                      "when no --request-rate)")  # fmt: skip
-    w.add_argument("--num-requests", type=int, default=200,
-                   help="simulated requests per candidate (default: 200)")  # fmt: skip
+    load.add_argument(
+        "--request-rate",
+        type=float,
+        default=None,
+        metavar="REQ_PER_S",
+        help="Poisson arrivals at this rate (requests/s)",
+    )
+    load.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="a closed loop keeping this many requests in flight (default: 8 "
+        "when no --request-rate)",
+    )
+    w.add_argument(
+        "--num-requests",
+        type=int,
+        default=200,
+        help="simulated requests per candidate (default: 200)",
+    )
     w.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     s = p.add_argument_group("service-level objectives (goodput counts requests meeting all)")
     s.add_argument("--ttft-slo-ms", type=float, default=None, metavar="MS")
     s.add_argument("--tpot-slo-ms", type=float, default=None, metavar="MS")
-    s.add_argument("--itl-slo-ms", type=float, default=None, metavar="MS",
-                   help="target for each request's 90th-percentile inter-token gap")  # fmt: skip
-    s.add_argument("--attainment", type=float, default=0.9,
-                   help="share of requests that must meet every SLO (default: 0.9)")  # fmt: skip
+    s.add_argument(
+        "--itl-slo-ms",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="target for each request's 90th-percentile inter-token gap",
+    )
+    s.add_argument(
+        "--attainment",
+        type=float,
+        default=0.9,
+        help="share of requests that must meet every SLO (default: 0.9)",
+    )
     c = p.add_argument_group("candidates (N, LO:HI or a,b,c)")
-    c.add_argument("--prefill", type=_ints, default=[0, 1, 2], metavar="SET",
-                   help="prefill worker counts (default: 0:2)")  # fmt: skip
-    c.add_argument("--decode", type=_ints, default=[1, 2, 3], metavar="SET",
-                   help="decode worker counts (default: 1:3)")  # fmt: skip
-    c.add_argument("--chunk", type=_ints, default=[512], metavar="SET",
-                   help="max_num_batched_tokens values (default: 512)")  # fmt: skip
-    c.add_argument("--local-prefill-max-tokens", type=_ints, default=[0, 256], metavar="SET",
-                   help="conditional-disaggregation thresholds (default: 0,256)")  # fmt: skip
+    c.add_argument(
+        "--prefill",
+        type=_ints,
+        default=[0, 1, 2],
+        metavar="SET",
+        help="prefill worker counts (default: 0:2)",
+    )
+    c.add_argument(
+        "--decode",
+        type=_ints,
+        default=[1, 2, 3],
+        metavar="SET",
+        help="decode worker counts (default: 1:3)",
+    )
+    c.add_argument(
+        "--chunk",
+        type=_ints,
+        default=[512],
+        metavar="SET",
+        help="max_num_batched_tokens values (default: 512)",
+    )
+    c.add_argument(
+        "--local-prefill-max-tokens",
+        type=_ints,
+        default=[0, 256],
+        metavar="SET",
+        help="conditional-disaggregation thresholds (default: 0,256)",
+    )
     c.add_argument("--max-workers", type=int, default=None, help="at most this many workers")
     c.add_argument("--max-num-seqs", type=int, default=32, help="running sequences per worker")
-    c.add_argument("--cores", type=int, default=None,
-                   help="all workers share one host of this many cores (as `pdserve up` on "
-                   "this machine); default: each worker on hardware of its own")  # fmt: skip
+    c.add_argument(
+        "--cores",
+        type=int,
+        default=None,
+        help="all workers share one host of this many cores (as `pdserve up` on "
+        "this machine); default: each worker on hardware of its own",
+    )
     p.add_argument("--json", default=None, metavar="FILE", help="also write every row as JSON")
 
 
@@ -159,10 +227,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         profile = Profile.load(Path(args.profile))
         workload = Workload(
-            LengthDist.parse(args.input_len), LengthDist.parse(args.output_len),
-            num_requests=args.num_requests, request_rate=args.request_rate,
-            concurrency=None if args.request_rate else (args.concurrency or 8), seed=args.seed,
-        )  # fmt: skip
+            LengthDist.parse(args.input_len),
+            LengthDist.parse(args.output_len),
+            num_requests=args.num_requests,
+            request_rate=args.request_rate,
+            concurrency=None if args.request_rate else (args.concurrency or 8),
+            seed=args.seed,
+        )
     except (ProfileError, ValueError) as exc:
         print(f"plan: {exc}", file=sys.stderr)
         return 2
@@ -171,26 +242,43 @@ def run(args: argparse.Namespace) -> int:
         for v in (args.ttft_slo_ms, args.tpot_slo_ms, args.itl_slo_ms)
     ]
     targets = Targets(ms[0], ms[1], ms[2], args.attainment)
-    deps = candidates(args.prefill, args.decode, args.chunk, args.local_prefill_max_tokens,
-                      max_workers=args.max_workers, max_num_seqs=args.max_num_seqs,
-                      cores=args.cores)  # fmt: skip
+    deps = candidates(
+        args.prefill,
+        args.decode,
+        args.chunk,
+        args.local_prefill_max_tokens,
+        max_workers=args.max_workers,
+        max_num_seqs=args.max_num_seqs,
+        cores=args.cores,
+    )
     if not deps:
-        print("plan: no candidate (every decode count is 0, or --max-workers excludes all)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "plan: no candidate (every decode count is 0, or --max-workers excludes all)",
+            file=sys.stderr,
+        )
         return 2
     rows = evaluate(profile, deps, workload, targets)
     best, ok = recommend(rows, targets)
-    load = (f"{workload.request_rate:g} req/s" if workload.request_rate
-            else f"concurrency {workload.concurrency}")  # fmt: skip
-    print(f"plan: {profile.model} ({profile.meta.get('cpu', 'unknown hardware')}), prompts "
-          f"{workload.input_len}, outputs {workload.output_len}, {load}, "
-          f"{workload.num_requests} simulated requests per candidate")  # fmt: skip
+    load = (
+        f"{workload.request_rate:g} req/s"
+        if workload.request_rate
+        else f"concurrency {workload.concurrency}"
+    )
+    print(
+        f"plan: {profile.model} ({profile.meta.get('cpu', 'unknown hardware')}), prompts "
+        f"{workload.input_len}, outputs {workload.output_len}, {load}, "
+        f"{workload.num_requests} simulated requests per candidate"
+    )
     print(format_table(rows, best))
     verdict = "meets" if ok else "MISSES"
-    print(f"recommended: {best['label']} ({best['workers']} workers): {verdict} the "
-          f"{100 * targets.attainment:.0f} % attainment target "
-          f"({100 * best['goodput']['fraction']:.0f} % of requests meet every SLO)")  # fmt: skip
+    print(
+        f"recommended: {best['label']} ({best['workers']} workers): {verdict} the "
+        f"{100 * targets.attainment:.0f} % attainment target "
+        f"({100 * best['goodput']['fraction']:.0f} % of requests meet every SLO)"
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "recommended": best["label"],
-                                               "meets_target": ok}, indent=1) + "\n")  # fmt: skip
+        Path(args.json).write_text(
+            json.dumps({"rows": rows, "recommended": best["label"], "meets_target": ok}, indent=1)
+            + "\n"
+        )
     return 0 if ok else 1
