@@ -66,16 +66,20 @@ class PlannerSettings(_Section):
         default=3,
         ge=1,
         description="intervals in a row asking for fewer workers before one is drained",
-    )  # fmt: skip
+    )
     cooldown_s: Annotated[float, Flag("--planner-cooldown-s", PLANNING)] = Field(
-        default=60.0, ge=0, description="after a change, seconds before the next one (a "
+        default=60.0,
+        ge=0,
+        description="after a change, seconds before the next one (a "
         "starting worker loads the model and a draining one migrates: the windows in between "
         "measure neither)",
-    )  # fmt: skip
+    )
     port: Annotated[int, Flag("--planner-port", PLANNING)] = Field(
-        default=8300, ge=0, le=65535,
+        default=8300,
+        ge=0,
+        le=65535,
         description="port of the planner's own /metrics (0: none)",
-    )  # fmt: skip
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> PlannerSettings:

@@ -53,8 +53,7 @@ class LocalActuator:
     """Applies the planner's latest target to ``stack`` on the supervisor's thread (module
     docstring). ``notify`` gets one line per worker started or retired."""
 
-    def __init__(self, stack: Stack, drain_timeout_s: float,
-                 notify: Callable[[str], None]) -> None:  # fmt: skip
+    def __init__(self, stack: Stack, drain_timeout_s: float, notify: Callable[[str], None]) -> None:
         self.stack, self.drain_timeout_s, self.notify = stack, drain_timeout_s, notify
         self._lock = threading.Lock()
         self._pending: dict[str, int] | None = None
@@ -90,16 +89,20 @@ class LocalActuator:
             self._counts = self._expected()
 
     def _retire_newest(self, role: str) -> None:
-        live = [p for p in self.stack.supervisor.processes
-                if self.stack.roles.get(p.name) == role and not p.stopped]  # fmt: skip
+        live = [
+            p
+            for p in self.stack.supervisor.processes
+            if self.stack.roles.get(p.name) == role and not p.stopped
+        ]
         if live:
             victim = live[-1]
             self.stack.supervisor.retire(victim, self.drain_timeout_s)
             self.notify(f"autoscale: draining {victim.name}")
 
 
-def start_autoscaler(cfg: PdserveConfig, stack: Stack, profile: Profile | None,
-                     notify: Callable[[str], None]) -> tuple[AutoscaleLoop, LocalActuator]:  # fmt: skip
+def start_autoscaler(
+    cfg: PdserveConfig, stack: Stack, profile: Profile | None, notify: Callable[[str], None]
+) -> tuple[AutoscaleLoop, LocalActuator]:
     """The planner for ``stack`` (``profile``: the loaded ``planner.profile``, None for
     reaction only), its metrics on ``planner.port`` (0: none; a port in use is logged and
     skipped), its loop started."""
@@ -117,11 +120,14 @@ def start_autoscaler(cfg: PdserveConfig, stack: Stack, profile: Profile | None,
             start_http_server(p.port, addr=cfg.router.host, registry=metrics.registry)
         except OSError as exc:
             logger.warning("planner: no /metrics on port %d: %s", p.port, exc)
-    loop = AutoscaleLoop(planner, router_metrics_fetcher(stack.url), actuator.current,
-                         actuator.request, metrics)  # fmt: skip
+    loop = AutoscaleLoop(
+        planner, router_metrics_fetcher(stack.url), actuator.current, actuator.request, metrics
+    )
     loop.start()
     mode = "profile " + str(p.profile) if profile else "no profile: reacting to observed SLOs"
-    notify(f"autoscale: {p.min_prefill}..{p.max_prefill} prefill, {p.min_decode}.."
-           f"{p.max_decode} decode workers, TTFT <= {p.ttft_slo_ms:g} ms, ITL p90 <= "
-           f"{p.itl_slo_ms:g} ms, every {p.interval_s:g} s ({mode})")  # fmt: skip
+    notify(
+        f"autoscale: {p.min_prefill}..{p.max_prefill} prefill, {p.min_decode}.."
+        f"{p.max_decode} decode workers, TTFT <= {p.ttft_slo_ms:g} ms, ITL p90 <= "
+        f"{p.itl_slo_ms:g} ms, every {p.interval_s:g} s ({mode})"
+    )
     return loop, actuator

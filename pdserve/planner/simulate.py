@@ -78,8 +78,10 @@ class Deployment:
         return max(1, self.cores // self.workers)
 
     def label(self) -> str:
-        return (f"{self.prefill}P+{self.decode}D chunk {self.max_num_batched_tokens} "
-                f"local<={self.local_prefill_max_tokens}")  # fmt: skip
+        return (
+            f"{self.prefill}P+{self.decode}D chunk {self.max_num_batched_tokens} "
+            f"local<={self.local_prefill_max_tokens}"
+        )
 
 
 @dataclass(frozen=True)
@@ -153,8 +155,9 @@ class SimRequest:
 class _Worker:
     """One simulated engine (see the module docstring)."""
 
-    def __init__(self, sim: Simulation, role: str, index: int, engine: EngineProfile,
-                 threads: int) -> None:  # fmt: skip
+    def __init__(
+        self, sim: Simulation, role: str, index: int, engine: EngineProfile, threads: int
+    ) -> None:
         self.sim, self.role, self.index = sim, role, index
         self.engine, self.threads = engine, threads
         self.waiting: deque[SimRequest] = deque()
@@ -243,8 +246,9 @@ class Simulation:
     """Run ``workload`` through ``deployment`` timed by ``profile``; :meth:`run` returns the
     finished requests. Raises ValueError for a deployment without a decode worker."""
 
-    def __init__(self, profile: Profile, deployment: Deployment, workload: Workload,
-                 jitter: float = JITTER) -> None:  # fmt: skip
+    def __init__(
+        self, profile: Profile, deployment: Deployment, workload: Workload, jitter: float = JITTER
+    ) -> None:
         if deployment.decode < 1:
             raise ValueError("a deployment needs at least one decode worker")
         self.profile, self.deployment, self.workload = profile, deployment, workload
@@ -401,8 +405,11 @@ def summarize(done: Sequence[SimRequest], slo: Any | None = None) -> dict[str, A
     }
     if slo is not None:
         good = sum(_meets(r, slo) for r in done)
-        out["goodput"] = {"good": good, "fraction": good / len(done),
-                          "requests_per_s": good / span if span else None}  # fmt: skip
+        out["goodput"] = {
+            "good": good,
+            "fraction": good / len(done),
+            "requests_per_s": good / span if span else None,
+        }
     return out
 
 
@@ -416,8 +423,13 @@ def _meets(r: SimRequest, slo: Any) -> bool:
     return slo.itl_s is None or itl90 is None or itl90 <= slo.itl_s
 
 
-def simulate(profile: Profile, deployment: Deployment, workload: Workload,
-             slo: Any | None = None, jitter: float = JITTER) -> dict[str, Any]:  # fmt: skip
+def simulate(
+    profile: Profile,
+    deployment: Deployment,
+    workload: Workload,
+    slo: Any | None = None,
+    jitter: float = JITTER,
+) -> dict[str, Any]:
     """One simulation's :func:`summarize` plus ``utilization`` per role."""
     sim = Simulation(profile, deployment, workload, jitter)
     out = summarize(sim.run(), slo)

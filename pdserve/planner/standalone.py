@@ -42,8 +42,9 @@ def run_planner(cfg: PdserveConfig, router_url: str, host: str = "0.0.0.0") -> i
         try:
             start_http_server(p.port, addr=host, registry=metrics.registry)
         except OSError as exc:
-            print(f"pdserve planner: cannot serve /metrics on {host}:{p.port}: {exc}",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"pdserve planner: cannot serve /metrics on {host}:{p.port}: {exc}", file=sys.stderr
+            )
             return 1
     planner = Planner.for_config(cfg, profile, cores=None)
 
@@ -51,15 +52,18 @@ def run_planner(cfg: PdserveConfig, router_url: str, host: str = "0.0.0.0") -> i
         seen = loop.last.workers if loop.last is not None else {}
         return {r: seen.get(r, 0) for r in ROLES}
 
-    loop = AutoscaleLoop(planner, router_metrics_fetcher(router_url), current, lambda _t: None,
-                         metrics)  # fmt: skip
+    loop = AutoscaleLoop(
+        planner, router_metrics_fetcher(router_url), current, lambda _t: None, metrics
+    )
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
-    print(f"pdserve planner: watching {router_url}/metrics every {p.interval_s:g} s; "
-          f"desired worker counts on :{p.port}/metrics ("
-          f"{'profile ' + str(p.profile) if profile else 'no profile: reacting to observed SLOs'})",
-          flush=True)  # fmt: skip
+    print(
+        f"pdserve planner: watching {router_url}/metrics every {p.interval_s:g} s; "
+        f"desired worker counts on :{p.port}/metrics ("
+        f"{'profile ' + str(p.profile) if profile else 'no profile: reacting to observed SLOs'})",
+        flush=True,
+    )
     loop.start()
     done.wait()
     loop.stop()

@@ -269,9 +269,14 @@ class ResponsesRenderer:
             elif d.arguments:
                 item = self._calls[d.index]
                 item.text += d.arguments
-                out.append(self._event("response.function_call_arguments.delta",
-                                       item_id=item.id, output_index=item.index,
-                                       delta=d.arguments))  # fmt: skip
+                out.append(
+                    self._event(
+                        "response.function_call_arguments.delta",
+                        item_id=item.id,
+                        output_index=item.index,
+                        delta=d.arguments,
+                    )
+                )
         return out
 
     def _text(self, text: str, out: list[dict[str, Any]]) -> None:
@@ -279,20 +284,38 @@ class ResponsesRenderer:
         if item is None or item.done or item.call_id is not None:
             item = self._open(_Item(len(self._items), _id("msg")), out)
         item.text += text
-        out.append(self._event("response.output_text.delta", item_id=item.id,
-                               output_index=item.index, content_index=0, delta=text,
-                               logprobs=[]))  # fmt: skip
+        out.append(
+            self._event(
+                "response.output_text.delta",
+                item_id=item.id,
+                output_index=item.index,
+                content_index=0,
+                delta=text,
+                logprobs=[],
+            )
+        )
 
     def _open(self, item: _Item, out: list[dict[str, Any]]) -> _Item:
         """Close the open item, open ``item``."""
         self._close(out, "completed")
         self._items.append(item)
-        out.append(self._event("response.output_item.added", output_index=item.index,
-                               item=item.model("in_progress").model_dump(mode="json")))  # fmt: skip
+        out.append(
+            self._event(
+                "response.output_item.added",
+                output_index=item.index,
+                item=item.model("in_progress").model_dump(mode="json"),
+            )
+        )
         if item.call_id is None:
-            out.append(self._event("response.content_part.added", item_id=item.id,
-                                   output_index=item.index, content_index=0,
-                                   part=OutputText(text="").model_dump(mode="json")))  # fmt: skip
+            out.append(
+                self._event(
+                    "response.content_part.added",
+                    item_id=item.id,
+                    output_index=item.index,
+                    content_index=0,
+                    part=OutputText(text="").model_dump(mode="json"),
+                )
+            )
         return item
 
     def _close(self, out: list[dict[str, Any]], status: ItemStatus) -> None:
@@ -304,13 +327,22 @@ class ResponsesRenderer:
         where = {"item_id": item.id, "output_index": item.index}
         if item.call_id is None:
             part = OutputText(text=item.text).model_dump(mode="json")
-            out.append(self._event("response.output_text.done", **where, content_index=0,
-                                   text=item.text, logprobs=[]))  # fmt: skip
-            out.append(self._event("response.content_part.done", **where, content_index=0,
-                                   part=part))  # fmt: skip
+            out.append(
+                self._event(
+                    "response.output_text.done",
+                    **where,
+                    content_index=0,
+                    text=item.text,
+                    logprobs=[],
+                )
+            )
+            out.append(
+                self._event("response.content_part.done", **where, content_index=0, part=part)
+            )
         else:
-            out.append(self._event("response.function_call_arguments.done", **where,
-                                   arguments=item.text))  # fmt: skip
+            out.append(
+                self._event("response.function_call_arguments.done", **where, arguments=item.text)
+            )
         done = item.model(status).model_dump(mode="json")
         out.append(self._event("response.output_item.done", output_index=item.index, item=done))
 
@@ -369,10 +401,16 @@ def add_responses_routes(app: FastAPI, *, secured: bool, collect: Collect) -> No
         )
         fmt = ResponsesRenderer(info, st.tokens, prepared.tools, echo_fields(body))
         rid = info.response_id
-        log.debug("req %s: %d prompt tokens, %s, stream=%s", rid,
-                  len(prepared.prompt_token_ids), prepared.sampling, body.stream)  # fmt: skip
-        timeline = request_timeline(request, "chat", info.model, rid, info.prompt_tokens,
-                                    prepared.sampling, t0)  # fmt: skip
+        log.debug(
+            "req %s: %d prompt tokens, %s, stream=%s",
+            rid,
+            len(prepared.prompt_token_ids),
+            prepared.sampling,
+            body.stream,
+        )
+        timeline = request_timeline(
+            request, "chat", info.model, rid, info.prompt_tokens, prepared.sampling, t0
+        )
         log_phases = st.cfg.observability.phase_log
         start = st.router.start(rid, prepared.prompt_token_ids, prepared.sampling, timeline)
         txn = await started(start, timeline, rid, phase_log=log_phases)

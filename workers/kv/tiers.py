@@ -177,8 +177,12 @@ class DiskTier:
         self.layout_key = layout.compat_hash()
         self.dtype = KV_DTYPES[layout.dtype]
         self.shape = (
-            layout.num_layers, 2, layout.tokens_per_block, layout.num_kv_heads, layout.head_dim
-        )  # fmt: skip
+            layout.num_layers,
+            2,
+            layout.tokens_per_block,
+            layout.num_kv_heads,
+            layout.head_dim,
+        )
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._pending: OrderedDict[int, torch.Tensor] = OrderedDict()  # FIFO
@@ -255,8 +259,9 @@ class DiskTier:
 
     def _remove_corrupt(self, path: Path, seen: os.stat_result, problem: str) -> None:
         """Remove ``path`` unless another writer replaced it since it was read (a new inode)."""
-        log.warning("KV disk tier: %s failed its checks (%s); removed, will recompute",
-                    path.name, problem)  # fmt: skip
+        log.warning(
+            "KV disk tier: %s failed its checks (%s); removed, will recompute", path.name, problem
+        )
         try:
             now = os.stat(path)
             if (now.st_ino, now.st_mtime_ns) == (seen.st_ino, seen.st_mtime_ns):
@@ -287,8 +292,11 @@ class DiskTier:
                 self._counts["dropped"] += 1
                 dropped = self._counts["dropped"]
                 if dropped & (dropped - 1) == 0:  # 1st, 2nd, 4th, ...: no log flood
-                    log.warning("KV disk tier: write queue full (%d MiB); %d saves dropped so "
-                                "far", self.max_pending_bytes >> 20, dropped)  # fmt: skip
+                    log.warning(
+                        "KV disk tier: write queue full (%d MiB); %d saves dropped so far",
+                        self.max_pending_bytes >> 20,
+                        dropped,
+                    )
                 return False
             self._pending[block_hash] = kv
             self._pending_bytes += size
@@ -412,13 +420,21 @@ class DiskTier:
             self._wake.notify_all()
         self._writer.join(timeout)
         if self._writer.is_alive():
-            log.warning("KV disk tier: %d blocks still queued after %.1f s; not written",
-                        len(self._pending), timeout)  # fmt: skip
+            log.warning(
+                "KV disk tier: %d blocks still queued after %.1f s; not written",
+                len(self._pending),
+                timeout,
+            )
 
     def stats(self) -> TierStats:
         with self._lock:
             c = self._counts
             return TierStats(
-                self._blocks, self._bytes, c["stored"], c["evicted"], c["corrupt"],
-                c["dropped"], len(self._pending),
-            )  # fmt: skip
+                self._blocks,
+                self._bytes,
+                c["stored"],
+                c["evicted"],
+                c["corrupt"],
+                c["dropped"],
+                len(self._pending),
+            )
