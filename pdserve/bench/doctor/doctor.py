@@ -404,9 +404,11 @@ def exit_code(findings: Sequence[Finding]) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``pdserve doctor`` flags."""
     parser.add_argument(
-        "--backend", choices=["auto", "nixl", "ucx", "tcp"], default="auto",
+        "--backend",
+        choices=["auto", "nixl", "ucx", "tcp"],
+        default="auto",
         help="the transfer backend you mean to use (an unusable explicit choice FAILs)",
-    )  # fmt: skip
+    )
     parser.add_argument("--peer", default=None, help="a worker's transfer endpoint HOST:PORT")
     parser.add_argument(
         "--discovery",
@@ -418,14 +420,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probe-mib", type=float, default=64.0, help="bytes per probe, MiB")
     parser.add_argument("--timeout-s", type=float, default=30.0)
     parser.add_argument(
-        "--cluster-secret-file", type=Path, default=None, metavar="FILE",
+        "--cluster-secret-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
         help="the deployment's cluster secret (a probe must prove it holds it; default: "
         "PDSERVE_SECURITY__CLUSTER_SECRET_FILE, then the config file's security section)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--config", type=Path, default=None, metavar="FILE",
+        "--config",
+        type=Path,
+        default=None,
+        metavar="FILE",
         help="YAML config to read the cluster secret from (default: $PDSERVE_CONFIG)",
-    )  # fmt: skip
+    )
 
 
 def deployment(args: argparse.Namespace) -> tuple[ClusterKey, DiscoverySettings]:

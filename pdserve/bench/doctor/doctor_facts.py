@@ -132,13 +132,21 @@ def ucx_transports() -> tuple[dict[str, tuple[str, ...]] | None, str]:
     )
     try:
         out = subprocess.run(
-            [str(binary), "-d"], env=env, capture_output=True, text=True,
-            timeout=_UCX_INFO_TIMEOUT_S, check=True,
-        ).stdout  # fmt: skip
+            [str(binary), "-d"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=_UCX_INFO_TIMEOUT_S,
+            check=True,
+        ).stdout
         version = subprocess.run(
-            [str(binary), "-v"], env=env, capture_output=True, text=True,
-            timeout=_UCX_INFO_TIMEOUT_S, check=False,
-        ).stdout  # fmt: skip
+            [str(binary), "-v"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=_UCX_INFO_TIMEOUT_S,
+            check=False,
+        ).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"ucx_info failed: {exc}"
     match = re.search(r"Library version:\s*(\S+)", version)

@@ -51,20 +51,39 @@ HELP = "up --autoscale vs a fixed peak deployment under a stepped load: goodput,
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``pdserve bench autoscale``."""
-    p.add_argument("--phases", nargs="+", default=["1:120", "8:120", "1:120"], metavar="C:S",
-                   help="concurrency:seconds, in order (default: 1:120 8:120 1:120)")  # fmt: skip
+    p.add_argument(
+        "--phases",
+        nargs="+",
+        default=["1:120", "8:120", "1:120"],
+        metavar="C:S",
+        help="concurrency:seconds, in order (default: 1:120 8:120 1:120)",
+    )
     p.add_argument("--input-len", type=int, default=384, help="prompt tokens (default: 384)")
     p.add_argument("--output-len", type=int, default=64, help="output tokens (default: 64)")
-    p.add_argument("--fixed", default=None, metavar="PxD",
-                   help="the fixed arm's workers (default: the planner's maxima)")  # fmt: skip
-    p.add_argument("--arms", nargs="+", choices=["fixed", "autoscale"],
-                   default=["fixed", "autoscale"], help="arms to run (default: both)")  # fmt: skip
+    p.add_argument(
+        "--fixed",
+        default=None,
+        metavar="PxD",
+        help="the fixed arm's workers (default: the planner's maxima)",
+    )
+    p.add_argument(
+        "--arms",
+        nargs="+",
+        choices=["fixed", "autoscale"],
+        default=["fixed", "autoscale"],
+        help="arms to run (default: both)",
+    )
     p.add_argument("--seed", type=int, default=0, help="prompt seed (default: 0)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
 
 
-async def _phases(url: str, headers: dict[str, str], model: str, args: argparse.Namespace,
-                  phases: list[tuple[int, float]]) -> list[list[Any]]:  # fmt: skip
+async def _phases(
+    url: str,
+    headers: dict[str, str],
+    model: str,
+    args: argparse.Namespace,
+    phases: list[tuple[int, float]],
+) -> list[list[Any]]:
     """The results of each phase's requests (closed loops until the phase's deadline)."""
     import httpx
 
@@ -73,14 +92,23 @@ async def _phases(url: str, headers: dict[str, str], model: str, args: argparse.
     rng = random.Random(args.seed)
     top = max(c for c, _ in phases) + 4
     out: list[list[Any]] = []
-    async with httpx.AsyncClient(timeout=httpx.Timeout(900, connect=30), headers=headers,
-                                 limits=httpx.Limits(max_connections=top)) as client:  # fmt: skip
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(900, connect=30),
+        headers=headers,
+        limits=httpx.Limits(max_connections=top),
+    ) as client:
 
         async def one() -> Any:
             ids = [rng.randrange(100, 10100) for _ in range(args.input_len)]
-            body = {"model": model, "prompt": ids, "max_tokens": args.output_len,
-                    "temperature": 0, "stream": True, "ignore_eos": True,
-                    "stream_options": {"include_usage": True}}  # fmt: skip
+            body = {
+                "model": model,
+                "prompt": ids,
+                "max_tokens": args.output_len,
+                "temperature": 0,
+                "stream": True,
+                "ignore_eos": True,
+                "stream_options": {"include_usage": True},
+            }
             return await bs.stream_openai(client, f"{url}/v1/completions", body, "completions")
 
         await one()  # warm-up
@@ -94,8 +122,11 @@ async def _phases(url: str, headers: dict[str, str], model: str, args: argparse.
 
             await asyncio.gather(*(loop(deadline, results) for _ in range(c)))
             out.append(results)
-            print(f"  phase c={c} {seconds:g} s: {len(results)} requests, "
-                  f"{sum(not r.ok for r in results)} failed", flush=True)  # fmt: skip
+            print(
+                f"  phase c={c} {seconds:g} s: {len(results)} requests, "
+                f"{sum(not r.ok for r in results)} failed",
+                flush=True,
+            )
     return out
 
 
@@ -112,12 +143,14 @@ def _summary(results: list[Any], slo: Any) -> dict[str, Any]:
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     itl = [g for r in ok for g in r.itl_s]
     return {
-        "requests": len(results), "failed": len(results) - len(ok), "good": good,
+        "requests": len(results),
+        "failed": len(results) - len(ok),
+        "good": good,
         "goodput_fraction": good / len(results) if results else None,
         "ttft_ms": {"p50": pct(ttft, 50), "p90": pct(ttft, 90)},
         "itl_ms": {"p50": pct(itl, 50), "p90": pct(itl, 90)},
         "first_error": next((r.error for r in results if not r.ok), None),
-    }  # fmt: skip
+    }
 
 
 class _NoteHandler(logging.Handler):
@@ -131,9 +164,16 @@ class _NoteHandler(logging.Handler):
         self.note(record.getMessage())
 
 
-def _arm(name: str, cfg: PdserveConfig, model_path: Path, counts: dict[str, int],
-         args: argparse.Namespace, phases: list[tuple[int, float]], logs: Path,
-         autoscale: bool) -> dict[str, Any]:  # fmt: skip
+def _arm(
+    name: str,
+    cfg: PdserveConfig,
+    model_path: Path,
+    counts: dict[str, int],
+    args: argparse.Namespace,
+    phases: list[tuple[int, float]],
+    logs: Path,
+    autoscale: bool,
+) -> dict[str, Any]:
     """One arm: start the stack, drive the phases, count worker-seconds."""
     from pdserve.bench.bench import READY_TIMEOUT_S, bench_stack, stack_settings
     from pdserve.bench.serving.bench_serve import slo_from_args
@@ -165,15 +205,20 @@ def _arm(name: str, cfg: PdserveConfig, model_path: Path, counts: dict[str, int]
             planner_log.addHandler(decisions)
             planner_log.setLevel(logging.INFO)
             profile = Profile.load(p.profile) if p.profile else None
-            loop, actuator = start_autoscaler(settings.model_copy(update={"planner": p.model_copy(
-                update={"port": 0})}), stack, profile, note)  # fmt: skip
+            loop, actuator = start_autoscaler(
+                settings.model_copy(update={"planner": p.model_copy(update={"port": 0})}),
+                stack,
+                profile,
+                note,
+            )
         tick: Callable[[], None] | None = actuator.tick if actuator else None
         current = actuator.current if actuator else (lambda: dict(counts))
         samples: list[int] = []
         watcher = threading.Thread(
-            target=stack.supervisor.watch, args=(stopping.is_set, RestartPolicy(), tick),
+            target=stack.supervisor.watch,
+            args=(stopping.is_set, RestartPolicy(), tick),
             daemon=True,
-        )  # fmt: skip
+        )
         watcher.start()
         sampler_stop = threading.Event()
 
@@ -194,15 +239,22 @@ def _arm(name: str, cfg: PdserveConfig, model_path: Path, counts: dict[str, int]
                 loop.stop()
             stopping.set()
             watcher.join(30)
-    slo = slo_from_args(argparse.Namespace(ttft_slo_ms=p.ttft_slo_ms, tpot_slo_ms=None,
-                                           itl_slo_ms=p.itl_slo_ms))  # fmt: skip
+    slo = slo_from_args(
+        argparse.Namespace(ttft_slo_ms=p.ttft_slo_ms, tpot_slo_ms=None, itl_slo_ms=p.itl_slo_ms)
+    )
     every = [r for rs in per_phase for r in rs]
     return {
-        "arm": name, "start": counts, "worker_seconds": float(sum(samples)),
-        "wall_s": float(len(samples)), "events": events, "total": _summary(every, slo),
-        "phases": [{"concurrency": c, "seconds": s, **_summary(rs, slo)}
-                   for (c, s), rs in zip(phases, per_phase, strict=True)],
-    }  # fmt: skip
+        "arm": name,
+        "start": counts,
+        "worker_seconds": float(sum(samples)),
+        "wall_s": float(len(samples)),
+        "events": events,
+        "total": _summary(every, slo),
+        "phases": [
+            {"concurrency": c, "seconds": s, **_summary(rs, slo)}
+            for (c, s), rs in zip(phases, per_phase, strict=True)
+        ],
+    }
 
 
 def run(args: argparse.Namespace, cfg: PdserveConfig) -> int:
@@ -213,18 +265,27 @@ def run(args: argparse.Namespace, cfg: PdserveConfig) -> int:
     try:
         phases = [(int(c), float(s)) for c, s in (x.split(":") for x in args.phases)]
         p = cfg.planner
-        fixed = ({"prefill": p.max_prefill, "decode": p.max_decode} if args.fixed is None
-                 else dict(zip(("prefill", "decode"), map(int, args.fixed.lower().split("x")), strict=True)))  # fmt: skip
+        fixed = (
+            {"prefill": p.max_prefill, "decode": p.max_decode}
+            if args.fixed is None
+            else dict(
+                zip(("prefill", "decode"), map(int, args.fixed.lower().split("x")), strict=True)
+            )
+        )
     except ValueError as exc:
         print(f"bench autoscale: --phases C:SECONDS, --fixed PxD: {exc}", file=sys.stderr)
         return 2
-    model_path = resolve_model(str(cfg.model.path) if cfg.model.path else None,
-                               cache_dir=cfg.model.cache_dir)  # fmt: skip
+    model_path = resolve_model(
+        str(cfg.model.path) if cfg.model.path else None, cache_dir=cfg.model.cache_dir
+    )
     logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-autoscale-"))
-    print(f"bench autoscale: {model_path.name} on {cpu_model()}; phases {args.phases}; "
-          f"{args.input_len}+{args.output_len} tokens; SLO TTFT {p.ttft_slo_ms:g} ms, ITL p90 "
-          f"{p.itl_slo_ms:g} ms; planner {p.min_prefill}..{p.max_prefill}P "
-          f"{p.min_decode}..{p.max_decode}D, profile {p.profile}; logs {logs}", flush=True)  # fmt: skip
+    print(
+        f"bench autoscale: {model_path.name} on {cpu_model()}; phases {args.phases}; "
+        f"{args.input_len}+{args.output_len} tokens; SLO TTFT {p.ttft_slo_ms:g} ms, ITL p90 "
+        f"{p.itl_slo_ms:g} ms; planner {p.min_prefill}..{p.max_prefill}P "
+        f"{p.min_decode}..{p.max_decode}D, profile {p.profile}; logs {logs}",
+        flush=True,
+    )
     arms = []
     for name in args.arms:
         auto = name == "autoscale"
@@ -233,24 +294,30 @@ def run(args: argparse.Namespace, cfg: PdserveConfig) -> int:
         arms.append(_arm(name, cfg, model_path, start, args, phases, logs, auto))
     print("\n" + format_table(arms))
     if args.json:
-        Path(args.json).write_text(json.dumps({"cpu": cpu_model(), "phases": args.phases,
-                                               "arms": arms}, indent=1) + "\n")  # fmt: skip
+        Path(args.json).write_text(
+            json.dumps({"cpu": cpu_model(), "phases": args.phases, "arms": arms}, indent=1) + "\n"
+        )
         print(f"wrote {args.json}")
     return 1 if any(a["total"]["failed"] for a in arms) else 0
 
 
 def format_table(arms: list[dict[str, Any]]) -> str:
     """Markdown: one row per arm and phase, then the arm's total and worker-seconds."""
-    lines = ["| arm | phase | requests | failed | goodput % | TTFT p50 / p90 ms | "
-             "ITL p50 / p90 ms | worker-s |", "|" + "---|" * 8]  # fmt: skip
+    lines = [
+        "| arm | phase | requests | failed | goodput % | TTFT p50 / p90 ms | "
+        "ITL p50 / p90 ms | worker-s |",
+        "|" + "---|" * 8,
+    ]
 
     def row(arm: str, what: str, s: dict[str, Any], ws: str) -> str:
         frac = s["goodput_fraction"]
         t, i = s["ttft_ms"], s["itl_ms"]
-        return (f"| {arm} | {what} | {s['requests']} | {s['failed']} | "
-                f"{'-' if frac is None else f'{100 * frac:.0f}'} | "
-                f"{t['p50'] or 0:.0f} / {t['p90'] or 0:.0f} | {i['p50'] or 0:.1f} / "
-                f"{i['p90'] or 0:.1f} | {ws} |")  # fmt: skip
+        return (
+            f"| {arm} | {what} | {s['requests']} | {s['failed']} | "
+            f"{'-' if frac is None else f'{100 * frac:.0f}'} | "
+            f"{t['p50'] or 0:.0f} / {t['p90'] or 0:.0f} | {i['p50'] or 0:.1f} / "
+            f"{i['p90'] or 0:.1f} | {ws} |"
+        )
 
     for a in arms:
         for ph in a["phases"]:

@@ -42,21 +42,40 @@ HELP = "the planner's predicted TTFT/ITL against real runs of several P:D splits
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``pdserve bench plan-check``."""
-    p.add_argument("--profile", required=True, metavar="FILE",
-                   help="the `pdserve bench profile` file of this model on this machine")  # fmt: skip
-    p.add_argument("--configs", nargs="+", default=["0x1", "1x1", "1x2"], metavar="PxD",
-                   help="prefill x decode workers (default: 0x1 1x1 1x2)")  # fmt: skip
-    p.add_argument("--workloads", nargs="+", default=["128:64", "1536:16", "128:256"],
-                   metavar="IN:OUT", help="prompt:output tokens (default: short chat 128:64, "
-                   "long prompt 1536:16, long answer 128:256)")  # fmt: skip
+    p.add_argument(
+        "--profile",
+        required=True,
+        metavar="FILE",
+        help="the `pdserve bench profile` file of this model on this machine",
+    )
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        default=["0x1", "1x1", "1x2"],
+        metavar="PxD",
+        help="prefill x decode workers (default: 0x1 1x1 1x2)",
+    )
+    p.add_argument(
+        "--workloads",
+        nargs="+",
+        default=["128:64", "1536:16", "128:256"],
+        metavar="IN:OUT",
+        help="prompt:output tokens (default: short chat 128:64, "
+        "long prompt 1536:16, long answer 128:256)",
+    )
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight (default: 4)")
-    p.add_argument("--num-requests", type=int, default=16,
-                   help="requests per workload (default: 16)")  # fmt: skip
+    p.add_argument(
+        "--num-requests", type=int, default=16, help="requests per workload (default: 16)"
+    )
     p.add_argument("--seed", type=int, default=0, help="prompt seed (default: 0)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
-    p.add_argument("--measured", default=None, metavar="FILE",
-                   help="start nothing: predict again for the measured rows of an earlier --json "
-                   "(after a change to the profile or the simulation)")  # fmt: skip
+    p.add_argument(
+        "--measured",
+        default=None,
+        metavar="FILE",
+        help="start nothing: predict again for the measured rows of an earlier --json "
+        "(after a change to the profile or the simulation)",
+    )
 
 
 def _pairs(items: list[str], sep: str) -> list[tuple[int, int]]:
@@ -67,8 +86,15 @@ def _pairs(items: list[str], sep: str) -> list[tuple[int, int]]:
     return out
 
 
-async def _measure(url: str, headers: dict[str, str], model: str, inp: int, out: int,
-                   args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:  # fmt: skip
+async def _measure(
+    url: str,
+    headers: dict[str, str],
+    model: str,
+    inp: int,
+    out: int,
+    args: argparse.Namespace,
+    rng: random.Random,
+) -> dict[str, Any]:
     import httpx
 
     from pdserve.bench.serving import bench_serve as bs
@@ -77,20 +103,30 @@ async def _measure(url: str, headers: dict[str, str], model: str, inp: int, out:
         return [rng.randrange(100, 10100) for _ in range(inp)]
 
     n = args.concurrency + 4
-    async with httpx.AsyncClient(timeout=httpx.Timeout(900, connect=30), headers=headers,
-                                 limits=httpx.Limits(max_connections=n)) as client:  # fmt: skip
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(900, connect=30),
+        headers=headers,
+        limits=httpx.Limits(max_connections=n),
+    ) as client:
 
         def one(ids: list[int]) -> Any:
-            body = {"model": model, "prompt": ids, "max_tokens": out, "temperature": 0,
-                    "stream": True, "stream_options": {"include_usage": True},
-                    "ignore_eos": True}  # fmt: skip
+            body = {
+                "model": model,
+                "prompt": ids,
+                "max_tokens": out,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "ignore_eos": True,
+            }
             return bs.stream_openai(client, f"{url}/v1/completions", body, kind="completions")
 
         warm = await one(prompt())
         if not warm.ok:
             raise RuntimeError(f"warm-up request failed: {warm.error}")
-        results, wall = await bs.run_level(one, [prompt() for _ in range(args.num_requests)],
-                                           args.concurrency)  # fmt: skip
+        results, wall = await bs.run_level(
+            one, [prompt() for _ in range(args.num_requests)], args.concurrency
+        )
         return bs.summarize(results, wall, args.concurrency, expect_output=out)
 
 
@@ -115,13 +151,17 @@ def run(args: argparse.Namespace, cfg: PdserveConfig) -> int:
         return 2
     if earlier is not None:
         return _predict_again(earlier, profile, args)
-    model_path = resolve_model(str(cfg.model.path) if cfg.model.path else None,
-                               cache_dir=cfg.model.cache_dir)  # fmt: skip
+    model_path = resolve_model(
+        str(cfg.model.path) if cfg.model.path else None, cache_dir=cfg.model.cache_dir
+    )
     cores = os.cpu_count() or 1
     logs = Path(tempfile.mkdtemp(prefix="pdserve-plan-check-"))
-    print(f"bench plan-check: {model_path.name} on {cpu_model()} ({cores} cores), profile "
-          f"{args.profile}; concurrency {args.concurrency}, {args.num_requests} requests per "
-          f"workload; logs in {logs}", flush=True)  # fmt: skip
+    print(
+        f"bench plan-check: {model_path.name} on {cpu_model()} ({cores} cores), profile "
+        f"{args.profile}; concurrency {args.concurrency}, {args.num_requests} requests per "
+        f"workload; logs in {logs}",
+        flush=True,
+    )
     rows, rc = [], 0
     rng = random.Random(args.seed)
     for p, d in configs:
@@ -137,26 +177,39 @@ def run(args: argparse.Namespace, cfg: PdserveConfig) -> int:
                     _measure(stack.url, stack.api_headers(), model, inp, out, args, rng)
                 )
                 rc |= int(real["completed"] == 0)
-                dep = Deployment(p, d, settings.scheduler.max_num_batched_tokens,
-                                 settings.scheduler.max_num_seqs, local, cores)  # fmt: skip
-                row = {"config": f"{p}P+{d}D", "workload": f"{inp}:{out}",
-                       "deployment": asdict(dep), "concurrency": args.concurrency,
-                       "num_requests": args.num_requests,
-                       "predicted": _predict(profile, dep, inp, out, args.concurrency,
-                                             args.num_requests),
-                       "measured": real}  # fmt: skip
+                dep = Deployment(
+                    p,
+                    d,
+                    settings.scheduler.max_num_batched_tokens,
+                    settings.scheduler.max_num_seqs,
+                    local,
+                    cores,
+                )
+                row = {
+                    "config": f"{p}P+{d}D",
+                    "workload": f"{inp}:{out}",
+                    "deployment": asdict(dep),
+                    "concurrency": args.concurrency,
+                    "num_requests": args.num_requests,
+                    "predicted": _predict(
+                        profile, dep, inp, out, args.concurrency, args.num_requests
+                    ),
+                    "measured": real,
+                }
                 rows.append(row)
                 print(_line(row), flush=True)
     print("\n" + _table(rows))
     if args.json:
-        Path(args.json).write_text(json.dumps({"cpu": cpu_model(), "cores": cores,
-                                               "rows": rows}, indent=1) + "\n")  # fmt: skip
+        Path(args.json).write_text(
+            json.dumps({"cpu": cpu_model(), "cores": cores, "rows": rows}, indent=1) + "\n"
+        )
         print(f"wrote {args.json}")
     return rc
 
 
-def _predict(profile: Any, dep: Any, inp: int, out: int, concurrency: int,
-             num_requests: int) -> dict[str, Any]:  # fmt: skip
+def _predict(
+    profile: Any, dep: Any, inp: int, out: int, concurrency: int, num_requests: int
+) -> dict[str, Any]:
     from pdserve.planner.simulate import LengthDist, Workload, simulate
 
     wl = Workload(LengthDist(inp, inp), LengthDist(out, out), num_requests, concurrency=concurrency)
@@ -177,10 +230,19 @@ def _predict_again(earlier: dict[str, Any], profile: Any, args: argparse.Namespa
             dep = Deployment(p, d, 512, 32, 0 if p else 1 << 30, int(earlier["cores"]))
         conc = int(row.get("concurrency", args.concurrency))
         n = int(row.get("num_requests", args.num_requests))
-        rows.append({**row, "deployment": asdict(dep), "concurrency": conc, "num_requests": n,
-                     "predicted": _predict(profile, dep, inp, out, conc, n)})  # fmt: skip
-    print(f"bench plan-check: predictions again for the measurements of {args.measured} "
-          f"({earlier.get('cpu')}, {earlier.get('cores')} cores)")  # fmt: skip
+        rows.append(
+            {
+                **row,
+                "deployment": asdict(dep),
+                "concurrency": conc,
+                "num_requests": n,
+                "predicted": _predict(profile, dep, inp, out, conc, n),
+            }
+        )
+    print(
+        f"bench plan-check: predictions again for the measurements of {args.measured} "
+        f"({earlier.get('cpu')}, {earlier.get('cores')} cores)"
+    )
     print(_table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps({**earlier, "rows": rows}, indent=1) + "\n")
@@ -202,8 +264,10 @@ def _line(row: dict[str, Any]) -> str:
 
 def _table(rows: list[dict[str, Any]]) -> str:
     """Markdown: predicted / measured and the error of each figure."""
-    head = ("| config | workload | TTFT p50 ms pred / real | err | ITL p50 ms pred / real | err "
-            "| TPOT p50 ms pred / real | err | tok/s pred / real | err |")  # fmt: skip
+    head = (
+        "| config | workload | TTFT p50 ms pred / real | err | ITL p50 ms pred / real | err "
+        "| TPOT p50 ms pred / real | err | tok/s pred / real | err |"
+    )
     lines = [head, "|" + "---|" * 10]
     for row in rows:
         cells = [row["config"], row["workload"]]

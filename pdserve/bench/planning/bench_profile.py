@@ -63,24 +63,54 @@ HANDOFF_BLOCKS = (1, 4, 16, 64)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``pdserve bench profile``."""
-    p.add_argument("--out", default="pdserve-profile.json", metavar="FILE",
-                   help="the profile file to write (default: pdserve-profile.json)")  # fmt: skip
-    p.add_argument("--threads", type=int, nargs="+", default=None,
-                   help="torch threads per engine, one engine each (default: 1 and every core "
-                   "of this machine: a worker's share in `pdserve up` with 2 workers and with 1)")  # fmt: skip
-    p.add_argument("--prefill-tokens", type=int, nargs="+",
-                   default=[16, 64, 128, 256, 512, 1024, 2048],
-                   help="prompt lengths of the prefill profile (default: 16 .. 2048)")  # fmt: skip
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16, 32],
-                   help="decode batch sizes (default: 1 4 8 16 32)")  # fmt: skip
-    p.add_argument("--contexts", type=int, nargs="+", default=[128, 1024],
-                   help="decode context lengths, tokens (default: 128 1024)")  # fmt: skip
-    p.add_argument("--mixed", nargs="+", default=["64x1", "256x1", "64x8", "256x8"],
-                   metavar="PxB", help="mixed steps: a P-token prompt beside B decode rows "
-                   "(default: 64x1 256x1 64x8 256x8)")  # fmt: skip
+    p.add_argument(
+        "--out",
+        default="pdserve-profile.json",
+        metavar="FILE",
+        help="the profile file to write (default: pdserve-profile.json)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=None,
+        help="torch threads per engine, one engine each (default: 1 and every core "
+        "of this machine: a worker's share in `pdserve up` with 2 workers and with 1)",
+    )
+    p.add_argument(
+        "--prefill-tokens",
+        type=int,
+        nargs="+",
+        default=[16, 64, 128, 256, 512, 1024, 2048],
+        help="prompt lengths of the prefill profile (default: 16 .. 2048)",
+    )
+    p.add_argument(
+        "--batches",
+        type=int,
+        nargs="+",
+        default=[1, 4, 8, 16, 32],
+        help="decode batch sizes (default: 1 4 8 16 32)",
+    )
+    p.add_argument(
+        "--contexts",
+        type=int,
+        nargs="+",
+        default=[128, 1024],
+        help="decode context lengths, tokens (default: 128 1024)",
+    )
+    p.add_argument(
+        "--mixed",
+        nargs="+",
+        default=["64x1", "256x1", "64x8", "256x8"],
+        metavar="PxB",
+        help="mixed steps: a P-token prompt beside B decode rows (default: 64x1 256x1 64x8 256x8)",
+    )
     p.add_argument("--reps", type=int, default=3, help="repetitions per prefill point (default: 3)")
-    p.add_argument("--model", default=None,
-                   help="local model folder (default: the configured model, else SmolLM2)")  # fmt: skip
+    p.add_argument(
+        "--model",
+        default=None,
+        help="local model folder (default: the configured model, else SmolLM2)",
+    )
 
 
 # --- one engine, in a child process --------------------------------------------------------------
@@ -134,8 +164,9 @@ def _step_ending_at(end: float, rows: Sequence[Sequence[float]]) -> float:
     return statistics.median(spans)
 
 
-def measure_engine(cfg: PdserveConfig, model_path: Path, threads: int,
-                   args: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+def measure_engine(
+    cfg: PdserveConfig, model_path: Path, threads: int, args: dict[str, Any]
+) -> dict[str, Any]:
     """One engine at ``threads`` threads: the ``prefill``, ``decode`` and ``mixed`` tables
     (seconds) and the layout's ``kv_bytes_per_token``. Runs in a spawned child."""
     from pdserve.config.loading import EngineConfig
@@ -146,16 +177,25 @@ def measure_engine(cfg: PdserveConfig, model_path: Path, threads: int,
     longest = max(args["prefill_tokens"])
     chunk = max(longest, top_b, *(p + b for p, b in args["mixed"]))
     tokens = top_b * (top_c + DECODE_TOKENS + 32) + 2 * longest + 4096
-    engine = Engine(EngineConfig(
-        model_path=model_path, model=cfg.model,
-        kv_cache=KVCacheSettings(tokens_per_block=cfg.kv_cache.tokens_per_block,
-                                 num_blocks=tokens // cfg.kv_cache.tokens_per_block + 64,
-                                 dtype=cfg.kv_cache.dtype),
-        scheduler=cfg.scheduler.model_copy(update={
-            "threads": threads, "max_num_batched_tokens": chunk,
-            "max_num_seqs": max(top_b + 1, cfg.scheduler.max_num_seqs),
-            "speculative_tokens": 0}),
-    ))  # fmt: skip
+    engine = Engine(
+        EngineConfig(
+            model_path=model_path,
+            model=cfg.model,
+            kv_cache=KVCacheSettings(
+                tokens_per_block=cfg.kv_cache.tokens_per_block,
+                num_blocks=tokens // cfg.kv_cache.tokens_per_block + 64,
+                dtype=cfg.kv_cache.dtype,
+            ),
+            scheduler=cfg.scheduler.model_copy(
+                update={
+                    "threads": threads,
+                    "max_num_batched_tokens": chunk,
+                    "max_num_seqs": max(top_b + 1, cfg.scheduler.max_num_seqs),
+                    "speculative_tokens": 0,
+                }
+            ),
+        )
+    )
     engine.start()
     sink, rng, n = _Sink(), random.Random(threads), [0]
 
@@ -179,8 +219,10 @@ def measure_engine(cfg: PdserveConfig, model_path: Path, threads: int,
         for length in args["prefill_tokens"]:
             times = [(s := one(prompt(length), 1))[1] - s[0] for _ in range(args["reps"])]
             prefill.append((length, statistics.median(times)))
-            print(f"  threads {threads}: prefill {length} tokens {1e3 * prefill[-1][1]:.1f} ms",
-                  flush=True)  # fmt: skip
+            print(
+                f"  threads {threads}: prefill {length} tokens {1e3 * prefill[-1][1]:.1f} ms",
+                flush=True,
+            )
         decode = []
         for c in args["contexts"]:
             shared = prompt(c)
@@ -190,10 +232,17 @@ def measure_engine(cfg: PdserveConfig, model_path: Path, threads: int,
                 for r in rids:
                     _submit(engine, sink, r, shared, DECODE_TOKENS)
                 sink.wait(rids)
-                gaps = [y - x for r in rids for x, y in zip(sink.stamps[r][1:], sink.stamps[r][2:], strict=False)]  # fmt: skip
+                gaps = [
+                    y - x
+                    for r in rids
+                    for x, y in zip(sink.stamps[r][1:], sink.stamps[r][2:], strict=False)
+                ]
                 decode.append((b, c + DECODE_TOKENS // 2, statistics.median(gaps)))
-                print(f"  threads {threads}: decode batch {b} context {c}: "
-                      f"{1e3 * decode[-1][2]:.1f} ms/step", flush=True)  # fmt: skip
+                print(
+                    f"  threads {threads}: decode batch {b} context {c}: "
+                    f"{1e3 * decode[-1][2]:.1f} ms/step",
+                    flush=True,
+                )
         mixed = []
         base = prompt(128)
         one(base, 1)
@@ -210,14 +259,21 @@ def measure_engine(cfg: PdserveConfig, model_path: Path, threads: int,
             mixed.append(
                 (p_len, b, 128 + 32, _step_ending_at(first, [sink.stamps[r] for r in rids]))
             )
-            print(f"  threads {threads}: mixed {p_len} prompt tokens + {b} decode rows: "
-                  f"{1e3 * mixed[-1][3]:.1f} ms", flush=True)  # fmt: skip
+            print(
+                f"  threads {threads}: mixed {p_len} prompt tokens + {b} decode rows: "
+                f"{1e3 * mixed[-1][3]:.1f} ms",
+                flush=True,
+            )
         layout = engine.layout
         return {
-            "threads": threads, "prefill": prefill, "decode": decode, "mixed": mixed,
+            "threads": threads,
+            "prefill": prefill,
+            "decode": decode,
+            "mixed": mixed,
             "kv_bytes_per_token": layout.bytes_per_token,
-            "tokens_per_block": layout.tokens_per_block, "dtype": str(layout.dtype),
-        }  # fmt: skip
+            "tokens_per_block": layout.tokens_per_block,
+            "dtype": str(layout.dtype),
+        }
     finally:
         engine.shutdown()
 
@@ -252,8 +308,9 @@ def run(args: argparse.Namespace, cfg: PdserveConfig) -> int:
         if any(len(m) != 2 or min(m) < 1 for m in mixed):
             raise ValueError
     except ValueError:
-        print(f"bench profile: --mixed takes PxB pairs, e.g. 64x8; got {args.mixed}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"bench profile: --mixed takes PxB pairs, e.g. 64x8; got {args.mixed}", file=sys.stderr
+        )
         return 2
     cores = os.cpu_count() or 1
     threads = sorted(set(args.threads or [1, cores]))
@@ -262,10 +319,18 @@ def run(args: argparse.Namespace, cfg: PdserveConfig) -> int:
         return 2
     path = args.model or (str(cfg.model.path) if cfg.model.path is not None else None)
     model_path = resolve_model(path, cache_dir=cfg.model.cache_dir)
-    grid = {"prefill_tokens": args.prefill_tokens, "batches": args.batches,
-            "contexts": args.contexts, "mixed": mixed, "reps": args.reps}  # fmt: skip
-    print(f"bench profile: {model_path.name} on {cpu_model()} ({cores} cores), threads "
-          f"{threads}; each engine in a fresh process", flush=True)  # fmt: skip
+    grid = {
+        "prefill_tokens": args.prefill_tokens,
+        "batches": args.batches,
+        "contexts": args.contexts,
+        "mixed": mixed,
+        "reps": args.reps,
+    }
+    print(
+        f"bench profile: {model_path.name} on {cpu_model()} ({cores} cores), threads "
+        f"{threads}; each engine in a fresh process",
+        flush=True,
+    )
     engines = []
     for t in threads:
         with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
@@ -291,7 +356,7 @@ def run(args: argparse.Namespace, cfg: PdserveConfig) -> int:
             "kv_dtype": first["dtype"],
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "tool": "pdserve bench profile",
-        },  # fmt: skip
+        },
     )
     profile.save(Path(args.out))
     print(f"wrote {args.out}")
