@@ -93,8 +93,10 @@ def runs_from_report(report: Mapping[str, Any], source: str = "the report") -> l
     for i, run in enumerate(report.get("runs") or []):
         label = str(run.get("label") or run.get("model") or f"run {i + 1}")
         if "samples" not in run:
-            raise PlotError(f"{source}: run {label!r} holds no samples (write it with a "
-                            "pdserve bench serve --json of this version)")  # fmt: skip
+            raise PlotError(
+                f"{source}: run {label!r} holds no samples (write it with a "
+                "pdserve bench serve --json of this version)"
+            )
         by_c = {int(s["concurrency"]): s for s in run["samples"]}
         levels = []
         for lv in run.get("levels") or []:
@@ -160,8 +162,14 @@ def _ecdf_panel(ax: Axes, runs: Sequence[RunSamples], metric: str, title: str) -
                 continue
             xs, ys = ecdf_ms(values)
             lines.append(xs)
-            ax.step(xs, ys, where="post", label=f"{run.label}, c={lv.concurrency}",
-                    linewidth=1.4, **_style(runs, r, k))  # fmt: skip
+            ax.step(
+                xs,
+                ys,
+                where="post",
+                label=f"{run.label}, c={lv.concurrency}",
+                linewidth=1.4,
+                **_style(runs, r, k),
+            )
     note = ""
     if lines:
         low, high = x_range_ms(lines)
@@ -184,16 +192,25 @@ def _throughput_panel(ax: Axes, runs: Sequence[RunSamples]) -> None:
             if lv.output_tokens_per_s is not None:
                 top[lv.concurrency] = max(top.get(lv.concurrency, 0.0), lv.output_tokens_per_s)
     for r, run in enumerate(runs):
-        points = [(lv.concurrency, lv.output_tokens_per_s) for lv in run.levels
-                  if lv.output_tokens_per_s is not None]  # fmt: skip
+        points = [
+            (lv.concurrency, lv.output_tokens_per_s)
+            for lv in run.levels
+            if lv.output_tokens_per_s is not None
+        ]
         if not points:
             continue
         xs, ys = [p[0] for p in points], [float(p[1]) for p in points]
         ax.plot(xs, ys, marker="o", color=f"C{r % 10}", label=run.label)
         for x, y in zip(xs, ys, strict=True):  # the top value's label above, others below
-            ax.annotate(f"{y:.0f}", (x, y), textcoords="offset points", ha="center",
-                        xytext=(0, 6 if y >= top[x] else -13), fontsize="small",
-                        color=f"C{r % 10}")  # fmt: skip
+            ax.annotate(
+                f"{y:.0f}",
+                (x, y),
+                textcoords="offset points",
+                ha="center",
+                xytext=(0, 6 if y >= top[x] else -13),
+                fontsize="small",
+                color=f"C{r % 10}",
+            )
     if levels and levels[-1] > 2 * max(levels[0], 1):
         ax.set_xscale("log", base=2)
     ax.set_xticks(levels, [str(c) for c in levels])
@@ -226,8 +243,9 @@ def build_figure(runs: Sequence[RunSamples], title: str | None = None) -> Figure
     return fig
 
 
-def write_plot(runs: Sequence[RunSamples], path: Path, title: str | None = None,
-               dpi: int = DPI) -> Path:  # fmt: skip
+def write_plot(
+    runs: Sequence[RunSamples], path: Path, title: str | None = None, dpi: int = DPI
+) -> Path:
     """Draw :func:`build_figure` into the PNG ``path`` (folders made as needed) and return it."""
     fig = build_figure(runs, title)
     path.parent.mkdir(parents=True, exist_ok=True)

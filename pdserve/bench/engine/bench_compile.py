@@ -53,13 +53,19 @@ processes: with an empty inductor cache (cold) and reusing it (warm).
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``pdserve bench compile``."""
     p.add_argument(
-        "--model", type=Path, default=None, metavar="DIR",
+        "--model",
+        type=Path,
+        default=None,
+        metavar="DIR",
         help="model folder (default: the converted SmolLM2 in the cache)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--threads", type=int, nargs="+", default=[1, 2],
+        "--threads",
+        type=int,
+        nargs="+",
+        default=[1, 2],
         help="torch thread counts, one table each (default: 1 2)",
-    )  # fmt: skip
+    )
     p.add_argument("--rounds", type=int, default=7, help="rounds per case (default: 7)")
     p.add_argument(
         "--skip-startup", action="store_true", help="skip the start-up compile measurement"

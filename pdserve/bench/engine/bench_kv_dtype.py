@@ -41,18 +41,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``pdserve bench kv-dtype``."""
     p.add_argument("--model", default=None, help="model folder (default: the default model)")
     p.add_argument(
-        "--kv-dtypes", nargs="+", default=["float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"],
+        "--kv-dtypes",
+        nargs="+",
+        default=["float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"],
         help="KV dtypes to compare; the first is the reference of the answers",
-    )  # fmt: skip
+    )
     p.add_argument("--kv-cache-mb", type=int, default=64, help="pool size per engine, MiB")
     p.add_argument("--batch", type=int, default=8, help="sequences decoding together")
     p.add_argument("--tokens", type=int, default=128, help="tokens each sequence decodes")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="eager forward")
     p.add_argument(
-        "--quantization", nargs="+", default=["none"], choices=["none", "int8"],
+        "--quantization",
+        nargs="+",
+        default=["none"],
+        choices=["none", "int8"],
         help="weights: none (the model dtype) and/or int8 (weight-only, torchao)",
-    )  # fmt: skip
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -96,8 +101,11 @@ def main(args: argparse.Namespace) -> int:
         ref = answers[args.quantization[0], args.kv_dtypes[0]]
         same = sum(a == b for a, b in zip(answers[weights, dtype], ref, strict=True))
         blocks = engine.kv_cache.num_blocks
-        print(f"{weights:<8}{dtype:<10}{blocks:>8}{f'{same} of {len(ref)}':>15}{ppl:>8.2f}"
-              f"{step_ms:>9.1f}", flush=True)  # fmt: skip
+        print(
+            f"{weights:<8}{dtype:<10}{blocks:>8}{f'{same} of {len(ref)}':>15}{ppl:>8.2f}"
+            f"{step_ms:>9.1f}",
+            flush=True,
+        )
     return 0
 
 

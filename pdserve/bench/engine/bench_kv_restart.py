@@ -39,8 +39,14 @@ TARGET_RATIO = 0.5
 """Target: TTFT of the first request after the restart, at most this times cold."""
 
 
-async def _send(args: argparse.Namespace, router: str, prefill: str, model: str,
-                headers: dict[str, str], text: str) -> dict[str, Any]:  # fmt: skip
+async def _send(
+    args: argparse.Namespace,
+    router: str,
+    prefill: str,
+    model: str,
+    headers: dict[str, str],
+    text: str,
+) -> dict[str, Any]:
     """Warm up, send ``text`` once, then wait for the prefill worker's disk writes; returns
     the TTFT (s), prompt tokens and the prefill worker's metrics after the request."""
     import httpx
@@ -70,8 +76,14 @@ async def _send(args: argparse.Namespace, router: str, prefill: str, model: str,
     return {"ttft_s": res.ttft_s, "prompt_tokens": res.prompt_tokens, "prefill": metrics}
 
 
-def run_stack(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path, label: str,
-              text: str, log_dir: Path) -> dict[str, Any]:  # fmt: skip
+def run_stack(
+    args: argparse.Namespace,
+    cfg: PdserveConfig,
+    model_path: Path,
+    label: str,
+    text: str,
+    log_dir: Path,
+) -> dict[str, Any]:
     """Start router + 1 prefill + 1 decode with ``cfg`` (its disk tier set; the prefill worker
     on a port of its own for its metrics), send ``text`` (:func:`_send`), stop the stack (30 s
     grace at least: the disk tier finishes its writes); returns that run's numbers. Logs go to
@@ -83,8 +95,10 @@ def run_stack(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path, la
     settings = stack_settings(cfg, model_path, {"prefill": 1, "decode": 1})
     pport = free_port()
     prefill = f"http://127.0.0.1:{pport}"
-    print(f"{label}: router + 1 prefill + 1 decode, disk tier {cfg.kv_cache.disk_cache_dir}",
-          flush=True)  # fmt: skip
+    print(
+        f"{label}: router + 1 prefill + 1 decode, disk tier {cfg.kv_cache.disk_cache_dir}",
+        flush=True,
+    )
     started = time.perf_counter()
     with bench_stack(
         settings, log_dir, args={"prefill-0": ["--port", str(pport)]}, grace_s=max(GRACE_S, 30.0)
@@ -102,9 +116,12 @@ def run_stack(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path, la
         disk_stored_blocks=m.get('pdserve_kv_tier_stored_blocks_total{tier="disk"}', 0.0),
         corrupt_blocks=m.get("pdserve_kv_tier_corrupt_blocks_total", 0.0),
     )
-    print(f"{label}: TTFT {out['ttft_s'] * 1e3:.0f} ms, {out['prompt_tokens']} prompt tokens, "
-          f"{out['disk_hit_tokens']:.0f} loaded from the disk tier (stack up in "
-          f"{start_s:.0f} s)", flush=True)  # fmt: skip
+    print(
+        f"{label}: TTFT {out['ttft_s'] * 1e3:.0f} ms, {out['prompt_tokens']} prompt tokens, "
+        f"{out['disk_hit_tokens']:.0f} loaded from the disk tier (stack up in "
+        f"{start_s:.0f} s)",
+        flush=True,
+    )
     return out
 
 
@@ -118,13 +135,18 @@ def format_result(cold: dict[str, Any], warm: dict[str, Any], files: int, size: 
     """The two TTFTs, their ratio against the target, and what the disk tier held."""
     ratio = warm["ttft_s"] / cold["ttft_s"]
     verdict = "met" if ratio <= TARGET_RATIO else f"missed by {ratio / TARGET_RATIO - 1:.0%}"
-    return "\n".join([
-        f"{'run':<28} {'TTFT ms':>9} {'prompt tok':>10} {'from disk tier':>14}",
-        *(f"{r['label']:<28} {r['ttft_s'] * 1e3:>9.0f} {r['prompt_tokens'] or 0:>10} "
-          f"{r['disk_hit_tokens']:>14.0f}" for r in (cold, warm)),
-        f"disk tier: {files} block files, {size / 2**20:.1f} MiB",
-        f"TTFT after restart / cold: {ratio:.3f}x (target <= {TARGET_RATIO}x: {verdict})",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"{'run':<28} {'TTFT ms':>9} {'prompt tok':>10} {'from disk tier':>14}",
+            *(
+                f"{r['label']:<28} {r['ttft_s'] * 1e3:>9.0f} {r['prompt_tokens'] or 0:>10} "
+                f"{r['disk_hit_tokens']:>14.0f}"
+                for r in (cold, warm)
+            ),
+            f"disk tier: {files} block files, {size / 2**20:.1f} MiB",
+            f"TTFT after restart / cold: {ratio:.3f}x (target <= {TARGET_RATIO}x: {verdict})",
+        ]
+    )
 
 
 def run(args: argparse.Namespace, cfg: PdserveConfig) -> int:
@@ -148,24 +170,30 @@ def run(args: argparse.Namespace, cfg: PdserveConfig) -> int:
         tiered = cfg.model_copy(
             update={"kv_cache": cfg.kv_cache.model_copy(update={"disk_cache_dir": disk})}
         )
-        print(f"bench kv-restart: one {args.prompt_tokens}-token prompt, max_tokens "
-              f"{args.max_tokens}, {os.cpu_count()} cores, model {model_path}", flush=True)  # fmt: skip
+        print(
+            f"bench kv-restart: one {args.prompt_tokens}-token prompt, max_tokens "
+            f"{args.max_tokens}, {os.cpu_count()} cores, model {model_path}",
+            flush=True,
+        )
         cold = run_stack(args, tiered, model_path, "cold (empty disk tier)", text, logs / "cold")
         warm = run_stack(args, tiered, model_path, "after restart (disk tier)", text, logs / "warm")
         files, size = dir_usage(disk)
     print(format_result(cold, warm, files, size))
     ratio = warm["ttft_s"] / cold["ttft_s"]
     if args.json:
-        write_json(Path(args.json), {
-            "tool": "pdserve bench kv-restart",
-            "argv": sys.argv[1:],
-            "host": {"cpus": os.cpu_count()},
-            "model": str(model_path),
-            "runs": [cold, warm],
-            "disk_tier": {"files": files, "bytes": size},
-            "ttft_ratio": ratio,
-            "target_ratio": TARGET_RATIO,
-        })  # fmt: skip
+        write_json(
+            Path(args.json),
+            {
+                "tool": "pdserve bench kv-restart",
+                "argv": sys.argv[1:],
+                "host": {"cpus": os.cpu_count()},
+                "model": str(model_path),
+                "runs": [cold, warm],
+                "disk_tier": {"files": files, "bytes": size},
+                "ttft_ratio": ratio,
+                "target_ratio": TARGET_RATIO,
+            },
+        )
         print(f"wrote {args.json}")
     print(f"logs: {logs}")
     return 0 if ratio <= TARGET_RATIO and warm["disk_hit_tokens"] > 0 else 1

@@ -34,20 +34,26 @@ PREFILL_CASE = (256, 2048)  # query rows, context
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``pdserve bench paged-attention``."""
     p.add_argument(
-        "--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
+        "--dtypes",
+        nargs="+",
+        default=["float32", "bfloat16"],
+        choices=["float32", "bfloat16"],
         help="model and KV cache dtype, one table section each (default: float32 bfloat16)",
-    )  # fmt: skip
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument(
-        "--min-time", type=float, default=0.25,
+        "--min-time",
+        type=float,
+        default=0.25,
         help="seconds each path of each case is timed for, at least 5 calls (default: 0.25)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--steps", action="store_true",
+        "--steps",
+        action="store_true",
         help="instead: whole decode steps of the model (--model, default SmolLM2; --dtype "
         "auto) at batch 2 and contexts of 512, 2048 and 8192 tokens, in-place kernel vs "
         "gather + SDPA, and each path's 8192 / 512 step-time ratio",
-    )  # fmt: skip
+    )
     p.add_argument("--model", default=None, help="--steps: model folder (default: SmolLM2)")
     p.add_argument("--dtype", default="auto", help="--steps: model dtype (default: auto)")
 
@@ -139,9 +145,7 @@ def _run_case(case: _Case, dtype: torch.dtype, min_time: float) -> tuple[float, 
     def kernel() -> torch.Tensor:
         att.store_kv(flat, meta.k_slots, key[0].transpose(0, 1))
         att.store_kv(flat, meta.v_slots, value[0].transpose(0, 1))
-        return paged_attention_varlen(
-            q_rows, cache, tables, query_start, ctx, scale, out=out
-        )  # fmt: skip
+        return paged_attention_varlen(q_rows, cache, tables, query_start, ctx, scale, out=out)
 
     diff = (baseline().float() - kernel().float()).abs().max().item()
     base_ms = _median_ms(baseline, min_time)
@@ -173,8 +177,10 @@ def _steps(args: argparse.Namespace) -> int:
     )
     engine = Engine(cfg)  # not started: this thread runs the steps
     runner, kv = engine.runner, engine.kv_cache
-    print(f"CPU: {_cpu_model()}; {runner.dtype_name}, {torch.get_num_threads()} threads, "
-          f"compiled {runner.compiled is not None}; ms per decode step, batch 2")  # fmt: skip
+    print(
+        f"CPU: {_cpu_model()}; {runner.dtype_name}, {torch.get_num_threads()} threads, "
+        f"compiled {runner.compiled is not None}; ms per decode step, batch 2"
+    )
     print(f"{'context':>8}{'gather+SDPA':>13}{'in-place':>10}{'speed-up':>10}")
     times: dict[bool, list[float]] = {True: [], False: []}
     for ctx in STEP_CONTEXTS:  # the pool's contents do not matter for the time
@@ -215,18 +221,25 @@ def main(args: argparse.Namespace) -> int:
     if not available():
         print(f"paged attention kernel unavailable: {unavailable_reason()}")
         return 1
-    print(f"CPU: {_cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"kernel ready in {time.perf_counter() - started:.1f} s")  # fmt: skip
+    print(
+        f"CPU: {_cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"kernel ready in {time.perf_counter() - started:.1f} s"
+    )
     print(f"layout: H={HEADS}, kvh={KV_HEADS}, hd={HEAD_DIM}, tpb={TPB}; ms per layer call")
     cases = [_Case(f"decode {b}x{c}", b, 1, c) for b, c in DECODE_CASES]
     q, c = PREFILL_CASE
     cases.append(_Case(f"prefill q {q}/{c}", 1, q, c))
-    print(f"{'dtype':<10}{'case':<18}{'gather+SDPA':>12}{'kernel':>10}{'speed-up':>10}"
-          f"{'max|diff|':>11}")  # fmt: skip
+    print(
+        f"{'dtype':<10}{'case':<18}{'gather+SDPA':>12}{'kernel':>10}{'speed-up':>10}"
+        f"{'max|diff|':>11}"
+    )
     for name in args.dtypes:
         dtype = getattr(torch, name)
         for case in cases:
             base_ms, kernel_ms, diff = _run_case(case, dtype, args.min_time)
-            print(f"{name:<10}{case.label:<18}{base_ms:>12.3f}{kernel_ms:>10.3f}"
-                  f"{base_ms / kernel_ms:>9.2f}x{diff:>11.1e}", flush=True)  # fmt: skip
+            print(
+                f"{name:<10}{case.label:<18}{base_ms:>12.3f}{kernel_ms:>10.3f}"
+                f"{base_ms / kernel_ms:>9.2f}x{diff:>11.1e}",
+                flush=True,
+            )
     return 0

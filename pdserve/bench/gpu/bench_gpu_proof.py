@@ -71,30 +71,68 @@ GRACE_S = 20.0
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``pdserve bench gpu-proof``."""
-    p.add_argument("--out", type=Path, default=None,
-                   help="folder for summary.md, proof.json and the logs (default: $OUT, else "
-                   "./gpu-proof)")  # fmt: skip
-    p.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS),
-                   help="steps to run (default: all, in the order tests engine serve transfer)")  # fmt: skip
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder for summary.md, proof.json and the logs (default: $OUT, else ./gpu-proof)",
+    )
+    p.add_argument(
+        "--steps",
+        nargs="+",
+        choices=STEPS,
+        default=list(STEPS),
+        help="steps to run (default: all, in the order tests engine serve transfer)",
+    )
     p.add_argument("--device", default="cuda", help="torch device (default: cuda)")
     p.add_argument("--dtype", default="bfloat16", help="model dtype (default: bfloat16)")
-    p.add_argument("--model", choices=["smollm2-like", "tiny"], default="smollm2-like",
-                   help="engine stand-in model (default: smollm2-like; the stack always runs "
-                   "smollm2-like)")  # fmt: skip
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32],
-                   help="engine batch sizes and stack concurrency levels (default: 1 8 32)")  # fmt: skip
+    p.add_argument(
+        "--model",
+        choices=["smollm2-like", "tiny"],
+        default="smollm2-like",
+        help="engine stand-in model (default: smollm2-like; the stack always runs smollm2-like)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[1, 8, 32],
+        help="engine batch sizes and stack concurrency levels (default: 1 8 32)",
+    )
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens (default: 256)")
-    p.add_argument("--output-len", type=int, default=64,
-                   help="output tokens per stack request (default: 64; the engine step: 32)")  # fmt: skip
-    p.add_argument("--stack-cuda-graphs", choices=["on", "off"], default="on",
-                   help="the stack's workers with CUDA graphs or without (default: on)")  # fmt: skip
-    p.add_argument("--transfer-backends", nargs="+", default=["nixl", "tcp"],
-                   help="KV transfer backends (default: nixl tcp)")  # fmt: skip
-    p.add_argument("--transfer-blocks", type=int, nargs="+", default=[1, 16, 64],
-                   help="pull sizes in KV blocks (default: 1 16 64)")  # fmt: skip
-    p.add_argument("--timeout-scale", type=float, default=1.0,
-                   help="multiply every step's time limit (defaults: "
-                   + ", ".join(f"{k} {v:.0f} s" for k, v in TIMEOUTS_S.items()) + ")")  # fmt: skip
+    p.add_argument(
+        "--output-len",
+        type=int,
+        default=64,
+        help="output tokens per stack request (default: 64; the engine step: 32)",
+    )
+    p.add_argument(
+        "--stack-cuda-graphs",
+        choices=["on", "off"],
+        default="on",
+        help="the stack's workers with CUDA graphs or without (default: on)",
+    )
+    p.add_argument(
+        "--transfer-backends",
+        nargs="+",
+        default=["nixl", "tcp"],
+        help="KV transfer backends (default: nixl tcp)",
+    )
+    p.add_argument(
+        "--transfer-blocks",
+        type=int,
+        nargs="+",
+        default=[1, 16, 64],
+        help="pull sizes in KV blocks (default: 1 16 64)",
+    )
+    p.add_argument(
+        "--timeout-scale",
+        type=float,
+        default=1.0,
+        help="multiply every step's time limit (defaults: "
+        + ", ".join(f"{k} {v:.0f} s" for k, v in TIMEOUTS_S.items())
+        + ")",
+    )
 
 
 @dataclass
@@ -190,8 +228,14 @@ def junit_cases(path: Path) -> list[dict[str, Any]]:
                 message = first[0][:300] if first else ""
                 break
         name = f"{case.get('classname', '')}::{case.get('name', '')}"
-        cases.append({"test": name, "outcome": outcome, "message": message,
-                      "seconds": float(case.get("time") or 0.0)})  # fmt: skip
+        cases.append(
+            {
+                "test": name,
+                "outcome": outcome,
+                "message": message,
+                "seconds": float(case.get("time") or 0.0),
+            }
+        )
     return cases
 
 
@@ -201,10 +245,14 @@ def serve_results(report: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for run in report.get("runs", []):
         for lv in run.get("levels", []):
-            row = {"label": run.get("label"), "concurrency": lv.get("concurrency"),
-                   "requests": lv.get("num_requests"), "errors": lv.get("errors"),
-                   "first_error": lv.get("first_error"),
-                   "output_tokens_per_s": lv.get("output_tokens_per_s")}  # fmt: skip
+            row = {
+                "label": run.get("label"),
+                "concurrency": lv.get("concurrency"),
+                "requests": lv.get("num_requests"),
+                "errors": lv.get("errors"),
+                "first_error": lv.get("first_error"),
+                "output_tokens_per_s": lv.get("output_tokens_per_s"),
+            }
             for m in ("ttft", "itl", "tpot"):
                 for p in ("p50", "p90"):
                     row[f"{m}_ms_{p}"] = (lv.get(f"{m}_ms") or {}).get(p)
@@ -217,8 +265,11 @@ def machine_facts(device: str) -> dict[str, Any]:
     its CUDA, transformers and NIXL versions, CPU model and cores, the git revision."""
     import importlib.metadata as md
 
-    facts: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                             "python": platform.python_version(), "cpus": os.cpu_count()}  # fmt: skip
+    facts: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+    }
     for dist in ("torch", "transformers", "nixl", "nixl-cu13", "nixl-cu12"):
         try:
             facts[dist] = md.version(dist)
@@ -244,8 +295,9 @@ def machine_facts(device: str) -> dict[str, Any]:
 
 
 def _nvidia_smi() -> str | None:
-    return _quiet(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
-                   "--format=csv,noheader"])  # fmt: skip
+    return _quiet(
+        ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"]
+    )
 
 
 def _quiet(argv: list[str]) -> str | None:
@@ -284,8 +336,10 @@ def run(args: argparse.Namespace, cfg: PdserveConfig | None = None) -> int:
     out = Path(args.out or os.environ.get("OUT") or "gpu-proof").resolve()
     out.mkdir(parents=True, exist_ok=True)
     facts = machine_facts(args.device)
-    print(f"gpu-proof: {facts.get('device_name') or facts.get('cpu_model')}; writing {out}",
-          flush=True)  # fmt: skip
+    print(
+        f"gpu-proof: {facts.get('device_name') or facts.get('cpu_model')}; writing {out}",
+        flush=True,
+    )
     outcomes: list[StepOutcome] = []
     with tempfile.TemporaryDirectory(prefix="pdserve-gpu-proof-") as tmp:
         work = Path(tmp)
@@ -296,12 +350,19 @@ def run(args: argparse.Namespace, cfg: PdserveConfig | None = None) -> int:
                 outcome = _STEP_RUNNERS[step](args, work, out / f"{step}.log", limit)
             except Exception as exc:  # noqa: BLE001 - a step's own failure must not stop the rest
                 outcome = StepOutcome(step, "error", None, 0.0, "", f"{type(exc).__name__}: {exc}")
-            print(f"gpu-proof: {step} {outcome.status} in {outcome.seconds:.0f} s"
-                  + (f" ({outcome.note})" if outcome.note else ""), flush=True)  # fmt: skip
+            print(
+                f"gpu-proof: {step} {outcome.status} in {outcome.seconds:.0f} s"
+                + (f" ({outcome.note})" if outcome.note else ""),
+                flush=True,
+            )
             outcomes.append(outcome)
-    proof = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                      if k != "func"},
-             "machine": facts, "steps": [asdict(o) for o in outcomes]}  # fmt: skip
+    proof = {
+        "args": {
+            k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"
+        },
+        "machine": facts,
+        "steps": [asdict(o) for o in outcomes],
+    }
     (out / "proof.json").write_text(json.dumps(proof, indent=2, default=str) + "\n")
     from pdserve.bench.gpu.bench_gpu_report import summary
 
@@ -323,9 +384,20 @@ def _step_tests(args: argparse.Namespace, work: Path, log: Path, limit: float) -
         return StepOutcome("tests", "error", None, 0.0, "", "no tests/gpu beside this pdserve")
     xml = work / "tests.xml"
     # one module that fails to import must not stop the others
-    argv = [sys.executable, "-m", "pytest", str(folder), "-q", "-rA", "-p", "no:cacheprovider",
-            f"--junitxml={xml}", "-o", "junit_family=xunit1",
-            "--continue-on-collection-errors"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(folder),
+        "-q",
+        "-rA",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={xml}",
+        "-o",
+        "junit_family=xunit1",
+        "--continue-on-collection-errors",
+    ]
     outcome = run_step("tests", argv, log, limit, cwd=folder.parents[1])
     outcome.results = junit_cases(xml)
     if not outcome.results and outcome.status == "ok":
@@ -334,10 +406,26 @@ def _step_tests(args: argparse.Namespace, work: Path, log: Path, limit: float) -
 
 
 def _step_engine(args: argparse.Namespace, work: Path, log: Path, limit: float) -> StepOutcome:
-    argv = _cli("bench", "gpu", "engine", "--device", args.device, "--model", args.model,
-                "--dtype", args.dtype, "--cuda-graphs", "off", "on",
-                "--prompt-tokens", str(args.input_len), "--max-tokens", "32",
-                "--concurrency", *map(str, args.concurrency))  # fmt: skip
+    argv = _cli(
+        "bench",
+        "gpu",
+        "engine",
+        "--device",
+        args.device,
+        "--model",
+        args.model,
+        "--dtype",
+        args.dtype,
+        "--cuda-graphs",
+        "off",
+        "on",
+        "--prompt-tokens",
+        str(args.input_len),
+        "--max-tokens",
+        "32",
+        "--concurrency",
+        *map(str, args.concurrency),
+    )
     outcome = run_step("engine", argv, log, limit)
     outcome.results = gpu_results(log)
     return outcome
@@ -351,10 +439,25 @@ def _step_serve(args: argparse.Namespace, work: Path, log: Path, limit: float) -
     built_s = time.monotonic() - t0
     report = work / "serve.json"
     graphs = "--cuda-graphs" if args.stack_cuda_graphs == "on" else "--no-cuda-graphs"
-    argv = _cli("bench", "serve", "--model", str(model), "--device", args.device,
-                "--dtype", args.dtype, graphs, "--input-len", str(args.input_len),
-                "--output-len", str(args.output_len), "--concurrency", *map(str, args.concurrency),
-                "--json", str(report))  # fmt: skip
+    argv = _cli(
+        "bench",
+        "serve",
+        "--model",
+        str(model),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        graphs,
+        "--input-len",
+        str(args.input_len),
+        "--output-len",
+        str(args.output_len),
+        "--concurrency",
+        *map(str, args.concurrency),
+        "--json",
+        str(report),
+    )
     stack_tmp = work / "stack-tmp"  # the stacks' log folders land here
     stack_tmp.mkdir()
     outcome = run_step(
@@ -371,9 +474,17 @@ def _step_serve(args: argparse.Namespace, work: Path, log: Path, limit: float) -
 
 
 def _step_transfer(args: argparse.Namespace, work: Path, log: Path, limit: float) -> StepOutcome:
-    argv = _cli("bench", "gpu", "transfer", "--backends", *args.transfer_backends,
-                "--devices", f"{args.device}:{args.device}",
-                "--blocks", *map(str, args.transfer_blocks))  # fmt: skip
+    argv = _cli(
+        "bench",
+        "gpu",
+        "transfer",
+        "--backends",
+        *args.transfer_backends,
+        "--devices",
+        f"{args.device}:{args.device}",
+        "--blocks",
+        *map(str, args.transfer_blocks),
+    )
     outcome = run_step("transfer", argv, log, limit)
     outcome.results = gpu_results(log)
     return outcome

@@ -61,8 +61,11 @@ def _tests(cases: list[dict[str, Any]]) -> str:
     head = "## Tests (pytest tests/gpu)\n\n" + (
         ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no test ran"
     )
-    lines = [f"- {c['outcome']}: `{c['test']}`: {c['message']}" for c in cases
-             if c["outcome"] in ("failed", "error")]  # fmt: skip
+    lines = [
+        f"- {c['outcome']}: `{c['test']}`: {c['message']}"
+        for c in cases
+        if c["outcome"] in ("failed", "error")
+    ]
     reasons: dict[str, int] = {}
     for c in cases:
         if c["outcome"] == "skipped":
@@ -96,8 +99,11 @@ def _engine(results: list[dict[str, Any]]) -> str:
             f"{_ms(on or off, 'prefill_tokens_per_s', 0)} |"
         )
     if any(_graphs(r) and not r["cuda_graphs"] for r in results):
-        lines += ["", "CUDA graphs were asked for but not used (not a CUDA device): the graphs "
-                  "on column ran eager."]  # fmt: skip
+        lines += [
+            "",
+            "CUDA graphs were asked for but not used (not a CUDA device): the graphs "
+            "on column ran eager.",
+        ]
     return "\n".join(lines)
 
 
@@ -151,9 +157,16 @@ def _transfer(results: list[dict[str, Any]]) -> str:
         )
     compiled = sorted({d for r in results for d in r.get("digest_compiled", [])})
     if any(r["src"].startswith("cuda") and r["dst"].startswith("cuda") for r in results):
-        lines += ["", "Digests between GPU pools: mix64 on the GPU, "
-                  + (f"compiled kernel on {', '.join(compiled)}" if compiled
-                     else "eager (the compiled kernel was not in use)") + "."]  # fmt: skip
+        lines += [
+            "",
+            "Digests between GPU pools: mix64 on the GPU, "
+            + (
+                f"compiled kernel on {', '.join(compiled)}"
+                if compiled
+                else "eager (the compiled kernel was not in use)"
+            )
+            + ".",
+        ]
     return "\n".join(lines)
 
 
