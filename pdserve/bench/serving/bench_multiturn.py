@@ -104,14 +104,23 @@ _SYSTEM_SENTENCES = (
     "Refer back to earlier parts of the conversation when they matter for the answer.",
 )
 _SUBJECTS = (
-    "a small web service in Python", "a garden irrigation plan", "a database schema for a "
-    "library", "a weekly running schedule", "a home network with two routers", "a household "
-    "budget spreadsheet", "a unit test suite for a parser", "a sourdough bread recipe",
-    "a command-line tool for renaming photos", "a three-city train trip", "a talk for a "
-    "team meeting", "a backup plan for family photos", "a bookshelf made of pine boards",
-    "a study plan for a statistics exam", "a small vegetable patch on a balcony",
+    "a small web service in Python",
+    "a garden irrigation plan",
+    "a database schema for a library",
+    "a weekly running schedule",
+    "a home network with two routers",
+    "a household budget spreadsheet",
+    "a unit test suite for a parser",
+    "a sourdough bread recipe",
+    "a command-line tool for renaming photos",
+    "a three-city train trip",
+    "a talk for a team meeting",
+    "a backup plan for family photos",
+    "a bookshelf made of pine boards",
+    "a study plan for a statistics exam",
+    "a small vegetable patch on a balcony",
     "a migration from one email provider to another",
-)  # fmt: skip
+)
 _DETAILS = (
     "It has to be finished by the end of the month and I have little experience with it.",
     "A colleague started it, left no notes, and now I am in charge of it.",
@@ -178,9 +187,14 @@ class Workload:
         return own or self.system
 
 
-def make_workload(conversations: int, turns: int, system_tokens: int, seed: int = 0,
-                  count: Callable[[str], int] = approx_tokens,
-                  distinct: bool = False) -> Workload:  # fmt: skip
+def make_workload(
+    conversations: int,
+    turns: int,
+    system_tokens: int,
+    seed: int = 0,
+    count: Callable[[str], int] = approx_tokens,
+    distinct: bool = False,
+) -> Workload:
     """``conversations`` x ``turns`` user messages and a system prompt of about
     ``system_tokens`` tokens (by ``count``); the same for the same arguments. ``distinct``:
     conversation ``c`` gets its own system prompt (rules rotated by ``c + 1``)."""
@@ -229,8 +243,9 @@ class Turn:
     result: RequestResult
 
 
-async def run_workload(client: httpx.AsyncClient, url: str, model: str, wl: Workload,
-                       concurrency: int, max_tokens: int) -> tuple[list[Turn], float]:  # fmt: skip
+async def run_workload(
+    client: httpx.AsyncClient, url: str, model: str, wl: Workload, concurrency: int, max_tokens: int
+) -> tuple[list[Turn], float]:
     """Run every conversation of ``wl`` against ``url`` (``.../chat/completions``),
     ``concurrency`` conversations at once, turns in order; a failed turn ends its conversation.
     Returns the turns (in completion order) and the wall time in seconds."""
@@ -264,8 +279,13 @@ def _pcts(values_s: Sequence[float]) -> dict[str, float | None]:
     return {"p50": percentile(ms, 50), "p90": percentile(ms, 90), "n": float(len(ms))}
 
 
-def summarize_arm(label: str, turns: Sequence[Turn], wall_s: float, prefill: dict[str, float],
-                  router: dict[str, float]) -> dict[str, Any]:  # fmt: skip
+def summarize_arm(
+    label: str,
+    turns: Sequence[Turn],
+    wall_s: float,
+    prefill: dict[str, float],
+    router: dict[str, float],
+) -> dict[str, Any]:
     """One arm's numbers (JSON-ready). ``prefill`` and ``router``: the workload's deltas of the
     prefill worker's and the router's metrics."""
     ok = [t for t in turns if t.result.ok]
@@ -302,8 +322,14 @@ def summarize_arm(label: str, turns: Sequence[Turn], wall_s: float, prefill: dic
 _Measured = tuple[list[Turn], float, list[dict[str, float]]]
 
 
-async def _measure(args: argparse.Namespace, router: str, workers: Sequence[str], model: str,
-                   headers: dict[str, str], wl: Workload) -> _Measured:  # fmt: skip
+async def _measure(
+    args: argparse.Namespace,
+    router: str,
+    workers: Sequence[str],
+    model: str,
+    headers: dict[str, str],
+    wl: Workload,
+) -> _Measured:
     """Warm up, then run ``wl`` through ``router``: the turns, the wall time, and the
     workload's deltas of the metrics of ``router`` and each of ``workers``."""
     import httpx
@@ -332,8 +358,14 @@ async def _measure(args: argparse.Namespace, router: str, workers: Sequence[str]
     return turns, wall, [delta(b, a) for b, a in zip(before, after, strict=True)]
 
 
-def run_arm(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path, wl: Workload,
-            spec: Arm, logs: Path) -> dict[str, Any]:  # fmt: skip
+def run_arm(
+    args: argparse.Namespace,
+    cfg: PdserveConfig,
+    model_path: Path,
+    wl: Workload,
+    spec: Arm,
+    logs: Path,
+) -> dict[str, Any]:
     """Start router + ``spec.prefill_workers`` prefill + 1 decode (the prefix cache on or off,
     ``spec.router_args``; every worker on a port of its own for its metrics), run ``wl``, stop
     the stack; returns :func:`summarize_arm`'s dict (prefill metrics summed over the prefill
@@ -350,8 +382,11 @@ def run_arm(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path, wl: 
     stack_args = {name: ["--port", str(p)] for name, p in ports.items()}
     stack_args["router"] = ["--local-prefill-max-tokens", "0", *spec.router_args]
     flag = "--prefix-caching" if spec.prefix_caching else "--no-prefix-caching"
-    print(f"{label}: router {' '.join(spec.router_args)} + {n} prefill + 1 decode, {flag}, "
-          f"logs in {logs / tag}", flush=True)  # fmt: skip
+    print(
+        f"{label}: router {' '.join(spec.router_args)} + {n} prefill + 1 decode, {flag}, "
+        f"logs in {logs / tag}",
+        flush=True,
+    )
     with bench_stack(settings, logs / tag, args=stack_args) as stack:
         stack.start()
         stack.wait_ready(READY_TIMEOUT_S, what=f"the {label} stack")
@@ -386,8 +421,10 @@ def _ms(v: float | None) -> str:
 
 def format_arm(arm: dict[str, Any]) -> str:
     """One line per arm as it ends: requests, errors, wall time."""
-    line = (f"{arm['label']}: {arm['completed']}/{arm['requests']} turns ok, {arm['errors']} "
-            f"errors, wall {arm['wall_s']:.1f} s")  # fmt: skip
+    line = (
+        f"{arm['label']}: {arm['completed']}/{arm['requests']} turns ok, {arm['errors']} "
+        f"errors, wall {arm['wall_s']:.1f} s"
+    )
     return line + (f"; first error: {arm['first_error']}" if arm["first_error"] else "")
 
 
@@ -395,26 +432,34 @@ def format_table(arms: Sequence[dict[str, Any]], compare: str = "cache") -> str:
     """The comparison table (milliseconds, tokens) and the ratios against the targets: the
     turns-2+ TTFT p50 ratio (``compare`` "cache"), or the hit rate and TTFT ratios of
     KV-aware over least-loaded routing ("routing")."""
-    head = (f"{'arm':<10} {'turn1 p50':>9} {'turn1 p90':>9} {'2+ p50':>8} {'2+ p90':>8} "
-            f"{'all p50':>8} {'all p90':>8} {'prompt tok':>10} {'prefilled':>9} {'hit rate':>8}"
-            "   (TTFT ms)")  # fmt: skip
+    head = (
+        f"{'arm':<10} {'turn1 p50':>9} {'turn1 p90':>9} {'2+ p50':>8} {'2+ p90':>8} "
+        f"{'all p50':>8} {'all p90':>8} {'prompt tok':>10} {'prefilled':>9} {'hit rate':>8}"
+        "   (TTFT ms)"
+    )
     lines = [head]
     for a in arms:
         t1, t2 = a["ttft_turn1_ms"], a["ttft_later_ms"]
         al = a.get("ttft_all_ms", {"p50": None, "p90": None})
-        lines.append(f"{a['label']:<10} {_ms(t1['p50']):>9} {_ms(t1['p90']):>9} {_ms(t2['p50'])} "
-                     f"{_ms(t2['p90'])} {_ms(al['p50'])} {_ms(al['p90'])} "
-                     f"{a['prompt_tokens']:>10} "
-                     f"{a['prefill_computed_tokens']:>9.0f} {a['hit_rate']:>8.1%}")  # fmt: skip
+        lines.append(
+            f"{a['label']:<10} {_ms(t1['p50']):>9} {_ms(t1['p90']):>9} {_ms(t2['p50'])} "
+            f"{_ms(t2['p90'])} {_ms(al['p50'])} {_ms(al['p90'])} "
+            f"{a['prompt_tokens']:>10} "
+            f"{a['prefill_computed_tokens']:>9.0f} {a['hit_rate']:>8.1%}"
+        )
     if compare == "routing":
-        lines += [f"{k}: {v:.2f}x" if v is not None else f"{k}: -"
-                  for k, v in routing_ratios(arms).items()]  # fmt: skip
+        lines += [
+            f"{k}: {v:.2f}x" if v is not None else f"{k}: -"
+            for k, v in routing_ratios(arms).items()
+        ]
         return "\n".join(lines)
     r = ratio(arms)
     if r is not None:
         verdict = "met" if r <= TARGET_RATIO else f"missed by {r / TARGET_RATIO - 1:.0%}"
-        lines.append(f"TTFT p50 turns 2+, cache on / cache off: {r:.2f}x "
-                     f"(target <= {TARGET_RATIO}x: {verdict})")  # fmt: skip
+        lines.append(
+            f"TTFT p50 turns 2+, cache on / cache off: {r:.2f}x "
+            f"(target <= {TARGET_RATIO}x: {verdict})"
+        )
     return "\n".join(lines)
 
 
@@ -465,19 +510,25 @@ def run(args: argparse.Namespace, cfg: PdserveConfig) -> int:
     path = args.model or (str(cfg.model.path) if cfg.model.path is not None else None)
     model_path = resolve_model(path, cache_dir=cfg.model.cache_dir)
     wl = make_workload(
-        args.conversations, args.turns, args.system_tokens, args.seed, token_counter(model_path),
+        args.conversations,
+        args.turns,
+        args.system_tokens,
+        args.seed,
+        token_counter(model_path),
         distinct=args.distinct_system_prompts,
-    )  # fmt: skip
+    )
     specs = CACHE_ARMS if args.compare == "cache" else routing_arms(args.prefill_workers)
     logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-multiturn-"))
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    print(f"bench multiturn: {args.conversations} conversations x {args.turns} turns, "
-          f"{args.system_tokens}-token system prompt, concurrency {args.concurrency}, "
-          f"max_tokens {args.max_tokens}, seed {args.seed}, {os.cpu_count()} cores; "
-          "router --local-prefill-max-tokens 0 (every turn through a prefill worker); "
-          f"compare {args.compare}"
-          f"{', distinct system prompts' if args.distinct_system_prompts else ''}",
-          flush=True)  # fmt: skip
+    print(
+        f"bench multiturn: {args.conversations} conversations x {args.turns} turns, "
+        f"{args.system_tokens}-token system prompt, concurrency {args.concurrency}, "
+        f"max_tokens {args.max_tokens}, seed {args.seed}, {os.cpu_count()} cores; "
+        "router --local-prefill-max-tokens 0 (every turn through a prefill worker); "
+        f"compare {args.compare}"
+        f"{', distinct system prompts' if args.distinct_system_prompts else ''}",
+        flush=True,
+    )
     arms = [run_arm(args, cfg, model_path, wl, spec, logs) for spec in specs]
     print(format_table(arms, args.compare))
     if args.json:
@@ -487,13 +538,22 @@ def run(args: argparse.Namespace, cfg: PdserveConfig) -> int:
             "started": started,
             "host": {"cpus": os.cpu_count()},
             "model": str(model_path),
-            "workload": {k: getattr(args, k) for k in ("conversations", "turns", "system_tokens",
-                                                       "concurrency", "max_tokens", "seed")},
+            "workload": {
+                k: getattr(args, k)
+                for k in (
+                    "conversations",
+                    "turns",
+                    "system_tokens",
+                    "concurrency",
+                    "max_tokens",
+                    "seed",
+                )
+            },
             "local_prefill_max_tokens": 0,
             "compare": args.compare,
             "distinct_system_prompts": args.distinct_system_prompts,
             "arms": arms,
-        }  # fmt: skip
+        }
         if args.compare == "routing":
             report["ratios"] = routing_ratios(arms)
         else:

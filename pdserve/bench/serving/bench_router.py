@@ -56,8 +56,10 @@ def main(args: argparse.Namespace) -> int:
         if child.stdin is not None:
             child.stdin.close()
         child.wait(15)
-    print(f"router overhead on {cpu_model()} ({os.cpu_count()} CPUs), {args.tokens}-token "
-          f"streams, {args.prompt_tokens}-token prompts, {args.requests} requests per row")  # fmt: skip
+    print(
+        f"router overhead on {cpu_model()} ({os.cpu_count()} CPUs), {args.tokens}-token "
+        f"streams, {args.prompt_tokens}-token prompts, {args.requests} requests per row"
+    )
     print(
         f"{'conc':>5}{'direct p50 ms':>15}{'router p50 ms':>15}{'added ms':>10}{'router req/s':>14}"
     )
@@ -87,21 +89,30 @@ async def _measure(
 
         async def direct(i: int) -> None:
             req = GenerationRequest(
-                request_id=f"d{i}", prompt_token_ids=tuple(prompt), sampling=sampling,
+                request_id=f"d{i}",
+                prompt_token_ids=tuple(prompt),
+                sampling=sampling,
                 deadline=time.time() + 60,
-            )  # fmt: skip
+            )
             headers = {**key.http_headers(), "content-type": "application/json"}
             async with http.stream(
-                "POST", f"{urls['worker']}/internal/generate", content=req.model_dump_json(),
+                "POST",
+                f"{urls['worker']}/internal/generate",
+                content=req.model_dump_json(),
                 headers=headers,
-            ) as resp:  # fmt: skip
+            ) as resp:
                 resp.raise_for_status()
                 async for _ in resp.aiter_lines():
                     pass
 
         async def routed(i: int) -> None:
-            body = {"model": urls["model"], "prompt": prompt, "max_tokens": args.tokens,
-                    "temperature": 0, "stream": True}  # fmt: skip
+            body = {
+                "model": urls["model"],
+                "prompt": prompt,
+                "max_tokens": args.tokens,
+                "temperature": 0,
+                "stream": True,
+            }
             async with http.stream("POST", f"{urls['router']}/v1/completions", json=body) as resp:
                 resp.raise_for_status()
                 async for _ in resp.aiter_lines():
@@ -150,7 +161,7 @@ async def _serve(tokens: int) -> None:
         Role,
         WorkerLoad,
         WorkerRecord,
-    )  # fmt: skip
+    )
     from pdserve.security import ClusterKey
     from pdserve.server.app import create_app
     from pdserve.workers.roles.worker_app import bind_socket
@@ -165,10 +176,17 @@ async def _serve(tokens: int) -> None:
         async def stream() -> Any:
             for i in range(tokens):
                 last = i == tokens - 1
-                yield GenerationChunk(
-                    request_id=req.request_id, token_ids=(65 + i % 26,), text=chr(65 + i % 26),
-                    finish_reason=FinishReason.LENGTH if last else None,
-                ).model_dump_json().encode() + b"\n"  # fmt: skip
+                yield (
+                    GenerationChunk(
+                        request_id=req.request_id,
+                        token_ids=(65 + i % 26,),
+                        text=chr(65 + i % 26),
+                        finish_reason=FinishReason.LENGTH if last else None,
+                    )
+                    .model_dump_json()
+                    .encode()
+                    + b"\n"
+                )
 
         return StreamingResponse(stream(), media_type="application/x-ndjson")
 
@@ -177,8 +195,14 @@ async def _serve(tokens: int) -> None:
     socks = [bind_socket("127.0.0.1", 0) for _ in range(2)]  # the workers' listening socket
     worker_url, router_url = (f"http://127.0.0.1:{s.getsockname()[1]}" for s in socks)
     model_path = resolve_model(None)
-    layout = KVLayout(model="bench", num_layers=1, num_kv_heads=1, head_dim=8,
-                      tokens_per_block=16, dtype="float32")  # fmt: skip
+    layout = KVLayout(
+        model="bench",
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=8,
+        tokens_per_block=16,
+        dtype="float32",
+    )
     record = key.sign_record(
         WorkerRecord(
             role=Role.COLOCATED,
@@ -188,7 +212,7 @@ async def _serve(tokens: int) -> None:
             http_url=worker_url,
             layout=layout,
             load=WorkerLoad(free_blocks=1 << 20, total_blocks=1 << 20),
-        )  # fmt: skip
+        )
     )
 
     class Watcher:
@@ -207,8 +231,10 @@ async def _serve(tokens: int) -> None:
     tasks = [asyncio.create_task(s.serve(sockets=[k])) for s, k in zip(servers, socks, strict=True)]
     while not all(s.started for s in servers):
         await asyncio.sleep(0.05)
-    print(_PREFIX + json.dumps({"worker": worker_url, "router": router_url, "model": "bench"}),
-          flush=True)  # fmt: skip
+    print(
+        _PREFIX + json.dumps({"worker": worker_url, "router": router_url, "model": "bench"}),
+        flush=True,
+    )
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
     for s in servers:
         s.should_exit = True

@@ -76,8 +76,13 @@ def failed(t0: float, message: str) -> RequestResult:
     return RequestResult(ok=False, error=message, e2e_s=time.perf_counter() - t0)
 
 
-def from_stamps(t0: float, stamps: Sequence[float], end: float, output_tokens: int | None = None,
-                prompt_tokens: int | None = None) -> RequestResult:  # fmt: skip
+def from_stamps(
+    t0: float,
+    stamps: Sequence[float],
+    end: float,
+    output_tokens: int | None = None,
+    prompt_tokens: int | None = None,
+) -> RequestResult:
     """A result from the send time ``t0``, the arrival time of each content delta and the end of
     the stream (``perf_counter`` seconds). ``output_tokens`` defaults to the number of deltas."""
     if not stamps:
@@ -123,8 +128,9 @@ async def sse_chunks(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
         yield json.loads(data)
 
 
-async def stream_openai(client: httpx.AsyncClient, url: str, body: dict[str, Any],
-                        kind: str = "chat") -> RequestResult:  # fmt: skip
+async def stream_openai(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], kind: str = "chat"
+) -> RequestResult:
     """POST one streaming request to ``url`` (``.../chat/completions`` for ``kind="chat"``,
     ``.../completions`` for ``"completions"``) and time its SSE content deltas (their text
     goes to ``text``). Never raises:
@@ -162,8 +168,9 @@ async def stream_openai(client: httpx.AsyncClient, url: str, body: dict[str, Any
     return result
 
 
-async def run_rate(one: Callable[[Any], Awaitable[RequestResult]], items: Sequence[Any],
-                   rate: float, seed: int = 0) -> tuple[list[RequestResult], float]:  # fmt: skip
+async def run_rate(
+    one: Callable[[Any], Awaitable[RequestResult]], items: Sequence[Any], rate: float, seed: int = 0
+) -> tuple[list[RequestResult], float]:
     """Open loop: send ``items`` at Poisson arrivals of ``rate`` requests/s (exponential gaps,
     ``random.Random(seed)``; the first goes at once), each as soon as its time comes whatever
     is still in flight. Returns the results (in completion order) and the wall time in seconds
@@ -190,8 +197,9 @@ async def run_rate(one: Callable[[Any], Awaitable[RequestResult]], items: Sequen
     return results, time.perf_counter() - t0
 
 
-async def run_level(one: Callable[[Any], Awaitable[RequestResult]], items: Sequence[Any],
-                    concurrency: int) -> tuple[list[RequestResult], float]:  # fmt: skip
+async def run_level(
+    one: Callable[[Any], Awaitable[RequestResult]], items: Sequence[Any], concurrency: int
+) -> tuple[list[RequestResult], float]:
     """Closed loop: ``concurrency`` workers each send the next item until all are done. Returns
     the results (in completion order) and the wall time in seconds."""
     todo = iter(items)
@@ -312,8 +320,10 @@ class Slo:
 
     def as_ms(self) -> dict[str, float | None]:
         """The targets in milliseconds, JSON-ready."""
-        return {f"{k}_ms": None if v is None else v * 1e3
-                for k, v in (("ttft", self.ttft_s), ("tpot", self.tpot_s), ("itl", self.itl_s))}  # fmt: skip
+        return {
+            f"{k}_ms": None if v is None else v * 1e3
+            for k, v in (("ttft", self.ttft_s), ("tpot", self.tpot_s), ("itl", self.itl_s))
+        }
 
 
 def goodput(results: Sequence[RequestResult], wall_s: float, slo: Slo) -> dict[str, Any]:
@@ -349,9 +359,14 @@ def check_load_arguments(args: Any) -> str | None:
     return None
 
 
-def summarize(results: Sequence[RequestResult], wall_s: float, concurrency: int | None,
-              expect_output: int | None = None, slo: Slo | None = None,
-              request_rate: float | None = None) -> dict[str, Any]:  # fmt: skip
+def summarize(
+    results: Sequence[RequestResult],
+    wall_s: float,
+    concurrency: int | None,
+    expect_output: int | None = None,
+    slo: Slo | None = None,
+    request_rate: float | None = None,
+) -> dict[str, Any]:
     """One level's numbers (JSON-ready): counts, ``wall_s`` seconds, output tokens/s, and
     ``ttft_ms``/``itl_ms``/``tpot_ms``/``e2e_ms`` as mean, p50, p90, p99 in milliseconds.
     ``expect_output``: count successful requests whose output token count differs from it.
@@ -400,15 +415,19 @@ def _f(v: float | None, width: int = 9, digits: int = 1) -> str:
 
 def format_level(lv: dict[str, Any], label: str | None = None) -> str:
     """A readable block for one level: counts, throughput, then one row per metric (ms)."""
-    head = (f"{label + ': ' if label else ''}{level_name(lv)}: "
-            f"{lv['completed']}/{lv['num_requests']} ok, {lv['errors']} errors, "
-            f"wall {lv['wall_s']:.1f} s, {_f(lv['output_tokens_per_s'], 0)} output tok/s, "
-            f"{_f(lv['requests_per_s'], 0, 2)} req/s")  # fmt: skip
+    head = (
+        f"{label + ': ' if label else ''}{level_name(lv)}: "
+        f"{lv['completed']}/{lv['num_requests']} ok, {lv['errors']} errors, "
+        f"wall {lv['wall_s']:.1f} s, {_f(lv['output_tokens_per_s'], 0)} output tok/s, "
+        f"{_f(lv['requests_per_s'], 0, 2)} req/s"
+    )
     lines = [head]
     if lv["prompt_tokens_mean"] is not None:
-        lines.append(f"  prompt tokens: mean {lv['prompt_tokens_mean']:.1f}, "
-                     f"min {lv['prompt_tokens_min']}, max {lv['prompt_tokens_max']}; "
-                     f"output tokens mean {_f(lv['output_tokens_mean'], 0)}")  # fmt: skip
+        lines.append(
+            f"  prompt tokens: mean {lv['prompt_tokens_mean']:.1f}, "
+            f"min {lv['prompt_tokens_min']}, max {lv['prompt_tokens_max']}; "
+            f"output tokens mean {_f(lv['output_tokens_mean'], 0)}"
+        )
     if lv.get("output_len_mismatch"):
         lines.append(
             f"  WARNING: {lv['output_len_mismatch']} requests did not produce output-len tokens"
@@ -416,11 +435,14 @@ def format_level(lv: dict[str, Any], label: str | None = None) -> str:
     if lv["first_error"]:
         lines.append(f"  first error: {lv['first_error']}")
     if gp := lv.get("goodput"):
-        targets = ", ".join(f"{k[:-3].upper()} <= {v:g} ms" for k, v in gp["slo"].items()
-                            if v is not None)  # fmt: skip
-        lines.append(f"  goodput: {gp['good']}/{lv['num_requests']} requests meet {targets} "
-                     f"({100 * (gp['fraction'] or 0):.0f} %), "
-                     f"{_f(gp['requests_per_s'], 0, 2)} good req/s")  # fmt: skip
+        targets = ", ".join(
+            f"{k[:-3].upper()} <= {v:g} ms" for k, v in gp["slo"].items() if v is not None
+        )
+        lines.append(
+            f"  goodput: {gp['good']}/{lv['num_requests']} requests meet {targets} "
+            f"({100 * (gp['fraction'] or 0):.0f} %), "
+            f"{_f(gp['requests_per_s'], 0, 2)} good req/s"
+        )
     lines.append(f"  {'ms':<6}" + "".join(f"{h:>9}" for h in ("mean", "p50", "p90", "p99")))
     for name in ("ttft", "itl", "tpot", "e2e"):
         s = lv[f"{name}_ms"]
@@ -430,24 +452,28 @@ def format_level(lv: dict[str, Any], label: str | None = None) -> str:
     return "\n".join(lines)
 
 
-def format_summary(levels: Sequence[dict[str, Any]], label: str | None = None,
-                   header: bool = True) -> str:  # fmt: skip
+def format_summary(
+    levels: Sequence[dict[str, Any]], label: str | None = None, header: bool = True
+) -> str:
     """One row per level: concurrency (or request rate ``r=``), requests, errors, output tok/s,
     goodput (good req/s and %, ``-`` without SLOs), TTFT/ITL/TPOT p50/p90/p99."""
     cols = [f"{m} {p}" for m in ("TTFT", "ITL", "TPOT") for p in ("p50", "p90", "p99")]
-    lines = [f"{'label':<14} {'conc':>6} {'reqs':>5} {'err':>4} {'tok/s':>7} {'good/s':>6} "
-             f"{'good%':>5} " + " ".join(f"{c:>9}" for c in cols) + "   (ms)"][: int(header)]  # fmt: skip
+    lines = [
+        f"{'label':<14} {'conc':>6} {'reqs':>5} {'err':>4} {'tok/s':>7} {'good/s':>6} "
+        f"{'good%':>5} " + " ".join(f"{c:>9}" for c in cols) + "   (ms)"
+    ][: int(header)]
     for lv in levels:
         vals = [lv[f"{m}_ms"][f"p{p}"] for m in ("ttft", "itl", "tpot") for p in PERCENTILES]
         rate = lv.get("request_rate")
         conc = f"r={rate:g}" if rate is not None else str(lv["concurrency"])
         gp = lv.get("goodput") or {}
         frac = gp.get("fraction")
-        lines.append(f"{(label or '-')[:14]:<14} {conc:>6} {lv['num_requests']:>5} "
-                     f"{lv['errors']:>4} {_f(lv['output_tokens_per_s'], 7)} "
-                     f"{_f(gp.get('requests_per_s'), 6, 2)} "
-                     f"{_f(None if frac is None else 100 * frac, 5, 0)} "
-                     + " ".join(_f(v) for v in vals))  # fmt: skip
+        lines.append(
+            f"{(label or '-')[:14]:<14} {conc:>6} {lv['num_requests']:>5} "
+            f"{lv['errors']:>4} {_f(lv['output_tokens_per_s'], 7)} "
+            f"{_f(gp.get('requests_per_s'), 6, 2)} "
+            f"{_f(None if frac is None else 100 * frac, 5, 0)} " + " ".join(_f(v) for v in vals)
+        )
     return "\n".join(lines)
 
 

@@ -43,13 +43,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``pdserve bench speculative``."""
     p.add_argument("--model", default=None, help="model folder (default: the default model)")
     p.add_argument(
-        "--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS),
+        "--workloads",
+        nargs="+",
+        default=list(WORKLOADS),
+        choices=list(WORKLOADS),
         help="copy (repeat a text), edit (rewrite it with one change), chat (nothing to copy)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--speculative-tokens", nargs="+", type=int, default=[0, 4], dest="spec",
+        "--speculative-tokens",
+        nargs="+",
+        type=int,
+        default=[0, 4],
+        dest="spec",
         help="drafts per step to compare; 0 (plain decoding) is the reference",
-    )  # fmt: skip
+    )
     p.add_argument("--requests", type=int, default=3, help="requests per workload (one at a time)")
     p.add_argument("--max-tokens", type=int, default=96, help="output tokens per request")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")

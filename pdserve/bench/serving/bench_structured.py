@@ -96,9 +96,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=32, help="requests per cost arm (32)")
     p.add_argument("--output-len", type=int, default=64, help="cost arm tokens (64)")
     p.add_argument(
-        "--tokenizer", default=None, metavar="PATH",
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
         help="tokenizer folder for the compile timings (default: the SmolLM2 folder)",
-    )  # fmt: skip
+    )
     p.add_argument("--skip-cost", action="store_true", help="validity and compile only")
     p.add_argument("--label", default=None, help="name of this run (the server)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
@@ -140,16 +142,31 @@ async def validity(client: httpx.AsyncClient, base: str, model: str, tries: int)
     json_ok = 0
     reasons: dict[str, int] = {}
     for seed in range(tries):
-        body = {"model": model, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required",
-                "temperature": 1.0, "seed": seed, "max_tokens": 200}  # fmt: skip
+        body = {
+            "model": model,
+            "messages": MESSAGES,
+            "tools": TOOLS,
+            "tool_choice": "required",
+            "temperature": 1.0,
+            "seed": seed,
+            "max_tokens": 200,
+        }
         r = await client.post(url, json=body)
         choice = r.json()["choices"][0] if r.status_code == 200 else {}
         calls = (choice.get("message") or {}).get("tool_calls") or []
         required += bool(calls) and all(_arguments_valid(c) for c in calls)
-        fmt = {"type": "json_schema",
-               "json_schema": {"name": "person", "schema": PERSON, "strict": True}}  # fmt: skip
-        body = {"model": model, "messages": PERSON_MESSAGES, "response_format": fmt,
-                "temperature": 1.0, "seed": seed, "max_tokens": 200}  # fmt: skip
+        fmt = {
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+        }
+        body = {
+            "model": model,
+            "messages": PERSON_MESSAGES,
+            "response_format": fmt,
+            "temperature": 1.0,
+            "seed": seed,
+            "max_tokens": 200,
+        }
         r = await client.post(url, json=body)
         choice = r.json()["choices"][0] if r.status_code == 200 else {}
         reason = str(choice.get("finish_reason"))
@@ -163,9 +180,16 @@ async def validity(client: httpx.AsyncClient, base: str, model: str, tries: int)
     named_tries = max(1, tries // 5)
     named = 0
     for seed in range(named_tries):
-        body = {"model": model, "messages": MESSAGES, "tools": TOOLS, "stream": True,
-                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-                "temperature": 1.0, "seed": seed, "max_tokens": 200}  # fmt: skip
+        body = {
+            "model": model,
+            "messages": MESSAGES,
+            "tools": TOOLS,
+            "stream": True,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "temperature": 1.0,
+            "seed": seed,
+            "max_tokens": 200,
+        }
         pieces: list[dict[str, Any]] = []
         async with client.stream("POST", url, json=body) as r:
             async for line in r.aiter_lines():
@@ -198,16 +222,21 @@ async def cost(
 
     def body(i: int, constrained: bool) -> dict[str, Any]:
         prompt = f"Tell story number {i} about a lighthouse keeper."
-        b = bs.chat_body(model, prompt, args.output_len * 2 if constrained else args.output_len,
-                         ignore_eos=not constrained)  # fmt: skip
+        b = bs.chat_body(
+            model,
+            prompt,
+            args.output_len * 2 if constrained else args.output_len,
+            ignore_eos=not constrained,
+        )
         if constrained:
             b["response_format"] = fmt
         return b
 
     async def arm(constrained: bool) -> tuple[list[Any], float]:
         items = [body(i, constrained) for i in range(args.requests)]
-        return await bs.run_level(lambda b: bs.stream_openai(client, url, b), items,
-                                  args.concurrency)  # fmt: skip
+        return await bs.run_level(
+            lambda b: bs.stream_openai(client, url, b), items, args.concurrency
+        )
 
     await bs.stream_openai(client, url, body(-1, True))  # warm-up: compiles the schema
     plain1, wall1 = await arm(False)
@@ -276,17 +305,23 @@ def main(args: argparse.Namespace) -> int:
     v = result["validity"]
     print(f"{result['label']} ({result['model']}):")
     print(f"  tool_choice required: {v['required_valid']}/{v['tries']} schema-valid calls")
-    print(f"  json_schema strict:   {v['json_schema_valid']}/{v['tries']} parse and validate "
-          f"(finish reasons {v['json_schema_finish_reasons']})")  # fmt: skip
-    print(f"  named, streamed:      {v['named_streamed_valid']}/{v['named_streamed_tries']} "
-          "deltas join into valid arguments")  # fmt: skip
+    print(
+        f"  json_schema strict:   {v['json_schema_valid']}/{v['tries']} parse and validate "
+        f"(finish reasons {v['json_schema_finish_reasons']})"
+    )
+    print(
+        f"  named, streamed:      {v['named_streamed_valid']}/{v['named_streamed_tries']} "
+        "deltas join into valid arguments"
+    )
     if "cost" in result:
         c = result["cost"]
         u, j = c["unconstrained"], c["json_schema"]
-        print(f"  ITL p50 at concurrency {args.concurrency}: unconstrained "
-              f"{u['itl_ms']['p50']:.1f} ms, json_schema {j['itl_ms']['p50']:.1f} ms "
-              f"(ratio {c['itl_p50_ratio']:.2f}); output tok/s {u['output_tokens_per_s']:.1f} "
-              f"vs {j['output_tokens_per_s']:.1f}")  # fmt: skip
+        print(
+            f"  ITL p50 at concurrency {args.concurrency}: unconstrained "
+            f"{u['itl_ms']['p50']:.1f} ms, json_schema {j['itl_ms']['p50']:.1f} ms "
+            f"(ratio {c['itl_p50_ratio']:.2f}); output tok/s {u['output_tokens_per_s']:.1f} "
+            f"vs {j['output_tokens_per_s']:.1f}"
+        )
     ms = result["compile_ms"]
     print("  pdserve grammar compile: " + ", ".join(f"{k} {v:.1f} ms" for k, v in ms.items()))
     if args.json:

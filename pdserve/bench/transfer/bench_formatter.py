@@ -40,9 +40,13 @@ from pdserve.transfer.formatter.mapping import Formatter, PoolGeometry
 from pdserve.transfer.transceiver import create_transceiver
 
 BASE = KVLayout(
-    model="SmolLM2-135M-Instruct", num_layers=30, num_kv_heads=3, head_dim=64,
-    tokens_per_block=16, dtype="float32",
-)  # fmt: skip
+    model="SmolLM2-135M-Instruct",
+    num_layers=30,
+    num_kv_heads=3,
+    head_dim=64,
+    tokens_per_block=16,
+    dtype="float32",
+)
 F32_16 = BASE
 F32_32 = BASE.model_copy(update={"tokens_per_block": 32})
 BF16_16 = BASE.model_copy(update={"dtype": "bfloat16"})
@@ -96,10 +100,16 @@ def bench_stage(tokens: int) -> list[dict[str, Any]]:
         a, b = torch.empty(out, dtype=torch.uint8), torch.ones(out, dtype=torch.uint8)
         copy_s, _ = _median(functools.partial(a.copy_, b))
         rows.append(
-            {"pair": f"{src_name} -> {dst_name}", "tokens": tokens, "out_mib": out / 2**20,
-             "reps": reps, "ms": seconds * 1e3, "gbps": out / seconds / 1e9,
-             "copy_ms": copy_s * 1e3}
-        )  # fmt: skip
+            {
+                "pair": f"{src_name} -> {dst_name}",
+                "tokens": tokens,
+                "out_mib": out / 2**20,
+                "reps": reps,
+                "ms": seconds * 1e3,
+                "gbps": out / seconds / 1e9,
+                "copy_ms": copy_s * 1e3,
+            }
+        )
     return rows
 
 
@@ -115,10 +125,14 @@ def _prefill_peer(pipe: Pipe, backend: str, tokens: int, threads: int, secret: s
         transceivers = []
         for name, layout in PREFILL.items():
             t = create_transceiver(
-                _cfg(backend), pool=_pool(layout, tokens), layout=layout,
-                worker_id=f"fmt-prefill-{name}", epoch=BENCH_EPOCH, parked=AllParked(),
+                _cfg(backend),
+                pool=_pool(layout, tokens),
+                layout=layout,
+                worker_id=f"fmt-prefill-{name}",
+                epoch=BENCH_EPOCH,
+                parked=AllParked(),
                 key=ClusterKey(secret.encode()),
-            )  # fmt: skip
+            )
             await t.start()
             transceivers.append(t)
             endpoints[name] = (t.endpoint, t.backend)
@@ -138,9 +152,14 @@ async def _pull_pairs(
         src, dst = PREFILL[src_name], DECODE[dst_name]
         pool = _pool(dst, tokens).zero_()
         t = create_transceiver(
-            _cfg(backend), pool=pool, layout=dst, worker_id="fmt-decode", epoch=BENCH_EPOCH,
-            parked=None, key=key,
-        )  # fmt: skip
+            _cfg(backend),
+            pool=pool,
+            layout=dst,
+            worker_id="fmt-decode",
+            epoch=BENCH_EPOCH,
+            parked=None,
+            key=key,
+        )
         await t.start()
         endpoint, served = endpoints[src_name]
         n_src = -(-tokens // src.tokens_per_block)
@@ -149,12 +168,17 @@ async def _pull_pairs(
         try:
             for rep in range(_MAX_REPS + 1):
                 handle = TransferHandle(
-                    worker_id=f"fmt-prefill-{src_name}", epoch=BENCH_EPOCH,
-                    request_id=f"bench-{n_src}-{rep}", lease_id="bench",
-                    block_ids=tuple(range(n_src)), num_tokens=tokens,
-                    lease_deadline=time.time() + 60, layout=src, backend=served,
+                    worker_id=f"fmt-prefill-{src_name}",
+                    epoch=BENCH_EPOCH,
+                    request_id=f"bench-{n_src}-{rep}",
+                    lease_id="bench",
+                    block_ids=tuple(range(n_src)),
+                    num_tokens=tokens,
+                    lease_deadline=time.time() + 60,
+                    layout=src,
+                    backend=served,
                     transfer_endpoint=endpoint,
-                )  # fmt: skip
+                )
                 t0 = time.perf_counter()
                 await t.pull(handle, dst_ids)
                 if rep:  # rep 0 warms up (handshake, staging buffer, first touch)
@@ -164,11 +188,16 @@ async def _pull_pairs(
         finally:
             await t.close()
         rows.append(
-            {"backend": served, "pair": f"{src_name} -> {dst_name}", "tokens": tokens,
-             "src_mib": tokens * src.bytes_per_token / 2**20,
-             "dst_mib": tokens * dst.bytes_per_token / 2**20, "reps": len(times),
-             "ms": statistics.median(times) * 1e3}
-        )  # fmt: skip
+            {
+                "backend": served,
+                "pair": f"{src_name} -> {dst_name}",
+                "tokens": tokens,
+                "src_mib": tokens * src.bytes_per_token / 2**20,
+                "dst_mib": tokens * dst.bytes_per_token / 2**20,
+                "reps": len(times),
+                "ms": statistics.median(times) * 1e3,
+            }
+        )
     return rows
 
 

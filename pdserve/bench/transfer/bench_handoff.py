@@ -91,36 +91,52 @@ STREAMED_METRIC = "pdserve_kv_transfer_streamed_total"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``pdserve bench handoff``."""
     p.add_argument(
-        "--prompt-tokens", type=int, nargs="+", default=[512, 2048, 8000], metavar="N",
+        "--prompt-tokens",
+        type=int,
+        nargs="+",
+        default=[512, 2048, 8000],
+        metavar="N",
         help="prompt lengths in tokens (random token ids), one row each (default: 512 2048 "
         "8000; SmolLM2's window is 8192 tokens)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--requests", type=int, default=3,
+        "--requests",
+        type=int,
+        default=3,
         help="sequential requests per prompt length and mode (default: 3)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--max-tokens", type=int, default=4,
+        "--max-tokens",
+        type=int,
+        default=4,
         help="max_tokens of each request (ignore_eos; at least 2) (default: 4)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--backend", choices=("auto", "nixl", "ucx", "tcp"), default=None,
+        "--backend",
+        choices=("auto", "nixl", "ucx", "tcp"),
+        default=None,
         help="KV transfer backend of both stacks (default: transfer.backend of the settings)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--warmup", type=int, default=1,
+        "--warmup",
+        type=int,
+        default=1,
         help="uncounted requests per stack first, at the smallest length (default: 1)",
-    )  # fmt: skip
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: 0)")
     p.add_argument(
-        "--model", default=None, metavar="DIR",
+        "--model",
+        default=None,
+        metavar="DIR",
         help="local model folder (default: model.path of the settings, else the converted "
         "SmolLM2 in the cache)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--request-timeout-s", type=float, default=600.0,
+        "--request-timeout-s",
+        type=float,
+        default=600.0,
         help="per-request timeout, seconds (default: 600)",
-    )  # fmt: skip
+    )
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
 
 
@@ -192,8 +208,9 @@ def prompt_ids(rng: random.Random, length: int, vocab: int) -> list[int]:
     return [rng.randrange(lo, hi) for _ in range(length)]
 
 
-async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any],
-                      headers: dict[str, str] | None = None) -> Sample:  # fmt: skip
+async def one_request(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> Sample:
     """POST one streamed completion and time its tokens (a chunk's ``logprobs.tokens`` says how
     many it carries). Raises RuntimeError when it fails or yields fewer than 2 tokens,
     httpx.HTTPError when the connection does."""
@@ -218,14 +235,27 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any],
     if len(stamps) < 2:
         raise RuntimeError(f"{len(stamps)} tokens received, 2 needed")
     details = usage.get("prompt_tokens_details") or {}
-    return Sample(stamps[0] - t0, stamps[1] - t0, end - t0, len(stamps),
-                  usage.get("prompt_tokens"), int(details.get("cached_tokens") or 0))  # fmt: skip
+    return Sample(
+        stamps[0] - t0,
+        stamps[1] - t0,
+        end - t0,
+        len(stamps),
+        usage.get("prompt_tokens"),
+        int(details.get("cached_tokens") or 0),
+    )
 
 
 def _body(model: str, ids: list[int], max_tokens: int) -> dict[str, Any]:
-    return {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "logprobs": 0, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    return {
+        "model": model,
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
 def _progress(line: str) -> None:
@@ -248,9 +278,14 @@ async def _backend(client: httpx.AsyncClient, arm: Arm, default: str) -> str:
     return default
 
 
-async def _drive(arms: list[Arm], prompts: dict[str, dict[int, list[list[int]]]],
-                 warm: dict[str, list[list[int]]], max_tokens: int, timeout_s: float,
-                 default_backend: str) -> None:  # fmt: skip
+async def _drive(
+    arms: list[Arm],
+    prompts: dict[str, dict[int, list[list[int]]]],
+    warm: dict[str, list[list[int]]],
+    max_tokens: int,
+    timeout_s: float,
+    default_backend: str,
+) -> None:
     """Warm up each stack, then per length the i-th request of each mode in turn, the order
     alternating (whole, streamed, streamed, whole, ...) so that neither mode always runs
     second; counts each decode worker's streamed pulls over the measured requests."""
@@ -279,9 +314,11 @@ async def _drive(arms: list[Arm], prompts: dict[str, dict[int, list[list[int]]]]
                     _progress(f"  {n} tokens, {mode}, request {i + 1}/{count} ...")
                     smp = await send(arm, prompts[mode][n][i])
                     arm.run.samples.setdefault(n, []).append(smp)
-                    _progress(f"  {n} tokens, {mode}, request {i + 1}/{count}: TTFT "
-                              f"{smp.ttft_s * 1e3:.0f} ms, TT2T {smp.tt2t_s * 1e3:.0f} ms, e2e "
-                              f"{smp.e2e_s * 1e3:.0f} ms")  # fmt: skip
+                    _progress(
+                        f"  {n} tokens, {mode}, request {i + 1}/{count}: TTFT "
+                        f"{smp.ttft_s * 1e3:.0f} ms, TT2T {smp.tt2t_s * 1e3:.0f} ms, e2e "
+                        f"{smp.e2e_s * 1e3:.0f} ms"
+                    )
         for arm in arms:
             after = (await scrape(client, arm.decode)).get(STREAMED_METRIC, 0.0)
             arm.run.streamed_pulls = after - before[arm.run.mode]
@@ -301,22 +338,40 @@ def start_mode(settings: PdserveConfig, mode: str, log_dir: Path, stacks: ExitSt
         "router": ["--local-prefill-max-tokens", "0", "--kv-stream-min-tokens", least],
         "decode-0": ["--port", str(dport)],
     }
-    _progress(f"{mode} hand-off: starting router (--kv-stream-min-tokens {least}) + 1 prefill "
-              f"+ 1 decode, transfer backend {settings.transfer.backend}")  # fmt: skip
+    _progress(
+        f"{mode} hand-off: starting router (--kv-stream-min-tokens {least}) + 1 prefill "
+        f"+ 1 decode, transfer backend {settings.transfer.backend}"
+    )
     t0 = time.perf_counter()
     stack = stacks.enter_context(bench_stack(settings, log_dir, args=args))
     stack.start()
     stack.wait_ready(READY_TIMEOUT_S, what=f"the {mode} hand-off stack")
     run = ModeRun(mode, start_s=time.perf_counter() - t0)
     _progress(f"{mode} hand-off: stack up in {run.start_s:.0f} s")
-    return Arm(run, stack.url, f"http://127.0.0.1:{dport}", str(stack.settings.model.served_name),
-               stack.api_headers(), stack.cluster_key.http_headers(),
-               stack.registry_url)  # fmt: skip
+    return Arm(
+        run,
+        stack.url,
+        f"http://127.0.0.1:{dport}",
+        str(stack.settings.model.served_name),
+        stack.api_headers(),
+        stack.cluster_key.http_headers(),
+        stack.registry_url,
+    )
 
 
-def measure(cfg: PdserveConfig, model_path: Path, sizes: Sequence[int], requests: int, *,
-            max_tokens: int = 4, backend: str | None = None, warmup: int = 1, seed: int = 0,
-            log_dir: Path | None = None, timeout_s: float = 600.0) -> dict[str, Any]:  # fmt: skip
+def measure(
+    cfg: PdserveConfig,
+    model_path: Path,
+    sizes: Sequence[int],
+    requests: int,
+    *,
+    max_tokens: int = 4,
+    backend: str | None = None,
+    warmup: int = 1,
+    seed: int = 0,
+    log_dir: Path | None = None,
+    timeout_s: float = 600.0,
+) -> dict[str, Any]:
     """Both hand-offs on ``model_path`` with the other settings of ``cfg`` (``backend``
     replacing ``transfer.backend`` when given; ``model.max_model_len`` raised to admit the
     largest prompt plus ``max_tokens``): one stack per mode, both up together (an idle stack
@@ -332,30 +387,39 @@ def measure(cfg: PdserveConfig, model_path: Path, sizes: Sequence[int], requests
     need = max(sizes) + max_tokens
     window = model_window(model_path)
     if window is not None and need > window:
-        raise ValueError(f"{max(sizes)} + {max_tokens} tokens exceed the model's {window}-token "
-                         "window: pass shorter --prompt-tokens")  # fmt: skip
+        raise ValueError(
+            f"{max(sizes)} + {max_tokens} tokens exceed the model's {window}-token "
+            "window: pass shorter --prompt-tokens"
+        )
     update: dict[str, Any] = {}
     if backend:
         update["transfer"] = cfg.transfer.model_copy(update={"backend": backend})
     if cfg.model.max_model_len is not None and cfg.model.max_model_len < need:
         update["model"] = cfg.model.model_copy(update={"max_model_len": need})
-    settings = stack_settings(cfg.model_copy(update=update), model_path,
-                              {"prefill": 1, "decode": 1})  # fmt: skip
+    settings = stack_settings(
+        cfg.model_copy(update=update), model_path, {"prefill": 1, "decode": 1}
+    )
     logs = log_dir or Path(tempfile.mkdtemp(prefix="pdserve-bench-handoff-"))
     rng = random.Random(seed)
     vocab = vocab_size(model_path)
     # Fresh ids for every request of both modes: no prompt shares a cached prefix.
     warm = {m: [prompt_ids(rng, min(sizes), vocab) for _ in range(warmup)] for m in MODES}
-    prompts = {m: {n: [prompt_ids(rng, n, vocab) for _ in range(requests)] for n in sizes}
-               for m in MODES}  # fmt: skip
+    prompts = {
+        m: {n: [prompt_ids(rng, n, vocab) for _ in range(requests)] for n in sizes} for m in MODES
+    }
     with ExitStack() as stacks:
         arms = [start_mode(settings, mode, logs / mode, stacks) for mode in MODES]
         asyncio.run(_drive(arms, prompts, warm, max_tokens, timeout_s, settings.transfer.backend))
     runs = {arm.run.mode: arm.run for arm in arms}
     rows = [_row(n, runs) for n in sizes]
     used = ", ".join(sorted({r.backend for r in runs.values()}))
-    return {"backend": settings.transfer.backend, "backend_used": used, "runs": runs,
-            "rows": rows, "logs": str(logs)}  # fmt: skip
+    return {
+        "backend": settings.transfer.backend,
+        "backend_used": used,
+        "runs": runs,
+        "rows": rows,
+        "logs": str(logs),
+    }
 
 
 def _p50(values: Sequence[float]) -> float:
@@ -381,9 +445,11 @@ def _row(n: int, runs: dict[str, ModeRun]) -> dict[str, Any]:
 
 def format_table(result: dict[str, Any]) -> str:
     """The table (ms, p50 of each mode's requests) and the two target lines."""
-    head = (f"{'prompt tokens':>13} | {'whole TTFT':>10} | {'streamed TTFT':>13} | {'ratio':>5} | "
-            f"{'whole TT2T':>10} | {'streamed TT2T':>13} | {'ratio':>5} | "
-            f"{'gap whole':>9} | {'gap streamed':>12}")  # fmt: skip
+    head = (
+        f"{'prompt tokens':>13} | {'whole TTFT':>10} | {'streamed TTFT':>13} | {'ratio':>5} | "
+        f"{'whole TT2T':>10} | {'streamed TT2T':>13} | {'ratio':>5} | "
+        f"{'gap whole':>9} | {'gap streamed':>12}"
+    )
     lines = [head, "-" * len(head)]
     for r in result["rows"]:
         w, s = r["whole"], r["streamed"]
@@ -395,8 +461,10 @@ def format_table(result: dict[str, Any]) -> str:
     lines.append("(ms, p50; gap: second token - first token; ratio: streamed / whole)")
     for mode, run in result["runs"].items():
         n = sum(len(v) for v in run.samples.values())
-        lines.append(f"{mode}: stack up in {run.start_s:.0f} s, {run.streamed_pulls:.0f} "
-                     f"streamed pulls on the decode worker for {n} requests")  # fmt: skip
+        lines.append(
+            f"{mode}: stack up in {run.start_s:.0f} s, {run.streamed_pulls:.0f} "
+            f"streamed pulls on the decode worker for {n} requests"
+        )
     cached = {
         r["prompt_tokens"]: (r["whole"]["cached_tokens"], r["streamed"]["cached_tokens"])
         for r in result["rows"]
@@ -414,16 +482,28 @@ def targets(rows: Sequence[dict[str, Any]]) -> list[tuple[str, bool]]:
     small = min(rows, key=lambda r: r["prompt_tokens"])
     out = []
     for label, row, bound in (
-        (f"TTFT at the largest prompt ({big['prompt_tokens']} tokens) <= {TTFT_TARGET}x whole",
-         big, TTFT_TARGET),
-        (f"never worse for short prompts (<= {SHORT_TARGET}x at the smallest, "
-         f"{small['prompt_tokens']} tokens)", small, SHORT_TARGET),
-    ):  # fmt: skip
+        (
+            f"TTFT at the largest prompt ({big['prompt_tokens']} tokens) <= {TTFT_TARGET}x whole",
+            big,
+            TTFT_TARGET,
+        ),
+        (
+            f"never worse for short prompts (<= {SHORT_TARGET}x at the smallest, "
+            f"{small['prompt_tokens']} tokens)",
+            small,
+            SHORT_TARGET,
+        ),
+    ):
         ok = row["ttft_ratio"] <= bound
-        out.append((f"{label}: {'MET' if ok else 'MISSED'} (streamed "
-                    f"{row['streamed']['ttft_s'] * 1e3:.0f} ms / whole "
-                    f"{row['whole']['ttft_s'] * 1e3:.0f} ms = {row['ttft_ratio']:.2f}x; TT2T "
-                    f"{row['tt2t_ratio']:.2f}x)", ok))  # fmt: skip
+        out.append(
+            (
+                f"{label}: {'MET' if ok else 'MISSED'} (streamed "
+                f"{row['streamed']['ttft_s'] * 1e3:.0f} ms / whole "
+                f"{row['whole']['ttft_s'] * 1e3:.0f} ms = {row['ttft_ratio']:.2f}x; TT2T "
+                f"{row['tt2t_ratio']:.2f}x)",
+                ok,
+            )
+        )
     return out
 
 
@@ -438,18 +518,30 @@ def main(args: argparse.Namespace, cfg: PdserveConfig) -> int:
     from pdserve.models import resolve_model
 
     if args.max_tokens < 2 or args.requests < 1 or min(args.prompt_tokens) < 1:
-        print("bench handoff: --max-tokens >= 2, --requests >= 1 and positive --prompt-tokens "
-              "needed", file=sys.stderr)  # fmt: skip
+        print(
+            "bench handoff: --max-tokens >= 2, --requests >= 1 and positive --prompt-tokens needed",
+            file=sys.stderr,
+        )
         return 2
     path = args.model or (str(cfg.model.path) if cfg.model.path is not None else None)
     model_path = resolve_model(path, cache_dir=cfg.model.cache_dir)
     sizes = list(dict.fromkeys(args.prompt_tokens))
-    _progress(f"bench handoff: prompts {sizes} tokens, {args.requests} requests each, "
-              f"max_tokens {args.max_tokens}, model {model_path}")  # fmt: skip
+    _progress(
+        f"bench handoff: prompts {sizes} tokens, {args.requests} requests each, "
+        f"max_tokens {args.max_tokens}, model {model_path}"
+    )
     try:
-        result = measure(cfg, model_path, sizes, args.requests, max_tokens=args.max_tokens,
-                         backend=args.backend, warmup=args.warmup, seed=args.seed,
-                         timeout_s=args.request_timeout_s)  # fmt: skip
+        result = measure(
+            cfg,
+            model_path,
+            sizes,
+            args.requests,
+            max_tokens=args.max_tokens,
+            backend=args.backend,
+            warmup=args.warmup,
+            seed=args.seed,
+            timeout_s=args.request_timeout_s,
+        )
     except ValueError as exc:
         print(f"bench handoff: {exc}", file=sys.stderr)
         return 2
@@ -458,19 +550,29 @@ def main(args: argparse.Namespace, cfg: PdserveConfig) -> int:
         return 1
     used, setting = result["backend_used"], result["backend"]
     backend = used if used == setting else f"{used} (transfer.backend {setting})"
-    print(f"streamed vs whole-request hand-off: {model_path.name}, router + 1 prefill + 1 "
-          f"decode, transfer backend {backend}, {cpu_model()} ({os.cpu_count()} CPUs), "
-          f"{args.requests} requests per row, max_tokens {args.max_tokens}")  # fmt: skip
+    print(
+        f"streamed vs whole-request hand-off: {model_path.name}, router + 1 prefill + 1 "
+        f"decode, transfer backend {backend}, {cpu_model()} ({os.cpu_count()} CPUs), "
+        f"{args.requests} requests per row, max_tokens {args.max_tokens}"
+    )
     print(format_table(result))
     if args.json:
         runs = {m: asdict(r) for m, r in result["runs"].items()}
-        write_json(Path(args.json), {
-            "tool": "pdserve bench handoff", "argv": sys.argv[1:], "cpu": cpu_model(),
-            "cpus": os.cpu_count(), "model": str(model_path), "backend": setting,
-            "backend_used": used,
-            "rows": result["rows"], "runs": runs,
-            "targets": [{"line": line, "met": ok} for line, ok in targets(result["rows"])],
-        })  # fmt: skip
+        write_json(
+            Path(args.json),
+            {
+                "tool": "pdserve bench handoff",
+                "argv": sys.argv[1:],
+                "cpu": cpu_model(),
+                "cpus": os.cpu_count(),
+                "model": str(model_path),
+                "backend": setting,
+                "backend_used": used,
+                "rows": result["rows"],
+                "runs": runs,
+                "targets": [{"line": line, "met": ok} for line, ok in targets(result["rows"])],
+            },
+        )
         print(f"wrote {args.json}")
     print(f"logs: {result['logs']}")
     return 0

@@ -309,17 +309,25 @@ def _command(role: str, spec: PeerSpec) -> list[str]:
 def _results(stdout: str) -> list[dict[str, Any]]:
     import json
 
-    return [json.loads(line[len(RESULT_PREFIX) :]) for line in stdout.splitlines()
-            if line.startswith(RESULT_PREFIX)]  # fmt: skip
+    return [
+        json.loads(line[len(RESULT_PREFIX) :])
+        for line in stdout.splitlines()
+        if line.startswith(RESULT_PREFIX)
+    ]
 
 
 def _run_one(role: str, spec: PeerSpec, env: dict[str, str]) -> list[dict[str, Any]]:
     """Run a measuring role to its end; its result lines. Raises RuntimeError on failure."""
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.run(
-            _command(role, spec), env=env, stdout=subprocess.PIPE, stderr=err, text=True,
-            timeout=_RUN_TIMEOUT_S, check=False,
-        )  # fmt: skip
+            _command(role, spec),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            timeout=_RUN_TIMEOUT_S,
+            check=False,
+        )
         if proc.returncode != 0 or not (results := _results(proc.stdout)):
             err.seek(0)
             raise RuntimeError(f"benchmark role {role} failed:\n{err.read()[-4000:]}")
@@ -334,9 +342,12 @@ class _Server:
         self._out = tempfile.NamedTemporaryFile("w+", prefix="pdserve-bench-")  # noqa: SIM115
         self._err = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in __exit__
         self._proc = subprocess.Popen(
-            _command(role, spec), env=env, stdin=subprocess.PIPE, stdout=self._out,
+            _command(role, spec),
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=self._out,
             stderr=self._err,
-        )  # fmt: skip
+        )
         self.role = role
         self.endpoint = ""
 

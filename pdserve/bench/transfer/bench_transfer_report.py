@@ -304,8 +304,10 @@ def print_results(result: Result) -> None:
         f"{layout.head_dim}, {layout.tokens_per_block} tokens/block, {layout.dtype}: "
         f"{block_bytes(layout)} bytes/block)"
     )
-    print("-tcp: UCX_TLS=tcp on loopback; -shm: UCX default transports (CMA / shared memory); "
-          "+xxh3: integrity digests on")  # fmt: skip
+    print(
+        "-tcp: UCX_TLS=tcp on loopback; -shm: UCX default transports (CMA / shared memory); "
+        "+xxh3: integrity digests on"
+    )
     print(format_table(result), end="\n\n")
     if mapped := format_mapped(result):
         print(mapped, end="\n\n")
