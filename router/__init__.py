@@ -2,11 +2,17 @@
 
 - ``router``: :class:`~pdserve.router.router.Router`, picks the path (disaggregated, local
   prefill, colocated) and starts the transaction
+- ``policy``: the routing policy: which path and which workers serve a request (pairing, the
+  KV-aware cost); a pure function of a ``view`` snapshot
 - ``transaction``: :class:`~pdserve.router.transaction.Transaction`, one request's legs under
   one deadline (prefill -> KV hand-off -> decode), its cleanup
-- ``policy``: pairing and the KV-aware cost; ``kv_index``: block hashes per worker, from KV
-  events; ``view``: the live workers; ``client``: the worker request plane; ``metrics``: the
-  router's Prometheus collectors
+- ``view``: the live workers of one served model, read from the discovery watcher; its
+  readiness
+- ``kv_index``: block hashes per worker, from the workers' KV cache events (KV-aware routing)
+- ``migration``: mid-stream migration's parts: a lost leg, why a leg failed, the request that
+  continues it on another worker
+- ``client``: typed HTTP calls to a worker's request plane
+- ``router_metrics``: the router's Prometheus collectors (``GET /metrics``)
 
 Imports no worker, server or transfer module (``tests/unit/test_import_graph.py``).
 """

@@ -1,10 +1,16 @@
 """Discovery: how workers announce themselves and how the router finds them.
 
-Modules: ``url`` (which backend a URL names; input checks), ``registration`` (worker side:
-:class:`Registration`, its lifecycle once for every backend), ``records`` (router side:
-:class:`Watcher`, :class:`RecordTable`, signed records only), ``retry`` (backoff, task
-cancel); the backends ``registry`` + ``http`` (embedded), ``etcd`` + ``etcd_client``,
-``nats`` + ``nats_watcher``; ``events`` and ``kvcache`` (load and KV cache events), ``tls``.
+Modules, in reading order:
+
+- ``url``: which backend a URL names; the checks every backend applies to its inputs
+- ``registration``: worker side: :class:`Registration`, its lifecycle once for every backend
+- ``records``: router side: :class:`Watcher`, :class:`RecordTable` (signed records only)
+- the backends: ``registry`` + ``http`` (the router's embedded registry and its HTTP
+  client side), ``etcd`` + ``etcd_client`` (etcd, TLS and a user), ``nats`` + ``nats_watcher``
+  (a NATS JetStream key-value bucket, router side)
+- ``load_events``: load and KV block counters on core NATS subjects; ``kvcache``: KV cache
+  events (stored / removed block hashes) on the wire, toward the router's KV index
+- ``tls``: TLS and user credentials toward etcd and NATS; ``retry``: backoff, task cancel
 
 Backends, chosen by URL (see :func:`pdserve.discovery.url.parse_discovery_url`):
 
@@ -13,7 +19,7 @@ Backends, chosen by URL (see :func:`pdserve.discovery.url.parse_discovery_url`):
 - ``etcd://host:port``: etcd via ``aetcd`` (:mod:`.etcd`), imported only when used.
 - ``nats://host:port``: a NATS JetStream key-value bucket via ``nats-py`` (:mod:`.nats`, router
   side :mod:`.nats_watcher`), plus load / KV block events on core NATS subjects
-  (:mod:`.events`); imported only when used.
+  (:mod:`.load_events`); imported only when used.
 
 etcd and NATS take TLS (CA, client certificate) and user credentials (etcd user + password
 file, NATS ``.creds`` file) from ``DiscoverySettings``, passed as ``discovery=`` to

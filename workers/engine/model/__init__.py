@@ -1,1 +1,14 @@
-"""pdserve.workers.engine.model."""
+"""The model side of a step: load a transformers causal LM and run its forward over the paged
+KV cache.
+
+- ``model_runner``: loads the model with paged attention and runs one step (a
+  ``ScheduledBatch`` in, logits out)
+- ``attention``: paged attention over the KV block pool, plugged into transformers' attention
+  interface
+- ``paged_kernel``: a CPU paged-attention kernel that reads the KV blocks where they are
+- ``compile``: the compiled CPU forward (oneDNN-prepacked linears, ``torch.compile``)
+- ``cuda_graphs``: CUDA graphs of decode-only steps
+- ``parallel``: tensor parallel ranks of one worker (sharding, rank processes, step fan-out)
+- ``load_check``: the load-time probe: served only if the paged path computes what
+  transformers does
+"""
