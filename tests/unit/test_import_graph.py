@@ -5,14 +5,17 @@ through a type-only or a lazy import is still a tangle a reader must untie). The
 arrows they may not take (``A -/-> B``: no module of A imports one of B)::
 
     leaf contracts   pdserve.errors, pdserve.protocol, pdserve.block_hash -/-> anything of pdserve
-    core             pdserve.<module> (settings, security, config, metrics, ...) -/-> a room
-                     (the entry points pdserve.cli and pdserve.launch.launcher compose the rooms)
+    core             pdserve.<module or package> (config, security, observability, launch,
+                     planner, ...) -/-> a room (the entry points pdserve.cli and
+                     pdserve.launch.launcher compose the rooms)
+    http             pdserve.http, the HTTP plumbing router, server and workers share
+                     -/-> a room
     workers          kv -/-> engine, roles;  engine -/-> roles
     router           -/-> workers, server, transfer
     transfer         -/-> workers, router, server, discovery
     discovery        -/-> workers, router, server, transfer
     server           -/-> workers
-    tools            only pdserve.cli (and the tools themselves) import pdserve.bench
+    bench            only pdserve.cli (and the benchmarks themselves) import pdserve.bench
 
 The checker is tested on injected cycles of each kind and on an arrow against the order.
 """
@@ -46,6 +49,7 @@ FORBIDDEN: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("pdserve.transfer", ("pdserve.workers", "pdserve.router", "pdserve.server", "pdserve.discovery")),
     ("pdserve.discovery", ("pdserve.workers", "pdserve.router", "pdserve.server", "pdserve.transfer")),
     ("pdserve.server", ("pdserve.workers",)),
+    ("pdserve.http", ROOMS),
 )  # fmt: skip
 """(room, the rooms it may not import)."""
 
@@ -161,7 +165,7 @@ def wrong_arrows(g: dict[str, set[str]]) -> list[str]:
             elif _under(dep, "pdserve.bench") and not (
                 name == "pdserve.cli" or _under(name, "pdserve.bench")
             ):
-                bad.append(f"{name} -> {dep} (only the CLI imports the tools)")
+                bad.append(f"{name} -> {dep} (only the CLI imports the benchmarks)")
             elif (
                 not any(_under(name, r) for r in ROOMS)
                 and name not in ENTRY_POINTS
@@ -222,6 +226,8 @@ def test_the_checker_catches_an_injected_cycle_of_each_kind(code: str) -> None:
          "pdserve.transfer.sender -> pdserve.bench.bench"),
         ("pdserve.config.settings", "from pdserve.router import policy",
          "pdserve.config.settings -> pdserve.router.policy"),
+        ("pdserve.http.error_responses", "def _f():\n    from pdserve.server import app",
+         "pdserve.http.error_responses -> pdserve.server.app (pdserve.http may not import"),
     ],
 )  # fmt: skip
 def test_the_checker_catches_an_arrow_against_the_rooms_order(
