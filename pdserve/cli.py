@@ -371,7 +371,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
             cfg, _ = resolve_config(args, args.command)
             _check_secrets(cfg)
-            role = typing.cast(Role, args.command)
+            role = Role(args.command)
             wcfg = worker_config(cfg, role, _resolve_model(cfg))
             _observe(cfg, args.log_level, f"pdserve-{role}", wcfg.worker_id)
             run_worker(wcfg, log_level=args.log_level)

@@ -606,6 +606,3 @@ class ReleaseRequest(_Msg):
     request_id: str
     epoch: int
     lease_id: str = Field(min_length=1)
-
-
-RoleLiteral = Literal["prefill", "decode", "colocated"]

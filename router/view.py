@@ -86,11 +86,12 @@ class Candidates:
 
 
 @dataclass(frozen=True)
-class Readiness:
-    """What ``/ready`` reports: usable worker ids per role, the paths that can serve a request
-    now (``disaggregated``, ``local_prefill``, ``colocated``), what is missing (empty = ready)
-    and notes on a ready deployment that serves less than its workers suggest (e.g. prefill
-    workers no decode worker can pair with)."""
+class ViewReadiness:
+    """The view's readiness, what ``/ready`` reports: usable worker ids per role, the paths that
+    can serve a request now (``disaggregated``, ``local_prefill``, ``colocated``), what is
+    missing (empty = ready) and notes on a ready deployment that serves less than its workers
+    suggest (e.g. prefill workers no decode worker can pair with). The HTTP body it becomes is
+    :class:`pdserve.server.rendering.replies.Readiness`."""
 
     prefill: tuple[str, ...]
     decode: tuple[str, ...]
@@ -280,7 +281,7 @@ class WorkerView:
             tuple(colocated),
         )
 
-    def readiness(self) -> Readiness:
+    def readiness(self) -> ViewReadiness:
         """Ready when some path can serve a request: a usable decode worker (paired with a
         prefill worker whose KV layout it maps, or prefilling locally) or a colocated worker.
         A prefill worker alone serves nothing."""
@@ -305,7 +306,7 @@ class WorkerView:
         missing: list[str] = []
         if not paths:
             missing = [f"decode or colocated worker for model {model!r}", *cands.skipped]
-        return Readiness(
+        return ViewReadiness(
             prefill=tuple(w.worker_id for w in cands.prefill),
             decode=tuple(w.worker_id for w in cands.decode),
             missing=tuple(missing),

@@ -12,12 +12,12 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pdserve.config.flags import Flag
+from pdserve.protocol import Role
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 ENV_PREFIX = "PDSERVE_"
 ENV_CONFIG_FILE = "PDSERVE_CONFIG"
-Role = Literal["prefill", "decode", "colocated"]
-ROLES: tuple[Role, ...] = ("prefill", "decode", "colocated")
+ROLES: tuple[Role, ...] = tuple(Role)  # prefill, decode, colocated: also their subcommands
 SERVING = ("up", "bench serve", *ROLES)  # the subcommands that run an engine
 EVERY = ("up", "router", *ROLES)  # every subcommand that serves
 HOST_CACHE_CUDA_MB = 4096  # kv_cache.host_cache_mb null on CUDA

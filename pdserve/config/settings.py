@@ -39,7 +39,6 @@ from pdserve.config.engine_settings import (
     KVDtype,
     ModelDtype,
     ModelSettings,
-    Role,
     SchedulerSettings,
     _Section,
     default_cache_dir,
@@ -47,6 +46,7 @@ from pdserve.config.engine_settings import (
 from pdserve.config.flags import OWN_SECTION, EnvAlias, Flag
 from pdserve.config.hosts import WILDCARD_HOSTS, advertised_host, is_loopback, url_host
 from pdserve.config.planner_settings import PlannerSettings
+from pdserve.protocol import Role
 
 __all__ = [
     "DEFAULT_MODEL",

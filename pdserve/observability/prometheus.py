@@ -26,10 +26,9 @@ import os
 
 from prometheus_client import CollectorRegistry, Gauge
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+from pdserve.launch.supervisor import RESTARTS_ENV  # set by the supervisor on every child
 
-RESTARTS_ENV = "PDSERVE_RESTARTS"
-"""Set by the supervisor (:data:`pdserve.launch.supervisor.RESTARTS_ENV`) on every child it starts."""
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def process_restarts() -> int:
