@@ -9,7 +9,9 @@ byte-level tokenizer, and helpers that serve apps over real uvicorn or in-proces
 - :func:`build_tokenizer_dir`: a byte-level BPE tokenizer (256 byte tokens + 4 specials) with a
   ChatML-style chat template and a ``config.json``, saved to a folder (no model weights).
 - :func:`serve_app`: run an ASGI app on a real uvicorn server on a free port.
-- :func:`router_harness`: a router app + fake workers, in-process or over real sockets.
+- :func:`router_harness`: a router app + fake workers, in-process or over real sockets;
+  :func:`short_worker_wait`: a config whose router waits a fraction of a second, not 30 s, for
+  a worker before a failure reaches the client.
 - The cluster secret of every test deployment: :data:`TEST_SECRET`, as settings
   (:data:`SECURITY`, for a ``RouterConfig`` / ``WorkerConfig``), as a key (:data:`CLUSTER_KEY`)
   and as the internal routes' header (:data:`INTERNAL_AUTH`). Fake workers require that header
@@ -449,6 +451,18 @@ async def router_harness(
             )
         await stack.enter_async_context(client)
         yield RouterHarness(client, url, watcher, {w.worker_id: w for w in workers})
+
+
+SHORT_WORKER_WAIT_S = 0.2
+"""A router's wait for a worker (``router.worker_wait_s``) in a test whose failure has no other
+worker to go to: the wait is still taken, for a fraction of a second instead of the default 30."""
+
+
+def short_worker_wait(cfg: RouterConfig, wait_s: float = SHORT_WORKER_WAIT_S) -> RouterConfig:
+    """``cfg`` whose router holds a request ``wait_s`` for a worker (to route it, or to migrate
+    a failed decode leg to) before answering the error."""
+    router = cfg.router.model_copy(update={"worker_wait_s": wait_s})
+    return cfg.model_copy(update={"router": router})
 
 
 # --- a Router over scripted workers (the router's unit tests) -----------------------------------

@@ -11,7 +11,13 @@ from pdserve.config.loading import RouterConfig
 from pdserve.errors import CapacityError, WorkerError
 from pdserve.protocol import Role
 from pdserve.server.chat.json_values import MAX_JSON_DEPTH
-from tests.support.fakes import MODEL, FakeWorker, build_tokenizer_dir, router_harness
+from tests.support.fakes import (
+    MODEL,
+    FakeWorker,
+    build_tokenizer_dir,
+    router_harness,
+    short_worker_wait,
+)
 
 REPLY = [(72, "H"), (105, "i"), (33, "!")]
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}
@@ -210,7 +216,7 @@ async def test_unknown_route_is_a_json_404(cfg):
 
 
 async def test_no_workers_is_a_503(cfg):
-    async with router_harness(cfg, []) as h:
+    async with router_harness(short_worker_wait(cfg), []) as h:
         r = await h.client.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 503
     assert r.json()["error"]["code"] == "no_worker"
@@ -240,7 +246,7 @@ async def test_prefill_error_is_an_error_status_with_the_worker_envelope(cfg, st
 
 async def test_decode_error_mid_stream_is_an_sse_error_event_then_done(cfg, caplog):
     ws = workers(fail_after=1)
-    async with router_harness(cfg, ws) as h:
+    async with router_harness(short_worker_wait(cfg), ws) as h:  # no other worker to migrate to
         r = await h.client.post("/v1/chat/completions", json={**CHAT, "stream": True})
     assert r.status_code == 200
     datas = [b[len("data: ") :] for b in r.text.split("\n\n") if b.startswith("data: ")]
@@ -256,7 +262,8 @@ async def test_decode_error_mid_stream_is_an_sse_error_event_then_done(cfg, capl
 
 
 async def test_decode_error_without_streaming_is_a_502(cfg, caplog):
-    async with router_harness(cfg, workers(error=WorkerError("decode engine died"))) as h:
+    ws = workers(error=WorkerError("decode engine died"))
+    async with router_harness(short_worker_wait(cfg), ws) as h:  # no other worker to migrate to
         r = await h.client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
     assert r.status_code == 502
     assert r.json()["error"]["message"] == WorkerError.public_text

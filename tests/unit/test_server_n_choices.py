@@ -41,6 +41,7 @@ from tests.support.fakes import (
     build_tokenizer_dir,
     fake_handle,
     router_harness,
+    short_worker_wait,
 )
 
 Reply = list[tuple[int, str]]
@@ -315,7 +316,7 @@ async def test_error_in_one_choice_fails_the_streamed_request_and_releases_the_b
     cfg, replies, caplog
 ):
     body = {**CHAT, "n": 2, "stream": True}
-    async with router_harness(cfg, pair(replies, fail_choice=1)) as h:
+    async with router_harness(short_worker_wait(cfg), pair(replies, fail_choice=1)) as h:
         r = await h.client.post("/v1/chat/completions", json=body)
     datas = [ln for ln in r.text.split("\n\n") if ln.startswith("data: ")]
     assert datas[-1] == "data: [DONE]"

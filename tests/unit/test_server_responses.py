@@ -17,7 +17,7 @@ from pdserve.config.loading import RouterConfig
 from pdserve.config.settings import RouterSettings
 from pdserve.errors import WorkerError
 from pdserve.protocol import Role
-from tests.support.fakes import FakeWorker, build_tokenizer_dir, router_harness
+from tests.support.fakes import FakeWorker, build_tokenizer_dir, router_harness, short_worker_wait
 from tests.support.servers import wait_until
 
 MODEL = "tiny-test"
@@ -57,8 +57,10 @@ def _workers(reply: str, **decode: Any) -> list[FakeWorker]:
 async def _post(
     model_dir: Any, body: dict[str, Any], reply: str = HELLO, **decode: Any
 ) -> tuple[httpx.Response, FakeWorker]:
-    """POST ``body`` (with the model) to /v1/responses; the answer and the prefill worker."""
-    cfg = RouterConfig(model_path=model_dir, served_model_name=MODEL)
+    """POST ``body`` (with the model) to /v1/responses; the answer and the prefill worker. A
+    failing decode worker (``decode``) has no other to migrate to: the router waits for one a
+    fraction of a second, not 30 s."""
+    cfg = short_worker_wait(RouterConfig(model_path=model_dir, served_model_name=MODEL))
     workers = _workers(reply, **decode)
     async with router_harness(cfg, workers) as h:
         r = await h.client.post("/v1/responses", json={"model": MODEL, **body})
