@@ -227,7 +227,15 @@ def test_killed_decode_worker_ends_stream_with_error_and_frees_parked_blocks(
     from tests.support.stack import start_stack
 
     lease_s = 4.0
-    stack = start_stack(tiny_model_dir, "tiny-llama", tmp_path, lease_s=lease_s)
+    # Each killed decode worker leaves its request no worker to migrate to: the router holds
+    # it 1 s for one (router.worker_wait_s), not 30, before the error reaches the client.
+    stack = start_stack(
+        tiny_model_dir,
+        "tiny-llama",
+        tmp_path,
+        lease_s=lease_s,
+        extra_router_args=("--worker-wait-s", "1"),
+    )
     try:
         body = {"model": "tiny-llama", "prompt": PROMPTS[2], "max_tokens": 400, "stream": True,
                 "temperature": 0, "ignore_eos": True}  # fmt: skip
