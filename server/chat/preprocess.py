@@ -3,9 +3,9 @@
 Steps, in order (the first failure raises a typed error, nothing is sent to a worker):
 
 1. model name: must be the served model, else :class:`ModelNotFoundError` (404).
-2. unsupported fields (:func:`check_unsupported`: ``functions``, ``audio``, ``suffix``, ...)
-   are a 400 ``unsupported`` naming the field; then the limits: ``n`` in ``[1, max_n]``,
-   ``top_logprobs`` only with ``logprobs``, at most ``max_messages`` messages.
+2. unsupported fields (:func:`.sampling_fields.check_unsupported`: ``functions``, ``audio``,
+   ``suffix``, ...) are a 400 ``unsupported`` naming the field; then the limits: ``n`` in
+   ``[1, max_n]``, ``top_logprobs`` only with ``logprobs``, at most ``max_messages`` messages.
 3. prompt -> token ids: chat messages (and tools, :mod:`.tools`) through the chat template
    (its options: ``chat_template_kwargs``, ``add_generation_prompt``,
    ``continue_final_message``; with ``router.special_tokens_in_content`` false, special-token
@@ -14,9 +14,10 @@ Steps, in order (the first failure raises a typed error, nothing is sent to a wo
    vocabulary).
 4. context window: ``len(prompt) + max_tokens <= max_model_len``, else 400 with the numbers.
    Chat without ``max_tokens`` gets the rest of the window; completions default to 16.
-5. sampling: the sampling fields, the structured output (:func:`structured_output`, compiled
-   once to check it) or a tool choice's constraint (``auto``'s only where the request has no
-   structured output of its own), into :class:`SamplingParams`.
+5. sampling (:mod:`.sampling_fields`): the sampling fields, the structured output
+   (:func:`~.sampling_fields.structured_output`, compiled once to check it) or a tool choice's
+   constraint (``auto``'s only where the request has no structured output of its own), into
+   :class:`SamplingParams`.
 
 Step 3 is the costly one (seconds for a multi-megabyte prompt): the router runs
 :meth:`Preprocessor.chat` and :meth:`Preprocessor.completions` on its tokenizer pool
@@ -46,11 +47,14 @@ from pdserve.errors import (
     ModelNotFoundError,
     UnsupportedFieldError,
 )
-from pdserve.grammar import JSON_OBJECT_SCHEMA, check_size
-from pdserve.protocol import MAX_CHOICES, SamplingParams, StructuredOutput
+from pdserve.protocol import MAX_CHOICES, SamplingParams
 from pdserve.server.chat.content_guard import ContentGuard
+from pdserve.server.chat.sampling_fields import (
+    check_unsupported,
+    requested_choices,
+    sampling_params,
+)
 from pdserve.server.chat.schemas import (
-    EXTENSION_DEFAULTS,
     MAX_PROMPTS,
     ChatCompletionRequest,
     ChatMessage,
@@ -173,7 +177,7 @@ class Preprocessor:
             prompt_param="messages",
         )
         assert ids is not None  # None only past the window, which _max_tokens refused
-        sampling, param = _sampling(
+        sampling, param = sampling_params(
             req,
             max_tokens,
             self.vocab_size,
@@ -330,7 +334,7 @@ class Preprocessor:
                 prompt_param=param,
             )
             assert ids is not None  # None only past the window, which _max_tokens refused
-            sampling, structured_param = _sampling(
+            sampling, structured_param = sampling_params(
                 req,
                 max_tokens,
                 self.vocab_size,
@@ -360,7 +364,7 @@ class Preprocessor:
     def _check_common(self, req: _SamplingFields) -> None:
         self.check_model(req.model)
         check_unsupported(req)
-        if not 1 <= _choices(req) <= self.max_n:
+        if not 1 <= requested_choices(req) <= self.max_n:
             raise InvalidRequestError(f"n must lie in [1, {self.max_n}], got n={req.n}", param="n")
 
     def _encode(self, text: str, *, add_special_tokens: bool) -> tuple[int, list[int] | None]:
@@ -431,187 +435,6 @@ def _prompt_list(
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         return list(prompt)
     return [prompt]  # type: ignore[list-item]
-
-
-def _unsupported(param: str, what: str) -> UnsupportedFieldError:
-    return UnsupportedFieldError(f"{param} is not supported{what}", param=param)
-
-
-def _empty(value: Any) -> bool:
-    return value is None or value == [] or value == {}
-
-
-def check_unsupported(req: _SamplingFields) -> None:
-    """Refuse (400 ``unsupported``, ``param`` naming the field) every field pdserve does not
-    implement whose value would change the output; :mod:`pdserve.server.chat.schemas` lists them
-    and the values accepted."""
-    if isinstance(req, ChatCompletionRequest):
-        _check_chat_unsupported(req)
-    elif isinstance(req, CompletionRequest):
-        if req.suffix:
-            raise _unsupported("suffix", "")
-        if req.best_of not in (None, _choices(req)):
-            raise UnsupportedFieldError(
-                f"best_of must equal n (got best_of={req.best_of}, n={_choices(req)}): "
-                "best-of selection is not supported",
-                param="best_of",
-            )
-    for name, value in (req.model_extra or {}).items():
-        if name in EXTENSION_DEFAULTS and value is not None and value != EXTENSION_DEFAULTS[name]:
-            raise _unsupported(name, f" (only {json.dumps(EXTENSION_DEFAULTS[name])})")
-
-
-def _check_chat_unsupported(req: ChatCompletionRequest) -> None:
-    if not _empty(req.functions):
-        raise _unsupported("functions", ": the deprecated form; send tools")
-    if req.function_call not in (None, "none", "auto"):
-        raise _unsupported("function_call", ": the deprecated form; send tool_choice")
-    if req.modalities not in (None, ["text"]):
-        raise _unsupported("modalities", ' (only ["text"])')
-    for name in ("audio", "reasoning_effort", "web_search_options"):
-        if getattr(req, name) is not None:
-            raise _unsupported(name, "")
-    for i, m in enumerate(req.messages):
-        if m.function_call is not None:
-            raise _unsupported(f"messages[{i}].function_call", ": functions are not implemented")
-
-
-def _sampling(
-    req: _SamplingFields,
-    max_tokens: int,
-    vocab_size: int,
-    *,
-    logprobs: bool,
-    top_logprobs: int,
-    tools: ToolPlan | None = None,
-) -> tuple[SamplingParams, str | None]:
-    """The worker-side settings of ``req`` and the field its structured output came from (None
-    without one); raises InvalidRequestError for a ``logit_bias`` or ``stop_token_ids`` id
-    outside ``[0, vocab_size)``, for ``min_tokens > max_tokens``, for a structured output
-    beside a ``tool_choice`` that constrains the output too, and for one past the size caps."""
-    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-    bias = tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items())
-    stop_ids = tuple(req.stop_token_ids or ())
-    for name, ids in (("logit_bias", [t for t, _ in bias]), ("stop_token_ids", stop_ids)):
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"{name} token ids must lie in [0, {vocab_size}); got {bad[:5]}", param=name
-            )
-    min_tokens = req.min_tokens or 0
-    if min_tokens > max_tokens:
-        raise InvalidRequestError(
-            f"min_tokens ({min_tokens}) exceeds max_tokens ({max_tokens})", param="min_tokens"
-        )
-    structured, param = structured_output(req)
-    calls = None
-    if tools is not None and (tools.mode != "auto" or structured is None):
-        calls = tools.constraint()  # auto beside a structured output: that one governs
-    if calls is not None:
-        if structured is not None:
-            raise InvalidRequestError(
-                "a structured output and tool_choice required or named both constrain the "
-                "output; send one",
-                param="tool_choice",
-            )
-        check_size(calls, "tools")
-        structured, param = calls, "tools"
-    sampling = SamplingParams(
-        n=_choices(req),
-        max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=max(req.top_k or 0, 0),
-        min_p=req.min_p or 0.0,
-        seed=req.seed,
-        stop=tuple(s for s in stop if s),
-        stop_token_ids=stop_ids,
-        ignore_eos=bool(req.ignore_eos),
-        min_tokens=min_tokens,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        logit_bias=bias,
-        structured=structured,
-        logprobs=logprobs,
-        top_logprobs=top_logprobs if logprobs else 0,
-    )
-    return sampling, param
-
-
-def structured_output(req: _SamplingFields) -> tuple[StructuredOutput | None, str | None]:
-    """The request's constraint from ``response_format`` (chat), ``structured_outputs`` or
-    vLLM's older ``guided_*`` fields (at most one of them), and the field it came from; its
-    size checked (:func:`pdserve.grammar.check_size`; the router's grammar checker compiles it
-    later, off the tokenizer pool). Raises InvalidRequestError naming the field: two
-    constraints, none in a ``structured_outputs`` object, or one past the size caps."""
-    found: list[tuple[str, StructuredOutput]] = []
-    rf = getattr(req, "response_format", None)
-    if rf is not None and rf.type == "json_object":
-        found.append(("response_format", StructuredOutput(kind="json", spec=JSON_OBJECT_SCHEMA)))
-    elif rf is not None and rf.type == "json_schema":
-        if rf.json_schema is None or rf.json_schema.schema_ is None:
-            raise InvalidRequestError(
-                "response_format json_schema needs json_schema.schema",
-                param="response_format.json_schema",
-            )
-        spec = json.dumps(rf.json_schema.schema_)
-        found.append(
-            ("response_format.json_schema.schema", StructuredOutput(kind="json", spec=spec))
-        )
-    so = req.structured_outputs
-    compact = so is None or so.disable_any_whitespace is not False
-    if so is not None:
-        given = [
-            (name, value)
-            for name, value in (
-                ("json", so.json_),
-                ("json_object", so.json_object or None),
-                ("regex", so.regex),
-                ("choice", so.choice),
-                ("grammar", so.grammar),
-            )
-            if value is not None
-        ]
-        if len(given) != 1:
-            raise InvalidRequestError(
-                "structured_outputs needs exactly one of json, json_object, regex, choice, "
-                f"grammar (got {len(given)})",
-                param="structured_outputs",
-            )
-        found.append(_constraint(f"structured_outputs.{given[0][0]}", *given[0]))
-    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-        value = getattr(req, name)
-        if value is not None:
-            found.append(_constraint(name, name.removeprefix("guided_"), value))
-    if not found:
-        return None, None
-    if len(found) > 1:
-        raise InvalidRequestError(
-            f"give one structured output, not {len(found)} ({', '.join(p for p, _ in found)})",
-            param=found[1][0],
-        )
-    param, constraint = found[0]
-    if not compact:
-        constraint = constraint.model_copy(update={"whitespace": True})
-    check_size(constraint, param)
-    return constraint, param
-
-
-def _constraint(param: str, kind: str, value: Any) -> tuple[str, StructuredOutput]:
-    if kind == "json_object":
-        return param, StructuredOutput(kind="json", spec=JSON_OBJECT_SCHEMA)
-    if kind == "json":
-        spec = value if isinstance(value, str) else json.dumps(value)
-        return param, StructuredOutput(kind="json", spec=spec)
-    if kind == "choice":
-        return param, StructuredOutput(kind="choice", spec=json.dumps(value))
-    return param, StructuredOutput(kind=kind, spec=value)
-
-
-def _choices(req: _SamplingFields) -> int:
-    """The number of choices asked for (``n``, default 1)."""
-    return 1 if req.n is None else req.n
 
 
 def _message(m: ChatMessage, index: int) -> dict[str, Any]:

@@ -4,8 +4,8 @@
 Field constraints here check types and ranges, so a wrong value is a 400 naming the field
 (``param``); the checks that need the tokenizer, the served model or the router's settings
 (model name, context window, token ids, ``n`` against ``router.max_n``, the message count
-against ``router.max_messages``) are in :mod:`pdserve.server.chat.preprocess`, and so are the
-refusals of unsupported fields.
+against ``router.max_messages``) are in :mod:`pdserve.server.chat.preprocess`, the refusals of
+unsupported fields in :mod:`pdserve.server.chat.sampling_fields`.
 
 Bounds fixed here (module constants, documented in the OpenAPI schema): at most
 :data:`MAX_STOP_SEQUENCES` stop strings of at most :data:`MAX_STOP_CHARS` characters each
@@ -28,7 +28,8 @@ rather than dropped): ``functions``, ``function_call``,
 ``response_format``, ``audio``, ``modalities``, ``reasoning_effort``,
 ``web_search_options``, ``echo``, ``suffix``, ``best_of``. A value that does
 nothing (an empty list or map, ``"none"``, ``{"type": "text"}``, ``["text"]``, 0) is accepted;
-any other is a 400 ``unsupported`` (:func:`pdserve.server.chat.preprocess.check_unsupported`).
+any other is a 400 ``unsupported``
+(:func:`pdserve.server.chat.sampling_fields.check_unsupported`).
 Fields without effect on the output (``user``, ``store``, ``metadata``, ``service_tier``,
 ``parallel_tool_calls``, ``prediction``, ``stream_options`` without ``stream``) are accepted
 and ignored. Other unknown fields are kept in ``model_extra``; the known extensions of other

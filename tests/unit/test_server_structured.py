@@ -13,7 +13,7 @@ import pytest
 from pdserve.errors import InvalidRequestError
 from pdserve.grammar import JSON_OBJECT_SCHEMA, check
 from pdserve.protocol import StructuredOutput
-from pdserve.server.chat.preprocess import structured_output
+from pdserve.server.chat.sampling_fields import structured_output
 from pdserve.server.chat.schemas import ChatCompletionRequest, CompletionRequest
 
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
