@@ -13,7 +13,8 @@ runs each worker on half the cores, the colocated worker on all of them.
 Both modes report, per level, TTFT, ITL, TPOT and e2e latency (mean, p50, p90, p99 in ms),
 output tokens/s and request errors; the definitions are in :mod:`pdserve.bench.serving.bench_serve`.
 ``--plot PATH.png`` draws the runs (:mod:`pdserve.bench.bench_plot`).
-Importing this module is light (no httpx, no torch); the CLI builds its options from here.
+Importing this module is light (no httpx, no torch); the CLI builds the two commands' options
+from :mod:`pdserve.bench.bench_options`.
 """
 
 from __future__ import annotations
@@ -36,138 +37,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pdserve.config.settings import PdserveConfig
     from pdserve.launch.stack import Stack
-
-SERVE_DESCRIPTION = """\
-With --url: drive an already running OpenAI-compatible server (pdserve, vLLM, ...) with a
-fixed-seed synthetic chat workload: prompts of --input-len tokens (random words, chat template
-applied, counted with --tokenizer), --output-len tokens per request (streaming, greedy,
-ignore_eos), a closed loop of N requests in flight for each --concurrency level, one warm-up
-request first (not counted). Without --url: start pdserve itself (router + 1 prefill + 1 decode,
-then one colocated worker) and compare the two on token-id prompts.
-
-Reported per level (ms): TTFT (send -> first content delta), ITL (gaps between content deltas),
-TPOT ((e2e - TTFT) / (output tokens - 1)), e2e (send -> end of stream), each as mean, p50, p90,
-p99; output tokens/s over the level's wall time; request errors (count and first message).
---json also keeps each level's raw TTFT and ITL samples (seconds). --plot PATH.png draws them:
-TTFT and ITL distributions (ECDFs) per run and level, output tokens/s against concurrency, one
-line per run (disaggregated and colocated; with --plot-with, the runs of earlier --json files).
-"""
-
-
-def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of ``pdserve bench serve``."""
-    p.add_argument(
-        "--url",
-        default=None,
-        help="OpenAI-compatible base URL of a running server, e.g. http://127.0.0.1:8100/v1 "
-        "(default: start pdserve itself and compare disaggregated vs colocated)",
-    )
-    p.add_argument(
-        "--model",
-        default=None,
-        help="with --url: the model name sent in requests (default: the first id of GET "
-        "/v1/models); without --url: the local model folder pdserve starts (default: SmolLM2)",
-    )
-    p.add_argument(
-        "--tokenizer",
-        default=None,
-        metavar="PATH",
-        help="tokenizer folder used to build prompts of exactly --input-len tokens (default: "
-        "--model when it is a folder, else the converted SmolLM2 folder in the cache)",
-    )
-    p.add_argument(
-        "--input-len", "--prompt-tokens", dest="input_len", type=int, default=256,
-        help="prompt tokens per request, chat template included (default: 256)",
-    )  # fmt: skip
-    p.add_argument(
-        "--output-len", "--max-tokens", dest="output_len", type=int, default=64,
-        help="output tokens per request, sent as max_tokens (default: 64); 0 sends no "
-        "max_tokens, as a plain chat client does (give --no-ignore-eos with it)",
-    )  # fmt: skip
-    p.add_argument(
-        "--concurrency", type=int, nargs="+", default=[1, 8],
-        help="requests in flight; several levels run one after another (default: 1 8)",
-    )  # fmt: skip
-    p.add_argument(
-        "--request-rate", type=float, nargs="+", default=None, metavar="REQ_PER_S",
-        help="open loop instead of --concurrency: send requests at Poisson arrivals of this "
-        "rate (requests/s, seeded by --seed) whatever is in flight; several rates run one "
-        "after another",
-    )  # fmt: skip
-    p.add_argument(
-        "--num-requests", "--requests", dest="num_requests", type=int, default=None,
-        help="requests per level (default: max(16, 4 x concurrency); with --request-rate "
-        "max(16, 10 s of arrivals))",
-    )  # fmt: skip
-    for metric, what in (("ttft", "time to first token"),
-                         ("tpot", "time per output token after the first (the request's mean)"),
-                         ("itl", "inter-token latency (the request's 90th percentile gap)")):  # fmt: skip
-        p.add_argument(
-            f"--{metric}-slo-ms", type=float, default=None, metavar="MS",
-            help=f"SLO target for {what}, ms: with any --*-slo-ms, each level also reports "
-            "goodput, the rate and share of requests meeting every target given",
-        )  # fmt: skip
-    p.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
-    p.add_argument(
-        "--prompt-file", default=None, metavar="FILE",
-        help="with --url: user messages, one per line, used in turn instead of synthetic "
-        "prompts (--input-len is then ignored), e.g. docs/bench/chat-questions.txt",
-    )  # fmt: skip
-    p.add_argument(
-        "--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-        help="send ignore_eos so every request produces exactly --output-len tokens (default: on)",
-    )  # fmt: skip
-    p.add_argument(
-        "--warmup", type=int, default=1, help="warm-up requests, not counted (default: 1)"
-    )
-    p.add_argument(
-        "--request-timeout-s", type=float, default=600.0, help="per-request timeout, seconds"
-    )
-    p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
-    p.add_argument("--label", default=None, help="name of this run in the tables and the JSON")
-    p.add_argument(
-        "--plot", default=None, metavar="PATH.png",
-        help="also draw a PNG (needs matplotlib: pip install 'pdserve[plot]'): the TTFT and ITL "
-        "distributions (ECDFs, ms) of each run and concurrency level, and output tokens/s "
-        "against concurrency, one line per run (without --url: disaggregated and colocated)",
-    )  # fmt: skip
-    p.add_argument(
-        "--plot-with", nargs="+", default=[], metavar="FILE.json",
-        help="with --plot: also draw the runs of earlier --json reports (e.g. another server's) "
-        "beside this one's",
-    )  # fmt: skip
-    p.add_argument(
-        "--json-schema", action="store_true",
-        help="with --url: every request under response_format json_schema (one string of about "
-        "3 x --output-len characters, so about --output-len tokens) to measure the grammar's "
-        "cost against a run without it; ignore_eos is not sent (the grammar ends the output)",
-    )  # fmt: skip
-    # Without --url, the started stack takes the settings: --config, PDSERVE_* variables and
-    # the setting flags pdserve.cli adds to this command (--transfer-backend, --compile, ...).
-
-
-def add_transfer_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of ``pdserve bench transfer``."""
-    p.add_argument(
-        "--sizes-mib", type=float, nargs="+", default=None,
-        help="request sizes in MiB, rounded up to whole KV blocks (default: 1 block .. 64 MiB)",
-    )  # fmt: skip
-    p.add_argument(
-        "--backends", nargs="+", default=["tcp", "nixl", "ucx"],
-        help="cases: tcp nixl-tcp nixl-shm ucx-tcp ucx-shm (nixl, ucx: both of theirs)",
-    )  # fmt: skip
-    p.add_argument(
-        "--integrity", choices=["off", "on", "both"], default="both",
-        help="KV digests during the backend runs (default: both, side by side)",
-    )  # fmt: skip
-    p.add_argument("--min-seconds", type=float, default=0.3, help="measuring time per size")
-    p.add_argument("--rounds", type=int, default=1, help="measure everything N times, pooled")
-    p.add_argument(
-        "--tp-pairs", nargs="+", default=None, metavar="M:N",
-        help="also hand off from a prefill pool split over M tensor parallel ranks into a "
-        "decode pool split over N (e.g. 1:3 3:1 3:3 on SmolLM2's 3 KV heads), each compared "
-        "with the unmapped hand-off of the same bytes",
-    )  # fmt: skip
 
 
 def serve_main(args: argparse.Namespace, cfg: PdserveConfig) -> int:
@@ -220,8 +89,9 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
-def _report(args: argparse.Namespace, api: str, runs: list[dict[str, Any]],
-            started: str) -> dict[str, Any]:  # fmt: skip
+def _report(
+    args: argparse.Namespace, api: str, runs: list[dict[str, Any]], started: str
+) -> dict[str, Any]:
     return {
         "tool": "pdserve bench serve",
         "label": args.label,
@@ -259,8 +129,9 @@ def _plot_inputs(args: argparse.Namespace) -> list[Any]:
     return runs
 
 
-def _write_plot(args: argparse.Namespace, earlier: Sequence[Any], runs: list[dict[str, Any]],
-                what: str) -> int:  # fmt: skip
+def _write_plot(
+    args: argparse.Namespace, earlier: Sequence[Any], runs: list[dict[str, Any]], what: str
+) -> int:
     """Draw ``--plot`` (when given): the ``earlier`` runs (``--plot-with``'s), then ``runs`` (the
     report's); ``what`` heads the title. Returns 0, or 1 when the PNG cannot be written."""
     if not args.plot:
@@ -299,8 +170,13 @@ def _client(args: argparse.Namespace, headers: dict[str, str] | None = None):  #
     )
 
 
-async def _levels(args: argparse.Namespace, one: Callable[[Any], Awaitable[Any]], warm: list[Any],
-                  prompts: list[list[Any]], label: str | None) -> dict[str, Any]:  # fmt: skip
+async def _levels(
+    args: argparse.Namespace,
+    one: Callable[[Any], Awaitable[Any]],
+    warm: list[Any],
+    prompts: list[list[Any]],
+    label: str | None,
+) -> dict[str, Any]:
     """Warm-up, then each concurrency level; prints each level as it ends. Returns a run's
     ``levels`` (summaries) and ``samples`` (raw TTFT and ITL seconds, for ``--plot``)."""
     from pdserve.bench.bench_plot import level_samples_json
@@ -337,12 +213,17 @@ def url_main(args: argparse.Namespace, earlier: Sequence[Any] = ()) -> int:
     from pdserve.bench.serving import bench_serve as bs
 
     base = bs.base_url(args.url)
-    tok_path = Path(args.tokenizer).expanduser() if args.tokenizer else bs.default_tokenizer(
-        args.model, getattr(args, "model.cache_dir", None)
-    )  # fmt: skip
+    tok_path = (
+        Path(args.tokenizer).expanduser()
+        if args.tokenizer
+        else bs.default_tokenizer(args.model, getattr(args, "model.cache_dir", None))
+    )
     if not (tok_path / "tokenizer_config.json").is_file():
-        print(f"bench serve: no tokenizer in {tok_path}: pass --tokenizer PATH (a Hugging Face "
-              "model folder) or run `pdserve model prepare`", file=sys.stderr)  # fmt: skip
+        print(
+            f"bench serve: no tokenizer in {tok_path}: pass --tokenizer PATH (a Hugging Face "
+            "model folder) or run `pdserve model prepare`",
+            file=sys.stderr,
+        )
         return 2
     started = _now()
     if args.prompt_file:
@@ -357,8 +238,12 @@ def url_main(args: argparse.Namespace, earlier: Sequence[Any] = ()) -> int:
         maker = bs.PromptMaker(bs.load_tokenizer(tok_path), args.seed)
         warm = [maker.make(args.input_len) for _ in range(args.warmup)]
         prompts = [[maker.make(args.input_len) for _ in range(n)] for n in _counts(args)]
-    print(f"bench serve{' ' + args.label if args.label else ''}: {base}, chat, input {args.input_len} tokens, output "
-          f"{args.output_len} tokens, ignore_eos {args.ignore_eos}, seed {args.seed}", flush=True)  # fmt: skip
+    print(
+        f"bench serve{' ' + args.label if args.label else ''}: {base}, chat, "
+        f"input {args.input_len} tokens, output {args.output_len} tokens, "
+        f"ignore_eos {args.ignore_eos}, seed {args.seed}",
+        flush=True,
+    )
 
     async def main() -> tuple[str, dict[str, Any]]:
         async with _client(args) as client:
@@ -394,8 +279,11 @@ def url_main(args: argparse.Namespace, earlier: Sequence[Any] = ()) -> int:
             Path(args.json), {**_report(args, "chat", [run], started), "tokenizer": str(tok_path)}
         )
         print(f"wrote {args.json}")
-    prompts_what = (f"prompts from {args.prompt_file}" if args.prompt_file
-                    else f"{args.input_len}-token prompts")  # fmt: skip
+    prompts_what = (
+        f"prompts from {args.prompt_file}"
+        if args.prompt_file
+        else f"{args.input_len}-token prompts"
+    )
     rc = _write_plot(
         args, earlier, [run], f"{model}, {prompts_what}, {args.output_len} output tokens"
     )
@@ -493,8 +381,9 @@ def _token_prompts(rng: random.Random, n: int, length: int) -> list[list[int]]:
     return [[rng.randrange(100, 10100) for _ in range(length)] for _ in range(n)]
 
 
-def compare_main(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path,
-                 earlier: Sequence[Any] = ()) -> int:  # fmt: skip
+def compare_main(
+    args: argparse.Namespace, cfg: PdserveConfig, model_path: Path, earlier: Sequence[Any] = ()
+) -> int:
     """Start the disaggregated stack, then a colocated worker (each on its share of this
     machine, every other setting from ``cfg``); the same prompts through both; ``--json`` and
     ``--plot`` (with the ``earlier`` runs of ``--plot-with``) at the end. Each stack's
@@ -521,9 +410,15 @@ def compare_main(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path,
         runs.append({"label": label, "url": url, "model": name, **asyncio.run(main())})
 
     def openai_one(client, ids: list[int]):  # type: ignore[no-untyped-def]
-        body = {"model": name, "prompt": ids, "max_tokens": args.output_len, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True},
-                "ignore_eos": args.ignore_eos}  # fmt: skip
+        body = {
+            "model": name,
+            "prompt": ids,
+            "max_tokens": args.output_len,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": args.ignore_eos,
+        }
         return bs.stream_openai(client, f"{url}/v1/completions", body, kind="completions")
 
     # local prefill off: every request of this arm takes the prefill -> decode hand-off
@@ -552,21 +447,29 @@ def compare_main(args: argparse.Namespace, cfg: PdserveConfig, model_path: Path,
             stack.cluster_key.http_headers(),
         )
 
-    print(f"\nmodel {name}, {args.input_len}-token prompts, {args.output_len} output tokens, "
-          f"{cores} cores")  # fmt: skip
+    print(
+        f"\nmodel {name}, {args.input_len}-token prompts, {args.output_len} output tokens, "
+        f"{cores} cores"
+    )
     for i, run in enumerate(runs):
         print(bs.format_summary(run["levels"], run["label"], header=i == 0))
     for d, o in zip(runs[0]["levels"], runs[1]["levels"], strict=True):
-        t = [d[k]["p50"] / o[k]["p50"] if d[k]["p50"] and o[k]["p50"] else float("nan")
-             for k in ("ttft_ms", "tpot_ms")]  # fmt: skip
-        print(f"{bs.level_name(d)}: disaggregated/colocated TTFT p50 x{t[0]:.2f}, "
-              f"TPOT p50 x{t[1]:.2f}")  # fmt: skip
+        t = [
+            d[k]["p50"] / o[k]["p50"] if d[k]["p50"] and o[k]["p50"] else float("nan")
+            for k in ("ttft_ms", "tpot_ms")
+        ]
+        print(
+            f"{bs.level_name(d)}: disaggregated/colocated TTFT p50 x{t[0]:.2f}, "
+            f"TPOT p50 x{t[1]:.2f}"
+        )
     if args.json:
         bs.write_json(Path(args.json), _report(args, "completions token ids", runs, started))
         print(f"wrote {args.json}")
     print(f"logs: {logs}")
-    what = (f"{name}, disaggregated vs colocated, {args.input_len}-token prompts, "
-            f"{args.output_len} output tokens")  # fmt: skip
+    what = (
+        f"{name}, disaggregated vs colocated, {args.input_len}-token prompts, "
+        f"{args.output_len} output tokens"
+    )
     return _write_plot(args, earlier, runs, what)
 
 

@@ -15,6 +15,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from pdserve.bench.bench_descriptions import (
+    FORMATTER_DESCRIPTION,
+    GPU_DESCRIPTION,
+    KV_DTYPE_DESCRIPTION,
+    KV_RESTART_DESCRIPTION,
+    MULTITURN_DESCRIPTION,
+    PAGED_ATTENTION_DESCRIPTION,
+    ROUTER_DESCRIPTION,
+    SPECULATIVE_DESCRIPTION,
+    STRUCTURED_DESCRIPTION,
+    TRANSFER_DESCRIPTION,
+)
+
 if TYPE_CHECKING:
     from pdserve.config.settings import PdserveConfig
 
@@ -42,11 +55,11 @@ def _need(cfg: PdserveConfig | None) -> PdserveConfig:
     return cfg
 
 
-# --- serve, transfer (options in pdserve.bench.bench) -----------------------------------------
+# --- serve, transfer (options in pdserve.bench.bench_options) -------------------------------------
 
 
 def _serve_arguments(p: argparse.ArgumentParser) -> None:
-    from pdserve.bench.bench import add_serve_arguments
+    from pdserve.bench.bench_options import add_serve_arguments
 
     add_serve_arguments(p)
 
@@ -58,21 +71,25 @@ def _run_serve(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
 
 
 def _transfer_arguments(p: argparse.ArgumentParser) -> None:
-    from pdserve.bench.bench import add_transfer_arguments
+    from pdserve.bench.bench_options import add_transfer_arguments
 
     add_transfer_arguments(p)
     # None: each mode's own default (the measurement: tcp nixl ucx; --profile: tcp nixl).
     p.set_defaults(backends=None)
     p.add_argument(
-        "--profile", action="store_true",
+        "--profile",
+        action="store_true",
         help="instead of the measurement: profile one-block pulls with both transceivers in "
         "one process, per backend of --backends (default: tcp nixl), each in a fresh child "
         "process; prints the CPU time per pull and the top functions by own time",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--profile-pulls", type=int, default=2000, metavar="N",
+        "--profile-pulls",
+        type=int,
+        default=2000,
+        metavar="N",
         help="with --profile: pulls timed, then as many profiled (default: 2000)",
-    )  # fmt: skip
+    )
 
 
 def _run_transfer(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
@@ -81,51 +98,18 @@ def _run_transfer(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
     return transfer_main(args)
 
 
-TRANSFER_DESCRIPTION = """\
-KV transfer GB/s per backend (tcp, NIXL over TCP and shared memory, ucx) beside a raw-socket
-stream and a memcpy of the same byte counts, in one run: each case moves KV blocks of SmolLM2's
-layout between two fresh processes, as workers do (handshake once, then per request SendBlocks
--> bytes -> Release), with integrity digests off and on (--backends default: tcp nixl ucx).
-Sizes default to 1 block (0.7 MiB) .. 91 blocks (64 MiB), 23 blocks (16.2 MiB) among them.
-Prints p50 GB/s per size, a fit t = c + bytes/B per series (c: fixed cost per transfer, B:
-bandwidth), and the targets, each MET, MISSED or "not measured" (a case it needs was not run):
-fixed cost c <= 100 us on tcp and nixl-shm (digests off; other cases' c as info); tcp >= 0.9x
-raw socket at every size from 1 MiB; nixl-shm >= 0.7x memcpy at 16 MiB (at the size closest to
-16 MiB when --sizes-mib leaves it out; the report says which); digests on >= 0.8x digests off at
-16 MiB, per case measured with both; with --tp-pairs, mapped hand-offs <= 1.3x unmapped.
-
---profile: where the fixed cost goes. Instead of the measurement, per backend (tcp, nixl) a
-child process runs a prefill-side and a decode-side transceiver together, warms up, times
---profile-pulls one-block pulls, then runs as many under cProfile, and prints the CPU time per
-pull and a table "function (file:line) | us per pull | share" of the top 15 by own time
-(digests off unless --integrity on).
-"""
-
-
 # --- multiturn ----------------------------------------------------------------------------------
-
-MULTITURN_DESCRIPTION = """\
-Multi-turn chat against pdserve stacks it starts itself: C conversations of T turns, each turn's
-prompt extending the previous one (a shared system prompt of about S tokens, then the earlier
-turns), K conversations at once, streamed greedy chat completions; every turn goes through the
-prefill worker (router --local-prefill-max-tokens 0). --compare cache: router + 1 prefill + 1
-decode with the prefix cache on, then off. --compare routing: router + --prefill-workers prefill
-workers + 1 decode, KV-aware routing against least-loaded routing (both with the cache on).
-
-Reported per stack: TTFT p50/p90 on turn 1 and on turns 2+, prompt tokens, tokens the prefill
-workers computed and their prefix cache hit rate (from their /metrics); then the ratios against
-the targets (cache on / off TTFT p50 on turns 2+ at most 0.3x; KV-aware hit rate at least 2x
-least-loaded). The stacks take their settings from --config and PDSERVE_* variables.
-"""
 
 
 def _multiturn_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conversations", type=int, default=8, help="conversations (default: 8)")
     p.add_argument("--turns", type=int, default=4, help="turns per conversation (default: 4)")
     p.add_argument(
-        "--system-tokens", type=int, default=1000,
+        "--system-tokens",
+        type=int,
+        default=1000,
         help="tokens of the shared system prompt (default: 1000)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--concurrency", type=int, default=4, help="conversations in flight (default: 4)"
     )
@@ -136,34 +120,43 @@ def _multiturn_arguments(p: argparse.ArgumentParser) -> None:
     _model_argument(p)
     _timeout_json_arguments(p)
     p.add_argument(
-        "--compare", choices=("cache", "routing"), default="cache",
+        "--compare",
+        choices=("cache", "routing"),
+        default="cache",
         help="cache: prefix cache on vs off (1 prefill worker); routing: KV-aware vs "
         "least-loaded routing (--prefill-workers prefill workers, cache on) (default: cache)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--prefill-workers", type=int, default=2,
+        "--prefill-workers",
+        type=int,
+        default=2,
         help="prefill workers of each stack with --compare routing (default: 2)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--distinct-system-prompts", action="store_true",
+        "--distinct-system-prompts",
+        action="store_true",
         help="every conversation gets a system prompt of its own (no prefix shared between "
         "conversations)",
-    )  # fmt: skip
+    )
 
 
 def _model_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--model", default=None, metavar="DIR",
+        "--model",
+        default=None,
+        metavar="DIR",
         help="local model folder the stacks serve (default: model.path of the settings, else "
         "the converted SmolLM2 in the cache)",
-    )  # fmt: skip
+    )
 
 
 def _timeout_json_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--request-timeout-s", type=float, default=600.0,
+        "--request-timeout-s",
+        type=float,
+        default=600.0,
         help="per-request timeout, seconds (default: 600)",
-    )  # fmt: skip
+    )
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
 
 
@@ -175,32 +168,23 @@ def _run_multiturn(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
 
 # --- kv-restart ---------------------------------------------------------------------------------
 
-KV_RESTART_DESCRIPTION = """\
-The first request after a restart, with the KV cache's disk tier: starts router + 1 prefill + 1
-decode with kv_cache.disk_cache_dir set to an empty directory, times the TTFT of one long prompt
-(cold), waits until the prefill worker wrote every block to disk, stops the whole stack, starts
-it again on the same directory and times the same prompt (warm). A short warm-up request that
-shares no prefix goes first each time and is not counted.
-
-Reported: both TTFTs, warm / cold against the target (at most 0.5x), prompt tokens, tokens the
-restarted prefill worker loaded from the disk tier, and the directory's files and bytes. Exit 1
-when the target is missed or nothing was loaded from disk, 2 when --disk-dir is not empty. The
-stacks take their other settings from --config and PDSERVE_* variables.
-"""
-
 
 def _kv_restart_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--prompt-tokens", type=int, default=4000,
+        "--prompt-tokens",
+        type=int,
+        default=4000,
         help="tokens of the long prompt's text by the model's tokenizer (default: 4000)",
-    )  # fmt: skip
+    )
     p.add_argument("--max-tokens", type=int, default=8, help="max_tokens (default: 8)")
     _model_argument(p)
     p.add_argument(
-        "--disk-dir", default=None, metavar="DIR",
+        "--disk-dir",
+        default=None,
+        metavar="DIR",
         help="the disk tier's directory; must be empty or absent (default: a fresh temporary "
         "directory, removed at the end)",
-    )  # fmt: skip
+    )
     _timeout_json_arguments(p)
 
 
@@ -240,28 +224,26 @@ def _run_compile(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
     return run(args)
 
 
-FORMATTER_DESCRIPTION = """\
-What KV layout conversion costs, on SmolLM2's layout: the staging kernel alone (gather + convert
-into the staging buffer, beside a plain copy of the same bytes) for each mixed pair of block
-sizes and dtypes, then whole pulls between two processes per backend, matched layouts (the
-zero-copy path) beside each mixed pair. Integrity digests are off, so the figures isolate the
-conversion. Medians; 1 GB = 1e9 bytes.
-"""
-
-
 def _formatter_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--tokens", type=int, nargs="+", default=[512, 2048],
+        "--tokens",
+        type=int,
+        nargs="+",
+        default=[512, 2048],
         help="tokens per request (default: 512 2048)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--backends", nargs="+", default=["tcp", "nixl"],
+        "--backends",
+        nargs="+",
+        default=["tcp", "nixl"],
         help="transfer backends of the pulls (default: tcp nixl)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--threads", type=int, default=1,
+        "--threads",
+        type=int,
+        default=1,
         help="torch threads of the staging kernel and the prefill process (default: 1)",
-    )  # fmt: skip
+    )
 
 
 def _run_formatter(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
@@ -270,61 +252,59 @@ def _run_formatter(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
     return run(args)
 
 
-GPU_DESCRIPTION = """\
-GPU figures: engine step time and KV transfer GB/s, on models built on the spot with random
-weights (tiny, or SmolLM2-135M's architecture), so nothing is downloaded.
-
-engine: one engine in this process; per concurrency level c, c requests of --prompt-tokens
-random token ids generate --max-tokens tokens each (ignore_eos), twice, the second pass
-reported: TTFT and TPOT p50 (with every request decoding in lockstep, TPOT is the decode step
-time at batch c), per --dtype, with and without CUDA graphs (--cuda-graphs on off).
-
-transfer: a spawned prefill peer and a decode transceiver here, pools on the --devices given
-(SRC:DST, e.g. cuda:cuda cpu:cuda), SmolLM2's KV layout; each size pulled at least 5 times and
-for 0.5 s, GB/s at the median, integrity off and on, the bytes checked.
-
-Prints one PDSERVE-GPU <json> line per result and a markdown table at the end.
-"""
-
-
 def _gpu_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="what", required=True, metavar="{engine,transfer}")
     eng = sub.add_parser("engine", help="engine TTFT and TPOT per dtype and CUDA graphs")
     eng.add_argument("--device", default="cuda", help="torch device (default: cuda)")
     eng.add_argument(
-        "--model", choices=["tiny", "smollm2-like"], default="smollm2-like",
+        "--model",
+        choices=["tiny", "smollm2-like"],
+        default="smollm2-like",
         help="the stand-in model (default: smollm2-like)",
-    )  # fmt: skip
+    )
     eng.add_argument(
         "--dtype", nargs="+", default=["float32"], help="model dtypes (default: float32)"
     )
     eng.add_argument(
-        "--concurrency", type=int, nargs="+", default=[1, 8, 32],
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[1, 8, 32],
         help="requests decoding together, one level after another (default: 1 8 32)",
-    )  # fmt: skip
+    )
     eng.add_argument(
         "--prompt-tokens", type=int, default=256, help="tokens per prompt (default: 256)"
     )
     eng.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default: 32)")
     eng.add_argument("--threads", type=int, default=None, help="torch threads (CPU runs)")
     eng.add_argument(
-        "--cuda-graphs", nargs="+", choices=["on", "off"], default=["on"],
+        "--cuda-graphs",
+        nargs="+",
+        choices=["on", "off"],
+        default=["on"],
         help="engines to run: with CUDA graphs for decode steps (CUDA only), without, or both "
         "(default: on)",
-    )  # fmt: skip
+    )
     tr = sub.add_parser("transfer", help="KV transfer GB/s between pools on CPU or GPU")
     tr.add_argument(
-        "--backends", nargs="+", default=["tcp", "nixl"],
+        "--backends",
+        nargs="+",
+        default=["tcp", "nixl"],
         help="transfer backends (default: tcp nixl)",
-    )  # fmt: skip
+    )
     tr.add_argument(
-        "--devices", nargs="+", default=["cuda:cuda"],
+        "--devices",
+        nargs="+",
+        default=["cuda:cuda"],
         help="SRC:DST pool devices, e.g. cuda:cuda cpu:cuda (default: cuda:cuda)",
-    )  # fmt: skip
+    )
     tr.add_argument(
-        "--blocks", type=int, nargs="+", default=[1, 16, 64],
+        "--blocks",
+        type=int,
+        nargs="+",
+        default=[1, 16, 64],
         help="request sizes in KV blocks (default: 1 16 64)",
-    )  # fmt: skip
+    )
 
 
 def _run_gpu(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
@@ -346,8 +326,9 @@ def _module(name: str, settings: Settings = "config") -> BenchCommand:
         return int(module.run(args, cfg if settings == "none" else _need(cfg)))
 
     command = name.rpartition(".")[2].removeprefix("bench_").replace("_", "-")
-    return BenchCommand(command, module.HELP, module.DESCRIPTION, module.add_arguments, run,
-                        settings)  # fmt: skip
+    return BenchCommand(
+        command, module.HELP, module.DESCRIPTION, module.add_arguments, run, settings
+    )
 
 
 def _description(module: str) -> str:
@@ -358,7 +339,7 @@ def _description(module: str) -> str:
 
 
 def _serve_description() -> str:
-    from pdserve.bench.bench import SERVE_DESCRIPTION
+    from pdserve.bench.bench_options import SERVE_DESCRIPTION
 
     return SERVE_DESCRIPTION
 
@@ -375,15 +356,6 @@ def _run_structured(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
     return main(args)
 
 
-STRUCTURED_DESCRIPTION = """\
-Structured outputs and tool calls against a running OpenAI-compatible server (--url: pdserve,
-vLLM, ...): how many of --tries seeded requests return schema-valid tool calls (tool_choice
-required), JSON that parses and validates (response_format json_schema) and streamed named
-calls whose deltas join into valid arguments; ITL p50 under a json_schema vs unconstrained at
---concurrency; pdserve's grammar compile time per schema.
-"""
-
-
 def _speculative_arguments(p: argparse.ArgumentParser) -> None:
     from pdserve.bench.serving.bench_speculative import add_arguments
 
@@ -394,15 +366,6 @@ def _run_speculative(args: argparse.Namespace, cfg: PdserveConfig | None) -> int
     from pdserve.bench.serving.bench_speculative import main
 
     return main(args)
-
-
-SPECULATIVE_DESCRIPTION = """\
-Speculative decoding without a draft model (--speculative-tokens K, n-gram prompt lookup)
-against plain decoding, in-process engines, one greedy request at a time: for a copying
-workload (repeat a text), an editing one and a chat one with nothing to copy, the TPOT and its
-ratio to plain decoding, ITL p50, tokens per verifying step, the draft acceptance rate, and
-whether the output equals plain decoding's (it must: exit status 1 otherwise).
-"""
 
 
 def _kv_dtype_arguments(p: argparse.ArgumentParser) -> None:
@@ -417,14 +380,6 @@ def _run_kv_dtype(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
     return main(args)
 
 
-KV_DTYPE_DESCRIPTION = """\
-KV storage dtypes side by side on one model (in-process engines, no server): the pool's blocks
-for --kv-cache-mb, greedy answers to four chat prompts compared with the first dtype's, and the
-decode step time of --batch sequences generating --tokens tokens together (FP8: fp8_e4m3,
-fp8_e5m2).
-"""
-
-
 def _router_arguments(p: argparse.ArgumentParser) -> None:
     from pdserve.bench.serving.bench_router import add_arguments
 
@@ -437,14 +392,6 @@ def _run_router(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
     return main(args)
 
 
-ROUTER_DESCRIPTION = """\
-What the router adds to a request: a scripted worker (no model, --tokens NDJSON chunks at once)
-and a real router in a child process; the same streamed requests straight to the worker's
-request plane and through the router's /v1/completions, p50 latency of each and the difference
-per --concurrency, and the router's completed requests per second.
-"""
-
-
 def _paged_attention_arguments(p: argparse.ArgumentParser) -> None:
     from pdserve.bench.engine.bench_paged_kernel import add_arguments
 
@@ -455,17 +402,6 @@ def _run_paged_attention(args: argparse.Namespace, cfg: PdserveConfig | None) ->
     from pdserve.bench.engine.bench_paged_kernel import main
 
     return main(args)
-
-
-PAGED_ATTENTION_DESCRIPTION = """\
-One layer's paged attention on SmolLM2-135M's layout (9 heads, 3 kv heads, head size 64, 16
-tokens per block), random data, in this process: today's path (K/V store, index_select gather
-of each sequence's blocks into a workspace, SDPA) against the C++ kernel that reads the blocks
-in place (pdserve.workers.engine.model.paged_kernel, compiled at first use), for decode batches
-(BxC: B sequences at C tokens of context) and one continued prefill chunk, float32 and
-bfloat16. Prints the CPU, torch's threads, the median ms per call of each path, their ratio
-and the largest difference between their outputs.
-"""
 
 
 COMMANDS: tuple[BenchCommand, ...] = (
