@@ -540,15 +540,6 @@ class GenerationChunk(_Msg):
     phases: Phases = {}
 
 
-WORKER_KEEPALIVE_S = 30.0
-"""How long a worker keeps an idle request-plane HTTP connection open (uvicorn's
-``timeout_keep_alive``). The router's client drops idle connections well before
-(:data:`ROUTER_KEEPALIVE_S`), so it never sends a request on a connection the worker is closing
-(which fails as a ReadError: with equal timeouts, a release sent ~5 s after the connection's
-last use lost that race)."""
-ROUTER_KEEPALIVE_S = WORKER_KEEPALIVE_S / 2
-
-
 class WorkerLoad(_Msg):
     """A worker's load: sequences running and waiting, requests parked, KV blocks, and
     counters since start: recompute preemptions, and speculative decoding's verifying steps,

@@ -48,9 +48,9 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.config.loading import RouterConfig
 from pdserve.errors import ClientDisconnectedError, PdserveError
 from pdserve.http.error_responses import install_error_handlers, internal_error, log_failure
+from pdserve.http.keepalive import ROUTER_KEEPALIVE_S
 from pdserve.observability.prometheus import CONTENT_TYPE
 from pdserve.observability.tracing import Timeline
-from pdserve.protocol import ROUTER_KEEPALIVE_S
 from pdserve.router.client import WorkerClient
 from pdserve.router.kv_index import follow_kv_events
 from pdserve.router.router import Router

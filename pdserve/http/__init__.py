@@ -4,4 +4,5 @@
 - ``error_responses``: every failure as a JSON ``{"error": {...}}`` body (pdserve errors,
   validation errors, internal errors), installed on every app
 - ``uvicorn_protocol``: uvicorn's h11 protocol with a deadline on a request's headers
+- ``keepalive``: the request plane's idle-connection timeouts, the router's below the workers'
 """

@@ -39,7 +39,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pdserve.config.hosts import listening_socket, url_host
 from pdserve.discovery.registry import internal_route_class
 from pdserve.http.error_responses import install_error_handlers
-from pdserve.protocol import PROTOCOL_HEADER, PROTOCOL_VERSION, WORKER_KEEPALIVE_S, Role
+from pdserve.http.keepalive import WORKER_KEEPALIVE_S
+from pdserve.protocol import PROTOCOL_HEADER, PROTOCOL_VERSION, Role
 from pdserve.security import ClusterKey
 from pdserve.workers.engine.api import default_engine_factory
 from pdserve.workers.roles import service
