@@ -6,6 +6,8 @@
   KV-aware cost); a pure function of a ``view`` snapshot
 - ``transaction``: :class:`~pdserve.router.transaction.Transaction`, one request's legs under
   one deadline (prefill -> KV hand-off -> decode), its cleanup
+- ``request``: a routed request's spec (``RequestSpec``) and what it streams back, one
+  ``TokenEvent`` per step of a choice
 - ``view``: the live workers of one served model, read from the discovery watcher; its
   readiness
 - ``kv_index``: block hashes per worker, from the workers' KV cache events (KV-aware routing)

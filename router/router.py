@@ -53,11 +53,8 @@ from pdserve.router.client import GenerationStream, WorkerClient
 from pdserve.router.kv_index import KVIndex, PromptHashes, expected_cached_tokens
 from pdserve.router.migration import failure_reason, unless_lost
 from pdserve.router.policy import Pair, Route, RouteWeights, choose_route
-from pdserve.router.transaction import (
-    RequestSpec,
-    Transaction,
-    drop_decode,
-)
+from pdserve.router.request import RequestSpec
+from pdserve.router.transaction import Transaction, drop_decode
 from pdserve.router.view import WorkerView
 
 if TYPE_CHECKING:

@@ -61,9 +61,9 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 
@@ -83,10 +83,7 @@ from pdserve.protocol import (
     ContextResponse,
     FinishReason,
     GenerationChunk,
-    GenerationRequest,
     ReleaseRequest,
-    SamplingParams,
-    TokenLogprob,
     WorkerRecord,
 )
 from pdserve.router.client import GenerationStream
@@ -99,6 +96,7 @@ from pdserve.router.migration import (
     unless_lost,
 )
 from pdserve.router.policy import Pair, Route, load_key
+from pdserve.router.request import RequestSpec, TokenEvent
 from pdserve.router.view import LOST
 
 if TYPE_CHECKING:
@@ -116,46 +114,6 @@ class RouterParts(MigrationParts, Protocol):
 
     @property
     def metrics(self) -> RouterMetrics | None: ...
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """One step of output of choice ``index``: new token ids, their text and (if asked)
-    logprobs. Each choice's last event in a successful transaction has ``finish_reason`` STOP
-    or LENGTH. ``cached_tokens``, on the first event of the worker that prefilled the prompt:
-    the prompt tokens its prefix cache held (``usage.prompt_tokens_details.cached_tokens``)."""
-
-    token_ids: tuple[int, ...]
-    text: str
-    logprobs: tuple[TokenLogprob, ...] = ()
-    finish_reason: FinishReason | None = None
-    index: int = 0
-    cached_tokens: int | None = None
-    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()  # with cached_tokens, when asked
-
-
-@dataclass(frozen=True)
-class RequestSpec:
-    """What the router was asked to run. ``deadline`` is wall-clock UNIX seconds;
-    ``timeline``: the request's (:mod:`pdserve.observability.tracing`), which the legs mark and whose
-    span their ``traceparent`` continues."""
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    sampling: SamplingParams
-    deadline: float
-    timeline: Timeline
-
-    def generation(self, **fields: Any) -> GenerationRequest:
-        """A :class:`GenerationRequest` for this request with ``fields`` (the leg's span's
-        ``traceparent`` among them)."""
-        return GenerationRequest(
-            request_id=self.request_id,
-            prompt_token_ids=self.prompt_token_ids,
-            sampling=self.sampling,
-            deadline=self.deadline,
-            **fields,
-        )
 
 
 class TxnState(StrEnum):
@@ -399,8 +357,12 @@ class Transaction:
         if handle is None or self.pair is None or self._released:
             return
         self._released = True
-        log.info("req %s: %s; releasing its blocks on %s", self.request_id, self.state,
-                 self.pair.prefill.worker_id)  # fmt: skip
+        log.info(
+            "req %s: %s; releasing its blocks on %s",
+            self.request_id,
+            self.state,
+            self.pair.prefill.worker_id,
+        )
         with anyio.move_on_after(self._router.client.release_timeout_s + 1.0, shield=True):
             await self._router.client.release(
                 self.pair.prefill,
@@ -435,8 +397,11 @@ class Transaction:
         tl = self.spec.timeline
         Timeline.end(self.leg_span, "streamed hand-off failed")  # (none: not streamed)
         self.leg_span = tl.begin("decode")
-        req = self.spec.generation(first_token=self.context.first_token, handle=handle,
-                                   traceparent=tl.traceparent(self.leg_span))  # fmt: skip
+        req = self.spec.generation(
+            first_token=self.context.first_token,
+            handle=handle,
+            traceparent=tl.traceparent(self.leg_span),
+        )
         tried: set[str] = set()
         while True:
             decode = self.pair.decode
@@ -453,8 +418,12 @@ class Transaction:
                 left = min(handle.lease_remaining(), self.spec.deadline - time.time())
                 if final or other is None or len(tried) >= DECODE_ATTEMPTS or left <= 1.0:
                     raise
-                log.warning("req %s: %s; retrying on decode worker %s", self.request_id, exc,
-                            other.worker_id)  # fmt: skip
+                log.warning(
+                    "req %s: %s; retrying on decode worker %s",
+                    self.request_id,
+                    exc,
+                    other.worker_id,
+                )
             self.pair = Pair(self.pair.prefill, other)
             self.route = replace(self.route, worker=other)
             self._holds.enter_context(self._router.view.track(other.worker_id))
@@ -574,8 +543,9 @@ class Transaction:
             self._record()
 
     def _record(self) -> None:
-        self.spec.timeline.set(gen_ai_usage_output_tokens=self.num_tokens,
-                               pdserve_migrations=self.migrations)  # fmt: skip
+        self.spec.timeline.set(
+            gen_ai_usage_output_tokens=self.num_tokens, pdserve_migrations=self.migrations
+        )
         m = self._router.metrics
         if m is None:
             return

@@ -18,7 +18,8 @@ from typing import Protocol
 
 from pdserve.observability.tracing import Timeline
 from pdserve.protocol import SamplingParams
-from pdserve.router.transaction import TokenEvent, Transaction
+from pdserve.router.request import TokenEvent
+from pdserve.router.transaction import Transaction
 
 
 class Started(Protocol):

@@ -1,7 +1,7 @@
 """Router events -> OpenAI responses and stream chunks, for chat and for completions.
 
 One formatter object per request. Streaming: ``start()`` (chat only: one role chunk per
-choice), one ``chunk(event)`` per :class:`~pdserve.router.transaction.TokenEvent`, then
+choice), one ``chunk(event)`` per :class:`~pdserve.router.request.TokenEvent`, then
 ``usage_chunk()`` when ``stream_options.include_usage`` asked for it. Not streaming:
 ``add(event)`` for every event, then ``response()``. Both paths count completion tokens for
 ``usage``, summed over all choices.
@@ -27,7 +27,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from pdserve.protocol import TokenLogprob
-from pdserve.router.transaction import TokenEvent
+from pdserve.router.request import TokenEvent
 from pdserve.server.chat.tool_calls import StreamDelta, ToolPlan, ToolStream
 from pdserve.server.rendering.logprobs import TokenRenderer
 from pdserve.server.rendering.replies import (

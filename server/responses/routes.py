@@ -58,8 +58,9 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.config.loading import RouterConfig
 from pdserve.errors import PdserveError
 from pdserve.http.error_responses import internal_error, log_failure
+from pdserve.router.request import TokenEvent
 from pdserve.router.router import Router
-from pdserve.router.transaction import TokenEvent, Transaction
+from pdserve.router.transaction import Transaction
 from pdserve.server.chat.grammar_checker import GrammarChecker, checked
 from pdserve.server.chat.preprocess import Preprocessor
 from pdserve.server.chat.tokenizer_pool import TokenizerPool
