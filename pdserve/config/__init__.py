@@ -5,6 +5,8 @@
 - ``engine_settings``: the engine's sections (model, KV cache, scheduler) and what every
   section shares, re-exported by ``settings``
 - ``planner_settings``: the planner section (SLO-driven autoscaling)
+- ``router_settings``: the router section (listeners, limits, migration, KV-aware routing),
+  re-exported by ``settings``
 - ``flags``: how a setting declares its command-line flag and a second environment variable
 - ``loading``: flags > environment > YAML file > defaults, resolved into the frozen runtime
   configs each process gets (``RouterConfig``, ``WorkerConfig``)

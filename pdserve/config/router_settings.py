@@ -1,0 +1,208 @@
+"""The ``router`` settings section: the OpenAI-compatible router's listeners (public port and
+the embedded registry's internal listener), its limits, retries and migration, and the
+KV-aware routing weights.
+
+One pydantic model, :class:`RouterSettings`, declared once like every section (type, default,
+range, help, flag: :mod:`pdserve.config.flags`) and re-exported by
+:mod:`pdserve.config.settings`, whose ``PdserveConfig.router`` it is. Ports are TCP ports
+(0: the OS picks), times are seconds, sizes as each field says. A value out of range, or a
+registry port that collides with the public one, raises pydantic's ValidationError when the
+section is built (:mod:`pdserve.config.loading` reports it as a ConfigError).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from pdserve.config.engine_settings import _Section
+from pdserve.config.flags import Flag
+from pdserve.config.hosts import WILDCARD_HOSTS, url_host
+
+
+class RouterSettings(_Section):
+    """The OpenAI-compatible router."""
+
+    host: Annotated[str, Flag("--host", ("up", "router"))] = Field(
+        default="127.0.0.1", description="router bind address"
+    )
+    port: Annotated[int, Flag("--port", ("up", "router"))] = Field(
+        default=8000,
+        ge=0,
+        le=65535,
+        description="router public HTTP port (/v1, /health, /ready, /metrics)",
+    )
+    registry_host: Annotated[str | None, Flag("--registry-host", ("up", "router"))] = Field(
+        default=None,
+        description="bind address of the internal listener that serves the embedded registry "
+        "(/registry/*, cluster token; discovery 'embedded' only); default: host",
+    )
+    registry_port: Annotated[int | None, Flag("--registry-port", ("up", "router"))] = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="port of the embedded registry's internal listener, never the public "
+        "port; default: port + 1 (8001)",
+    )
+    url: str | None = Field(
+        default=None,
+        pattern=r"^https?://\S+$",
+        description="how workers reach the router's embedded registry (its internal "
+        "listener); default: http://<registry_host or 127.0.0.1>:<registry_port>",
+    )
+    request_timeout_s: Annotated[float, Flag("--request-timeout-s", ("up", "router"))] = Field(
+        default=1800.0,
+        gt=0,
+        description="deadline of a request, prefill and decode legs together (a request "
+        "without max_tokens may decode to the end of the context window)",
+    )
+    max_request_bytes: Annotated[int, Flag("--max-request-bytes", ("up", "router"))] = Field(
+        default=8 * 2**20, gt=0, description="largest request body, bytes (larger: HTTP 413)"
+    )
+    tokenizer_threads: Annotated[int, Flag("--tokenizer-threads", ("up", "router"))] = Field(
+        default=2,
+        ge=1,
+        le=64,
+        description="threads that apply the chat template and tokenize prompts, off the "
+        "event loop; a request finding 4 x max_request_bytes of bodies (or 1024 requests) "
+        "already waiting or being tokenized gets HTTP 429 tokenizer_busy",
+    )
+    max_messages: Annotated[int, Flag("--max-messages", ("up", "router"))] = Field(
+        default=2048,
+        gt=0,
+        le=16384,
+        description="most messages in one chat request (at most 16384, the schema's bound)",
+    )
+    tool_call_parser: Annotated[
+        Literal["hermes", "llama3_json"], Flag("--tool-call-parser", ("up", "router"))
+    ] = Field(
+        default="hermes",
+        description="how tool_choice auto replies are read: hermes (<tool_call> tags, also what "
+        "a model whose chat template cannot render tools is told to use) or llama3_json",
+    )
+    special_tokens_in_content: Annotated[
+        bool, Flag("--special-tokens-in-content", ("up", "router"))
+    ] = Field(
+        default=True,
+        description="special-token text (<|im_start|>, <|eot_id|>, ...) inside user and tool "
+        "message content becomes the control tokens, as in vLLM and SGLang, so content can "
+        "open a turn of its own (a system turn); false (--no-special-tokens-in-content): "
+        "such text is encoded as plain text, and only the chat template's own special tokens "
+        "are control tokens (needs a fast tokenizer)",
+    )
+    max_n: Annotated[int, Flag("--max-n", ("up", "router"))] = Field(
+        default=16, gt=0, le=16, description="most choices (n) in one request (at most 16)"
+    )
+    local_prefill_max_tokens: Annotated[
+        int, Flag("--local-prefill-max-tokens", ("up", "router"))
+    ] = Field(
+        default=256,
+        ge=0,
+        description="conditional disaggregation (as TensorRT-LLM's and Dynamo's): a prompt "
+        "with at most this many tokens left to compute goes straight to a decode worker, "
+        "which prefills it itself, instead of through a prefill worker and a KV hand-off; 0 "
+        "turns it off (without a usable prefill worker, decode workers prefill every prompt "
+        "locally anyway). Default 256: with the default 512-token step "
+        "(max_num_batched_tokens) such a prompt fits in one step beside a full running batch "
+        "(32 decode tokens), so it costs the decode worker's batch about one step, and on a GPU "
+        "a forward of a few hundred tokens is still bound by reading the weights, as a decode "
+        "step is; the hand-off would add a second HTTP leg and a KV pull",
+    )
+    kv_stream_min_tokens: Annotated[int, Flag("--kv-stream-min-tokens", ("up", "router"))] = Field(
+        default=0,
+        ge=0,
+        description="streamed hand-off (the seed's outlook: communication need not wait for the "
+        "whole context phase): a disaggregated request with at least this many prompt tokens "
+        "(and n = 1) asks the prefill worker for its handle at admission, and the decode worker "
+        "pulls each prefill chunk's KV blocks while the next chunks are computed, so its pull "
+        "ends right after the prefill; 0 turns it off (default: the whole-request hand-off). "
+        "Pays where the transfer is a sizeable part of the prefill (GPUs); on CPUs the "
+        "prefill dominates and the gain is small (docs/benchmarks.md)",
+    )
+    migration_limit: Annotated[int, Flag("--migration-limit", ("up", "router"))] = Field(
+        default=3,
+        ge=0,
+        le=16,
+        description="mid-stream migration (Dynamo's migration_limit): how many times one "
+        "request whose decode leg failed after it started (worker killed, its registration "
+        "lease lost, an in-band error, a worker shutting down) is continued on another decode "
+        "or colocated worker, which recomputes the prompt plus the tokens already sent and "
+        "goes on exactly where the stream stopped; 0 turns migration off (the client gets the "
+        "error)",
+    )
+    worker_wait_s: Annotated[float, Flag("--worker-wait-s", ("up", "router"))] = Field(
+        default=30.0,
+        ge=0,
+        description="while no worker can serve a request (all restarting), hold it up to this "
+        "many seconds (and within its deadline) for a worker to register, instead of answering "
+        "503 no_worker at once; also how long a migrating request waits for a decode worker. "
+        "0: answer at once",
+    )
+    worker_wait_max_requests: Annotated[
+        int, Flag("--worker-wait-max-requests", ("up", "router"))
+    ] = Field(
+        default=256,
+        ge=0,
+        description="most requests held waiting for a worker at once (worker_wait_s); one "
+        "more gets 429 at once",
+    )
+    kv_overlap_weight: Annotated[float, Flag("--router-kv-overlap-weight", ("up", "router"))] = (
+        Field(
+            default=1.0,
+            ge=0,
+            description="KV-aware routing (Dynamo's KV router): a worker's cost is kv_overlap_weight"
+            " x prompt tokens it does not hold cached + load_weight x its load (requests); the "
+            "cheapest worker wins. 0 turns KV-aware routing off (least loaded worker, no expected "
+            "cached prefix)",
+        )
+    )
+    load_weight: Annotated[float, Flag("--router-load-weight", ("up", "router"))] = Field(
+        default=256.0,
+        ge=0,
+        description="KV-aware routing: cost of one request on a worker (in flight from this "
+        "router, or running + waiting as the worker reports, whichever is larger), in prompt "
+        "tokens to compute",
+    )
+
+    @model_validator(mode="after")
+    def _check_registry_port(self) -> RouterSettings:
+        if self.registry_port is None and self.port == 65535:
+            raise ValueError("registry_port: port 65535 leaves no port + 1; set registry_port")
+        if self.registry_bind_port != 0 and self.registry_bind_port == self.port:
+            raise ValueError(
+                f"registry_port: the registry's internal listener needs a port of its own, "
+                f"not the public port {self.port}"
+            )
+        return self
+
+    @property
+    def registry_bind_host(self) -> str:
+        """The address the registry's internal listener binds: ``registry_host``, else
+        ``host``."""
+        return self.host if self.registry_host is None else self.registry_host
+
+    @property
+    def registry_bind_port(self) -> int:
+        """The registry listener's port: ``registry_port``, else ``port + 1`` (0 when ``port``
+        is 0: the OS picks both)."""
+        if self.registry_port is not None:
+            return self.registry_port
+        return self.port + 1 if self.port else 0
+
+    @property
+    def public_url(self) -> str:
+        """The router's public base URL (``/v1``, ``/ready``) on this machine:
+        ``http://<host, 127.0.0.1 for a wildcard>:<port>``."""
+        host = "127.0.0.1" if self.host in WILDCARD_HOSTS else self.host
+        return f"http://{url_host(host)}:{self.port}"
+
+    @property
+    def registry_url(self) -> str:
+        """How workers reach the embedded registry: ``url``, else
+        ``http://<registry_bind_host, 127.0.0.1 for a wildcard>:<registry_bind_port>``."""
+        if self.url:
+            return self.url.rstrip("/")
+        host = self.registry_bind_host
+        host = "127.0.0.1" if host in WILDCARD_HOSTS else host
+        return f"http://{url_host(host)}:{self.registry_bind_port}"
