@@ -60,9 +60,15 @@ from pathlib import Path
 import torch
 
 from pdserve.config.loading import EngineConfig
-from pdserve.errors import ConfigError, InvalidRequestError, QueueFullError
-from pdserve.protocol import FinishReason, KVLayout, SamplingParams, TokenLogprob, WorkerLoad
-from pdserve.workers.engine.model.model_runner import ModelRunner, kept_rows, model_digest
+from pdserve.errors import InvalidRequestError, QueueFullError
+from pdserve.protocol import FinishReason, SamplingParams, TokenLogprob, WorkerLoad
+from pdserve.workers.engine.model.model_runner import ModelRunner, kept_rows
+from pdserve.workers.engine.model.served_model import (
+    context_window,
+    eos_token_ids,
+    kv_layout,
+    kv_pool,
+)
 from pdserve.workers.engine.omp import context_thread, in_fresh_thread
 from pdserve.workers.engine.requests import (
     EngineOutput,
@@ -86,9 +92,7 @@ from pdserve.workers.engine.sampling.sampler import Sampler, record_prompt_logpr
 from pdserve.workers.engine.sampling.speculative import SpecDecodeStats
 from pdserve.workers.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.workers.engine.sequence import IncrementalDetokenizer, Sequence, SequenceStatus
-from pdserve.workers.kv.manager import KVCacheManager
 from pdserve.workers.kv.offload import KVConnectorStats, build_connector
-from pdserve.workers.kv.sizing import log_pool, pool_size
 
 __all__ = ["Engine", "EngineOutput", "EngineRequest", "Sink"]
 
@@ -117,45 +121,10 @@ class Engine:
         path = Path(cfg.model_path)
         self.runner = ModelRunner(cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        limit = self.runner.max_position_embeddings
-        if cfg.model.max_model_len is not None and cfg.model.max_model_len > limit:
-            raise ConfigError(
-                f"max_model_len {cfg.model.max_model_len} exceeds the model's {limit}"
-            )
-        self.max_model_len: int = cfg.model.max_model_len or limit
-        eos = self.runner.model.generation_config.eos_token_id
-        eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
-        if self.tokenizer.eos_token_id is not None:
-            eos_ids.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids: frozenset[int] = frozenset(eos_ids)
-        self.layout = KVLayout(
-            model=f"{cfg.served_model_name}-{model_digest(path)}",
-            num_layers=self.runner.num_layers,
-            num_kv_heads=self.runner.num_kv_heads,
-            head_dim=self.runner.head_dim,
-            tokens_per_block=cfg.kv_cache.tokens_per_block,
-            dtype=cfg.kv_cache.dtype or self.runner.dtype_name,
-            tp_size=cfg.model.tensor_parallel_size,
-        )
-        size = pool_size(
-            self.layout,
-            cfg.kv_cache,
-            device=cfg.model.device,
-            auto_bytes=self.runner.profile_cuda_budget(
-                self.layout,
-                min(cfg.scheduler.max_num_batched_tokens, self.max_model_len - 1),
-                cfg.kv_cache.gpu_memory_utilization,
-            )
-            if cfg.model.device.startswith("cuda")
-            else None,
-        )
-        self.kv_cache = KVCacheManager(
-            self.layout,
-            size.num_blocks,
-            cfg.model.device,
-            prefix_caching=cfg.kv_cache.prefix_caching,
-        )
-        log_pool(size, self.layout, self.max_model_len)
+        self.max_model_len: int = context_window(cfg, self.runner)
+        self.eos_token_ids: frozenset[int] = eos_token_ids(self.runner, self.tokenizer)
+        self.layout = kv_layout(cfg, self.runner)
+        self.kv_cache = kv_pool(cfg, self.runner, self.layout, self.max_model_len)
         self.connector = build_connector(cfg.kv_cache, self.kv_cache)  # None: no tier
         self.scheduler = Scheduler(
             self.kv_cache,

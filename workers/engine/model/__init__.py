@@ -11,4 +11,6 @@ KV cache.
 - ``parallel``: tensor parallel ranks of one worker (sharding, rank processes, step fan-out)
 - ``load_check``: the load-time probe: served only if the paged path computes what
   transformers does
+- ``served_model``: what the engine serves of the loaded model: context window, EOS ids, KV
+  layout, the KV pool sized for it
 """
