@@ -358,9 +358,11 @@ def _dispatch(args: argparse.Namespace) -> int:
             cfg, _ = resolve_config(args)
             _observe(cfg, args.log_level)
             return run_up(
-                cfg, _resolve_model(cfg), log_level=args.log_level,
+                cfg,
+                _resolve_model(cfg),
+                log_level=args.log_level,
                 ready_timeout_s=args.ready_timeout_s,
-            )  # fmt: skip
+            )
         if args.command == "router":
             cfg, _ = resolve_config(args)
             _check_secrets(cfg)

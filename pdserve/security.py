@@ -114,9 +114,11 @@ def load_cluster_secret(sec: SecuritySettings) -> bytes:
         raise ConfigError.from_problems([f"security.cluster_secret_file: not set; {SECRET_HELP}"])
     if len(text) < MIN_SECRET_CHARS:
         raise ConfigError.from_problems(
-            [f"{where}: the cluster secret has {len(text)} characters, at least "
-             f"{MIN_SECRET_CHARS} are needed; {SECRET_HELP}"]
-        )  # fmt: skip
+            [
+                f"{where}: the cluster secret has {len(text)} characters, at least "
+                f"{MIN_SECRET_CHARS} are needed; {SECRET_HELP}"
+            ]
+        )
     return text.encode()
 
 

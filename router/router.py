@@ -222,8 +222,13 @@ class Router:
                     raise
                 retries += 1
                 reason = failure_reason(exc)
-                log.warning("req %s: %s; retrying without %s (%s)", request_id, exc,
-                            worker.worker_id, reason)  # fmt: skip
+                log.warning(
+                    "req %s: %s; retrying without %s (%s)",
+                    request_id,
+                    exc,
+                    worker.worker_id,
+                    reason,
+                )
                 if self.metrics is not None:
                     self.metrics.migrations.labels("prefill", reason).inc()
                 timeline.mark("retry", pdserve_reason=reason, pdserve_worker_id=worker.worker_id)

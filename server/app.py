@@ -479,8 +479,15 @@ async def _serve(
     request_id = fmt.info.response_id
     batch = prepared if isinstance(prepared, list) else [prepared]
     operation = "chat" if isinstance(fmt, ChatRenderer) else "text_completion"
-    timeline = request_timeline(request, operation, st.cfg.served_model_name, request_id,
-                                fmt.info.prompt_tokens, batch[0].sampling, start_ns)  # fmt: skip
+    timeline = request_timeline(
+        request,
+        operation,
+        st.cfg.served_model_name,
+        request_id,
+        fmt.info.prompt_tokens,
+        batch[0].sampling,
+        start_ns,
+    )
     phase_log = st.cfg.observability.phase_log
     log.debug(
         "req %s: %s prompt tokens, %s, stream=%s",

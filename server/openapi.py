@@ -82,18 +82,25 @@ def completion_responses(model: type[Any], *, secured: bool) -> Responses:
             "ending with `data: [DONE]`",
             "content": {"text/event-stream": {"schema": SSE_EVENT}},
         },
-        400: _error("invalid request, unsupported field (code unsupported), prompt beyond the "
-                    "context window (code context_length_exceeded); param names the field"),
+        400: _error(
+            "invalid request, unsupported field (code unsupported), prompt beyond the "
+            "context window (code context_length_exceeded); param names the field"
+        ),
         404: _error("unknown model (code model_not_found)"),
         413: _error("request body over router.max_request_bytes (code request_too_large)"),
-        429: _error("a worker's queue is full (code queue_full) or the router's tokenizer "
-                    "is busy (code tokenizer_busy)", headers=_RETRY_AFTER),
+        429: _error(
+            "a worker's queue is full (code queue_full) or the router's tokenizer "
+            "is busy (code tokenizer_busy)",
+            headers=_RETRY_AFTER,
+        ),
         502: _error("a worker leg or the KV transfer failed (worker_error, kv_*)"),
-        503: _error("no live worker for the model (no_worker), no capacity (no_capacity) or "
-                    "discovery unavailable"),
+        503: _error(
+            "no live worker for the model (no_worker), no capacity (no_capacity) or "
+            "discovery unavailable"
+        ),
         504: _error("the request deadline passed (deadline_exceeded)"),
         **v1_errors(secured=secured),
-    }  # fmt: skip
+    }
 
 
 def tokenizer_responses(model: type[Any], *, secured: bool) -> Responses:

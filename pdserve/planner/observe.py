@@ -36,8 +36,10 @@ def parse_metrics(text: str, at: float | None = None) -> Snapshot:
     """A :class:`Snapshot` of a router's ``/metrics`` text. Raises ValueError for text that is
     not the Prometheus exposition format."""
     snap = Snapshot(time.monotonic() if at is None else at)
-    hist = {"pdserve_time_to_first_token_seconds": snap.ttft,
-            "pdserve_inter_token_latency_seconds": snap.itl}  # fmt: skip
+    hist = {
+        "pdserve_time_to_first_token_seconds": snap.ttft,
+        "pdserve_inter_token_latency_seconds": snap.itl,
+    }
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == "pdserve_requests_total":

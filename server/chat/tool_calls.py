@@ -237,12 +237,16 @@ def prompt_messages(
         if template_has_tools:
             if calls:
                 m["tool_calls"] = [
-                    {"type": "function", "id": c.get("id"), "function": {
-                        "name": c["function"]["name"],
-                        "arguments": _decoded(c["function"]["arguments"], i, j),
-                    }}
+                    {
+                        "type": "function",
+                        "id": c.get("id"),
+                        "function": {
+                            "name": c["function"]["name"],
+                            "arguments": _decoded(c["function"]["arguments"], i, j),
+                        },
+                    }
                     for j, c in enumerate(calls)
-                ]  # fmt: skip
+                ]
         else:
             tagged = [
                 f"{HERMES_OPEN}\n"

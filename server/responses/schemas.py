@@ -74,16 +74,19 @@ class InputItem(_Req):
 
     type: Annotated[
         Text | None, WithJsonSchema({"anyOf": [{"enum": list(INPUT_ITEM_TYPES)}, {"type": "null"}]})
-    ] = Field(default=None, description="message (the default), function_call or "
-              "function_call_output")  # fmt: skip
+    ] = Field(
+        default=None, description="message (the default), function_call or function_call_output"
+    )
     role: Literal["user", "system", "developer", "assistant"] | None = Field(
         default=None, description="a message's author"
     )
     content: Content | None = Field(default=None, description="a message's text, or its parts")
     call_id: str | None = Field(
-        default=None, min_length=1, max_length=128, description="the call (function_call, "
-        "function_call_output)"
-    )  # fmt: skip
+        default=None,
+        min_length=1,
+        max_length=128,
+        description="the call (function_call, function_call_output)",
+    )
     name: str | None = Field(default=None, pattern=FUNCTION_NAME, description="function_call")
     arguments: JSONText | None = Field(default=None, description="function_call: JSON text")
     output: Content | None = Field(default=None, description="function_call_output: the result")
