@@ -167,12 +167,19 @@ def prepare(device: torch.device, *, force: bool = False) -> bool:
             finally:
                 del _COMPILED[key]
             if not np.array_equal(got, want):
-                log.warning("mix64: the compiled digest differs from the eager one on %s; "
-                            "digests stay eager", device)  # fmt: skip
+                log.warning(
+                    "mix64: the compiled digest differs from the eager one on %s; "
+                    "digests stay eager",
+                    device,
+                )
                 return False
     except Exception as exc:  # noqa: BLE001 - any compiler failure leaves the eager form
-        log.warning("mix64: torch.compile failed on %s (%s: %s); digests stay eager",
-                    device, type(exc).__name__, exc)  # fmt: skip
+        log.warning(
+            "mix64: torch.compile failed on %s (%s: %s); digests stay eager",
+            device,
+            type(exc).__name__,
+            exc,
+        )
         return False
     _COMPILED[key] = compiled
     log.info("mix64: compiled digest kernel checked and in use on %s", device)

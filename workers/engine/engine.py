@@ -313,9 +313,14 @@ class Engine:
             sid = choice_id(parent.group_id, index)
             sampling = choice_sampling(parent.sampling, index)
             seq = Sequence(
-                sid, parent.prompt_token_ids, sampling, "full", parent.need_blocks,
-                index=index, group_id=parent.group_id,
-            )  # fmt: skip
+                sid,
+                parent.prompt_token_ids,
+                sampling,
+                "full",
+                parent.need_blocks,
+                index=index,
+                group_id=parent.group_id,
+            )
             seq.block_hashes = parent.block_hashes[: tail // self.kv_cache.tokens_per_block]
             if self.kv_cache.fork(parent.request_id, sid, tail) is not None:
                 seq.num_computed_tokens = tail

@@ -52,10 +52,15 @@ def resumed_choices(
         sampling = choice_sampling(req.sampling, choice.index)
         tokens = list(choice.token_ids)
         seq = Sequence(
-            choice_id(req.request_id, choice.index), list(req.prompt_token_ids), sampling,
-            "full", need_blocks, output_token_ids=tokens, index=choice.index,
+            choice_id(req.request_id, choice.index),
+            list(req.prompt_token_ids),
+            sampling,
+            "full",
+            need_blocks,
+            output_token_ids=tokens,
+            index=choice.index,
             group_id=req.request_id,
-        )  # fmt: skip
+        )
         detok = IncrementalDetokenizer(tokenizer, sampling.stop)
         for token in tokens:
             if token not in sampling.stop_token_ids:  # as Engine._append_token feeds it

@@ -232,11 +232,16 @@ class DecodeHandler:
             elapsed = time.perf_counter() - t0
             if timeline is not None:
                 timeline.add(
-                    "kv_pull", t_pull, time.time_ns(),
-                    pdserve_kv_blocks=moved, pdserve_kv_bytes=moved * self.engine.layout.block_bytes,
-                    pdserve_kv_blocks_skipped=dst.cached_blocks, pdserve_kv_streamed=handle.streamed,
-                    pdserve_kv_backend=handle.backend, pdserve_prefill_worker=handle.worker_id,
-                )  # fmt: skip
+                    "kv_pull",
+                    t_pull,
+                    time.time_ns(),
+                    pdserve_kv_blocks=moved,
+                    pdserve_kv_bytes=moved * self.engine.layout.block_bytes,
+                    pdserve_kv_blocks_skipped=dst.cached_blocks,
+                    pdserve_kv_streamed=handle.streamed,
+                    pdserve_kv_backend=handle.backend,
+                    pdserve_prefill_worker=handle.worker_id,
+                )
             log.debug(
                 "request %s: pulled %d KV blocks in %.1f ms (%d cached here, not sent)",
                 req.request_id,

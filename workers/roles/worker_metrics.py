@@ -183,9 +183,10 @@ class _LoadCollector(Collector):
             blocks.add_metric(["parked"], load.parked)
             yield blocks
             yield GaugeMetricFamily(
-                "pdserve_kv_cache_usage_ratio", "Used / total KV blocks",
+                "pdserve_kv_cache_usage_ratio",
+                "Used / total KV blocks",
                 value=used / load.total_blocks if load.total_blocks else 0.0,
-            )  # fmt: skip
+            )
             yield GaugeMetricFamily(
                 "pdserve_num_requests_running", "Sequences in the running batch", value=load.running
             )

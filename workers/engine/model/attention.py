@@ -269,9 +269,14 @@ def _attend(
     k, v = k.to(q.dtype), v.to(q.dtype)
     if not variant.eager:
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scaling,
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=causal and mask is None,
+            scale=scaling,
             enable_gqa=True,
-        )  # fmt: skip
+        )
     if causal and mask is None:
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
     return _attend_eager(q, k, v, mask, scaling, variant)
@@ -415,11 +420,17 @@ def _in_place(
     out = torch.empty_like(q)
     sinks = variant.sinks
     torch.ops.pdserve_paged.varlen(
-        out, q, cache, kr.block_tables, kr.query_start, kr.ctx_lens,
+        out,
+        q,
+        cache,
+        kr.block_tables,
+        kr.query_start,
+        kr.ctx_lens,
         scaling if scaling is not None else q.shape[-1] ** -0.5,
-        variant.window or 0, variant.softcap or 0.0,
+        variant.window or 0,
+        variant.softcap or 0.0,
         None if sinks is None else sinks.to(torch.float32).contiguous(),
-    )  # fmt: skip
+    )
     return out
 
 

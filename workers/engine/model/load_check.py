@@ -96,8 +96,10 @@ def capture_kv_shapes(model: Any, device: torch.device, num_layers: int) -> KVSh
         )
     shapes = {(k[1], k[-1], v[1], v[-1]) for _, k, v in calls}
     if len(shapes) != 1:
-        raise ConfigError(f"{family}: layers pass K/V of different shapes {sorted(shapes)}; "
-                          "the KV pool holds one shape for every layer")  # fmt: skip
+        raise ConfigError(
+            f"{family}: layers pass K/V of different shapes {sorted(shapes)}; "
+            "the KV pool holds one shape for every layer"
+        )
     ((kvh, k_dim, v_heads, v_dim),) = shapes
     if (v_heads, v_dim) != (kvh, k_dim):
         raise ConfigError(
@@ -117,9 +119,13 @@ def check_against_reference(runner: Runner, shape: KVShape) -> float:
     first, second = (n * 2) // 3, n - 1 - (n * 2) // 3  # whole chunk, continued chunk
     ids = _tokens(runner.vocab_size, n)
     layout = KVLayout(
-        model="probe", num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim, tokens_per_block=4, dtype=str(dtype).removeprefix("torch."),
-    )  # fmt: skip
+        model="probe",
+        num_layers=shape.num_layers,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        tokens_per_block=4,
+        dtype=str(dtype).removeprefix("torch."),
+    )
     kv = KVCacheManager(layout, -(-n // 4), device)
     seq = Sequence("probe", ids.tolist(), SamplingParams(max_tokens=1), "prefill", 0)
     kv.allocate(seq.request_id, n)
@@ -132,9 +138,12 @@ def check_against_reference(runner: Runner, shape: KVShape) -> float:
     for batch in steps:
         inputs, positions, meta, keep = runner.prepare_inputs(batch, kv)
         out = model(
-            input_ids=inputs[None], position_ids=positions[None], use_cache=False,
-            logits_to_keep=keep, paged_attention_metadata=meta,
-        )  # fmt: skip
+            input_ids=inputs[None],
+            position_ids=positions[None],
+            use_cache=False,
+            logits_to_keep=keep,
+            paged_attention_metadata=meta,
+        )
         paged.append(out.logits[0, -1].float())
     model.set_attn_implementation("eager")
     try:

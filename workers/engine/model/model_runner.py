@@ -138,13 +138,18 @@ class ModelRunner:
             probe.check_against_reference(self, shape)
         if self.tp_size > 1:
             parallel.shard_model(
-                self.model, self.tp_size, self.rank, self.head_dim, self.num_kv_heads,
+                self.model,
+                self.tp_size,
+                self.rank,
+                self.head_dim,
+                self.num_kv_heads,
                 self.tp_group,
-            )  # fmt: skip
+            )
             if self.ranks is not None:
                 self.tp_group.group = self.ranks.join()
-                log.info("tensor parallel: %d ranks joined (gloo); forward runs eagerly",
-                         self.tp_size)  # fmt: skip
+                log.info(
+                    "tensor parallel: %d ranks joined (gloo); forward runs eagerly", self.tp_size
+                )
         self.graphs: DecodeGraphs | None = None
         if cfg.scheduler.cuda_graphs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(

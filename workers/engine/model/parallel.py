@@ -262,8 +262,11 @@ class RankGroup:
         except BaseException:
             self.close()
             raise
-        log.info("tensor parallel: started ranks 1-%d (pids %s)", self.size - 1,
-                 [p.pid for p in self._procs])  # fmt: skip
+        log.info(
+            "tensor parallel: started ranks 1-%d (pids %s)",
+            self.size - 1,
+            [p.pid for p in self._procs],
+        )
         self.group: Any = None
 
     def join(self) -> Any:
@@ -272,8 +275,9 @@ class RankGroup:
         all-reduce hooks use it)."""
         for rank, pipe in enumerate(self._pipes, start=1):
             if not pipe.poll(READY_TIMEOUT_S):
-                raise RankFailedError(f"tensor parallel rank {rank} did not load within "
-                                      f"{READY_TIMEOUT_S:.0f} s")  # fmt: skip
+                raise RankFailedError(
+                    f"tensor parallel rank {rank} did not load within {READY_TIMEOUT_S:.0f} s"
+                )
             try:
                 kind, detail = pipe.recv()
             except EOFError:
