@@ -1,6 +1,6 @@
 """Typed HTTP calls from the router to a worker's request plane.
 
-One method per worker endpoint (see docs/architecture.md, "Worker request plane"):
+One method per worker endpoint (see docs/architecture/workers.md, "Worker process"):
 
 - :meth:`WorkerClient.context`  ``POST /internal/context``  -> :class:`ContextResponse`
 - :meth:`WorkerClient.context_stream` ``POST /internal/context/stream`` -> :class:`ContextStream`

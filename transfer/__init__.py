@@ -1,6 +1,6 @@
 """KV transfer: transceiver, sender/receiver, formatter, connections and transfer agents.
 
-Public API (docs/architecture.md, "Transfer")::
+Public API (docs/architecture/transfer.md)::
 
     create_transceiver(cfg, *, pool, layout, worker_id, epoch, parked, key) -> Transceiver
     Transceiver: backend, endpoint, start(), communicator(), pull(handle, dst_block_ids), close()

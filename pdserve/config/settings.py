@@ -11,7 +11,7 @@ objects, so no default is stored twice. The design follows SGLang's ``ServerArgs
 frozen configs.
 
 Adding a setting read by a component is two edits, its declaration here and its read
-(``cfg.scheduler.foo_s``): docs/architecture.md, "Configuration", works one example through.
+(``cfg.scheduler.foo_s``): docs/architecture/config.md works one example through.
 """
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ def copy_blocks_bytewise(
     src: Engine, src_blocks: list[int], dst: Engine, dst_blocks: list[int]
 ) -> None:
     """Copy K/V block by block and layer by layer as raw bytes, at the byte offsets
-    ``docs/architecture.md`` gives: ((layer * num_blocks) + block) * block_bytes_per_layer."""
+    ``docs/architecture/workers.md`` gives: ((layer * num_blocks) + block) * block_bytes_per_layer."""
     layout = src.layout
     size = layout.block_bytes_per_layer
     src_bytes = src.kv_cache.pool.view(-1).view(torch.uint8)

@@ -18,7 +18,7 @@ the wire are already in the receiver's layout. The receiver's data path is then 
 every layout pair (NIXL still does one WRITE into the decode pool's blocks; TCP/UCX still
 scatter straight into them), and the decode side never holds a second copy of the prompt.
 
-Pool arithmetic (both sides, see docs/architecture.md "KV cache pool")::
+Pool arithmetic (both sides, see docs/architecture/workers.md, "KV cache manager")::
 
     pool[num_layers, num_blocks, 2, tpb, kvh, hd]   one contiguous tensor
     byte offset of (layer, block) = (layer * num_blocks + block) * block_bytes

@@ -100,7 +100,7 @@ log = logging.getLogger(__name__)
 
 
 class Engine:
-    """The engine of ``docs/architecture.md``. Loads model and tokenizer, allocates the pool.
+    """The engine of ``docs/architecture/workers.md``. Loads model and tokenizer, allocates the pool.
 
     Attributes: ``layout`` (:class:`KVLayout`, ``model`` = served name + config digest),
     ``tokenizer``, ``kv_cache`` (:class:`KVCacheManager`, ``.pool`` is the tensor),

@@ -3,7 +3,7 @@ sink type, the checks a request must pass before it is queued and the conditions
 running one (:class:`RequestLimits`).
 
 These types are re-exported by :mod:`pdserve.workers.engine.engine`, which is where callers import them
-from (``docs/architecture.md``, "Engine").
+from (``docs/architecture/workers.md``, "Engine").
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ documentation): ``prepare_resources`` / ``update_resources`` /
 ``get_needed_resource_to_completion`` for the capacity scheduler, ``get_batch_cache_indices`` /
 ``get_buffers`` / ``get_num_free_blocks`` for the attention backend and the transfer path.
 
-Pool layout (``docs/architecture.md``, "KV cache pool")::
+Pool layout (``docs/architecture/workers.md``, "KV cache manager")::
 
     pool[num_layers, num_blocks, 2, tokens_per_block, num_kv_heads, head_dim]
                                  ^ 0 = K (after RoPE), 1 = V

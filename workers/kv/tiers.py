@@ -1,9 +1,9 @@
 """KV cache storage tiers below the pool: host memory and a directory on disk.
 
 Design origin: the storage behind TensorRT-LLM's KV cache connector example (one file per
-block, loaded instead of recomputed; the seed, ``docs/architecture.md``), vLLM's CPU offload
-(an LRU of blocks in host memory) and LMCache's local disk backend (a size-capped directory
-of blocks named by their hash). :mod:`pdserve.workers.kv.offload` decides what goes in and
+block, loaded instead of recomputed; the seed, ``docs/architecture/workers.md``), vLLM's CPU
+offload (an LRU of blocks in host memory) and LMCache's local disk backend (a size-capped
+directory of blocks named by their hash). :mod:`pdserve.workers.kv.offload` decides what goes in and
 out; this module only stores.
 
 A block is named by its chained prefix-cache hash (:class:`~pdserve.workers.kv.prefix_cache.

@@ -4,7 +4,7 @@ Design origin: Megatron-LM's column/row parallel split of a transformer layer, a
 Llama-family models, and vLLM's executor pattern: one scheduler (rank 0, the worker process)
 decides each step, every rank executes the same step on its shard, and the row-parallel layers'
 partial sums are all-reduced over ``torch.distributed`` (gloo on CPU). Rank layout of a worker
-with ``tensor_parallel_size`` N (docs/architecture.md, "Tensor parallel workers")::
+with ``tensor_parallel_size`` N (docs/architecture/workers.md, "Tensor parallel workers")::
 
     worker process = rank 0                     rank 1 .. N-1: spawned processes
       HTTP, scheduler, sampler, transfer          model shard, no scheduler, no HTTP
