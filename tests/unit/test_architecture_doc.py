@@ -129,6 +129,24 @@ def test_path_check_can_fail(tmp_path: Path) -> None:
     assert missing_paths(doc) == ["router/nowhere.py"]
 
 
+LINK = re.compile(r"\]\(([^)#:\s]+\.md)(?:#[^)]*)?\)")
+
+
+def broken_links(doc: Path) -> list[str]:
+    return sorted({link for link in LINK.findall(_text(doc)) if not (doc.parent / link).exists()})
+
+
+def test_every_relative_link_resolves() -> None:
+    problems = {d.relative_to(ROOT).as_posix(): broken_links(d) for d in DOCS}
+    assert not {k: v for k, v in problems.items() if v}, problems
+
+
+def test_link_check_can_fail(tmp_path: Path) -> None:
+    (tmp_path / "a.md").write_text("[b](b.md), [c](c.md#x), [w](https://x.md)")
+    (tmp_path / "b.md").write_text("")
+    assert broken_links(tmp_path / "a.md") == ["c.md"]
+
+
 def test_overview_is_short() -> None:
     lines = len(_text(OVERVIEW).splitlines())
     assert lines <= MAX_OVERVIEW_LINES, f"docs/architecture.md: {lines} lines"
