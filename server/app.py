@@ -18,7 +18,7 @@ body), validate + chat template + tokenize (:mod:`pdserve.server.chat.preprocess
 pool's threads, never on the event loop (a full pool: 429 ``tokenizer_busy``), route it and run up to its
 first token (``Router.start``: the prefill leg, or a one-leg stream's start; its failure is an
 HTTP error status), then relay the rest as one JSON body or as SSE (a failure after the first byte is an in-band error event, :mod:`.sse`). A
-request for ``n`` choices is one transaction whose events name their choice; the formatter
+request for ``n`` choices is one transaction whose events name their choice; the renderer
 (:mod:`.output`) sorts them into the ``n`` choices. A completion of several prompts runs one
 transaction per prompt, merged (:mod:`.batch`).
 

@@ -4,7 +4,7 @@ events merged into one stream.
 Each prompt runs as its own request (its own route, legs and deadline; id
 ``<request id>-<k>``), so the prompts of a batch spread over the workers like separate requests
 would. Choice ``i`` of prompt ``k`` is choice ``k * n + i`` of the response (OpenAI's order).
-Events reach the formatter as each transaction yields them, interleaved. A transaction that
+Events reach the renderer as each transaction yields them, interleaved. A transaction that
 fails ends the batch with its error (the others are closed); closing the batch closes all.
 """
 

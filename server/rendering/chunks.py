@@ -1,6 +1,6 @@
 """Router events -> OpenAI responses and stream chunks, for chat and for completions.
 
-One formatter object per request. Streaming: ``start()`` (chat only: one role chunk per
+One renderer object per request. Streaming: ``start()`` (chat only: one role chunk per
 choice), one ``chunk(event)`` per :class:`~pdserve.router.request.TokenEvent`, then
 ``usage_chunk()`` when ``stream_options.include_usage`` asked for it. Not streaming:
 ``add(event)`` for every event, then ``response()``. Both paths count completion tokens for

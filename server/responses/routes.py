@@ -1,14 +1,14 @@
 """The stateless OpenAI Responses API, ``POST /v1/responses``, on the chat machinery.
 
 A Responses request (:mod:`.responses_schemas`) is mapped onto a chat completion request
-(:func:`~pdserve.server.responses.request.to_chat`: ``instructions`` a system message first,
+(:func:`~pdserve.server.responses.chat_mapping.to_chat`: ``instructions`` a system message first,
 ``input`` items the messages, ``function_call`` / ``function_call_output`` items an assistant's
 ``tool_calls`` / ``tool`` messages, ``max_output_tokens`` ``max_tokens``, flat function tools
 chat's, ``text.format`` ``response_format``), which then goes through
 :meth:`~pdserve.server.chat.preprocess.Preprocessor.chat` on the tokenizer pool as
 ``/v1/chat/completions`` does: every check, the chat template, tool calling and structured
 outputs apply unchanged, and an error names the Responses field
-(:func:`~pdserve.server.responses.request.public_error`). Then the transaction runs as chat's
+(:func:`~pdserve.server.responses.chat_mapping.public_error`). Then the transaction runs as chat's
 does (the app's ``_collect`` for a whole response: a client that leaves abandons it; an
 :class:`~pdserve.server.rendering.sse.SSEResponse` closing it for a stream). Nothing is stored
 (``store: true``, ``previous_response_id``, ``background: true`` are a 400 ``unsupported``); one
@@ -69,7 +69,7 @@ from pdserve.server.openapi import responses_api_responses
 from pdserve.server.rendering.chunks import ChatRenderer, RequestInfo
 from pdserve.server.rendering.logprobs import TokenRenderer
 from pdserve.server.rendering.sse import SSEResponse, encode_named_event
-from pdserve.server.responses.request import echo_fields, public_error, to_chat
+from pdserve.server.responses.chat_mapping import echo_fields, public_error, to_chat
 from pdserve.server.responses.schemas import (
     FunctionCallItem,
     IncompleteDetails,
@@ -96,7 +96,7 @@ log = logging.getLogger(__name__)
 
 Collect = Callable[[Request, Transaction, ChatRenderer], Awaitable[None]]
 """The app's disconnect-aware collector (``server/app.py``'s ``_collect``): feeds every event
-of a transaction to the formatter; a client that leaves abandons the transaction."""
+of a transaction to the renderer; a client that leaves abandons the transaction."""
 
 
 class _State(Protocol):

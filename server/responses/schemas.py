@@ -4,7 +4,7 @@ The request is validated here for types and ranges (a wrong value is a 400 namin
 in :mod:`pdserve.server.chat.schemas`, whose conventions apply: strict JSON types, :data:`Text` for
 text the model reads, ``_FAIL_FAST`` on every list, bounded sizes). Everything else is checked
 after the request is mapped onto a chat completion
-(:func:`pdserve.server.responses.request.to_chat`): the model name, the context window, the
+(:func:`pdserve.server.responses.chat_mapping.to_chat`): the model name, the context window, the
 tools, the structured output.
 
 Input items are one flat model (:class:`InputItem`): ``type`` selects which fields an item
@@ -22,7 +22,7 @@ nothing is stored server-side), ``background`` (false), ``include`` (empty), ``r
 fields are ignored.
 
 The response models (:class:`ResponseObject` and its output items) describe what the route
-returns; the formatter dumps them with ``model_dump(mode="json")``.
+returns; the renderer dumps them with ``model_dump(mode="json")``.
 """
 
 from __future__ import annotations
