@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from tests.support.chaos import LANES, MAX_TOKENS, UpStack, make_prompts, solo_outputs
-from tests.support.chaos_faults import Row, kill, run_fault, sigstop
+from tests.support.chaos_faults import Row, kill, run_fault, sigstop, stopped_past_lease
 from tests.support.servers import ServerProcess, wait_until_sync
 
 ETCD_DEADLINE_S = 45.0
@@ -80,7 +80,7 @@ def test_kill_decode_worker(etcd_stack, prompts) -> None:  # type: ignore[no-unt
 
 def test_sigstop_decode_worker_longer_than_the_lease(etcd_stack, prompts) -> None:  # type: ignore[no-untyped-def]
     stack, expected = etcd_stack
-    stopped_s = stack.lease_s + 2.0
+    stopped_s = stopped_past_lease(stack)
     fault = f"SIGSTOP decode worker {stopped_s:g} s"
     row = run_fault(stack, expected, prompts, fault, sigstop(stack, "decode-0", stopped_s), ROWS)
     assert row.migrations.legs["decode"] > 0, row.migrations

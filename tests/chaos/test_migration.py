@@ -22,7 +22,14 @@ from collections.abc import Iterator
 import pytest
 
 from tests.support.chaos import LANES, MAX_TOKENS, UpStack, make_prompts, solo_outputs
-from tests.support.chaos_faults import Row, kill, rolling_restart, run_fault, sigstop
+from tests.support.chaos_faults import (
+    Row,
+    kill,
+    rolling_restart,
+    run_fault,
+    sigstop,
+    stopped_past_lease,
+)
 
 DEADLINE_S = 45.0
 """The request deadline: longer than a worker's restart (6-14 s on 2 busy cores)."""
@@ -55,14 +62,14 @@ def test_kill_decode_worker(stack, prompts) -> None:  # type: ignore[no-untyped-
 
 def test_sigstop_prefill_worker(stack, prompts) -> None:  # type: ignore[no-untyped-def]
     up, expected = stack
-    stopped_s = up.ttl_s + 2.0
+    stopped_s = stopped_past_lease(up)
     run_fault(up, expected, prompts, f"SIGSTOP prefill-1 {stopped_s:g} s (2P+2D)",
               sigstop(up, "prefill-1", stopped_s), ROWS)  # fmt: skip
 
 
 def test_sigstop_decode_worker(stack, prompts) -> None:  # type: ignore[no-untyped-def]
     up, expected = stack
-    stopped_s = up.ttl_s + 2.0
+    stopped_s = stopped_past_lease(up)
     row = run_fault(up, expected, prompts, f"SIGSTOP decode-1 {stopped_s:g} s (2P+2D)",
                     sigstop(up, "decode-1", stopped_s), ROWS)  # fmt: skip
     assert row.migrations.legs["decode"] > 0, row.migrations

@@ -1,7 +1,11 @@
 """The chaos suite's faults and its table (tools in :mod:`tests.support.chaos`).
 
 - :func:`run_fault`: one fault under the steady load, its checks and its :class:`Row`;
-  :func:`kill`, :func:`sigstop`, :func:`rolling_restart`: the faults.
+  :func:`kill`, :func:`sigstop`, :func:`rolling_restart`: the faults. A decode worker's fault
+  waits until that worker has a sequence in its running batch (:func:`wait_busy`): a 32-token
+  stream spends most of its ~0.2 s outside the decode worker's batch (prefill leg, KV pull,
+  HTTP), so a fault injected blind often met no stream there and its row proved nothing
+  about migration (the suite's ``migr D > 0`` checks failed in two of four runs).
 - :class:`Row` / :func:`table`: one line per fault.
 """
 
@@ -15,6 +19,9 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import httpx
+
+from pdserve.router.migration import LOST_GRACE_S
 from tests.support.chaos import (
     FAIL_FAST_S,
     KINDS,
@@ -26,16 +33,48 @@ from tests.support.chaos import (
     Load,
     Migrations,
     UpStack,
+    role_of,
 )
 from tests.support.servers import wait_until_sync
 
 # --- faults -------------------------------------------------------------------------------------
 
 
+BUSY_S = 30.0
+"""A decode worker under the steady load has a sequence running within this."""
+
+
+def wait_busy(stack: UpStack, name: str) -> None:
+    """For a decode worker ``name``: wait until its ``pdserve_num_requests_running`` gauge is
+    above 0, polling every 5 ms, so the fault injected next meets a stream in its running batch
+    (a 32-token stream stays there for tens of milliseconds). Other workers: return at once."""
+    if role_of(name) != "decode":
+        return
+
+    def busy() -> bool:
+        try:
+            m = stack.metrics(stack.worker_url(name))
+        except (httpx.HTTPError, LookupError):
+            return False
+        return m.get("pdserve_num_requests_running", 0.0) > 0
+
+    wait_until_sync(busy, BUSY_S, interval_s=0.005, what=f"a sequence running on {name}")
+
+
+def stopped_past_lease(stack: UpStack) -> float:
+    """Seconds a SIGSTOP must last for the router to give up the stopped worker's legs: its
+    registration expires within ``ttl_s`` of the stop (the last refresh was up to ``ttl_s / 3``
+    before it), then the router waits :data:`LOST_GRACE_S` for a silent leg; 2 s more cover
+    etcd's expiry sweep and a loaded router (``ttl_s + 2`` alone left under half a second)."""
+    return stack.ttl_s + LOST_GRACE_S + 2.0
+
+
 def kill(stack: UpStack, name: str) -> Callable[[], None]:
-    """SIGKILL ``name``; the fault ends when up has started it again (a new pid)."""
+    """SIGKILL ``name`` (a decode worker once it has a stream: :func:`wait_busy`); the fault
+    ends when up has started it again (a new pid)."""
 
     def inject() -> None:
+        wait_busy(stack, name)
         old = stack.pid(name)
         os.kill(old, signal.SIGKILL)
         wait_restarted(stack, name, old, 30)
@@ -44,9 +83,11 @@ def kill(stack: UpStack, name: str) -> Callable[[], None]:
 
 
 def sigstop(stack: UpStack, name: str, stopped_s: float) -> Callable[[], None]:
-    """SIGSTOP ``name`` for ``stopped_s`` seconds, then SIGCONT; the fault ends there."""
+    """SIGSTOP ``name`` (a decode worker once it has a stream: :func:`wait_busy`) for
+    ``stopped_s`` seconds, then SIGCONT; the fault ends there."""
 
     def inject() -> None:
+        wait_busy(stack, name)
         pid = stack.pid(name)
         os.kill(pid, signal.SIGSTOP)
         try:
@@ -64,6 +105,7 @@ def rolling_restart(stack: UpStack, names: list[str]) -> Callable[[], None]:
 
     def inject() -> None:
         for name in names:
+            wait_busy(stack, name)
             old = stack.pid(name)
             os.kill(old, signal.SIGTERM)
             wait_restarted(stack, name, old, 60)
