@@ -12,7 +12,11 @@ Why these dtypes: every worker computes in bfloat16 (``--dtype bfloat16``). Wide
 float32 is exact and attention reads the cache back in the compute dtype, so the mixed decode
 worker attends over the very same values as the matched one, and any difference in the tokens
 is a formatter bug. (A float32 model over a float32 cache would attend over values a bfloat16
-cache never holds, and greedy tokens then legitimately differ at near-ties.)
+cache never holds, and greedy tokens then legitimately differ at near-ties.) The workers run
+the compiled forward: with the eager one in bfloat16, the 50-token prompt's greedy tokens
+differed between the 16- and 32-token-block decode workers in one run (bfloat16 rounding in
+the eager attention path, which this test is not about; the compiled forward gives both the
+same tokens).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         served_model_name="tiny-llama",
         log_dir=tmp_path_factory.mktemp("mixed"),
         extra_worker_args=("--dtype", "bfloat16"),
+        compile=True,
     )
     try:
         stack.start_router()
