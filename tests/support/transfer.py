@@ -230,7 +230,8 @@ class _Parked:
         self.epoch = epoch
         self.blocks: dict[str, list[int]] = {}
         self.released: list[str] = []
-        # request id -> exit delay (None: right now; "mid": after half of the KV bytes, tcp)
+        # request id -> exit delay (None: right now; "mid": after half of the KV bytes, tcp;
+        # "posted": once the UCX sends are posted)
         self.die: dict[str, float | str | None] = {}
         self.slow: dict[str, float] = {}  # request id -> seconds lookup blocks the prefill
 
@@ -244,6 +245,8 @@ class _Parked:
                 os._exit(3)
             if delay == "mid":
                 _die_after_half_of_the_bytes()
+            elif delay == "posted":
+                _die_once_the_ucx_sends_are_posted()
             else:
                 asyncio.get_running_loop().call_later(float(delay), os._exit, 3)
         return self.blocks[request_id]
@@ -266,6 +269,21 @@ def _die_after_half_of_the_bytes() -> None:
         os._exit(3)
 
     Connection.send_segments = half_then_exit  # type: ignore[method-assign]
+
+
+def _die_once_the_ucx_sends_are_posted() -> None:
+    """Make this (prefill) process exit right after the UCX backend posts a transfer's tagged
+    sends: 48 MiB on the way and most of it not yet out, whatever the speed of the machine (a
+    timer raced the transfer: on a loaded machine the sends sometimes completed first)."""
+    from pdserve.transfer.agents.ucx import UcxBackend
+
+    original = UcxBackend.start_send
+
+    def post_then_exit(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        original(self, *args, **kwargs)
+        os._exit(3)
+
+    UcxBackend.start_send = post_then_exit  # type: ignore[method-assign]
 
 
 def _prefill_process(pipe: Pipe, backend: str, layout: KVLayout, num_blocks: int) -> None:

@@ -257,7 +257,8 @@ async def assert_pull_fails_fast_when_the_peer_dies(
     backend: str, delay: float | str | None
 ) -> None:
     """A 48 MiB pull from a :class:`~tests.support.transfer.PrefillPeer` that exits ``delay``
-    into serving it (None: at once; seconds; ``"mid"``: after half of the bytes, tcp) raises
+    into serving it (None: at once; seconds; ``"mid"``: after half of the bytes, tcp;
+    ``"posted"``: once the UCX sends are posted) raises
     TransferError within 5 s."""
     peer = PrefillPeer(backend, layout=BIG, num_blocks=BIG_BLOCKS)
     try:
