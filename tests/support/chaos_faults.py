@@ -65,7 +65,8 @@ def stopped_past_lease(stack: UpStack) -> float:
     """Seconds a SIGSTOP must last for the router to give up the stopped worker's legs: its
     registration expires within ``ttl_s`` of the stop (the last refresh was up to ``ttl_s / 3``
     before it), then the router waits :data:`LOST_GRACE_S` for a silent leg; 2 s more cover
-    etcd's expiry sweep and a loaded router (``ttl_s + 2`` alone left under half a second)."""
+    etcd's expiry sweep and a loaded router (``ttl_s + 2`` alone left at most a second, and
+    SIGCONT sometimes came first)."""
     return stack.ttl_s + LOST_GRACE_S + 2.0
 
 
