@@ -6,6 +6,7 @@ decided from the figures. The stand-in model's tokenizer: every id decodes to te
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import textwrap
@@ -31,6 +32,22 @@ def test_a_step_that_overruns_its_limit_is_interrupted(tmp_path: Path) -> None:
     assert (out.status, out.returncode) == ("timeout", None)
     assert time.monotonic() - t0 < 15  # SIGINT ended it well before the grace ran out
     assert "started" in log.read_text() and "killed after 3 s" in out.note
+
+
+def test_a_step_is_interrupted_when_this_process_ignores_sigint(tmp_path: Path) -> None:
+    """Started in the background of a script (``... &``), the bench ignores SIGINT; its step
+    still gets SIGINT at its default, so the SIGINT ends it, not the SIGKILL 20 s later."""
+    log = tmp_path / "step.log"
+    argv = [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"]
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        t0 = time.monotonic()
+        out = proof.run_step("engine", argv, log, timeout_s=1.0)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # this process: unchanged
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert (out.status, out.returncode) == ("timeout", None)
+    assert time.monotonic() - t0 < 15
 
 
 def test_a_step_deaf_to_sigint_is_killed_with_its_children(

@@ -39,6 +39,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
@@ -166,7 +167,7 @@ def run_step(
         f.write(f"$ {' '.join(argv)}\n")
         f.flush()
         try:
-            proc = subprocess.Popen(
+            proc = _spawn(
                 argv,
                 stdout=f,
                 stderr=subprocess.STDOUT,
@@ -189,6 +190,31 @@ def run_step(
                 proc.wait()
     note = f"killed after {timeout_s:.0f} s" if status == "timeout" else ""
     return StepOutcome(step, status, rc, time.monotonic() - t0, log.name, note)
+
+
+def _spawn(argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+    """``subprocess.Popen(argv, **kwargs)`` whose child starts with SIGINT at its default even
+    when this process ignores SIGINT. A command started in the background of a script
+    (``pdserve bench gpu-proof ... &``) ignores SIGINT, and an ignored signal stays ignored
+    across exec, so the step's SIGINT would do nothing and only the SIGKILL :data:`GRACE_S`
+    later would stop it (a stack it started would not stop its workers). While the child is
+    spawned, SIGINT is caught by a no-op here instead (still no effect on this process); a
+    caught signal is reset to its default by exec. Only the main thread can change handlers:
+    elsewhere the child inherits what this process has."""
+    if (
+        signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+        or threading.current_thread() is not threading.main_thread()
+    ):
+        return subprocess.Popen(argv, **kwargs)
+    signal.signal(signal.SIGINT, _ignore_signal)
+    try:
+        return subprocess.Popen(argv, **kwargs)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _ignore_signal(signum: int, frame: object) -> None:
+    """A handler that does nothing (see :func:`_spawn`)."""
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
