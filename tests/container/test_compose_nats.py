@@ -4,7 +4,7 @@ router and workers find each other through NATS (JetStream key-value bucket) ins
 A module of its own, so the etcd stack of test_compose.py is down before this one comes up. Its
 workers run eagerly (``model.compile: false`` in a copy of the mounted config, through
 PDSERVE_CONFIG_FILE): test_compose.py checks the compiled forward in the image, and compiling
-it again here cost about a minute of this test's 110 s on 2 cores.
+it again here cost about 40 s of this test's 110 s on 2 cores (109 -> 73 s).
 """
 
 from __future__ import annotations
