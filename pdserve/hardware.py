@@ -1,11 +1,15 @@
 """What the machine computes natively, and the model dtype ``--dtype auto`` picks from it.
 
-Design origin: vLLM's ``--dtype auto`` (the checkpoint's dtype; on CUDA FP16 for FP32 and FP16
-checkpoints, BF16 for BF16 ones), with a CPU rule of our own: a half-precision checkpoint runs in
-bfloat16 where the CPU computes it natively, with AMX tiles (``amx_bf16``: Intel Sapphire Rapids
-and later) or AVX-512 BF16 (``avx512_bf16``: e.g. AMD Zen 4) and the engine's in-place paged
-attention kernel (whose bfloat16 path is as fast as its float32 one; the gather + SDPA
-fallback's bfloat16 path is several times slower than float32's); elsewhere it runs in float32.
+Design origin: vLLM's ``--dtype auto`` (on CUDA FP16 for FP32 and FP16 checkpoints, BF16 for
+BF16 ones; on CPU it narrows FP32 and FP16 checkpoints to BF16: "Downcasting torch.float32 to
+torch.bfloat16" in its log), with a CPU rule that looks at the machine: any checkpoint, float32
+included, runs in bfloat16 where the CPU computes it natively, with AMX tiles (``amx_bf16``:
+Intel Sapphire Rapids and later) or AVX-512 BF16 (``avx512_bf16``: e.g. AMD Zen 4) and the
+engine's in-place paged attention kernel (whose bfloat16 path is as fast as its float32 one; the
+gather + SDPA fallback's bfloat16 path is several times slower than float32's); elsewhere it runs
+in float32, where bfloat16 would be emulated and slower. bfloat16 keeps float32's exponent range,
+so narrowing costs precision (8 bits of mantissa), not range: tests/integration's golden test
+bounds what it changes on SmolLM2. ``--dtype float32`` keeps a float32 checkpoint as it is.
 Measured on the AMD EPYC development machine (Zen 4: ``avx512_bf16``, no AMX), ``pdserve up``
 on SmolLM2, chat 256 in / 64 out: 49.9 / 157.8 / 206.9 output tokens/s at concurrency 1 / 8 / 32
 in bfloat16 against 34.3 / 111.0 / 143.0 in float32 (docs/benchmarks.md); before the kernel, the
@@ -81,17 +85,19 @@ def choose_dtype(
     if requested != "auto":
         return DtypeChoice(requested, "set by model.dtype / --dtype")
     ckpt = checkpoint_dtype(model_path)
-    half = ckpt in ("bfloat16", "float16")
     if device.startswith("cuda"):
         if ckpt == "bfloat16" and _cuda_bf16(device):
             return DtypeChoice("bfloat16", "the checkpoint's bfloat16, native on this GPU")
         return DtypeChoice("float16", f"checkpoint {ckpt or 'dtype unknown'}: float16 on CUDA")
-    if not half:
-        return DtypeChoice("float32", f"the checkpoint's {ckpt or 'float32 (none declared)'}")
+    declared = ckpt or "float32 (none declared)"
     flags = cpu_flags() if flags is None else flags
     if cpu_half_dtype(flags, in_place=in_place) == "bfloat16":
         unit = "AMX (amx_bf16)" if "amx_bf16" in flags else "AVX-512 BF16 (avx512_bf16)"
-        return DtypeChoice("bfloat16", f"checkpoint {ckpt}; this CPU has {unit}")
+        narrowed = "" if ckpt == "bfloat16" else ", narrowed as vLLM does (--dtype float32: not)"
+        return DtypeChoice("bfloat16", f"checkpoint {declared}{narrowed}; this CPU has {unit}")
+    if ckpt not in ("bfloat16", "float16"):
+        why = "no AMX or AVX-512 BF16" if in_place else "no in-place attention kernel"
+        return DtypeChoice("float32", f"the checkpoint's {declared}; {why} here for bfloat16")
     why = "no AMX or AVX-512 BF16" if in_place else "no in-place attention kernel"
     return DtypeChoice(
         "float32",
@@ -101,8 +107,8 @@ def choose_dtype(
 
 
 def cpu_half_dtype(flags: frozenset[str], *, in_place: bool = True) -> str:
-    """What a half-precision checkpoint runs in on a CPU with ``flags``: ``bfloat16`` with AMX
-    (``amx_bf16``), or with AVX-512 BF16 (``avx512_bf16``) when the in-place attention kernel
+    """What ``--dtype auto`` runs any checkpoint in on a CPU with ``flags``: ``bfloat16`` with
+    AMX (``amx_bf16``), or with AVX-512 BF16 (``avx512_bf16``) when the in-place attention kernel
     serves (``in_place``); else ``float32``."""
     if "amx_bf16" in flags or ("avx512_bf16" in flags and in_place):
         return "bfloat16"

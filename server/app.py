@@ -60,6 +60,7 @@ from pdserve.security import APIKeys, ClusterKey
 from pdserve.server.chat.batch import BatchTransaction, Started
 from pdserve.server.chat.grammar_checker import GrammarChecker, checked
 from pdserve.server.chat.preprocess import Prepared, Preprocessor, context_window, load_tokenizer
+from pdserve.server.chat.sampling_defaults import SamplingDefaults
 from pdserve.server.chat.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -268,6 +269,8 @@ async def _start(
         c = view.candidates()
         return {"prefill": len(c.prefill), "decode": len(c.decode), "colocated": len(c.colocated)}
 
+    sampling_defaults = SamplingDefaults.from_model(cfg.model_path, cfg.model.generation_config)
+    log.info("%s", sampling_defaults.describe())
     kv_index = follow_kv_events(watcher)
     metrics = RouterMetrics(usable_workers, kv_index.stats if kv_index is not None else None)
     view = WorkerView(
@@ -286,6 +289,7 @@ async def _start(
             max_messages=cfg.router.max_messages,
             tool_call_parser=cfg.router.tool_call_parser,
             special_tokens_in_content=cfg.router.special_tokens_in_content,
+            sampling_defaults=sampling_defaults,
         ),
         tokenizer_pool=tokenizer_pool,
         grammars=grammars,

@@ -58,10 +58,20 @@ class ModelSettings(_Section):
     )
     dtype: Annotated[ModelDtype, Flag("--dtype", SERVING)] = Field(
         default="auto",
-        description="weights and activations; auto: the checkpoint's dtype where the device "
-        "computes it natively (bfloat16 on CPUs with AMX or AVX-512 BF16, on GPUs with bf16), "
-        "float16 for other checkpoints on CUDA, else float32; the choice and its reason are "
-        "logged",
+        description="weights and activations; auto: on CPU bfloat16 where it computes it "
+        "natively (AMX or AVX-512 BF16), float32 checkpoints included (as vLLM), else float32; "
+        "on CUDA the checkpoint's bfloat16 where the GPU has it, else float16; the choice and "
+        "its reason are logged (pdserve doctor shows it)",
+    )
+    generation_config: Annotated[Literal["auto", "none"], Flag("--generation-config", EVERY)] = (
+        Field(
+            default="auto",
+            description="auto: the sampling defaults of the model folder's "
+            "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty) "
+            "apply to requests that leave them out, as vLLM's --generation-config auto (the "
+            "default model's: temperature 0.2, top_p 0.9, from its model card); none: "
+            "OpenAI's (temperature 1, top_p 1). The router logs the defaults in force",
+        )
     )
     device: Annotated[str, Flag("--device", SERVING)] = Field(
         default="cpu", description="'cpu', 'cuda' or 'cuda:N'"

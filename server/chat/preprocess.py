@@ -49,6 +49,7 @@ from pdserve.errors import (
 )
 from pdserve.protocol import MAX_CHOICES, SamplingParams
 from pdserve.server.chat.content_guard import ContentGuard
+from pdserve.server.chat.sampling_defaults import OPENAI_DEFAULTS, SamplingDefaults
 from pdserve.server.chat.sampling_fields import (
     check_unsupported,
     requested_choices,
@@ -141,8 +142,10 @@ class Preprocessor:
         max_messages: int = 2048,
         tool_call_parser: str = "hermes",
         special_tokens_in_content: bool = True,
+        sampling_defaults: SamplingDefaults = OPENAI_DEFAULTS,
     ) -> None:
         self.tokenizer = tokenizer
+        self.sampling_defaults = sampling_defaults
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
         if not 1 <= max_n <= MAX_CHOICES:
@@ -184,6 +187,7 @@ class Preprocessor:
             logprobs=bool(req.logprobs),
             top_logprobs=req.top_logprobs or 0,
             tools=plan,
+            defaults=self.sampling_defaults,
         )
         return Prepared(ids, sampling, plan, structured_param=param)
 
@@ -340,6 +344,7 @@ class Preprocessor:
                 self.vocab_size,
                 logprobs=req.logprobs is not None,
                 top_logprobs=req.logprobs or 0,
+                defaults=self.sampling_defaults,
             )
             if req.prompt_logprobs is not None or (req.echo and req.logprobs is not None):
                 top = max(req.prompt_logprobs or 0, (req.logprobs or 0) if req.echo else 0)

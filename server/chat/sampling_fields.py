@@ -22,6 +22,7 @@ from typing import Any
 from pdserve.errors import InvalidRequestError, UnsupportedFieldError
 from pdserve.grammar import JSON_OBJECT_SCHEMA, check_size
 from pdserve.protocol import SamplingParams, StructuredOutput
+from pdserve.server.chat.sampling_defaults import OPENAI_DEFAULTS, SamplingDefaults
 from pdserve.server.chat.schemas import (
     EXTENSION_DEFAULTS,
     ChatCompletionRequest,
@@ -82,9 +83,11 @@ def sampling_params(
     logprobs: bool,
     top_logprobs: int,
     tools: ToolPlan | None = None,
+    defaults: SamplingDefaults = OPENAI_DEFAULTS,
 ) -> tuple[SamplingParams, str | None]:
-    """The worker-side settings of ``req`` and the field its structured output came from (None
-    without one); raises InvalidRequestError for a ``logit_bias`` or ``stop_token_ids`` id
+    """The worker-side settings of ``req`` (a field it leaves out takes ``defaults``': the
+    model's, :mod:`pdserve.server.chat.sampling_defaults`) and the field its structured output
+    came from (None without one); raises InvalidRequestError for a ``logit_bias`` or ``stop_token_ids`` id
     outside ``[0, vocab_size)``, for ``min_tokens > max_tokens``, for a structured output
     beside a ``tool_choice`` that constrains the output too, and for one past the size caps."""
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
@@ -117,10 +120,10 @@ def sampling_params(
     sampling = SamplingParams(
         n=requested_choices(req),
         max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=max(req.top_k or 0, 0),
-        min_p=req.min_p or 0.0,
+        temperature=defaults.temperature if req.temperature is None else req.temperature,
+        top_p=defaults.top_p if req.top_p is None else req.top_p,
+        top_k=defaults.top_k if req.top_k is None else max(req.top_k, 0),
+        min_p=defaults.min_p if req.min_p is None else req.min_p,
         seed=req.seed,
         stop=tuple(s for s in stop if s),
         stop_token_ids=stop_ids,
@@ -128,7 +131,11 @@ def sampling_params(
         min_tokens=min_tokens,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        repetition_penalty=(
+            defaults.repetition_penalty
+            if req.repetition_penalty is None
+            else req.repetition_penalty
+        ),
         logit_bias=bias,
         structured=structured,
         logprobs=logprobs,

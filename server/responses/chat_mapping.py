@@ -30,6 +30,7 @@ from pydantic import ValidationError
 
 from pdserve.errors import InvalidRequestError, PdserveError, UnsupportedFieldError
 from pdserve.http.error_responses import validation_error
+from pdserve.server.chat.sampling_defaults import OPENAI_DEFAULTS, SamplingDefaults
 from pdserve.server.chat.schemas import ChatCompletionRequest
 from pdserve.server.responses.schemas import (
     INPUT_ITEM_TYPES,
@@ -240,16 +241,19 @@ def public_error(exc: PdserveError, origins: Origins) -> PdserveError:
     return exc
 
 
-def echo_fields(req: ResponsesRequest) -> dict[str, Any]:
+def echo_fields(
+    req: ResponsesRequest, defaults: SamplingDefaults = OPENAI_DEFAULTS
+) -> dict[str, Any]:
     """The request's settings a response object repeats (the effective values: temperature
-    and top_p default to 1, tool_choice to auto, parallel_tool_calls to true)."""
+    and top_p default to the model's ``defaults``, tool_choice to auto, parallel_tool_calls to
+    true)."""
     fmt = req.text.format if req.text is not None else None
     choice = req.tool_choice or "auto"
     return {
         "instructions": req.instructions,
         "max_output_tokens": req.max_output_tokens,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "temperature": defaults.temperature if req.temperature is None else req.temperature,
+        "top_p": defaults.top_p if req.top_p is None else req.top_p,
         "tools": [t.model_dump(mode="json", by_alias=True) for t in req.tools or ()],
         "tool_choice": choice if isinstance(choice, str) else choice.model_dump(mode="json"),
         "parallel_tool_calls": req.parallel_tool_calls is not False,

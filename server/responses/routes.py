@@ -400,7 +400,9 @@ def add_responses_routes(app: FastAPI, *, secured: bool, collect: Collect) -> No
             model=st.cfg.served_model_name,
             prompt_tokens=len(prepared.prompt_token_ids),
         )
-        fmt = ResponsesRenderer(info, st.tokens, prepared.tools, echo_fields(body))
+        fmt = ResponsesRenderer(
+            info, st.tokens, prepared.tools, echo_fields(body, st.preprocessor.sampling_defaults)
+        )
         rid = info.response_id
         log.debug(
             "req %s: %d prompt tokens, %s, stream=%s",

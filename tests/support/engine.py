@@ -3,6 +3,7 @@ prefill -> decode split with a byte-level block copy as the transfer path would 
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,8 +20,10 @@ _SECTIONS = {"model": ModelSettings, "kv_cache": KVCacheSettings, "scheduler": S
 
 def engine_config(model_dir: Path, *, kv_dtype: str | None = None, **flat: object) -> EngineConfig:
     """An EngineConfig from flat setting names (``num_blocks=64, max_num_seqs=8``): each goes
-    to the one section that declares it; ``dtype`` is the model's, ``kv_dtype`` the KV pool's.
-    Raises KeyError for a name no engine section declares."""
+    to the one section that declares it; ``dtype`` is the model's (default: the tests' dtype,
+    ``$PDSERVE_MODEL__DTYPE``: see tests/conftest.py), ``kv_dtype`` the KV pool's. Raises
+    KeyError for a name no engine section declares."""
+    flat = {"dtype": os.environ.get("PDSERVE_MODEL__DTYPE", "auto"), **flat}
     parts: dict[str, dict[str, object]] = {name: {} for name in _SECTIONS}
     for key, value in flat.items():
         owners = [n for n, m in _SECTIONS.items() if key in m.model_fields]

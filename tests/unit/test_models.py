@@ -27,13 +27,31 @@ def test_prepared_folder_is_reused_without_converting_again(
 ) -> None:
     target = tmp_path / DEFAULT_MODEL
     target.mkdir()
-    (target / models.MARKER).write_text("{}")
+    (target / models.MARKER).write_text(json.dumps({"format": models._FORMAT_VERSION}))
 
     def no_conversion(*args: object) -> None:
         raise AssertionError("converted again")
 
     monkeypatch.setattr(models, "_convert_gguf", no_conversion)
     assert models.prepare_default_model(tmp_path) == target
+
+
+def test_a_folder_of_an_older_format_is_converted_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cache from before the bfloat16 + sampling-defaults format (1) is replaced."""
+    target = tmp_path / DEFAULT_MODEL
+    target.mkdir()
+    (target / models.MARKER).write_text(json.dumps({"format": 1}))
+
+    def convert(gguf: Path, out: Path) -> None:
+        (out / models.MARKER).write_text(json.dumps({"format": models._FORMAT_VERSION}))
+
+    monkeypatch.setattr(models, "_gguf_path", lambda: tmp_path / "fake.gguf")
+    monkeypatch.setattr(models, "_convert_gguf", convert)
+    assert models.prepare_default_model(tmp_path) == target
+    marker = json.loads((target / models.MARKER).read_text())
+    assert marker["format"] == models._FORMAT_VERSION
 
 
 def test_failed_conversion_leaves_no_partial_model_behind(

@@ -240,7 +240,8 @@ def check_cpus(facts: Facts) -> list[Finding]:
 
 def check_cpu_features(flags: frozenset[str] | None = None) -> list[Finding]:
     """The CPU's model and the features pdserve's CPU paths use (:mod:`pdserve.hardware`), and
-    what ``--dtype auto`` picks for a bfloat16 checkpoint here."""
+    what ``--dtype auto`` picks for a checkpoint here (:func:`pdserve.hardware.cpu_half_dtype`:
+    the same for bfloat16 and float32 checkpoints)."""
     from pdserve.hardware import CPU_FEATURES, cpu_flags, cpu_half_dtype, cpu_model
 
     flags = cpu_flags() if flags is None else flags
@@ -250,7 +251,7 @@ def check_cpu_features(flags: frozenset[str] | None = None) -> list[Finding]:
     detail = f"{cpu_model()}: {' '.join(have) or 'none of ' + ' '.join(CPU_FEATURES)}"
     if missing:
         detail += f" (no {' '.join(missing)})"
-    detail += f"; --dtype auto runs a bfloat16 checkpoint in {bf16} here"
+    detail += f"; --dtype auto runs a checkpoint (float32 or bfloat16) in {bf16} here"
     if bf16 == "bfloat16" and "amx_bf16" not in flags:
         detail += " (float32 where the paged attention kernel cannot be built)"
     return [Finding(Level.OK, "cpu features", detail)]
