@@ -32,8 +32,12 @@ TEST_DTYPE = os.environ.setdefault("PDSERVE_MODEL__DTYPE", "float32")
 as subprocesses inherit it; in-process engines take it from ``tests.support.engine``). The tests
 compare against transformers in float32 token for token, and ``--dtype auto`` narrows to
 bfloat16 on CPUs with AMX or AVX-512 BF16 (CI's among them), where greedy decoding may part at a
-near-tie. The tests of the default dtype remove it (:func:`tests.support.models.product_env`);
-``PDSERVE_MODEL__DTYPE=auto pytest`` runs the whole suite on the product's default."""
+near-tie. ``PDSERVE_MODEL__DTYPE=auto pytest`` runs the suite on the product's default."""
+os.environ.setdefault("PDSERVE_MODEL__GENERATION_CONFIG", "none")
+"""Likewise the sampling defaults of stacks the tests start: OpenAI's, not the model folder's
+(SmolLM2's repetition_penalty 1.1 would apply to the tests' greedy requests, which compare
+against transformers' plain greedy). tests/e2e/test_up_smollm2.py runs README's main job on the
+product's defaults: it drops both variables."""
 
 pytest_plugins = [
     "tests.support.models",

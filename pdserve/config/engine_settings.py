@@ -69,7 +69,8 @@ class ModelSettings(_Section):
             description="auto: the sampling defaults of the model folder's "
             "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty) "
             "apply to requests that leave them out, as vLLM's --generation-config auto (the "
-            "default model's: temperature 0.2, top_p 0.9, from its model card); none: "
+            "default model's: temperature 0.2 and top_p 0.9 from its model card, "
+            "repetition_penalty 1.1 against its loops); none: "
             "OpenAI's (temperature 1, top_p 1). The router logs the defaults in force",
         )
     )

@@ -7,6 +7,8 @@ runs (prompt token ids + ``SamplingParams``).
   chat template, tokenization, limits, sampling fields
 - ``sampling_fields``: a request's sampling fields, the unsupported ones refused, the rest
   (with its output constraint) mapped into ``SamplingParams``
+- ``sampling_defaults``: the model's sampling defaults (``generation_config.json``) for the
+  fields a request leaves out
 - ``tokenizer_pool``: chat templating and tokenization off the event loop
 - ``content_guard``: special-token text in chat content kept as plain text
 - ``json_values``: client text and free-form JSON checked (no lone surrogate, bounded depth)

@@ -15,6 +15,7 @@ import openai
 import pytest
 import yaml
 
+from tests.container.test_compose import QUESTION
 from tests.support.podman_stack import MODEL, ComposeStack
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "1p1d-etcd.yaml"
@@ -45,7 +46,7 @@ def test_nats_profile_serves_through_nats_discovery(
         )
         reply = client.chat.completions.create(
             model=MODEL,
-            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            messages=QUESTION,
             temperature=0,
             max_tokens=32,
         )

@@ -131,7 +131,9 @@ def _no_errors(outs: list[EngineOutput], leg: str) -> None:
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:  # noqa: ANN001
-    """transformers' own greedy generate(); stops at the model's EOS like the engine."""
+    """transformers' own greedy generate(); stops at the model's EOS like the engine. Plain
+    greedy: a repetition penalty in the model's generation_config.json (the default model's
+    1.1) is turned off, as the engine's greedy requests send none."""
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         out = model.generate(
@@ -139,6 +141,7 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:  # no
             attention_mask=torch.ones_like(ids),
             max_new_tokens=max_new_tokens,
             do_sample=False,
+            repetition_penalty=1.0,
         )
     return out[0, len(prompt) :].tolist()
 
@@ -193,3 +196,28 @@ def check_batched_equals_solo(
         assert got == want, f"case {i} (prompt {len(cases[i][0])} tokens)"
     assert graphed.kv_cache.get_num_free_blocks() == graphed.kv_cache.num_blocks
     return batched
+
+
+BF16_LOGIT_STEP = 0.125
+"""bfloat16's spacing for logits in [16, 32), SmolLM2's range for its top tokens: bfloat16 keeps
+8 significant bits, so two logits that float32 tells apart by less than this may round to the
+same value or swap."""
+
+
+def check_within_bf16_resolution(
+    hf: torch.nn.Module, prompt: list[int], got: list[int], logprobs: list[float], what: str
+) -> None:
+    """Assert that a greedy answer ``got`` (token ids, with the server's ``logprobs`` of them)
+    is what transformers' bfloat16 model ``hf`` would choose, up to bfloat16's resolution:
+    teacher-forced along ``prompt + got``, each token within 2 :data:`BF16_LOGIT_STEP` of the
+    top logprob, and its logprob within 4 steps of transformers'. Why not token for token: see
+    tests/integration/test_engine_fidelity.py's bfloat16 test. ``what`` names the case."""
+    assert len(logprobs) == len(got) > 0, what
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + got])).logits[0, len(prompt) - 1 : -1]
+    ref = torch.log_softmax(logits.float(), dim=-1)
+    chosen = ref[torch.arange(len(got)), torch.tensor(got)]
+    gap = ref.max(dim=-1).values - chosen
+    assert float(gap.max()) <= 2 * BF16_LOGIT_STEP, (what, gap.tolist())
+    delta = (chosen - torch.tensor(logprobs, dtype=torch.float32)).abs()
+    assert float(delta.max()) <= 4 * BF16_LOGIT_STEP, (what, delta.tolist())

@@ -102,8 +102,9 @@ async def test_a_responses_object_echoes_the_effective_defaults(tmp_path: Path) 
 
 
 def test_the_default_model_ships_its_model_cards_sampling(smollm2_dir: Path) -> None:
-    """The converted SmolLM2 carries the model card's temperature 0.2 / top_p 0.9 and declares
-    the upstream checkpoint's bfloat16."""
+    """The converted SmolLM2 carries the model card's temperature 0.2 / top_p 0.9 (and
+    repetition_penalty 1.1: pdserve.models.SMOLLM2_SAMPLING says why) and declares the upstream
+    checkpoint's bfloat16."""
     got = SamplingDefaults.from_model(smollm2_dir)
-    assert (got.temperature, got.top_p) == (0.2, 0.9)
+    assert (got.temperature, got.top_p, got.repetition_penalty) == (0.2, 0.9, 1.1)
     assert json.loads((smollm2_dir / "config.json").read_text())["dtype"] == "bfloat16"
