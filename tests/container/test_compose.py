@@ -19,14 +19,11 @@ import httpx
 import openai
 import pytest
 
-from tests.support.podman_stack import MODEL, ComposeStack
+from tests.support.podman_stack import MODEL, QUESTION, ComposeStack
 from tests.support.servers import wait_until_sync
 
 pytestmark = pytest.mark.timeout(1800)
 
-QUESTION = [{"role": "user", "content": "Which city is the capital of France?"}]
-"""Asked this way, not as README asks: README's wording meets a first-token tie in bfloat16 (the
-image runs --dtype auto; tests/integration/test_engine_fidelity.py)."""
 MAX_IMAGE_BYTES = 3.5e9  # CPU image: ~3.0 GB (g++ included); a CUDA torch makes it 6+ GB
 
 

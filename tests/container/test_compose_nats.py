@@ -15,8 +15,7 @@ import openai
 import pytest
 import yaml
 
-from tests.container.test_compose import QUESTION
-from tests.support.podman_stack import MODEL, ComposeStack
+from tests.support.podman_stack import MODEL, QUESTION, ComposeStack
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "1p1d-etcd.yaml"
 

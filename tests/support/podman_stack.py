@@ -46,6 +46,9 @@ BASE_IMAGE = "docker.io/library/debian:bookworm-slim"
 PDSERVE_IMAGE = "localhost/pdserve:test"
 SETUP_HINT = "run tests/container/setup_podman.sh as root; CI does, in .ci/run"
 MODEL = "SmolLM2-135M-Instruct"
+QUESTION = [{"role": "user", "content": "Which city is the capital of France?"}]
+"""What the image tests ask, greedily. Not as README asks: README's wording meets a first-token
+tie in bfloat16 (the image runs --dtype auto; tests/integration/test_engine_fidelity.py)."""
 
 
 def podman_compose_cmd() -> list[str] | None:
