@@ -493,6 +493,7 @@ COMMANDS: tuple[BenchCommand, ...] = (
         _speculative_arguments,
         _run_speculative,
     ),
+    _module("engine.bench_decode_floor", "none"),
     _module("planning.bench_profile"),
     _module("planning.bench_plan_check"),
     _module("planning.bench_autoscale"),

@@ -31,6 +31,7 @@ HELP = {
     "formatter": ("--tokens", "--backends", "--threads", "staging"),
     "paged-attention": ("--dtypes", "--threads", "SDPA"),
     "speculative": ("--speculative-tokens", "--workloads", "TPOT", "acceptance"),
+    "decode-floor": ("--dtypes", "--batches", "--threads", "--profile", "read bandwidth"),
     "profile": (
         "--threads",
         "--prefill-tokens",
@@ -53,8 +54,8 @@ HELP = {
 def test_every_benchmark_is_a_subcommand() -> None:
     assert [c.name for c in COMMANDS] == [
         "serve", "transfer", "multiturn", "kv-restart", "handoff", "compile", "formatter",
-        "structured", "kv-dtype", "router", "paged-attention", "speculative", "profile",
-        "plan-check", "autoscale", "gpu", "gpu-proof",
+        "structured", "kv-dtype", "router", "paged-attention", "speculative", "decode-floor",
+        "profile", "plan-check", "autoscale", "gpu", "gpu-proof",
     ]  # fmt: skip
     assert {c.settings for c in COMMANDS} == {"none", "config", "flags"}
     assert BY_NAME["serve"].settings == "flags" and BY_NAME["multiturn"].settings == "config"
