@@ -149,7 +149,8 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     config.dtype = torch_dtype
     config.save_pretrained(out)
     generation = model.generation_config
-    generation.update(**SMOLLM2_SAMPLING)
+    for key, value in SMOLLM2_SAMPLING.items():
+        setattr(generation, key, value)
     generation.save_pretrained(out)
     tok.save_pretrained(out)
     _check_tokenizer(out, expect_eos=tok.eos_token, expect_template=tok.chat_template)
