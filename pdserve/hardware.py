@@ -95,10 +95,9 @@ def choose_dtype(
         unit = "AMX (amx_bf16)" if "amx_bf16" in flags else "AVX-512 BF16 (avx512_bf16)"
         narrowed = "" if ckpt == "bfloat16" else ", narrowed as vLLM does (--dtype float32: not)"
         return DtypeChoice("bfloat16", f"checkpoint {declared}{narrowed}; this CPU has {unit}")
-    if ckpt not in ("bfloat16", "float16"):
-        why = "no AMX or AVX-512 BF16" if in_place else "no in-place attention kernel"
-        return DtypeChoice("float32", f"the checkpoint's {declared}; {why} here for bfloat16")
     why = "no AMX or AVX-512 BF16" if in_place else "no in-place attention kernel"
+    if ckpt not in ("bfloat16", "float16"):
+        return DtypeChoice("float32", f"the checkpoint's {declared}; {why} here for bfloat16")
     return DtypeChoice(
         "float32",
         f"checkpoint {ckpt}, but {why} here: bfloat16 would decode slower than float32 (set "

@@ -85,11 +85,12 @@ def sampling_params(
     tools: ToolPlan | None = None,
     defaults: SamplingDefaults = OPENAI_DEFAULTS,
 ) -> tuple[SamplingParams, str | None]:
-    """The worker-side settings of ``req`` (a field it leaves out takes ``defaults``': the
-    model's, :mod:`pdserve.server.chat.sampling_defaults`) and the field its structured output
-    came from (None without one); raises InvalidRequestError for a ``logit_bias`` or ``stop_token_ids`` id
-    outside ``[0, vocab_size)``, for ``min_tokens > max_tokens``, for a structured output
-    beside a ``tool_choice`` that constrains the output too, and for one past the size caps."""
+    """The worker-side settings of ``req`` (a sampling field it leaves out takes its value in
+    ``defaults``, the model's: :mod:`pdserve.server.chat.sampling_defaults`) and the field its
+    structured output came from (None without one); raises InvalidRequestError for a
+    ``logit_bias`` or ``stop_token_ids`` id outside ``[0, vocab_size)``, for ``min_tokens >
+    max_tokens``, for a structured output beside a ``tool_choice`` that constrains the output
+    too, and for one past the size caps."""
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     bias = tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items())
     stop_ids = tuple(req.stop_token_ids or ())
