@@ -3,8 +3,8 @@
 
 Design origin: vLLM's ``--generation-config auto``, which reads the model folder's
 ``generation_config.json`` and uses the sampling fields its authors set there as the defaults of
-every request (its log: "Default sampling parameters have been overridden by the model's Hugging
-Face generation config recommended from the model creator"). Only the fields the file sets
+every request (vLLM 0.32's log: "Default vLLM sampling parameters have been overridden by the
+model's `generation_config.json`"). Only the fields the file sets
 count; ``do_sample`` and ``max_new_tokens`` are not applied (as vLLM, the former; the
 latter would cap a chat reply below the context window the OpenAI API promises). With
 ``model.generation_config: none``, or a folder without the file, OpenAI's defaults hold:
@@ -14,14 +14,11 @@ temperature 1, top_p 1, no top_k, no min_p, no repetition penalty.
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pdserve.errors import ConfigError
 from pdserve.protocol import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
-
-log = logging.getLogger(__name__)
 
 FILE = "generation_config.json"
 
