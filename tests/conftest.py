@@ -28,8 +28,10 @@ from pathlib import Path
 import pytest
 
 TEST_DTYPE = os.environ.setdefault("PDSERVE_MODEL__DTYPE", "float32")
-"""The model dtype of every process the tests start (an environment variable, so stacks started
-as subprocesses inherit it; in-process engines take it from ``tests.support.engine``). The tests
+"""The model dtype of every process the tests start (an environment variable, so processes
+started as subprocesses read it; the stacks of ``tests.support.stack`` write it into their
+config file, since the product's stack hands its children no ``PDSERVE_*`` setting; in-process
+engines take it from ``tests.support.engine``). The tests
 compare against transformers in float32 token for token, and ``--dtype auto`` narrows to
 bfloat16 on CPUs with AMX or AVX-512 BF16 (CI's among them), where greedy decoding may part at a
 near-tie. ``PDSERVE_MODEL__DTYPE=auto pytest`` runs the suite on the product's default."""
