@@ -1,5 +1,5 @@
 """Stand-in models with random weights for the engine benchmarks (``pdserve bench gpu``), where
-the converted SmolLM2 folder (about 520 MB of float32 weights) cannot be carried and no model
+the converted SmolLM2 folder (about 270 MB of bfloat16 weights) cannot be carried and no model
 hub can be reached.
 
 - :func:`build_random_llama`: a ``LlamaForCausalLM`` with random weights (default: tiny, 2 layers,
