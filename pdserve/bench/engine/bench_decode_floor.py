@@ -18,10 +18,11 @@ floor ms, step / floor, and tokens per second.
 from __future__ import annotations
 
 import argparse
-import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from pdserve.bench.engine.bench_kv_dtype import run_together
 
 if TYPE_CHECKING:
     from pdserve.workers.engine.engine import Engine, EngineRequest
@@ -145,12 +146,12 @@ def _requests(engine: Engine, batch: int, tokens: int, tag: str) -> list[EngineR
 def _step_seconds(engine: Engine, batch: int, tokens: int) -> float:
     """Seconds per decode step of ``batch`` sequences: (long run - short run) / extra steps."""
     short = 8
-    _run(engine, _requests(engine, batch, short, "warm"))
+    run_together(engine, _requests(engine, batch, short, "warm"))
     started = time.perf_counter()
-    _run(engine, _requests(engine, batch, short, f"s{batch}"))
+    run_together(engine, _requests(engine, batch, short, f"s{batch}"))
     short_s = time.perf_counter() - started
     started = time.perf_counter()
-    _run(engine, _requests(engine, batch, short + tokens, f"l{batch}"))
+    run_together(engine, _requests(engine, batch, short + tokens, f"l{batch}"))
     return (time.perf_counter() - started - short_s) / tokens
 
 
@@ -162,24 +163,6 @@ def _profile(engine: Engine, batch: int, dtype: str, top: int = 12) -> None:
 
     every_thread = _ExperimentalConfig(profile_all_threads=True)  # the steps run on the engine's
     with profile(activities=[ProfilerActivity.CPU], experimental_config=every_thread) as prof:
-        _run(engine, _requests(engine, batch, 24, f"p{batch}"))
+        run_together(engine, _requests(engine, batch, 24, f"p{batch}"))
     print(f"-- {dtype}, batch {batch}: top operators by self CPU time (24 steps + prefill)")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top), flush=True)
-
-
-def _run(engine: Engine, reqs: list[EngineRequest]) -> None:
-    """Submit ``reqs`` together and wait until every one finished (600 s at most)."""
-    done, lock, left = threading.Event(), threading.Lock(), [len(reqs)]
-
-    def sink(out: Any) -> None:
-        if out.finish_reason is None:
-            return
-        with lock:
-            left[0] -= 1
-            if not left[0]:
-                done.set()
-
-    for r in reqs:
-        engine.add_request(r, sink)
-    if not done.wait(600):
-        raise TimeoutError("the benchmark's requests did not finish within 600 s")

@@ -87,14 +87,16 @@ def main(args: argparse.Namespace) -> int:
             prompts = [_chat(engine, q) for q in PROMPTS]
             greedy = SamplingParams(max_tokens=32, temperature=0.0)
             answers[weights, dtype] = [
-                _tokens(_run(engine, [EngineRequest(f"a{i}", p, greedy)])[0])
+                _tokens(run_together(engine, [EngineRequest(f"a{i}", p, greedy)])[0])
                 for i, p in enumerate(prompts)
             ]
             ppl = _perplexity(engine)
             long = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
-            _run(engine, [EngineRequest(f"w{i}", prompts[i % 4], long) for i in range(2)])
+            run_together(engine, [EngineRequest(f"w{i}", prompts[i % 4], long) for i in range(2)])
             started = time.perf_counter()
-            _run(engine, [EngineRequest(f"b{i}", prompts[i % 4], long) for i in range(args.batch)])
+            run_together(
+                engine, [EngineRequest(f"b{i}", prompts[i % 4], long) for i in range(args.batch)]
+            )
             step_ms = (time.perf_counter() - started) / args.tokens * 1e3
         finally:
             engine.shutdown()
@@ -116,8 +118,9 @@ def _chat(engine: Engine, question: str) -> list[int]:
     return list(tok(str(text), add_special_tokens=False)["input_ids"])
 
 
-def _run(engine: Engine, reqs: list[EngineRequest]) -> list[list[EngineOutput]]:
-    """Submit ``reqs`` together; each one's outputs once every request finished."""
+def run_together(engine: Engine, reqs: list[EngineRequest]) -> list[list[EngineOutput]]:
+    """Submit ``reqs`` together; each one's outputs once every request finished (600 s at
+    most, else TimeoutError). Shared by the in-process engine benchmarks."""
     outs: dict[str, list[EngineOutput]] = {r.request_id: [] for r in reqs}
     done, lock, left = threading.Event(), threading.Lock(), [len(reqs)]
 
@@ -143,7 +146,7 @@ def _perplexity(engine: Engine) -> float:
 
     ids = list(engine.tokenizer(TEXT, add_special_tokens=False)["input_ids"])
     sampling = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    (first, *_) = _run(engine, [EngineRequest("ppl", ids, sampling)])[0]
+    (first, *_) = run_together(engine, [EngineRequest("ppl", ids, sampling)])[0]
     lps = [lp.logprob for lp in first.prompt_logprobs or () if lp is not None]
     return math.exp(-sum(lps) / len(lps)) if lps else math.nan
 
