@@ -114,3 +114,53 @@ def test_top_logprobs_lists_the_requested_number_with_the_greedy_token_first() -
     assert first is not None and len(first.top) == 3
     assert first.top[0][0] == result.token_ids[0]
     assert result.logprobs[1] is None
+
+
+def reference_cutoff(x: torch.Tensor, p: SamplingParams) -> float:
+    """min-p, top-k, top-p by sorting the whole row (the sampler's semantics, slowly)."""
+    x = x.double()
+    cut = float("-inf")
+    if p.min_p > 0:
+        cut = max(cut, x.max().item() + math.log(p.min_p))
+    if 0 < p.top_k < x.numel():
+        cut = max(cut, x.topk(p.top_k).values[-1].item())
+    if p.top_p < 1.0:
+        vals = x[x >= cut].sort(descending=True).values
+        probs = vals.softmax(dim=0)
+        before = probs.cumsum(dim=0) - probs
+        n = max(1, int((before < p.top_p).sum()))
+        cut = max(cut, vals[n - 1].item())
+    return cut
+
+
+def test_cutoffs_equal_a_whole_row_sort_at_every_nucleus_width() -> None:
+    """Narrow nuclei end inside the first 64 candidates; flat rows widen the search to 1024,
+    16384 and the whole vocabulary. Each row's cut-off is the sorted reference's, alone or in
+    any batch."""
+    vocab = 20000
+    gen = torch.Generator().manual_seed(7)
+    scales = [40.0, 8.0, 2.0, 0.5, 0.05, 0.0]  # from a few candidates to a flat row
+    x = torch.cat([torch.randn(1, vocab, generator=gen) * s for s in scales])
+    settings = [
+        SamplingParams(top_p=0.9),
+        SamplingParams(top_p=0.999),
+        SamplingParams(top_p=0.5, top_k=3000),
+        SamplingParams(top_p=0.95, min_p=0.01),
+        SamplingParams(top_k=50),
+        SamplingParams(min_p=0.2),
+    ]
+    for p in settings:
+        batched = Sampler._cutoffs(x, [p] * len(scales)).tolist()
+        for row in range(len(scales)):
+            alone = Sampler._cutoffs(x[row : row + 1], [p]).item()
+            expected = reference_cutoff(x[row], p)
+            assert alone == batched[row]
+            assert math.isclose(alone, expected, rel_tol=1e-6, abs_tol=1e-6), (p, row)
+
+
+def test_tokens_tied_with_the_nucleus_last_logit_are_all_candidates() -> None:
+    logits = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0] + [-9.0] * (VOCAB - 5)])
+    cut = Sampler._cutoffs(logits, [SamplingParams(top_p=0.8)]).item()
+    assert cut == 1.0  # the nucleus ends inside the tie; all three tied tokens stay
+    draws = Sampler().sample(logits.repeat(600, 1), [SamplingParams(top_p=0.8)] * 600, [0] * 600)
+    assert set(draws.token_ids) == {0, 1, 2, 3}

@@ -14,8 +14,19 @@ steps. A prefill worker sampling position 0 and a decode worker sampling positio
 produce the same tokens as one engine doing both, and batching never changes a request's draws.
 
 Sampling uses the exponential-race form (as vLLM's sampler): ``argmax(probs / q)`` with
-``q ~ Exp(1)`` i.i.d. per vocabulary entry picks token ``t`` with probability ``probs[t]``
-exactly, and needs one noise tensor per row rather than a CDF search.
+``q ~ Exp(1)`` i.i.d. per candidate token picks token ``t`` with probability ``probs[t]``
+exactly, and needs one noise draw per candidate rather than a CDF search.
+
+Min-p, top-k and top-p each keep the tokens whose (tempered) logit is at least a per-row cut-off
+(:meth:`Sampler._cutoffs`), so a row's candidates are ``x >= cut`` and the race runs over those
+only, in token-id order. A row's nucleus is found from its ``topk`` values, widened 64, 1024,
+16384 then the whole vocabulary until the nucleus ends inside them, never by sorting the whole
+vocabulary: at the chat defaults (temperature 0.2, top-p 0.9) the nucleus is a few tokens, and
+a batch of 32 rows samples in a few milliseconds where a full sort took 100 (SmolLM2's 49,152
+tokens, Intel Xeon, 1 thread). Tokens tied with the nucleus' last logit are all kept, so the
+candidates depend on the logit values alone, not on a sort's order among ties; rows without
+min-p, top-k or top-p race over the whole vocabulary. Each row's cut-off and draws depend on
+that row alone.
 
 Every value :class:`~pdserve.protocol.SamplingParams` accepts keeps the logits finite: a
 temperature below :data:`~pdserve.protocol.GREEDY_TEMPERATURE` is greedy (no division), and
@@ -41,6 +52,13 @@ import torch
 
 from pdserve.protocol import SamplingParams, TokenLogprob
 from pdserve.workers.engine.sampling.grammar_masks import GrammarState, apply_masks
+
+_FIRST_WIDTH = 64
+"""Candidates a row's first nucleus search looks at (``topk`` width)."""
+_WIDEN = 16
+"""Factor the search widens by when a row's nucleus runs past its candidates."""
+_EXP_FLOOR = -80.0
+"""Arguments of ``exp`` are clamped here (``exp(-80)`` ~ 1.8e-35, a normal float32)."""
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -114,7 +132,9 @@ class Sampler:
         ):
             # all greedy, no logprobs: argmax where the logits are (first maximum on ties, as
             # on CPU) and move N token ids, not [N, vocab] floats, to the host
-            return SampleResult(logits.float().argmax(dim=-1).tolist(), [None] * n)
+            # (max's indices: argmax's answer, in a quarter of its time here; bfloat16 -> float32
+            # is exact, so the row's own dtype serves)
+            return SampleResult(logits.max(dim=-1).indices.tolist(), [None] * n)
         # CPU: the per-request generators are CPU generators (and [N, vocab] is small to move)
         raw = logits.float().cpu()
         logits = self._processed(raw, params, processed, history) if processed else raw
@@ -124,15 +144,39 @@ class Sampler:
         greedy_set = set(greedy)
         sampled = [i for i in range(n) if i not in greedy_set]
         if greedy:
-            tokens[greedy] = logits[greedy].argmax(dim=-1)
+            # max's indices: the first maximum, as argmax, in a quarter of argmax's time here
+            tokens[greedy] = logits[greedy].max(dim=-1).indices
         if sampled:
-            probs = self._filtered_probs(logits[sampled], [params[i] for i in sampled])
-            noise = torch.empty_like(probs)
+            sampled_params = [params[i] for i in sampled]
+            temps = torch.tensor([p.temperature for p in sampled_params], dtype=logits.dtype)
+            temps = temps.unsqueeze(1)
+            if len(sampled) < n:
+                x = logits[sampled].div_(temps)
+            elif logits is not raw:  # a private copy already
+                x = logits.div_(temps)
+            else:
+                x = logits / temps
+            cuts = self._cutoffs(x, sampled_params).tolist()
             for row, i in enumerate(sampled):
-                noise[row].exponential_(generator=self._generator(params[i], positions[i]))
-            tokens[sampled] = (probs / noise).argmax(dim=-1)
+                tokens[i] = self._race(x[row], cuts[row], self._generator(params[i], positions[i]))
         token_list: list[int] = tokens.tolist()
         return SampleResult(token_list, self._logprobs(raw, params, token_list))
+
+    @staticmethod
+    def _race(x: torch.Tensor, cut: float, gen: torch.Generator) -> int:
+        """The exponential race over the tokens of row ``x`` (``[V]`` float32 tempered logits)
+        whose logit is at least ``cut`` (``-inf``: all): one ``Exp(1)`` draw per candidate from
+        ``gen``, in token-id order."""
+        ids = None if cut == float("-inf") else (x >= cut).nonzero().squeeze(1)
+        cand = x if ids is None else x[ids]
+        # the softmax up to a constant factor (clamped as in _cutoffs: a weight of 2e-35 wins
+        # the race with probability ~2e-35)
+        weights = (cand - cand.max()).clamp_min_(_EXP_FLOOR).exp_()
+        if ids is None:  # masked tokens (a grammar's, min_tokens' EOS) must never win
+            weights.masked_fill_(cand == float("-inf"), 0.0)
+        noise = torch.empty_like(weights).exponential_(generator=gen)
+        j = int((weights / noise).argmax())
+        return j if ids is None else int(ids[j])
 
     @staticmethod
     def _constrained(
@@ -174,14 +218,13 @@ class Sampler:
                 ids = torch.tensor([t for t, _ in pairs], dtype=torch.long)
                 row.index_add_(0, ids, torch.tensor([b for _, b in pairs], dtype=row.dtype))
             if p.repetition_penalty != 1.0:
-                seen = torch.zeros(vocab, dtype=torch.bool)
-                for ids_seen in (history[i].prompt_token_ids, output):
-                    if ids_seen:
-                        seen[torch.tensor(ids_seen, dtype=torch.long).clamp_(0, vocab - 1)] = True
-                penalized = torch.where(
-                    row > 0, row / p.repetition_penalty, row * p.repetition_penalty
-                )
-                row.copy_(torch.where(seen, penalized, row))
+                # only the tokens seen change (a token seen twice is written twice, equally)
+                seen = torch.tensor([*history[i].prompt_token_ids, *output], dtype=torch.long)
+                if seen.numel():
+                    seen.clamp_(0, vocab - 1)
+                    vals = row[seen]
+                    rp = p.repetition_penalty
+                    row[seen] = torch.where(vals > 0, vals / rp, vals * rp)
             if (p.frequency_penalty or p.presence_penalty) and output:
                 out = torch.tensor(output, dtype=torch.long).clamp_(0, vocab - 1)
                 counts = torch.bincount(out, minlength=vocab).to(row.dtype)
@@ -198,40 +241,59 @@ class Sampler:
         return gen
 
     @staticmethod
-    def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-        """Temperature, then min-p, top-k, then top-p (nucleus) masking; returns probabilities
-        ``[M, V]`` with masked entries exactly 0. At least one token (the most likely) always
-        survives."""
-        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
-        x = logits / temps.to(logits.device).unsqueeze(1)
-        vocab = x.shape[-1]
-        min_ps = [p.min_p for p in params]
-        if max(min_ps) > 0.0:
-            # drop tokens whose probability is below min_p x the row's top probability, i.e.
-            # whose logit is below the top logit + log(min_p)
-            top = x.max(dim=-1, keepdim=True).values
-            floor = torch.tensor(min_ps, dtype=x.dtype).unsqueeze(1).log()
-            x = x.masked_fill(x < top + floor, float("-inf"))
-        ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-        if min(ks) < vocab:
-            kmax = max(ks)
-            top_vals = x.topk(kmax, dim=-1).values
-            k_index = torch.tensor([k - 1 for k in ks], device=x.device).unsqueeze(1)
-            threshold = top_vals.gather(1, k_index)
-            no_k = torch.tensor([k == vocab for k in ks], device=x.device).unsqueeze(1)
-            x = x.masked_fill((x < threshold) & ~no_k, float("-inf"))
+    def _cutoffs(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """Per row of ``x`` (``[M, V]`` float32 tempered logits), the logit a token needs to stay
+        a candidate, ``[M]`` float32 (``-inf``: every token): min-p (at least ``min_p`` times
+        the top probability), then top-k (at least the k-th largest logit), then top-p (the
+        smallest prefix, by descending logit, of the survivors whose renormalised mass reaches
+        ``top_p``; the mass strictly before a token must be below ``top_p``). The most likely
+        token always stays. Time: O(V) per row plus a ``topk`` as wide as the nucleus needs."""
+        m, vocab = x.shape
+        cut = torch.full((m,), float("-inf"), dtype=x.dtype)
+        min_ps = torch.tensor([p.min_p for p in params], dtype=x.dtype)
+        if bool((min_ps > 0).any()):
+            # probability below min_p x the top one: logit below the top logit + log(min_p)
+            cut = torch.maximum(cut, x.max(dim=-1).values + min_ps.log())
+        ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+        if any(ks):
+            kth = x.topk(max(ks), dim=-1).values.gather(
+                1, torch.tensor([[max(k, 1) - 1] for k in ks])
+            )
+            limited = torch.tensor([k > 0 for k in ks])
+            cut = torch.where(limited, torch.maximum(cut, kth.squeeze(1)), cut)
         top_ps = [p.top_p for p in params]
-        if min(top_ps) < 1.0:
-            sorted_x, order = x.sort(dim=-1, descending=True)
-            sorted_probs = sorted_x.softmax(dim=-1)
-            # mass strictly before each token; keep a token while that mass is below top_p
-            before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            p_col = torch.tensor(top_ps, dtype=x.dtype, device=x.device).unsqueeze(1)
-            drop_sorted = before >= p_col
-            drop_sorted[:, 0] = False
-            drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-            x = x.masked_fill(drop, float("-inf"))
-        return x.softmax(dim=-1)
+        pending = [i for i, p in enumerate(top_ps) if p < 1.0]
+        if not pending:
+            return cut
+        rows = torch.tensor(pending)
+        survivors = x if len(pending) == m else x[rows]
+        if bool((cut[rows] > float("-inf")).any()):
+            survivors = survivors.masked_fill(survivors < cut[rows].unsqueeze(1), float("-inf"))
+        top = survivors.max(dim=-1, keepdim=True).values
+        # the softmax's denominator, from a clamped argument: below -80 exp is slow here, and
+        # such terms (< 2e-35 each, -inf ones included) vanish next to the top token's 1
+        weights = (survivors - top).clamp_min_(_EXP_FLOOR).exp_()
+        mass = weights.sum(dim=-1, keepdim=True)
+        p_col = torch.tensor([top_ps[i] for i in pending], dtype=x.dtype).unsqueeze(1)
+        width = min(vocab, _FIRST_WIDTH)
+        while True:
+            vals = survivors.topk(width, dim=-1).values  # descending
+            probs = (vals - top).exp() / mass  # 0 past the survivors (-inf)
+            before = probs.cumsum(dim=-1) - probs
+            past = (before >= p_col) | (vals == float("-inf"))
+            past[:, 0] = False
+            ends = past.any(dim=-1)
+            done = ends | (width == vocab)
+            # the nucleus is vals[:n]; its last logit is the cut-off
+            n = torch.where(ends, past.to(torch.int8).argmax(dim=-1), width)
+            last = vals.gather(1, (n - 1).unsqueeze(1)).squeeze(1)
+            cut[rows[done]] = torch.maximum(cut[rows[done]], last[done])
+            if bool(done.all()):
+                return cut
+            keep = ~done
+            rows, survivors, p_col = rows[keep], survivors[keep], p_col[keep]
+            top, mass = top[keep], mass[keep]
+            width = min(vocab, width * _WIDEN)
 
     @staticmethod
     def _logprobs(
