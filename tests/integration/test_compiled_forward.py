@@ -19,7 +19,12 @@ from pdserve.cli import build_parser, resolve_config
 from pdserve.config.loading import worker_config
 from pdserve.protocol import KVLayout, SamplingParams
 from pdserve.workers.engine.engine import Engine, EngineRequest
-from pdserve.workers.engine.model.compile import CompiledForward, OneDNNLinear
+from pdserve.workers.engine.model.compile import (
+    CompiledForward,
+    FusedLinearSlice,
+    OneDNNLinear,
+    prepack_linears,
+)
 from pdserve.workers.engine.model.model_runner import ModelRunner
 from pdserve.workers.engine.scheduler import ScheduledBatch, ScheduledSequence
 from pdserve.workers.engine.sequence import Sequence
@@ -114,6 +119,52 @@ def test_compiled_steps_equal_eager_steps_in_logits_and_kv_pool(tiny_runners) ->
     # every step shape above (0..8 sampled rows, 1..29 tokens) ran on the warm-up's graph
     assert counters["stats"]["unique_graphs"] == graphs_before
     assert compiled.compiled is not None  # no fallback happened
+
+
+def linear_calls(fn: object) -> int:
+    """How many ``pdserve::onednn_linear`` calls running ``fn()`` makes."""
+    with torch.profiler.profile() as prof:
+        fn()  # type: ignore[operator]
+    return sum(e.count for e in prof.key_averages() if e.key == "pdserve::onednn_linear")
+
+
+def distinct_gemms(model: torch.nn.Module) -> int:
+    return len(
+        {
+            id(m.packed_weight)
+            for m in model.modules()
+            if isinstance(m, (OneDNNLinear, FusedLinearSlice))
+        }
+    )
+
+
+def test_sibling_projections_run_as_one_gemm_compiled_and_eager(
+    tiny_runners, tiny_model_dir: Path
+) -> None:
+    """q/k/v and gate/up are one prepacked GEMM each: the compiled step calls each GEMM once
+    (the merge pass), and so does an eager forward of the prepacked model, with the unfused
+    model's logits."""
+    eager, compiled = tiny_runners
+    groups = {id(m.group) for m in compiled.model.modules() if isinstance(m, FusedLinearSlice)}
+    assert len(groups) == 2 * compiled.num_layers  # q/k/v and gate/up in every layer
+    pool = Pool(compiled)
+    batch = ScheduledBatch(decode=[pool.scheduled("x", 5, 5, 1), pool.scheduled("y", 7, 7, 1)])
+    assert linear_calls(lambda: compiled.execute(batch, pool.kv)) == distinct_gemms(compiled.model)
+
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    fused = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    prepack_linears(fused)
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35]])
+    with torch.inference_mode():
+        want = plain(input_ids=ids).logits
+        got = fused(input_ids=ids).logits
+        calls = linear_calls(lambda: fused(input_ids=ids))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert (
+        calls
+        == distinct_gemms(fused)
+        < sum(isinstance(m, torch.nn.Linear) for m in plain.modules())
+    )
 
 
 def test_a_failing_compiled_step_runs_eagerly_and_stays_eager(

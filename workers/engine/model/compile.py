@@ -45,6 +45,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from pdserve.workers.engine.model.attention import (
     PagedAttentionMetadata,
@@ -73,6 +74,17 @@ def _onednn_linear_fake(
     x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
     return x.new_empty((x.shape[0], out_features))
+
+
+_MERGEABLE = frozenset(
+    {
+        torch.ops.pdserve.onednn_linear.default,
+        torch.ops.aten.reshape.default,
+        torch.ops.aten.view.default,
+        torch.ops.aten._unsafe_view.default,
+    }
+)
+"""Pure calls :class:`MergeDuplicateLinears` merges when their arguments are equal."""
 
 
 class OneDNNLinear(torch.nn.Module):
@@ -104,6 +116,102 @@ class OneDNNLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
 
 
+FUSED_SIBLINGS: tuple[tuple[str, ...], ...] = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+)
+"""Sibling linears (children of one module) that read the same input in the decoder families
+served: each group is prepacked as one weight (vLLM's ``QKVParallelLinear`` and
+``MergedColumnParallelLinear``)."""
+
+
+class _FusedGroup:
+    """The concatenated, prepacked weight of a group of sibling linears, and (eager only) the
+    last input it multiplied and the product, which the siblings after the first reuse."""
+
+    def __init__(self, linears: list[torch.nn.Linear]):
+        self.in_features = linears[0].in_features
+        self.out_features = sum(m.out_features for m in linears)
+        weight = torch.cat([m.weight.detach() for m in linears])
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        biases = [m.bias for m in linears]
+        self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        self.last: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class FusedLinearSlice(torch.nn.Module):
+    """One linear of a :data:`FUSED_SIBLINGS` group: output columns ``[start, end)`` of the
+    group's single GEMM (input ``[..., in_features]``, output ``[..., end - start]``, a strided
+    view). Compiled, every sibling emits the same ``pdserve::onednn_linear`` call and
+    :class:`MergeDuplicateLinears` keeps one; eager, a sibling called with the very tensor
+    the previous one was called with reuses its product (the decoder layers call q, k and v on
+    one hidden-state tensor, unmodified in between). No autograd; not thread-safe (the engine
+    thread runs the steps).
+    """
+
+    def __init__(self, group: _FusedGroup, start: int, end: int):
+        super().__init__()
+        self.group = group
+        self.in_features = group.in_features
+        self.out_features = end - start
+        self.start, self.end = start, end
+        self.register_buffer("packed_weight", group.packed, persistent=False)
+        self.register_buffer("bias", group.bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = self.group
+        if torch.compiler.is_compiling():
+            out: torch.Tensor = torch.ops.pdserve.onednn_linear(
+                x.reshape(-1, self.in_features), self.packed_weight, self.bias, group.out_features
+            )
+        elif group.last is not None and group.last[0] is x:
+            out = group.last[1]
+        else:
+            out = torch.ops.pdserve.onednn_linear(
+                x.reshape(-1, self.in_features), self.packed_weight, self.bias, group.out_features
+            )
+            group.last = (x, out)
+        return out[:, self.start : self.end].view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, columns {self.start}:{self.end} of "
+            f"{self.group.out_features}, onednn"
+        )
+
+
+def _hashable(value: object) -> object:
+    """``value`` (an FX node's target, args or kwargs) with lists and dicts made tuples."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    return value
+
+
+class MergeDuplicateLinears(CustomGraphPass):
+    """Inductor post-grad pass: of ``pdserve::onednn_linear`` calls (and the views feeding them)
+    with the same arguments (same input node, same packed weight), keep the first. This is what turns the
+    :class:`FusedLinearSlice` siblings' calls into one GEMM; functorch's CSE does not run on
+    inference graphs. Has a ``uuid`` so inductor's FX graph cache keeps working."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        first: dict[object, torch.fx.Node] = {}
+        for node in list(graph.nodes):
+            # each sibling reshapes the shared input itself: merge those views first
+            if node.op != "call_function" or node.target not in _MERGEABLE:
+                continue
+            key = _hashable((node.target, node.args, node.kwargs))
+            if key in first:
+                node.replace_all_uses_with(first[key])
+                graph.erase_node(node)
+            else:
+                first[key] = node
+
+    def uuid(self) -> str:
+        return "pdserve.merge-duplicate-linears.2"
+
+
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether :func:`prepack_linears` applies: a CPU model, oneDNN available, and a dtype its
     CPU kernels support here (float32 always, bfloat16 / float16 where the CPU has them)."""
@@ -116,13 +224,34 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def prepack_linears(model: torch.nn.Module) -> int:
-    """Replace every ``nn.Linear`` under ``model`` by a :class:`OneDNNLinear` (in place; the
-    unpacked weights of replaced layers are released unless shared, e.g. a tied LM head keeps
-    the embedding). Returns how many were replaced. Call once, after the model is on its CPU
-    device and in eval mode."""
+def prepack_linears(model: torch.nn.Module, fuse: bool = True) -> int:
+    """Replace every ``nn.Linear`` under ``model`` by a :class:`OneDNNLinear`, or, with ``fuse``,
+    each group of :data:`FUSED_SIBLINGS` (same input width, all with or all without bias) by
+    :class:`FusedLinearSlice` views of one prepacked GEMM (in place; the unpacked weights of
+    replaced layers are released unless shared, e.g. a tied LM head keeps the embedding).
+    Returns how many linears were replaced. Call once, after the model is on its CPU device
+    and in eval mode."""
     replaced = 0
     for parent in list(model.modules()):
+        children = dict(parent.named_children())
+        if fuse:
+            for names in FUSED_SIBLINGS:
+                group = [children.get(name) for name in names]
+                linears = [m for m in group if type(m) is torch.nn.Linear]
+                if len(linears) < len(names):
+                    continue
+                if len({m.in_features for m in linears}) > 1:
+                    continue
+                if len({m.bias is None for m in linears}) > 1:
+                    continue
+                fused = _FusedGroup(linears)
+                start = 0
+                for name, linear in zip(names, linears, strict=True):
+                    setattr(
+                        parent, name, FusedLinearSlice(fused, start, start + linear.out_features)
+                    )
+                    start += linear.out_features
+                    replaced += 1
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear:
                 setattr(parent, name, OneDNNLinear(child))
@@ -158,7 +287,10 @@ class CompiledForward:
         # transformers returns a 4D mask as is: no packed-sequence check on position_ids
         self._mask4d = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
         self._compiled: Callable[..., torch.Tensor] = torch.compile(
-            self._forward, fullgraph=True, dynamic=False
+            self._forward,
+            fullgraph=True,
+            dynamic=False,
+            options={"post_grad_custom_pre_pass": MergeDuplicateLinears()},
         )
         self.compile_s: float | None = None
 
