@@ -276,3 +276,27 @@ def test_bench_prints_a_row_per_case(capsys: pytest.CaptureFixture[str]) -> None
     assert len(rows) == len(bench.DECODE_CASES) + 1
     for row in rows:  # dtype, case words, ms, ms, ratio, max |diff|
         assert float(row[-4]) > 0 and float(row[-3]) > 0 and float(row[-1]) < 1e-5
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_not_waited_on() -> None:
+    """torch's ``lock`` file, left in the build directory by a process killed during the
+    build, made every later process wait forever; a fresh process now removes it and loads."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    stale = Path(_get_build_directory(paged_kernel.extension_name(), verbose=False)) / "lock"
+    stale.touch()
+    code = (
+        "import logging; logging.basicConfig()\n"
+        "from pdserve.workers.engine.model import paged_kernel\n"
+        "assert paged_kernel.available(), paged_kernel.unavailable_reason()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "left by a build that did not finish" in done.stderr
+    assert not stale.exists()
