@@ -89,12 +89,16 @@ class ModelSettings(_Section):
         "or a multiple of them. Prefill and decode workers may differ: the KV transfer maps "
         "heads between the splits",
     )
-    quantization: Annotated[Literal["none", "int8"], Flag("--quantization", SERVING)] = Field(
-        default="none",
-        description="int8: weight-only int8 of every linear layer but the LM head (torchao's "
-        "Int8WeightOnlyConfig; pip install 'pdserve[int8]'): a quarter of float32's weight "
-        "memory, at the quality cost docs/benchmarks.md reports; the forward then runs eagerly "
-        "(the compiled CPU forward prepacks float weights)",
+    quantization: Annotated[Literal["none", "int8", "w8a8"], Flag("--quantization", SERVING)] = (
+        Field(
+            default="none",
+            description="w8a8: int8 weights (per output channel) x int8 activations (one "
+            "dynamic scale per GEMM) for every linear layer but the LM head, oneDNN's int8 "
+            "GEMMs (VNNI / AMX-INT8) in the compiled CPU forward; CPU, one rank. int8: "
+            "weight-only int8 (torchao's Int8WeightOnlyConfig; pip install 'pdserve[int8]'), "
+            "a quarter of float32's weight memory, forward run eagerly. docs/benchmarks.md "
+            "reports the speed and quality of both",
+        )
     )
     load_check: Annotated[bool, Flag("--load-check", SERVING)] = Field(
         default=True,

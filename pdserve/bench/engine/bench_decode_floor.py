@@ -50,6 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=96, help="decode steps between the two runs")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="eager forward")
     p.add_argument(
+        "--quantization",
+        choices=["none", "w8a8"],
+        default="none",
+        help="weights: the dtype's, or W8A8 int8 (the floor then counts their bytes as one each)",
+    )
+    p.add_argument(
         "--profile", action="store_true", help="top operators of the largest batch's steps"
     )
     p.add_argument(
@@ -78,11 +84,16 @@ def weight_bytes_per_step(model: Any, element_size: int) -> int:
     out_features`` elements of ``element_size`` bytes, prepacked or not), the LM head's
     included; the input embedding is read by row and the norms' vectors are negligible."""
     return sum(
-        m.in_features * m.out_features * element_size
+        m.in_features * m.out_features * (1 if _int8(m) else element_size)
         for m in model.modules()
         if isinstance(getattr(m, "in_features", None), int)
         and isinstance(getattr(m, "out_features", None), int)
     )
+
+
+def _int8(module: Any) -> bool:
+    """Whether ``module`` holds W8A8 int8 weights (one byte an element)."""
+    return getattr(module, "weight_scale", None) is not None
 
 
 def run(args: argparse.Namespace, cfg: object = None) -> int:
@@ -125,7 +136,7 @@ def _engine(path: Path, dtype: str, args: argparse.Namespace) -> Engine:
     most = max(args.batches)
     cfg = EngineConfig(
         model_path=path,
-        model=ModelSettings(compile=args.compile, dtype=dtype),
+        model=ModelSettings(compile=args.compile, dtype=dtype, quantization=args.quantization),
         kv_cache=KVCacheSettings(budget_mb=max(256, most * 16)),
         scheduler=SchedulerSettings(threads=args.threads, max_num_seqs=most),
     )

@@ -55,8 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--quantization",
         nargs="+",
         default=["none"],
-        choices=["none", "int8"],
-        help="weights: none (the model dtype) and/or int8 (weight-only, torchao)",
+        choices=["none", "int8", "w8a8"],
+        help="weights: none (the model dtype), int8 (weight-only, torchao), w8a8 (int8 weights and activations, oneDNN)",
     )
 
 

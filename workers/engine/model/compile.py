@@ -76,44 +76,141 @@ def _onednn_linear_fake(
     return x.new_empty((x.shape[0], out_features))
 
 
-_MERGEABLE = frozenset(
-    {
-        torch.ops.pdserve.onednn_linear.default,
-        torch.ops.aten.reshape.default,
-        torch.ops.aten.view.default,
-        torch.ops.aten._unsafe_view.default,
-    }
+@torch.library.custom_op(
+    "pdserve::onednn_qlinear",
+    mutates_args=(),
+    schema="(Tensor qx, Tensor x_scale, Tensor packed_weight, Tensor w_scale, Tensor w_zero, "
+    "Tensor? bias, int out_features, ScalarType out_dtype) -> Tensor",
 )
-"""Pure calls :class:`MergeDuplicateLinears` merges when their arguments are equal."""
+def _onednn_qlinear_op(
+    qx: torch.Tensor,
+    x_scale: torch.Tensor,
+    packed_weight: torch.Tensor,
+    w_scale: torch.Tensor,
+    w_zero: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``(qx * x_scale) @ (Wq * w_scale).T + bias`` -> ``[M, N]`` in ``out_dtype``: ``qx``
+    ``[M, K]`` int8 with one float32 scale (0-dim), ``Wq`` int8 prepacked by oneDNN with a
+    float32 scale per output channel; the int8 GEMM runs on VNNI / AMX-INT8."""
+    zero = torch.zeros((), dtype=torch.int32)
+    out: torch.Tensor = torch.ops.onednn.qlinear_pointwise.tensor(
+        qx, x_scale, zero, packed_weight, w_scale, w_zero, bias, 1.0, 0, out_dtype, "none", [], ""
+    )
+    return out
+
+
+@_onednn_qlinear_op.register_fake
+def _onednn_qlinear_fake(
+    qx: torch.Tensor,
+    x_scale: torch.Tensor,
+    packed_weight: torch.Tensor,
+    w_scale: torch.Tensor,
+    w_zero: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return qx.new_empty((qx.shape[0], out_features), dtype=out_dtype)
+
+
+_INT8_MAX = 127.0
+_TINY_SCALE = 1e-10  # an all-zero input still gets a finite scale
+_ONE = torch.ones((), dtype=torch.float32)
+
+
+def _quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 of ``weight`` ``[N, K]`` with one float32 scale per row (output channel):
+    ``(q [N, K] int8, scale [N] float32)``."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1).clamp_min(_TINY_SCALE) / _INT8_MAX
+    q = (w / scale.unsqueeze(1)).round_().clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+class _Packed:
+    """A weight ``[N, K]`` (and optional bias ``[N]``) prepacked for oneDNN, in the model's float
+    dtype or, with ``int8``, as W8A8 (symmetric int8 per output channel; activations quantized
+    per step, see :func:`_gemm`)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, int8: bool):
+        self.out_features, self.in_features = weight.shape
+        self.bias = bias
+        self.scale: torch.Tensor | None = None
+        self.zero: torch.Tensor | None = None
+        if int8:
+            q, self.scale = _quantize_rows(weight)
+            self.packed = torch.ops.onednn.qlinear_prepack(q, None)
+            self.zero = torch.zeros(self.out_features, dtype=torch.int64)
+            self.bias = None if bias is None else bias.float()
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+    def register(self, module: torch.nn.Module) -> None:
+        """Hold the packed tensors as ``module``'s non-persistent buffers (graph inputs when
+        compiled; not in ``state_dict``)."""
+        module.register_buffer("packed_weight", self.packed, persistent=False)
+        module.register_buffer("bias", self.bias, persistent=False)
+        module.register_buffer("weight_scale", self.scale, persistent=False)
+        module.register_buffer("weight_zero", self.zero, persistent=False)
+
+
+def _gemm(module: torch.nn.Module, flat: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``flat`` ``[M, K]`` times the weight :meth:`_Packed.register` gave ``module`` ->
+    ``[M, out_features]`` in ``flat``'s dtype. W8A8: each row of ``flat`` is quantized to int8
+    with its own dynamic scale (its absolute maximum / 127), as torchao's and vLLM's dynamic
+    per-token int8 activations; compiled, inductor fuses the quantization into one loop and
+    the rescaling into the next op."""
+    if module.weight_scale is None:
+        out: torch.Tensor = torch.ops.pdserve.onednn_linear(
+            flat, module.packed_weight, module.bias, out_features
+        )
+        return out
+    # one scale per row (token); oneDNN's int8 linear takes one per tensor, so it gets 1 and
+    # the rows are scaled after the GEMM (exact: the scale factors out of each row's sums)
+    x_scale = flat.abs().amax(dim=1, keepdim=True).float().clamp_min(_TINY_SCALE) / _INT8_MAX
+    qx = (flat.float() / x_scale).round_().clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
+    out = torch.ops.pdserve.onednn_qlinear(
+        qx,
+        _ONE,
+        module.packed_weight,
+        module.weight_scale,
+        module.weight_zero,
+        None,
+        out_features,
+        torch.float32,
+    )
+    out = out * x_scale
+    if module.bias is not None:
+        out = out + module.bias
+    return out.to(flat.dtype)
 
 
 class OneDNNLinear(torch.nn.Module):
-    """Drop-in for an inference ``nn.Linear`` with its weight prepacked by oneDNN.
+    """Drop-in for an inference ``nn.Linear`` with its weight prepacked by oneDNN (float, or
+    W8A8 int8 with ``int8``).
 
-    Input ``[..., in_features]``, output ``[..., out_features]``, in the weight's dtype. The
+    Input ``[..., in_features]``, output ``[..., out_features]``, in the input's dtype. The
     packed weight is an opaque (``OpaqueTensorImpl``) CPU tensor held as a non-persistent buffer
     (not in ``state_dict``; it cannot move devices). No autograd.
     """
 
-    def __init__(self, linear: torch.nn.Linear):
+    def __init__(self, linear: torch.nn.Linear, int8: bool = False):
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        weight = linear.weight.detach()
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        self.register_buffer("packed_weight", packed, persistent=False)
         bias = None if linear.bias is None else linear.bias.detach()
-        self.register_buffer("bias", bias, persistent=False)
+        _Packed(linear.weight.detach(), bias, int8).register(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        out: torch.Tensor = torch.ops.pdserve.onednn_linear(
-            flat, self.packed_weight, self.bias, self.out_features
-        )
+        out = _gemm(self, x.reshape(-1, self.in_features), self.out_features)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
+        kind = "onednn" if self.weight_scale is None else "onednn w8a8"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
 
 
 FUSED_SIBLINGS: tuple[tuple[str, ...], ...] = (
@@ -129,24 +226,24 @@ class _FusedGroup:
     """The concatenated, prepacked weight of a group of sibling linears, and (eager only) the
     last input it multiplied and the product, which the siblings after the first reuse."""
 
-    def __init__(self, linears: list[torch.nn.Linear]):
+    def __init__(self, linears: list[torch.nn.Linear], int8: bool):
         self.in_features = linears[0].in_features
         self.out_features = sum(m.out_features for m in linears)
         weight = torch.cat([m.weight.detach() for m in linears])
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         biases = [m.bias for m in linears]
-        self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        self.packed = _Packed(weight, bias, int8)
         self.last: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class FusedLinearSlice(torch.nn.Module):
     """One linear of a :data:`FUSED_SIBLINGS` group: output columns ``[start, end)`` of the
     group's single GEMM (input ``[..., in_features]``, output ``[..., end - start]``, a strided
-    view). Compiled, every sibling emits the same ``pdserve::onednn_linear`` call and
-    :class:`MergeDuplicateLinears` keeps one; eager, a sibling called with the very tensor
-    the previous one was called with reuses its product (the decoder layers call q, k and v on
-    one hidden-state tensor, unmodified in between). No autograd; not thread-safe (the engine
-    thread runs the steps).
+    view). Compiled, every sibling emits the same calls and :class:`MergeDuplicateLinears`
+    keeps one of each; eager, a sibling called with the very tensor the previous one was
+    called with reuses its product (the decoder layers call q, k and v on one hidden-state
+    tensor, unmodified in between). No autograd; not thread-safe (the engine thread runs the
+    steps).
     """
 
     def __init__(self, group: _FusedGroup, start: int, end: int):
@@ -155,28 +252,24 @@ class FusedLinearSlice(torch.nn.Module):
         self.in_features = group.in_features
         self.out_features = end - start
         self.start, self.end = start, end
-        self.register_buffer("packed_weight", group.packed, persistent=False)
-        self.register_buffer("bias", group.bias, persistent=False)
+        group.packed.register(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self.group
         if torch.compiler.is_compiling():
-            out: torch.Tensor = torch.ops.pdserve.onednn_linear(
-                x.reshape(-1, self.in_features), self.packed_weight, self.bias, group.out_features
-            )
+            out = _gemm(self, x.reshape(-1, self.in_features), group.out_features)
         elif group.last is not None and group.last[0] is x:
             out = group.last[1]
         else:
-            out = torch.ops.pdserve.onednn_linear(
-                x.reshape(-1, self.in_features), self.packed_weight, self.bias, group.out_features
-            )
+            out = _gemm(self, x.reshape(-1, self.in_features), group.out_features)
             group.last = (x, out)
         return out[:, self.start : self.end].view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
+        kind = "onednn" if self.weight_scale is None else "onednn w8a8"
         return (
             f"in_features={self.in_features}, columns {self.start}:{self.end} of "
-            f"{self.group.out_features}, onednn"
+            f"{self.group.out_features}, {kind}"
         )
 
 
@@ -189,17 +282,37 @@ def _hashable(value: object) -> object:
     return value
 
 
+_OURS = (torch.ops.pdserve.onednn_linear.default, torch.ops.pdserve.onednn_qlinear.default)
+_IMPURE_TAGS = (torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise)
+
+
+def _mergeable(node: torch.fx.Node) -> bool:
+    """A call whose twin (same target, same arguments) computes the same tensor: our GEMMs, and
+    ATen's (and its prims') functional, deterministic ops returning a tensor."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    if target in _OURS:
+        return True
+    return (
+        target.namespace in ("aten", "prims")
+        and not target._schema.is_mutable
+        and not any(tag in target.tags for tag in _IMPURE_TAGS)
+        and isinstance(node.meta.get("val"), torch.Tensor)
+    )
+
+
 class MergeDuplicateLinears(CustomGraphPass):
-    """Inductor post-grad pass: of ``pdserve::onednn_linear`` calls (and the views feeding them)
-    with the same arguments (same input node, same packed weight), keep the first. This is what turns the
-    :class:`FusedLinearSlice` siblings' calls into one GEMM; functorch's CSE does not run on
-    inference graphs. Has a ``uuid`` so inductor's FX graph cache keeps working."""
+    """Inductor post-grad pass: of calls with the same target and arguments (:func:`_mergeable`:
+    the GEMMs, and the views and int8 quantization feeding them), keep the first. This turns
+    the :class:`FusedLinearSlice` siblings' calls into one GEMM (and one activation
+    quantization); functorch's CSE does not run on inference graphs. Has a ``uuid`` so
+    inductor's FX graph cache keeps working."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         first: dict[object, torch.fx.Node] = {}
         for node in list(graph.nodes):
-            # each sibling reshapes the shared input itself: merge those views first
-            if node.op != "call_function" or node.target not in _MERGEABLE:
+            if not _mergeable(node):
                 continue
             key = _hashable((node.target, node.args, node.kwargs))
             if key in first:
@@ -209,7 +322,7 @@ class MergeDuplicateLinears(CustomGraphPass):
                 first[key] = node
 
     def uuid(self) -> str:
-        return "pdserve.merge-duplicate-linears.2"
+        return "pdserve.merge-duplicate-linears.4"
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -224,13 +337,15 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def prepack_linears(model: torch.nn.Module, fuse: bool = True) -> int:
+def prepack_linears(model: torch.nn.Module, fuse: bool = True, int8: bool = False) -> int:
     """Replace every ``nn.Linear`` under ``model`` by a :class:`OneDNNLinear`, or, with ``fuse``,
     each group of :data:`FUSED_SIBLINGS` (same input width, all with or all without bias) by
     :class:`FusedLinearSlice` views of one prepacked GEMM (in place; the unpacked weights of
     replaced layers are released unless shared, e.g. a tied LM head keeps the embedding).
-    Returns how many linears were replaced. Call once, after the model is on its CPU device
-    and in eval mode."""
+    ``int8``: W8A8 for every linear but the LM head (``model.get_output_embeddings()``),
+    which stays in the model dtype. Returns how many linears were replaced. Call once, after
+    the model is on its CPU device and in eval mode."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     replaced = 0
     for parent in list(model.modules()):
         children = dict(parent.named_children())
@@ -244,7 +359,7 @@ def prepack_linears(model: torch.nn.Module, fuse: bool = True) -> int:
                     continue
                 if len({m.bias is None for m in linears}) > 1:
                     continue
-                fused = _FusedGroup(linears)
+                fused = _FusedGroup(linears, int8)
                 start = 0
                 for name, linear in zip(names, linears, strict=True):
                     setattr(
@@ -254,7 +369,7 @@ def prepack_linears(model: torch.nn.Module, fuse: bool = True) -> int:
                     replaced += 1
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear:
-                setattr(parent, name, OneDNNLinear(child))
+                setattr(parent, name, OneDNNLinear(child, int8=int8 and child is not head))
                 replaced += 1
     return replaced
 
@@ -275,15 +390,19 @@ class CompiledForward:
     runner of the same architecture and shapes in the process reuses the graph (parameters are
     graph inputs), another model adds one entry.
 
+    ``int8``: the linears are prepacked as W8A8 (:func:`prepack_linears`).
+
     Attributes: ``compile_s`` (seconds the warm-up took, None before it), ``prepacked``
-    (linears replaced by :class:`OneDNNLinear`).
+    (linears replaced by :class:`OneDNNLinear` or :class:`FusedLinearSlice`).
     """
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, int8: bool = False
+    ):
         self.model = model
         self.device = device
         self.dtype = dtype
-        self.prepacked = prepack_linears(model) if can_prepack(device, dtype) else 0
+        self.prepacked = prepack_linears(model, int8=int8) if can_prepack(device, dtype) else 0
         # transformers returns a 4D mask as is: no packed-sequence check on position_ids
         self._mask4d = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
         self._compiled: Callable[..., torch.Tensor] = torch.compile(

@@ -39,7 +39,7 @@ from pdserve.workers.engine.model.attention import (
     register_paged_attention,
     workspace_numel,
 )
-from pdserve.workers.engine.model.compile import CompiledForward
+from pdserve.workers.engine.model.compile import CompiledForward, can_prepack, prepack_linears
 from pdserve.workers.engine.model.cuda_graphs import DecodeGraphs
 from pdserve.workers.engine.scheduler import ScheduledBatch, ScheduledSequence
 from pdserve.workers.engine.sequence import Sequence
@@ -123,6 +123,10 @@ class ModelRunner:
             )
         if cfg.model.quantization == "int8":
             quantize_int8(self.model, self.tp_size)
+        elif cfg.model.quantization == "w8a8":
+            check_w8a8(self.device, self.dtype, self.tp_size)
+            if not cfg.model.compile:  # the compiled forward prepacks them itself
+                prepack_linears(self.model, int8=True)
         self.num_layers: int = text.num_hidden_layers
         self.vocab_size: int = text.vocab_size
         self.max_position_embeddings: int = text.max_position_embeddings
@@ -157,15 +161,16 @@ class ModelRunner:
             )
         self.compiled: CompiledForward | None = None
         if cfg.model.compile and self.device.type == "cpu" and self.tp_size == 1:
-            if cfg.model.quantization == "none":
-                self.compiled = self._compile()
+            if cfg.model.quantization != "int8":
+                self.compiled = self._compile(int8=cfg.model.quantization == "w8a8")
             else:
                 log.info("int8 weights: the forward runs eagerly (prepacking needs float weights)")
 
-    def _compile(self) -> CompiledForward | None:
-        """Prepack and compile now (start-up), or None (eager) when that fails."""
+    def _compile(self, int8: bool) -> CompiledForward | None:
+        """Prepack (W8A8 with ``int8``) and compile now (start-up), or None (eager) when that
+        fails."""
         try:
-            compiled = CompiledForward(self.model, self.device, self.dtype)
+            compiled = CompiledForward(self.model, self.device, self.dtype, int8=int8)
             compiled.warm_up(self.num_layers, self.num_kv_heads, self.head_dim)
         except Exception:
             log.exception("compiling the model forward failed; running it eagerly")
@@ -409,6 +414,22 @@ class ModelRunner:
             self._workspace = None  # release the old one first
             ws = self._workspace = torch.empty(size, dtype=pool.dtype, device=pool.device)
         return ws
+
+
+def check_w8a8(device: torch.device, dtype: torch.dtype, tp_size: int) -> None:
+    """Raise ConfigError unless ``--quantization w8a8`` can run here: a CPU worker of one rank
+    whose dtype oneDNN prepacks (:func:`~pdserve.workers.engine.model.compile.can_prepack`)."""
+    if tp_size > 1:
+        raise ConfigError("--quantization w8a8 with --tensor-parallel-size > 1 is not supported")
+    if not can_prepack(device, dtype):
+        raise ConfigError(
+            f"--quantization w8a8 needs a CPU worker whose dtype oneDNN supports here "
+            f"(device {device.type}, dtype {str(dtype).removeprefix('torch.')})"
+        )
+    log.info(
+        "weights quantized to int8 with int8 activations (W8A8, oneDNN; the LM head stays %s)",
+        str(dtype).removeprefix("torch."),
+    )
 
 
 def quantize_int8(model: torch.nn.Module, tp_size: int) -> None:
