@@ -130,10 +130,9 @@ class Sampler:
             and not constrained
             and not any(p.logprobs or p.top_logprobs > 0 for p in params)
         ):
-            # all greedy, no logprobs: argmax where the logits are (first maximum on ties, as
-            # on CPU) and move N token ids, not [N, vocab] floats, to the host
-            # (max's indices: argmax's answer, in a quarter of its time here; bfloat16 -> float32
-            # is exact, so the row's own dtype serves)
+            # all greedy, no logprobs: the first maximum of each row where the logits are, in
+            # their own dtype (max's indices: argmax's answer in a quarter of its time here),
+            # and move N token ids, not [N, vocab] floats, to the host
             return SampleResult(logits.max(dim=-1).indices.tolist(), [None] * n)
         # CPU: the per-request generators are CPU generators (and [N, vocab] is small to move)
         raw = logits.float().cpu()
