@@ -50,6 +50,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=96, help="decode steps between the two runs")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="eager forward")
     p.add_argument(
+        "--sampling",
+        choices=["greedy", "model"],
+        default="greedy",
+        help="greedy steps, or the model's generation_config.json sampling (a chat client's "
+        "default: the step then includes the sampler's cost)",
+    )
+    p.add_argument(
         "--quantization",
         choices=["none", "w8a8"],
         default="none",
@@ -103,9 +110,11 @@ def run(args: argparse.Namespace, cfg: object = None) -> int:
 
     path = resolve_model(args.model, cache_dir=None)
     bandwidth = read_bandwidth(args.threads, args.buffer_mib)
+    fields = sampling_fields(args.sampling, path)
     print(
         f"{cpu_model()}, {args.threads} thread(s): read bandwidth {bandwidth / 1e9:.1f} GB/s; "
-        f"model {Path(path).name}, {'compiled' if args.compile else 'eager'} forward",
+        f"model {Path(path).name}, {'compiled' if args.compile else 'eager'} forward, "
+        f"weights {args.quantization}, sampling {fields}",
         flush=True,
     )
     print(f"{'dtype':<10}{'batch':>6}{'step ms':>9}{'floor ms':>10}{'x floor':>9}{'tok/s':>9}")
@@ -115,14 +124,14 @@ def run(args: argparse.Namespace, cfg: object = None) -> int:
             size = engine.runner.dtype.itemsize
             floor_s = weight_bytes_per_step(engine.runner.model, size) / bandwidth
             for batch in args.batches:
-                step_s = _step_seconds(engine, batch, args.tokens)
+                step_s = _step_seconds(engine, batch, args.tokens, fields)
                 print(
                     f"{dtype:<10}{batch:>6}{step_s * 1e3:>9.2f}{floor_s * 1e3:>10.3f}"
                     f"{step_s / floor_s:>9.2f}{batch / step_s:>9.1f}",
                     flush=True,
                 )
             if args.profile:
-                _profile(engine, max(args.batches), dtype)
+                _profile(engine, max(args.batches), dtype, fields)
         finally:
             engine.shutdown()
     return 0
@@ -145,28 +154,48 @@ def _engine(path: Path, dtype: str, args: argparse.Namespace) -> Engine:
     return engine
 
 
-def _requests(engine: Engine, batch: int, tokens: int, tag: str) -> list[EngineRequest]:
+def _requests(
+    engine: Engine, batch: int, tokens: int, tag: str, fields: dict[str, Any]
+) -> list[EngineRequest]:
     from pdserve.protocol import SamplingParams
     from pdserve.workers.engine.engine import EngineRequest
 
     prompt = list(engine.tokenizer("The decode phase reads the whole cache.")["input_ids"])
-    sampling = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    sampling = SamplingParams(max_tokens=tokens, ignore_eos=True, **fields)
     return [EngineRequest(f"{tag}-{i}", prompt, sampling) for i in range(batch)]
 
 
-def _step_seconds(engine: Engine, batch: int, tokens: int) -> float:
+def sampling_fields(mode: str, model_path: Path) -> dict[str, Any]:
+    """The steps' sampling: ``greedy``, or ``model``: the model folder's
+    ``generation_config.json`` defaults, as the router applies them to a request that leaves
+    them out (what a chat client sends by default)."""
+    if mode == "greedy":
+        return {"temperature": 0.0}
+    from pdserve.server.chat.sampling_defaults import SamplingDefaults
+
+    d = SamplingDefaults.from_model(model_path)
+    return {
+        "temperature": d.temperature,
+        "top_p": d.top_p,
+        "top_k": d.top_k,
+        "min_p": d.min_p,
+        "repetition_penalty": d.repetition_penalty,
+    }
+
+
+def _step_seconds(engine: Engine, batch: int, tokens: int, fields: dict[str, Any]) -> float:
     """Seconds per decode step of ``batch`` sequences: (long run - short run) / extra steps."""
     short = 8
-    run_together(engine, _requests(engine, batch, short, "warm"))
+    run_together(engine, _requests(engine, batch, short, "warm", fields))
     started = time.perf_counter()
-    run_together(engine, _requests(engine, batch, short, f"s{batch}"))
+    run_together(engine, _requests(engine, batch, short, f"s{batch}", fields))
     short_s = time.perf_counter() - started
     started = time.perf_counter()
-    run_together(engine, _requests(engine, batch, short + tokens, f"l{batch}"))
+    run_together(engine, _requests(engine, batch, short + tokens, f"l{batch}", fields))
     return (time.perf_counter() - started - short_s) / tokens
 
 
-def _profile(engine: Engine, batch: int, dtype: str, top: int = 12) -> None:
+def _profile(engine: Engine, batch: int, dtype: str, fields: dict[str, Any], top: int = 12) -> None:
     """Print torch.profiler's ``top`` operators by self CPU time over ``batch`` sequences'
     decode steps (the engine thread's, recorded process-wide)."""
     from torch._C._profiler import _ExperimentalConfig
@@ -174,6 +203,6 @@ def _profile(engine: Engine, batch: int, dtype: str, top: int = 12) -> None:
 
     every_thread = _ExperimentalConfig(profile_all_threads=True)  # the steps run on the engine's
     with profile(activities=[ProfilerActivity.CPU], experimental_config=every_thread) as prof:
-        run_together(engine, _requests(engine, batch, 24, f"p{batch}"))
+        run_together(engine, _requests(engine, batch, 24, f"p{batch}", fields))
     print(f"-- {dtype}, batch {batch}: top operators by self CPU time (24 steps + prefill)")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top), flush=True)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -163,9 +164,11 @@ def _gemm(module: torch.nn.Module, flat: torch.Tensor, out_features: int) -> tor
     with its own dynamic scale (its absolute maximum / 127), as torchao's and vLLM's dynamic
     per-token int8 activations; compiled, inductor fuses the quantization into one loop and
     the rescaling into the next op."""
-    if module.weight_scale is None:
+    w_scale = cast("torch.Tensor | None", module.weight_scale)
+    bias = cast("torch.Tensor | None", module.bias)
+    if w_scale is None:
         out: torch.Tensor = torch.ops.pdserve.onednn_linear(
-            flat, module.packed_weight, module.bias, out_features
+            flat, module.packed_weight, bias, out_features
         )
         return out
     # one scale per row (token); oneDNN's int8 linear takes one per tensor, so it gets 1 and
@@ -176,15 +179,15 @@ def _gemm(module: torch.nn.Module, flat: torch.Tensor, out_features: int) -> tor
         qx,
         _ONE,
         module.packed_weight,
-        module.weight_scale,
+        w_scale,
         module.weight_zero,
         None,
         out_features,
         torch.float32,
     )
     out = out * x_scale
-    if module.bias is not None:
-        out = out + module.bias
+    if bias is not None:
+        out = out + bias
     return out.to(flat.dtype)
 
 
@@ -345,7 +348,8 @@ def prepack_linears(model: torch.nn.Module, fuse: bool = True, int8: bool = Fals
     ``int8``: W8A8 for every linear but the LM head (``model.get_output_embeddings()``),
     which stays in the model dtype. Returns how many linears were replaced. Call once, after
     the model is on its CPU device and in eval mode."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     replaced = 0
     for parent in list(model.modules()):
         children = dict(parent.named_children())
