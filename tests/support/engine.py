@@ -47,19 +47,27 @@ def make_engine(model_dir: Path, **overrides: object) -> Engine:
 def run(
     engine: Engine, reqs: list[EngineRequest], timeout: float = 120.0
 ) -> dict[str, list[EngineOutput]]:
-    """Submit ``reqs`` together; return each request's outputs once all ended (a finish_reason,
-    or the single parked output of prefill mode)."""
+    """Submit ``reqs`` together; return each request's outputs once all ended (a finish_reason
+    for each of its ``n`` choices, or the single parked output of prefill mode)."""
     outs: dict[str, list[EngineOutput]] = {r.request_id: [] for r in reqs}
-    left = [len(reqs)]
+    ends = {
+        r.request_id: r.sampling.n if r.mode == "full" and r.resume is None else 1 for r in reqs
+    }
+    left = [sum(ends.values())]
     lock, done = threading.Lock(), threading.Event()
 
     def sink(out: EngineOutput) -> None:
         with lock:
             outs[out.request_id].append(out)
-            if out.finish_reason is not None or out.parked_block_ids is not None:
+            rid = out.request_id
+            if out.parked_block_ids is not None:
+                left[0] -= ends[rid]
+                ends[rid] = 0
+            elif out.finish_reason is not None and ends[rid] > 0:
                 left[0] -= 1
-                if left[0] == 0:
-                    done.set()
+                ends[rid] -= 1
+            if left[0] == 0:
+                done.set()
 
     for req in reqs:
         engine.add_request(req, sink)

@@ -286,6 +286,10 @@ def _hashable(value: object) -> object:
 
 
 _OURS = (torch.ops.pdserve.onednn_linear.default, torch.ops.pdserve.onednn_qlinear.default)
+_UNINITIALISED = frozenset(
+    {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+)
+"""Allocations whose twins must stay apart (each is written separately), as functorch's CSE."""
 _IMPURE_TAGS = (torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise)
 
 
@@ -299,6 +303,7 @@ def _mergeable(node: torch.fx.Node) -> bool:
         return True
     return (
         target.namespace in ("aten", "prims")
+        and target.overloadpacket.__name__ not in _UNINITIALISED
         and not target._schema.is_mutable
         and not any(tag in target.tags for tag in _IMPURE_TAGS)
         and isinstance(node.meta.get("val"), torch.Tensor)
@@ -325,7 +330,7 @@ class MergeDuplicateLinears(CustomGraphPass):
                 first[key] = node
 
     def uuid(self) -> str:
-        return "pdserve.merge-duplicate-linears.4"
+        return "pdserve.merge-duplicate-linears.5"
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
