@@ -227,7 +227,8 @@ served: each group is prepacked as one weight (vLLM's ``QKVParallelLinear`` and
 
 class _FusedGroup:
     """The concatenated, prepacked weight of a group of sibling linears, and (eager only) the
-    last input it multiplied and the product, which the siblings after the first reuse."""
+    input it last multiplied and the product, which the siblings after the first reuse until
+    the last sibling (the group's last columns) drops them."""
 
     def __init__(self, linears: list[torch.nn.Linear], int8: bool):
         self.in_features = linears[0].in_features
@@ -266,6 +267,8 @@ class FusedLinearSlice(torch.nn.Module):
         else:
             out = _gemm(self, x.reshape(-1, self.in_features), group.out_features)
             group.last = (x, out)
+        if self.end == group.out_features:  # the last sibling: hold no activation past it
+            group.last = None
         return out[:, self.start : self.end].view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
