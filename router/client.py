@@ -154,7 +154,7 @@ class GenerationStream:
         Raises :class:`DeadlineExceededError` past the deadline, :class:`WorkerError` on a broken
         connection, a line that is not a ``GenerationChunk``, or after :meth:`lose`.
         """
-        lines = self._response.aiter_lines()
+        lines = ndjson_lines(self._response)
         while True:
             try:
                 wait = max(_remaining(self._deadline), 0.0)
@@ -188,6 +188,27 @@ class GenerationStream:
             await self._response.aclose()
 
 
+async def ndjson_lines(response: httpx.Response) -> AsyncIterator[bytes]:
+    """The lines of an NDJSON body (bytes, without the ``\n``), split on ``\n`` only.
+
+    httpx's ``aiter_lines`` also splits on U+0085, U+2028, U+2029 and U+001C-U+001E (Python's
+    ``str.splitlines``), and JSON leaves the first three unescaped inside strings: a token whose
+    text holds one (a byte-level vocabulary has U+0085) cut a worker's chunk in two. Memory:
+    the longest line, held as its parts until its ``\n`` arrives."""
+    parts: list[bytes] = []
+    async for data in response.aiter_bytes():
+        start = 0
+        while (end := data.find(b"\n", start)) >= 0:
+            parts.append(data[start:end])
+            yield b"".join(parts)
+            parts.clear()
+            start = end + 1
+        if start < len(data):
+            parts.append(data[start:])
+    if parts:
+        yield b"".join(parts)
+
+
 class ContextStream:
     """An open ``/internal/context/stream`` NDJSON answer: the streamed handle first
     (:meth:`started`), then the context phase's answer (:meth:`response`). Closing it
@@ -196,7 +217,7 @@ class ContextStream:
 
     def __init__(self, response: httpx.Response, *, leg: str, req: ContextRequest) -> None:
         self._response = response
-        self._lines = response.aiter_lines()
+        self._lines = ndjson_lines(response)
         self._leg = leg
         self._req = req
 
@@ -226,7 +247,7 @@ class ContextStream:
         deadline = self._req.deadline
         try:
             async with asyncio.timeout(max(_remaining(deadline), 0.0)):
-                line = ""
+                line = b""
                 while not line.strip():
                     line = await anext(self._lines)
         except StopAsyncIteration:
