@@ -287,7 +287,10 @@ def test_a_build_lock_left_by_a_killed_build_is_removed_not_waited_on() -> None:
 
     from torch.utils.cpp_extension import _get_build_directory
 
-    stale = Path(_get_build_directory(paged_kernel.extension_name(), verbose=False)) / "lock"
+    from pdserve.workers.engine.model.kernel_build import cpu_build_name
+
+    name = cpu_build_name(paged_kernel.BUILD_PREFIX)
+    stale = Path(_get_build_directory(name, verbose=False)) / "lock"
     stale.touch()
     code = (
         "import logging; logging.basicConfig()\n"

@@ -6,6 +6,8 @@ KV cache.
 - ``attention``: paged attention over the KV block pool, plugged into transformers' attention
   interface
 - ``paged_kernel``: a CPU paged-attention kernel that reads the KV blocks where they are
+- ``kernel_build``: building our C++ kernels on the machine that runs them (name per CPU, a
+  build lock that survives a killed build)
 - ``compile``: the compiled CPU forward (oneDNN-prepacked linears, ``torch.compile``)
 - ``cuda_graphs``: CUDA graphs of decode-only steps
 - ``parallel``: tensor parallel ranks of one worker (sharding, rank processes, step fan-out)

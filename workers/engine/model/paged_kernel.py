@@ -37,22 +37,19 @@ are combined by their log-sum-exp. Scratch grows once per thread: no heap alloca
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
-import platform
 import shutil
 import sys
 import threading
-import zlib
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 
+from pdserve.workers.engine.model.kernel_build import build_lock, cpu_build_name
+
 log = logging.getLogger(__name__)
 
+BUILD_PREFIX = "pdserve_paged_attention"  # the build's name, before its CPU hash
 ENV_DISABLE = "PDSERVE_PAGED_KERNEL"  # "0": :func:`available` is False, nothing compiles
 
 QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -498,40 +495,11 @@ def _build() -> None:
     flags = ["-O3", "-fopenmp", "-DCPU_CAPABILITY=pdserve_native"]
     if (isa := torch.backends.cpu.get_cpu_capability()) in ("AVX512", "AVX2"):  # x86-64
         flags += ["-march=native", f"-DCPU_CAPABILITY_{isa}"]  # ATen's Vectorized for it
-    name = extension_name()
-    with _build_lock(name):
+    name = cpu_build_name(BUILD_PREFIX)
+    with build_lock(name):
         # -fopenmp: at::parallel_for's OpenMP, linked to libgomp.so.1, the one torch has loaded
         load_inline(name, _SOURCE, extra_cflags=flags, extra_ldflags=["-fopenmp"],
                     is_python_module=False)  # fmt: skip
-
-
-def extension_name() -> str:
-    """The build's name: it carries a hash of this CPU's flags (``-march=native``), so that a
-    build cache shared between machines keeps one build per CPU."""
-    cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    cpu = next((line for line in cpu.splitlines() if line.startswith("flags")), platform.machine())
-    return f"pdserve_paged_attention_{zlib.crc32(cpu.encode()):08x}"
-
-
-@contextmanager
-def _build_lock(name: str) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``<build dir>.flock`` for the build or load of ``name``.
-
-    torch's own lock is a ``lock`` file in the build directory that ``load_inline`` creates and
-    deletes; a process killed while holding it (a test run interrupted during the first build)
-    leaves it behind, and every later process waits on it forever. Every pdserve process takes
-    this ``flock`` first, and the kernel releases a ``flock`` when its holder dies, so a
-    ``lock`` file found while holding it is such a leftover: it is removed, with a warning."""
-    from torch.utils.cpp_extension import _get_build_directory
-
-    build_dir = Path(_get_build_directory(name, verbose=False))
-    with open(build_dir.with_name(build_dir.name + ".flock"), "w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
-        stale = build_dir / "lock"
-        if stale.exists():
-            log.warning("removing %s, left by a build that did not finish", stale)
-            stale.unlink(missing_ok=True)
-        yield
 
 
 def available() -> bool:
