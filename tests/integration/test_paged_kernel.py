@@ -249,6 +249,57 @@ def test_matches_todays_gather_and_sdpa(window: int | None) -> None:
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("window", [None, 19])
+def test_store_attend_equals_the_store_then_gather_and_sdpa(
+    dtype: torch.dtype, window: int | None
+) -> None:
+    """The fast path (every row of the step is the kernel's: one ``store_attend`` call) writes
+    the same pool bytes and returns what the store + gather + SDPA path returns, for K/V in
+    transformers' strided layout (``[1, T, kvh, hd]`` transposed)."""
+    step = Step([(1, 50), (1, 7), (1, 33), (12, 60)], cache_dtype=dtype, query_dtype=dtype, seed=3)
+    tpb, kvh, hd = step.cache.shape[2:]
+    tokens = step.query.shape[0]
+    gen = torch.Generator().manual_seed(4)
+    key = torch.randn(1, tokens, kvh, hd, generator=gen).to(dtype).transpose(1, 2)
+    value = torch.randn(1, tokens, kvh, hd, generator=gen).to(dtype).transpose(1, 2)
+    pos = torch.cat([torch.arange(c - q, c) for q, c in step.seqs])
+    rows = torch.arange(len(step.seqs)).repeat_interleave(torch.tensor([q for q, _ in step.seqs]))
+    k_slots = step.tables[rows, pos // tpb] * 2 * tpb + pos % tpb
+    used = torch.arange(4)[None] < (step.ctx[:3, None] + tpb - 1) // tpb
+    keys = torch.arange(4 * tpb)
+    chunk = att.PrefillChunk(3, 12, 60, step.tables[3, :4], att.bottom_right_causal_mask(12, 60))
+
+    def meta(kernel: att.KernelRows | None) -> att.PagedAttentionMetadata:
+        return att.PagedAttentionMetadata(
+            pool=step.cache.clone().unsqueeze(0),
+            k_slots=k_slots,
+            v_slots=k_slots + tpb,
+            num_decode=3,
+            decode_block_tables=step.tables[:3, :4].masked_fill(~used, 0),
+            decode_mask=(keys[None] < step.ctx[:3, None]).view(3, 1, 1, -1),
+            decode_ctx_len=0,
+            prefill=(chunk,),
+            kernel=kernel,
+        )
+
+    slow, fast = (
+        meta(None),
+        meta(att.KernelRows(step.tables, step.query_start, step.ctx, None, tokens)),
+    )
+    query = step.query.transpose(0, 1).unsqueeze(0)  # [1, H, T, hd]
+    variant = att.Variant(window)
+    want = att.paged_attention(slow, 0, query, key, value, step.scale, variant)
+    got = att.paged_attention(fast, 0, query, key, value, step.scale, variant)
+    assert got.shape == want.shape == (1, tokens, step.heads, hd) and got.is_contiguous()
+    assert torch.equal(fast.pool, slow.pool)  # the same K/V bytes in the same rows
+    tol = 1e-5 if dtype == F32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    bad = att.PagedAttentionMetadata(**{**fast.__dict__, "k_slots": k_slots + 10**6})
+    with pytest.raises(ValueError, match="slot"):
+        att.paged_attention(bad, 0, query, key, value, step.scale, variant)
+
+
 def test_rejects_what_it_cannot_read() -> None:
     step = Step([(1, 20), (3, 40)])
     bad = step.tables.clone()

@@ -60,6 +60,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pdserve.workers.engine.model.light_op import light_op
+
 ATTENTION_NAME = "pdserve_paged"
 METADATA_KWARG = "paged_attention_metadata"
 
@@ -346,6 +348,21 @@ def paged_attention(
             f"{tuple(value.shape)} ([1, kv_heads, tokens, head_size]) but the KV pool holds "
             f"{cache.shape[-2]} heads of {cache.shape[-1]}"
         )
+    kr = meta.kernel
+    if (
+        kr is not None
+        and kr.rows is None
+        and kr.num_rows == query.shape[2]
+        and meta.write_rows is None
+        and key.dtype == value.dtype == cache.dtype
+    ):  # every row is the kernel's: one C++ call stores the K/V and attends
+        out: torch.Tensor = torch.ops.pdserve_paged.store_attend(
+            query, key, value, cache, meta.k_slots, meta.v_slots, kr.block_tables,
+            kr.query_start, kr.ctx_lens, query.shape[-1] ** -0.5 if scaling is None else scaling,
+            variant.window or 0, variant.softcap or 0.0,
+            None if variant.sinks is None else variant.sinks.to(torch.float32).contiguous(),
+        )  # fmt: skip
+        return out
     flat_cache = cache.view(-1, cache.shape[-2], cache.shape[-1])
     k_tok = key[0].transpose(0, 1)  # [T, kvh, hd]
     v_tok = value[0].transpose(0, 1)
@@ -478,11 +495,24 @@ def bind_metadata(meta: PagedAttentionMetadata) -> Iterator[None]:
         _BOUND_METADATA.reset(token)
 
 
-@torch.library.custom_op(
-    "pdserve::paged_attention",
-    mutates_args=(),
-    schema="(Tensor query, Tensor key, Tensor value, int layer_idx, float? scaling, "
-    "int? window, float? softcap, Tensor? sinks) -> Tensor",
+def _paged_attention_fake(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer_idx: int,
+    scaling: float | None,
+    window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    return query.new_empty((1, query.shape[2], query.shape[1], query.shape[3]))
+
+
+@light_op(
+    "paged_attention",
+    "(Tensor query, Tensor key, Tensor value, int layer_idx, float? scaling, int? window, "
+    "float? softcap, Tensor? sinks) -> Tensor",
+    _paged_attention_fake,
 )
 def _paged_attention_op(
     query: torch.Tensor,
@@ -495,8 +525,8 @@ def _paged_attention_op(
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """:func:`paged_attention` as one opaque op for ``torch.compile`` (after vLLM's
-    ``unified_attention`` op): the compiled graph keeps it as an extern call, so the Python
-    loops over chunks and the data-dependent metadata stay out of the graph. It writes the
+    ``unified_attention`` op; a :func:`light_op`): the compiled graph keeps it as an extern
+    call, so the Python loops over chunks and the data-dependent metadata stay out of it. It writes the
     bound pool in place (a side effect the schema does not name: the op's result is always
     used, so it is never dropped or reordered past its consumers). Returns a contiguous
     ``[1, T, H, hd]``. Raises ``KeyError`` outside :func:`bind_metadata`."""
@@ -505,20 +535,6 @@ def _paged_attention_op(
         raise KeyError(f"{METADATA_KWARG}: no metadata bound to this forward")
     variant = Variant(window, softcap, sinks)
     return paged_attention(meta, layer_idx, query, key, value, scaling, variant).contiguous()
-
-
-@_paged_attention_op.register_fake
-def _paged_attention_fake(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    layer_idx: int,
-    scaling: float | None,
-    window: int | None,
-    softcap: float | None,
-    sinks: torch.Tensor | None,
-) -> torch.Tensor:
-    return query.new_empty((1, query.shape[2], query.shape[1], query.shape[3]))
 
 
 def _no_mask(*args: object, **kwargs: object) -> None:

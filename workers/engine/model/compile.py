@@ -24,7 +24,13 @@ eager time; compiling on top of it takes decode a further 7-14 % and prefill 0-3
    (``mark_unbacked``): one graph serves every step shape (1..max_num_seqs decode rows, prefill
    chunks, mixed steps, ``S = 0`` for a chunk that does not sample), so nothing recompiles
    after the start-up warm-up. A recompile forced by something else is bounded by dynamo's
-   ``recompile_limit`` (then dynamo itself runs that code eagerly).
+   ``recompile_limit`` (then dynamo itself runs that code eagerly). The graph runs with
+   inductor's C++ wrapper (``cpp_wrapper``): the ~200 allocations and kernel calls between the
+   GEMMs are made from compiled C++ instead of a generated Python function, and the opaque ops
+   are :func:`~pdserve.workers.engine.model.light_op.light_op` s. Measured (SmolLM2 bfloat16,
+   decode batch 8, one thread, Intel Xeon with AMX): the Python wrapper cost 3.2 ms of a 29.9 ms
+   step, the C++ one makes the step 25.0 ms; the first compile of SmolLM2 takes 66 s instead of
+   40 s on two cores (later starts load inductor's cache in ~8 s either way).
 
 Start-up: :meth:`CompiledForward.warm_up` runs one forward on a scratch pool, which compiles
 the graph, and logs how long it took (tens of seconds on two cores the first time; inductor's
@@ -53,14 +59,21 @@ from pdserve.workers.engine.model.attention import (
     PrefillChunk,
     bind_metadata,
 )
+from pdserve.workers.engine.model.light_op import light_op
 
 log = logging.getLogger(__name__)
 
 
-@torch.library.custom_op(
-    "pdserve::onednn_linear",
-    mutates_args=(),
-    schema="(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor",
+def _onednn_linear_fake(
+    x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    return x.new_empty((x.shape[0], out_features))
+
+
+@light_op(
+    "onednn_linear",
+    "(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor",
+    _onednn_linear_fake,
 )
 def _onednn_linear_op(
     x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
@@ -70,18 +83,24 @@ def _onednn_linear_op(
     return out
 
 
-@_onednn_linear_op.register_fake
-def _onednn_linear_fake(
-    x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
+def _onednn_qlinear_fake(
+    qx: torch.Tensor,
+    x_scale: torch.Tensor,
+    packed_weight: torch.Tensor,
+    w_scale: torch.Tensor,
+    w_zero: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    return x.new_empty((x.shape[0], out_features))
+    return qx.new_empty((qx.shape[0], out_features), dtype=out_dtype)
 
 
-@torch.library.custom_op(
-    "pdserve::onednn_qlinear",
-    mutates_args=(),
-    schema="(Tensor qx, Tensor x_scale, Tensor packed_weight, Tensor w_scale, Tensor w_zero, "
+@light_op(
+    "onednn_qlinear",
+    "(Tensor qx, Tensor x_scale, Tensor packed_weight, Tensor w_scale, Tensor w_zero, "
     "Tensor? bias, int out_features, ScalarType out_dtype) -> Tensor",
+    _onednn_qlinear_fake,
 )
 def _onednn_qlinear_op(
     qx: torch.Tensor,
@@ -101,20 +120,6 @@ def _onednn_qlinear_op(
         qx, x_scale, zero, packed_weight, w_scale, w_zero, bias, 1.0, 0, out_dtype, "none", [], ""
     )
     return out
-
-
-@_onednn_qlinear_op.register_fake
-def _onednn_qlinear_fake(
-    qx: torch.Tensor,
-    x_scale: torch.Tensor,
-    packed_weight: torch.Tensor,
-    w_scale: torch.Tensor,
-    w_zero: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_features: int,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    return qx.new_empty((qx.shape[0], out_features), dtype=out_dtype)
 
 
 _INT8_MAX = 127.0
@@ -421,7 +426,7 @@ class CompiledForward:
             self._forward,
             fullgraph=True,
             dynamic=False,
-            options={"post_grad_custom_pre_pass": MergeDuplicateLinears()},
+            options={"post_grad_custom_pre_pass": MergeDuplicateLinears(), "cpp_wrapper": True},
         )
         self.compile_s: float | None = None
 
