@@ -52,21 +52,31 @@ class MigrationParts(Protocol):
     async def wait_for_worker(self, until: float, error: Exception) -> None: ...
 
 
+def leg_request_id(request_id: str, migration: int) -> str:
+    """The id a request's leg runs under on its worker: ``request_id`` for the first decode leg,
+    ``<request_id>~m<n>`` for the leg opened by its ``n``-th migration. A migration may land on
+    the worker it left (a stopped worker that registered again) while that worker still holds
+    the old leg, which it frees only once it notices the closed stream: the new leg must not
+    collide with it ("request id already in use")."""
+    return request_id if migration == 0 else f"{request_id}~m{migration}"
+
+
 def resume_request(
     base: GenerationRequest,
     sent: Sequence[Sequence[int]],
     sent_chars: Sequence[int],
     unfinished: Collection[int],
+    migration: int,
 ) -> GenerationRequest:
     """``base`` (the request as first sent, without handle) made the request that continues it
-    on another worker: for each unfinished choice the tokens (``sent[i]``) and characters of
-    text (``sent_chars[i]``) the client has. Prompt logprobs came with the first chunk and are
-    not asked for again."""
+    on another worker after its ``migration``-th migration (under :func:`leg_request_id`): for
+    each unfinished choice the tokens (``sent[i]``) and characters of text (``sent_chars[i]``)
+    the client has. Prompt logprobs came with the first chunk and are not asked for again."""
     sampling: SamplingParams = base.sampling
     if sampling.prompt_logprobs is not None:
         sampling = sampling.model_copy(update={"prompt_logprobs": None})
     return GenerationRequest(
-        request_id=base.request_id,
+        request_id=leg_request_id(base.request_id, migration),
         prompt_token_ids=base.prompt_token_ids,
         sampling=sampling,
         deadline=base.deadline,

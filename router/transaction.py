@@ -91,6 +91,7 @@ from pdserve.router.migration import (
     LOST_GRACE_S,
     MigrationParts,
     failure_reason,
+    leg_request_id,
     open_resumed,
     resume_request,
     unless_lost,
@@ -320,7 +321,7 @@ class Transaction:
         tl.mark("migration", pdserve_reason=reason)
         self.leg_span = tl.begin("decode", pdserve_migration=self.migrations)
         base = self.spec.generation(traceparent=tl.traceparent(self.leg_span))
-        req = resume_request(base, self._sent, self._sent_chars, self._unfinished)
+        req = resume_request(base, self._sent, self._sent_chars, self._unfinished, self.migrations)
         stream, target = await open_resumed(router, req, failed, exc, self.spec.deadline)
         self._holds.enter_context(router.view.track(target.worker_id))
         self.route = replace(self.route, worker=target)
@@ -440,7 +441,7 @@ class Transaction:
             raise InvalidRequestError(chunk.error, code=chunk.error_code)
         if chunk.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
             raise WorkerError(f"{leg} failed the request: {chunk.error or chunk.finish_reason}")
-        if chunk.request_id != self.request_id:
+        if chunk.request_id != leg_request_id(self.request_id, self.migrations):
             raise WorkerError(f"{leg} streamed a chunk for request {chunk.request_id!r}")
         tl = self.spec.timeline
         if chunk.phases:  # the leg's last chunk (even one dropped below): the worker's phases

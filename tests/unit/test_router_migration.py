@@ -144,6 +144,9 @@ async def test_a_failed_pull_is_recomputed_on_the_same_decode_worker():
         txn, events = await collect(router)
     assert "".join(e.text for e in events) == "Hi!\n"
     assert [g.handle is not None for g in d.generations] == [True, False]
+    # the second leg on the same worker runs under its own id: the worker may still hold the
+    # first leg (it frees it only once it notices the closed stream)
+    assert [g.request_id for g in d.generations] == ["r1", "r1~m1"]
     assert d.generations[1].resume is not None
     assert d.generations[1].resume[0].token_ids == (72,)
     assert migrations(router) == {("decode", "transfer"): 1.0}
