@@ -14,14 +14,19 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from pdserve.errors import TransferError, WorkerError, WorkerUnreachableError
-from pdserve.protocol import DRAINING_ERROR, GenerationRequest, ResumedChoice, WorkerRecord
+from pdserve.protocol import (
+    DRAINING_ERROR,
+    GenerationRequest,
+    KVLayout,
+    ResumedChoice,
+    WorkerRecord,
+)
 from pdserve.router.client import GenerationStream, WorkerClient
-from pdserve.router.policy import load_key
-from pdserve.router.view import LOST, WorkerView
+from pdserve.router.view import LOST, WorkerState, WorkerView
 
 if TYPE_CHECKING:
     from pdserve.config.settings import RouterSettings
@@ -50,6 +55,15 @@ class MigrationParts(Protocol):
     def settings(self) -> RouterSettings: ...
 
     async def wait_for_worker(self, until: float, error: Exception) -> None: ...
+
+    def retry_target(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        skip: Callable[[WorkerState], bool],
+        maps_from: KVLayout | None = None,
+        colocated: bool = False,
+    ) -> WorkerRecord | None: ...
 
 
 def leg_request_id(request_id: str, migration: int) -> str:
@@ -95,8 +109,8 @@ async def open_resumed(
     exc: Exception,
     deadline: float,
 ) -> tuple[GenerationStream, WorkerRecord]:
-    """Open ``req`` (a :func:`resume_request`) on the least loaded usable decode or colocated
-    worker, leaving out ``failed`` when the failure ``exc`` was its own and it is still listed
+    """Open ``req`` (a :func:`resume_request`) on the usable decode or colocated worker the
+    policy picks (:meth:`MigrationParts.retry_target`: KV-aware when the router is), leaving out ``failed`` when the failure ``exc`` was its own and it is still listed
     (one that left discovery is no candidate while gone, and may serve again once it registers
     again: stopped, then continued). A worker that refuses before streaming is left out too
     and the next one tried. While none is usable, waits for one (``router.worker_wait_s``,
@@ -109,7 +123,11 @@ async def open_resumed(
         excluded.add((failed.worker_id, failed.epoch))
     until: float | None = None
     while True:
-        target = migration_target(view, excluded)
+        target = router.retry_target(
+            req.prompt_token_ids,
+            skip=lambda w: (w.worker_id, w.record.epoch) in excluded,
+            colocated=True,
+        )
         if target is None:
             if until is None:
                 left = deadline - time.time() - 1.0
@@ -124,18 +142,6 @@ async def open_resumed(
                 view.mark_unreachable(target)
             excluded.add((target.worker_id, target.epoch))
             log.warning("req %s: migration target failed: %s", req.request_id, again)
-
-
-def migration_target(view: WorkerView, excluded: set[tuple[str, int]]) -> WorkerRecord | None:
-    """The least loaded usable decode or colocated worker whose incarnation is not in
-    ``excluded`` (None: none now)."""
-    cands = view.candidates()
-    usable = [
-        w
-        for w in (*cands.decode, *cands.colocated)
-        if (w.worker_id, w.record.epoch) not in excluded
-    ]
-    return min(usable, key=load_key).record if usable else None
 
 
 def _decode_workers_fault(exc: BaseException, worker: WorkerRecord) -> bool:

@@ -52,6 +52,10 @@ path: delta transfer); each request already on the worker counts as ``load_weigh
 Rule 1 then uses the chosen decode worker's ``cached`` as the expected cached prefix. With
 ``kv_overlap_weight == 0`` the policy is exactly the least-loaded one above.
 
+Retries (:func:`choose_retry`) use the same order: the decode worker a refused decode leg
+moves to (among those the prefill worker's KV layout maps to) and the decode or colocated
+worker a migrated stream continues on.
+
 :class:`~pdserve.errors.NoWorkerError` (HTTP 503) says what is missing: from
 :func:`choose_pair` when no pair qualifies, from :func:`choose_route` when no decode or
 colocated worker is usable.
@@ -64,7 +68,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from pdserve.errors import NoWorkerError
-from pdserve.protocol import WorkerRecord
+from pdserve.protocol import KVLayout, WorkerRecord
 from pdserve.router.view import Candidates, WorkerState
 
 
@@ -290,6 +294,32 @@ def choose_route(
     if weights.kv_aware:
         route = replace(route, scores=_scores(key, cached, *prefill, *decode, *colocated))
     return route
+
+
+def choose_retry(
+    cands: Candidates,
+    prompt_tokens: int,
+    *,
+    skip: Callable[[WorkerState], bool],
+    maps_from: KVLayout | None = None,
+    colocated: bool = False,
+    cached: Mapping[str, int] | None = None,
+    weights: RouteWeights = LEAST_LOADED,
+) -> WorkerRecord | None:
+    """The worker that takes a request whose leg failed, by the same order as
+    :func:`choose_route` (the KV-aware cost when ``weights.kv_aware``, then :func:`load_key`):
+    a decode worker (and a colocated one when ``colocated``: a migration, which needs no
+    prefill worker) that ``skip`` does not rule out (the workers or incarnations already
+    tried) and, with ``maps_from`` (the prefill worker's KV layout on a decode-leg retry, whose
+    blocks are still parked there), whose layout that one maps to. None: no such worker now."""
+    cached = cached if cached is not None and weights.kv_aware else {}
+    key = _sort_key(prompt_tokens, cached, weights)
+    usable = [
+        w
+        for w in (*cands.decode, *(cands.colocated if colocated else ()))
+        if not skip(w) and (maps_from is None or maps_from.can_map_to(w.record.layout))
+    ]
+    return min(usable, key=key).record if usable else None
 
 
 def _scores(key: _Key, cached: Mapping[str, int], *workers: WorkerState) -> tuple[Score, ...]:

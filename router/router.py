@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +44,7 @@ from pdserve.observability.tracing import Timeline
 from pdserve.protocol import (
     ContextRequest,
     ContextResponse,
+    KVLayout,
     ReleaseRequest,
     SamplingParams,
     TransferHandle,
@@ -52,10 +53,10 @@ from pdserve.protocol import (
 from pdserve.router.client import GenerationStream, WorkerClient
 from pdserve.router.kv_index import KVIndex, PromptHashes, expected_cached_tokens
 from pdserve.router.migration import failure_reason, unless_lost
-from pdserve.router.policy import Pair, Route, RouteWeights, choose_route
+from pdserve.router.policy import Pair, Route, RouteWeights, choose_retry, choose_route
 from pdserve.router.request import RequestSpec
 from pdserve.router.transaction import Transaction, drop_decode
-from pdserve.router.view import WorkerView
+from pdserve.router.view import Candidates, WorkerState, WorkerView
 
 if TYPE_CHECKING:
     from pdserve.config.settings import RouterSettings
@@ -129,18 +130,43 @@ class Router:
         """The policy's decision for this prompt now, with each candidate's expected cached
         prefix when KV-aware routing is on. Raises NoWorkerError."""
         cands = self.view.candidates()
-        cached: dict[str, int] | None = None
-        if self.kv_index is not None and self.weights.kv_aware:
-            workers = [w.record for w in (*cands.prefill, *cands.decode, *cands.colocated)]
-            cached = expected_cached_tokens(self.kv_index, workers, PromptHashes(prompt_token_ids))
         return choose_route(
             cands,
             len(prompt_token_ids),
             local_prefill_max_tokens=self.settings.local_prefill_max_tokens,
-            cached=cached,
+            cached=self._cached(cands, prompt_token_ids),
             weights=self.weights,
             exclude=exclude,
         )
+
+    def retry_target(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        skip: Callable[[WorkerState], bool],
+        maps_from: KVLayout | None = None,
+        colocated: bool = False,
+    ) -> WorkerRecord | None:
+        """The worker a failed leg moves to now (:func:`choose_retry`, with the prompt's
+        expected cached prefix per worker when KV-aware routing is on); None: none usable."""
+        cands = self.view.candidates()
+        return choose_retry(
+            cands,
+            len(prompt_token_ids),
+            skip=skip,
+            maps_from=maps_from,
+            colocated=colocated,
+            cached=self._cached(cands, prompt_token_ids),
+            weights=self.weights,
+        )
+
+    def _cached(self, cands: Candidates, prompt_token_ids: Sequence[int]) -> dict[str, int] | None:
+        """Per candidate, the prompt tokens its KV index entry says it holds (None: KV-aware
+        routing is off)."""
+        if self.kv_index is None or not self.weights.kv_aware:
+            return None
+        workers = [w.record for w in (*cands.prefill, *cands.decode, *cands.colocated)]
+        return expected_cached_tokens(self.kv_index, workers, PromptHashes(prompt_token_ids))
 
     def _record_decision(self, request_id: str, route: Route) -> None:
         """Log the decision at debug and count it (path; KV-aware: cached tokens per role)."""

@@ -22,8 +22,8 @@ Lifecycle of a two-leg request (``Transaction.state``)::
                   /internal/generate and relay its NDJSON chunks; a refusal before the stream
                   that another D may not share (unreachable, 429 queue full / no free KV
                   blocks, 503 capacity, a failed pull: P still holds the blocks) retries on
-                  the least loaded other decode worker whose KV layout P's maps to, up to 3
-                  decode workers, while the lease and the deadline last
+                  the policy's best other decode worker whose KV layout P's maps to
+                  (policy.choose_retry: the KV-aware cost when on), up to 3 decode workers, while the lease and the deadline last
       (4 again)   the decode leg failed, before or after its first chunk (stream broken,
                   in-band error, D draining, D leaving discovery and silent for
                   LOST_GRACE_S, a refusal no retry fixed): P's blocks are released and the
@@ -96,7 +96,7 @@ from pdserve.router.migration import (
     resume_request,
     unless_lost,
 )
-from pdserve.router.policy import Pair, Route, load_key
+from pdserve.router.policy import Pair, Route
 from pdserve.router.request import RequestSpec, TokenEvent
 from pdserve.router.view import LOST
 
@@ -290,7 +290,7 @@ class Transaction:
 
     async def _migrate(self, exc: PdserveError) -> None:
         """Mid-stream migration: close the failed leg, release P's parked blocks (the failed
-        decode worker may never have pulled them), and open the request on the least loaded
+        decode worker may never have pulled them), and open the request on the policy's best
         other decode or colocated worker with ``GenerationRequest.resume``: every unfinished
         choice's tokens and text as sent on, so the new worker recomputes their KV and
         continues where the stream stopped (no token repeated or missing; seeded and greedy
@@ -497,16 +497,14 @@ class Transaction:
         )
 
     def _other_decode(self, tried: set[str]) -> WorkerRecord | None:
-        """The least loaded usable decode worker not in ``tried`` that P's KV layout maps to
-        (None: no other)."""
+        """The usable decode worker not in ``tried`` that P's KV layout maps to, by the policy's
+        order (:func:`pdserve.router.policy.choose_retry`); None: no other."""
         assert self.pair is not None
-        p_layout = self.pair.prefill.layout
-        others = [
-            d
-            for d in self._router.view.candidates().decode
-            if d.worker_id not in tried and p_layout.can_map_to(d.record.layout)
-        ]
-        return min(others, key=load_key).record if others else None
+        return self._router.retry_target(
+            self.spec.prompt_token_ids,
+            skip=lambda w: w.worker_id in tried,
+            maps_from=self.pair.prefill.layout,
+        )
 
     def _accept(self, chunk: GenerationChunk, leg: str) -> bool:
         """Whether ``chunk`` is news for its choice. A finish-only chunk of a choice that has

@@ -16,7 +16,14 @@ from pdserve.discovery.kvcache import KVCacheEvent, encode_hash
 from pdserve.protocol import SamplingParams, WorkerLoad
 from pdserve.router.client import WorkerClient
 from pdserve.router.kv_index import KVIndex
-from pdserve.router.policy import LEAST_LOADED, RoutePath, RouteWeights, choose_route, route_cost
+from pdserve.router.policy import (
+    LEAST_LOADED,
+    RoutePath,
+    RouteWeights,
+    choose_retry,
+    choose_route,
+    route_cost,
+)
 from pdserve.router.router import Router
 from pdserve.router.router_metrics import RouterMetrics
 from pdserve.router.view import WorkerView
@@ -163,3 +170,30 @@ async def test_the_router_sends_the_prompt_to_the_worker_holding_it(
     assert f"after prefill on {chosen}" in caplog.text
     assert 'pdserve_router_kv_events_total{outcome="applied"} 1.0' in text  # the snapshot
     assert "pdserve_router_kv_index_blocks 10.0" in text
+
+
+def test_retries_and_migrations_take_the_first_routes_order() -> None:
+    """policy.choose_retry, used by a refused decode leg's retry and by a migration: the KV-aware
+    cost when on (the decode worker holding the prefix beats a less loaded one), least-loaded
+    otherwise; ``skip`` leaves out what was tried, ``maps_from`` what P's layout cannot reach,
+    and colocated workers count only for a migration."""
+    cands = candidates(
+        record("d0", "decode"),
+        record("d1", "decode", load=WorkerLoad(running=2)),
+        record("d2", "decode", kv_layout=layout(num_kv_heads=4)),
+        record("c0", "colocated"),
+    )
+    cached = {"d1": 960}
+
+    def pick(**kw):  # type: ignore[no-untyped-def]
+        kw.setdefault("skip", lambda w: False)
+        target = choose_retry(cands, PROMPT_TOKENS, cached=cached, **kw)
+        return target.worker_id if target is not None else None
+
+    assert pick(weights=KV) == "d1"
+    assert pick(weights=LEAST_LOADED) == "d0"
+    assert pick(weights=KV, skip=lambda w: w.worker_id == "d1") == "d0"
+    assert pick(skip=lambda w: w.worker_id in ("d0", "d1")) == "d2"
+    assert pick(skip=lambda w: w.worker_id in ("d0", "d1"), maps_from=layout()) is None
+    assert pick(skip=lambda w: w.worker_id != "c0") is None
+    assert pick(skip=lambda w: w.worker_id != "c0", colocated=True) == "c0"
