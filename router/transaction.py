@@ -376,7 +376,8 @@ class Transaction:
         """Two legs: POST the first token + handle to D. A decode worker that refuses before
         streaming for a reason another one may not share (unreachable, no KV blocks free or
         its queue full, a failed pull: P still holds the blocks, since only a pull that landed
-        releases them) is replaced by the least loaded other one that P's layout maps to, up to
+        releases them) is replaced by the policy's best other one that P's layout maps to
+        (:func:`pdserve.router.policy.choose_retry`), up to
         :data:`DECODE_ATTEMPTS` decode workers in all, while the lease and the deadline last."""
         assert self.context is not None and self.context.handle is not None  # client.context()
         assert self.pair is not None
