@@ -3,7 +3,8 @@
 - ``router``: :class:`~pdserve.router.router.Router`, picks the path (disaggregated, local
   prefill, colocated) and starts the transaction
 - ``policy``: the routing policy: which path and which workers serve a request (pairing, the
-  KV-aware cost); a pure function of a ``view`` snapshot
+  KV-aware cost), and which worker a retried or migrated leg moves to; a pure function of a
+  ``view`` snapshot
 - ``transaction``: :class:`~pdserve.router.transaction.Transaction`, one request's legs under
   one deadline (prefill -> KV hand-off -> decode), its cleanup
 - ``request``: a routed request's spec (``RequestSpec``) and what it streams back, one
@@ -11,6 +12,8 @@
 - ``view``: the live workers of one served model, read from the discovery watcher; its
   readiness
 - ``kv_index``: block hashes per worker, from the workers' KV cache events (KV-aware routing)
+- ``retry``: the one retry policy of every leg (first leg, decode-leg refusal, migration): what
+  is retryable, how often, how much deadline must be left
 - ``migration``: mid-stream migration's parts: a lost leg, why a leg failed, the request that
   continues it on another worker
 - ``client``: typed HTTP calls to a worker's request plane

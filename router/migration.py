@@ -31,6 +31,7 @@ from pdserve.router.view import LOST, WorkerState, WorkerView
 if TYPE_CHECKING:
     from pdserve.config.settings import RouterSettings
     from pdserve.protocol import SamplingParams
+    from pdserve.router.retry import RetryPolicy
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,9 @@ class MigrationParts(Protocol):
 
     @property
     def settings(self) -> RouterSettings: ...
+
+    @property
+    def retry(self) -> RetryPolicy: ...
 
     async def wait_for_worker(self, until: float, error: Exception) -> None: ...
 
@@ -110,8 +114,9 @@ async def open_resumed(
     deadline: float,
 ) -> tuple[GenerationStream, WorkerRecord]:
     """Open ``req`` (a :func:`resume_request`) on the usable decode or colocated worker the
-    policy picks (:meth:`MigrationParts.retry_target`: KV-aware when the router is), leaving out ``failed`` when the failure ``exc`` was its own and it is still listed
-    (one that left discovery is no candidate while gone, and may serve again once it registers
+    policy picks (:meth:`MigrationParts.retry_target`: KV-aware when the router is), leaving
+    out ``failed`` when the failure ``exc`` was its own and it is still listed (one that left
+    discovery is no candidate while gone, and may serve again once it registers
     again: stopped, then continued). A worker that refuses before streaming is left out too
     and the next one tried. While none is usable, waits for one (``router.worker_wait_s``,
     within ``deadline``, wall-clock seconds). Raises ``exc`` when none comes, or a refusal

@@ -36,8 +36,6 @@ from pdserve.errors import (
     NoWorkerError,
     PdserveError,
     QueueFullError,
-    TransferError,
-    WorkerError,
     WorkerUnreachableError,
 )
 from pdserve.observability.tracing import Timeline
@@ -55,6 +53,7 @@ from pdserve.router.kv_index import KVIndex, PromptHashes, expected_cached_token
 from pdserve.router.migration import failure_reason, unless_lost
 from pdserve.router.policy import Pair, Route, RouteWeights, choose_retry, choose_route
 from pdserve.router.request import RequestSpec
+from pdserve.router.retry import LEG_FAILURES, RetryPolicy
 from pdserve.router.transaction import Transaction, drop_decode
 from pdserve.router.view import Candidates, WorkerState, WorkerView
 
@@ -93,6 +92,7 @@ class Router:
         self.metrics = metrics
         self.kv_index = kv_index
         self.weights = RouteWeights(settings.kv_overlap_weight, settings.load_weight)
+        self.retry = RetryPolicy(settings.migration_limit)
         self._waiting = 0  # requests held by wait_for_worker
 
     async def start(
@@ -237,14 +237,12 @@ class Router:
                 else:
                     context = await self._prefill(spec, pair)
                     txn = Transaction(self, spec, route, context, holds)
-            except (WorkerError, TransferError) as exc:
+            except LEG_FAILURES as exc:
                 holds.close()
                 worker = route.prefill or route.worker
                 if isinstance(exc, WorkerUnreachableError):
                     self.view.mark_unreachable(worker)
-                # migration_limit 0: only a refused connection is retried, once
-                limit = self.settings.migration_limit or int(type(exc) is WorkerUnreachableError)
-                if retries >= limit or spec.deadline - time.time() <= 1.0:
+                if not self.retry.first_leg(exc, retries, spec.deadline):
                     raise
                 retries += 1
                 reason = failure_reason(exc)

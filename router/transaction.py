@@ -68,13 +68,8 @@ from typing import TYPE_CHECKING, Protocol
 import anyio
 
 from pdserve.errors import (
-    CapacityError,
-    HandleError,
     InvalidRequestError,
-    LayoutMismatchError,
     PdserveError,
-    QueueFullError,
-    TransferError,
     WorkerError,
     WorkerUnreachableError,
 )
@@ -98,6 +93,7 @@ from pdserve.router.migration import (
 )
 from pdserve.router.policy import Pair, Route
 from pdserve.router.request import RequestSpec, TokenEvent
+from pdserve.router.retry import DECODE_REFUSALS, LEG_FAILURES
 from pdserve.router.view import LOST
 
 if TYPE_CHECKING:
@@ -125,14 +121,6 @@ class TxnState(StrEnum):
     ABANDONED = "abandoned"
 
 
-_NOT_RETRIED = frozenset({HandleError.code, LayoutMismatchError.code})
-"""Decode-leg refusals no other decode worker fixes (the handle is refused, or P's KV layout
-maps to no pool of this kind), by error code (the envelope's, as the client raises it)."""
-
-DECODE_ATTEMPTS = 3
-"""Decode workers one request's decode leg may try (the first and two retries)."""
-
-
 class Transaction:
     """States 3-5 of one request (or the one-leg stream after its first token); see the module
     docstring. Not reusable: iterate :meth:`events` once, then (or instead) call
@@ -150,6 +138,7 @@ class Transaction:
         decode_ahead: asyncio.Future[GenerationStream] | None = None,
     ) -> None:
         self._router = router
+        self._retry = router.retry
         self._decode_ahead = decode_ahead  # the streamed hand-off's decode leg, opening
         self.spec = spec
         self.route = route
@@ -255,12 +244,13 @@ class Transaction:
 
     async def _decode(self) -> AsyncIterator[TokenEvent]:
         """The decode leg's events; a leg that fails (before or after its first chunk) is
-        migrated (:meth:`_migrate`) while ``router.migration_limit`` allows."""
+        migrated (:meth:`_migrate`) while the retry policy allows
+        (:meth:`~pdserve.router.retry.RetryPolicy.migration`)."""
         if self._chunks is None:
             try:
                 await self._open_decode_leg()
-            except (WorkerError, TransferError) as exc:
-                if not self._may_migrate(exc):
+            except LEG_FAILURES as exc:
+                if not self._retry.migration(self.migrations, self.spec.deadline):
                     raise
                 await self._migrate(exc)
         while True:
@@ -277,16 +267,10 @@ class Transaction:
                 raise WorkerError(
                     f"{self._leg} ended its stream before choice(s) {unfinished} finished"
                 )
-            except (WorkerError, TransferError) as exc:
-                if not self._may_migrate(exc):
+            except LEG_FAILURES as exc:
+                if not self._retry.migration(self.migrations, self.spec.deadline):
                     raise
                 await self._migrate(exc)
-
-    def _may_migrate(self, exc: PdserveError) -> bool:
-        """Whether a failed decode leg is run again elsewhere: within ``migration_limit`` and
-        with more than a second of the deadline left."""
-        limit = self._router.settings.migration_limit
-        return self.migrations < limit and self.spec.deadline - time.time() > 1.0
 
     async def _migrate(self, exc: PdserveError) -> None:
         """Mid-stream migration: close the failed leg, release P's parked blocks (the failed
@@ -378,7 +362,8 @@ class Transaction:
         its queue full, a failed pull: P still holds the blocks, since only a pull that landed
         releases them) is replaced by the policy's best other one that P's layout maps to
         (:func:`pdserve.router.policy.choose_retry`), up to
-        :data:`DECODE_ATTEMPTS` decode workers in all, while the lease and the deadline last."""
+        :data:`~pdserve.router.retry.DECODE_ATTEMPTS` decode workers in all, while the lease and
+        the deadline last (:meth:`~pdserve.router.retry.RetryPolicy.decode_refusal`)."""
         assert self.context is not None and self.context.handle is not None  # client.context()
         assert self.pair is not None
         handle = self.context.handle
@@ -389,7 +374,7 @@ class Transaction:
             try:
                 self._watch(await ahead, self.pair.decode)
                 return
-            except (WorkerUnreachableError, QueueFullError, CapacityError, TransferError) as exc:
+            except DECODE_REFUSALS as exc:
                 log.warning(  # P still holds the blocks: hand the whole request off instead
                     "req %s: streamed hand-off to %s failed (%s); handing off the whole prompt",
                     self.request_id,
@@ -412,13 +397,14 @@ class Transaction:
                 call = self._router.client.generate(decode, req)
                 stream = await unless_lost(self._router.view, (self.pair.prefill, decode), call)
                 break
-            except (WorkerUnreachableError, QueueFullError, CapacityError, TransferError) as exc:
+            except DECODE_REFUSALS as exc:
                 if isinstance(exc, WorkerUnreachableError):
                     self._router.view.mark_unreachable(decode)
-                other = self._other_decode(tried)
-                final = exc.code in _NOT_RETRIED  # the handle or P's layout: same everywhere
-                left = min(handle.lease_remaining(), self.spec.deadline - time.time())
-                if final or other is None or len(tried) >= DECODE_ATTEMPTS or left <= 1.0:
+                retry = self._retry.decode_refusal(
+                    exc, len(tried), self.spec.deadline, handle.lease_remaining()
+                )
+                other = self._other_decode(tried) if retry else None
+                if other is None:
                     raise
                 log.warning(
                     "req %s: %s; retrying on decode worker %s",
