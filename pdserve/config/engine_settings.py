@@ -93,7 +93,7 @@ class ModelSettings(_Section):
         Field(
             default="none",
             description="w8a8: int8 weights (per output channel) x int8 activations (one "
-            "dynamic scale per GEMM) for every linear layer but the LM head, oneDNN's int8 "
+            "dynamic scale per token) for every linear layer but the LM head, oneDNN's int8 "
             "GEMMs (VNNI / AMX-INT8) in the compiled CPU forward; CPU, one rank. int8: "
             "weight-only int8 (torchao's Int8WeightOnlyConfig; pip install 'pdserve[int8]'), "
             "a quarter of float32's weight memory, forward run eagerly. docs/benchmarks.md "
