@@ -334,7 +334,10 @@ class Transaction:
             self._unwatch = None
         if self._stream is not None:
             with anyio.move_on_after(self._router.client.release_timeout_s, shield=True):
-                await self._stream.aclose()
+                if error is None and self.state is TxnState.FINISHED:
+                    await self._stream.finish()  # keeps the connection for the next request
+                else:
+                    await self._stream.aclose()
 
     async def _release_prefill(self) -> None:
         """Ask P to free the request's parked blocks (once; best effort)."""
