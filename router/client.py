@@ -201,7 +201,7 @@ class GenerationStream:
                     async for line in self._lines:
                         if line.strip():
                             break  # not the end: the connection is dropped below
-            except (httpx.HTTPError, TimeoutError):
+            except (httpx.HTTPError, TimeoutError, RuntimeError):  # RuntimeError: being read
                 pass
         await self.aclose()
 

@@ -23,7 +23,8 @@ Lifecycle of a two-leg request (``Transaction.state``)::
                   that another D may not share (unreachable, 429 queue full / no free KV
                   blocks, 503 capacity, a failed pull: P still holds the blocks) retries on
                   the policy's best other decode worker whose KV layout P's maps to
-                  (policy.choose_retry: the KV-aware cost when on), up to 3 decode workers, while the lease and the deadline last
+                  (policy.choose_retry: the KV-aware cost when on), up to 3 decode
+                  workers, while the lease and the deadline last
       (4 again)   the decode leg failed, before or after its first chunk (stream broken,
                   in-band error, D draining, D leaving discovery and silent for
                   LOST_GRACE_S, a refusal no retry fixed): P's blocks are released and the
