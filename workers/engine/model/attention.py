@@ -526,9 +526,9 @@ def _paged_attention_op(
 ) -> torch.Tensor:
     """:func:`paged_attention` as one opaque op for ``torch.compile`` (after vLLM's
     ``unified_attention`` op; a :func:`light_op`): the compiled graph keeps it as an extern
-    call, so the Python loops over chunks and the data-dependent metadata stay out of it. It writes the
-    bound pool in place (a side effect the schema does not name: the op's result is always
-    used, so it is never dropped or reordered past its consumers). Returns a contiguous
+    call, so the Python loops over chunks and the data-dependent metadata stay out of it. It
+    writes the bound pool in place (a side effect the schema does not name: the op's result is
+    always used, so it is never dropped or reordered past its consumers). Returns a contiguous
     ``[1, T, H, hd]``. Raises ``KeyError`` outside :func:`bind_metadata`."""
     meta = _BOUND_METADATA.get()
     if meta is None:
