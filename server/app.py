@@ -188,7 +188,12 @@ def create_apps(
     if owned_registry:
         from pdserve.discovery import EmbeddedRegistry
 
-        registry = EmbeddedRegistry(ttl_s=cfg.discovery.registration_ttl_s, key=key)
+        store = None
+        if cfg.router.registry_store:
+            from pdserve.discovery.registry_store import RegistryStore
+
+            store = RegistryStore(cfg.router.registry_store)
+        registry = EmbeddedRegistry(ttl_s=cfg.discovery.registration_ttl_s, key=key, store=store)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -197,7 +202,8 @@ def create_apps(
                 cfg, stack, watcher, registry, owned_registry, http_client, key
             )
             log.info(
-                "router serving %s (context window %d tokens, discovery %s)",
+                "router%s serving %s (context window %d tokens, discovery %s)",
+                f" {cfg.router.name}" if cfg.router.name else "",
                 cfg.served_model_name,
                 app.state.pdserve.max_model_len,
                 cfg.discovery.url,

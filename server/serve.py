@@ -11,6 +11,10 @@ use :class:`~pdserve.http.uvicorn_protocol.HeaderDeadlineH11Protocol`.
 
 The public port never serves ``/registry/*`` (404 there); the internal listener serves nothing
 else, and every one of its routes needs the cluster token.
+
+With ``router.reuse_port`` both listeners are bound here with SO_REUSEPORT, so that the router
+replicas of one host (``pdserve up --routers N``) share them; the kernel hands each new
+connection to one replica's listener, and a replica that dies stops receiving new ones.
 """
 
 from __future__ import annotations
@@ -45,18 +49,26 @@ class _InternalServer(uvicorn.Server):
         yield
 
 
-def bind_listener(host: str, port: int) -> socket.socket:
+def bind_listener(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
     """A TCP socket bound to ``host``:``port`` (0: the OS picks) and listening
-    (:func:`~pdserve.config.hosts.listening_socket`; uvicorn serves it). Raises OSError
+    (:func:`~pdserve.config.hosts.listening_socket`; uvicorn serves it), shared with the
+    other replicas when ``reuse_port`` (then bound but not yet listening: uvicorn listens once
+    the app has started, so a starting replica takes no connection). Raises OSError
     (``socket.gaierror`` for a host that does not resolve)."""
-    return listening_socket(host, port)
+    return listening_socket(host, port, reuse_port=reuse_port, listen=not reuse_port)
 
 
 async def serve(
-    apps: RouterApps, cfg: RouterConfig, log_level: str, registry_sock: socket.socket | None
+    apps: RouterApps,
+    cfg: RouterConfig,
+    log_level: str,
+    registry_sock: socket.socket | None,
+    public_sock: socket.socket | None = None,
 ) -> None:
     """Serve ``apps`` until SIGINT / SIGTERM (module docstring); ``registry_sock``: the internal
-    listener's socket (:func:`bind_listener`), needed when ``apps.registry`` is set."""
+    listener's socket (:func:`bind_listener`), needed when ``apps.registry`` is set;
+    ``public_sock``: the public listener's, when bound by the caller (SO_REUSEPORT), else
+    uvicorn binds ``router.host``:``router.port`` itself."""
 
     def config(app: object, **kw: object) -> uvicorn.Config:
         return uvicorn.Config(
@@ -70,12 +82,13 @@ async def serve(
         )
 
     public = uvicorn.Server(config(apps.public, host=cfg.router.host, port=cfg.router.port))
+    public_socks = None if public_sock is None else [public_sock]
     if apps.registry is None:
-        await public.serve()
+        await public.serve(public_socks)
         return
     assert registry_sock is not None
     internal = _InternalServer(config(apps.registry, lifespan="off"))
-    public_task = asyncio.create_task(public.serve(), name="router-public")
+    public_task = asyncio.create_task(public.serve(public_socks), name="router-public")
     internal_task: asyncio.Task[None] | None = None
 
     def internal_ended(task: asyncio.Task[None]) -> None:
@@ -117,11 +130,23 @@ def run_router(cfg: RouterConfig, log_level: str) -> int:
     internal listener (1 when it cannot be bound, saying so) and serve (:func:`serve`); 0
     after a clean stop."""
     apps = create_apps(cfg)
-    sock = None
-    if apps.registry is not None:
-        r = cfg.router
+    sock = public = None
+    r = cfg.router
+    if r.reuse_port:  # uvicorn sets no SO_REUSEPORT itself: bind the public port here
         try:
-            sock = bind_listener(r.registry_bind_host, r.registry_bind_port)
+            public = bind_listener(r.host, r.port, reuse_port=True)
+        except OSError as exc:
+            print(
+                f"pdserve: cannot serve on {r.host}:{r.port} with SO_REUSEPORT: "
+                f"{exc.strerror or exc} (held by a process that does not share it?)",
+                file=sys.stderr,
+            )
+            return 1
+    if apps.registry is not None:
+        try:
+            sock = bind_listener(
+                r.registry_bind_host, r.registry_bind_port, reuse_port=r.reuse_port
+            )
         except OSError as exc:
             print(
                 f"pdserve: cannot serve the embedded registry on "
@@ -130,5 +155,5 @@ def run_router(cfg: RouterConfig, log_level: str) -> int:
                 file=sys.stderr,
             )
             return 1
-    asyncio.run(serve(apps, cfg, log_level, sock))
+    asyncio.run(serve(apps, cfg, log_level, sock, public))
     return 0

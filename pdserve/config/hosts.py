@@ -48,7 +48,13 @@ def advertised_host(host: str, advertise_host: str | None) -> str:
 
 
 def listening_socket(
-    host: str, port: int, *, nodelay: bool = False, backlog: int = 2048
+    host: str,
+    port: int,
+    *,
+    nodelay: bool = False,
+    backlog: int = 2048,
+    reuse_port: bool = False,
+    listen: bool = True,
 ) -> socket.socket:
     """A TCP socket bound to ``host``:``port`` and already listening (``backlog`` connections;
     the kernel caps it at ``somaxconn``). ``port`` 0: the OS picks (read it back with
@@ -64,6 +70,12 @@ def listening_socket(
     ``OSError: [Errno 98] Address already in use`` from the worker's ``listen``). A listening
     socket's port cannot be bound by anyone else.
 
+    ``reuse_port``: SO_REUSEPORT, so that other processes of this user that set it too listen on
+    the same port, the kernel spreading new connections over the listeners (router replicas).
+    ``listen=False`` (with ``reuse_port`` only) returns it bound but not listening: it gets no
+    connection until its server listens (asyncio's ``create_server`` does, once the app has
+    started), so a replica that is still starting takes no share of the port.
+
     Raises OSError (``socket.gaierror`` when ``host`` does not resolve; EADDRINUSE when a fixed
     port is taken)."""
     family, kind, proto, _, addr = socket.getaddrinfo(
@@ -74,8 +86,11 @@ def listening_socket(
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if nodelay:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(addr)
-        sock.listen(backlog)
+        if listen or not reuse_port:
+            sock.listen(backlog)
     except OSError:
         sock.close()
         raise

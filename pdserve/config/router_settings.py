@@ -45,6 +45,34 @@ class RouterSettings(_Section):
         description="port of the embedded registry's internal listener, never the public "
         "port; default: port + 1 (8001)",
     )
+    replicas: Annotated[int, Flag("--routers", ("up",))] = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="router processes pdserve up runs on the one public port (SO_REUSEPORT: "
+        "the kernel spreads connections over them); each builds its own view and KV index, "
+        "the embedded registry is shared through a SQLite file (registry_store), and the "
+        "supervisor restarts a replica that dies, while the others go on serving",
+    )
+    name: Annotated[str | None, Flag("--router-name", ("router",))] = Field(
+        default=None,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="this router replica's name in its logs; pdserve up --routers N names "
+        "them router-0 ... router-<N-1>",
+    )
+    reuse_port: Annotated[bool, Flag("--reuse-port", ("router",))] = Field(
+        default=False,
+        description="bind the public port and the registry's internal listener with "
+        "SO_REUSEPORT, so that several router processes of one host (same user) share them; "
+        "pdserve up --routers N sets it",
+    )
+    registry_store: Annotated[str | None, Flag("--registry-store", ("router",))] = Field(
+        default=None,
+        description="SQLite file through which the router replicas of one host share the "
+        "embedded registry (worker records, KV cache events); default: none, the registry "
+        "lives in this process only. pdserve up --routers N sets one in its config folder",
+    )
     url: str | None = Field(
         default=None,
         pattern=r"^https?://\S+$",

@@ -25,10 +25,19 @@ holds its endpoints and NIXL agent metadata). A PUT's record must also carry a v
 A record lapses ``ttl_s`` seconds after its last PUT. Lapsed records are dropped lazily on every
 read and by a sweep task every ``sweep_interval_s``; subscribers get a delete for each.
 
+Router replicas (``pdserve up --routers N``, ``router.registry_store``): with a
+:class:`~pdserve.discovery.registry_store.RegistryStore`, every PUT, DELETE and KV event is
+written to that SQLite file as well as applied here, and the sync task applies what the other
+replicas wrote (every ``sync_interval_s``), so a worker registered with any replica is in every
+replica's view and its KV events reach every replica's index. A replica whose KV index wants a
+snapshot of a worker records the want in the store; whichever replica takes that worker's next
+event asks for the snapshot in its ack.
+
 :class:`EmbeddedWatcher` is the router's :class:`Watcher` over its own registry (no HTTP).
 
-Async-safety: one event loop (the router's); not thread-safe. Expiry uses ``time.monotonic()``,
-which is fine because the TTL never leaves this process (the wire carries durations).
+Async-safety: one event loop (the router's); not thread-safe. Expiry uses ``time.monotonic()``:
+the wire carries durations, and the shared store's deadlines are read by processes of one host,
+which share that clock.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ from starlette.responses import Response
 
 from pdserve.discovery.kvcache import KVCacheEvent, KVEventAck, KVEventHandler
 from pdserve.discovery.records import RecordTable, Subscriber, Watcher
+from pdserve.discovery.registry_store import Change, RegistryStore
 from pdserve.discovery.retry import cancel_task
 from pdserve.discovery.url import check_ttl
 from pdserve.errors import AuthenticationError
@@ -114,36 +124,130 @@ class EmbeddedRegistry:
 
     ``ttl_s`` (seconds) applies to PUTs that carry none; ``sweep_interval_s`` (seconds, default
     ``min(1, ttl_s / 4)``) is how often the sweep task drops lapsed records. ``key`` (the
-    cluster key) guards the HTTP routes and verifies every record's signature.
+    cluster key) guards the HTTP routes and verifies every record's signature. ``store``: the
+    SQLite store shared with the other router replicas of this host (module docstring), which
+    the registry opens in :meth:`start` and closes in :meth:`close`; ``sync_interval_s``
+    (seconds) is how often it reads what the other replicas wrote.
     """
 
     def __init__(
-        self, *, ttl_s: float, key: ClusterKey, sweep_interval_s: float | None = None
+        self,
+        *,
+        ttl_s: float,
+        key: ClusterKey,
+        sweep_interval_s: float | None = None,
+        store: RegistryStore | None = None,
+        sync_interval_s: float = 0.05,
     ) -> None:
         self.ttl_s = check_ttl(ttl_s)
         self.sweep_interval_s = check_ttl(sweep_interval_s or min(1.0, self.ttl_s / 4))
         self.key = key
         self.view = RecordTable(key=key)
+        self.store = store
+        self.sync_interval_s = sync_interval_s
         self._expires_at: dict[str, float] = {}  # worker_id -> monotonic deadline
         self._sweeper: asyncio.Task[None] | None = None
+        self._syncer: asyncio.Task[None] | None = None
         self._kv_handlers: list[KVEventHandler] = []
+        self._seq = 0  # the store's change log, read up to here
+        self._store_open = False
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start the sweep task (idempotent). Without it, expiry happens only on reads."""
+        """Start the sweep task (idempotent; without it, expiry happens only on reads); with a
+        store, open it, load its live records and start the sync task. Raises
+        ``sqlite3.Error`` when the store cannot be opened."""
         if self._sweeper is None or self._sweeper.done():
             self._sweeper = asyncio.create_task(self._sweep_loop(), name="registry-sweep")
+        if self.store is not None and (self._syncer is None or self._syncer.done()):
+            if not self._store_open:
+                await self.store.call(self.store.open)
+                self._store_open = True
+                await self._reload()
+                logger.info(
+                    "embedded registry shared through %s (%d live records)",
+                    self.store.path,
+                    len(self.view),
+                )
+            self._syncer = asyncio.create_task(self._sync_loop(), name="registry-sync")
 
     async def close(self) -> None:
-        """Stop the sweep task; idempotent. Records stay readable."""
-        task, self._sweeper = self._sweeper, None
-        await cancel_task(task)
+        """Stop the sweep and sync tasks and close the store; idempotent. Records stay
+        readable."""
+        for task in (self._sweeper, self._syncer):
+            await cancel_task(task)
+        self._sweeper = self._syncer = None
+        if self.store is not None:
+            self._store_open = False
+            await asyncio.to_thread(self.store.shutdown)
 
     async def _sweep_loop(self) -> None:
         while True:
             await asyncio.sleep(self.sweep_interval_s)
             self.expire()
+
+    # -- the shared store --------------------------------------------------------------------
+
+    async def _reload(self) -> None:
+        """Make the view the store's live records (at start, and after falling behind the
+        store's trimmed log)."""
+        assert self.store is not None
+        loaded = await self.store.call(self.store.load)
+        records = {}
+        for body, expires_at in loaded.records:
+            record = WorkerRecord.model_validate_json(body)
+            records[record.worker_id] = record
+            self._expires_at[record.worker_id] = expires_at
+        for gone in [w for w in self._expires_at if w not in records]:
+            del self._expires_at[gone]
+        self.view.replace_all(records.values(), "not in the shared registry store")
+        self._seq = loaded.seq
+
+    async def _sync_loop(self) -> None:
+        assert self.store is not None
+        trim_every = max(1, round(5.0 / self.sync_interval_s))
+        rounds = 0
+        while True:
+            await asyncio.sleep(self.sync_interval_s)
+            rounds += 1
+            try:
+                await self.sync()
+                if rounds % trim_every == 0:
+                    await self.store.call(self.store.trim)
+            except Exception:  # a locked or unwritable store: the next round tries again
+                logger.exception("reading the shared registry store %s failed", self.store.path)
+
+    async def sync(self) -> int:
+        """Apply the changes the other replicas wrote since the last call; return how many
+        (no-op without a store)."""
+        if self.store is None or not self._store_open:
+            return 0
+        store = self.store
+        changes = await store.call(lambda: store.changes_after(self._seq))
+        if changes is None:
+            logger.warning("fell behind the shared registry store's log; reloading its records")
+            await self._reload()
+            return 0
+        for change in changes:
+            self._seq = change.seq
+            if change.origin != store.origin:
+                await self._apply(change)
+        return len(changes)
+
+    async def _apply(self, change: Change) -> None:
+        if change.kind == "put" and change.body is not None and change.expires_at is not None:
+            record = WorkerRecord.model_validate_json(change.body)
+            if self.view.put(record):
+                self._expires_at[record.worker_id] = change.expires_at
+        elif change.kind == "delete":
+            self._expires_at.pop(change.worker_id, None)
+            self.view.delete(change.worker_id, "deregistered")
+        elif change.kind == "kv" and change.body is not None:
+            event = KVCacheEvent.model_validate_json(change.body)
+            if self._hand_out(event) and self.store is not None:
+                store = self.store
+                await store.call(lambda: store.want_snapshot(event.worker_id))
 
     # -- records -----------------------------------------------------------------------------
 
@@ -201,6 +305,9 @@ class EmbeddedRegistry:
     def kv_event(self, event: KVCacheEvent) -> KVEventAck:
         """Pass ``event`` to the KV event subscribers; the ack asks for a snapshot when one
         of them wants it (a failing subscriber is logged and asks for one)."""
+        return KVEventAck(snapshot=self._hand_out(event))
+
+    def _hand_out(self, event: KVCacheEvent) -> bool:
         snapshot = False
         for handler in list(self._kv_handlers):
             try:
@@ -208,7 +315,48 @@ class EmbeddedRegistry:
             except Exception:
                 logger.exception("KV event subscriber %r failed on %s", handler, event.worker_id)
                 snapshot = True
-        return KVEventAck(snapshot=snapshot)
+        return snapshot
+
+    # -- what the routes call: through the shared store when there is one ---------------------
+
+    async def register(self, record: WorkerRecord, ttl_s: float | None = None) -> bool:
+        """:meth:`put`, written to the shared store first when there is one (the store checks
+        the epoch against every replica's writes). Raises as :meth:`put` does, and
+        ``sqlite3.Error`` when the store cannot be written."""
+        if self.store is None:
+            return self.put(record, ttl_s)
+        if not self.view.accepts(record):
+            raise AuthenticationError(
+                f"the record of worker {record.worker_id!r} is not signed with the cluster key"
+            )
+        expires_at = time.monotonic() + (check_ttl(ttl_s) if ttl_s is not None else self.ttl_s)
+        store, body = self.store, record.model_dump_json()
+        created = await store.call(
+            lambda: store.put(record.worker_id, record.epoch, body, expires_at)
+        )
+        self.view.put(record)
+        self._expires_at[record.worker_id] = expires_at
+        return created
+
+    async def deregister(self, worker_id: str) -> bool:
+        """:meth:`remove`, through the shared store when there is one."""
+        if self.store is None:
+            return self.remove(worker_id)
+        store = self.store
+        removed = await store.call(lambda: store.remove(worker_id))
+        self.remove(worker_id)
+        return removed
+
+    async def post_kv_event(self, event: KVCacheEvent) -> KVEventAck:
+        """:meth:`kv_event`, logged to the shared store when there is one (the other
+        replicas apply it from there); the ack also asks for a snapshot that another replica
+        wants."""
+        if self.store is None:
+            return self.kv_event(event)
+        wanted_here = self._hand_out(event)
+        store, body = self.store, event.model_dump_json()
+        wanted = await store.call(lambda: store.add_kv_event(event.worker_id, body))
+        return KVEventAck(snapshot=wanted_here or wanted)
 
     # -- HTTP --------------------------------------------------------------------------------
 
@@ -229,8 +377,8 @@ class EmbeddedRegistry:
                     400, f"path worker_id {worker_id!r} != record {body.record.worker_id!r}"
                 )
             try:
-                created = self.put(body.record, body.ttl_s)
-            except ValueError as exc:
+                created = await self.register(body.record, body.ttl_s)
+            except ValueError as exc:  # StaleEpochError too
                 raise fastapi.HTTPException(409, str(exc)) from None
             return RegisterReply(
                 worker_id=worker_id, ttl_s=body.ttl_s or self.ttl_s, created=created
@@ -238,7 +386,7 @@ class EmbeddedRegistry:
 
         @api.delete("/workers/{worker_id}")
         async def deregister(worker_id: str) -> dict[str, bool]:
-            return {"removed": self.remove(worker_id)}
+            return {"removed": await self.deregister(worker_id)}
 
         @api.get("/workers", response_model=WorkerList)
         async def list_workers() -> WorkerList:
@@ -257,7 +405,7 @@ class EmbeddedRegistry:
                 raise fastapi.HTTPException(
                     400, f"path worker_id {worker_id!r} != event {event.worker_id!r}"
                 )
-            return self.kv_event(event)
+            return await self.post_kv_event(event)
 
         return api
 

@@ -184,7 +184,10 @@ def run_up(
         try:
             stack.start()
             workers = " + ".join(f"{n} {role}" for role, n in zip(ROLES, expected, strict=True))
-            print(f"pdserve: starting router + {workers} worker(s) for {name} ...", file=sys.stderr)
+            routers = "router" if cfg.router.replicas == 1 else f"{cfg.router.replicas} routers"
+            print(
+                f"pdserve: starting {routers} + {workers} worker(s) for {name} ...", file=sys.stderr
+            )
             # ready: every worker of each role registered, not just a first pair
             if stack.wait_ready(ready_timeout_s, stopping=lambda: stopping):
                 print(

@@ -9,7 +9,10 @@ Lifecycle of a :class:`Stack` (made from a :class:`StackSpec`)::
               when the stack is made, and then its registry's port, unless set, to another
               one) with their secrets moved into 0600 files, written to
               ``config_dir/config.yaml``; the file names the secret files and holds no secret
-    2 START   start(): the router, then ``settings.<role>.replicas`` workers of each role
+    2 START   start(): the router (``router.replicas`` of them, named ``router-<i>``, when
+              more than one: they share the port with SO_REUSEPORT and the embedded registry
+              through ``registry.sqlite`` in the config folder), then
+              ``settings.<role>.replicas`` workers of each role
               (prefill, decode, colocated), named ``<role>-<i>``; or start_router() and
               start_worker() one at a time, later ones too (a test adds a worker mid-run)
     3 READY   wait_ready(): ``GET {url}/ready`` answers 200 and its body lists at least the
@@ -56,6 +59,7 @@ if TYPE_CHECKING:
 ROUTER_TIER, WORKER_TIER = 0, 1
 """Stop tiers: the supervisor stops the highest first, so workers go before the router."""
 CONFIG_FILE = "config.yaml"
+REGISTRY_STORE_FILE = "registry.sqlite"
 CLUSTER_SECRET_FILE = "cluster-secret"
 API_KEY_FILE = "api-keys"
 
@@ -263,7 +267,7 @@ class Stack:
             folder = self._own_dir = Path(tempfile.mkdtemp(prefix="pdserve-stack-"))
         else:
             folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.settings = write_child_secrets(self.settings, folder)
+        self.settings = with_router_replicas(write_child_secrets(self.settings, folder), folder)
         self._config_file = _write_config(self.settings, folder)
         return self._config_file
 
@@ -289,9 +293,23 @@ class Stack:
         self.roles[name] = role
         return process
 
+    def router_names(self) -> list[str]:
+        """``["router"]``, or ``router-0`` ... for ``router.replicas`` > 1."""
+        n = self.settings.router.replicas
+        return ["router"] if n == 1 else [f"router-{i}" for i in range(n)]
+
     def start_router(self, args: Sequence[str] = ()) -> ManagedProcess:
-        """Start the router (``args`` after the spec's). Raises OSError when it cannot run."""
-        return self._spawn("router", "router", args)
+        """Start the router, every replica of it (``args`` after the spec's; a replica also
+        gets ``--router-name NAME``); returns the first. Raises OSError when it cannot run."""
+        self.write_config()
+        names = self.router_names()
+        started = [
+            self._spawn(
+                "router", name, [*args, *(["--router-name", name] if len(names) > 1 else [])]
+            )
+            for name in names
+        ]
+        return started[0]
 
     def start_worker(
         self, role: str, name: str | None = None, args: Sequence[str] = ()
@@ -354,6 +372,22 @@ class Stack:
         if self._own_dir is not None:
             shutil.rmtree(self._own_dir, ignore_errors=True)
             self._own_dir = None
+
+
+def with_router_replicas(cfg: PdserveConfig, folder: Path) -> PdserveConfig:
+    """``cfg`` as its router replicas read it: with ``router.replicas`` > 1, SO_REUSEPORT on
+    and, with the embedded registry, its shared store in ``folder`` (a fresh file: one left
+    by an earlier stack is removed). ``cfg`` itself when there is one router."""
+    r = cfg.router
+    if r.replicas == 1:
+        return cfg
+    update: dict[str, Any] = {"reuse_port": True}
+    if cfg.discovery.url == "embedded" and not r.registry_store:
+        store = folder / REGISTRY_STORE_FILE
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{store}{suffix}").unlink(missing_ok=True)
+        update["registry_store"] = str(store)
+    return cfg.model_copy(update={"router": r.model_copy(update=update)})
 
 
 def with_replicas(cfg: PdserveConfig, workers: Mapping[str, int]) -> PdserveConfig:

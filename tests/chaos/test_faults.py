@@ -2,8 +2,9 @@
 
 Two stacks (router + 1 prefill + 1 decode on the tiny model, 3 s lease and registration TTL):
 one on etcd discovery for the process faults and the etcd restart, with a 45 s request
-deadline that outlasts a worker's restart, and one on NATS (12 s deadline) for the NATS
-restart. Under 8 streaming requests in flight at all times, each fault is injected once; then,
+deadline that outlasts a worker's restart, one on NATS (12 s deadline) for the NATS
+restart, and one with two router replicas on the embedded default (``--routers 2``) for a
+router's kill. Under 8 streaming requests in flight at all times, each fault is injected once; then,
 for every request: it ended (success or an explicit error) within its deadline, and no complete
 stream differs from the prompt's solo greedy output; after the load stops, every worker's KV
 pool is back to its total with nothing parked (no lease left); and a new request succeeded
@@ -11,8 +12,10 @@ within :data:`~tests.support.chaos.RECOVER_S` of the fault's end.
 
 A worker's fault fails no request: the router holds requests while no worker can serve them
 (``router.worker_wait_s``), retries a failed prefill leg and migrates a failed decode leg to
-the restarted worker (``router.migration_limit``). The router's own kill and the control
-plane's restarts may fail requests, but a request sent after the fault ended fails fast. The
+the restarted worker (``router.migration_limit``). Killing one of two router replicas fails
+only the streams it was relaying (clients retry a refused connection, as the ``openai`` client
+does); the control plane's restarts may fail requests, but a request sent after the fault
+ended fails fast. The
 table is printed at the end of each module (docs/reliability.md holds one from a real run).
 """
 
@@ -26,6 +29,7 @@ import pytest
 
 from tests.support.chaos import LANES, MAX_TOKENS, UpStack, make_prompts, solo_outputs
 from tests.support.chaos_faults import Row, kill, run_fault, sigstop, stopped_past_lease
+from tests.support.procfs import listening_ports
 from tests.support.servers import ServerProcess, wait_until_sync
 
 ETCD_DEADLINE_S = 45.0
@@ -86,11 +90,33 @@ def test_sigstop_decode_worker_longer_than_the_lease(etcd_stack, prompts) -> Non
     assert row.migrations.legs["decode"] > 0, row.migrations
 
 
-def test_kill_router(etcd_stack, prompts) -> None:  # type: ignore[no-untyped-def]
-    stack, expected = etcd_stack
-    run_fault(stack, expected, prompts, "kill -9 router (etcd discovery)", kill(stack, "router"),
-              ROWS, may_fail=True)  # fmt: skip
-    assert stack.metrics(stack.url)["pdserve_process_restarts"] == 1
+@pytest.fixture(scope="module")
+def replicas_stack(tiny_model_dir, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """``pdserve up --routers 2`` on the embedded default: the registry shared through SQLite."""
+    stack = UpStack(tiny_model_dir, tmp_path_factory.mktemp("up"), routers=2)
+    try:
+        stack.start()
+        wait_until_sync(lambda: all(stack.port in listening_ports(stack.pid(f"router-{i}"))
+                                    for i in range(2)), 60, interval_s=0.1,
+                        what=lambda: f"both router replicas listening:\n{stack.tail()}")  # fmt: skip
+        expected = solo_outputs(stack.url, make_prompts(LANES), MAX_TOKENS, stack.request_timeout_s)
+        yield stack, expected
+    finally:
+        stack.stop()
+
+
+def test_kill_one_of_two_routers(replicas_stack, prompts) -> None:  # type: ignore[no-untyped-def]
+    """Issue 42, item 2: the clients retry a refused or reset connection (as the openai client
+    does), so only the streams the killed replica was relaying fail; up restarts it, and it
+    serves again with the shared registry's workers."""
+    stack, expected = replicas_stack
+    row = run_fault(stack, expected, prompts, "kill -9 1 of 2 routers (embedded)",
+                    kill(stack, "router-1"), ROWS, in_flight_may_fail=True)  # fmt: skip
+    assert "pdserve: router-1 exited with code -9; restarting" in stack.log.read_text()
+    new = stack.pid("router-1")
+    wait_until_sync(lambda: stack.port in listening_ports(new), 60, interval_s=0.1,
+                    what=lambda: f"the restarted replica listening:\n{stack.tail()}")  # fmt: skip
+    assert row.counts["failed"] <= LANES, row.seen()
 
 
 def _outage(stack: UpStack, server: ServerProcess) -> Callable[[], None]:

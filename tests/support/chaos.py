@@ -66,9 +66,11 @@ READY_S = 60.0
 
 
 def process_name(argv: list[str]) -> str | None:
-    """``router`` or the ``--worker-id`` of a pdserve child's argv, else None."""
-    if "--worker-id" in argv[:-1]:
-        return argv[argv.index("--worker-id") + 1]
+    """``router`` (or a replica's ``--router-name``) or the ``--worker-id`` of a pdserve
+    child's argv, else None."""
+    for flag in ("--worker-id", "--router-name"):
+        if flag in argv[:-1]:
+            return argv[argv.index(flag) + 1]
     if "pdserve.cli" in argv and "router" in argv[argv.index("pdserve.cli") :]:
         return "router"
     return None
@@ -111,6 +113,8 @@ class UpStack:
     request_timeout_s: float = 12.0
     prefill: int = 1
     decode: int = 1
+    routers: int = 1
+    """Router replicas (``--routers``), named ``router-<i>`` when more than one."""
     port: int = field(default_factory=free_port)
     worker_ports: dict[str, int] = field(default_factory=dict)
     """Worker name -> its fixed port: the only worker of its role (default: a free port)."""
@@ -200,6 +204,7 @@ class UpStack:
             sys.executable, "-m", "pdserve.cli", "--log-level", "info", "up",
             "--config", str(file), "--model", str(self.model_dir),
             "--served-model-name", MODEL, "--port", str(self.port), "--no-compile",
+            "--routers", str(self.routers),
         ]  # fmt: skip
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         with open(self.log, "wb") as out:
@@ -347,11 +352,40 @@ class Outcome:
     detail: str = ""
 
 
+CONNECT_RETRIES = 2
+"""Retries of a request whose connection failed before any answer (``retries=True``): the
+``openai`` client's default ``max_retries``."""
+PRE_ANSWER_ERRORS = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError,
+                     httpx.WriteError)  # fmt: skip
+"""What a request whose connection was refused or reset before any answer raises."""
+
+
 async def stream_one(
     client: httpx.AsyncClient, prompt: list[int], max_tokens: int, expected: str | None,
-    deadline_s: float, index: int = 0,
+    deadline_s: float, index: int = 0, *, retries: bool = False,
 ) -> tuple[Outcome, str]:  # fmt: skip
-    """One streamed greedy completion, classified (module docstring); also its text."""
+    """One streamed greedy completion, classified (module docstring); also its text. With
+    ``retries``, a connection refused or reset before the answer's status line is tried again
+    up to :data:`CONNECT_RETRIES` times (as the ``openai`` client does), and a stream broken
+    after it is ``failed`` with ``broken mid-stream: <error>``."""
+    t0 = time.monotonic()
+    for attempt in range(CONNECT_RETRIES + 1 if retries else 1):
+        try:
+            outcome, text = await _stream_once(client, prompt, max_tokens, expected, deadline_s,
+                                               index, raise_pre_answer=retries)  # fmt: skip
+        except PRE_ANSWER_ERRORS as exc:
+            if attempt == CONNECT_RETRIES:
+                return Outcome(index, t0, time.monotonic(), "failed", type(exc).__name__), ""
+            await asyncio.sleep(0.05 * 2**attempt)
+            continue
+        return Outcome(index, t0, outcome.end, outcome.kind, outcome.detail), text
+    raise AssertionError("unreachable")
+
+
+async def _stream_once(
+    client: httpx.AsyncClient, prompt: list[int], max_tokens: int, expected: str | None,
+    deadline_s: float, index: int, *, raise_pre_answer: bool,
+) -> tuple[Outcome, str]:  # fmt: skip
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}  # fmt: skip
     t0 = time.monotonic()
@@ -364,8 +398,10 @@ async def stream_one(
             kind, detail = "hung", f"ended after {end - t0:.1f} s ({kind}: {detail})"
         return Outcome(index, t0, end, kind, detail), "".join(parts)
 
+    answered = False
     try:
         async with client.stream("POST", "/v1/completions", json=body) as r:
+            answered = True
             if r.status_code != 200:
                 return out("failed", f"HTTP {r.status_code} {_code(await r.aread())}")
             async for line in r.aiter_lines():
@@ -385,6 +421,10 @@ async def stream_one(
     except httpx.TimeoutException as exc:
         return out("hung", f"client timeout: {type(exc).__name__}")
     except httpx.HTTPError as exc:
+        if raise_pre_answer and not answered and isinstance(exc, PRE_ANSWER_ERRORS):
+            raise
+        if raise_pre_answer and answered:
+            return out("failed", f"broken mid-stream: {type(exc).__name__}")
         return out("failed", type(exc).__name__)
     if error is not None:
         return out("failed", f"SSE error {error.get('code')}")
@@ -432,12 +472,16 @@ def solo_outputs(
 
 
 class Load:
-    """``lanes`` streams in flight at all times from a background thread, until :meth:`stop`."""
+    """``lanes`` streams in flight at all times from a background thread, until :meth:`stop`;
+    ``retries``: each request retries a connection refused or reset before its answer
+    (:func:`stream_one`)."""
 
     def __init__(self, url: str, prompts: list[list[int]], expected: list[str], *,
-                 max_tokens: int, deadline_s: float, lanes: int = 8) -> None:  # fmt: skip
+                 max_tokens: int, deadline_s: float, lanes: int = 8,
+                 retries: bool = False) -> None:  # fmt: skip
         self.url, self.prompts, self.expected = url, prompts, expected
         self.max_tokens, self.deadline_s, self.lanes = max_tokens, deadline_s, lanes
+        self.retries = retries
         self.outcomes: list[Outcome] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
@@ -484,7 +528,8 @@ class Load:
         while not self._stop.is_set():
             k = i % len(self.prompts)
             outcome, _ = await stream_one(client, self.prompts[k], self.max_tokens,
-                                          self.expected[k], self.deadline_s, k)  # fmt: skip
+                                          self.expected[k], self.deadline_s, k,
+                                          retries=self.retries)  # fmt: skip
             self.outcomes.append(outcome)
             i += self.lanes
             if outcome.kind != "ok":
