@@ -38,7 +38,8 @@ class TokenEvent:
 @dataclass(frozen=True)
 class RequestSpec:
     """What the router was asked to run. ``deadline`` is wall-clock UNIX seconds;
-    ``timeline``: the request's (:mod:`pdserve.observability.tracing`), which the legs mark and whose
+    ``session_id``: the conversation it continues (session affinity); ``timeline``: the
+    request's (:mod:`pdserve.observability.tracing`), which the legs mark and whose
     span their ``traceparent`` continues."""
 
     request_id: str
@@ -46,6 +47,8 @@ class RequestSpec:
     sampling: SamplingParams
     deadline: float
     timeline: Timeline
+    session_id: str | None = None
+    """The client's session (:mod:`pdserve.router.sessions`), if it named one."""
 
     def generation(self, **fields: Any) -> GenerationRequest:
         """A :class:`GenerationRequest` for this request with ``fields`` (the leg's span's

@@ -15,7 +15,10 @@ counted (``pdserve_router_decisions_total{path}``). With KV-aware routing
 (:class:`~pdserve.router.policy.RouteWeights`, :mod:`pdserve.router.kv_index`) the router
 hashes the prompt, asks its KV index how many leading tokens each candidate holds, passes that
 to the policy, logs every candidate's cached tokens, load and cost at debug, and observes the
-chosen workers' cached tokens (``pdserve_router_kv_overlap_tokens{path,role}``).
+chosen workers' cached tokens (``pdserve_router_kv_overlap_tokens{path,role}``). A request
+with a session id credits the worker of the session's last turn with that turn's tokens
+(:mod:`pdserve.router.sessions`) before the policy decides, and a finished request records
+where its session now lives.
 
 The transaction that runs the legs after the start is
 :class:`pdserve.router.transaction.Transaction`.
@@ -54,6 +57,7 @@ from pdserve.router.migration import failure_reason, unless_lost
 from pdserve.router.policy import Pair, Route, RouteWeights, choose_retry, choose_route
 from pdserve.router.request import RequestSpec
 from pdserve.router.retry import LEG_FAILURES, RetryPolicy
+from pdserve.router.sessions import SessionTable
 from pdserve.router.transaction import Transaction, drop_decode
 from pdserve.router.view import Candidates, WorkerState, WorkerView
 
@@ -72,9 +76,11 @@ class Router:
     budget (both legs); ``local_prefill_max_tokens``: prompts with at most this many tokens
     left to compute are prefilled by the decode worker itself (0: off);
     ``kv_overlap_weight``/``load_weight``: KV-aware routing (on when ``kv_overlap_weight > 0``
-    and ``kv_index`` is given). ``metrics``, when given, records every request's outcome, TTFT,
-    ITL, TPOT, token counts and routing decisions. Ownership: the router uses but does not own
-    ``view``, ``client``, ``metrics`` and ``kv_index``.
+    and ``kv_index`` is given); ``session_ttl_s``/``max_sessions``: session affinity (its
+    :class:`SessionTable`, owned here; off with ``max_sessions`` 0). ``metrics``, when given,
+    records every request's outcome, TTFT, ITL, TPOT, token counts and routing decisions.
+    Ownership: the router uses but does not own ``view``, ``client``, ``metrics`` and
+    ``kv_index``.
     """
 
     def __init__(
@@ -93,6 +99,11 @@ class Router:
         self.kv_index = kv_index
         self.weights = RouteWeights(settings.kv_overlap_weight, settings.load_weight)
         self.retry = RetryPolicy(settings.migration_limit)
+        self.sessions = (
+            SessionTable(ttl_s=settings.session_ttl_s, max_sessions=settings.max_sessions)
+            if settings.max_sessions > 0
+            else None
+        )
         self._waiting = 0  # requests held by wait_for_worker
 
     async def start(
@@ -101,6 +112,7 @@ class Router:
         prompt_token_ids: Sequence[int],
         sampling: SamplingParams,
         timeline: Timeline | None = None,
+        session_id: str | None = None,
     ) -> Transaction:
         """Run states 1-3 (or open the one-leg stream up to its first token), routing a failed
         first leg again and holding the request while no worker qualifies (see the module
@@ -109,12 +121,13 @@ class Router:
         leg's typed error past the retries; nothing has reached the client yet when it
         raises. ``timeline``: the request's (the HTTP handler's; default a new one), which
         gets the phases ``route``, ``prefill`` / ``first_token``, the workers' phases and
-        each leg's span (module :mod:`pdserve.observability.tracing`)."""
+        each leg's span (module :mod:`pdserve.observability.tracing`). ``session_id``: the
+        conversation the request continues (session affinity, module docstring)."""
         t_in = time.monotonic()
         if timeline is None:
             timeline = Timeline("request", attributes={"pdserve.request_id": request_id})
         try:
-            txn = await self._start(request_id, prompt_token_ids, sampling, timeline)
+            txn = await self._start(request_id, prompt_token_ids, sampling, timeline, session_id)
         except BaseException:
             if self.metrics is not None:
                 self.metrics.requests.labels("failed").inc()
@@ -126,18 +139,42 @@ class Router:
             self.metrics.running.inc()
         return txn
 
-    def route(self, prompt_token_ids: Sequence[int], exclude: Sequence[str] = ()) -> Route:
+    def route(
+        self,
+        prompt_token_ids: Sequence[int],
+        exclude: Sequence[str] = (),
+        session_id: str | None = None,
+    ) -> Route:
         """The policy's decision for this prompt now, with each candidate's expected cached
-        prefix when KV-aware routing is on. Raises NoWorkerError."""
+        prefix when KV-aware routing is on, the session's last worker credited with its last
+        turn's tokens (``session_id``). Raises NoWorkerError."""
         cands = self.view.candidates()
-        return choose_route(
+        cached = self._cached(cands, prompt_token_ids)
+        sticky = None
+        if session_id is not None and self.sessions is not None and self.weights.kv_aware:
+            cached = {} if cached is None else cached
+            n = len(prompt_token_ids)
+            sticky = self.sessions.cached(session_id, n, self.view.record, cached)
+        route = choose_route(
             cands,
             len(prompt_token_ids),
             local_prefill_max_tokens=self.settings.local_prefill_max_tokens,
-            cached=self._cached(cands, prompt_token_ids),
+            cached=cached,
             weights=self.weights,
             exclude=exclude,
         )
+        if session_id is not None and self.metrics is not None and self.sessions is not None:
+            outcome = "new" if sticky is None else "kept"
+            if sticky is not None and sticky != route.worker.worker_id:
+                outcome = "moved"
+            self.metrics.session_routes.labels(outcome).inc()
+        return route
+
+    def remember_session(self, spec: RequestSpec, worker: WorkerRecord, tokens: int) -> None:
+        """A finished request of session ``spec.session_id`` left ``tokens`` tokens (prompt
+        + generated) in ``worker``'s cache: its next turn prefers that worker."""
+        if spec.session_id is not None and self.sessions is not None:
+            self.sessions.remember(spec.session_id, worker, tokens)
 
     def retry_target(
         self,
@@ -195,6 +232,7 @@ class Router:
         prompt_token_ids: Sequence[int],
         sampling: SamplingParams,
         timeline: Timeline,
+        session_id: str | None,
     ) -> Transaction:
         spec = RequestSpec(
             request_id,
@@ -202,6 +240,7 @@ class Router:
             sampling,
             time.time() + self.settings.request_timeout_s,
             timeline,
+            session_id,
         )
         t0 = time.monotonic()
         failed: list[WorkerRecord] = []  # listed incarnations whose first leg failed here
@@ -210,7 +249,7 @@ class Router:
         until: float | None = None  # how long to hold the request while no worker serves it
         while True:
             try:
-                route = self.route(spec.prompt_token_ids, self._excluded(failed))
+                route = self.route(spec.prompt_token_ids, self._excluded(failed), session_id)
             except NoWorkerError as exc:
                 if until is None:
                     left = spec.deadline - time.time() - 1.0

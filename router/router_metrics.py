@@ -33,6 +33,10 @@ Router (:class:`RouterMetrics`), per request:
   a migrated decode leg's failure to the new worker's first token;
   ``pdserve_router_waiting_for_worker``: requests held while no worker can serve them
   (``router.worker_wait_s``)
+- Sessions (:mod:`pdserve.router.sessions`): ``pdserve_router_session_routes_total{outcome}``:
+  a request with a session id was routed to the worker of the session's last turn (``kept``),
+  to another one (``moved``: cheaper by the KV-aware cost, e.g. the session's worker was
+  overloaded), or had no usable entry (``new``: first turn, the worker left, the entry lapsed)
 """
 
 from __future__ import annotations
@@ -111,6 +115,15 @@ class RouterMetrics:
             ["path"],
             registry=r,
         )
+        self.session_routes = Counter(
+            "pdserve_router_session_routes",
+            "Requests with a session id: routed to the session's last worker (kept), to "
+            "another (moved), or without a usable entry (new)",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in ("kept", "moved", "new"):
+            self.session_routes.labels(outcome)
         self.migrations = Counter(
             "pdserve_router_migrations",
             "Legs run again on another worker after a failure, by leg and reason",

@@ -536,6 +536,9 @@ class Transaction:
         self.spec.timeline.set(
             gen_ai_usage_output_tokens=self.num_tokens, pdserve_migrations=self.migrations
         )
+        if self.state is TxnState.FINISHED and self.spec.session_id is not None:
+            tokens = len(self.spec.prompt_token_ids) + max(self.choice_tokens, default=0)
+            self._router.remember_session(self.spec, self.route.worker, tokens)
         m = self._router.metrics
         if m is None:
             return

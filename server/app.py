@@ -55,6 +55,7 @@ from pdserve.router.client import WorkerClient
 from pdserve.router.kv_index import follow_kv_events
 from pdserve.router.router import Router
 from pdserve.router.router_metrics import RouterMetrics
+from pdserve.router.sessions import SESSION_HEADER, session_id_from
 from pdserve.router.view import WorkerSource, WorkerView
 from pdserve.security import APIKeys, ClusterKey
 from pdserve.server.chat.batch import BatchTransaction, Started
@@ -318,6 +319,13 @@ def _state(request: Request) -> ServerState:
     return request.app.state.pdserve  # type: ignore[no-any-return]
 
 
+def _session(request: Request, user: str | None, st: ServerState) -> str | None:
+    """The request's session id (:func:`~pdserve.router.sessions.session_id_from`; 400 when
+    too long)."""
+    header = request.headers.get(SESSION_HEADER)
+    return session_id_from(header, user, from_user=st.cfg.router.session_from_user)
+
+
 def _add_routes(app: FastAPI, *, secured: bool) -> None:
     """The probes (open) and the ``/v1`` routes; ``responses`` declares every status a route
     returns (:mod:`.openapi`)."""
@@ -379,13 +387,15 @@ def _add_routes(app: FastAPI, *, secured: bool) -> None:
         """OpenAI chat completion, streamed (SSE) or not."""
         t0 = received_ns(request)
         st = _state(request)
+        session = _session(request, body.user, st)
         prepared = await st.tokenizer_pool.run(
             await _body_size(request), st.preprocessor.chat, body
         )
         (prepared,) = await checked(st.grammars, [prepared])
         info = _info(f"chatcmpl-{uuid.uuid4().hex}", st, prepared, bool(body.logprobs), body)
         fmt = ChatRenderer(info, st.tokens, prepared.tools)
-        return await _serve(request, st, prepared, fmt, stream=bool(body.stream), start_ns=t0)
+        return await _serve(request, st, prepared, fmt, stream=bool(body.stream), start_ns=t0,
+                            session=session)  # fmt: skip
 
     @app.post(
         "/v1/completions",
@@ -396,6 +406,7 @@ def _add_routes(app: FastAPI, *, secured: bool) -> None:
         """OpenAI text completion, streamed (SSE) or not."""
         t0 = received_ns(request)
         st = _state(request)
+        session = _session(request, body.user, st)
         batch = await st.tokenizer_pool.run(
             await _body_size(request), st.preprocessor.completions, body
         )
@@ -409,7 +420,8 @@ def _add_routes(app: FastAPI, *, secured: bool) -> None:
         fmt = CompletionRenderer(
             info, st.tokens, echo, prompts, prompt_logprobs=body.prompt_logprobs is not None
         )
-        return await _serve(request, st, batch, fmt, stream=bool(body.stream), start_ns=t0)
+        return await _serve(request, st, batch, fmt, stream=bool(body.stream), start_ns=t0,
+                            session=session)  # fmt: skip
 
     @app.post(
         "/tokenize",
@@ -481,11 +493,12 @@ async def _serve(
     *,
     stream: bool,
     start_ns: int,
+    session: str | None = None,
 ) -> Response:
     """Run the transaction (a list of several prompts: one per prompt, as one
     :class:`~pdserve.server.chat.batch.BatchTransaction`); errors before the first byte raise (->
     HTTP status). The request's timeline (:mod:`.timelines`) began at ``start_ns`` and ends
-    with the response."""
+    with the response. ``session``: the session id of a single prompt (session affinity)."""
     request_id = fmt.info.response_id
     batch = prepared if isinstance(prepared, list) else [prepared]
     operation = "chat" if isinstance(fmt, ChatRenderer) else "text_completion"
@@ -509,7 +522,7 @@ async def _serve(
     txn: Started
     if len(batch) == 1:
         p = batch[0]
-        start = st.router.start(request_id, p.prompt_token_ids, p.sampling, timeline)
+        start = st.router.start(request_id, p.prompt_token_ids, p.sampling, timeline, session)
         txn = await started(start, timeline, request_id, phase_log=phase_log)
     else:
         pairs = [(p.prompt_token_ids, p.sampling) for p in batch]

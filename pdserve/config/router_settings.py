@@ -193,6 +193,25 @@ class RouterSettings(_Section):
         "tokens to compute",
     )
 
+    session_ttl_s: Annotated[float, Flag("--session-ttl-s", ("up", "router"))] = Field(
+        default=600.0,
+        gt=0,
+        description="session affinity (x-session-id header): a session's next turn prefers "
+        "the worker that served its last one (credited with that turn's tokens as its cached "
+        "prefix in the KV-aware cost) for this many seconds after the turn",
+    )
+    max_sessions: Annotated[int, Flag("--max-sessions", ("up", "router"))] = Field(
+        default=100_000,
+        ge=0,
+        description="sessions whose last worker the router remembers (least recently used "
+        "dropped first; about 200 bytes each); 0 turns session affinity off",
+    )
+    session_from_user: Annotated[bool, Flag("--session-from-user", ("up", "router"))] = Field(
+        default=False,
+        description="take a request's session id from its OpenAI 'user' field when it has no "
+        "x-session-id header",
+    )
+
     @model_validator(mode="after")
     def _check_registry_port(self) -> RouterSettings:
         if self.registry_port is None and self.port == 65535:

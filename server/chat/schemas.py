@@ -326,7 +326,11 @@ class _SamplingFields(_Req):
     guided_grammar: Text | None = Field(
         default=None, description="extension, vLLM's older name of structured_outputs.grammar"
     )
-    user: Text | None = Field(default=None, description="accepted, unused")
+    user: Text | None = Field(
+        default=None,
+        description="an end-user id; the session id of session affinity with "
+        "router.session_from_user (else unused)",
+    )
 
 
 class JSONSchemaFormat(_Req):

@@ -60,6 +60,7 @@ from pdserve.errors import PdserveError
 from pdserve.http.error_responses import internal_error, log_failure
 from pdserve.router.request import TokenEvent
 from pdserve.router.router import Router
+from pdserve.router.sessions import SESSION_HEADER, session_id_from
 from pdserve.router.transaction import Transaction
 from pdserve.server.chat.grammar_checker import GrammarChecker, checked
 from pdserve.server.chat.preprocess import Preprocessor
@@ -387,6 +388,8 @@ def add_responses_routes(app: FastAPI, *, secured: bool, collect: Collect) -> No
         """OpenAI Responses API (stateless: nothing is stored), streamed (SSE) or not."""
         t0 = received_ns(request)
         st: _State = request.app.state.pdserve
+        session = session_id_from(request.headers.get(SESSION_HEADER), body.user,
+                                  from_user=st.cfg.router.session_from_user)  # fmt: skip
         chat, origins = to_chat(body)
         try:
             prepared = await st.tokenizer_pool.run(
@@ -415,7 +418,9 @@ def add_responses_routes(app: FastAPI, *, secured: bool, collect: Collect) -> No
             request, "chat", info.model, rid, info.prompt_tokens, prepared.sampling, t0
         )
         log_phases = st.cfg.observability.phase_log
-        start = st.router.start(rid, prepared.prompt_token_ids, prepared.sampling, timeline)
+        start = st.router.start(
+            rid, prepared.prompt_token_ids, prepared.sampling, timeline, session
+        )
         txn = await started(start, timeline, rid, phase_log=log_phases)
         if body.stream:
             on_close = closer(txn.aclose, timeline, rid, phase_log=log_phases)

@@ -166,7 +166,11 @@ class ResponsesRequest(_Req):
     metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=MAX_METADATA)] | None = (
         Field(default=None, description="accepted and echoed, unused")
     )
-    user: Text | None = Field(default=None, description="accepted, unused, echoed")
+    user: Text | None = Field(
+        default=None,
+        description="an end-user id, echoed; the session id of session affinity with "
+        "router.session_from_user",
+    )
     store: Annotated[bool | None, _accepts({"const": False})] = Field(
         default=None, description=_UNSUPPORTED + "false or absent (nothing is stored)"
     )
