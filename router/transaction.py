@@ -107,11 +107,13 @@ log = logging.getLogger(__name__)
 
 class RouterParts(MigrationParts, Protocol):
     """What a transaction uses of the router that started it
-    (:class:`pdserve.router.router.Router` satisfies it): what a migration uses, and the
-    metrics."""
+    (:class:`pdserve.router.router.Router` satisfies it): what a migration uses, the
+    metrics, and where a finished request's session now lives."""
 
     @property
     def metrics(self) -> RouterMetrics | None: ...
+
+    def remember_session(self, spec: RequestSpec, worker: WorkerRecord, tokens: int) -> None: ...
 
 
 class TxnState(StrEnum):
