@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeVar
 
@@ -122,9 +124,63 @@ def load_cluster_secret(sec: SecuritySettings) -> bytes:
     return text.encode()
 
 
+DEFAULT_TENANT = "default"
+"""The tenant of a key that names none (and of every request when no key is configured)."""
+_TENANT_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """Who a client API key belongs to, for the router's fair queue
+    (:mod:`pdserve.router.admission`): ``name``, ``weight`` (its share of the workers when they
+    are saturated, relative to the other waiting tenants'; > 0) and ``max_queued`` (most of its
+    requests waiting at once; None: ``router.tenant_max_queued``)."""
+
+    name: str = DEFAULT_TENANT
+    weight: float = 1.0
+    max_queued: int | None = None
+
+
+def parse_key_entry(entry: str, where: str = "API key") -> tuple[str, Tenant]:
+    """One API key entry: ``KEY`` alone, or followed by whitespace-separated fields
+    ``tenant=NAME`` (letters, digits, ``_.-``; at most 64), ``weight=W`` (a number > 0, at most
+    1000) and ``max_queued=N`` (an integer >= 0), e.g. ``sk-team-a tenant=team-a weight=2``.
+    Returns (the key, its tenant: :data:`DEFAULT_TENANT` with weight 1 when none is named).
+    Raises :class:`ConfigError` naming ``where`` and the field (never the key) for a malformed
+    field."""
+    key, *fields = entry.split()
+    values: dict[str, Any] = {}
+    for item in fields:
+        name, sep, value = item.partition("=")
+        try:
+            seen = "name" if name == "tenant" else name
+            if not sep or name not in ("tenant", "weight", "max_queued") or seen in values:
+                raise ValueError("expected tenant=NAME, weight=W or max_queued=N, once each")
+            if name == "tenant":
+                if not _TENANT_NAME.match(value):
+                    raise ValueError("a tenant name has 1-64 letters, digits, '_', '.' or '-'")
+                values["name"] = value
+            elif name == "weight":
+                weight = float(value)
+                if not 0 < weight <= 1000:
+                    raise ValueError("a weight is a number above 0 and at most 1000")
+                values[name] = weight
+            else:
+                queued = int(value)
+                if queued < 0:
+                    raise ValueError("max_queued is an integer >= 0")
+                values[name] = queued
+        except ValueError as exc:
+            raise ConfigError.from_problems(
+                [f"{where}: field {name!r} of a key entry: {exc}"]
+            ) from None
+    return key, Tenant(**values)
+
+
 def load_api_keys(sec: SecuritySettings) -> tuple[str, ...]:
-    """Every client API key: ``sec.api_keys`` plus one per non-empty line of
-    ``sec.api_key_file``. Raises :class:`ConfigError` when the file cannot be read."""
+    """Every client API key entry (:func:`parse_key_entry`): ``sec.api_keys`` plus one per
+    non-empty line of ``sec.api_key_file``. Raises :class:`ConfigError` when the file cannot
+    be read."""
     keys = [k.get_secret_value() for k in sec.api_keys]
     if sec.api_key_file is not None:
         text = _read(sec.api_key_file, "security.api_key_file")
@@ -141,14 +197,33 @@ def bearer(authorization: str | None) -> str | None:
 
 
 class APIKeys:
-    """The client API keys of the public ``/v1/*`` routes (OpenAI's ``Authorization: Bearer``).
+    """The client API keys of the public ``/v1/*`` routes (OpenAI's ``Authorization: Bearer``)
+    and the tenant each names (:func:`parse_key_entry`).
 
-    Empty: every request is allowed. :meth:`check` compares the presented token with every key
-    in constant time (no early exit, so timing shows neither which key nor how much matched).
+    Empty: every request is allowed. :meth:`check` / :meth:`tenant_of` compare the presented
+    token with every key in constant time (no early exit, so timing shows neither which key nor
+    how much matched). Raises :class:`ConfigError` when an entry is malformed, or when two keys
+    name one tenant with different weights or caps.
     """
 
     def __init__(self, keys: Iterable[str]) -> None:
-        self._keys = tuple(k.encode() for k in keys if k)
+        parsed = [parse_key_entry(k) for k in keys if k.strip()]
+        self._keys = tuple(key.encode() for key, _ in parsed)
+        self._tenants = tuple(tenant for _, tenant in parsed)
+        first: dict[str, Tenant] = {}
+        for tenant in self._tenants:
+            seen = first.setdefault(tenant.name, tenant)
+            if seen != tenant:
+                raise ConfigError.from_problems(
+                    [
+                        f"API keys: tenant {tenant.name!r} is named with different weights or "
+                        "caps; give every key of one tenant the same fields"
+                    ]
+                )
+        self.tenants: dict[str, Tenant] = first
+        """Every tenant the keys name, by name."""
+        self.names_tenants = any(t.name != DEFAULT_TENANT for t in self._tenants)
+        """Whether some key names a tenant (the router's fair queue is then on by default)."""
 
     @classmethod
     def from_settings(cls, sec: SecuritySettings) -> APIKeys:
@@ -170,10 +245,19 @@ class APIKeys:
         no key is configured)."""
         if not self._keys:
             return True
+        return self.tenant_of(authorization) is not None
+
+    def tenant_of(self, authorization: str | None) -> Tenant | None:
+        """The tenant of the key an ``Authorization`` header value carries, None when it
+        carries none of them; :data:`DEFAULT_TENANT`'s when no key is configured. Every key is
+        compared, in constant time."""
+        if not self._keys:
+            return Tenant()
         token = (bearer(authorization) or "").encode()
-        found = False
-        for key in self._keys:
-            found |= hmac.compare_digest(token, key)
+        found: Tenant | None = None
+        for key, tenant in zip(self._keys, self._tenants, strict=True):
+            if hmac.compare_digest(token, key):
+                found = tenant
         return found
 
 

@@ -18,7 +18,8 @@ to the policy, logs every candidate's cached tokens, load and cost at debug, and
 chosen workers' cached tokens (``pdserve_router_kv_overlap_tokens{path,role}``). A request
 with a session id credits the worker of the session's last turn with that turn's tokens
 (:mod:`pdserve.router.sessions`) before the policy decides, and a finished request records
-where its session now lives.
+where its session now lives. With a fair queue (:mod:`pdserve.router.admission`), a request
+first waits for a slot, by tenant and priority, while the workers are saturated.
 
 The transaction that runs the legs after the start is
 :class:`pdserve.router.transaction.Transaction`.
@@ -51,6 +52,7 @@ from pdserve.protocol import (
     TransferHandle,
     WorkerRecord,
 )
+from pdserve.router.admission import FairQueue, Ticket
 from pdserve.router.client import GenerationStream, WorkerClient
 from pdserve.router.kv_index import KVIndex, PromptHashes, expected_cached_tokens
 from pdserve.router.migration import failure_reason, unless_lost
@@ -60,6 +62,7 @@ from pdserve.router.retry import LEG_FAILURES, RetryPolicy
 from pdserve.router.sessions import SessionTable
 from pdserve.router.transaction import Transaction, drop_decode
 from pdserve.router.view import Candidates, WorkerState, WorkerView
+from pdserve.security import Tenant
 
 if TYPE_CHECKING:
     from pdserve.config.settings import RouterSettings
@@ -77,10 +80,11 @@ class Router:
     left to compute are prefilled by the decode worker itself (0: off);
     ``kv_overlap_weight``/``load_weight``: KV-aware routing (on when ``kv_overlap_weight > 0``
     and ``kv_index`` is given); ``session_ttl_s``/``max_sessions``: session affinity (its
-    :class:`SessionTable`, owned here; off with ``max_sessions`` 0). ``metrics``, when given,
-    records every request's outcome, TTFT, ITL, TPOT, token counts and routing decisions.
-    Ownership: the router uses but does not own ``view``, ``client``, ``metrics`` and
-    ``kv_index``.
+    :class:`SessionTable`, owned here; off with ``max_sessions`` 0). ``admission``: the fair
+    queue requests wait in while the workers are saturated (None: none). ``metrics``, when
+    given, records every request's outcome, TTFT, ITL, TPOT, token counts and routing
+    decisions. Ownership: the router uses but does not own ``view``, ``client``, ``metrics``,
+    ``kv_index`` and ``admission``.
     """
 
     def __init__(
@@ -91,8 +95,10 @@ class Router:
         *,
         metrics: RouterMetrics | None = None,
         kv_index: KVIndex | None = None,
+        admission: FairQueue | None = None,
     ):
         self.view = view
+        self.admission = admission
         self.client = client
         self.settings = settings
         self.metrics = metrics
@@ -113,6 +119,8 @@ class Router:
         sampling: SamplingParams,
         timeline: Timeline | None = None,
         session_id: str | None = None,
+        tenant: Tenant | None = None,
+        priority: int = 0,
     ) -> Transaction:
         """Run states 1-3 (or open the one-leg stream up to its first token), routing a failed
         first leg again and holding the request while no worker qualifies (see the module
@@ -122,19 +130,33 @@ class Router:
         raises. ``timeline``: the request's (the HTTP handler's; default a new one), which
         gets the phases ``route``, ``prefill`` / ``first_token``, the workers' phases and
         each leg's span (module :mod:`pdserve.observability.tracing`). ``session_id``: the
-        conversation the request continues (session affinity, module docstring)."""
+        conversation the request continues (session affinity, module docstring). ``tenant``
+        and ``priority`` (lower is earlier): its place in the fair queue, when there is one;
+        :class:`~pdserve.router.admission.TenantQueueFullError` and
+        :class:`~pdserve.router.admission.QueueTimeoutError` (429) come from there."""
         t_in = time.monotonic()
         if timeline is None:
             timeline = Timeline("request", attributes={"pdserve.request_id": request_id})
+        ticket: Ticket | None = None
+        tenant = tenant or Tenant()
         try:
-            txn = await self._start(request_id, prompt_token_ids, sampling, timeline, session_id)
+            if self.admission is not None:
+                deadline = time.time() + self.settings.request_timeout_s
+                ticket = await self.admission.admit(tenant, priority, deadline)
+            txn = await self._start(
+                request_id, prompt_token_ids, sampling, timeline, session_id, ticket
+            )
         except BaseException:
+            if ticket is not None:
+                ticket.release()
             if self.metrics is not None:
                 self.metrics.requests.labels("failed").inc()
             raise
         txn.t_in = t_in
         if self.metrics is not None:
             self.metrics.ttft.observe(txn.t_first - t_in)
+            if ticket is not None:
+                self.metrics.tenant_ttft.labels(tenant.name).observe(txn.t_first - t_in)
             self.metrics.prompt_tokens.inc(len(prompt_token_ids))
             self.metrics.running.inc()
         return txn
@@ -233,6 +255,7 @@ class Router:
         sampling: SamplingParams,
         timeline: Timeline,
         session_id: str | None,
+        ticket: Ticket | None,
     ) -> Transaction:
         spec = RequestSpec(
             request_id,
@@ -267,6 +290,8 @@ class Router:
             timeline.mark("route", **route_attributes(route))
             holds = ExitStack()
             holds.enter_context(self.view.track(route.worker.worker_id))
+            if ticket is not None:
+                ticket.routed()  # the worker's load shows the request from here on
             try:
                 pair = route.pair
                 if pair is None:
@@ -313,6 +338,8 @@ class Router:
                 (time.monotonic() - t0) * 1e3,
                 f" (finished: {txn.finished_at_start})" if txn.finished_at_start else "",
             )
+            if ticket is not None:
+                holds.callback(ticket.release)  # the slot goes with the transaction
             return txn
 
     def _excluded(self, failed: list[WorkerRecord]) -> list[str]:

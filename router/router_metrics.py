@@ -33,6 +33,12 @@ Router (:class:`RouterMetrics`), per request:
   a migrated decode leg's failure to the new worker's first token;
   ``pdserve_router_waiting_for_worker``: requests held while no worker can serve them
   (``router.worker_wait_s``)
+- Tenants (the fair queue, :mod:`pdserve.router.admission`; only while it is on):
+  ``pdserve_router_tenant_admitted_total{tenant}``, ``pdserve_router_tenant_rejected_total
+  {tenant}`` (429: its cap, or the longest wait), ``pdserve_router_tenant_queued{tenant}``
+  (waiting now), ``pdserve_router_tenant_queue_wait_seconds{tenant}`` and
+  ``pdserve_router_tenant_time_to_first_token_seconds{tenant}`` (TTFT, the wait included).
+  Tenants come from the configured API keys only, so the label's values are bounded.
 - Sessions (:mod:`pdserve.router.sessions`): ``pdserve_router_session_routes_total{outcome}``:
   a request with a session id was routed to the worker of the session's last turn (``kept``),
   to another one (``moved``: cheaper by the KV-aware cost, e.g. the session's worker was
@@ -113,6 +119,38 @@ class RouterMetrics:
             "pdserve_router_decisions",
             "Routing decisions by path (disaggregated, local_prefill, colocated)",
             ["path"],
+            registry=r,
+        )
+        self.tenant_admitted = Counter(
+            "pdserve_router_tenant_admitted",
+            "Requests let in by the fair queue, by tenant",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_rejected = Counter(
+            "pdserve_router_tenant_rejected",
+            "Requests refused by the fair queue (429: the tenant's cap, or the longest wait)",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_queued = Gauge(
+            "pdserve_router_tenant_queued",
+            "Requests waiting in the fair queue, by tenant",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_queue_wait = Histogram(
+            "pdserve_router_tenant_queue_wait_seconds",
+            "Time a request waited in the fair queue, by tenant",
+            ["tenant"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tenant_ttft = Histogram(
+            "pdserve_router_tenant_time_to_first_token_seconds",
+            "TTFT by tenant (the fair queue's wait included)",
+            ["tenant"],
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.session_routes = Counter(

@@ -46,18 +46,21 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve.config.loading import RouterConfig
+from pdserve.config.settings import RouterSettings
 from pdserve.errors import ClientDisconnectedError, PdserveError
 from pdserve.http.error_responses import install_error_handlers, internal_error, log_failure
 from pdserve.http.keepalive import ROUTER_KEEPALIVE_S
 from pdserve.observability.prometheus import CONTENT_TYPE
 from pdserve.observability.tracing import Timeline
+from pdserve.router.admission import DEFAULT_REQUESTS_PER_WORKER, NO_WORKER_ROOM, FairQueue
 from pdserve.router.client import WorkerClient
 from pdserve.router.kv_index import follow_kv_events
+from pdserve.router.policy import worker_load
 from pdserve.router.router import Router
 from pdserve.router.router_metrics import RouterMetrics
 from pdserve.router.sessions import SESSION_HEADER, session_id_from
 from pdserve.router.view import WorkerSource, WorkerView
-from pdserve.security import APIKeys, ClusterKey
+from pdserve.security import APIKeys, ClusterKey, Tenant
 from pdserve.server.chat.batch import BatchTransaction, Started
 from pdserve.server.chat.grammar_checker import GrammarChecker, checked
 from pdserve.server.chat.preprocess import Prepared, Preprocessor, context_window, load_tokenizer
@@ -200,7 +203,7 @@ def create_apps(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with AsyncExitStack() as stack:
             app.state.pdserve = await _start(
-                cfg, stack, watcher, registry, owned_registry, http_client, key
+                cfg, stack, watcher, registry, owned_registry, http_client, key, api_keys
             )
             log.info(
                 "router%s serving %s (context window %d tokens, discovery %s)",
@@ -236,6 +239,7 @@ async def _start(
     owned_registry: bool,
     http_client: httpx.AsyncClient | None,
     key: ClusterKey,
+    api_keys: APIKeys,
 ) -> ServerState:
     """Lifespan step 1. Everything opened here is pushed onto ``stack`` for step 3."""
     tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model_path)
@@ -286,6 +290,9 @@ async def _start(
         on_restart=lambda r: metrics.worker_restarts.labels(r.role.value).inc(),
     )
     view.follow(watcher)  # pdserve_worker_restarts_total{role}
+    admission = fair_queue(cfg.router, api_keys, view, metrics)
+    if admission is not None:
+        stack.push_async_callback(admission.close)
     return ServerState(
         cfg=cfg,
         preprocessor=Preprocessor(
@@ -308,10 +315,48 @@ async def _start(
             cfg.router,
             metrics=metrics,
             kv_index=kv_index,
+            admission=admission,
         ),
         max_model_len=max_model_len,
         started_at=int(time.time()),
         metrics=metrics,
+    )
+
+
+def fair_queue(
+    settings: RouterSettings, api_keys: APIKeys, view: WorkerView, metrics: RouterMetrics
+) -> FairQueue | None:
+    """The router's fair queue (:mod:`pdserve.router.admission`), or None when it is off:
+    ``router.max_requests_per_worker`` 0, or unset while no API key names a tenant."""
+    limit = settings.max_requests_per_worker
+    if limit is None:
+        limit = DEFAULT_REQUESTS_PER_WORKER if api_keys.names_tenants else 0
+    if limit == 0:
+        return None
+
+    def room() -> int:
+        c = view.candidates()
+        streaming = [*c.decode, *c.colocated]
+        if not streaming:  # nothing can serve it: the router's wait for a worker answers
+            return NO_WORKER_ROOM
+        return sum(max(0, limit - worker_load(w)) for w in streaming)
+
+    def admitted(tenant: str, waited_s: float) -> None:
+        metrics.tenant_admitted.labels(tenant).inc()
+        metrics.tenant_queue_wait.labels(tenant).observe(waited_s)
+
+    log.info(
+        "fair queue on: %d requests per decode or colocated worker, tenants %s",
+        limit,
+        ", ".join(f"{t.name} (weight {t.weight:g})" for t in api_keys.tenants.values()) or "-",
+    )
+    return FairQueue(
+        room,
+        max_queued=settings.tenant_max_queued,
+        max_wait_s=settings.max_queue_wait_s,
+        on_queued=lambda t, n: metrics.tenant_queued.labels(t).set(n),
+        on_admitted=admitted,
+        on_rejected=lambda t: metrics.tenant_rejected.labels(t).inc(),
     )
 
 
@@ -388,6 +433,7 @@ def _add_routes(app: FastAPI, *, secured: bool) -> None:
         t0 = received_ns(request)
         st = _state(request)
         session = _session(request, body.user, st)
+        place = (getattr(request.state, "tenant", None), body.priority)
         prepared = await st.tokenizer_pool.run(
             await _body_size(request), st.preprocessor.chat, body
         )
@@ -395,7 +441,7 @@ def _add_routes(app: FastAPI, *, secured: bool) -> None:
         info = _info(f"chatcmpl-{uuid.uuid4().hex}", st, prepared, bool(body.logprobs), body)
         fmt = ChatRenderer(info, st.tokens, prepared.tools)
         return await _serve(request, st, prepared, fmt, stream=bool(body.stream), start_ns=t0,
-                            session=session)  # fmt: skip
+                            session=session, place=place)  # fmt: skip
 
     @app.post(
         "/v1/completions",
@@ -407,6 +453,7 @@ def _add_routes(app: FastAPI, *, secured: bool) -> None:
         t0 = received_ns(request)
         st = _state(request)
         session = _session(request, body.user, st)
+        place = (getattr(request.state, "tenant", None), body.priority)
         batch = await st.tokenizer_pool.run(
             await _body_size(request), st.preprocessor.completions, body
         )
@@ -421,7 +468,7 @@ def _add_routes(app: FastAPI, *, secured: bool) -> None:
             info, st.tokens, echo, prompts, prompt_logprobs=body.prompt_logprobs is not None
         )
         return await _serve(request, st, batch, fmt, stream=bool(body.stream), start_ns=t0,
-                            session=session)  # fmt: skip
+                            session=session, place=place)  # fmt: skip
 
     @app.post(
         "/tokenize",
@@ -494,11 +541,13 @@ async def _serve(
     stream: bool,
     start_ns: int,
     session: str | None = None,
+    place: tuple[Tenant | None, int] = (None, 0),
 ) -> Response:
     """Run the transaction (a list of several prompts: one per prompt, as one
     :class:`~pdserve.server.chat.batch.BatchTransaction`); errors before the first byte raise (->
     HTTP status). The request's timeline (:mod:`.timelines`) began at ``start_ns`` and ends
-    with the response. ``session``: the session id of a single prompt (session affinity)."""
+    with the response. ``session``: the session id of a single prompt (session affinity);
+    ``place``: its tenant and priority in the router's fair queue."""
     request_id = fmt.info.response_id
     batch = prepared if isinstance(prepared, list) else [prepared]
     operation = "chat" if isinstance(fmt, ChatRenderer) else "text_completion"
@@ -522,11 +571,14 @@ async def _serve(
     txn: Started
     if len(batch) == 1:
         p = batch[0]
-        start = st.router.start(request_id, p.prompt_token_ids, p.sampling, timeline, session)
+        tenant, priority = place
+        start = st.router.start(
+            request_id, p.prompt_token_ids, p.sampling, timeline, session, tenant, priority
+        )
         txn = await started(start, timeline, request_id, phase_log=phase_log)
     else:
         pairs = [(p.prompt_token_ids, p.sampling) for p in batch]
-        start_all = BatchTransaction.start(st.router, request_id, pairs, timeline)
+        start_all = BatchTransaction.start(st.router, request_id, pairs, timeline, *place)
         txn = await started(start_all, timeline, request_id, phase_log=phase_log)
     if stream:
         on_close = closer(txn.aclose, timeline, request_id, phase_log=phase_log)

@@ -5,7 +5,9 @@ anything reads the body:
 
 1. the client API key (:class:`pdserve.security.APIKeys`, constant-time): without
    ``Authorization: Bearer KEY`` naming a configured key the answer is 401 ``invalid_api_key``
-   with ``WWW-Authenticate: Bearer`` (no key configured: every request passes);
+   with ``WWW-Authenticate: Bearer`` (no key configured: every request passes); the key's
+   :class:`~pdserve.security.Tenant` goes to ``request.state.tenant`` for the router's fair
+   queue;
 2. the body size against ``router.max_request_bytes``: a ``Content-Length`` above it is a 413
    ``request_too_large`` at once; a body without one (chunked) is counted as it arrives, and
    the first chunk past the limit stops reading it and answers 413, so nothing beyond the
@@ -82,7 +84,9 @@ class PublicPlaneGuard:
         scope.setdefault("state", {})["received_ns"] = time.time_ns()  # the request's timeline
         request = Request(scope)
         authorization = request.headers.get("authorization")
-        if not self.api_keys.check(authorization):
+        tenant = self.api_keys.tenant_of(authorization)
+        scope["state"]["tenant"] = tenant  # the router's fair queue (request.state.tenant)
+        if tenant is None:
             why = "Invalid API key" if bearer(authorization) else "Missing API key"
             exc: PdserveError = InvalidAPIKeyError(
                 f"{why}: send the header Authorization: Bearer YOUR_KEY"

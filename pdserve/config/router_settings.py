@@ -193,6 +193,30 @@ class RouterSettings(_Section):
         "tokens to compute",
     )
 
+    max_requests_per_worker: Annotated[
+        int | None, Flag("--max-requests-per-worker", ("up", "router"))
+    ] = Field(
+        default=None,
+        ge=0,
+        description="the router's fair queue: let a request in only while some decode or "
+        "colocated worker has fewer requests than this (this router's in flight or the "
+        "worker's reported running + waiting); the others wait in the router, served by tenant "
+        "(deficit round robin by the API keys' weights) and by priority. Default: "
+        "scheduler.max_num_seqs' default (32) when API keys name tenants, else off (requests "
+        "queue in the workers); 0: off",
+    )
+    tenant_max_queued: Annotated[int, Flag("--tenant-max-queued", ("up", "router"))] = Field(
+        default=256,
+        ge=0,
+        description="fair queue: most requests of one tenant waiting at once (a key's "
+        "max_queued overrides); one more gets HTTP 429 tenant_queue_full with Retry-After",
+    )
+    max_queue_wait_s: Annotated[float, Flag("--max-queue-wait-s", ("up", "router"))] = Field(
+        default=60.0,
+        gt=0,
+        description="fair queue: longest wait of a request for a worker with room (and never "
+        "past its deadline); then HTTP 429 queue_timeout",
+    )
     session_ttl_s: Annotated[float, Flag("--session-ttl-s", ("up", "router"))] = Field(
         default=600.0,
         gt=0,

@@ -51,7 +51,13 @@ import yaml
 from pdserve.config.hosts import free_port
 from pdserve.config.settings import ENV_PREFIX, ROLES, PdserveConfig, settings
 from pdserve.launch.supervisor import ManagedProcess, ProcessSpec, ProcessSupervisor, pdserve_argv
-from pdserve.security import ClusterKey, generate_secret, load_api_keys, write_secret_file
+from pdserve.security import (
+    ClusterKey,
+    generate_secret,
+    load_api_keys,
+    parse_key_entry,
+    write_secret_file,
+)
 
 if TYPE_CHECKING:
     import httpx
@@ -254,7 +260,7 @@ class Stack:
         (the first one), else none; writes the config first when needed."""
         self.write_config()
         keys = load_api_keys(self.settings.security)
-        return {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+        return {"Authorization": f"Bearer {parse_key_entry(keys[0])[0]}"} if keys else {}
 
     def write_config(self) -> Path:
         """Write the children's config file and secret files once (module docstring, step 1);

@@ -20,6 +20,7 @@ from pdserve.observability.tracing import Timeline
 from pdserve.protocol import SamplingParams
 from pdserve.router.request import TokenEvent
 from pdserve.router.transaction import Transaction
+from pdserve.security import Tenant
 
 
 class Started(Protocol):
@@ -42,6 +43,9 @@ class Starter(Protocol):
         prompt_token_ids: Sequence[int],
         sampling: SamplingParams,
         timeline: Timeline | None = None,
+        session_id: str | None = None,
+        tenant: Tenant | None = None,
+        priority: int = 0,
     ) -> Transaction: ...
 
 
@@ -67,18 +71,21 @@ class BatchTransaction:
         request_id: str,
         prompts: Sequence[tuple[Sequence[int], SamplingParams]],
         timeline: Timeline | None = None,
+        tenant: Tenant | None = None,
+        priority: int = 0,
     ) -> BatchTransaction:
         """Start every prompt's transaction (concurrently); if one cannot start, close the
         others and raise its error (nothing has reached the client yet). Each prompt gets a
         timeline of its own, a child of ``timeline`` (span ``prompt K``), ended with the
-        batch (:meth:`aclose`)."""
+        batch (:meth:`aclose`). ``tenant``, ``priority``: every prompt's place in the fair
+        queue."""
         parent = timeline.traceparent() if timeline is not None else None
         timelines = [
             Timeline(f"prompt {k}", traceparent=parent, server=False) for k in range(len(prompts))
         ]
         results = await asyncio.gather(
             *(
-                router.start(f"{request_id}-{k}", ids, s, tl)
+                router.start(f"{request_id}-{k}", ids, s, tl, None, tenant, priority)
                 for k, ((ids, s), tl) in enumerate(zip(prompts, timelines, strict=True))
             ),
             return_exceptions=True,

@@ -326,6 +326,13 @@ class _SamplingFields(_Req):
     guided_grammar: Text | None = Field(
         default=None, description="extension, vLLM's older name of structured_outputs.grammar"
     )
+    priority: int = Field(
+        default=0,
+        ge=-(2**31),
+        le=2**31 - 1,
+        description="extension (vLLM's): the request's place among its tenant's requests in "
+        "the router's fair queue, lower first (used only while requests wait there)",
+    )
     user: Text | None = Field(
         default=None,
         description="an end-user id; the session id of session affinity with "

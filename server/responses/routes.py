@@ -418,8 +418,9 @@ def add_responses_routes(app: FastAPI, *, secured: bool, collect: Collect) -> No
             request, "chat", info.model, rid, info.prompt_tokens, prepared.sampling, t0
         )
         log_phases = st.cfg.observability.phase_log
+        tenant = getattr(request.state, "tenant", None)  # the fair queue's (server/guard.py)
         start = st.router.start(
-            rid, prepared.prompt_token_ids, prepared.sampling, timeline, session
+            rid, prepared.prompt_token_ids, prepared.sampling, timeline, session, tenant
         )
         txn = await started(start, timeline, rid, phase_log=log_phases)
         if body.stream:

@@ -1,0 +1,268 @@
+"""The router's fair queue: when the workers are saturated, requests wait here and are let in
+by tenant (deficit round robin by weight) and, within a tenant, by priority.
+
+Without it every request goes straight to a worker, whose scheduler queues it first come,
+first served: one tenant's burst delays everyone behind it. With it (``router.
+max_requests_per_worker`` > 0, or API keys that name tenants: :class:`~pdserve.security.Tenant`)
+the router admits a request only while some decode or colocated worker has room: fewer than
+``max_requests_per_worker`` requests, counting this router's in-flight requests or the worker's
+reported running + waiting, whichever is larger (so other router replicas' requests count too,
+a second late). The others wait in one queue per tenant, and each freed slot goes to the next
+tenant in deficit round robin (Shreedhar and Varghese, "Efficient fair queuing using deficit
+round robin", SIGCOMM 1995): each visit adds the tenant's ``weight`` to its deficit, a request
+costs 1, so over time waiting tenants are let in in proportion to their weights whatever their
+arrival rates; a tenant whose queue empties forfeits its deficit. Within a tenant the request
+with the lowest ``priority`` goes first (vLLM's field: lower is earlier), then the oldest.
+Design origin: llm-d's flow control and Dynamo's policy classes, which put the same discipline
+in front of inference workers.
+
+Bounds (input from clients costs bounded memory): a tenant has at most ``max_queued`` requests
+waiting (its key's ``max_queued``, else ``router.tenant_max_queued``); one more is refused at
+once with 429 ``tenant_queue_full`` and ``Retry-After``. A request waits at most
+``router.max_queue_wait_s`` (and never past its deadline), then gets 429 ``queue_timeout``. A
+waiting request whose client leaves is cancelled and skipped. When no decode or colocated
+worker is usable at all, nothing waits here: the request goes on to the router's wait for a
+worker (``router.worker_wait_s``), which answers it as before.
+
+Lifecycle of a :class:`Ticket` (one per admitted request): 1 GRANTED (counted as *pending*: a
+slot promised, not yet visible in any worker's load) -> 2 ROUTED (:meth:`Ticket.routed`, once
+the router tracks it on a worker: the load shows it now) -> 3 RELEASED (:meth:`Ticket.release`,
+when the transaction ends; the next waiter is let in). Not thread-safe: the router's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pdserve.errors import QueueFullError
+from pdserve.security import Tenant
+
+log = logging.getLogger(__name__)
+
+DEFAULT_REQUESTS_PER_WORKER = 32
+"""``router.max_requests_per_worker`` when API keys name tenants and it is unset: the engine's
+default batch (``scheduler.max_num_seqs``; a test keeps the two equal)."""
+NO_WORKER_ROOM = 1 << 30
+"""What ``room()`` answers when no decode or colocated worker is usable: requests go on, to
+the router's wait for a worker."""
+PUMP_INTERVAL_S = 0.05
+"""While requests wait, how often the queue looks again at the workers' load (which changes
+with their reports, not only with this router's releases)."""
+
+
+class TenantQueueFullError(QueueFullError):
+    """A tenant has as many requests waiting in the router's fair queue as its cap allows
+    (HTTP 429 with ``Retry-After``)."""
+
+    code = "tenant_queue_full"
+    public_text = (
+        "too many of your requests are waiting for a worker (your tenant's max_queued); retry "
+        "after the Retry-After delay"
+    )
+
+
+class QueueTimeoutError(QueueFullError):
+    """A request waited ``router.max_queue_wait_s`` in the fair queue (HTTP 429 with
+    ``Retry-After``)."""
+
+    code = "queue_timeout"
+    public_text = "the workers stayed saturated while the request waited; retry later"
+
+
+@dataclass(order=True)
+class _Waiter:
+    priority: int
+    seq: int
+    future: asyncio.Future[None] = field(compare=False)
+
+
+@dataclass
+class _TenantQueue:
+    tenant: Tenant
+    cap: int
+    heap: list[_Waiter] = field(default_factory=list)
+    deficit: float = 0.0
+    credited: bool = False  # this visit's quantum added
+
+    @property
+    def waiting(self) -> int:
+        return sum(1 for w in self.heap if not w.future.done())
+
+
+class Ticket:
+    """An admitted request's slot (module docstring, lifecycle). Idempotent methods."""
+
+    def __init__(self, queue: FairQueue, tenant: str) -> None:
+        self._queue = queue
+        self.tenant = tenant
+        self._pending = True
+        self._released = False
+
+    def routed(self) -> None:
+        """The router now tracks the request on a worker: its slot shows in the load."""
+        if self._pending:
+            self._pending = False
+            self._queue.pending -= 1
+
+    def release(self) -> None:
+        """The request ended: let the next waiter in."""
+        self.routed()
+        if not self._released:
+            self._released = True
+            self._queue.pump()
+
+
+class FairQueue:
+    """The fair queue (module docstring). ``room()``: slots free on the workers now (a large
+    number when no decode or colocated worker is usable); ``max_queued``: the default cap per
+    tenant; ``max_wait_s``: the longest wait, seconds. ``on_queued(tenant, n)``,
+    ``on_admitted(tenant, waited_s)`` and ``on_rejected(tenant)``: metrics hooks."""
+
+    def __init__(
+        self,
+        room: Callable[[], int],
+        *,
+        max_queued: int,
+        max_wait_s: float,
+        on_queued: Callable[[str, int], None] | None = None,
+        on_admitted: Callable[[str, float], None] | None = None,
+        on_rejected: Callable[[str], None] | None = None,
+    ) -> None:
+        self._room = room
+        self.max_queued = max_queued
+        self.max_wait_s = max_wait_s
+        self._on_queued = on_queued or (lambda t, n: None)
+        self._on_admitted = on_admitted or (lambda t, s: None)
+        self._on_rejected = on_rejected or (lambda t: None)
+        self.pending = 0
+        """Slots granted whose request no worker's load shows yet."""
+        self._queues: dict[str, _TenantQueue] = {}
+        self._active: deque[_TenantQueue] = deque()  # tenants with waiters, in DRR order
+        self._seq = itertools.count()
+        self._pumper: asyncio.Task[None] | None = None
+
+    def waiting(self, tenant: str | None = None) -> int:
+        """Requests waiting now (of ``tenant``, or of all)."""
+        queues = [self._queues[tenant]] if tenant in self._queues else []
+        return sum(q.waiting for q in (queues if tenant is not None else self._queues.values()))
+
+    def _free(self) -> int:
+        return self._room() - self.pending
+
+    async def admit(self, tenant: Tenant, priority: int, deadline: float) -> Ticket:
+        """Wait for a slot (at once when nothing waits and a worker has room). ``deadline``:
+        the request's, wall-clock UNIX seconds. Raises :class:`TenantQueueFullError` when the
+        tenant's cap is reached, :class:`QueueTimeoutError` after ``max_wait_s`` (or at the
+        deadline); cancelled with the request (its client left), it leaves the queue."""
+        name = tenant.name
+        if not self._active and self._free() > 0:
+            return self._grant(name, 0.0)
+        q = self._queues.get(name)
+        if q is None:
+            cap = tenant.max_queued if tenant.max_queued is not None else self.max_queued
+            q = self._queues[name] = _TenantQueue(tenant, cap)
+        if q.waiting >= q.cap:
+            self._on_rejected(name)
+            raise TenantQueueFullError(
+                f"tenant {name!r} has {q.waiting} requests waiting for a worker already "
+                f"(max_queued {q.cap}); retry later"
+            )
+        waiter = _Waiter(priority, next(self._seq), asyncio.get_running_loop().create_future())
+        heapq.heappush(q.heap, waiter)
+        if q not in self._active:
+            self._active.append(q)
+        self._on_queued(name, q.waiting)
+        self._ensure_pumper()
+        t0 = time.monotonic()
+        wait_s = max(0.0, min(self.max_wait_s, deadline - time.time()))
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter.future), wait_s)
+        except TimeoutError:
+            if not waiter.future.done():
+                waiter.future.cancel()
+                self._on_queued(name, q.waiting)
+                self._on_rejected(name)
+                raise QueueTimeoutError(
+                    f"waited {time.monotonic() - t0:.1f} s for a worker with room in the "
+                    f"router's fair queue (router.max_queue_wait_s {self.max_wait_s:g}); "
+                    "retry later"
+                ) from None
+        except BaseException:  # cancelled with its request (the client left)
+            if not waiter.future.done():
+                waiter.future.cancel()
+            elif not waiter.future.cancelled():  # granted as it was cancelled: give it back
+                self.pending -= 1
+                self.pump()
+            self._on_queued(name, q.waiting)
+            raise
+        self._on_queued(name, q.waiting)
+        return self._ticket(name, time.monotonic() - t0)
+
+    def _grant(self, name: str, waited_s: float) -> Ticket:
+        self.pending += 1
+        return self._ticket(name, waited_s)
+
+    def _ticket(self, name: str, waited_s: float) -> Ticket:
+        self._on_admitted(name, waited_s)
+        return Ticket(self, name)
+
+    def pump(self) -> None:
+        """Let waiters in while the workers have room, by deficit round robin."""
+        while self._active and self._free() > 0:
+            waiter = self._next()
+            if waiter is None:
+                return
+            self.pending += 1  # the waiter's Ticket takes it over
+            waiter.future.set_result(None)
+
+    def _next(self) -> _Waiter | None:
+        """The next waiter by DRR (module docstring), or None when only cancelled ones were
+        left (they are dropped)."""
+        while self._active:
+            q = self._active[0]
+            while q.heap and q.heap[0].future.done():  # cancelled: its client left, or timed out
+                heapq.heappop(q.heap)
+            if not q.heap:
+                q.deficit, q.credited = 0.0, False
+                self._active.popleft()
+                continue
+            if not q.credited:
+                q.deficit += q.tenant.weight
+                q.credited = True
+            if q.deficit >= 1.0:
+                q.deficit -= 1.0
+                waiter = heapq.heappop(q.heap)
+                if not any(not w.future.done() for w in q.heap):
+                    q.heap.clear()
+                    q.deficit, q.credited = 0.0, False
+                    self._active.popleft()
+                return waiter
+            q.credited = False  # this visit is over: the next tenant's turn
+            self._active.rotate(-1)
+        return None
+
+    def _ensure_pumper(self) -> None:
+        if self._pumper is None or self._pumper.done():
+            self._pumper = asyncio.create_task(self._pump_loop(), name="fair-queue-pump")
+
+    async def _pump_loop(self) -> None:
+        while self._active:
+            await asyncio.sleep(PUMP_INTERVAL_S)
+            self.pump()
+
+    async def close(self) -> None:
+        """Stop the pump task (waiters left time out or are cancelled with their requests)."""
+        task, self._pumper = self._pumper, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
