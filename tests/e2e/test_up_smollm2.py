@@ -142,6 +142,20 @@ def test_readme_python_example_runs_as_written(up: tuple[str, subprocess.Popen[s
     assert done.stdout.strip(), "the example printed no answer"
 
 
+def test_the_api_docs_python_example_runs_as_written(
+    up: tuple[str, subprocess.Popen[str]],
+) -> None:
+    """docs/api.md's example (a session header and a priority) answers without error."""
+    doc = (README.parent / "docs" / "api.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", doc, flags=re.S)
+    assert len(blocks) == 1, "docs/api.md holds one Python example"
+    done = subprocess.run(
+        [sys.executable, "-c", blocks[0]], capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip(), "the example printed no answer"
+
+
 def test_kv_pools_are_sized_from_available_memory_and_logged(
     up: tuple[str, subprocess.Popen[str]], up_log: Path
 ) -> None:
