@@ -121,10 +121,18 @@ def _multiturn_arguments(p: argparse.ArgumentParser) -> None:
     _timeout_json_arguments(p)
     p.add_argument(
         "--compare",
-        choices=("cache", "routing"),
+        choices=("cache", "routing", "sessions"),
         default="cache",
         help="cache: prefix cache on vs off (1 prefill worker); routing: KV-aware vs "
-        "least-loaded routing (--prefill-workers prefill workers, cache on) (default: cache)",
+        "least-loaded routing (--prefill-workers prefill workers, cache on); sessions: turns "
+        "with an x-session-id header vs without (--decode-workers decode workers, local "
+        "prefill on) (default: cache)",
+    )
+    p.add_argument(
+        "--decode-workers",
+        type=int,
+        default=2,
+        help="decode workers of each stack with --compare sessions (default: 2)",
     )
     p.add_argument(
         "--prefill-workers",
@@ -164,6 +172,21 @@ def _run_multiturn(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
     from pdserve.bench.serving.bench_multiturn import run
 
     return run(args, _need(cfg))
+
+
+# --- fairness -----------------------------------------------------------------------------------
+
+
+def _fairness_arguments(p: argparse.ArgumentParser) -> None:
+    from pdserve.bench.serving.bench_fairness import add_arguments
+
+    add_arguments(p)
+
+
+def _run_fairness(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
+    from pdserve.bench.serving.bench_fairness import main
+
+    return main(args, _need(cfg))
 
 
 # --- kv-restart ---------------------------------------------------------------------------------
@@ -426,6 +449,14 @@ COMMANDS: tuple[BenchCommand, ...] = (
         MULTITURN_DESCRIPTION,
         _multiturn_arguments,
         _run_multiturn,
+        "config",
+    ),
+    BenchCommand(
+        "fairness",
+        "one tenant floods, another sends one request at a time: the fair queue against none",
+        _description("serving.bench_fairness"),
+        _fairness_arguments,
+        _run_fairness,
         "config",
     ),
     BenchCommand(

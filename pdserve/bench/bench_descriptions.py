@@ -33,6 +33,9 @@ turns), K conversations at once, streamed greedy chat completions; every turn go
 prefill worker (router --local-prefill-max-tokens 0). --compare cache: router + 1 prefill + 1
 decode with the prefix cache on, then off. --compare routing: router + --prefill-workers prefill
 workers + 1 decode, KV-aware routing against least-loaded routing (both with the cache on).
+--compare sessions: router + 1 prefill + --decode-workers decode workers with local prefill on,
+each conversation's turns with an x-session-id header against without (session affinity);
+also reports the mean cached prompt tokens per turn on turns 2+ and the session decisions.
 
 Reported per stack: TTFT p50/p90 on turn 1 and on turns 2+, prompt tokens, tokens the prefill
 workers computed and their prefix cache hit rate (from their /metrics); then the ratios against

@@ -24,7 +24,10 @@ HELP = {
     "transfer": TRANSFER_HELP,
     "router": ("--concurrency", "--requests", "scripted worker", "difference"),
     "kv-dtype": ("--kv-dtypes", "--kv-cache-mb", "--batch", "fp8_e4m3"),
-    "multiturn": ("--conversations", "--compare", "--prefill-workers", "--config", "hit rate"),
+    "multiturn": ("--conversations", "--compare", "--prefill-workers", "--decode-workers",
+                  "--config", "hit rate", "x-session-id"),  # fmt: skip
+    "fairness": ("--flood-concurrency", "--probe-requests", "--max-requests-per-worker",
+                 "--config", "1.5x", "tenants"),  # fmt: skip
     "kv-restart": ("--prompt-tokens", "--disk-dir", "--config", "0.5x", "disk tier"),
     "handoff": HANDOFF_HELP,
     "compile": ("--threads", "--rounds", "--skip-startup", "eager", "torch.compile"),
@@ -53,7 +56,7 @@ HELP = {
 
 def test_every_benchmark_is_a_subcommand() -> None:
     assert [c.name for c in COMMANDS] == [
-        "serve", "transfer", "multiturn", "kv-restart", "handoff", "compile", "formatter",
+        "serve", "transfer", "multiturn", "fairness", "kv-restart", "handoff", "compile", "formatter",
         "structured", "kv-dtype", "router", "paged-attention", "speculative", "decode-floor",
         "profile", "plan-check", "autoscale", "gpu", "gpu-proof",
     ]  # fmt: skip

@@ -24,6 +24,13 @@ workload's delta; with the
 cache off there are no lookups and every prompt token is computed) and the hit rate; then
 cache-on / cache-off TTFT p50 on turns 2+ against the issue's target (at most 0.3x).
 
+``--compare sessions`` (session affinity, router/sessions.py) runs it on two stacks of router
++ 1 prefill worker + ``--decode-workers`` (default 2) decode workers, KV-aware routing and
+local prefill of short prompts on (the router's defaults): one sends each conversation's turns
+with an ``x-session-id`` header, the other without; reported: TTFT and the mean cached prompt
+tokens per turn on turns 2+ (the responses' ``usage.prompt_tokens_details.cached_tokens``: what
+the worker that prefilled the turn held), and the router's session decisions.
+
 ``--compare routing`` (KV-aware routing) runs the same workload on two stacks
 of router + ``--prefill-workers`` (default 2) prefill workers + 1 decode worker, both with the
 prefix cache on: KV-aware routing (``--router-kv-overlap-weight 1``) against least-loaded
@@ -75,6 +82,11 @@ class Arm:
     prefix_caching: bool = True
     prefill_workers: int = 1
     router_args: tuple[str, ...] = ()
+    decode_workers: int = 1
+    sessions: bool = False
+    """Send each conversation's turns with an ``x-session-id`` header."""
+    local_prefill: bool = False
+    """Keep the router's local prefill of short prompts (else ``--local-prefill-max-tokens 0``)."""
 
 
 CACHE_ARMS = (Arm("cache on", "on"), Arm("cache off", "off", prefix_caching=False))
@@ -86,6 +98,14 @@ def routing_arms(prefill_workers: int) -> tuple[Arm, Arm]:
     return (
         Arm("kv-aware", "kv", prefill_workers=prefill_workers, router_args=(weight, "1")),
         Arm("least-load", "ll", prefill_workers=prefill_workers, router_args=(weight, "0")),
+    )
+
+
+def session_arms(decode_workers: int) -> tuple[Arm, Arm]:
+    """With session ids against without, ``decode_workers`` decode workers, local prefill on."""
+    return (
+        Arm("sessions", "ses", decode_workers=decode_workers, sessions=True, local_prefill=True),
+        Arm("no session", "nos", decode_workers=decode_workers, local_prefill=True),
     )
 
 
@@ -244,10 +264,17 @@ class Turn:
 
 
 async def run_workload(
-    client: httpx.AsyncClient, url: str, model: str, wl: Workload, concurrency: int, max_tokens: int
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    wl: Workload,
+    concurrency: int,
+    max_tokens: int,
+    sessions: bool = False,
 ) -> tuple[list[Turn], float]:
     """Run every conversation of ``wl`` against ``url`` (``.../chat/completions``),
     ``concurrency`` conversations at once, turns in order; a failed turn ends its conversation.
+    ``sessions``: each conversation's requests carry ``x-session-id: conversation-<c>``.
     Returns the turns (in completion order) and the wall time in seconds."""
     from pdserve.bench.serving.bench_serve import stream_openai
 
@@ -261,7 +288,8 @@ async def run_workload(
                 body = chat_request(
                     model, turn_messages(wl.system_of(c), wl.users[c], replies), max_tokens
                 )
-                res = await stream_openai(client, url, body)
+                session = {"x-session-id": f"conversation-{c}"} if sessions else None
+                res = await stream_openai(client, url, body, headers=session)
                 out.append(Turn(c, t, res))
                 if not res.ok:
                     break
@@ -277,6 +305,10 @@ def _pcts(values_s: Sequence[float]) -> dict[str, float | None]:
 
     ms = [v * 1e3 for v in values_s]
     return {"p50": percentile(ms, 50), "p90": percentile(ms, 90), "n": float(len(ms))}
+
+
+def _mean(values: Sequence[int]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def summarize_arm(
@@ -313,6 +345,21 @@ def summarize_arm(
         "prefill_computed_tokens": computed,
         "hit_rate": hit / query if query else 0.0,
         "router_decisions": {k: v for k, v in router.items() if "router_decisions_total" in k},
+        "session_routes": {k: v for k, v in router.items() if "session_routes_total" in k},
+        "cached_tokens_later_mean": _mean(
+            [
+                t.result.cached_tokens
+                for t in ok
+                if t.turn > 0 and t.result.cached_tokens is not None
+            ]
+        ),
+        "prompt_tokens_later_mean": _mean(
+            [
+                t.result.prompt_tokens
+                for t in ok
+                if t.turn > 0 and t.result.prompt_tokens is not None
+            ]
+        ),
     }
 
 
@@ -329,6 +376,7 @@ async def _measure(
     model: str,
     headers: dict[str, str],
     wl: Workload,
+    sessions: bool = False,
 ) -> _Measured:
     """Warm up, then run ``wl`` through ``router``: the turns, the wall time, and the
     workload's deltas of the metrics of ``router`` and each of ``workers``."""
@@ -353,7 +401,9 @@ async def _measure(
                 raise RuntimeError(f"warm-up request failed: {w.error}")
         urls = [router, *workers]
         before = [await scrape(client, u) for u in urls]
-        turns, wall = await run_workload(client, url, model, wl, args.concurrency, args.max_tokens)
+        turns, wall = await run_workload(
+            client, url, model, wl, args.concurrency, args.max_tokens, sessions
+        )
         after = [await scrape(client, u) for u in urls]
     return turns, wall, [delta(b, a) for b, a in zip(before, after, strict=True)]
 
@@ -374,16 +424,19 @@ def run_arm(
     from pdserve.bench.bench import READY_TIMEOUT_S, bench_stack, stack_settings
     from pdserve.config.hosts import free_port
 
-    label, tag, n = spec.label, spec.tag, spec.prefill_workers
+    label, tag, n, m = spec.label, spec.tag, spec.prefill_workers, spec.decode_workers
     caching = {"prefix_caching": spec.prefix_caching}
     arm_cfg = cfg.model_copy(update={"kv_cache": cfg.kv_cache.model_copy(update=caching)})
-    settings = stack_settings(arm_cfg, model_path, {"prefill": n, "decode": 1})
-    ports = {f"prefill-{i}": free_port() for i in range(n)} | {"decode-0": free_port()}
+    settings = stack_settings(arm_cfg, model_path, {"prefill": n, "decode": m})
+    ports = {f"prefill-{i}": free_port() for i in range(n)}
+    ports |= {f"decode-{i}": free_port() for i in range(m)}
     stack_args = {name: ["--port", str(p)] for name, p in ports.items()}
-    stack_args["router"] = ["--local-prefill-max-tokens", "0", *spec.router_args]
+    local = [] if spec.local_prefill else ["--local-prefill-max-tokens", "0"]
+    stack_args["router"] = [*local, *spec.router_args]
     flag = "--prefix-caching" if spec.prefix_caching else "--no-prefix-caching"
     print(
-        f"{label}: router {' '.join(spec.router_args)} + {n} prefill + 1 decode, {flag}, "
+        f"{label}: router {' '.join(stack_args['router'])} + {n} prefill + {m} decode, {flag}, "
+        f"{'x-session-id per conversation, ' if spec.sessions else ''}"
         f"logs in {logs / tag}",
         flush=True,
     )
@@ -391,13 +444,17 @@ def run_arm(
         stack.start()
         stack.wait_ready(READY_TIMEOUT_S, what=f"the {label} stack")
         model = str(stack.settings.model.served_name)
-        urls = [f"http://127.0.0.1:{p}" for p in ports.values()]  # prefill-0.., decode-0
-        turns, wall, (rdelta, *pdeltas, ddelta) = asyncio.run(
-            _measure(args, stack.url, urls, model, stack.api_headers(), wl)
+        urls = [f"http://127.0.0.1:{p}" for p in ports.values()]  # prefill-0.., decode-0..
+        turns, wall, (rdelta, *wdeltas) = asyncio.run(
+            _measure(args, stack.url, urls, model, stack.api_headers(), wl, spec.sessions)
         )
+    pdeltas, ddeltas = wdeltas[:n], wdeltas[n:]
+    ddelta = {k: sum(d.get(k, 0.0) for d in ddeltas) for k in ddeltas[0]}
     pdelta = {k: sum(d.get(k, 0.0) for d in pdeltas) for k in pdeltas[0]}
     arm = summarize_arm(label, turns, wall, pdelta, rdelta)
     arm["prefill_workers"] = n
+    arm["decode_workers"] = m
+    arm["sessions"] = spec.sessions
     arm["router_args"] = list(spec.router_args)
     arm["queries_per_prefill_worker"] = [
         d.get("pdserve_prefix_cache_queries_total", 0.0) for d in pdeltas
@@ -447,6 +504,14 @@ def format_table(arms: Sequence[dict[str, Any]], compare: str = "cache") -> str:
             f"{a['prompt_tokens']:>10} "
             f"{a['prefill_computed_tokens']:>9.0f} {a['hit_rate']:>8.1%}"
         )
+    if compare == "sessions":
+        for a in arms:
+            lines.append(
+                f"{a['label']}: cached prompt tokens per turn, turns 2+: "
+                f"{a['cached_tokens_later_mean'] or 0:.0f} of {a['prompt_tokens_later_mean'] or 0:.0f}"
+                f"; session routes {a['session_routes'] or '-'}"
+            )
+        return "\n".join(lines)
     if compare == "routing":
         lines += [
             f"{k}: {v:.2f}x" if v is not None else f"{k}: -"
@@ -517,14 +582,18 @@ def run(args: argparse.Namespace, cfg: PdserveConfig) -> int:
         token_counter(model_path),
         distinct=args.distinct_system_prompts,
     )
-    specs = CACHE_ARMS if args.compare == "cache" else routing_arms(args.prefill_workers)
+    specs = {
+        "cache": CACHE_ARMS,
+        "routing": routing_arms(args.prefill_workers),
+        "sessions": session_arms(args.decode_workers),
+    }[args.compare]
     logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-multiturn-"))
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     print(
         f"bench multiturn: {args.conversations} conversations x {args.turns} turns, "
         f"{args.system_tokens}-token system prompt, concurrency {args.concurrency}, "
         f"max_tokens {args.max_tokens}, seed {args.seed}, {os.cpu_count()} cores; "
-        "router --local-prefill-max-tokens 0 (every turn through a prefill worker); "
+        f"{'' if args.compare == 'sessions' else 'router --local-prefill-max-tokens 0 (every turn through a prefill worker); '}"
         f"compare {args.compare}"
         f"{', distinct system prompts' if args.distinct_system_prompts else ''}",
         flush=True,
@@ -549,7 +618,7 @@ def run(args: argparse.Namespace, cfg: PdserveConfig) -> int:
                     "seed",
                 )
             },
-            "local_prefill_max_tokens": 0,
+            "local_prefill_max_tokens": "default" if args.compare == "sessions" else 0,
             "compare": args.compare,
             "distinct_system_prompts": args.distinct_system_prompts,
             "arms": arms,

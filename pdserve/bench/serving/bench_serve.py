@@ -63,6 +63,8 @@ class RequestResult:
     output_tokens: int = 0
     prompt_tokens: int | None = None
     text: str = ""
+    cached_tokens: int | None = None
+    """``usage.prompt_tokens_details.cached_tokens``, when the server sent a usage chunk."""
 
     @property
     def tpot_s(self) -> float | None:
@@ -129,18 +131,22 @@ async def sse_chunks(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
 
 
 async def stream_openai(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any], kind: str = "chat"
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    kind: str = "chat",
+    headers: dict[str, str] | None = None,
 ) -> RequestResult:
     """POST one streaming request to ``url`` (``.../chat/completions`` for ``kind="chat"``,
-    ``.../completions`` for ``"completions"``) and time its SSE content deltas (their text
-    goes to ``text``). Never raises:
+    ``.../completions`` for ``"completions"``; ``headers`` added to the client's) and time its
+    SSE content deltas (their text goes to ``text``). Never raises:
     a failure is a result with ``ok=False``."""
     t0 = time.perf_counter()
     stamps: list[float] = []
     parts: list[str] = []
     usage: dict[str, Any] | None = None
     try:
-        async with client.stream("POST", url, json=body) as r:
+        async with client.stream("POST", url, json=body, headers=headers) as r:
             if r.status_code != 200:
                 return failed(t0, f"HTTP {r.status_code}: {_body_error(await r.aread())}")
             async for chunk in sse_chunks(r):
@@ -165,6 +171,9 @@ async def stream_openai(
         t0, stamps, end, usage.get("completion_tokens"), usage.get("prompt_tokens")
     )
     result.text = "".join(parts)
+    details = usage.get("prompt_tokens_details") or {}
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        result.cached_tokens = details["cached_tokens"]
     return result
 
 
