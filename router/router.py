@@ -173,10 +173,11 @@ class Router:
         cands = self.view.candidates()
         cached = self._cached(cands, prompt_token_ids)
         sticky = None
-        if session_id is not None and self.sessions is not None and self.weights.kv_aware:
+        sessions = self.sessions if session_id is not None and self.weights.kv_aware else None
+        if sessions is not None and session_id is not None:
             cached = {} if cached is None else cached
             n = len(prompt_token_ids)
-            sticky = self.sessions.cached(session_id, n, self.view.record, cached)
+            sticky = sessions.cached(session_id, n, self.view.record, cached)
         route = choose_route(
             cands,
             len(prompt_token_ids),
@@ -185,7 +186,7 @@ class Router:
             weights=self.weights,
             exclude=exclude,
         )
-        if session_id is not None and self.metrics is not None and self.sessions is not None:
+        if sessions is not None and self.metrics is not None:
             outcome = "new" if sticky is None else "kept"
             if sticky is not None and sticky != route.worker.worker_id:
                 outcome = "moved"

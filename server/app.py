@@ -94,17 +94,17 @@ from pdserve.server.rendering.replies import (
 from pdserve.server.rendering.sse import DONE, SSEResponse, encode_error, encode_event
 from pdserve.server.responses.routes import add_responses_routes
 from pdserve.server.timelines import (
+    DISCONNECT_POLL_S,
     closer,
     collecting,
     received_ns,
     request_timeline,
     started,
+    unless_disconnected,
 )
 
 log = logging.getLogger(__name__)
 
-DISCONNECT_POLL_S = 0.5
-"""How often a non-streamed request checks whether its client is still connected (seconds)."""
 
 ResponseRenderer: TypeAlias = ChatRenderer | CompletionRenderer
 
@@ -575,11 +575,15 @@ async def _serve(
         start = st.router.start(
             request_id, p.prompt_token_ids, p.sampling, timeline, session, tenant, priority
         )
-        txn = await started(start, timeline, request_id, phase_log=phase_log)
+        txn = await started(
+            unless_disconnected(request, start), timeline, request_id, phase_log=phase_log
+        )
     else:
         pairs = [(p.prompt_token_ids, p.sampling) for p in batch]
         start_all = BatchTransaction.start(st.router, request_id, pairs, timeline, *place)
-        txn = await started(start_all, timeline, request_id, phase_log=phase_log)
+        txn = await started(
+            unless_disconnected(request, start_all), timeline, request_id, phase_log=phase_log
+        )
     if stream:
         on_close = closer(txn.aclose, timeline, request_id, phase_log=phase_log)
         return SSEResponse(

@@ -15,12 +15,16 @@ phase down and do not add to the total.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
+from starlette.requests import Request
+
+from pdserve.errors import ClientDisconnectedError
 from pdserve.observability.logs import bind_request
 from pdserve.observability.tracing import Timeline
 
@@ -133,3 +137,39 @@ async def collecting(
             await close()
         finally:
             end_request(timeline, request_id, phase_log=phase_log)
+
+
+DISCONNECT_POLL_S = 0.5
+"""How often a request that waits (its start, or a non-streamed response) checks whether its
+client is still connected (seconds)."""
+
+
+class _Closable(Protocol):
+    async def aclose(self) -> None: ...
+
+
+S = TypeVar("S", bound=_Closable)
+
+
+async def unless_disconnected(request: Request, start: Awaitable[S]) -> S:
+    """Await the router's start of a request (``start``: it may wait in the fair queue, for a
+    worker, or for the prefill leg) unless its client disconnects first (checked every
+    :data:`DISCONNECT_POLL_S`): then the start is cancelled, a transaction it opened meanwhile
+    is closed, and :class:`~pdserve.errors.ClientDisconnectedError` is raised."""
+    task = asyncio.ensure_future(start)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientDisconnectedError("the client disconnected before the first token")
+    finally:
+        if not task.done():
+            task.cancel()
+            try:
+                opened = await task
+            except BaseException:  # cancelled, or failed on its own: nothing is open
+                pass
+            else:
+                await opened.aclose()

@@ -91,6 +91,7 @@ from pdserve.server.timelines import (
     received_ns,
     request_timeline,
     started,
+    unless_disconnected,
 )
 
 log = logging.getLogger(__name__)
@@ -422,7 +423,9 @@ def add_responses_routes(app: FastAPI, *, secured: bool, collect: Collect) -> No
         start = st.router.start(
             rid, prepared.prompt_token_ids, prepared.sampling, timeline, session, tenant
         )
-        txn = await started(start, timeline, rid, phase_log=log_phases)
+        txn = await started(
+            unless_disconnected(request, start), timeline, rid, phase_log=log_phases
+        )
         if body.stream:
             on_close = closer(txn.aclose, timeline, rid, phase_log=log_phases)
             return SSEResponse(_sse(txn, fmt), headers={"x-request-id": rid}, on_close=on_close)

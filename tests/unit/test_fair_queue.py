@@ -198,3 +198,43 @@ async def test_a_flooding_tenant_does_not_hold_back_another(tmp_path) -> None:  
     assert 'pdserve_router_tenant_rejected_total{tenant="a"} 1.0' in metrics
     assert 'pdserve_router_tenant_admitted_total{tenant="b"} 1.0' in metrics
     assert 'pdserve_router_tenant_time_to_first_token_seconds_count{tenant="a"} 5.0' in metrics
+
+
+async def test_a_queued_request_whose_client_leaves_leaves_the_queue(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import httpx
+
+    from pdserve.config.loading import RouterConfig
+    from pdserve.protocol import Role
+    from tests.support.fakes import MODEL, FakeWorker, build_tokenizer_dir, router_harness
+
+    model_dir = build_tokenizer_dir(tmp_path / "tok", max_position_embeddings=128)
+    cfg = RouterConfig(model_path=model_dir, served_model_name=MODEL)
+    router = cfg.router.model_copy(update={"max_requests_per_worker": 1,
+                                           "local_prefill_max_tokens": 100})  # fmt: skip
+    cfg = cfg.model_copy(update={"router": router})
+    worker = FakeWorker("d0", Role.DECODE, [(100 + i, f"t{i}") for i in range(4)],
+                        token_delay_s=0.3)  # fmt: skip
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
+    async with router_harness(cfg, [worker], real_sockets=True) as h:
+
+        async def queued() -> float:
+            text = (await h.client.get("/metrics")).text
+            line = 'pdserve_router_tenant_queued{tenant="default"} '
+            return next((float(x[len(line) :]) for x in text.splitlines() if x.startswith(line)), 0)
+
+        first = asyncio.create_task(h.client.post("/v1/completions", json=body))
+        async with httpx.AsyncClient(base_url=h.url, trust_env=False) as other:
+            leaving = asyncio.create_task(other.post("/v1/completions", json=body))
+            for _ in range(500):
+                if await queued() == 1:
+                    break
+                await asyncio.sleep(0.01)
+            assert await queued() == 1
+            leaving.cancel()  # the client gives up: its connection closes
+        for _ in range(500):
+            if await queued() == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert await queued() == 0
+        assert (await first).status_code == 200
+        assert len(worker.generations) == 1  # the one that left never reached the worker
