@@ -193,8 +193,8 @@ async def test_a_flooding_tenant_does_not_hold_back_another(tmp_path) -> None:  
         metrics = (await h.client.get("/metrics")).text
     assert over == 429 and statuses == [200] * 6
     # b's one request went in right after a's next one, not behind all of a's
-    served = [label for label in done if label != "a-over"]
-    assert served[:3] == ["a0", "a1", "b0"], done
+    served = [label for label in done if label != "a-over"]  # a's reach the queue in any order
+    assert served.index("b0") == 2, done  # a's running one, a's next (DRR: a was first), b
     assert 'pdserve_router_tenant_rejected_total{tenant="a"} 1.0' in metrics
     assert 'pdserve_router_tenant_admitted_total{tenant="b"} 1.0' in metrics
     assert 'pdserve_router_tenant_time_to_first_token_seconds_count{tenant="a"} 5.0' in metrics
