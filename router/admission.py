@@ -4,15 +4,27 @@ by tenant (deficit round robin by weight) and, within a tenant, by priority.
 Without it every request goes straight to a worker, whose scheduler queues it first come,
 first served: one tenant's burst delays everyone behind it. With it (``router.
 max_requests_per_worker`` > 0, or API keys that name tenants: :class:`~pdserve.security.Tenant`)
-the router admits a request only while some decode or colocated worker has room: fewer than
-``max_requests_per_worker`` requests, counting this router's in-flight requests or the worker's
-reported running + waiting, whichever is larger (so other router replicas' requests count too,
-a second late). The others wait in one queue per tenant, and each freed slot goes to the next
-tenant in deficit round robin (Shreedhar and Varghese, "Efficient fair queuing using deficit
+the router admits a request only while the workers it needs have room: fewer than
+``max_requests_per_worker`` requests each, counting this router's in-flight requests or the
+worker's reported running + waiting, whichever is larger (so other router replicas' requests
+count too, a second late).
+
+Resources: a request whose prompt is longer than ``router.local_prefill_max_tokens`` needs a
+prefill worker (when one is usable) and a decode worker; a shorter one, which the decode worker
+prefills itself, needs only a decode (or colocated) worker. A request in its prefill leg counts
+against its prefill worker, not yet against its decode worker, so a flood of long prompts
+queued at the prefill workers does not hold the decode slots that short requests need (a
+first measurement, which counted it on both, made a short request wait for the flood's
+prefills: docs/benchmarks.md).
+
+The waiters wait in one queue per tenant, and each freed slot goes to the next tenant in
+deficit round robin (Shreedhar and Varghese, "Efficient fair queuing using deficit
 round robin", SIGCOMM 1995): each visit adds the tenant's ``weight`` to its deficit, a request
 costs 1, so over time waiting tenants are let in in proportion to their weights whatever their
 arrival rates; a tenant whose queue empties forfeits its deficit. Within a tenant the request
-with the lowest ``priority`` goes first (vLLM's field: lower is earlier), then the oldest.
+with the lowest ``priority`` goes first (vLLM's field: lower is earlier), then the oldest. A
+tenant none of whose waiters the free slots fit (its requests need a prefill worker, and none
+has room) is passed over without credit, so the queue stays work-conserving.
 Design origin: llm-d's flow control and Dynamo's policy classes, which put the same discipline
 in front of inference workers.
 
@@ -87,13 +99,26 @@ class _Waiter:
 class _TenantQueue:
     tenant: Tenant
     cap: int
-    heap: list[_Waiter] = field(default_factory=list)
+    heaps: dict[bool, list[_Waiter]] = field(default_factory=lambda: {False: [], True: []})
+    """Waiters by whether they need a prefill worker (module docstring, *resources*)."""
     deficit: float = 0.0
     credited: bool = False  # this visit's quantum added
 
     @property
     def waiting(self) -> int:
-        return sum(1 for w in self.heap if not w.future.done())
+        return sum(1 for h in self.heaps.values() for w in h if not w.future.done())
+
+    def drop_cancelled(self) -> bool:
+        """Pop cancelled waiters off the heaps' tops; whether any waiter is left."""
+        for heap in self.heaps.values():
+            while heap and heap[0].future.done():
+                heapq.heappop(heap)
+        return any(not w.future.done() for h in self.heaps.values() for w in h)
+
+    def best(self, eligible: dict[bool, bool]) -> list[_Waiter] | None:
+        """The heap holding this tenant's next waiter among the eligible classes, if any."""
+        heaps = [h for cls, h in self.heaps.items() if h and eligible[cls]]
+        return min(heaps, key=lambda h: h[0]) if heaps else None
 
 
 class Ticket:
@@ -120,14 +145,15 @@ class Ticket:
 
 
 class FairQueue:
-    """The fair queue (module docstring). ``room()``: slots free on the workers now (a large
-    number when no decode or colocated worker is usable); ``max_queued``: the default cap per
-    tenant; ``max_wait_s``: the longest wait, seconds. ``on_queued(tenant, n)``,
-    ``on_admitted(tenant, waited_s)`` and ``on_rejected(tenant)``: metrics hooks."""
+    """The fair queue (module docstring). ``room(needs_prefill)``: slots free now for a request
+    that needs a prefill worker (True) or only a decode or colocated worker (False; a large
+    number when none is usable); ``max_queued``: the default cap per tenant; ``max_wait_s``:
+    the longest wait, seconds. ``on_queued(tenant, n)``, ``on_admitted(tenant, waited_s)`` and
+    ``on_rejected(tenant)``: metrics hooks."""
 
     def __init__(
         self,
-        room: Callable[[], int],
+        room: Callable[[bool], int],
         *,
         max_queued: int,
         max_wait_s: float,
@@ -153,16 +179,20 @@ class FairQueue:
         queues = [self._queues[tenant]] if tenant in self._queues else []
         return sum(q.waiting for q in (queues if tenant is not None else self._queues.values()))
 
-    def _free(self) -> int:
-        return self._room() - self.pending
+    def _free(self, needs_prefill: bool) -> int:
+        return self._room(needs_prefill) - self.pending
 
-    async def admit(self, tenant: Tenant, priority: int, deadline: float) -> Ticket:
+    async def admit(
+        self, tenant: Tenant, priority: int, deadline: float, needs_prefill: bool = False
+    ) -> Ticket:
         """Wait for a slot (at once when nothing waits and a worker has room). ``deadline``:
-        the request's, wall-clock UNIX seconds. Raises :class:`TenantQueueFullError` when the
-        tenant's cap is reached, :class:`QueueTimeoutError` after ``max_wait_s`` (or at the
-        deadline); cancelled with the request (its client left), it leaves the queue."""
+        the request's, wall-clock UNIX seconds; ``needs_prefill``: whether it will need a
+        prefill worker (a prompt past the router's local prefill bound). Raises
+        :class:`TenantQueueFullError` when the tenant's cap is reached,
+        :class:`QueueTimeoutError` after ``max_wait_s`` (or at the deadline); cancelled with
+        the request (its client left), it leaves the queue."""
         name = tenant.name
-        if not self._active and self._free() > 0:
+        if not self._active and self._free(needs_prefill) > 0:
             return self._grant(name, 0.0)
         q = self._queues.get(name)
         if q is None:
@@ -175,11 +205,12 @@ class FairQueue:
                 f"(max_queued {q.cap}); retry later"
             )
         waiter = _Waiter(priority, next(self._seq), asyncio.get_running_loop().create_future())
-        heapq.heappush(q.heap, waiter)
+        heapq.heappush(q.heaps[needs_prefill], waiter)
         if q not in self._active:
             self._active.append(q)
         self._on_queued(name, q.waiting)
         self._ensure_pumper()
+        self.pump()  # eligible now if only waiters of the other kind are ahead
         t0 = time.monotonic()
         wait_s = max(0.0, min(self.max_wait_s, deadline - time.time()))
         try:
@@ -215,7 +246,7 @@ class FairQueue:
 
     def pump(self) -> None:
         """Let waiters in while the workers have room, by deficit round robin."""
-        while self._active and self._free() > 0:
+        while self._active:
             waiter = self._next()
             if waiter is None:
                 return
@@ -223,30 +254,37 @@ class FairQueue:
             waiter.future.set_result(None)
 
     def _next(self) -> _Waiter | None:
-        """The next waiter by DRR (module docstring), or None when only cancelled ones were
-        left (they are dropped)."""
-        while self._active:
-            q = self._active[0]
-            while q.heap and q.heap[0].future.done():  # cancelled: its client left, or timed out
-                heapq.heappop(q.heap)
-            if not q.heap:
+        """The next waiter by DRR among those the workers have room for now (module
+        docstring), or None: no room, or no waiter it fits. A tenant none of whose waiters
+        fits is passed over without credit (the discipline stays work-conserving)."""
+        eligible = {cls: self._free(cls) > 0 for cls in (False, True)}
+        if not any(eligible.values()):
+            return None
+        for q in list(self._active):  # forget tenants whose waiters all left
+            if not q.drop_cancelled():
                 q.deficit, q.credited = 0.0, False
-                self._active.popleft()
+                self._active.remove(q)
+        if not any(q.best(eligible) is not None for q in self._active):
+            return None
+        while True:  # ends: some tenant has a fitting waiter and a weight > 0
+            q = self._active[0]
+            heap = q.best(eligible)
+            if heap is None:
+                q.credited = False
+                self._active.rotate(-1)
                 continue
             if not q.credited:
                 q.deficit += q.tenant.weight
                 q.credited = True
             if q.deficit >= 1.0:
                 q.deficit -= 1.0
-                waiter = heapq.heappop(q.heap)
-                if not any(not w.future.done() for w in q.heap):
-                    q.heap.clear()
+                waiter = heapq.heappop(heap)
+                if not q.drop_cancelled():
                     q.deficit, q.credited = 0.0, False
                     self._active.popleft()
                 return waiter
             q.credited = False  # this visit is over: the next tenant's turn
             self._active.rotate(-1)
-        return None
 
     def _ensure_pumper(self) -> None:
         if self._pumper is None or self._pumper.done():

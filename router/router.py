@@ -142,7 +142,8 @@ class Router:
         try:
             if self.admission is not None:
                 deadline = time.time() + self.settings.request_timeout_s
-                ticket = await self.admission.admit(tenant, priority, deadline)
+                long_prompt = len(prompt_token_ids) > self.settings.local_prefill_max_tokens
+                ticket = await self.admission.admit(tenant, priority, deadline, long_prompt)
             txn = await self._start(
                 request_id, prompt_token_ids, sampling, timeline, session_id, ticket
             )
@@ -300,7 +301,8 @@ class Router:
                 elif self._streams_kv(spec):
                     txn = await self._streamed(spec, route, holds)
                 else:
-                    context = await self._prefill(spec, pair)
+                    with self.view.prefilling(route.worker.worker_id):
+                        context = await self._prefill(spec, pair)
                     txn = Transaction(self, spec, route, context, holds)
             except LEG_FAILURES as exc:
                 holds.close()

@@ -63,6 +63,9 @@ class WorkerState:
 
     record: WorkerRecord
     in_flight: int
+    prefilling: int = 0
+    """Of ``in_flight``, requests still in their prefill leg on another worker (a decode
+    worker's requests that have not reached it yet)."""
 
     @property
     def worker_id(self) -> str:
@@ -125,6 +128,7 @@ class WorkerView:
         self.suspect_s = suspect_s
         self._on_restart = on_restart
         self._in_flight: dict[str, int] = {}
+        self._prefilling: dict[str, int] = {}  # of those, still in their prefill leg
         self._suspect: dict[tuple[str, int], float] = {}  # (id, epoch) -> monotonic expiry
         self._epochs: dict[str, int] = {}  # worker id -> highest epoch seen
         self.restarts = 0
@@ -247,6 +251,20 @@ class WorkerView:
             else:
                 del self._in_flight[worker_id]  # no entries for workers long gone
 
+    @contextmanager
+    def prefilling(self, decode_worker_id: str) -> Iterator[None]:
+        """Mark one of ``decode_worker_id``'s in-flight requests as still in its prefill leg
+        for the duration of the block (:attr:`WorkerState.prefilling`)."""
+        self._prefilling[decode_worker_id] = self._prefilling.get(decode_worker_id, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._prefilling[decode_worker_id] - 1
+            if left:
+                self._prefilling[decode_worker_id] = left
+            else:
+                del self._prefilling[decode_worker_id]
+
     def candidates(self) -> Candidates:
         """Snapshot the usable prefill, decode and colocated workers (sorted by worker id)."""
         prefill: list[WorkerState] = []
@@ -266,7 +284,9 @@ class WorkerView:
                     f"router speaks {PROTOCOL_VERSION}"
                 )
                 continue
-            state = WorkerState(record, self.in_flight(worker_id))
+            state = WorkerState(
+                record, self.in_flight(worker_id), self._prefilling.get(worker_id, 0)
+            )
             if record.role == Role.PREFILL:
                 prefill.append(state)
             elif record.role == Role.DECODE:

@@ -59,7 +59,7 @@ from pdserve.router.policy import worker_load
 from pdserve.router.router import Router
 from pdserve.router.router_metrics import RouterMetrics
 from pdserve.router.sessions import SESSION_HEADER, session_id_from
-from pdserve.router.view import WorkerSource, WorkerView
+from pdserve.router.view import WorkerSource, WorkerState, WorkerView
 from pdserve.security import APIKeys, ClusterKey, Tenant
 from pdserve.server.chat.batch import BatchTransaction, Started
 from pdserve.server.chat.grammar_checker import GrammarChecker, checked
@@ -323,6 +323,14 @@ async def _start(
     )
 
 
+def admission_load(worker: WorkerState) -> int:
+    """A decode or colocated worker's requests as the fair queue counts them: this router's
+    in-flight ones past their prefill leg, or the worker's reported running + waiting,
+    whichever is larger."""
+    load = worker.record.load
+    return max(worker.in_flight - worker.prefilling, load.running + load.waiting)
+
+
 def fair_queue(
     settings: RouterSettings, api_keys: APIKeys, view: WorkerView, metrics: RouterMetrics
 ) -> FairQueue | None:
@@ -334,12 +342,15 @@ def fair_queue(
     if limit == 0:
         return None
 
-    def room() -> int:
+    def room(needs_prefill: bool) -> int:
         c = view.candidates()
         streaming = [*c.decode, *c.colocated]
         if not streaming:  # nothing can serve it: the router's wait for a worker answers
             return NO_WORKER_ROOM
-        return sum(max(0, limit - worker_load(w)) for w in streaming)
+        free = sum(max(0, limit - admission_load(w)) for w in streaming)
+        if needs_prefill and c.prefill:
+            free = min(free, sum(max(0, limit - worker_load(p)) for p in c.prefill))
+        return free
 
     def admitted(tenant: str, waited_s: float) -> None:
         metrics.tenant_admitted.labels(tenant).inc()

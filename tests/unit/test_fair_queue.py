@@ -32,7 +32,7 @@ class Slots:
         self.n = n
         self.used = 0
 
-    def room(self) -> int:
+    def room(self, needs_prefill: bool = False) -> int:
         return self.n - self.used
 
 
@@ -71,6 +71,27 @@ async def test_saturated_workers_serve_tenants_by_weight_and_priority() -> None:
     await asyncio.gather(*tasks)
     # 2:1 while both wait, b's urgent one first among b's, then a alone
     assert order == ["a0", "a1", "b2", "a2", "a3", "b0", "a4", "a5", "b1"]
+
+
+async def test_a_request_that_needs_no_prefill_worker_passes_a_blocked_flood() -> None:
+    """Long prompts wait for a prefill worker with room; a short one, which a decode worker
+    prefills itself, goes ahead while decode workers have room, whatever the tenant."""
+    room = {True: 0, False: 3}  # the prefill workers are full, the decode workers are not
+    q = FairQueue(lambda needs_prefill: room[needs_prefill], max_queued=10, max_wait_s=30)
+    long_a = [asyncio.create_task(q.admit(Tenant("a"), 0, FAR, True)) for _ in range(3)]
+    await asyncio.sleep(0)
+    assert q.waiting("a") == 3
+    short_a = await asyncio.wait_for(q.admit(Tenant("a"), 5, FAR, False), 5)
+    short_b = await asyncio.wait_for(q.admit(Tenant("b"), 0, FAR, False), 5)
+    short_a.routed(), short_b.routed()
+    room[False] = 1  # the two short ones now count in the decode workers' load
+    assert q.waiting("a") == 3 and not any(t.done() for t in long_a)
+    room[True] = 1  # a prefill worker has room: the oldest long prompt goes
+    q.pump()
+    await asyncio.wait_for(long_a[0], 5)
+    assert not long_a[1].done() and not long_a[2].done()
+    for t in long_a[1:]:
+        t.cancel()
 
 
 async def test_the_caps_and_the_longest_wait_answer_429() -> None:

@@ -8,8 +8,10 @@ the router's ``/v1/completions`` (prompt as token ids) and straight to the worke
 ``/internal/generate`` (what the router itself sends). The router's added latency is the
 difference of the two p50s; its request rate is the router path's completed requests per
 second. Client, router and worker share the machine: on few cores the figures include their
-contention (the CPU model is printed). Diagnostic code: the scripted worker is the
-benchmark's own, never a serving path.
+contention (the CPU model is printed). ``--routers N`` starts N such child processes, their
+routers on one port with SO_REUSEPORT (as ``pdserve up --routers N`` runs them), each routing to
+its own scripted worker, so the request rate shows how router processes scale. Diagnostic
+code: the scripted worker is the benchmark's own, never a serving path.
 """
 
 from __future__ import annotations
@@ -35,30 +37,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=200, help="requests per concurrency and path")
     p.add_argument("--tokens", type=int, default=16, help="tokens each stream carries")
     p.add_argument("--prompt-tokens", type=int, default=256, help="prompt length (token ids)")
+    p.add_argument(
+        "--routers", type=int, default=1, help="router processes on one port (SO_REUSEPORT)"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     """Start the child, measure both paths per concurrency, print the table; returns 0."""
+    from pdserve.config.hosts import free_port
     from pdserve.hardware import cpu_model
     from pdserve.security import generate_secret
 
     env = {**os.environ, SECRET_ENV: generate_secret()}
-    cmd = [sys.executable, "-m", "pdserve.bench.serving.bench_router", str(args.tokens)]
-    child = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    port = str(free_port())
+    cmd = [sys.executable, "-m", "pdserve.bench.serving.bench_router", str(args.tokens), port]
+    children = []
     try:
-        assert child.stdout is not None
-        line = child.stdout.readline()
-        if not line.startswith(_PREFIX):
-            raise RuntimeError(f"the benchmark's server did not start: {line!r}")
-        urls = json.loads(line[len(_PREFIX) :])
+        urls: dict[str, str] = {}
+        for _ in range(args.routers):
+            child = subprocess.Popen(
+                cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            )
+            children.append(child)
+            assert child.stdout is not None
+            line = child.stdout.readline()
+            if not line.startswith(_PREFIX):
+                raise RuntimeError(f"the benchmark's server did not start: {line!r}")
+            urls = urls or json.loads(line[len(_PREFIX) :])
         rows = asyncio.run(_measure(args, urls, env[SECRET_ENV]))
     finally:
-        if child.stdin is not None:
-            child.stdin.close()
-        child.wait(15)
+        for child in children:
+            if child.stdin is not None:
+                child.stdin.close()
+        for child in children:
+            child.wait(15)
     print(
         f"router overhead on {cpu_model()} ({os.cpu_count()} CPUs), {args.tokens}-token "
-        f"streams, {args.prompt_tokens}-token prompts, {args.requests} requests per row"
+        f"streams, {args.prompt_tokens}-token prompts, {args.requests} requests per row, "
+        f"{args.routers} router process(es)"
     )
     print(
         f"{'conc':>5}{'direct p50 ms':>15}{'router p50 ms':>15}{'added ms':>10}{'router req/s':>14}"
@@ -143,14 +159,16 @@ async def _run(one: Any, n: int, concurrency: int) -> tuple[float, float]:
     return statistics.median(times) * 1e3, time.perf_counter() - start
 
 
-async def _serve(tokens: int) -> None:
-    """The child: the scripted worker and the router, until stdin closes."""
+async def _serve(tokens: int, router_port: int) -> None:
+    """The child: the scripted worker and the router (on ``router_port``, shared with the other
+    children by SO_REUSEPORT), until stdin closes."""
     import uvicorn
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import Response, StreamingResponse
     from starlette.routing import Route
 
+    from pdserve.config.hosts import listening_socket
     from pdserve.config.loading import RouterConfig
     from pdserve.models import resolve_model
     from pdserve.protocol import (
@@ -192,7 +210,10 @@ async def _serve(tokens: int) -> None:
 
     worker = Starlette(routes=[Route("/internal/generate", generate, methods=["POST"])])
 
-    socks = [bind_socket("127.0.0.1", 0) for _ in range(2)]  # the workers' listening socket
+    socks = [  # the worker's listening socket (as workers bind it), the router's shared one
+        bind_socket("127.0.0.1", 0),
+        listening_socket("127.0.0.1", router_port, reuse_port=True),
+    ]
     worker_url, router_url = (f"http://127.0.0.1:{s.getsockname()[1]}" for s in socks)
     model_path = resolve_model(None)
     layout = KVLayout(
@@ -242,4 +263,4 @@ async def _serve(tokens: int) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(_serve(int(sys.argv[1])))
+    asyncio.run(_serve(int(sys.argv[1]), int(sys.argv[2])))
