@@ -9,9 +9,13 @@ the router admits a request only while the workers it needs have room: fewer tha
 worker's reported running + waiting, whichever is larger (so other router replicas' requests
 count too, a second late).
 
-Resources: a request whose prompt is longer than ``router.local_prefill_max_tokens`` needs a
-prefill worker (when one is usable) and a decode worker; a shorter one, which the decode worker
-prefills itself, needs only a decode (or colocated) worker. A request in its prefill leg counts
+Resources: a request the policy would send to a prefill worker (its tokens left to compute,
+past what the chosen decode worker holds cached, are more than
+``router.local_prefill_max_tokens``: :meth:`pdserve.router.router.Router.needs_prefill`) needs a
+prefill worker with room, fewer than ``router.max_prefills_per_worker``
+(default 2) requests on it: a prefill is compute-bound, so requests queued inside a prefill
+worker would be served first come, first served; they wait here instead. A shorter prompt,
+which the decode worker prefills itself, needs only a decode (or colocated) worker. A request in its prefill leg counts
 against its prefill worker, not yet against its decode worker, so a flood of long prompts
 queued at the prefill workers does not hold the decode slots that short requests need (a
 first measurement, which counted it on both, made a short request wait for the flood's
@@ -187,7 +191,7 @@ class FairQueue:
     ) -> Ticket:
         """Wait for a slot (at once when nothing waits and a worker has room). ``deadline``:
         the request's, wall-clock UNIX seconds; ``needs_prefill``: whether it will need a
-        prefill worker (a prompt past the router's local prefill bound). Raises
+        prefill worker (the policy's path for it now). Raises
         :class:`TenantQueueFullError` when the tenant's cap is reached,
         :class:`QueueTimeoutError` after ``max_wait_s`` (or at the deadline); cancelled with
         the request (its client left), it leaves the queue."""

@@ -142,8 +142,8 @@ class Router:
         try:
             if self.admission is not None:
                 deadline = time.time() + self.settings.request_timeout_s
-                long_prompt = len(prompt_token_ids) > self.settings.local_prefill_max_tokens
-                ticket = await self.admission.admit(tenant, priority, deadline, long_prompt)
+                prefill = self.needs_prefill(prompt_token_ids, session_id)
+                ticket = await self.admission.admit(tenant, priority, deadline, prefill)
             txn = await self._start(
                 request_id, prompt_token_ids, sampling, timeline, session_id, ticket
             )
@@ -171,6 +171,19 @@ class Router:
         """The policy's decision for this prompt now, with each candidate's expected cached
         prefix when KV-aware routing is on, the session's last worker credited with its last
         turn's tokens (``session_id``). Raises NoWorkerError."""
+        route, sticky, sessions = self._decide(prompt_token_ids, exclude, session_id)
+        if sessions is not None and self.metrics is not None:
+            outcome = "new" if sticky is None else "kept"
+            if sticky is not None and sticky != route.worker.worker_id:
+                outcome = "moved"
+            self.metrics.session_routes.labels(outcome).inc()
+        return route
+
+    def _decide(
+        self, prompt_token_ids: Sequence[int], exclude: Sequence[str], session_id: str | None
+    ) -> tuple[Route, str | None, SessionTable | None]:
+        """:meth:`route`'s decision, the session's worker it credited (if any) and the session
+        table it consulted (None: none)."""
         cands = self.view.candidates()
         cached = self._cached(cands, prompt_token_ids)
         sticky = None
@@ -187,12 +200,17 @@ class Router:
             weights=self.weights,
             exclude=exclude,
         )
-        if sessions is not None and self.metrics is not None:
-            outcome = "new" if sticky is None else "kept"
-            if sticky is not None and sticky != route.worker.worker_id:
-                outcome = "moved"
-            self.metrics.session_routes.labels(outcome).inc()
-        return route
+        return route, sticky, sessions
+
+    def needs_prefill(self, prompt_token_ids: Sequence[int], session_id: str | None) -> bool:
+        """Whether the request would take a prefill worker now (the disaggregated path: its
+        uncached tokens past ``local_prefill_max_tokens``), as the fair queue asks; False
+        when no worker can serve it."""
+        try:
+            route, _, _ = self._decide(prompt_token_ids, (), session_id)
+        except NoWorkerError:
+            return False
+        return route.prefill is not None
 
     def remember_session(self, spec: RequestSpec, worker: WorkerRecord, tokens: int) -> None:
         """A finished request of session ``spec.session_id`` left ``tokens`` tokens (prompt

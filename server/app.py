@@ -349,7 +349,8 @@ def fair_queue(
             return NO_WORKER_ROOM
         free = sum(max(0, limit - admission_load(w)) for w in streaming)
         if needs_prefill and c.prefill:
-            free = min(free, sum(max(0, limit - worker_load(p)) for p in c.prefill))
+            prefill_limit = settings.max_prefills_per_worker
+            free = min(free, sum(max(0, prefill_limit - worker_load(p)) for p in c.prefill))
         return free
 
     def admitted(tenant: str, waited_s: float) -> None:
@@ -357,8 +358,10 @@ def fair_queue(
         metrics.tenant_queue_wait.labels(tenant).observe(waited_s)
 
     log.info(
-        "fair queue on: %d requests per decode or colocated worker, tenants %s",
+        "fair queue on: %d requests per decode or colocated worker, %d per prefill worker, "
+        "tenants %s",
         limit,
+        settings.max_prefills_per_worker,
         ", ".join(f"{t.name} (weight {t.weight:g})" for t in api_keys.tenants.values()) or "-",
     )
     return FairQueue(

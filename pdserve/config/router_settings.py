@@ -205,6 +205,16 @@ class RouterSettings(_Section):
         "scheduler.max_num_seqs' default (32) when API keys name tenants, else off (requests "
         "queue in the workers); 0: off",
     )
+    max_prefills_per_worker: Annotated[int, Flag("--max-prefills-per-worker", ("up", "router"))] = (
+        Field(
+            default=2,
+            ge=1,
+            description="fair queue: a request whose prompt needs a prefill worker is let in only "
+            "while some prefill worker has fewer requests than this (this router's in their "
+            "prefill leg, or its reported running + waiting): a prefill is compute-bound, so a "
+            "longer queue there would only be first come, first served",
+        )
+    )
     tenant_max_queued: Annotated[int, Flag("--tenant-max-queued", ("up", "router"))] = Field(
         default=256,
         ge=0,

@@ -11,8 +11,9 @@ tenants ``a`` and ``b`` (weight 1 each):
 - **fifo**: ``--max-requests-per-worker 0``: every request goes straight to the workers,
   whose queues are first come, first served.
 
-On each: tenant b alone (``--probe-requests`` streamed chat completions, one at a time, a short
-prompt) for its baseline TTFT; then tenant a floods (``--flood-concurrency`` streams in flight
+On each: tenant b alone (``--probe-requests`` streamed chat completions, one at a time, prompts
+of ``--probe-prompt-tokens`` tokens: by default past the router's local prefill bound, so they
+need the prefill worker as a's do) for its baseline TTFT; then tenant a floods (``--flood-concurrency`` streams in flight
 at all times, prompts of ``--flood-prompt-tokens`` tokens) while b sends the same probes again.
 Reported: b's TTFT p50/p90 alone and under the flood, their ratio (target: p90 within 1.5x of
 alone, with the fair queue), and a's output tokens/s during the flood (what a still gets).
@@ -38,10 +39,11 @@ if TYPE_CHECKING:
 
 DESCRIPTION = """\
 The router's fair queue against none: two stacks of router + 1 prefill + 1 decode on the
-default model, with API keys naming two tenants, a and b. On each, b sends --probe-requests short
-streamed requests one at a time, alone, then while a keeps --flood-concurrency streams of
---flood-prompt-tokens-token prompts in flight. Prints b's TTFT p50/p90 alone and under the
-flood, their ratio (target: p90 within 1.5x with the fair queue) and a's output tokens/s."""
+default model, with API keys naming two tenants, a and b. On each, b sends --probe-requests
+streamed requests (--probe-prompt-tokens-token prompts) one at a time, alone, then while a
+keeps --flood-concurrency streams of --flood-prompt-tokens-token prompts in flight. Prints b's
+TTFT p50/p90 alone and under the flood, their ratio (target: p90 within 1.5x with the fair
+queue) and a's output tokens/s."""
 
 KEYS = {"a": "sk-bench-tenant-a", "b": "sk-bench-tenant-b"}
 TARGET_P90_RATIO = 1.5
@@ -57,12 +59,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--probe-requests", type=int, default=20, help="b's requests per phase (default 20)"
     )
+    p.add_argument(
+        "--probe-prompt-tokens",
+        type=int,
+        default=512,
+        help="b's prompt length (default 512: past the router's local prefill bound of 256, so "
+        "b's requests need the prefill worker too; 0: a one-line question the decode worker "
+        "prefills itself)",
+    )
     p.add_argument("--max-tokens", type=int, default=32, help="max_tokens (default 32)")
     p.add_argument(
         "--max-requests-per-worker",
         type=int,
-        default=4,
-        help="the fair arm's router.max_requests_per_worker (default 4)",
+        default=32,
+        help="the fair arm's router.max_requests_per_worker (default 32, as with tenants)",
     )
     p.add_argument("--model", default=None, metavar="DIR", help="local model folder")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results")
@@ -85,11 +95,16 @@ def _client(key: str, n: int, timeout_s: float) -> httpx.AsyncClient:
     )
 
 
+_PHASES = iter(range(1 << 30))
+"""Numbers each phase, so no phase's prompts are cached from an earlier one."""
+
+
 async def _phase(url: str, model: str, args: argparse.Namespace, flood: bool) -> dict[str, Any]:
     """b's probes, alone or under a's flood (module docstring); the phase's figures."""
     from pdserve.bench.serving.bench_serve import chat_body, percentile
     from pdserve.bench.serving.bench_serve import stream_openai as send
 
+    phase = next(_PHASES)
     stop = asyncio.Event()
     flooded: list[RequestResult] = []
     n = args.flood_concurrency if flood else 0
@@ -98,7 +113,7 @@ async def _phase(url: str, model: str, args: argparse.Namespace, flood: bool) ->
         async def lane(k: int) -> None:
             i = 0
             while not stop.is_set():
-                prompt = _words(args.flood_prompt_tokens, k * 10_000 + i)
+                prompt = _words(args.flood_prompt_tokens, phase * 10_000_000 + k * 10_000 + i)
                 flooded.append(await send(a, url, chat_body(model, prompt, args.max_tokens, True)))
                 i += 1
 
@@ -111,7 +126,11 @@ async def _phase(url: str, model: str, args: argparse.Namespace, flood: bool) ->
         before = len(flooded)
         probes = []
         for i in range(args.probe_requests):
-            body = chat_body(model, f"Say one word about the number {i}.", args.max_tokens, False)
+            question = f"Say one word about the number {i}."
+            if args.probe_prompt_tokens:
+                salt = phase * 10_000_000 + 1_000_000 + i
+                question = _words(args.probe_prompt_tokens, salt) + " " + question
+            body = chat_body(model, question, args.max_tokens, False)
             probes.append(await send(b, url, body))
         wall = time.perf_counter() - t0
         stop.set()
@@ -171,7 +190,8 @@ def main(args: argparse.Namespace, cfg: PdserveConfig) -> int:
     print(
         f"bench fairness on {cpu_model()} ({os.cpu_count()} CPUs): tenant a floods with "
         f"{args.flood_concurrency} streams of {args.flood_prompt_tokens}-token prompts, tenant "
-        f"b sends {args.probe_requests} short requests one at a time; max_tokens "
+        f"b sends {args.probe_requests} requests of {args.probe_prompt_tokens}-token prompts one "
+        f"at a time; max_tokens "
         f"{args.max_tokens}; logs in {logs}",
         flush=True,
     )
