@@ -321,6 +321,8 @@ class Router:
                 else:
                     with self.view.prefilling(route.worker.worker_id):
                         context = await self._prefill(spec, pair)
+                    if self.admission is not None:  # the prefill worker has room again
+                        self.admission.pump()
                     txn = Transaction(self, spec, route, context, holds)
             except LEG_FAILURES as exc:
                 holds.close()
