@@ -259,3 +259,14 @@ async def test_a_queued_request_whose_client_leaves_leaves_the_queue(tmp_path) -
         assert await queued() == 0
         assert (await first).status_code == 200
         assert len(worker.generations) == 1  # the one that left never reached the worker
+
+
+async def test_a_requests_resource_is_the_policys_path() -> None:
+    from tests.support.fakes import decode_worker, make_router, prefill_worker
+
+    async with make_router(prefill_worker(), decode_worker()) as router:  # local prefill off
+        assert router.needs_prefill([1, 2, 3], None)
+    async with make_router(decode_worker()) as router:  # no prefill worker: local prefill
+        assert not router.needs_prefill([1, 2, 3], None)
+    async with make_router() as router:  # no worker at all: the wait for one answers
+        assert not router.needs_prefill([1, 2, 3], None)
