@@ -24,10 +24,23 @@ HELP = {
     "transfer": TRANSFER_HELP,
     "router": ("--concurrency", "--requests", "scripted worker", "difference"),
     "kv-dtype": ("--kv-dtypes", "--kv-cache-mb", "--batch", "fp8_e4m3"),
-    "multiturn": ("--conversations", "--compare", "--prefill-workers", "--decode-workers",
-                  "--config", "hit rate", "x-session-id"),  # fmt: skip
-    "fairness": ("--flood-concurrency", "--probe-requests", "--max-requests-per-worker",
-                 "--config", "1.5x", "tenants"),  # fmt: skip
+    "multiturn": (
+        "--conversations",
+        "--compare",
+        "--prefill-workers",
+        "--decode-workers",
+        "--config",
+        "hit rate",
+        "x-session-id",
+    ),  # fmt: skip
+    "fairness": (
+        "--flood-concurrency",
+        "--probe-requests",
+        "--max-requests-per-worker",
+        "--config",
+        "1.5x",
+        "tenants",
+    ),  # fmt: skip
     "kv-restart": ("--prompt-tokens", "--disk-dir", "--config", "0.5x", "disk tier"),
     "handoff": HANDOFF_HELP,
     "compile": ("--threads", "--rounds", "--skip-startup", "eager", "torch.compile"),
