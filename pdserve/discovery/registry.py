@@ -150,6 +150,9 @@ class EmbeddedRegistry:
         self._syncer: asyncio.Task[None] | None = None
         self._kv_handlers: list[KVEventHandler] = []
         self._seq = 0  # the store's change log, read up to here
+        # worker id -> seq of this replica's last write about it: an earlier change by another
+        # replica that this one reads later must not undo it (the log's order decides)
+        self._own_seq: dict[str, int] = {}
         self._store_open = False
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -236,6 +239,8 @@ class EmbeddedRegistry:
         return len(changes)
 
     async def _apply(self, change: Change) -> None:
+        if change.kind != "kv" and change.seq < self._own_seq.get(change.worker_id, 0):
+            return  # older than this replica's own write about the worker, applied already
         if change.kind == "put" and change.body is not None and change.expires_at is not None:
             record = WorkerRecord.model_validate_json(change.body)
             if self.view.put(record):
@@ -331,9 +336,10 @@ class EmbeddedRegistry:
             )
         expires_at = time.monotonic() + (check_ttl(ttl_s) if ttl_s is not None else self.ttl_s)
         store, body = self.store, record.model_dump_json()
-        created = await store.call(
+        created, seq = await store.call(
             lambda: store.put(record.worker_id, record.epoch, body, expires_at)
         )
+        self._own_seq[record.worker_id] = seq
         self.view.put(record)
         self._expires_at[record.worker_id] = expires_at
         return created
@@ -343,7 +349,8 @@ class EmbeddedRegistry:
         if self.store is None:
             return self.remove(worker_id)
         store = self.store
-        removed = await store.call(lambda: store.remove(worker_id))
+        removed, seq = await store.call(lambda: store.remove(worker_id))
+        self._own_seq[worker_id] = seq
         self.remove(worker_id)
         return removed
 

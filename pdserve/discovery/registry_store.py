@@ -205,21 +205,23 @@ class RegistryStore:
         worker_id: str,
         body: str | None = None,
         expires_at: float | None = None,
-    ) -> None:
-        db.execute(
+    ) -> int:
+        """Append a change; its seq."""
+        cursor = db.execute(
             "INSERT INTO changes (kind, worker_id, body, expires_at, origin, at) "
             "VALUES (?, ?, ?, ?, ?, ?)",
             (kind, worker_id, body, expires_at, self.origin, self._clock()),
         )
+        return int(cursor.lastrowid or 0)
 
     # -- records -----------------------------------------------------------------------------
 
-    def put(self, worker_id: str, epoch: int, body: str, expires_at: float) -> bool:
+    def put(self, worker_id: str, epoch: int, body: str, expires_at: float) -> tuple[bool, int]:
         """Upsert a record (already verified by the caller) until ``expires_at``; return
-        whether no live record existed. Raises :class:`StaleEpochError` (nothing written)
-        when a live record has a higher epoch."""
+        whether no live record existed, and the change's seq. Raises
+        :class:`StaleEpochError` (nothing written) when a live record has a higher epoch."""
 
-        def write(db: sqlite3.Connection) -> bool:
+        def write(db: sqlite3.Connection) -> tuple[bool, int]:
             row = db.execute(
                 "SELECT epoch, expires_at FROM records WHERE worker_id = ?", (worker_id,)
             ).fetchone()
@@ -230,20 +232,19 @@ class RegistryStore:
                 "INSERT OR REPLACE INTO records VALUES (?, ?, ?, ?)",
                 (worker_id, epoch, body, expires_at),
             )
-            self._log(db, "put", worker_id, body, expires_at)
-            return not live
+            return not live, self._log(db, "put", worker_id, body, expires_at)
 
         return self._write(write)
 
-    def remove(self, worker_id: str) -> bool:
-        """Delete a record; return whether a live one was removed."""
+    def remove(self, worker_id: str) -> tuple[bool, int]:
+        """Delete a record; return whether a live one was removed, and the change's seq."""
 
-        def write(db: sqlite3.Connection) -> bool:
+        def write(db: sqlite3.Connection) -> tuple[bool, int]:
             row = db.execute(
                 "DELETE FROM records WHERE worker_id = ? RETURNING expires_at", (worker_id,)
             ).fetchone()
-            self._log(db, "delete", worker_id)
-            return row is not None and row[0] > self._clock()
+            seq = self._log(db, "delete", worker_id)
+            return row is not None and row[0] > self._clock(), seq
 
         return self._write(write)
 

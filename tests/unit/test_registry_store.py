@@ -74,6 +74,22 @@ async def test_the_epoch_check_spans_replicas(pair: Pair) -> None:
     assert b.workers()["decode-0"].epoch == 2
 
 
+async def test_an_earlier_change_read_later_does_not_undo_a_replicas_own_write(
+    pair: Pair,
+) -> None:
+    """The old incarnation deregisters through b; the new one registers through a before a
+    has read b's delete: a keeps the new record (the log's order decides), and so does b."""
+    a, b = pair
+    await b.register(make_record(epoch=1))
+    await a.sync()
+    await b.deregister("decode-0")
+    await a.register(make_record(epoch=2))
+    assert await a.sync() == 2  # b's delete, then its own put
+    assert a.workers()["decode-0"].epoch == 2
+    await b.sync()
+    assert b.workers()["decode-0"].epoch == 2
+
+
 async def test_an_unsigned_record_never_reaches_the_store(pair: Pair, tmp_path: Path) -> None:
     a, _ = pair
     forged = make_record().model_copy(update={"signature": "0" * 64})
