@@ -132,6 +132,12 @@ def run_router(cfg: RouterConfig, log_level: str) -> int:
     apps = create_apps(cfg)
     sock = public = None
     r = cfg.router
+    if r.reuse_port and apps.registry is not None and not r.registry_store:
+        log.warning(
+            "--reuse-port with the embedded registry but no --registry-store: a worker is seen "
+            "only by the replica it registered with; give every replica the same "
+            "--registry-store FILE (pdserve up --routers N does)"
+        )
     if r.reuse_port:  # uvicorn sets no SO_REUSEPORT itself: bind the public port here
         try:
             public = bind_listener(r.host, r.port, reuse_port=True)
