@@ -94,8 +94,12 @@ def up(smollm2_dir: Path, up_log: Path) -> Iterator[tuple[str, subprocess.Popen[
             break
     assert f"http://127.0.0.1:{port}/v1" in line
     yield f"http://127.0.0.1:{port}", proc
-    if proc.poll() is None:
-        proc.kill()
+    if proc.poll() is None:  # the last test stops it; a run of some tests only stops it here
+        proc.send_signal(signal.SIGINT)  # up stops its children (SIGKILL would orphan them)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def served_dtype(up_log: Path) -> str:
