@@ -12,6 +12,9 @@
 - ``view``: the live workers of one served model, read from the discovery watcher; its
   readiness
 - ``kv_index``: block hashes per worker, from the workers' KV cache events (KV-aware routing)
+- ``sessions``: session affinity: a session's next turn prefers the worker of its last one
+- ``admission``: the fair queue between tenants (deficit round robin, priority) while the
+  workers are saturated
 - ``retry``: the one retry policy of every leg (first leg, decode-leg refusal, migration): what
   is retryable, how often, how much deadline must be left
 - ``migration``: mid-stream migration's parts: a lost leg, why a leg failed, the request that

@@ -6,7 +6,7 @@ Modules, in reading order:
 - ``registration``: worker side: :class:`Registration`, its lifecycle once for every backend
 - ``records``: router side: :class:`Watcher`, :class:`RecordTable` (signed records only)
 - the backends: ``registry`` + ``http`` (the router's embedded registry and its HTTP
-  client side), ``etcd`` + ``etcd_client`` (etcd, TLS and a user), ``nats`` + ``nats_watcher``
+  client side; ``registry_store``: its SQLite store, shared by the router replicas of a host), ``etcd`` + ``etcd_client`` (etcd, TLS and a user), ``nats`` + ``nats_watcher``
   (a NATS JetStream key-value bucket, router side)
 - ``load_events``: load and KV block counters on core NATS subjects; ``kvcache``: KV cache
   events (stored / removed block hashes) on the wire, toward the router's KV index
