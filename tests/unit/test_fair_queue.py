@@ -233,9 +233,11 @@ async def test_a_queued_request_whose_client_leaves_leaves_the_queue(tmp_path) -
     router = cfg.router.model_copy(update={"max_requests_per_worker": 1,
                                            "local_prefill_max_tokens": 100})  # fmt: skip
     cfg = cfg.model_copy(update={"router": router})
-    worker = FakeWorker("d0", Role.DECODE, [(100 + i, f"t{i}") for i in range(4)],
-                        token_delay_s=0.3)  # fmt: skip
-    body = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
+    # the first request holds the only slot for 4 s: the leaving one's disconnect is seen
+    # (every 0.5 s) long before that slot frees
+    worker = FakeWorker("d0", Role.DECODE, [(100 + i, f"t{i}") for i in range(8)],
+                        token_delay_s=0.5)  # fmt: skip
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 8}
     async with router_harness(cfg, [worker], real_sockets=True) as h:
 
         async def queued() -> float:
@@ -257,6 +259,7 @@ async def test_a_queued_request_whose_client_leaves_leaves_the_queue(tmp_path) -
                 break
             await asyncio.sleep(0.01)
         assert await queued() == 0
+        assert not first.done()  # so the queue emptied because the client left, not by a grant
         assert (await first).status_code == 200
         assert len(worker.generations) == 1  # the one that left never reached the worker
 
