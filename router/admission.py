@@ -56,9 +56,16 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.errors import QueueFullError
-from pdserve.security import Tenant
+from pdserve.router.policy import worker_load
+from pdserve.security import APIKeys, Tenant
+
+if TYPE_CHECKING:
+    from pdserve.config.settings import RouterSettings
+    from pdserve.router.router_metrics import RouterMetrics
+    from pdserve.router.view import WorkerState, WorkerView
 
 log = logging.getLogger(__name__)
 
@@ -308,3 +315,54 @@ class FairQueue:
                 await task
             except asyncio.CancelledError:
                 pass
+
+
+def admission_load(worker: WorkerState) -> int:
+    """A decode or colocated worker's requests as the fair queue counts them: this router's
+    in-flight ones past their prefill leg, or the worker's reported running + waiting,
+    whichever is larger."""
+    load = worker.record.load
+    return max(worker.in_flight - worker.prefilling, load.running + load.waiting)
+
+
+def fair_queue(
+    settings: RouterSettings, api_keys: APIKeys, view: WorkerView, metrics: RouterMetrics
+) -> FairQueue | None:
+    """The router's fair queue (:mod:`pdserve.router.admission`), or None when it is off:
+    ``router.max_requests_per_worker`` 0, or unset while no API key names a tenant."""
+    limit = settings.max_requests_per_worker
+    if limit is None:
+        limit = DEFAULT_REQUESTS_PER_WORKER if api_keys.names_tenants else 0
+    if limit == 0:
+        return None
+
+    def room(needs_prefill: bool) -> int:
+        c = view.candidates()
+        streaming = [*c.decode, *c.colocated]
+        if not streaming:  # nothing can serve it: the router's wait for a worker answers
+            return NO_WORKER_ROOM
+        free = sum(max(0, limit - admission_load(w)) for w in streaming)
+        if needs_prefill and c.prefill:
+            prefill_limit = settings.max_prefills_per_worker
+            free = min(free, sum(max(0, prefill_limit - worker_load(p)) for p in c.prefill))
+        return free
+
+    def admitted(tenant: str, waited_s: float) -> None:
+        metrics.tenant_admitted.labels(tenant).inc()
+        metrics.tenant_queue_wait.labels(tenant).observe(waited_s)
+
+    log.info(
+        "fair queue on: %d requests per decode or colocated worker, %d per prefill worker, "
+        "tenants %s",
+        limit,
+        settings.max_prefills_per_worker,
+        ", ".join(f"{t.name} (weight {t.weight:g})" for t in api_keys.tenants.values()) or "-",
+    )
+    return FairQueue(
+        room,
+        max_queued=settings.tenant_max_queued,
+        max_wait_s=settings.max_queue_wait_s,
+        on_queued=lambda t, n: metrics.tenant_queued.labels(t).set(n),
+        on_admitted=admitted,
+        on_rejected=lambda t: metrics.tenant_rejected.labels(t).inc(),
+    )

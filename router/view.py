@@ -41,7 +41,7 @@ import asyncio
 import itertools
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -238,32 +238,14 @@ class WorkerView:
         """Requests this router has outstanding on ``worker_id``."""
         return self._in_flight.get(worker_id, 0)
 
-    @contextmanager
-    def track(self, worker_id: str) -> Iterator[None]:
+    def track(self, worker_id: str) -> AbstractContextManager[None]:
         """Count one in-flight request on ``worker_id`` for the duration of the block."""
-        self._in_flight[worker_id] = self._in_flight.get(worker_id, 0) + 1
-        try:
-            yield
-        finally:
-            left = self._in_flight[worker_id] - 1
-            if left:
-                self._in_flight[worker_id] = left
-            else:
-                del self._in_flight[worker_id]  # no entries for workers long gone
+        return _counted(self._in_flight, worker_id)
 
-    @contextmanager
-    def prefilling(self, decode_worker_id: str) -> Iterator[None]:
+    def prefilling(self, decode_worker_id: str) -> AbstractContextManager[None]:
         """Mark one of ``decode_worker_id``'s in-flight requests as still in its prefill leg
         for the duration of the block (:attr:`WorkerState.prefilling`)."""
-        self._prefilling[decode_worker_id] = self._prefilling.get(decode_worker_id, 0) + 1
-        try:
-            yield
-        finally:
-            left = self._prefilling[decode_worker_id] - 1
-            if left:
-                self._prefilling[decode_worker_id] = left
-            else:
-                del self._prefilling[decode_worker_id]
+        return _counted(self._prefilling, decode_worker_id)
 
     def candidates(self) -> Candidates:
         """Snapshot the usable prefill, decode and colocated workers (sorted by worker id)."""
@@ -334,3 +316,18 @@ class WorkerView:
             paths=tuple(paths),
             notes=tuple(notes),
         )
+
+
+@contextmanager
+def _counted(counts: dict[str, int], key: str) -> Iterator[None]:
+    """``counts[key]`` one higher for the duration of the block; a key that drops to 0 is
+    removed (no entries for workers long gone)."""
+    counts[key] = counts.get(key, 0) + 1
+    try:
+        yield
+    finally:
+        left = counts[key] - 1
+        if left:
+            counts[key] = left
+        else:
+            del counts[key]

@@ -46,20 +46,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve.config.loading import RouterConfig
-from pdserve.config.settings import RouterSettings
 from pdserve.errors import ClientDisconnectedError, PdserveError
 from pdserve.http.error_responses import install_error_handlers, internal_error, log_failure
 from pdserve.http.keepalive import ROUTER_KEEPALIVE_S
 from pdserve.observability.prometheus import CONTENT_TYPE
 from pdserve.observability.tracing import Timeline
-from pdserve.router.admission import DEFAULT_REQUESTS_PER_WORKER, NO_WORKER_ROOM, FairQueue
+from pdserve.router.admission import fair_queue
 from pdserve.router.client import WorkerClient
 from pdserve.router.kv_index import follow_kv_events
-from pdserve.router.policy import worker_load
 from pdserve.router.router import Router
 from pdserve.router.router_metrics import RouterMetrics
 from pdserve.router.sessions import SESSION_HEADER, session_id_from
-from pdserve.router.view import WorkerSource, WorkerState, WorkerView
+from pdserve.router.view import WorkerSource, WorkerView
 from pdserve.security import APIKeys, ClusterKey, Tenant
 from pdserve.server.chat.batch import BatchTransaction, Started
 from pdserve.server.chat.grammar_checker import GrammarChecker, checked
@@ -323,66 +321,8 @@ async def _start(
     )
 
 
-def admission_load(worker: WorkerState) -> int:
-    """A decode or colocated worker's requests as the fair queue counts them: this router's
-    in-flight ones past their prefill leg, or the worker's reported running + waiting,
-    whichever is larger."""
-    load = worker.record.load
-    return max(worker.in_flight - worker.prefilling, load.running + load.waiting)
-
-
-def fair_queue(
-    settings: RouterSettings, api_keys: APIKeys, view: WorkerView, metrics: RouterMetrics
-) -> FairQueue | None:
-    """The router's fair queue (:mod:`pdserve.router.admission`), or None when it is off:
-    ``router.max_requests_per_worker`` 0, or unset while no API key names a tenant."""
-    limit = settings.max_requests_per_worker
-    if limit is None:
-        limit = DEFAULT_REQUESTS_PER_WORKER if api_keys.names_tenants else 0
-    if limit == 0:
-        return None
-
-    def room(needs_prefill: bool) -> int:
-        c = view.candidates()
-        streaming = [*c.decode, *c.colocated]
-        if not streaming:  # nothing can serve it: the router's wait for a worker answers
-            return NO_WORKER_ROOM
-        free = sum(max(0, limit - admission_load(w)) for w in streaming)
-        if needs_prefill and c.prefill:
-            prefill_limit = settings.max_prefills_per_worker
-            free = min(free, sum(max(0, prefill_limit - worker_load(p)) for p in c.prefill))
-        return free
-
-    def admitted(tenant: str, waited_s: float) -> None:
-        metrics.tenant_admitted.labels(tenant).inc()
-        metrics.tenant_queue_wait.labels(tenant).observe(waited_s)
-
-    log.info(
-        "fair queue on: %d requests per decode or colocated worker, %d per prefill worker, "
-        "tenants %s",
-        limit,
-        settings.max_prefills_per_worker,
-        ", ".join(f"{t.name} (weight {t.weight:g})" for t in api_keys.tenants.values()) or "-",
-    )
-    return FairQueue(
-        room,
-        max_queued=settings.tenant_max_queued,
-        max_wait_s=settings.max_queue_wait_s,
-        on_queued=lambda t, n: metrics.tenant_queued.labels(t).set(n),
-        on_admitted=admitted,
-        on_rejected=lambda t: metrics.tenant_rejected.labels(t).inc(),
-    )
-
-
 def _state(request: Request) -> ServerState:
     return request.app.state.pdserve  # type: ignore[no-any-return]
-
-
-def _session(request: Request, user: str | None, st: ServerState) -> str | None:
-    """The request's session id (:func:`~pdserve.router.sessions.session_id_from`; 400 when
-    too long)."""
-    header = request.headers.get(SESSION_HEADER)
-    return session_id_from(header, user, from_user=st.cfg.router.session_from_user)
 
 
 def _add_routes(app: FastAPI, *, secured: bool) -> None:
@@ -446,7 +386,8 @@ def _add_routes(app: FastAPI, *, secured: bool) -> None:
         """OpenAI chat completion, streamed (SSE) or not."""
         t0 = received_ns(request)
         st = _state(request)
-        session = _session(request, body.user, st)
+        session = session_id_from(request.headers.get(SESSION_HEADER), body.user,
+                                  from_user=st.cfg.router.session_from_user)  # fmt: skip
         place = (getattr(request.state, "tenant", None), body.priority)
         prepared = await st.tokenizer_pool.run(
             await _body_size(request), st.preprocessor.chat, body
@@ -466,7 +407,8 @@ def _add_routes(app: FastAPI, *, secured: bool) -> None:
         """OpenAI text completion, streamed (SSE) or not."""
         t0 = received_ns(request)
         st = _state(request)
-        session = _session(request, body.user, st)
+        session = session_id_from(request.headers.get(SESSION_HEADER), body.user,
+                                  from_user=st.cfg.router.session_from_user)  # fmt: skip
         place = (getattr(request.state, "tenant", None), body.priority)
         batch = await st.tokenizer_pool.run(
             await _body_size(request), st.preprocessor.completions, body
@@ -585,10 +527,8 @@ async def _serve(
     txn: Started
     if len(batch) == 1:
         p = batch[0]
-        tenant, priority = place
-        start = st.router.start(
-            request_id, p.prompt_token_ids, p.sampling, timeline, session, tenant, priority
-        )
+        ids = p.prompt_token_ids
+        start = st.router.start(request_id, ids, p.sampling, timeline, session, *place)
         txn = await started(
             unless_disconnected(request, start), timeline, request_id, phase_log=phase_log
         )

@@ -154,7 +154,8 @@ def run(args: argparse.Namespace, cfg: PdserveConfig) -> int:
     restart, warm run on ``cfg`` (the resolved settings, its disk tier replaced); print the
     comparison. 0, or 1 when the target is missed or the warm run loaded nothing from the disk
     tier; 2 when ``--disk-dir`` is not empty. Raises as :func:`run_stack` does."""
-    from pdserve.bench.serving.bench_multiturn import system_prompt, token_counter
+    from pdserve.bench.serving.bench_multiturn import token_counter
+    from pdserve.bench.serving.bench_multiturn_workload import system_prompt
     from pdserve.bench.serving.bench_serve import write_json
     from pdserve.models import resolve_model
 
