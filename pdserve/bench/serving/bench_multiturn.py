@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 # The metrics reading the benchmarks share, importable from here too (stack tests use it).
 from pdserve.bench.scrape import parse_metrics as parse_metrics
 from pdserve.bench.serving.bench_multiturn_workload import (
-    _SYSTEM_SENTENCES,
+    SYSTEM_SENTENCES,
     Workload,
     approx_tokens,
     make_workload,
@@ -267,7 +267,7 @@ async def _measure(
         headers=headers,
     ) as client:
         # Warm-up: a short prompt, then a long one that shares no prefix with the workload.
-        long_warm = "Warm-up. " + system_prompt(args.system_tokens, start=len(_SYSTEM_SENTENCES))
+        long_warm = "Warm-up. " + system_prompt(args.system_tokens, start=len(SYSTEM_SENTENCES))
         for text in ("Say hello in five words.", long_warm):
             body = chat_request(model, [{"role": "user", "content": text}], args.max_tokens)
             w = await stream_openai(client, url, body)

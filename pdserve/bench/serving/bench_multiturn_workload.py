@@ -8,7 +8,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-_SYSTEM_SENTENCES = (
+SYSTEM_SENTENCES = (
     "You are a careful, friendly assistant for the staff of a mid-sized engineering company.",
     "Answer in plain English, in short paragraphs, and never invent facts you are unsure of.",
     "When a question is ambiguous, state the most likely reading and answer that one.",
@@ -73,7 +73,7 @@ def system_prompt(tokens: int, count: Callable[[str], int] = approx_tokens, star
     lines = ["The following rules apply to every conversation."]
     i = 0
     while count(" ".join(lines)) < tokens:
-        sentence = _SYSTEM_SENTENCES[(start + i) % len(_SYSTEM_SENTENCES)]
+        sentence = SYSTEM_SENTENCES[(start + i) % len(SYSTEM_SENTENCES)]
         lines.append(f"Rule {i + 1}: {sentence}")
         i += 1
     if start:
