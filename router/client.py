@@ -140,7 +140,7 @@ class GenerationStream:
         self.lost: str | None = None  # lose(): why this stream may be given up
         self._grace_s = 0.0
         self._read: asyncio.Timeout | None = None  # the read in progress, if any
-        self._lines: AsyncIterator[bytes] | None = None  # the body's lines, once chunks() began
+        self._lines: NdjsonLines | None = None  # the body's lines, once chunks() began
 
     def lose(self, reason: str, grace_s: float = 0.0) -> None:
         """Give the stream up from outside its reader once it is silent for ``grace_s``
@@ -186,6 +186,11 @@ class GenerationStream:
             except ValidationError as exc:
                 raise WorkerError(f"{self._leg} sent a malformed chunk: {line[:200]!r}") from exc
 
+    def buffered(self) -> bool:
+        """Whether the next line of the stream is already read: the next chunk of
+        :meth:`chunks` comes without waiting on the network."""
+        return self._lines is not None and self._lines.buffered()
+
     async def finish(self, wait_s: float = FINISH_WAIT_S) -> None:
         """Close a stream whose request finished (its last chunk was read): first read what is
         left of the body, which the worker ends right after that chunk, so that the connection
@@ -212,25 +217,59 @@ class GenerationStream:
             await self._response.aclose()
 
 
-async def ndjson_lines(response: httpx.Response) -> AsyncIterator[bytes]:
-    """The lines of an NDJSON body (bytes, without the ``\n``), split on ``\n`` only.
+class NdjsonLines:
+    """The lines of an NDJSON body (bytes, without the ``\n``), split on ``\n`` only: an
+    async iterator over ``response``'s body, which it reads as needed.
 
     httpx's ``aiter_lines`` also splits on U+0085, U+2028, U+2029 and U+001C-U+001E (Python's
     ``str.splitlines``), and JSON leaves the first three unescaped inside strings: a token whose
     text holds one (a byte-level vocabulary has U+0085) cut a worker's chunk in two. Memory:
-    the longest line, held as its parts until its ``\n`` arrives."""
-    parts: list[bytes] = []
-    async for data in response.aiter_bytes():
-        start = 0
-        while (end := data.find(b"\n", start)) >= 0:
-            parts.append(data[start:end])
-            yield b"".join(parts)
-            parts.clear()
-            start = end + 1
-        if start < len(data):
-            parts.append(data[start:])
-    if parts:
-        yield b"".join(parts)
+    the last read and the longest line, held as its parts until its ``\n`` arrives.
+    :meth:`buffered` says whether the next line is already at hand (no read needed). Raises
+    what ``response``'s body iteration raises (httpx errors)."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self._body = response.aiter_bytes()
+        self._data = b""  # the last read
+        self._start = 0  # where its unread part begins
+        self._parts: list[bytes] = []  # an unfinished line's earlier parts
+        self._ended = False
+
+    def __aiter__(self) -> NdjsonLines:
+        return self
+
+    def buffered(self) -> bool:
+        """Whether the next line is already read (the next :meth:`__anext__` does no I/O)."""
+        return self._data.find(b"\n", self._start) >= 0
+
+    async def __anext__(self) -> bytes:
+        while True:
+            end = self._data.find(b"\n", self._start)
+            if end >= 0:
+                self._parts.append(self._data[self._start : end])
+                self._start = end + 1
+                line = b"".join(self._parts)
+                self._parts.clear()
+                return line
+            if self._start < len(self._data):
+                self._parts.append(self._data[self._start :])
+            self._data, self._start = b"", 0
+            if self._ended:
+                raise StopAsyncIteration
+            try:
+                self._data = await anext(self._body)
+            except StopAsyncIteration:
+                self._ended = True
+                if self._parts:  # a last line without its \n
+                    line = b"".join(self._parts)
+                    self._parts.clear()
+                    return line
+                raise
+
+
+def ndjson_lines(response: httpx.Response) -> NdjsonLines:
+    """``response``'s body as NDJSON lines (:class:`NdjsonLines`)."""
+    return NdjsonLines(response)
 
 
 class ContextStream:

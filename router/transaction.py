@@ -221,6 +221,13 @@ class Transaction:
         finally:
             await self.aclose()
 
+    def ready(self) -> bool:
+        """Whether :meth:`events` has its next event at hand: the decode stream's next chunk is
+        already read, so taking it waits on nothing. A server rendering the stream holds what
+        it rendered while this is true and writes it at once when it is not (one write for the
+        chunks that arrived together, never a delay)."""
+        return self._stream is not None and not self._stream.closed and self._stream.buffered()
+
     async def first_output(self) -> None:
         """One leg: read the stream until its first token (or the end of every choice), keeping
         the events for :meth:`events`. Raises the typed error of a failed or short stream."""

@@ -36,7 +36,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import AsyncExitStack, aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -410,9 +410,9 @@ def _add_routes(app: FastAPI, *, secured: bool) -> None:
         session = session_id_from(request.headers.get(SESSION_HEADER), body.user,
                                   from_user=st.cfg.router.session_from_user)  # fmt: skip
         place = (getattr(request.state, "tenant", None), body.priority)
-        batch = await st.tokenizer_pool.run(
-            await _body_size(request), st.preprocessor.completions, body
-        )
+        prep = st.preprocessor  # token ids alone are checked here (linear), text on the pool
+        batch = (await st.tokenizer_pool.run(await _body_size(request), prep.completions, body)
+                 if prep.needs_tokenizer(body) else prep.completions(body))  # fmt: skip
         batch = await checked(st.grammars, batch)
         info = _info(f"cmpl-{uuid.uuid4().hex}", st, batch[0], body.logprobs is not None, body)
         info.n, info.prompts = info.n * len(batch), len(batch)
@@ -524,20 +524,17 @@ async def _serve(
         batch[0].sampling,
         stream,
     )
-    txn: Started
+    start: Coroutine[Any, Any, Started]
     if len(batch) == 1:
         p = batch[0]
         ids = p.prompt_token_ids
         start = st.router.start(request_id, ids, p.sampling, timeline, session, *place)
-        txn = await started(
-            unless_disconnected(request, start), timeline, request_id, phase_log=phase_log
-        )
     else:
         pairs = [(p.prompt_token_ids, p.sampling) for p in batch]
-        start_all = BatchTransaction.start(st.router, request_id, pairs, timeline, *place)
-        txn = await started(
-            unless_disconnected(request, start_all), timeline, request_id, phase_log=phase_log
-        )
+        start = BatchTransaction.start(st.router, request_id, pairs, timeline, *place)
+    txn: Started = await started(
+        unless_disconnected(request, start), timeline, request_id, phase_log=phase_log
+    )
     if stream:
         on_close = closer(txn.aclose, timeline, request_id, phase_log=phase_log)
         return SSEResponse(
@@ -577,23 +574,26 @@ async def _sse(txn: Started, fmt: ResponseRenderer, timeline: Timeline) -> Async
     """The SSE body: chunks, the usage chunk if asked, ``[DONE]``; a failure becomes an error
     event followed by ``[DONE]`` (and the timeline's error). The transaction is closed however
     this ends."""
+    held: list[bytes] = []  # events rendered, not yet written (the chunks read together)
     try:
         for start in fmt.start():
             yield encode_event(start)
         async with aclosing(txn.events()) as events:
             async for event in events:
-                for chunk in fmt.chunks(event):
-                    yield encode_event(chunk)
+                held.extend(encode_event(chunk) for chunk in fmt.chunks(event))
+                if not txn.ready():  # nothing more at hand: one write for what is held
+                    yield b"".join(held)
+                    held.clear()
         if fmt.info.include_usage:
-            yield encode_event(fmt.usage_chunk())
+            held.append(encode_event(fmt.usage_chunk()))
     except PdserveError as exc:
         timeline.fail(repr(exc))
         log_failure(txn.request_id, exc, public=True, what="failed mid-stream")
-        yield encode_error(exc, txn.request_id, public=True)
+        held.append(encode_error(exc, txn.request_id, public=True))
     except Exception as exc:
         timeline.fail(repr(exc))
         log.exception("req %s: unexpected error mid-stream", txn.request_id)
-        yield encode_error(internal_error(txn.request_id), txn.request_id, public=True)
+        held.append(encode_error(internal_error(txn.request_id), txn.request_id, public=True))
     finally:
         await txn.aclose()
-    yield DONE
+    yield b"".join(held) + DONE

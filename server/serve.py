@@ -7,7 +7,9 @@ owns SIGINT / SIGTERM, runs the lifespan that starts the registry and the watche
 one binds its socket first (a taken port fails the start at once, naming the listener), starts
 serving once the public server has started, and stops after the public server has drained and
 closed (so workers deregistering during the router's shutdown still reach the registry). Both
-use :class:`~pdserve.http.uvicorn_protocol.HeaderDeadlineH11Protocol`.
+speak ``router.http``'s protocol (:func:`~pdserve.http.uvicorn_protocol.server_protocol`:
+httptools by default, h11 on request, both with the header deadline) on ``router.event_loop``'s
+loop (:mod:`pdserve.http.event_loop`: uvloop by default).
 
 The public port never serves ``/registry/*`` (404 there); the internal listener serves nothing
 else, and every one of its routes needs the cluster token.
@@ -30,7 +32,8 @@ import uvicorn
 
 from pdserve.config.hosts import listening_socket
 from pdserve.config.loading import RouterConfig
-from pdserve.http.uvicorn_protocol import HeaderDeadlineH11Protocol
+from pdserve.http.event_loop import run
+from pdserve.http.uvicorn_protocol import server_protocol
 from pdserve.observability.logs import uvicorn_log_config
 from pdserve.server.app import RouterApps, create_apps
 
@@ -73,7 +76,7 @@ async def serve(
     def config(app: object, **kw: object) -> uvicorn.Config:
         return uvicorn.Config(
             app,  # type: ignore[arg-type]
-            http=HeaderDeadlineH11Protocol,  # request headers within 10 s
+            http=server_protocol(cfg.router.http),  # request headers within 10 s
             log_level=log_level,
             log_config=uvicorn_log_config(),
             access_log=False,
@@ -161,5 +164,5 @@ def run_router(cfg: RouterConfig, log_level: str) -> int:
                 file=sys.stderr,
             )
             return 1
-    asyncio.run(serve(apps, cfg, log_level, sock, public))
+    run(serve(apps, cfg, log_level, sock, public), cfg.router.event_loop)
     return 0

@@ -79,6 +79,17 @@ class RouterSettings(_Section):
         description="how workers reach the router's embedded registry (its internal "
         "listener); default: http://<registry_host or 127.0.0.1>:<registry_port>",
     )
+    http: Annotated[Literal["httptools", "h11"], Flag("--http", ("up", "router"))] = Field(
+        default="httptools",
+        description="HTTP/1.1 parser of the router's listeners: httptools (llhttp, C) or h11 "
+        "(pure Python, several times the CPU per request); both close a connection whose "
+        "request headers take over 10 s",
+    )
+    event_loop: Annotated[Literal["uvloop", "asyncio"], Flag("--loop", ("up", "router"))] = Field(
+        default="uvloop",
+        description="the router's event loop: uvloop (libuv) or asyncio's own (slower "
+        "per request; for debugging with asyncio's debug mode)",
+    )
     request_timeout_s: Annotated[float, Flag("--request-timeout-s", ("up", "router"))] = Field(
         default=1800.0,
         gt=0,

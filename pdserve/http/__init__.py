@@ -3,6 +3,8 @@
 
 - ``error_responses``: every failure as a JSON ``{"error": {...}}`` body (pdserve errors,
   validation errors, internal errors), installed on every app
-- ``uvicorn_protocol``: uvicorn's h11 protocol with a deadline on a request's headers
+- ``uvicorn_protocol``: uvicorn's httptools and h11 protocols with a deadline on a request's
+  headers (and a bound on their size)
+- ``event_loop``: the event loop a server runs on (uvloop or asyncio's)
 - ``keepalive``: the request plane's idle-connection timeouts, the router's below the workers'
 """

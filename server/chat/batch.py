@@ -31,6 +31,10 @@ class Started(Protocol):
 
     def events(self) -> AsyncGenerator[TokenEvent, None]: ...
 
+    def ready(self) -> bool:
+        """Whether ``events()`` has its next event at hand (nothing to wait on)."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
@@ -59,6 +63,7 @@ class BatchTransaction:
         self.txns = list(txns)
         self.n = n
         self.timelines = list(timelines)  # the prompts' (tracing), ended by aclose
+        self._queue: asyncio.Queue[TokenEvent | BaseException | None] | None = None
 
     @property
     def request_id(self) -> str:
@@ -104,6 +109,7 @@ class BatchTransaction:
     async def events(self) -> AsyncGenerator[TokenEvent, None]:
         """Every transaction's events as they come, each choice renumbered ``k * n + i``."""
         queue: asyncio.Queue[TokenEvent | BaseException | None] = asyncio.Queue()
+        self._queue = queue
 
         async def pump(k: int, txn: Started) -> None:
             try:
@@ -131,6 +137,10 @@ class BatchTransaction:
             for task in tasks:
                 with contextlib.suppress(BaseException):
                     await task
+
+    def ready(self) -> bool:
+        """Whether :meth:`events` has its next event at hand (one is queued)."""
+        return self._queue is not None and not self._queue.empty()
 
     async def aclose(self) -> None:
         """Close every transaction (idempotent, as each one's ``aclose`` is) and end the

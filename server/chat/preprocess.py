@@ -355,6 +355,14 @@ class Preprocessor:
             out.append(Prepared(ids, sampling, echo=echo, structured_param=structured_param))
         return out
 
+    @staticmethod
+    def needs_tokenizer(req: CompletionRequest) -> bool:
+        """Whether preparing ``req`` (:meth:`completions`) runs the tokenizer: a text prompt, or
+        ``echo`` (which decodes id prompts). Such a request is prepared on the tokenizer pool;
+        one of token ids alone is checked on the event loop, at a cost linear in its ids
+        (bounded by the body limit), without the pool's thread hop."""
+        return bool(req.echo) or any(isinstance(p, str) for p in _prompt_list(req.prompt))
+
     # --- steps -------------------------------------------------------------------------------
 
     def check_model(self, model: str) -> None:

@@ -17,6 +17,8 @@ def test_rows_for_each_concurrency(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out.splitlines()
     rows = [line.split() for line in out[2:]]
     assert [r[0] for r in rows] == ["1", "3"]
-    for _, direct, routed, added, rate in rows:
+    for _, direct, routed, added, rate, cpu_us in rows:
         assert float(direct) > 0 and float(routed) > 0 and float(rate) > 0
         assert abs(float(routed) - float(direct) - float(added)) < 0.02
+        float(cpu_us)  # the router's CPU per request, from /proc (ticks: may round to 0)
+    assert "--http httptools --loop uvloop" in out[0]  # the router as pdserve router runs it

@@ -44,3 +44,14 @@ def test_separators_inside_json_strings_do_not_split_a_chunk() -> None:
 def test_a_last_line_without_newline_and_empty_pieces() -> None:
     assert lines_of([b"", b'{"a":', b"", b"1}\n{", b'"b":2}']) == [b'{"a":1}', b'{"b":2}']
     assert lines_of([]) == []
+
+
+def test_buffered_says_whether_the_next_line_is_already_read() -> None:
+    async def read() -> list[tuple[bytes, bool]]:
+        lines = ndjson_lines(httpx.Response(200, stream=Pieces([b"a\nb\n", b"c\nd", b"e\n"])))
+        seen = []
+        async for line in lines:
+            seen.append((line, lines.buffered()))
+        return seen
+
+    assert asyncio.run(read()) == [(b"a", True), (b"b", False), (b"c", False), (b"de", False)]

@@ -1,11 +1,13 @@
 """The servers' HTTP protocol closes a connection whose request headers are not complete in
 time (:mod:`pdserve.http.uvicorn_protocol`), before any route or API key check runs; bodies,
 responses and idle keep-alive connections keep their own bounds. Real uvicorn, real sockets;
-the deadline is shortened to :data:`DEADLINE_S` for the test."""
+the deadline is shortened to :data:`DEADLINE_S` for the test. Both protocols (httptools, the
+default, and h11) are checked; httptools's also bounds the header bytes (431)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -13,13 +15,23 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 
-from pdserve.http.uvicorn_protocol import HEADER_TIMEOUT_S, HeaderDeadlineH11Protocol
+from pdserve.http.uvicorn_protocol import (
+    HEADER_TIMEOUT_S,
+    MAX_HEADER_BYTES,
+    HeaderDeadlineH11Protocol,
+    HeaderDeadlineHttpToolsProtocol,
+    server_protocol,
+)
 from tests.support.servers import bound_socket, uvicorn_started
 
 DEADLINE_S = 0.5
 
 
-class ShortDeadline(HeaderDeadlineH11Protocol):
+class ShortDeadlineH11(HeaderDeadlineH11Protocol):
+    header_timeout_s = DEADLINE_S
+
+
+class ShortDeadlineHttpTools(HeaderDeadlineHttpToolsProtocol):
     header_timeout_s = DEADLINE_S
 
 
@@ -33,11 +45,12 @@ def echo_app() -> FastAPI:
     return app
 
 
-@pytest.fixture
-async def port() -> AsyncIterator[int]:
+@contextlib.asynccontextmanager
+async def serving(protocol: type[asyncio.Protocol]) -> AsyncIterator[int]:
+    """The echo app on a real uvicorn speaking ``protocol``; its port."""
     sock = bound_socket()
     config = uvicorn.Config(
-        echo_app(), http=ShortDeadline, timeout_keep_alive=5, log_level="warning", lifespan="off"
+        echo_app(), http=protocol, timeout_keep_alive=5, log_level="warning", lifespan="off"
     )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -46,6 +59,12 @@ async def port() -> AsyncIterator[int]:
     server.should_exit = True
     await asyncio.wait_for(task, 10)
     sock.close()
+
+
+@pytest.fixture(params=[ShortDeadlineHttpTools, ShortDeadlineH11], ids=["httptools", "h11"])
+async def port(request: pytest.FixtureRequest) -> AsyncIterator[int]:
+    async with serving(request.param) as p:
+        yield p
 
 
 def request(body: bytes = b"x") -> bytes:
@@ -71,6 +90,32 @@ async def response(reader: asyncio.StreamReader) -> bytes:
 
 def test_the_deadline_is_seconds_not_minutes() -> None:
     assert 1 <= HEADER_TIMEOUT_S <= 60
+
+
+def test_the_servers_speak_httptools_unless_told_h11() -> None:
+    assert server_protocol() is HeaderDeadlineHttpToolsProtocol
+    assert server_protocol("h11") is HeaderDeadlineH11Protocol
+
+
+async def test_headers_past_the_bound_are_refused_with_431() -> None:
+    async with serving(ShortDeadlineHttpTools) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /echo HTTP/1.1\r\nHost: t\r\n")
+        for i in range(MAX_HEADER_BYTES // 1000 + 2):  # ~1 KB headers, past the bound
+            writer.write(f"x-filler-{i}: {'v' * 1000}\r\n".encode())
+        writer.write(b"Content-Length: 1\r\n\r\nx")
+        async with asyncio.timeout(5):
+            answer = await reader.read()  # to the end: the server closes the connection
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
+
+
+async def test_headers_under_the_bound_are_served(port: int) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = b"POST /echo HTTP/1.1\r\nHost: t\r\nx-big: " + b"v" * 12_000 + b"\r\n"
+    writer.write(head + b"Content-Length: 2\r\n\r\nab")
+    assert await response(reader) == b'{"bytes":2}'
+    writer.close()
 
 
 async def test_headers_trickled_byte_by_byte_are_cut_at_the_deadline(port: int) -> None:

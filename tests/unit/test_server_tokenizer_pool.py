@@ -132,8 +132,9 @@ async def test_the_router_answers_429_tokenizer_busy_when_the_backlog_is_full(
     tmp_path, monkeypatch: pytest.MonkeyPatch, gate: threading.Event
 ) -> None:
     """Through the router: while 4 maximal bodies are being tokenized (held on ``gate``), one
-    more gets an OpenAI error body with 429 ``tokenizer_busy`` and ``Retry-After``; once they
-    finish, the router serves again."""
+    more gets an OpenAI error body with 429 ``tokenizer_busy`` and ``Retry-After``, while a
+    prompt of token ids, which needs no tokenizer, is served (it skips the pool); once they
+    finish, the router serves text again."""
     from pdserve.config.loading import RouterConfig
     from pdserve.config.settings import RouterSettings
     from pdserve.protocol import Role
@@ -148,9 +149,10 @@ async def test_the_router_answers_429_tokenizer_busy_when_the_backlog_is_full(
     )
     real = Preprocessor.completions
 
-    def held(self: Preprocessor, req: object) -> object:
-        assert gate.wait(10)
-        return real(self, req)  # type: ignore[arg-type]
+    def held(self: Preprocessor, req: Any) -> object:
+        if isinstance(req.prompt, str):  # text waits on the gate (on a pool thread)
+            assert gate.wait(10)
+        return real(self, req)
 
     monkeypatch.setattr(Preprocessor, "completions", held)
     pools: list[TokenizerPool] = []
@@ -170,6 +172,8 @@ async def test_the_router_answers_429_tokenizer_busy_when_the_backlog_is_full(
         ]
         await _until(lambda: pools[0].backlog[0] == 4)  # one runs (held), three wait
         busy = await h.client.post("/v1/completions", json=big)
+        ids = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 1}
+        token_ids = await h.client.post("/v1/completions", json=ids)
         gate.set()
         served = await asyncio.gather(*held_requests)
         again = await h.client.post("/v1/completions", json={**big, "prompt": "hi"})
@@ -177,6 +181,7 @@ async def test_the_router_answers_429_tokenizer_busy_when_the_backlog_is_full(
     error = busy.json()["error"]
     assert (error["type"], error["code"]) == ("rate_limit_error", "tokenizer_busy")
     assert busy.headers["retry-after"] == "1"
+    assert token_ids.status_code == 200, token_ids.text
     assert [r.status_code for r in served] == [400] * 4  # too long for the 64-token window
     assert again.status_code == 200, again.text
 

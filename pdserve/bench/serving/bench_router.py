@@ -7,8 +7,12 @@ This process sends the same streamed requests two ways, at each ``--concurrency`
 the router's ``/v1/completions`` (prompt as token ids) and straight to the worker's
 ``/internal/generate`` (what the router itself sends). The router's added latency is the
 difference of the two p50s; its request rate is the router path's completed requests per
-second. Client, router and worker share the machine: on few cores the figures include their
-contention (the CPU model is printed). ``--routers N`` starts N such child processes, their
+second; its CPU per request is the child's CPU time (user + system, from /proc) over the routed
+requests less that over the direct ones, per request: unlike the latencies, it does not move
+with what else the machine runs. Client, router and worker share the machine: on few cores the
+latencies include their contention (the CPU model is printed). The router speaks and loops as
+``pdserve router`` does (``--http``, ``--loop``: the router's settings, same defaults); the
+scripted worker speaks h11, as workers do. ``--routers N`` starts N such child processes, their
 routers on one port with SO_REUSEPORT (as ``pdserve up --routers N`` runs them), each routing to
 its own scripted worker, so the request rate shows how router processes scale. Diagnostic
 code: the scripted worker is the benchmark's own, never a serving path.
@@ -25,7 +29,10 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pdserve.http.uvicorn_protocol import HttpImpl
 
 SECRET_ENV = "PDSERVE_BENCH_ROUTER_SECRET"
 _PREFIX = "BENCH-ROUTER "
@@ -40,6 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--routers", type=int, default=1, help="router processes on one port (SO_REUSEPORT)"
     )
+    p.add_argument(
+        "--http", choices=("httptools", "h11"), default="httptools", help="the router's parser"
+    )
+    p.add_argument(
+        "--loop", choices=("uvloop", "asyncio"), default="uvloop", help="the router's loop"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -51,6 +64,7 @@ def main(args: argparse.Namespace) -> int:
     env = {**os.environ, SECRET_ENV: generate_secret()}
     port = str(free_port())
     cmd = [sys.executable, "-m", "pdserve.bench.serving.bench_router", str(args.tokens), port]
+    cmd += [args.http, args.loop]
     children = []
     try:
         urls: dict[str, str] = {}
@@ -64,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
             if not line.startswith(_PREFIX):
                 raise RuntimeError(f"the benchmark's server did not start: {line!r}")
             urls = urls or json.loads(line[len(_PREFIX) :])
-        rows = asyncio.run(_measure(args, urls, env[SECRET_ENV]))
+        rows = asyncio.run(_measure(args, urls, env[SECRET_ENV], [c.pid for c in children]))
     finally:
         for child in children:
             if child.stdin is not None:
@@ -74,19 +88,37 @@ def main(args: argparse.Namespace) -> int:
     print(
         f"router overhead on {cpu_model()} ({os.cpu_count()} CPUs), {args.tokens}-token "
         f"streams, {args.prompt_tokens}-token prompts, {args.requests} requests per row, "
-        f"{args.routers} router process(es)"
+        f"{args.routers} router process(es), --http {args.http} --loop {args.loop}"
     )
     print(
-        f"{'conc':>5}{'direct p50 ms':>15}{'router p50 ms':>15}{'added ms':>10}{'router req/s':>14}"
+        f"{'conc':>5}{'direct p50 ms':>15}{'router p50 ms':>15}{'added ms':>10}"
+        f"{'router req/s':>14}{'router CPU us/req':>19}"
     )
-    for c, direct, routed, rate in rows:
-        print(f"{c:>5}{direct:>15.2f}{routed:>15.2f}{routed - direct:>10.2f}{rate:>14.1f}")
+    for c, direct, routed, rate, cpu_us in rows:
+        cpu = "n/a" if cpu_us is None else f"{cpu_us:.0f}"
+        print(f"{c:>5}{direct:>15.2f}{routed:>15.2f}{routed - direct:>10.2f}{rate:>14.1f}{cpu:>19}")
     return 0
 
 
+def _cpu_seconds(pids: list[int]) -> float | None:
+    """User + system CPU seconds the processes ``pids`` have used (Linux's /proc); None where
+    /proc is not there."""
+    total = 0
+    try:
+        for pid in pids:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
+    except OSError:
+        return None
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 async def _measure(
-    args: argparse.Namespace, urls: dict[str, str], secret: str
-) -> list[tuple[int, float, float, float]]:
+    args: argparse.Namespace, urls: dict[str, str], secret: str, pids: list[int]
+) -> list[tuple[int, float, float, float, float | None]]:
+    """Per concurrency: (concurrency, direct p50 ms, routed p50 ms, routed req/s, the router's
+    CPU us per request or None)."""
     import httpx
 
     from pdserve.protocol import GenerationRequest, SamplingParams
@@ -135,9 +167,15 @@ async def _measure(
                     pass
 
         for c in args.concurrency:
+            cpu0 = _cpu_seconds(pids)
             d, _ = await _run(direct, args.requests, c)
+            cpu1 = _cpu_seconds(pids)
             r, seconds = await _run(routed, args.requests, c)
-            rows.append((c, d, r, args.requests / seconds))
+            cpu2 = _cpu_seconds(pids)
+            cpu_us = None
+            if cpu0 is not None and cpu1 is not None and cpu2 is not None:
+                cpu_us = ((cpu2 - cpu1) - (cpu1 - cpu0)) / args.requests * 1e6
+            rows.append((c, d, r, args.requests / seconds, cpu_us))
     return rows
 
 
@@ -159,9 +197,9 @@ async def _run(one: Any, n: int, concurrency: int) -> tuple[float, float]:
     return statistics.median(times) * 1e3, time.perf_counter() - start
 
 
-async def _serve(tokens: int, router_port: int) -> None:
+async def _serve(tokens: int, router_port: int, http: HttpImpl) -> None:
     """The child: the scripted worker and the router (on ``router_port``, shared with the other
-    children by SO_REUSEPORT), until stdin closes."""
+    children by SO_REUSEPORT; speaking ``http``), until stdin closes."""
     import uvicorn
     from starlette.applications import Starlette
     from starlette.requests import Request
@@ -170,6 +208,7 @@ async def _serve(tokens: int, router_port: int) -> None:
 
     from pdserve.config.hosts import listening_socket
     from pdserve.config.loading import RouterConfig
+    from pdserve.http.uvicorn_protocol import server_protocol
     from pdserve.models import resolve_model
     from pdserve.protocol import (
         FinishReason,
@@ -245,9 +284,10 @@ async def _serve(tokens: int, router_port: int) -> None:
 
     cfg = RouterConfig(model_path=model_path, served_model_name="bench")
     router = create_app(cfg, watcher=Watcher(), cluster_key=key)
+    protocols = (server_protocol("h11"), server_protocol(http))  # the worker's, the router's
     servers = [
-        uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-        for app in (worker, router)
+        uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, http=proto))
+        for app, proto in zip((worker, router), protocols, strict=True)
     ]
     tasks = [asyncio.create_task(s.serve(sockets=[k])) for s, k in zip(servers, socks, strict=True)]
     while not all(s.started for s in servers):
@@ -263,4 +303,6 @@ async def _serve(tokens: int, router_port: int) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(_serve(int(sys.argv[1]), int(sys.argv[2])))
+    from pdserve.http.event_loop import run
+
+    run(_serve(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]), sys.argv[4])  # type: ignore[arg-type]
