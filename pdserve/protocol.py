@@ -272,6 +272,20 @@ LogitBiasValue = Annotated[float, Field(ge=-MAX_LOGIT_BIAS_VALUE, le=MAX_LOGIT_B
 """A ``logit_bias`` bias: finite, within :data:`MAX_LOGIT_BIAS_VALUE` either way."""
 
 
+class Share(_Msg):
+    """A request's claim on a worker's compute where tenants contend, set by the router for a
+    request its fair queue admitted (:mod:`pdserve.router.admission`). The worker's scheduler
+    gives the next context-phase chunk to the tenant that has had the fewest prompt tokens
+    computed lately per unit of ``weight`` (:mod:`pdserve.workers.engine.scheduler`, "Shares"),
+    then to the lowest ``priority`` (vLLM's request field: lower is earlier), then to the
+    oldest: a short prompt of a quiet tenant waits for one chunk of a flooding tenant's long
+    prefills, not for all of them."""
+
+    tenant: str = Field(max_length=64)
+    weight: float = Field(default=1.0, gt=0, le=1e6)
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
+
+
 class SamplingParams(_Msg):
     """Per-request sampling settings.
 
@@ -297,6 +311,10 @@ class SamplingParams(_Msg):
     ``structured``: the text must match this constraint; tokens that would break it are masked
     before sampling (on both legs: the decode worker replays the prefill's first token through
     the grammar before it samples the second).
+
+    ``share``: not a sampling setting but the request's :class:`Share` of the workers'
+    compute, carried here because the sampling settings reach every worker and every engine
+    path the request takes (None: no tenant; the scheduler keeps arrival order).
     """
 
     n: int = Field(default=1, ge=1, le=MAX_CHOICES, description="choices per request")
@@ -319,6 +337,7 @@ class SamplingParams(_Msg):
         default=(), description="(token id, bias in [-100, 100]) pairs"
     )
     structured: StructuredOutput | None = None
+    share: Share | None = None  # scheduling, not sampling: carried where the request goes
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=20)
     prompt_logprobs: int | None = Field(

@@ -19,7 +19,11 @@ which the decode worker prefills itself, needs only a decode (or colocated) work
 against its prefill worker, not yet against its decode worker, so a flood of long prompts
 queued at the prefill workers does not hold the decode slots that short requests need (a
 first measurement, which counted it on both, made a short request wait for the flood's
-prefills: docs/benchmarks.md).
+prefills: docs/benchmarks.md). One exception to the prefill cap: a tenant none of whose
+requests is in its prefill leg may send one past it (:meth:`FairQueue._fits`), and every
+admitted request carries its tenant's :class:`~pdserve.protocol.Share`, by which the prefill
+worker's scheduler gives that request's chunks the turn before the flooding tenant's next
+chunk: without both, a quiet tenant waited for the prefills in flight and the one queued.
 
 The waiters wait in one queue per tenant, and each freed slot goes to the next tenant in
 deficit round robin (Shreedhar and Varghese, "Efficient fair queuing using deficit
@@ -104,6 +108,7 @@ class _Waiter:
     priority: int
     seq: int
     future: asyncio.Future[None] = field(compare=False)
+    needs_prefill: bool = field(default=False, compare=False)
 
 
 @dataclass
@@ -135,11 +140,19 @@ class _TenantQueue:
 class Ticket:
     """An admitted request's slot (module docstring, lifecycle). Idempotent methods."""
 
-    def __init__(self, queue: FairQueue, tenant: str) -> None:
+    def __init__(self, queue: FairQueue, tenant: str, needs_prefill: bool = False) -> None:
         self._queue = queue
         self.tenant = tenant
         self._pending = True
         self._released = False
+        self._prefilling = needs_prefill  # counted in the queue's prefills of its tenant
+
+    def prefill_done(self) -> None:
+        """The request's prefill leg is over (its first token is out, or it failed): it no
+        longer counts among its tenant's prefills."""
+        if self._prefilling:
+            self._prefilling = False
+            self._queue.prefill_ended(self.tenant)
 
     def routed(self) -> None:
         """The router now tracks the request on a worker: its slot shows in the load."""
@@ -150,6 +163,7 @@ class Ticket:
     def release(self) -> None:
         """The request ended: let the next waiter in."""
         self.routed()
+        self.prefill_done()
         if not self._released:
             self._released = True
             self._queue.pump()
@@ -180,6 +194,7 @@ class FairQueue:
         self._on_rejected = on_rejected or (lambda t: None)
         self.pending = 0
         """Slots granted whose request no worker's load shows yet."""
+        self._prefilling: dict[str, int] = {}  # tenant -> its granted requests in prefill
         self._queues: dict[str, _TenantQueue] = {}
         self._active: deque[_TenantQueue] = deque()  # tenants with waiters, in DRR order
         self._seq = itertools.count()
@@ -193,6 +208,24 @@ class FairQueue:
     def _free(self, needs_prefill: bool) -> int:
         return self._room(needs_prefill) - self.pending
 
+    def _fits(self, tenant: str, needs_prefill: bool) -> bool:
+        """Whether a request of ``tenant`` of that class may go now: the workers have room, or
+        it needs a prefill worker, none of ``tenant``'s requests is in prefill and a decode
+        worker has room (a tenant is never shut out of the prefill workers by another's flood:
+        their schedulers give its chunks the turn, :class:`~pdserve.protocol.Share`)."""
+        if self._free(needs_prefill) > 0:
+            return True
+        return needs_prefill and not self._prefilling.get(tenant) and self._free(False) > 0
+
+    def prefill_ended(self, tenant: str) -> None:
+        """One of ``tenant``'s requests left its prefill leg (:meth:`Ticket.prefill_done`)."""
+        left = self._prefilling.get(tenant, 0) - 1
+        if left > 0:
+            self._prefilling[tenant] = left
+        else:
+            self._prefilling.pop(tenant, None)
+        self.pump()
+
     async def admit(
         self, tenant: Tenant, priority: int, deadline: float, needs_prefill: bool = False
     ) -> Ticket:
@@ -203,8 +236,8 @@ class FairQueue:
         :class:`QueueTimeoutError` after ``max_wait_s`` (or at the deadline); cancelled with
         the request (its client left), it leaves the queue."""
         name = tenant.name
-        if not self._active and self._free(needs_prefill) > 0:
-            return self._grant(name, 0.0)
+        if not self._active and self._fits(name, needs_prefill):
+            return self._grant(name, 0.0, needs_prefill)
         q = self._queues.get(name)
         if q is None:
             cap = tenant.max_queued if tenant.max_queued is not None else self.max_queued
@@ -215,7 +248,8 @@ class FairQueue:
                 f"tenant {name!r} has {q.waiting} requests waiting for a worker already "
                 f"(max_queued {q.cap}); retry later"
             )
-        waiter = _Waiter(priority, next(self._seq), asyncio.get_running_loop().create_future())
+        future = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(priority, next(self._seq), future, needs_prefill)
         heapq.heappush(q.heaps[needs_prefill], waiter)
         if q not in self._active:
             self._active.append(q)
@@ -241,45 +275,56 @@ class FairQueue:
                 waiter.future.cancel()
             elif not waiter.future.cancelled():  # granted as it was cancelled: give it back
                 self.pending -= 1
+                if needs_prefill:
+                    self.prefill_ended(name)  # pumps
                 self.pump()
             self._on_queued(name, q.waiting)
             raise
         self._on_queued(name, q.waiting)
-        return self._ticket(name, time.monotonic() - t0)
+        return self._ticket(name, time.monotonic() - t0, needs_prefill)
 
-    def _grant(self, name: str, waited_s: float) -> Ticket:
+    def _grant(self, name: str, waited_s: float, needs_prefill: bool) -> Ticket:
         self.pending += 1
-        return self._ticket(name, waited_s)
+        if needs_prefill:
+            self._prefilling[name] = self._prefilling.get(name, 0) + 1
+        return self._ticket(name, waited_s, needs_prefill)
 
-    def _ticket(self, name: str, waited_s: float) -> Ticket:
+    def _ticket(self, name: str, waited_s: float, needs_prefill: bool) -> Ticket:
         self._on_admitted(name, waited_s)
-        return Ticket(self, name)
+        return Ticket(self, name, needs_prefill)
 
     def pump(self) -> None:
         """Let waiters in while the workers have room, by deficit round robin."""
         while self._active:
-            waiter = self._next()
-            if waiter is None:
+            found = self._next()
+            if found is None:
                 return
+            name, waiter = found
             self.pending += 1  # the waiter's Ticket takes it over
+            if waiter.needs_prefill:
+                self._prefilling[name] = self._prefilling.get(name, 0) + 1
             waiter.future.set_result(None)
 
-    def _next(self) -> _Waiter | None:
-        """The next waiter by DRR among those the workers have room for now (module
-        docstring), or None: no room, or no waiter it fits. A tenant none of whose waiters
-        fits is passed over without credit (the discipline stays work-conserving)."""
-        eligible = {cls: self._free(cls) > 0 for cls in (False, True)}
-        if not any(eligible.values()):
+    def _next(self) -> tuple[str, _Waiter] | None:
+        """The next waiter (and its tenant) by DRR among those the workers have room for now
+        (module docstring, :meth:`_fits`), or None: no room, or no waiter it fits. A tenant
+        none of whose waiters fits is passed over without credit (the discipline stays
+        work-conserving)."""
+        if self._free(False) <= 0:  # every request needs a decode or colocated slot
             return None
         for q in list(self._active):  # forget tenants whose waiters all left
             if not q.drop_cancelled():
                 q.deficit, q.credited = 0.0, False
                 self._active.remove(q)
-        if not any(q.best(eligible) is not None for q in self._active):
+        eligible = {
+            q.tenant.name: {cls: self._fits(q.tenant.name, cls) for cls in (False, True)}
+            for q in self._active
+        }
+        if not any(q.best(eligible[q.tenant.name]) is not None for q in self._active):
             return None
         while True:  # ends: some tenant has a fitting waiter and a weight > 0
             q = self._active[0]
-            heap = q.best(eligible)
+            heap = q.best(eligible[q.tenant.name])
             if heap is None:
                 q.credited = False
                 self._active.rotate(-1)
@@ -293,7 +338,7 @@ class FairQueue:
                 if not q.drop_cancelled():
                     q.deficit, q.credited = 0.0, False
                     self._active.popleft()
-                return waiter
+                return q.tenant.name, waiter
             q.credited = False  # this visit is over: the next tenant's turn
             self._active.rotate(-1)
 

@@ -49,6 +49,7 @@ from pdserve.protocol import (
     KVLayout,
     ReleaseRequest,
     SamplingParams,
+    Share,
     TransferHandle,
     WorkerRecord,
 )
@@ -144,9 +145,13 @@ class Router:
                 deadline = time.time() + self.settings.request_timeout_s
                 prefill = self.needs_prefill(prompt_token_ids, session_id)
                 ticket = await self.admission.admit(tenant, priority, deadline, prefill)
+                share = Share(tenant=tenant.name, weight=tenant.weight, priority=priority)
+                sampling = sampling.model_copy(update={"share": share})  # workers' schedulers
             txn = await self._start(
                 request_id, prompt_token_ids, sampling, timeline, session_id, ticket
             )
+            if ticket is not None:
+                ticket.prefill_done()  # the first token is out
         except BaseException:
             if ticket is not None:
                 ticket.release()

@@ -76,8 +76,10 @@ async def test_saturated_workers_serve_tenants_by_weight_and_priority() -> None:
 async def test_a_request_that_needs_no_prefill_worker_passes_a_blocked_flood() -> None:
     """Long prompts wait for a prefill worker with room; a short one, which a decode worker
     prefills itself, goes ahead while decode workers have room, whatever the tenant."""
-    room = {True: 0, False: 3}  # the prefill workers are full, the decode workers are not
+    room = {True: 1, False: 3}
     q = FairQueue(lambda needs_prefill: room[needs_prefill], max_queued=10, max_wait_s=30)
+    (await q.admit(Tenant("a"), 0, FAR, True)).routed()  # a's first long prompt, in prefill
+    room = {True: 0, False: 3}  # the prefill workers are full, the decode workers are not
     long_a = [asyncio.create_task(q.admit(Tenant("a"), 0, FAR, True)) for _ in range(3)]
     await asyncio.sleep(0)
     assert q.waiting("a") == 3
@@ -92,6 +94,28 @@ async def test_a_request_that_needs_no_prefill_worker_passes_a_blocked_flood() -
     assert not long_a[1].done() and not long_a[2].done()
     for t in long_a[1:]:
         t.cancel()
+
+
+async def test_a_tenant_with_no_prefill_in_flight_passes_a_flood_s_full_prefill_workers() -> None:
+    """a's flood fills the prefill workers; b, with none of its requests in prefill, sends one
+    long prompt past the cap (the prefill worker's scheduler then gives its chunks the turn);
+    b's second waits until the first leaves its prefill leg, a's waiters meanwhile stay."""
+    room = {True: 2, False: 10}
+    q = FairQueue(lambda needs_prefill: room[needs_prefill], max_queued=10, max_wait_s=30)
+    for _ in range(2):
+        (await q.admit(Tenant("a"), 0, FAR, True)).routed()
+    room[True] = 0  # a's two prefills fill the prefill worker
+    more_a = asyncio.create_task(q.admit(Tenant("a"), 0, FAR, True))
+    await asyncio.sleep(0)
+    first_b = await asyncio.wait_for(q.admit(Tenant("b"), 0, FAR, True), 5)
+    first_b.routed()
+    second_b = asyncio.create_task(q.admit(Tenant("b"), 0, FAR, True))
+    await asyncio.sleep(0)
+    assert not more_a.done() and not second_b.done()
+    first_b.prefill_done()  # its first token is out: b has no prefill in flight again
+    await asyncio.wait_for(second_b, 5)
+    assert not more_a.done()
+    more_a.cancel()
 
 
 async def test_the_caps_and_the_longest_wait_answer_429() -> None:
@@ -219,6 +243,11 @@ async def test_a_flooding_tenant_does_not_hold_back_another(tmp_path) -> None:  
     assert 'pdserve_router_tenant_rejected_total{tenant="a"} 1.0' in metrics
     assert 'pdserve_router_tenant_admitted_total{tenant="b"} 1.0' in metrics
     assert 'pdserve_router_tenant_time_to_first_token_seconds_count{tenant="a"} 5.0' in metrics
+    # every leg carries its tenant's share, by which the worker's scheduler orders chunks
+    shares = sorted({(g.sampling.share.tenant, g.sampling.share.weight)
+                     for g in worker.generations if g.sampling.share is not None})  # fmt: skip
+    assert shares == [("a", 1.0), ("b", 1.0)] and len(worker.generations) == 6
+    assert all(g.sampling.share is not None for g in worker.generations)
 
 
 async def test_a_queued_request_whose_client_leaves_leaves_the_queue(tmp_path) -> None:  # type: ignore[no-untyped-def]

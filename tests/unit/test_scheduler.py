@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.config.settings import SchedulerSettings
 from pdserve.errors import CapacityError
-from pdserve.protocol import KVLayout, SamplingParams
+from pdserve.protocol import KVLayout, SamplingParams, Share
 from pdserve.workers.engine.scheduler import CapacityPolicy, ScheduledBatch, Scheduler
 from pdserve.workers.engine.sequence import Sequence, SequenceStatus
 from pdserve.workers.kv.manager import KVCacheManager
@@ -256,3 +256,40 @@ def test_refused_reservation_gives_its_cached_prefix_back() -> None:
         sched.reserve(big, reuse_prefix=True)  # 5 blocks, 1 cached: 4 more do not fit in 2
     assert kv.get_num_evictable_blocks() == 2 and not kv.num_allocated("b")
     assert "b" not in sched.reserved
+
+
+def shared(sched: Scheduler, rid: str, prompt_len: int, tenant: str | None) -> Sequence:
+    """A sequence of ``tenant`` (None: no share), as the router's fair queue sends it."""
+    s = seq(sched, rid, prompt_len, max_tokens=2)
+    if tenant is not None:
+        share = Share(tenant=tenant, weight=1.0)
+        s.sampling = s.sampling.model_copy(update={"share": share})
+    return s
+
+
+@pytest.mark.parametrize("policy", ["max_utilization", "guaranteed_no_evict"])
+def test_a_less_served_tenant_s_prompt_takes_the_next_chunk(policy: CapacityPolicy) -> None:
+    """a's two long prompts are being prefilled chunk by chunk; b's short prompt arrives and
+    its chunk runs next, ahead of a's remaining chunks (which go on after it)."""
+    sched = make(num_blocks=64, max_tokens_per_step=8, policy=policy)
+    a1, a2 = shared(sched, "a1", 24, "a"), shared(sched, "a2", 24, "a")
+    sched.add(a1), sched.add(a2)
+    first, _ = step(sched)
+    assert [s.request_id for s in first.prefill] == ["a1"]
+    b = shared(sched, "b", 8, "b")
+    sched.add(b)
+    second, _ = step(sched)
+    assert [s.request_id for s in second.prefill] == ["b"]  # b's whole prompt, one chunk
+    assert [s.request_id for s in second.sampling] == ["b"]  # its first token
+    third, _ = step(sched)
+    assert [s.request_id for s in third.prefill] == ["a1"]  # a goes on where it stopped
+
+
+def test_without_shares_a_running_prefill_keeps_its_chunks() -> None:
+    sched = make(num_blocks=64, max_tokens_per_step=8)
+    a1 = shared(sched, "a1", 24, None)
+    sched.add(a1)
+    step(sched)
+    sched.add(shared(sched, "b", 8, None))
+    second, _ = step(sched)
+    assert [s.request_id for s in second.prefill] == ["a1"]  # first come, first served

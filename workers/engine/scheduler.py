@@ -46,6 +46,17 @@ token each) plus context-phase chunks, first of partially computed sequences, th
 admitted ones (reserved first, then FCFS), within ``max_num_batched_tokens`` tokens and
 ``max_num_seqs`` running sequences.
 
+Shares (tenants): a request the router's fair queue admitted carries its tenant's
+:class:`~pdserve.protocol.Share` (``sampling.share``). While any context-phase or waiting
+sequence has one, the context-phase budget goes first to the tenant with the least *service*
+per unit of weight (prompt tokens computed for it, decayed with a half-life of
+:data:`SHARE_HALF_LIFE_S`), then by ``priority``, then in the order above; a running
+sequence's next chunk yields to a waiting sequence of a less served tenant that fits. A prefill
+is never interrupted inside a chunk, so a quiet tenant's short prompt waits at most one chunk
+(``max_num_batched_tokens`` tokens) of a flooding tenant's long ones, not all of them: the
+start-time fair queuing of Goyal et al. (SIGCOMM 1996) at chunk granularity, as Sarathi-Serve's
+chunked prefill makes it possible. Without shares nothing changes.
+
 Thread-safety: all public methods take one lock; :meth:`schedule` allocates the step's blocks
 under it, so capacity decisions on other threads (``reserve``) always see a consistent pool.
 """
@@ -66,6 +77,9 @@ from pdserve.workers.kv.manager import KVCacheManager
 if TYPE_CHECKING:
     from pdserve.config.settings import SchedulerSettings
     from pdserve.workers.kv.offload import KVConnectorScheduler
+
+SHARE_HALF_LIFE_S = 10.0
+"""Half-life of a tenant's counted service (prompt tokens computed for it), seconds."""
 
 CapacityPolicy = Literal["max_utilization", "guaranteed_no_evict"]
 """``scheduler.capacity_policy`` (declared in :class:`~pdserve.config.settings.SchedulerSettings`)."""
@@ -186,7 +200,44 @@ class Scheduler:
             if settings.speculative_tokens
             else None
         )
+        self._service: dict[str, float] = {}  # tenant -> decayed prompt tokens computed
+        self._service_at = time.monotonic()
         self._lock = threading.RLock()
+
+    # --- shares (tenants) ----------------------------------------------------------------------
+
+    def _share_key(self, seq: Sequence) -> tuple[float, int]:
+        """(service per unit of weight of ``seq``'s tenant, its priority); (0, 0) without a
+        share. Lower goes first."""
+        share = seq.sampling.share
+        if share is None:
+            return (0.0, 0)
+        return (self._service.get(share.tenant, 0.0) / share.weight, share.priority)
+
+    def _decay_service(self) -> None:
+        now = time.monotonic()
+        factor = 0.5 ** ((now - self._service_at) / SHARE_HALF_LIFE_S)
+        self._service_at = now
+        for tenant in list(self._service):
+            self._service[tenant] *= factor
+            if self._service[tenant] < 1.0:
+                del self._service[tenant]
+
+    def _sharing(self) -> bool:
+        """Whether a context-phase or waiting sequence carries a share (else: arrival order)."""
+        return any(s.sampling.share is not None for s in self.waiting) or any(
+            s.sampling.share is not None for s in self.running if s.in_context_phase
+        )
+
+    def _first_waiting_key(self) -> tuple[float, int] | None:
+        """The best share key among waiting sequences that could be admitted now (None: none
+        could): a running context-phase sequence with a worse key leaves this step's budget
+        to it."""
+        if len(self.running) >= self.settings.max_num_seqs:
+            return None
+        room = self.headroom()
+        keys = [self._share_key(w) for w in self.waiting if w.reserved or self._fits(w, room)]
+        return min(keys, default=None)
 
     # --- capacity ------------------------------------------------------------------------------
 
@@ -307,11 +358,21 @@ class Scheduler:
                     budget -= 1
             drafts = self._propose(plan, budget) if self.proposer is not None else {}
             budget -= sum(len(d) for d in drafts.values())
-            for seq in self.running:  # context phase continues in chunks
-                if seq.in_context_phase and budget > 0:
-                    n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-                    plan[id(seq)] = n
-                    budget -= n
+            context = [seq for seq in self.running if seq.in_context_phase]
+            sharing = self._sharing()
+            ahead = None
+            if sharing:  # the least served tenant's chunks first (module docstring, "Shares")
+                self._decay_service()
+                context.sort(key=self._share_key)  # stable: the order above within a key
+                ahead = self._first_waiting_key()
+            for seq in context:  # context phase continues in chunks
+                if budget <= 0:
+                    break
+                if ahead is not None and self._share_key(seq) > ahead:
+                    continue  # a less served tenant's waiting sequence takes this budget
+                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                plan[id(seq)] = n
+                budget -= n
             scheduled: list[ScheduledSequence] = []
             preemptions = self.num_preemptions
             index = 0
@@ -334,7 +395,14 @@ class Scheduler:
                 budget = self.settings.max_num_batched_tokens - sum(
                     s.num_new_tokens for s in scheduled
                 )
-                scheduled += self._admit(budget)
+                scheduled += self._admit(budget, sharing)
+            if sharing:
+                for s in scheduled:
+                    share = s.seq.sampling.share
+                    if share is not None and s.seq.in_context_phase:
+                        self._service[share.tenant] = (
+                            self._service.get(share.tenant, 0.0) + s.num_new_tokens
+                        )
             batch = ScheduledBatch()
             for s in scheduled:  # a drafted sequence feeds several rows: a chunk
                 (batch.prefill if s.seq.in_context_phase or s.draft else batch.decode).append(s)
@@ -398,13 +466,18 @@ class Scheduler:
         # head of the queue whenever it fits at all, so a request as large as the pool runs.
         return need + self.watermark <= room or (not self.running and need <= room)
 
-    def _admit(self, budget: int) -> list[ScheduledSequence]:
+    def _admit(self, budget: int, sharing: bool = False) -> list[ScheduledSequence]:
         """Move waiting sequences into ``running`` while token budget, ``max_num_seqs`` and KV
         capacity allow, and allocate their first step. Reserved ones first; the FCFS rest stops
-        at the first that does not fit (no overtaking, so a large request is not starved)."""
+        at the first that does not fit (no overtaking, so a large request is not starved).
+        ``sharing``: within those two groups, by share key first (module docstring)."""
         admitted: list[ScheduledSequence] = []
         room = self.headroom()
-        for seq in sorted(self.waiting, key=lambda s: not s.reserved):
+        if sharing:
+            order = sorted(self.waiting, key=lambda s: (not s.reserved, self._share_key(s)))
+        else:
+            order = sorted(self.waiting, key=lambda s: not s.reserved)
+        for seq in order:
             if budget <= 0 or len(self.running) >= self.settings.max_num_seqs:
                 break
             looked_up = self._acquire_prefix(seq)

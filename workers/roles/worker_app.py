@@ -165,7 +165,7 @@ def run_worker(cfg: WorkerConfig, *, log_level: str = "info") -> None:
     """Serve a worker until SIGINT/SIGTERM (blocking)."""
     import uvicorn
 
-    from pdserve.http.uvicorn_protocol import HeaderDeadlineH11Protocol
+    from pdserve.http.uvicorn_protocol import server_protocol
     from pdserve.observability.logs import uvicorn_log_config
 
     sock = bind_socket(cfg.worker.host, cfg.worker.port)
@@ -209,7 +209,8 @@ def run_worker(cfg: WorkerConfig, *, log_level: str = "info") -> None:
             timeout_graceful_shutdown=5,
             timeout_keep_alive=int(WORKER_KEEPALIVE_S),  # > the router's keep-alive
             access_log=False,
-            http=HeaderDeadlineH11Protocol,  # request headers within 10 s
+            http=server_protocol(),  # httptools; request headers within 10 s
+            loop="asyncio",  # the engine's threads and the transfer backends are tested on it
         )
     )
     server.run(sockets=[sock])

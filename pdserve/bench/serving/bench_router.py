@@ -12,7 +12,7 @@ requests less that over the direct ones, per request: unlike the latencies, it d
 with what else the machine runs. Client, router and worker share the machine: on few cores the
 latencies include their contention (the CPU model is printed). The router speaks and loops as
 ``pdserve router`` does (``--http``, ``--loop``: the router's settings, same defaults); the
-scripted worker speaks h11, as workers do. ``--routers N`` starts N such child processes, their
+scripted worker speaks httptools, as workers do. ``--routers N`` starts N such child processes, their
 routers on one port with SO_REUSEPORT (as ``pdserve up --routers N`` runs them), each routing to
 its own scripted worker, so the request rate shows how router processes scale. Diagnostic
 code: the scripted worker is the benchmark's own, never a serving path.
@@ -284,7 +284,10 @@ async def _serve(tokens: int, router_port: int, http: HttpImpl) -> None:
 
     cfg = RouterConfig(model_path=model_path, served_model_name="bench")
     router = create_app(cfg, watcher=Watcher(), cluster_key=key)
-    protocols = (server_protocol("h11"), server_protocol(http))  # the worker's, the router's
+    protocols = (
+        server_protocol(),
+        server_protocol(http),
+    )  # the worker's (as workers), the router's
     servers = [
         uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, http=proto))
         for app, proto in zip((worker, router), protocols, strict=True)
