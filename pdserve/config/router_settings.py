@@ -82,8 +82,8 @@ class RouterSettings(_Section):
     http: Annotated[Literal["httptools", "h11"], Flag("--http", ("up", "router"))] = Field(
         default="httptools",
         description="HTTP/1.1 parser of the router's listeners: httptools (llhttp, C) or h11 "
-        "(pure Python, several times the CPU per request); both close a connection whose "
-        "request headers take over 10 s",
+        "(pure Python, more CPU per request); both close a connection whose request headers "
+        "take over 10 s",
     )
     event_loop: Annotated[Literal["uvloop", "asyncio"], Flag("--loop", ("up", "router"))] = Field(
         default="uvloop",
