@@ -331,7 +331,8 @@ class _SamplingFields(_Req):
         ge=-(2**31),
         le=2**31 - 1,
         description="extension (vLLM's): the request's place among its tenant's requests in "
-        "the router's fair queue, lower first (used only while requests wait there)",
+        "the router's fair queue and the workers' prefill schedulers, lower first (used only "
+        "when the fair queue is on)",
     )
     user: Text | None = Field(
         default=None,
