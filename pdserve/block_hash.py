@@ -15,6 +15,12 @@ tokens per block)::
 so ``h[i]`` names the whole prefix ``tokens[: (i+1)*tpb]`` and the pool that computed it: two
 blocks with equal hashes hold the same K/V. The hash is a 128-bit ``int``, deterministic across
 processes and hosts (never Python's ``hash()``). A partial last block has no hash.
+
+Cache salt (vLLM's ``cache_salt``; the router adds the tenant's when API keys name tenants): a
+salted sequence chains its first block to ``blake2b-128(h[-1] || "salt" || salt)`` instead of
+``h[-1]``, so none of its blocks equals a block of another salt (or of none): the prefix cache,
+the host and disk tiers, the KV events and the router's index all key blocks by these hashes,
+so a salted prompt never hits another salt's K/V anywhere. No salt: the hashes are unchanged.
 """
 
 from __future__ import annotations
@@ -27,9 +33,13 @@ _DIGEST_BYTES = 16
 
 
 class TokenBlocks(Protocol):
-    """A sequence whose full blocks are hashed: its known tokens and its hash list."""
+    """A sequence whose full blocks are hashed: its known tokens, its hash list and its cache
+    salt (None: unsalted)."""
 
     block_hashes: list[int]
+
+    @property
+    def cache_salt(self) -> str | None: ...
 
     @property
     def num_tokens(self) -> int: ...
@@ -52,6 +62,16 @@ class BlockHasher:
         seed = f"pdserve-kv-v1\x00{model}\x00{dtype}\x00{tokens_per_block}".encode()
         self.root = int.from_bytes(hashlib.blake2b(seed, digest_size=_DIGEST_BYTES).digest(), "big")
 
+    def salted_root(self, salt: str | None) -> int:
+        """The parent of a sequence's first block: :attr:`root`, or for a ``salt`` the root
+        chained with it (module docstring)."""
+        if salt is None:
+            return self.root
+        h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
+        h.update(self.root.to_bytes(_DIGEST_BYTES, "big"))
+        h.update(b"\x00salt\x00" + salt.encode("utf-8", "surrogatepass"))
+        return int.from_bytes(h.digest(), "big")
+
     def hash_block(self, parent: int | None, token_ids: list[int]) -> int:
         """Hash of one full block: ``parent`` is the previous block's hash (None: the first
         block, chained to :attr:`root`); ``token_ids`` exactly ``tokens_per_block`` ids.
@@ -65,10 +85,11 @@ class BlockHasher:
         h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
         return int.from_bytes(h.digest(), "big")
 
-    def hash_tokens(self, token_ids: list[int]) -> list[int]:
-        """Hashes of every full block of ``token_ids`` (a trailing partial block is skipped)."""
+    def hash_tokens(self, token_ids: list[int], salt: str | None = None) -> list[int]:
+        """Hashes of every full block of ``token_ids`` (a trailing partial block is skipped),
+        salted with ``salt`` (module docstring)."""
         tpb, out = self.tokens_per_block, []
-        parent: int | None = None
+        parent: int | None = None if salt is None else self.salted_root(salt)
         for start in range(0, len(token_ids) - tpb + 1, tpb):
             parent = self.hash_block(parent, token_ids[start : start + tpb])
             out.append(parent)
@@ -84,7 +105,8 @@ class BlockHasher:
         done, full = len(hashes), limit // tpb
         if full > done:
             tokens = seq.token_slice(done * tpb, (full - done) * tpb)
-            parent = hashes[-1] if hashes else None
+            salt = seq.cache_salt
+            parent = hashes[-1] if hashes else (None if salt is None else self.salted_root(salt))
             for i in range(full - done):
                 parent = self.hash_block(parent, tokens[i * tpb : (i + 1) * tpb])
                 hashes.append(parent)

@@ -314,7 +314,10 @@ class SamplingParams(_Msg):
 
     ``share``: not a sampling setting but the request's :class:`Share` of the workers'
     compute, carried here because the sampling settings reach every worker and every engine
-    path the request takes (None: no tenant; the scheduler keeps arrival order).
+    path the request takes (None: no tenant; the scheduler keeps arrival order). Likewise
+    ``cache_salt``: the salt of the request's KV block hashes (:mod:`pdserve.block_hash`; the
+    client's ``cache_salt`` and, when API keys name tenants, its tenant's), so that its prompt
+    never reuses blocks computed for another salt.
     """
 
     n: int = Field(default=1, ge=1, le=MAX_CHOICES, description="choices per request")
@@ -338,6 +341,7 @@ class SamplingParams(_Msg):
     )
     structured: StructuredOutput | None = None
     share: Share | None = None  # scheduling, not sampling: carried where the request goes
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=600)
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=20)
     prompt_logprobs: int | None = Field(

@@ -169,10 +169,11 @@ class KVIndex:
 class PromptHashes:
     """One prompt's block hashes per KV layout, computed once per distinct (model, dtype,
     tokens per block) and only up to the blocks a worker could reuse (all but the last
-    token)."""
+    token); ``salt``: the request's cache salt (its blocks hash as the workers' do)."""
 
-    def __init__(self, token_ids: Sequence[int]) -> None:
+    def __init__(self, token_ids: Sequence[int], salt: str | None = None) -> None:
         self.token_ids = list(token_ids)
+        self.salt = salt
         self._by_layout: dict[tuple[str, str, int], list[int]] = {}
 
     def for_layout(self, layout: KVLayout) -> list[int]:
@@ -183,7 +184,7 @@ class PromptHashes:
             tpb = layout.tokens_per_block
             usable = max(len(self.token_ids) - 1, 0) // tpb * tpb
             hasher = BlockHasher(layout.model, layout.dtype, tpb)
-            hashes = self._by_layout[key] = hasher.hash_tokens(self.token_ids[:usable])
+            hashes = self._by_layout[key] = hasher.hash_tokens(self.token_ids[:usable], self.salt)
         return hashes
 
 

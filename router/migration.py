@@ -67,6 +67,7 @@ class MigrationParts(Protocol):
         skip: Callable[[WorkerState], bool],
         maps_from: KVLayout | None = None,
         colocated: bool = False,
+        salt: str | None = None,
     ) -> WorkerRecord | None: ...
 
 
@@ -132,6 +133,7 @@ async def open_resumed(
             req.prompt_token_ids,
             skip=lambda w: (w.worker_id, w.record.epoch) in excluded,
             colocated=True,
+            salt=req.sampling.cache_salt,
         )
         if target is None:
             if until is None:

@@ -63,7 +63,7 @@ from pdserve.router.retry import LEG_FAILURES, RetryPolicy
 from pdserve.router.sessions import SessionTable
 from pdserve.router.transaction import Transaction, drop_decode
 from pdserve.router.view import Candidates, WorkerState, WorkerView
-from pdserve.security import Tenant
+from pdserve.security import DEFAULT_TENANT, Tenant
 
 if TYPE_CHECKING:
     from pdserve.config.settings import RouterSettings
@@ -139,11 +139,14 @@ class Router:
         if timeline is None:
             timeline = Timeline("request", attributes={"pdserve.request_id": request_id})
         ticket: Ticket | None = None
+        salt = cache_salt(tenant, sampling.cache_salt)
+        if salt != sampling.cache_salt:
+            sampling = sampling.model_copy(update={"cache_salt": salt})
         tenant = tenant or Tenant()
         try:
             if self.admission is not None:
                 deadline = time.time() + self.settings.request_timeout_s
-                prefill = self.needs_prefill(prompt_token_ids, session_id)
+                prefill = self.needs_prefill(prompt_token_ids, session_id, salt)
                 ticket = await self.admission.admit(tenant, priority, deadline, prefill)
                 share = Share(tenant=tenant.name, weight=tenant.weight, priority=priority)
                 sampling = sampling.model_copy(update={"share": share})  # workers' schedulers
@@ -172,11 +175,13 @@ class Router:
         prompt_token_ids: Sequence[int],
         exclude: Sequence[str] = (),
         session_id: str | None = None,
+        salt: str | None = None,
     ) -> Route:
         """The policy's decision for this prompt now, with each candidate's expected cached
-        prefix when KV-aware routing is on, the session's last worker credited with its last
+        prefix when KV-aware routing is on (of the prompt's blocks salted with ``salt``, the
+        request's ``sampling.cache_salt``), the session's last worker credited with its last
         turn's tokens (``session_id``). Raises NoWorkerError."""
-        route, sticky, sessions = self._decide(prompt_token_ids, exclude, session_id)
+        route, sticky, sessions = self._decide(prompt_token_ids, exclude, session_id, salt)
         if sessions is not None and self.metrics is not None:
             outcome = "new" if sticky is None else "kept"
             if sticky is not None and sticky != route.worker.worker_id:
@@ -185,12 +190,16 @@ class Router:
         return route
 
     def _decide(
-        self, prompt_token_ids: Sequence[int], exclude: Sequence[str], session_id: str | None
+        self,
+        prompt_token_ids: Sequence[int],
+        exclude: Sequence[str],
+        session_id: str | None,
+        salt: str | None = None,
     ) -> tuple[Route, str | None, SessionTable | None]:
         """:meth:`route`'s decision, the session's worker it credited (if any) and the session
         table it consulted (None: none)."""
         cands = self.view.candidates()
-        cached = self._cached(cands, prompt_token_ids)
+        cached = self._cached(cands, prompt_token_ids, salt)
         sticky = None
         sessions = self.sessions if session_id is not None and self.weights.kv_aware else None
         if sessions is not None and session_id is not None:
@@ -207,12 +216,14 @@ class Router:
         )
         return route, sticky, sessions
 
-    def needs_prefill(self, prompt_token_ids: Sequence[int], session_id: str | None) -> bool:
+    def needs_prefill(
+        self, prompt_token_ids: Sequence[int], session_id: str | None, salt: str | None = None
+    ) -> bool:
         """Whether the request would take a prefill worker now (the disaggregated path: its
         uncached tokens past ``local_prefill_max_tokens``), as the fair queue asks; False
         when no worker can serve it."""
         try:
-            route, _, _ = self._decide(prompt_token_ids, (), session_id)
+            route, _, _ = self._decide(prompt_token_ids, (), session_id, salt)
         except NoWorkerError:
             return False
         return route.prefill is not None
@@ -230,6 +241,7 @@ class Router:
         skip: Callable[[WorkerState], bool],
         maps_from: KVLayout | None = None,
         colocated: bool = False,
+        salt: str | None = None,
     ) -> WorkerRecord | None:
         """The worker a failed leg moves to now (:func:`choose_retry`, with the prompt's
         expected cached prefix per worker when KV-aware routing is on); None: none usable."""
@@ -240,17 +252,20 @@ class Router:
             skip=skip,
             maps_from=maps_from,
             colocated=colocated,
-            cached=self._cached(cands, prompt_token_ids),
+            cached=self._cached(cands, prompt_token_ids, salt),
             weights=self.weights,
         )
 
-    def _cached(self, cands: Candidates, prompt_token_ids: Sequence[int]) -> dict[str, int] | None:
-        """Per candidate, the prompt tokens its KV index entry says it holds (None: KV-aware
-        routing is off)."""
+    def _cached(
+        self, cands: Candidates, prompt_token_ids: Sequence[int], salt: str | None = None
+    ) -> dict[str, int] | None:
+        """Per candidate, the prompt tokens (salted with ``salt``) its KV index entry says it
+        holds (None: KV-aware routing is off)."""
         if self.kv_index is None or not self.weights.kv_aware:
             return None
         workers = [w.record for w in (*cands.prefill, *cands.decode, *cands.colocated)]
-        return expected_cached_tokens(self.kv_index, workers, PromptHashes(prompt_token_ids))
+        hashes = PromptHashes(prompt_token_ids, salt)
+        return expected_cached_tokens(self.kv_index, workers, hashes)
 
     def _record_decision(self, request_id: str, route: Route) -> None:
         """Log the decision at debug and count it (path; KV-aware: cached tokens per role)."""
@@ -297,7 +312,8 @@ class Router:
         until: float | None = None  # how long to hold the request while no worker serves it
         while True:
             try:
-                route = self.route(spec.prompt_token_ids, self._excluded(failed), session_id)
+                route = self.route(spec.prompt_token_ids, self._excluded(failed), session_id,
+                                   spec.sampling.cache_salt)  # fmt: skip
             except NoWorkerError as exc:
                 if until is None:
                     left = spec.deadline - time.time() - 1.0
@@ -516,6 +532,16 @@ def prefilled(timeline: Timeline, resp: ContextResponse) -> None:
     """Mark the ``prefill`` phase done with P's answer, and add P's own phases."""
     end = timeline.mark("prefill", gen_ai_usage_cache_read_input_tokens=resp.cached_tokens)
     timeline.add_peer("prefill", resp.phases, end)
+
+
+def cache_salt(tenant: Tenant | None, client_salt: str | None) -> str | None:
+    """The salt of a request's KV block hashes (:mod:`pdserve.block_hash`): its tenant's when
+    the API key names one (not :data:`~pdserve.security.DEFAULT_TENANT`), joined with the
+    client's ``cache_salt`` (vLLM's field), each kind in its own namespace so that no client
+    salt can equal a tenant's; None: neither (the hashes every request shares)."""
+    if tenant is not None and tenant.name != DEFAULT_TENANT:
+        return f"tenant\x00{tenant.name}\x00{client_salt or ''}"
+    return None if client_salt is None else f"client\x00{client_salt}"
 
 
 def route_attributes(route: Route) -> dict[str, Any]:

@@ -504,6 +504,7 @@ class Transaction:
             self.spec.prompt_token_ids,
             skip=lambda w: w.worker_id in tried,
             maps_from=self.pair.prefill.layout,
+            salt=self.spec.sampling.cache_salt,
         )
 
     def _accept(self, chunk: GenerationChunk, leg: str) -> bool:

@@ -141,6 +141,7 @@ def sampling_params(
         structured=structured,
         logprobs=logprobs,
         top_logprobs=top_logprobs if logprobs else 0,
+        cache_salt=req.cache_salt,  # the router namespaces it (router.router.cache_salt)
     )
     return sampling, param
 

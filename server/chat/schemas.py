@@ -326,6 +326,11 @@ class _SamplingFields(_Req):
     guided_grammar: Text | None = Field(
         default=None, description="extension, vLLM's older name of structured_outputs.grammar"
     )
+    cache_salt: Annotated[Text, Field(min_length=1, max_length=256)] | None = Field(
+        default=None,
+        description="extension (vLLM's): the prompt reuses cached KV blocks only of requests "
+        "with the same salt (and, when API keys name tenants, of the same tenant)",
+    )
     priority: int = Field(
         default=0,
         ge=-(2**31),

@@ -225,6 +225,24 @@ def test_cached_tokens_report_the_prefix_cache_where_the_prompt_was_prefilled(
         assert again.usage.prompt_tokens_details.cached_tokens == 64, url  # type: ignore[union-attr]
 
 
+def test_a_salted_prompt_hits_only_blocks_of_its_own_salt(
+    pd_stack: tuple[Stack, Stack], colocated_stack: Stack
+) -> None:
+    """vLLM's cache_salt across the real stack (prefix cache, KV events, the router's index):
+    the same prompt under salt a is cached the second time, under salt b it is not."""
+    stack, _ = pd_stack
+    prompt = list(range(140, 220))
+
+    def cached(url: str, salt: str) -> int:
+        out = _client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=2,
+                                              temperature=0, extra_body={"cache_salt": salt})  # fmt: skip
+        assert out.usage and out.usage.prompt_tokens_details
+        return out.usage.prompt_tokens_details.cached_tokens or 0
+
+    for url in (stack.url, colocated_stack.url):
+        assert [cached(url, "a"), cached(url, "a"), cached(url, "b")] == [0, 64, 0], url
+
+
 def test_echo_with_logprobs_reports_the_prompt_tokens_where_they_were_prefilled(
     pd_stack: tuple[Stack, Stack], colocated_stack: Stack
 ) -> None:

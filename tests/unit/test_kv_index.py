@@ -158,3 +158,15 @@ def test_expected_cached_tokens_per_layout_and_epoch() -> None:
     ]
     got = expected_cached_tokens(index, workers, PromptHashes(PROMPT))
     assert got == {"p0": 5 * TPB, "p1": 0, "p2": 0, "p3": 0}
+
+
+def test_a_salted_prompt_is_credited_only_with_blocks_of_its_salt() -> None:
+    """The router hashes a salted prompt as the workers do (pdserve.block_hash): a worker that
+    holds the prompt's blocks under another salt (or none) is credited with nothing."""
+    salted = HASHER.hash_tokens(PROMPT, "tenant\x00a\x00")
+    index = synced_index(*HASHES, *salted)  # the worker holds both chains
+    workers = [record("p0", "prefill", kv_layout=LAYOUT)]
+    for salt, want in [(None, 5 * TPB), ("tenant\x00a\x00", 5 * TPB), ("tenant\x00b\x00", 0)]:
+        assert expected_cached_tokens(index, workers, PromptHashes(PROMPT, salt)) == {"p0": want}
+    index = synced_index(*salted)  # only tenant a's
+    assert expected_cached_tokens(index, workers, PromptHashes(PROMPT)) == {"p0": 0}

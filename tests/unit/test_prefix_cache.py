@@ -234,3 +234,24 @@ def test_a_sequence_that_does_not_fit_gives_its_prefix_back() -> None:
     assert big.num_computed_tokens == 0 and kv.num_allocated("big") == 0
     assert kv.get_num_evictable_blocks() == 2 and kv.get_num_free_blocks() == 2
     assert kv.prefix_stats().queries == 1, "only hog's admission was counted"
+
+
+def salted(rid: str, tokens: list[int], salt: str | None) -> Sequence:
+    return Sequence(rid, list(tokens), SamplingParams(max_tokens=4, cache_salt=salt), "full", 0)
+
+
+def test_a_salted_prompt_never_hits_another_salt_s_blocks() -> None:
+    """vLLM's cache_salt: the same prompt under salts a, b and none hashes to three disjoint
+    chains, so each misses the others' blocks and hits its own; no salt hashes as before."""
+    kv = KVCacheManager(LAYOUT, 32)
+    tokens = list(range(10))
+    chains = {
+        salt: kv.hasher.extend(salted(f"h-{salt}", tokens, salt)) for salt in ("a", "b", None)
+    }
+    assert chains[None] == BlockHasher(LAYOUT.model, LAYOUT.dtype, TPB).hash_tokens(tokens[:8])
+    assert chains["a"] == kv.hasher.hash_tokens(tokens[:8], "a")
+    assert not set(chains["a"]) & set(chains["b"]) and not set(chains["a"]) & set(chains[None])
+    compute(kv, salted("first", tokens, "a"))
+    for rid, salt, want in [("b1", "b", 0), ("none", None, 0), ("a2", "a", 8)]:
+        seq = salted(rid, tokens, salt)
+        assert kv.acquire_prefix(rid, kv.hasher.extend(seq), seq.num_tokens) == want, salt

@@ -90,6 +90,12 @@ class Sequence:
         or prompt + output after a preemption); False in the generation phase."""
         return self.num_tokens - self.num_computed_tokens > 1
 
+    @property
+    def cache_salt(self) -> str | None:
+        """The request's cache salt (``sampling.cache_salt``): its blocks hash apart from every
+        other salt's (:mod:`pdserve.block_hash`)."""
+        return self.sampling.cache_salt
+
     def token_slice(self, start: int, count: int) -> list[int]:
         """Tokens ``[start, start + count)`` of prompt + output."""
         prompt = self.prompt_token_ids
