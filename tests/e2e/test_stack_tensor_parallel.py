@@ -158,7 +158,7 @@ SMOLLM2_HEADS = {  # SmolLM2-135M's attention shape, at a tiny width
     "num_attention_heads": 9,
     "num_key_value_heads": 3,
     "head_dim": 16,
-    "intermediate_size": 256,
+    "intermediate_size": 288,
 }
 
 
