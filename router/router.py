@@ -134,7 +134,9 @@ class Router:
         conversation the request continues (session affinity, module docstring). ``tenant``
         and ``priority`` (lower is earlier): its place in the fair queue, when there is one;
         :class:`~pdserve.router.admission.TenantQueueFullError` and
-        :class:`~pdserve.router.admission.QueueTimeoutError` (429) come from there."""
+        :class:`~pdserve.router.admission.QueueTimeoutError` (429) come from there. The
+        client's ``sampling.cache_salt`` is replaced by the request's namespaced salt, the
+        tenant's included (:func:`cache_salt`), before anything routes or hashes the prompt."""
         t_in = time.monotonic()
         if timeline is None:
             timeline = Timeline("request", attributes={"pdserve.request_id": request_id})
