@@ -1,13 +1,7 @@
-"""Every common decoder family through the whole disaggregated path: router + prefill + decode
-(eager, ``--no-compile``) worker processes (the router hands every request off) serve each
-family's tiny random model (:mod:`tests.support.families`) with transformers' greedy tokens and
+"""Every common decoder family through the whole disaggregated path: router + prefill (compiled
+forward) + decode (eager, ``--no-compile``) worker processes (the router hands every request
+off) serve each family's tiny random model (:mod:`tests.support.families`) with transformers' greedy tokens and
 logprobs, read from the completions API (prompt as token ids, ``ignore_eos``, ``logprobs=0``).
-
-The prefill worker runs the compiled forward for :data:`COMPILED_IN_THE_STACK` (the plainest
-family and the one with the most special layers) and eagerly for the others: every family's
-compiled forward is checked against transformers in-process, through the prefill -> decode
-split, by ``tests/integration/test_engine_families.py``, so a compile per family here (about
-7 s of each stack's start on 2 cores) would check nothing more.
 
 Every family listed is supported (docs/models.md): a worker that refuses its model at load or
 dies fails the test.
@@ -37,9 +31,6 @@ from tests.support.families import (
 )
 from tests.support.stack import Stack
 
-COMPILED_IN_THE_STACK = ("llama", "gpt_oss")
-"""Families whose stack's prefill worker compiles its forward (module docstring)."""
-
 
 @dataclass
 class FamilyStack:
@@ -52,8 +43,8 @@ class FamilyStack:
 def family_stack(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[FamilyStack]:
-    """Router + 1 prefill (compiled forward for :data:`COMPILED_IN_THE_STACK`) + 1 decode
-    (eager) on one family's tiny model: the tokens cross both forwards and the hand-off."""
+    """Router + 1 prefill (compiled forward) + 1 decode (eager) on one family's tiny model:
+    the tokens cross both forwards and the hand-off."""
     family: str = request.param
     model_dir = family_model_dir(tmp_path_factory, family)
     started = time.perf_counter()
@@ -64,8 +55,7 @@ def family_stack(
     )
     try:
         stack.start_router()
-        compile_flag = "--compile" if family in COMPILED_IN_THE_STACK else "--no-compile"
-        stack.start_worker("prefill", "prefill-0", (compile_flag,))
+        stack.start_worker("prefill", "prefill-0", ("--compile",))
         stack.start_worker("decode", "decode-0", ("--no-compile",))
         stack.wait_ready(2)
     except BaseException:
@@ -94,8 +84,7 @@ def _complete(fs: FamilyStack, prompt: list[int]) -> tuple[list[str], list[float
 
 
 def test_greedy_completions_equal_transformers_generate(family_stack: FamilyStack) -> None:
-    """Token for token (as the API's token strings) and logprob for logprob; for
-    :data:`COMPILED_IN_THE_STACK`, through the prefill worker's compiled forward."""
+    """Token for token (as the API's token strings) and logprob for logprob."""
     fs = family_stack
     tok = AutoTokenizer.from_pretrained(fs.model_dir, local_files_only=True)
     text = TokenRenderer(tok).text
@@ -112,7 +101,11 @@ def test_greedy_completions_equal_transformers_generate(family_stack: FamilyStac
     assert not bad, f"{fs.family}: {len(bad)} of {len(prompts)} prompts differ\n  " + "\n  ".join(
         bad
     )
-    if fs.family in COMPILED_IN_THE_STACK:  # they crossed the compiled forward, never eager
-        log = fs.stack.procs["prefill-0"].log()
-        assert "compiled the model forward in" in log, f"{fs.family}: not compiled"
-        assert "running eagerly" not in log, f"{fs.family}: fell back to eager"
+
+
+def test_the_prefill_worker_runs_the_compiled_forward(family_stack: FamilyStack) -> None:
+    """The completions above crossed the compiled forward: the prefill worker compiled it at
+    start-up and never fell back to eager."""
+    log = family_stack.stack.procs["prefill-0"].log()
+    assert "compiled the model forward in" in log, f"{family_stack.family}: not compiled"
+    assert "running eagerly" not in log, f"{family_stack.family}: fell back to eager"
