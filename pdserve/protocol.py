@@ -4,51 +4,8 @@ Every message that crosses a process boundary is one pydantic model here, serial
 Peers compare ``PROTOCOL_VERSION`` (HTTP header ``x-pdserve-protocol`` and the transfer
 handshake) and the KV layout's ``compat_hash`` before exchanging KV blocks.
 
-Protocol history:
-    1: first version (context request/response, transfer handle, generation request/chunks,
-       worker records, transfer handshake).
-    2: fencing and integrity: ``TransferHandle.lease_id`` (and optional ``lease_id`` on
-       releases); transfer ``SendBlocks`` carries the lease id and asks for block digests,
-       answered by ``BlockDigests`` after the bytes.
-    3: ``n`` choices per request: ``SamplingParams.n``, ``GenerationChunk.index``; with ``n > 1``
-       a ``ContextResponse`` may carry both ``finish_reason`` (choice 0 ended at its first token)
-       and ``handle`` (the blocks stay parked for choices 1..n-1).
-    4: error bodies carry ``request_id`` (``pdserve.errors.ErrorBody.request_id``), the id the
-       failed request is logged under.
-    5: signed worker records: ``WorkerRecord.signature``, the hex HMAC (cluster secret) of
-       :meth:`WorkerRecord.signing_bytes`; watchers drop a record whose signature is missing or
-       wrong. Internal HTTP calls (registry, ``/internal/*``) carry the cluster token.
-    6: delta transfer: the transfer ``SendBlocks`` carries ``skip_blocks``, the leading parked
-       blocks the decode worker's prefix cache already holds (not sent).
-    7: full sampling and structured outputs: ``SamplingParams`` carries ``presence_penalty``,
-       ``frequency_penalty``, ``repetition_penalty``, ``logit_bias``, ``min_p``,
-       ``min_tokens``, ``stop_token_ids`` and ``structured`` (a :class:`StructuredOutput`),
-       applied on the prefill and decode legs alike; ``ContextResponse.cached_tokens`` and
-       ``GenerationChunk.cached_tokens``: the prompt tokens the prefix cache served where the
-       prompt was prefilled; ``SamplingParams.prompt_logprobs`` and, where the prompt was
-       prefilled, ``ContextResponse.prompt_logprobs`` / the first chunk's.
-    8: tensor parallel and FP8 layouts: ``KVLayout.tp_size``, FP8 KV dtypes.
-    9: streamed hand-off and digests that ride along the bytes: ``TransferHandle.streamed``
-       (a handle published at admission: ``POST /internal/context/stream`` answers
-       :class:`ContextStarted` first), transfer ``SendBlocks.stream`` answered by
-       ``BlocksReady``; on TCP ``BlockDigests`` trail the bytes instead of preceding them.
-   10: mid-stream migration: ``GenerationRequest.resume`` (:class:`ResumedChoice`) continues a
-       request another worker had started, after the tokens the client already has.
-   11: tracing: ``traceparent`` on :class:`ContextRequest` / :class:`GenerationRequest` (also
-       sent as the ``traceparent`` header), the worker's ``phases`` on
-       :class:`ContextResponse` and on a stream's last :class:`GenerationChunk`.
-   12: block digests computed on the GPU: transfer ``Hello``/``HelloAck.pool_device`` (``cpu``,
-       ``cuda``) and ``SendBlocks.digest``, the algorithm the pulling side asks for (``mix64``
-       when both pools are on a GPU, :mod:`pdserve.transfer.integrity.mix64`; else ``xxh3_64``), echoed
-       in ``BlockDigests.algorithm``.
-   13: a request's own errors mid-stream: ``GenerationChunk.error_code`` (``grammar_failed``:
-       its structured output failed while decoding), which the router answers as a 400
-       instead of migrating the request.
-   14: sampling that cannot make NaN logits: a ``SamplingParams.temperature`` below
-       :data:`GREEDY_TEMPERATURE` is greedy (it sampled from NaN before), ``repetition_penalty``
-       at least :data:`MIN_REPETITION_PENALTY`, ``logit_bias`` biases within
-       :data:`MAX_LOGIT_BIAS_VALUE`; workers of 13 and 14 would sample a tiny temperature
-       differently.
+Protocol history: docs/protocol-history.md (what each version added; 15: ``SamplingParams.share``
+and ``SamplingParams.cache_salt``).
 
 Clocks: deadlines on the wire are wall-clock UNIX seconds (``time.time()``), never monotonic
 readings, because a monotonic clock does not cross processes.
@@ -64,7 +21,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-PROTOCOL_VERSION = 14
+PROTOCOL_VERSION = 15
 PROTOCOL_HEADER = "x-pdserve-protocol"
 
 
