@@ -275,6 +275,12 @@ async def test_a_queued_request_whose_client_leaves_leaves_the_queue(tmp_path) -
             return next((float(x[len(line) :]) for x in text.splitlines() if x.startswith(line)), 0)
 
         first = asyncio.create_task(h.client.post("/v1/completions", json=body))
+        # the first holds the slot before the other is sent (else either may be the one queued)
+        for _ in range(500):
+            if worker.generations:
+                break
+            await asyncio.sleep(0.01)
+        assert len(worker.generations) == 1
         async with httpx.AsyncClient(base_url=h.url, trust_env=False) as other:
             leaving = asyncio.create_task(other.post("/v1/completions", json=body))
             for _ in range(500):
