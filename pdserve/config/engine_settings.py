@@ -189,6 +189,37 @@ class KVCacheSettings(_Section):
         description="size cap of disk_cache_dir, MiB (fractions allowed); the least recently "
         "used blocks are removed past it",
     )
+    remote_cache: Annotated[str | None, Flag("--kv-remote-cache", SERVING)] = Field(
+        default=None,
+        description="KV connector remote tier: the URL of a Redis or Valkey store every host "
+        "reaches (redis://[user:password@]host:port/db, rediss:// for TLS, unix://path); "
+        "every computed full block is stored there in the background (keyed by block hash, "
+        "digest-checked) and loaded instead of recomputed by any worker of the model; a store "
+        "that is down or slow costs misses, never a stall; null: off. Needs prefix_caching",
+    )
+    remote_cache_timeout_ms: Annotated[float, Flag("--kv-remote-cache-timeout-ms", SERVING)] = (
+        Field(
+            default=500.0,
+            gt=0,
+            le=60000,
+            description="socket timeout of each remote tier command, ms; a timeout or a "
+            "connection error turns the tier off for 1 s (doubling to 30 s while it fails)",
+        )
+    )
+    remote_cache_ttl_s: Annotated[float | None, Flag("--kv-remote-cache-ttl-s", SERVING)] = Field(
+        default=None,
+        gt=0,
+        description="expiry of the blocks stored in the remote tier, seconds; null: none (size "
+        "the store with maxmemory and maxmemory-policy allkeys-lru)",
+    )
+
+    @field_validator("remote_cache")
+    @classmethod
+    def _remote_url(cls, url: str | None) -> str | None:
+        schemes = ("redis://", "rediss://", "unix://")
+        if url is not None and not url.startswith(schemes):
+            raise ValueError(f"remote_cache must be a URL starting with {', '.join(schemes)}")
+        return url
 
     def host_cache_bytes(self, device: str) -> int:
         """Host tier size in bytes for a pool on ``device`` (0: off)."""

@@ -55,9 +55,12 @@ def _registries() -> Iterator[Any]:
 
     index = KVIndexStats(outcomes={"applied": 1}, workers=1, synced=1, blocks=1)
     yield RouterMetrics(workers=lambda: {"decode": 1}, kv_index=lambda: index).registry
-    tier = SimpleNamespace(blocks=0, bytes=0, stored=0, evicted=0, corrupt=0, dropped=0, pending=0)
+    tier = SimpleNamespace(
+        blocks=0, bytes=0, stored=0, evicted=0, corrupt=0, dropped=0, pending=0, errors=0
+    )
     # Stands in for pdserve.workers.kv.offload.KVConnectorStats (whose module imports torch).
-    tiers = SimpleNamespace(host=tier, disk=tier, hit_blocks={}, hit_tokens=lambda tier: 0)
+    named = [("host", tier), ("disk", tier), ("remote", tier)]
+    tiers = SimpleNamespace(hit_blocks={}, hit_tokens=lambda tier: 0, tiers=lambda: named)
     worker = WorkerMetrics(
         "decode",
         load=lambda: WorkerLoad(total_blocks=8, free_blocks=4),

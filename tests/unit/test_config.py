@@ -297,6 +297,8 @@ def _example(setting: Setting) -> tuple[list[str], object]:
         return [name if value else "--no-" + name[2:]], value
     if setting.path == "discovery.url":
         return [name, "etcd://e:2379"], "etcd://e:2379"
+    if setting.path == "kv_cache.remote_cache":
+        return [name, "redis://r:6379/0"], "redis://r:6379/0"
     if setting.path == "observability.otlp_traces_endpoint":
         return [name, "http://c:4318/v1/traces"], "http://c:4318/v1/traces"
     if setting.path == "scheduler.speculative_ngram_min":  # at most speculative_ngram_max

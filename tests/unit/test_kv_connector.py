@@ -116,7 +116,7 @@ def test_pool_prefix_first_then_host_then_disk_up_to_the_first_miss(rig: Rig) ->
     table = rig.kv.block_table("b")
     assert torch.equal(rig.kv.pool[:, table[2]], block(2))
     stats = rig.conn.stats()
-    assert stats.hit_blocks == {"host": 1, "disk": 1}
+    assert stats.hit_blocks == {"host": 1, "disk": 1, "remote": 0}
     assert rig.kv.prefix_stats().hit_tokens == 4  # the pool's own hit
 
 
@@ -195,8 +195,10 @@ def test_the_worker_exports_the_tier_counters(rig: Rig) -> None:
     assert got['pdserve_kv_tier_hit_tokens_total{tier="disk"}'] == 0
     assert got['pdserve_kv_tier_stored_blocks_total{tier="disk"}'] == 1  # block 1; 0 was loaded
     assert got['pdserve_kv_tier_blocks{tier="disk"}'] == 1
-    assert got["pdserve_kv_tier_corrupt_blocks_total"] == 0
-    assert got["pdserve_kv_tier_pending_saves"] == 0
+    assert got['pdserve_kv_tier_corrupt_blocks_total{tier="disk"}'] == 0
+    assert got['pdserve_kv_tier_pending_saves{tier="disk"}'] == 0
+    assert got['pdserve_kv_tier_errors_total{tier="disk"}'] == 0
+    assert not any('tier="remote"' in name for name in got), "the remote tier is off"
 
 
 def test_the_settings_build_a_connector_only_with_a_tier_and_the_prefix_cache(

@@ -7,6 +7,7 @@
 - ``offload``: the KV cache connector (scheduler and worker sides, after TensorRT-LLM's): blocks
   found in a tier are loaded instead of recomputed
 - ``tiers``: the connector's storage tiers below the pool: host memory and disk
+- ``remote``: the connector's remote tier, a Redis or Valkey store every host reaches
 - ``sizing``: the pool's size from the machine's free memory
 - ``cache_events``: KV cache events (stored / evicted block hashes) out to the router
 

@@ -1,29 +1,32 @@
-"""KV cache connector: blocks found in the host or disk tier are loaded instead of recomputed.
+"""KV cache connector: blocks found in the host, disk or remote tier are loaded, not recomputed.
 
 Design origin: TensorRT-LLM's KV cache connector (the seed's persistent KV cache example,
 ``KvCacheConnectorScheduler`` / ``KvCacheConnectorWorker``), vLLM's v1 ``KVConnectorBase``
 (``get_num_new_matched_tokens``, ``update_state_after_alloc``, ``build_connector_meta`` ->
-``bind_connector_metadata``), its CPU offload and LMCache for the tiers. The side that decides
+``bind_connector_metadata``), its CPU offload and LMCache for the tiers (its remote backends for the remote one). The side that decides
 (:class:`KVConnectorScheduler`, called by the scheduler) and the side that moves bytes
 (:class:`KVConnectorWorker`, called by the engine around the forward) are joined by one
-:class:`KVConnectorMetadata` per step. The tiers are :mod:`pdserve.workers.kv.tiers`.
+:class:`KVConnectorMetadata` per step. The tiers are :mod:`pdserve.workers.kv.tiers` (host,
+disk) and :mod:`pdserve.workers.kv.remote` (a Redis store every host reaches).
 
 One step of the engine thread with the connector::
 
     1. admission (Scheduler._admit): the sequence takes its longest prefix in the pool
        (acquire_prefix), then get_num_new_matched_tokens(seq, num_computed_tokens) looks the
-       next block hashes up in the host tier, then the disk tier, stopping at the first miss
-       and leaving at least one token to compute; the blocks found are read and verified now
-       (a corrupt file is a miss), so a hit can always be served. The scheduler allocates the
+       next block hashes up in the host tier, then the disk tier, stopping at the first miss,
+       then fetches what follows from the remote tier in batches (again up to its first miss),
+       leaving at least one token to compute; the blocks found are read and verified now (a
+       corrupt entry is a miss), so a hit can always be served. The scheduler allocates the
        sequence's blocks and calls update_state_after_alloc(seq, block table).
     2. build_connector_meta(batch) -> KVConnectorMetadata(load, save): load = (block id, data)
        of step 1's hits; save = (hash, block id) of every full block this step's forward
-       completes that the disk tier lacks.
+       completes that the disk tier lacks or the remote tier wants.
     3. worker.bind_connector_meta(meta); worker.start_load_kv(): copies the loads into the pool.
     4. the model runner's forward (computes only the tokens after the loaded blocks).
     5. update_resources registers loaded and computed full blocks in the prefix index.
     6. worker.wait_for_save(): copies the saved blocks to host memory (the forward is done) and
-       queues them for the disk tier's writer thread; the file writes never block the step.
+       queues them for the disk and remote tiers' writer threads; the writes never block the
+       step.
 
 So a load stalls the batch once, in the step that admits its sequence (reading a 4,000-token
 prompt's blocks: a fraction of a second, against seconds to recompute them), and a save costs
@@ -46,12 +49,13 @@ import torch
 from pdserve.block_hash import BlockHasher, TokenBlocks
 from pdserve.config.settings import KVCacheSettings
 from pdserve.workers.kv.manager import KVCacheManager
+from pdserve.workers.kv.remote import RemoteTier
 from pdserve.workers.kv.tiers import DiskTier, HostTier, TierStats
 
 log = logging.getLogger(__name__)
 
-Tier = Literal["host", "disk"]
-TIERS: tuple[Tier, ...] = ("host", "disk")
+Tier = Literal["host", "disk", "remote"]
+TIERS: tuple[Tier, ...] = ("host", "disk", "remote")
 
 
 class RequestTokens(TokenBlocks, Protocol):
@@ -91,10 +95,13 @@ class BlockLoad:
 
 @dataclass(frozen=True)
 class BlockSave:
-    """After the forward, write pool block ``block_id`` to the disk tier as ``block_hash``."""
+    """After the forward, copy pool block ``block_id`` out once and store it as
+    ``block_hash`` in the disk tier (``disk``) and/or the remote tier (``remote``)."""
 
     block_hash: int
     block_id: int
+    disk: bool = True
+    remote: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,14 +117,20 @@ class KVConnectorMetadata:
 class KVConnectorStats:
     """Connector counters since start (a snapshot): ``hit_blocks[tier]`` blocks loaded from
     each tier instead of recomputed (``hit_tokens``: times tokens per block),
-    ``saved_blocks`` blocks queued for the disk tier, and each tier's own
-    :class:`~pdserve.workers.kv.tiers.TierStats` (None: the tier is off)."""
+    ``saved_blocks`` blocks copied out of the pool for the disk or remote tier, and each
+    tier's own :class:`~pdserve.workers.kv.tiers.TierStats` (None: the tier is off)."""
 
     tokens_per_block: int
     hit_blocks: dict[str, int]
     saved_blocks: int
     host: TierStats | None
     disk: TierStats | None
+    remote: TierStats | None = None
+
+    def tiers(self) -> list[tuple[str, TierStats]]:
+        """(name, stats) of each tier that is on, host first."""
+        named = (("host", self.host), ("disk", self.disk), ("remote", self.remote))
+        return [(name, t) for name, t in named if t is not None]
 
     def hit_tokens(self, tier: str) -> int:
         return self.hit_blocks.get(tier, 0) * self.tokens_per_block
@@ -143,13 +156,20 @@ class KVConnectorScheduler:
     """The deciding side: which blocks a new sequence loads, which blocks a step saves.
 
     Called on the engine thread only (under the scheduler's lock): ``kv_cache`` is the pool
-    the blocks go into (its hasher names them), ``host``/``disk`` the tiers (None: off)."""
+    the blocks go into (its hasher names them), ``host``/``disk``/``remote`` the tiers (None:
+    off)."""
 
-    def __init__(self, kv_cache: KVCacheManager, host: HostTier | None, disk: DiskTier | None):
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        host: HostTier | None,
+        disk: DiskTier | None,
+        remote: RemoteTier | None = None,
+    ):
         self.hasher: BlockHasher = kv_cache.hasher
         self.tokens_per_block = kv_cache.tokens_per_block
         self.kv_cache = kv_cache
-        self.host, self.disk = host, disk
+        self.host, self.disk, self.remote = host, disk, remote
         self._pending: dict[str, _PendingLoad] = {}
         self._lock = threading.Lock()
         self.hit_blocks: dict[str, int] = dict.fromkeys(TIERS, 0)
@@ -166,8 +186,9 @@ class KVConnectorScheduler:
         hashes = self.hasher.extend(seq)
         limit = min(len(hashes), (seq.num_tokens - 1) // tpb)
         first = num_computed_tokens // tpb
+        wanted = hashes[first:limit]
         found: list[tuple[Tier, torch.Tensor]] = []
-        for digest in hashes[first:limit]:
+        for digest in wanted:
             kv = self.host.get(digest) if self.host is not None else None
             tier: Tier = "host"
             if kv is None and self.disk is not None:
@@ -175,6 +196,8 @@ class KVConnectorScheduler:
             if kv is None:
                 break
             found.append((tier, kv))
+        if self.remote is not None and len(found) < len(wanted):
+            found.extend(("remote", kv) for kv in self.remote.load_prefix(wanted[len(found) :]))
         with self._lock:
             if found:
                 self._pending[seq.request_id] = _PendingLoad(first, found)
@@ -203,7 +226,8 @@ class KVConnectorScheduler:
 
     def build_connector_meta(self, items: Iterable[StepItem]) -> KVConnectorMetadata:
         """This step's loads (the bound matches of sequences in ``items``; any other match is
-        dropped) and saves (full blocks the step completes that the disk tier lacks)."""
+        dropped) and saves (full blocks the step completes that the disk tier lacks or the
+        remote tier wants)."""
         tpb, loads, saves = self.tokens_per_block, [], []
         with self._lock:
             pending, self._pending = self._pending, {}
@@ -213,7 +237,8 @@ class KVConnectorScheduler:
                 for (tier, kv), block in zip(p.found, p.block_ids, strict=True):
                     loads.append(BlockLoad(block, kv, tier))
                     self.hit_blocks[tier] += 1
-            if self.disk is None:
+            disk, remote = self.disk, self.remote
+            if disk is None and remote is None:
                 continue
             first, end = item.start_position // tpb, item.num_kv_tokens_after_step // tpb
             if end <= first:
@@ -221,17 +246,20 @@ class KVConnectorScheduler:
             hashes = self.hasher.extend(item.seq, item.num_kv_tokens_after_step)
             table = self.kv_cache.block_table(item.request_id)
             for i in range(first, min(end, len(table))):
-                if hashes[i] not in self.disk:
-                    saves.append(BlockSave(hashes[i], table[i]))
+                to_disk = disk is not None and hashes[i] not in disk
+                to_remote = remote is not None and remote.wants(hashes[i])
+                if to_disk or to_remote:
+                    saves.append(BlockSave(hashes[i], table[i], to_disk, to_remote))
         return KVConnectorMetadata(tuple(loads), tuple(saves))
 
 
 class KVConnectorWorker:
     """The executing side (engine thread): copies loads into the pool before the forward and
-    hands saved blocks to the disk tier after it. Never reaches back to the scheduler side."""
+    hands saved blocks to the disk and remote tiers after it. Never reaches back to the
+    scheduler side."""
 
-    def __init__(self, disk: DiskTier | None) -> None:
-        self.disk = disk
+    def __init__(self, disk: DiskTier | None, remote: RemoteTier | None = None) -> None:
+        self.disk, self.remote = disk, remote
         self.pool: torch.Tensor | None = None
         self.saved_blocks = 0
         self._meta = KVConnectorMetadata()
@@ -264,14 +292,20 @@ class KVConnectorWorker:
         (:meth:`wait_for_save`)."""
 
     def wait_for_save(self) -> None:
-        """After the forward: copy each saved block to host memory (the step's only cost) and
-        queue it for the disk writer thread (a full queue drops it, counted by the tier)."""
-        if self.disk is None or not self._meta.save:
+        """After the forward: copy each saved block to host memory once (the step's only
+        cost) and queue it for the disk and/or remote writer thread (a full queue drops it,
+        counted by the tier). Both tiers only read the copy."""
+        if not self._meta.save:
             return
         assert self.pool is not None, "register_kv_caches first"
         for save in self._meta.save:
-            if self.disk.save(save.block_hash, copy_block(self.pool, save.block_id)):
-                self.saved_blocks += 1
+            kv = copy_block(self.pool, save.block_id)
+            queued = False
+            if save.disk and self.disk is not None:
+                queued = self.disk.save(save.block_hash, kv)
+            if save.remote and self.remote is not None:
+                queued = self.remote.save(save.block_hash, kv) or queued
+            self.saved_blocks += queued
 
     def get_finished(self, finished_req_ids: list[str]) -> tuple[list[str], list[str]]:
         """(requests whose saves finished, requests whose loads finished) among those the
@@ -303,10 +337,16 @@ class KVConnector:
     before each forward and :meth:`finish_step` after a successful one, and
     :meth:`shutdown` at the end (writes what is queued, at most ``timeout`` seconds)."""
 
-    def __init__(self, kv_cache: KVCacheManager, host: HostTier | None, disk: DiskTier | None):
-        self.host, self.disk = host, disk
-        self.scheduler = KVConnectorScheduler(kv_cache, host, disk)
-        self.worker = KVConnectorWorker(disk)
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        host: HostTier | None,
+        disk: DiskTier | None,
+        remote: RemoteTier | None = None,
+    ):
+        self.host, self.disk, self.remote = host, disk, remote
+        self.scheduler = KVConnectorScheduler(kv_cache, host, disk, remote)
+        self.worker = KVConnectorWorker(disk, remote)
         self.worker.register_kv_caches(kv_cache.pool)
         if host is not None:
             kv_cache.add_listener(_HostFiller(host, kv_cache.pool))
@@ -331,23 +371,28 @@ class KVConnector:
             self.worker.saved_blocks,
             self.host.stats() if self.host is not None else None,
             self.disk.stats() if self.disk is not None else None,
+            self.remote.stats() if self.remote is not None else None,
         )
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Write the queued saves (at most ``timeout`` s) and stop the writer. Idempotent."""
+        """Write the queued saves (at most ``timeout`` s per tier) and stop the writers.
+        Idempotent."""
         if self.disk is not None:
             self.disk.close(timeout)
+        if self.remote is not None:
+            self.remote.close(timeout)
 
 
 def build_connector(settings: KVCacheSettings, kv_cache: KVCacheManager) -> KVConnector | None:
     """The connector of ``settings`` (``host_cache_mb``, ``disk_cache_dir``,
-    ``disk_cache_mb``) over ``kv_cache``, or None when no tier is on or prefix caching is off
-    (a warning then: the tiers name blocks by their prefix-cache hash). Raises OSError when the
-    disk directory cannot be created. Tensor parallel pools (``tp_size`` > 1) get no tier
-    (warned)."""
+    ``disk_cache_mb``, ``remote_cache`` and its timeout and TTL) over ``kv_cache``, or None
+    when no tier is on or prefix caching is off (a warning then: the tiers name blocks by their
+    prefix-cache hash). Raises OSError when the disk directory cannot be created; an
+    unreachable remote store is not an error (its breaker opens). Tensor parallel pools
+    (``tp_size`` > 1) get no tier (warned)."""
     host_bytes = settings.host_cache_bytes(str(kv_cache.pool.device))
     disk_dir = settings.disk_cache_dir
-    if not host_bytes and disk_dir is None:
+    if not host_bytes and disk_dir is None and settings.remote_cache is None:
         return None
     if not kv_cache.prefix_caching:
         log.warning("KV cache tiers need the prefix cache; --no-prefix-caching turns them off")
@@ -359,9 +404,18 @@ def build_connector(settings: KVCacheSettings, kv_cache: KVCacheManager) -> KVCo
     disk = None
     if disk_dir is not None:
         disk = DiskTier(disk_dir, int(settings.disk_cache_mb * 2**20), kv_cache.layout)
+    remote = None
+    if settings.remote_cache is not None:
+        remote = RemoteTier(
+            settings.remote_cache,
+            kv_cache.layout,
+            timeout_s=settings.remote_cache_timeout_ms / 1000,
+            ttl_s=settings.remote_cache_ttl_s,
+        )
     log.info(
-        "KV cache connector: host tier %s, disk tier %s",
+        "KV cache connector: host tier %s, disk tier %s, remote tier %s",
         f"{host_bytes >> 20} MiB" if host else "off",
         f"{disk_dir} (cap {settings.disk_cache_mb} MiB)" if disk else "off",
+        remote.where if remote else "off",
     )
-    return KVConnector(kv_cache, host, disk)
+    return KVConnector(kv_cache, host, disk, remote)

@@ -76,14 +76,64 @@ def _digest(layout_key: str, block_hash: int, data: torch.Tensor) -> str:
     return h.hexdigest()
 
 
+def encode_block(layout_key: str, block_hash: int, kv: torch.Tensor) -> bytes:
+    """One block as a tier entry: safetensors bytes holding the tensor ``kv``
+    (``[num_layers, 2, tpb, kvh, hd]``, CPU, any strides) and the metadata ``format``,
+    ``block_hash`` (32 hex digits), ``layout`` (``layout_key``, the pool layout's
+    :meth:`~pdserve.protocol.KVLayout.compat_hash`: model identity, dtype, shapes) and
+    ``digest`` (xxh3-128 of layout key, hash and data). The disk and remote tiers store this."""
+    data = kv.contiguous()
+    meta = {
+        "format": FORMAT,
+        "block_hash": f"{block_hash:032x}",
+        "layout": layout_key,
+        "digest": _digest(layout_key, block_hash, data),
+    }
+    return st_save({"kv": data}, metadata=meta)
+
+
+def decode_block(
+    layout_key: str, shape: tuple[int, ...], dtype: torch.dtype, block_hash: int, data: bytes
+) -> tuple[str | None, torch.Tensor | None]:
+    """The inverse of :func:`encode_block`, checked: ``(None, kv)`` (a fresh CPU tensor the
+    caller owns) when ``data`` is a whole entry of ``block_hash`` for ``layout_key`` with a
+    tensor of ``shape`` and ``dtype`` and a matching digest, else ``(the problem, None)``.
+    Never raises on bad bytes: cost linear in ``len(data)``."""
+    try:
+        size = int.from_bytes(data[:8], "little")
+        if size > len(data) - 8:
+            return "truncated header", None
+        meta = json.loads(data[8 : 8 + size])["__metadata__"]
+        if meta.get("format") != FORMAT:
+            return f"format {meta.get('format')!r}", None
+        if meta.get("block_hash") != f"{block_hash:032x}":
+            return "the metadata names another block", None
+        if meta.get("layout") != layout_key:
+            return "the metadata names another KV layout", None
+        kv = st_load(data)["kv"]
+    except Exception as exc:  # safetensors, JSON, truncation: any parse failure
+        return f"unparsable ({type(exc).__name__}: {exc})", None
+    if tuple(kv.shape) != shape or kv.dtype != dtype:
+        return f"tensor {tuple(kv.shape)} {kv.dtype}", None
+    if _digest(layout_key, block_hash, kv) != meta.get("digest"):
+        return "digest mismatch", None
+    return None, kv
+
+
+def layout_shape(layout: KVLayout) -> tuple[int, int, int, int, int]:
+    """A tier entry's tensor shape for ``layout``: ``[num_layers, 2, tpb, kvh, hd]``."""
+    return (layout.num_layers, 2, layout.tokens_per_block, layout.num_kv_heads, layout.head_dim)
+
+
 @dataclass(frozen=True)
 class TierStats:
     """One tier's counters since start (a snapshot). ``blocks``/``bytes``: held now (the disk
     tier: as of its last scan plus this process's writes and removals); ``stored``: blocks
     put in (host) or files written (disk); ``evicted``: blocks dropped for room (host LRU,
-    disk cleanup); ``corrupt``: files that failed their checks and were removed (disk);
-    ``dropped``: saves refused because the write queue was full (disk); ``pending``: blocks
-    queued for writing now (disk)."""
+    disk cleanup); ``corrupt``: entries that failed their checks and were removed (disk,
+    remote); ``dropped``: saves refused because the write queue was full (disk) or the store
+    was unreachable (remote); ``pending``: blocks queued for writing now (disk, remote);
+    ``errors``: failed reads or writes (an I/O error, a store that timed out)."""
 
     blocks: int = 0
     bytes: int = 0
@@ -92,6 +142,7 @@ class TierStats:
     corrupt: int = 0
     dropped: int = 0
     pending: int = 0
+    errors: int = 0
 
 
 class HostTier:
@@ -176,13 +227,7 @@ class DiskTier:
         self.max_pending_bytes = max_pending_bytes
         self.layout_key = layout.compat_hash()
         self.dtype = KV_DTYPES[layout.dtype]
-        self.shape = (
-            layout.num_layers,
-            2,
-            layout.tokens_per_block,
-            layout.num_kv_heads,
-            layout.head_dim,
-        )
+        self.shape = layout_shape(layout)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._pending: OrderedDict[int, torch.Tensor] = OrderedDict()  # FIFO
@@ -227,7 +272,7 @@ class DiskTier:
         except OSError as exc:
             log.warning("KV disk tier: cannot read %s: %s", path, exc)
             return None
-        problem, kv = self._decode(block_hash, data)
+        problem, kv = decode_block(self.layout_key, self.shape, self.dtype, block_hash, data)
         if problem is not None or kv is None:
             self._remove_corrupt(path, before, problem or "unreadable")
             return None
@@ -236,26 +281,6 @@ class DiskTier:
         except OSError:
             pass  # removed meanwhile by another worker's cleanup: the data is verified anyway
         return kv
-
-    def _decode(self, block_hash: int, data: bytes) -> tuple[str | None, torch.Tensor | None]:
-        """(None, tensor) for a valid file of ``block_hash``, else (the problem, None)."""
-        try:
-            size = int.from_bytes(data[:8], "little")
-            meta = json.loads(data[8 : 8 + size])["__metadata__"]
-            if meta.get("format") != FORMAT:
-                return f"format {meta.get('format')!r}", None
-            if meta.get("block_hash") != f"{block_hash:032x}":
-                return "the metadata names another block", None
-            if meta.get("layout") != self.layout_key:
-                return "the metadata names another KV layout", None
-            kv = st_load(data)["kv"]
-        except Exception as exc:  # safetensors, JSON, truncation: any parse failure
-            return f"unparsable ({type(exc).__name__}: {exc})", None
-        if tuple(kv.shape) != self.shape or kv.dtype != self.dtype:
-            return f"tensor {tuple(kv.shape)} {kv.dtype}", None
-        if _digest(self.layout_key, block_hash, kv) != meta.get("digest"):
-            return "digest mismatch", None
-        return None, kv
 
     def _remove_corrupt(self, path: Path, seen: os.stat_result, problem: str) -> None:
         """Remove ``path`` unless another writer replaced it since it was read (a new inode)."""
@@ -327,14 +352,7 @@ class DiskTier:
     def _write(self, block_hash: int, kv: torch.Tensor) -> None:
         """Serialize, make room under the cap, write to a temporary file, rename (writer
         thread)."""
-        data = kv.contiguous()
-        meta = {
-            "format": FORMAT,
-            "block_hash": f"{block_hash:032x}",
-            "layout": self.layout_key,
-            "digest": _digest(self.layout_key, block_hash, data),
-        }
-        blob = st_save({"kv": data}, metadata=meta)
+        blob = encode_block(self.layout_key, block_hash, kv)
         with self._lock:
             over = self._bytes + len(blob) > self.capacity_bytes
         if len(blob) > self.capacity_bytes:
@@ -437,4 +455,5 @@ class DiskTier:
                 c["corrupt"],
                 c["dropped"],
                 len(self._pending),
+                c["errors"],
             )

@@ -21,13 +21,15 @@ the transceiver's copy counter (:mod:`pdserve.transfer.formatter.copies`):
 worker started move) and ``pdserve_kv_transfer_staged_bytes_total{side,stage}`` (bytes copied
 into an intermediate buffer on the way: ``formatter_staging``, ``socket``, ``host_staging``;
 staged over payload bytes = staging copies per byte). With KV cache tiers
-(:mod:`pdserve.workers.kv.offload`), per ``tier`` (host, disk):
+(:mod:`pdserve.workers.kv.offload`), per ``tier`` (host, disk, remote):
 ``pdserve_kv_tier_hit_tokens_total`` / ``pdserve_kv_tier_loaded_blocks_total`` (loaded into
 the pool instead of recomputed), ``pdserve_kv_tier_stored_blocks_total`` (host: evicted blocks
-kept; disk: files written), ``pdserve_kv_tier_evicted_blocks_total`` (dropped for room),
-``pdserve_kv_tier_bytes`` / ``pdserve_kv_tier_blocks`` (held now); disk only:
-``pdserve_kv_tier_corrupt_blocks_total`` (files that failed their digest or parse, removed and
-recomputed), ``pdserve_kv_tier_dropped_saves_total`` (write queue full) and
+kept; disk: files written; remote: blocks this worker wrote),
+``pdserve_kv_tier_evicted_blocks_total`` (dropped for room), ``pdserve_kv_tier_bytes`` /
+``pdserve_kv_tier_blocks`` (held now; remote: what this worker knows the store holds); disk
+and remote only: ``pdserve_kv_tier_corrupt_blocks_total`` (entries that failed their digest
+or parse, removed and recomputed), ``pdserve_kv_tier_dropped_saves_total`` (write queue full,
+store unreachable), ``pdserve_kv_tier_errors_total`` (failed reads and writes) and
 ``pdserve_kv_tier_pending_saves`` (queued now).
 """
 
@@ -263,7 +265,7 @@ class _KVTiersCollector(Collector):
         stats = self._stats()
         if stats is None:
             return
-        tiers = [(name, t) for name, t in (("host", stats.host), ("disk", stats.disk)) if t]
+        tiers = stats.tiers()
 
         def counter(name: str, doc: str) -> CounterMetricFamily:
             return CounterMetricFamily(name, doc, labels=["tier"])
@@ -275,8 +277,11 @@ class _KVTiersCollector(Collector):
         loads = counter("pdserve_kv_tier_loaded_blocks", "KV blocks loaded from a tier")
         stored = counter("pdserve_kv_tier_stored_blocks", "KV blocks stored in a tier")
         evicted = counter("pdserve_kv_tier_evicted_blocks", "KV blocks a tier dropped for room")
-        size = gauge("pdserve_kv_tier_bytes", "Bytes a KV tier holds")
-        blocks = gauge("pdserve_kv_tier_blocks", "KV blocks a tier holds")
+        size = gauge(
+            "pdserve_kv_tier_bytes",
+            "Bytes a KV tier holds (remote: the blocks this worker knows the store holds)",
+        )
+        blocks = gauge("pdserve_kv_tier_blocks", "KV blocks a tier holds (remote: as bytes)")
         for name, t in tiers:
             hits.add_metric([name], stats.hit_tokens(name))
             loads.add_metric([name], stats.hit_blocks.get(name, 0))
@@ -285,19 +290,25 @@ class _KVTiersCollector(Collector):
             size.add_metric([name], t.bytes)
             blocks.add_metric([name], t.blocks)
         yield from (hits, loads, stored, evicted, size, blocks)
-        if stats.disk is not None:
-            yield CounterMetricFamily(
-                "pdserve_kv_tier_corrupt_blocks",
-                "KV block files that failed their digest or parse (removed, recomputed)",
-                value=stats.disk.corrupt,
-            )
-            yield CounterMetricFamily(
-                "pdserve_kv_tier_dropped_saves",
-                "KV blocks not written to the disk tier: its write queue was full",
-                value=stats.disk.dropped,
-            )
-            yield GaugeMetricFamily(
-                "pdserve_kv_tier_pending_saves",
-                "KV blocks queued for the disk tier's writer",
-                value=stats.disk.pending,
-            )
+        writers = [(name, t) for name, t in tiers if name != "host"]
+        if not writers:
+            return
+        corrupt = counter(
+            "pdserve_kv_tier_corrupt_blocks",
+            "KV blocks of the disk or remote tier that failed their digest or parse (removed, "
+            "recomputed)",
+        )
+        dropped = counter(
+            "pdserve_kv_tier_dropped_saves",
+            "KV blocks not written to a tier: its write queue was full or its store unreachable",
+        )
+        errors = counter(
+            "pdserve_kv_tier_errors", "Failed reads and writes of a tier (I/O, store timeouts)"
+        )
+        pending = gauge("pdserve_kv_tier_pending_saves", "KV blocks queued for a tier's writer")
+        for name, t in writers:
+            corrupt.add_metric([name], t.corrupt)
+            dropped.add_metric([name], t.dropped)
+            errors.add_metric([name], t.errors)
+            pending.add_metric([name], t.pending)
+        yield from (corrupt, dropped, errors, pending)

@@ -70,7 +70,10 @@ async def _send(
             raise RuntimeError(f"the long request failed: {res.error}")
         deadline = time.monotonic() + 120.0
         metrics = await scrape(client, prefill)
-        while metrics.get("pdserve_kv_tier_pending_saves", 0.0) and time.monotonic() < deadline:
+        while (
+            metrics.get('pdserve_kv_tier_pending_saves{tier="disk"}', 0.0)
+            and time.monotonic() < deadline
+        ):
             await asyncio.sleep(0.2)
             metrics = await scrape(client, prefill)
     return {"ttft_s": res.ttft_s, "prompt_tokens": res.prompt_tokens, "prefill": metrics}
@@ -114,7 +117,7 @@ def run_stack(
         start_s=start_s,
         disk_hit_tokens=m.get('pdserve_kv_tier_hit_tokens_total{tier="disk"}', 0.0),
         disk_stored_blocks=m.get('pdserve_kv_tier_stored_blocks_total{tier="disk"}', 0.0),
-        corrupt_blocks=m.get("pdserve_kv_tier_corrupt_blocks_total", 0.0),
+        corrupt_blocks=m.get('pdserve_kv_tier_corrupt_blocks_total{tier="disk"}', 0.0),
     )
     print(
         f"{label}: TTFT {out['ttft_s'] * 1e3:.0f} ms, {out['prompt_tokens']} prompt tokens, "
