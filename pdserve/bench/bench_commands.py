@@ -208,6 +208,27 @@ def _kv_restart_arguments(p: argparse.ArgumentParser) -> None:
         help="the disk tier's directory; must be empty or absent (default: a fresh temporary "
         "directory, removed at the end)",
     )
+    p.add_argument(
+        "--tier",
+        choices=("disk", "remote"),
+        default="disk",
+        help="the tier measured: disk (kv_cache.disk_cache_dir, target 0.5x) or remote "
+        "(kv_cache.remote_cache, a Redis store; target 0.2x, then the store is stopped and "
+        "--outage-requests more requests must all succeed) (default: disk)",
+    )
+    p.add_argument(
+        "--remote-cache",
+        default=None,
+        metavar="URL",
+        help="--tier remote: the store, empty (default: a redis-server from PATH on a free "
+        "loopback port, started for the run)",
+    )
+    p.add_argument(
+        "--outage-requests",
+        type=int,
+        default=4,
+        help="--tier remote: requests sent after the store is stopped (default: 4)",
+    )
     _timeout_json_arguments(p)
 
 

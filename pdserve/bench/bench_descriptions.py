@@ -45,15 +45,18 @@ least-loaded). The stacks take their settings from --config and PDSERVE_* variab
 
 
 KV_RESTART_DESCRIPTION = """\
-The first request after a restart, with the KV cache's disk tier: starts router + 1 prefill + 1
-decode with kv_cache.disk_cache_dir set to an empty directory, times the TTFT of one long prompt
-(cold), waits until the prefill worker wrote every block to disk, stops the whole stack, starts
-it again on the same directory and times the same prompt (warm). A short warm-up request that
-shares no prefix goes first each time and is not counted.
+The first request after a restart, with the KV cache's disk tier (or, with --tier remote, its
+remote tier on a Redis store): starts router + 1 prefill + 1 decode with kv_cache.disk_cache_dir
+set to an empty directory (kv_cache.remote_cache to an empty store), times the TTFT of one long
+prompt (cold), waits until the prefill worker wrote every block, stops the whole stack, starts
+it again with empty local caches and times the same prompt (warm). A short warm-up request that
+shares no prefix goes first each time and is not counted. With --tier remote the store is then
+stopped and --outage-requests more requests go through the warm stack: none may fail.
 
-Reported: both TTFTs, warm / cold against the target (at most 0.5x), prompt tokens, tokens the
-restarted prefill worker loaded from the disk tier, and the directory's files and bytes. Exit 1
-when the target is missed or nothing was loaded from disk, 2 when --disk-dir is not empty. The
+Reported: both TTFTs, warm / cold against the target (at most 0.5x for disk, 0.2x for remote),
+prompt tokens, tokens the restarted prefill worker loaded from the tier, and the directory's
+files (the store's keys) and bytes. Exit 1 when the target is missed, nothing was loaded or a
+request failed during the outage; 2 when --disk-dir is not empty or the store holds blocks. The
 stacks take their other settings from --config and PDSERVE_* variables.
 """
 

@@ -382,3 +382,15 @@ def test_an_api_key_given_as_a_flag_is_warned_about_without_the_key() -> None:
         assert "sk-flag-1" not in warning
     for argv in (["up", "--api-key-file", "keys"], ["up"], ["prefill"], ["bench", "serve"]):
         assert secret_flag_warning(build_parser().parse_args(argv)) is None
+
+
+def test_a_remote_cache_that_is_not_a_redis_url_is_refused(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("kv_cache:\n  remote_cache: localhost:6379\n")
+    with pytest.raises(
+        ConfigError, match=r"kv_cache\.remote_cache: .*redis://, rediss://, unix://"
+    ):
+        load_file(bad)
+    good = tmp_path / "good.yaml"
+    good.write_text("kv_cache:\n  remote_cache: redis://cache:6379/0\n")
+    assert load_file(good).kv_cache.remote_cache == "redis://cache:6379/0"

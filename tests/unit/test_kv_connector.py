@@ -221,3 +221,11 @@ def test_the_settings_build_a_connector_only_with_a_tier_and_the_prefix_cache(
         assert (tmp_path / "kv").is_dir()
     finally:
         conn.shutdown()
+
+
+def test_the_remote_tier_never_logs_a_store_password() -> None:
+    from pdserve.workers.kv.remote import redact_url
+
+    assert redact_url("redis://app:s3cret@cache:6379/0") == "redis://app:***@cache:6379/0"
+    assert redact_url("rediss://:s3cret@cache/1") == "rediss://:***@cache/1"
+    assert redact_url("redis://cache:6379/0") == "redis://cache:6379/0"
