@@ -4,8 +4,8 @@ Every message that crosses a process boundary is one pydantic model here, serial
 Peers compare ``PROTOCOL_VERSION`` (HTTP header ``x-pdserve-protocol`` and the transfer
 handshake) and the KV layout's ``compat_hash`` before exchanging KV blocks.
 
-Protocol history: docs/protocol-history.md (what each version added; 15: ``SamplingParams.share``
-and ``SamplingParams.cache_salt``).
+Protocol history: docs/protocol-history.md (what each version added; 16: tier-aware KV cache
+events, ``KVCacheEvent.medium``).
 
 Clocks: deadlines on the wire are wall-clock UNIX seconds (``time.time()``), never monotonic
 readings, because a monotonic clock does not cross processes.
@@ -21,7 +21,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-PROTOCOL_VERSION = 15
+PROTOCOL_VERSION = 16
 PROTOCOL_HEADER = "x-pdserve-protocol"
 
 

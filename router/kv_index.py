@@ -6,7 +6,9 @@ Here the index is a set of block hashes per worker incarnation; a prompt's hashe
 the way each worker computes them (:class:`pdserve.workers.kv.prefix_cache.BlockHasher`, seeded
 by the worker's ``KVLayout.model``, ``dtype`` and ``tokens_per_block``), so a match is exact.
 
-Per worker id the index keeps ``(epoch, last seq, synced, hashes)``. :meth:`KVIndex.apply`
+Per worker id the index keeps ``(epoch, last seq, synced, hashes per medium)``: a worker holds
+a block in its KV pool (``device``) or in a tier of its KV cache connector (``host``, ``disk``,
+``remote``), each event naming one medium. :meth:`KVIndex.apply`
 takes one :class:`~pdserve.discovery.kvcache.KVCacheEvent`:
 
 - a signature that does not verify under the cluster key (missing, made with another key, or
@@ -18,9 +20,9 @@ takes one :class:`~pdserve.discovery.kvcache.KVCacheEvent`:
 - ``seq`` not above the last one: dropped (``stale``: a duplicate or reordered message);
 - ``seq`` not the next one and no ``reset``: a ``gap`` (a lost message): the entry is cleared
   and unsynced;
-- ``reset``: the set is cleared and the entry is synced (a snapshot starts);
-- otherwise, on a synced entry: ``removed`` then ``stored`` are applied (``applied``); on an
-  unsynced one nothing is (``unsynced``).
+- ``reset``: every medium's set is cleared and the entry is synced (a snapshot starts);
+- otherwise, on a synced entry: ``removed`` then ``stored`` are applied to the event's medium
+  (``applied``); on an unsynced one nothing is (``unsynced``).
 
 It returns whether a snapshot of that worker is wanted (the entry is unsynced), which the
 transport passes on. Conservative: an unsynced worker counts as holding nothing until its next
@@ -28,9 +30,13 @@ snapshot, so a lost message can cost a cache miss, never a wrong answer (a worke
 what it does not hold). :meth:`KVIndex.forget` drops a worker that left discovery.
 
 :func:`expected_cached_tokens` answers, per candidate worker, how many leading prompt tokens it
-is expected to hold: matched leading blocks x tokens per block, at most the last full block
-strictly below the prompt's length (the worker always computes one token, as its scheduler
-does). Prompt hashes are computed once per distinct (model, dtype, tokens per block).
+is expected to hold, credited by what loading them costs: each matched leading block (in its
+cheapest medium) counts ``tokens per block x (1 - MEDIUM_LOAD_COST[medium])``, up to the last
+full block strictly below the prompt's length (the worker always computes one token, as its
+scheduler does). Prompt hashes are computed once per distinct (model, dtype, tokens per block).
+The chain is walked across media as if any block could follow any other; the worker's
+admission takes the pool's prefix first and the tiers' after it, so a prompt whose pool blocks
+follow a tier gap is credited a little more than the worker will load (a miss, never an error).
 
 Thread-safety: none; the router's event loop only.
 """
@@ -43,7 +49,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.block_hash import BlockHasher
-from pdserve.discovery.kvcache import KVCacheEvent, UnsignedWarnings
+from pdserve.discovery.kvcache import MEDIA, KVCacheEvent, Medium, UnsignedWarnings
 from pdserve.protocol import KVLayout, WorkerRecord
 from pdserve.security import ClusterKey
 
@@ -51,6 +57,14 @@ log = logging.getLogger(__name__)
 
 MAX_WORKERS = 4096
 """Most worker entries the index keeps (ids come from whoever can publish events)."""
+
+MEDIUM_LOAD_COST: dict[str, float] = {"device": 0.0, "host": 0.01, "disk": 0.09, "remote": 0.12}
+"""Loading a block from each medium, as a fraction of computing it (its prefill). Measured on
+SmolLM2-135M bfloat16, 2 CPU cores (docs/benchmarks.md, "KV remote tier"): a 4,000-token
+prompt computes in 11.2 s; loaded from the disk tier its TTFT is 0.086x of that, from the Redis
+remote tier on loopback about 0.1x (both include the request's own overheads), and a host-tier
+block is one memory copy. A worker holding a prefix on disk therefore still wins over one that
+holds nothing, and loses to one that holds it in its pool."""
 
 OUTCOMES = ("applied", "gap", "stale", "unsynced", "malformed", "unsigned")
 """Outcomes of :meth:`KVIndex.apply`, the ``outcome`` label of
@@ -62,7 +76,10 @@ class _Entry:
     epoch: int
     seq: int = -1
     synced: bool = False
-    hashes: set[int] = field(default_factory=set)
+    media: dict[Medium, set[int]] = field(default_factory=dict)
+
+    def clear(self) -> None:
+        self.media.clear()
 
 
 @dataclass(frozen=True)
@@ -117,19 +134,20 @@ class KVIndex:
             stored, removed = event.stored_hashes(), event.removed_hashes()
         except ValueError:
             entry.synced = False
-            entry.hashes.clear()
+            entry.clear()
             return "malformed"
         if event.reset:
-            entry.hashes = set()
+            entry.clear()
             entry.synced = True
         elif gap:
             entry.synced = False
-            entry.hashes.clear()
+            entry.clear()
             return "gap"
         if not entry.synced:
             return "unsynced"
-        entry.hashes.difference_update(removed)
-        entry.hashes.update(stored)
+        held = entry.media.setdefault(event.medium, set())
+        held.difference_update(removed)
+        held.update(stored)
         return "applied"
 
     def forget(self, worker_id: str) -> None:
@@ -143,18 +161,25 @@ class KVIndex:
 
     def overlap(self, worker_id: str, epoch: int, hashes: Sequence[int]) -> int:
         """Leading blocks of ``hashes`` (a prompt's chained block hashes, in order) that this
-        worker incarnation holds; stops at the first missing one (a chained hash names the
-        whole prefix). 0 for an unknown, other-epoch or unsynced worker."""
+        worker incarnation holds in any medium; stops at the first missing one (a chained
+        hash names the whole prefix). 0 for an unknown, other-epoch or unsynced worker."""
+        return len(self.overlap_media(worker_id, epoch, hashes))
+
+    def overlap_media(self, worker_id: str, epoch: int, hashes: Sequence[int]) -> list[Medium]:
+        """For each leading block of ``hashes`` the worker holds, the cheapest medium it is in
+        (``MEDIA`` order); stops at the first block held nowhere. Empty for an unknown,
+        other-epoch or unsynced worker. O(leading blocks x media)."""
         entry = self._entries.get(worker_id)
         if entry is None or entry.epoch != epoch or not entry.synced:
-            return 0
-        held = entry.hashes
-        n = 0
+            return []
+        held = [(m, entry.media[m]) for m in MEDIA if entry.media.get(m)]
+        out: list[Medium] = []
         for h in hashes:
-            if h not in held:
+            medium = next((m for m, blocks in held if h in blocks), None)
+            if medium is None:
                 break
-            n += 1
-        return n
+            out.append(medium)
+        return out
 
     def stats(self) -> KVIndexStats:
         """Counters and sizes for ``/metrics``."""
@@ -162,7 +187,7 @@ class KVIndex:
             outcomes={o: self.outcomes[o] for o in OUTCOMES},
             workers=len(self._entries),
             synced=sum(e.synced for e in self._entries.values()),
-            blocks=sum(len(e.hashes) for e in self._entries.values()),
+            blocks=sum(len(h) for e in self._entries.values() for h in e.media.values()),
         )
 
 
@@ -236,14 +261,15 @@ def _watcher_key(watcher: object) -> ClusterKey | None:
 def expected_cached_tokens(
     index: KVIndex, workers: Iterable[WorkerRecord], prompt: PromptHashes
 ) -> dict[str, int]:
-    """Per worker id, the leading prompt tokens the worker is expected to hold cached (a
-    multiple of its tokens per block, below the prompt's length); workers the index has no
-    synced view of get 0."""
+    """Per worker id, the leading prompt tokens the worker is expected to hold cached, each
+    block credited by its medium's load cost (``MEDIUM_LOAD_COST``: a block in the pool counts
+    whole, one on disk 0.91 of its tokens), rounded down; below the prompt's length. Workers
+    the index has no synced view of get 0."""
     out: dict[str, int] = {}
     for record in workers:
-        if not index.synced(record.worker_id, record.epoch):
-            out[record.worker_id] = 0
-            continue
-        blocks = index.overlap(record.worker_id, record.epoch, prompt.for_layout(record.layout))
-        out[record.worker_id] = blocks * record.layout.tokens_per_block
+        media = index.overlap_media(
+            record.worker_id, record.epoch, prompt.for_layout(record.layout)
+        )
+        credit = sum(1.0 - MEDIUM_LOAD_COST[m] for m in media)
+        out[record.worker_id] = int(credit * record.layout.tokens_per_block + 1e-9)
     return out

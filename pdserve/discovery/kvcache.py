@@ -8,8 +8,10 @@ hashes it holds (:class:`pdserve.router.kv_index.KVIndex`) to route a prompt to 
 already holds its prefix.
 
 One message, :class:`KVCacheEvent`: ``worker_id``, ``epoch`` (the incarnation), ``seq`` (+1 per
-event of this publisher and epoch, from 0), ``reset`` (clear the worker's set before applying:
-the first part of a snapshot), ``stored`` and ``removed`` (hashes as 32 hex digits, disjoint,
+event of this publisher and epoch, from 0), ``reset`` (clear the worker's sets, every medium,
+before applying: the first part of a snapshot), ``medium`` (where the blocks of this event are:
+``device``, the KV pool; ``host``, ``disk`` or ``remote``, the KV cache connector's tiers, which
+cost a load instead of nothing), ``stored`` and ``removed`` (hashes as 32 hex digits, disjoint,
 at most :data:`MAX_HASHES_PER_EVENT` together, so a message stays under ~150 KB). A consumer
 applies the events of one (worker, epoch) in ``seq`` order; a missing ``seq`` (a lost or
 skipped message) leaves the worker *unsynced* (nothing counted) until its next ``reset``. A
@@ -42,7 +44,8 @@ the index drops one not newer than what it holds (``seq``, ``epoch``), and one t
 router which restarted since is undone by the worker's next event (a gap) or snapshot.
 
 Version history: 1: stored / removed hex hashes, reset snapshots. 2: ``signature`` (HMAC with
-the cluster key); a version-1 event is refused.
+the cluster key); a version-1 event is refused. 3: ``medium`` (tier-aware events: the host,
+disk and remote tiers are reported too); an older event is refused.
 """
 
 from __future__ import annotations
@@ -58,7 +61,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pdserve.discovery.records import UNSIGNED_WARN_INTERVAL_S
 from pdserve.security import KVCACHE_EVENT_LABEL
 
-KVCACHE_EVENTS_VERSION: Literal[2] = 2
+KVCACHE_EVENTS_VERSION: Literal[3] = 3
+Medium = Literal["device", "host", "disk", "remote"]
+MEDIA: tuple[Medium, ...] = ("device", "host", "disk", "remote")
+"""Where a worker holds a block: its KV pool, or a tier of its KV cache connector (fastest
+first)."""
 KVCACHE_SUBJECT = "pdserve.kvcache"
 """NATS subject prefix of the events: ``pdserve.kvcache.<escaped worker id>``."""
 KVSYNC_SUBJECT = "pdserve.kvsync"
@@ -80,12 +87,13 @@ class KVCacheEvent(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
     SIGNING_LABEL: ClassVar[str] = KVCACHE_EVENT_LABEL
 
-    version: Literal[2] = KVCACHE_EVENTS_VERSION
+    version: Literal[3] = KVCACHE_EVENTS_VERSION
     worker_id: str = Field(min_length=1, max_length=128)
     epoch: int
     seq: int = Field(ge=0, description="+1 per event of this publisher and epoch")
     sent_at: float = Field(description="wall-clock UNIX seconds at publish")
-    reset: bool = Field(default=False, description="clear the set first (snapshot start)")
+    reset: bool = Field(default=False, description="clear every set first (snapshot start)")
+    medium: Medium = Field(default="device", description="where the blocks are (MEDIA)")
     stored: tuple[str, ...] = ()
     removed: tuple[str, ...] = ()
     signature: str = Field(default="", max_length=128, description="hex HMAC of the event")

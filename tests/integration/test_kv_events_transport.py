@@ -55,7 +55,11 @@ def compute(cache: KVCacheManager, rid: str, start: int, blocks: int) -> None:
 def in_sync(index: KVIndex, cache: KVCacheManager, epoch: int) -> bool:
     held = set(cache.cached_hashes())
     entry = index._entries.get(WORKER_ID)
-    return index.synced(WORKER_ID, epoch) and entry is not None and entry.hashes == held
+    return (
+        index.synced(WORKER_ID, epoch)
+        and entry is not None
+        and entry.media.get("device", set()) == held
+    )
 
 
 async def test_kv_events_keep_the_router_index_in_sync(backend: Backend) -> None:

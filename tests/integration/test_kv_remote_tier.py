@@ -17,6 +17,7 @@ import torch
 
 from pdserve.protocol import SamplingParams
 from pdserve.workers.engine.engine import Engine
+from pdserve.workers.kv.cache_events import KVEventRecorder
 from pdserve.workers.kv.remote import KEY_PREFIX, RemoteTier
 from pdserve.workers.kv.tiers import decode_block
 from tests.support.engine import complete, make_engine
@@ -55,13 +56,20 @@ def test_blocks_one_engine_stored_are_loaded_by_another_with_an_empty_pool(
     tokens = tokens_of(cold, TEXT)
     want = complete(cold, "cold", tokens, GREEDY).token_ids
     first = remote_engine(tiny_model_dir, redis_server.url)
+    recorder = KVEventRecorder()  # what the worker's KV cache events would report
     try:
+        assert first.connector is not None
+        first.connector.add_tier_listener(recorder)
         assert complete(first, "w-1", tokens, GREEDY).token_ids == want
         written = finished(first).stats()
+        known = set(finished(first).hashes())
     finally:
         first.shutdown()
     fed = len(tokens) + GREEDY.max_tokens - 1  # every full block the first engine computed
     assert written.stored == fed // 4 and written.dropped == 0 and written.errors == 0
+    changes, _ = recorder.drain()
+    assert {h for (medium, h), held in changes.items() if medium == "remote" and held} == known
+    assert len(known) == fed // 4
     store = redis.Redis.from_url(redis_server.url)
     assert len(store.keys(f"{KEY_PREFIX}*")) == fed // 4
 

@@ -69,7 +69,7 @@ def compute(cache: KVCacheManager, rid: str, tokens: list[int]) -> list[int]:
 def router_view(transport: Transport) -> set[int]:
     entry = transport.index._entries["p0"]
     assert entry.synced
-    return set(entry.hashes)
+    return set(entry.media.get("device", ()))
 
 
 async def test_the_router_index_follows_stores_and_evictions() -> None:
@@ -276,3 +276,50 @@ async def test_open_kv_events_publishes_only_when_everything_is_on(
     count = len(sent)
     compute(cache, "b", list(range(100, 100 + 2 * TPB)))  # after close: nothing recorded
     assert publisher.recorder.drain() == ({}, False) and len(sent) == count
+
+
+async def test_the_tiers_blocks_reach_the_router_under_their_medium(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A host tier that evicts and a disk tier that writes and cleans up are reported as they
+    change and in snapshots, one medium per event; the router's view equals each tier's."""
+    import torch
+
+    from pdserve.workers.kv.tiers import DiskTier, HostTier
+
+    block = torch.zeros(LAYOUT.num_layers, 2, TPB, LAYOUT.num_kv_heads, LAYOUT.head_dim,
+                        dtype=torch.float32)  # fmt: skip
+    size = block.numel() * block.element_size()
+    host = HostTier(2 * size)  # room for two blocks
+    disk = DiskTier(tmp_path, 64 * size, LAYOUT)
+    cache, publisher, transport = setup()
+    for tier in (host, disk):
+        tier.listeners.add(publisher.recorder)
+    publisher._tier_hashes = lambda: {"host": host.hashes(), "disk": disk.hashes()}
+    try:
+        assert await publisher.flush()  # the first snapshot: nothing anywhere
+        for h in (11, 12, 13):
+            host.put(h, block.clone())  # 13 evicts 11
+        for h in (21, 22):
+            disk.save(h, block.clone())
+        assert disk.flush(5.0)
+        await publisher.flush()
+        entry = transport.index._entries["p0"]
+
+        def view() -> dict[str, set[int]]:
+            return {m: held for m, held in entry.media.items() if held}
+
+        assert view() == {"host": {12, 13}, "disk": {21, 22}}
+        assert {e.medium for e in transport.events[1:]} == {"host", "disk"}
+        disk._cleanup(63 * size)  # the cap makes room: both files go
+        await publisher.flush()
+        assert view() == {"host": {12, 13}}
+        disk.save(23, block.clone())
+        assert disk.flush(5.0)
+        publisher.request_snapshot()  # a snapshot rebuilds every medium from the tiers
+        sent = len(transport.events)
+        await publisher.flush()
+        snapshot = transport.events[sent:]
+        assert snapshot[0].reset and not any(e.reset for e in snapshot[1:])
+        assert [e.medium for e in snapshot] == ["host", "disk"]
+        assert view() == {"host": {12, 13}, "disk": {23}}
+    finally:
+        disk.close()

@@ -6,8 +6,13 @@ from __future__ import annotations
 import pytest
 
 from pdserve.block_hash import BlockHasher
-from pdserve.discovery.kvcache import KVCacheEvent, encode_hash
-from pdserve.router.kv_index import KVIndex, PromptHashes, expected_cached_tokens
+from pdserve.discovery.kvcache import KVCacheEvent, Medium, encode_hash
+from pdserve.router.kv_index import (
+    MEDIUM_LOAD_COST,
+    KVIndex,
+    PromptHashes,
+    expected_cached_tokens,
+)
 from pdserve.workers.kv.manager import KVCacheManager
 from tests.support.fakes import CLUSTER_KEY, layout, record
 
@@ -26,6 +31,7 @@ def event(
     reset: bool = False,
     epoch: int = 7,
     worker_id: str = "p0",
+    medium: Medium = "device",
 ) -> KVCacheEvent:
     """A KV cache event signed with the cluster key, as a worker's publisher signs it."""
     unsigned = KVCacheEvent(
@@ -34,6 +40,7 @@ def event(
         seq=seq,
         sent_at=0.0,
         reset=reset,
+        medium=medium,
         stored=tuple(encode_hash(h) for h in stored),
         removed=tuple(encode_hash(h) for h in removed),
     )
@@ -170,3 +177,29 @@ def test_a_salted_prompt_is_credited_only_with_blocks_of_its_salt() -> None:
         assert expected_cached_tokens(index, workers, PromptHashes(PROMPT, salt)) == {"p0": want}
     index = synced_index(*salted)  # only tenant a's
     assert expected_cached_tokens(index, workers, PromptHashes(PROMPT)) == {"p0": 0}
+
+
+def test_tier_blocks_are_credited_by_their_load_cost_and_a_snapshot_clears_every_medium() -> None:
+    """A worker that holds a prefix in its pool beats one that holds it on disk, which beats
+    one that holds nothing; a block in two media counts at the cheaper one."""
+    index = synced_index(*HASHES[:2])  # p0: blocks 0-1 in the pool ...
+    index.apply(event(1, medium="host", stored=HASHES[1:3]))  # ... 1-2 in host memory
+    index.apply(event(2, medium="disk", stored=HASHES[3:5]))  # ... and 3-4 on disk
+    assert index.overlap_media("p0", 7, HASHES) == ["device", "device", "host", "disk", "disk"]
+    index.apply(event(0, worker_id="p1", reset=True, medium="disk", stored=HASHES))
+    index.apply(event(0, worker_id="p2", reset=True, medium="remote", stored=HASHES[:3]))
+    workers = [record(w, "prefill") for w in ("p0", "p1", "p2", "p3")]
+    got = expected_cached_tokens(index, workers, PromptHashes(PROMPT))
+    disk, host, remote = (1 - MEDIUM_LOAD_COST[m] for m in ("disk", "host", "remote"))
+    assert got == {
+        "p0": int((2 + host + 2 * disk) * TPB),
+        "p1": int(5 * disk * TPB),
+        "p2": int(3 * remote * TPB),
+        "p3": 0,
+    }
+    assert got["p0"] > got["p1"] > got["p2"] > got["p3"] == 0
+    index.apply(event(3, medium="disk", removed=HASHES[3:4]))  # a file removed for room
+    assert index.overlap_media("p0", 7, HASHES) == ["device", "device", "host"]
+    index.apply(event(4, reset=True, stored=HASHES[:1]))  # a snapshot: the tiers start over
+    assert index.overlap_media("p0", 7, HASHES) == ["device"]
+    assert index.stats().blocks == 1 + 5 + 3

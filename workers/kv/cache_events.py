@@ -1,4 +1,5 @@
-"""KV cache events, worker side: publish the prefix cache's stored and evicted block hashes.
+"""KV cache events, worker side: publish the block hashes a worker holds, in its KV pool and
+in its KV cache connector's tiers, as they are stored and evicted.
 
 Design origin: Dynamo's KV events (its workers publish ``stored`` / ``removed`` block events
 for the KV router). The router keeps, per worker, the set of block hashes the worker holds
@@ -6,9 +7,11 @@ for the KV router). The router keeps, per worker, the set of block hashes the wo
 
 Two parts, split at the thread boundary:
 
-- :class:`KVEventRecorder`, a :class:`~pdserve.workers.kv.manager.KVCacheListener`: called under
-  the KV cache manager's lock on the engine thread; it only records, per hash, whether the
-  hash was last stored or evicted (a dict insert under its own lock: quick, never blocks on
+- :class:`KVEventRecorder`, a :class:`~pdserve.workers.kv.manager.KVCacheListener` (the pool's
+  changes, medium ``device``, under the KV cache manager's lock on the engine thread) and a
+  :class:`~pdserve.workers.kv.tiers.TierListener` (the host, disk and remote tiers' changes, on
+  the engine thread or a tier's writer thread); it only records, per (medium, hash), whether
+  the hash was last stored or evicted (a dict insert under its own lock: quick, never blocks on
   I/O). Bounded: past ``max_pending`` distinct hashes it forgets them and asks for a snapshot.
 - :class:`KVEventPublisher`, on the worker's event loop: every ``interval_s`` it drains the
   recorder into :class:`~pdserve.discovery.kvcache.KVCacheEvent` batches (at most
@@ -16,8 +19,8 @@ Two parts, split at the thread boundary:
   (:meth:`~pdserve.security.ClusterKey.sign_event`: the router drops unsigned events, whatever
   the transport) and sends them over the registration's control plane
   (:func:`~pdserve.discovery.kvcache.kv_event_sender`: the embedded registry over HTTP, NATS,
-  or etcd). A *snapshot* (the manager's
-  ``cached_hashes()``, sent as one ``reset`` event plus ``stored`` events) goes first, every
+  or etcd), one medium per event. A *snapshot* (the manager's ``cached_hashes()`` and each
+  tier's ``hashes()``, sent as one ``reset`` event plus ``stored`` events) goes first, every
   ``snapshot_s`` seconds, after any failed send, after the recorder overflowed, and when the
   router asks for one (the transport's ack).
 
@@ -39,14 +42,16 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING
 
 from pdserve.discovery.kvcache import (
     MAX_HASHES_PER_EVENT,
+    MEDIA,
     KVCacheEvent,
     KVEventSend,
+    Medium,
     encode_hash,
     kv_event_sender,
     kv_snapshot_requests,
@@ -56,6 +61,7 @@ if TYPE_CHECKING:
     from pdserve.config.settings import DiscoverySettings
     from pdserve.security import ClusterKey
     from pdserve.workers.kv.manager import KVCacheManager
+    from pdserve.workers.kv.offload import KVConnector
 
 log = logging.getLogger(__name__)
 
@@ -67,40 +73,43 @@ for a snapshot instead."""
 
 
 class KVEventRecorder:
-    """Records prefix-index changes, coalesced per hash (the last change wins).
+    """Records the pool's and the tiers' changes, coalesced per (medium, hash) (the last change
+    wins).
 
     Thread-safety: ``blocks_stored`` / ``blocks_evicted`` run on the engine thread (under the
-    manager's lock), :meth:`drain` on the event loop; one internal lock, held for O(hashes).
+    manager's lock), ``tier_changed`` on the engine thread or a tier's writer thread,
+    :meth:`drain` on the event loop; one internal lock, held for O(hashes), never calling out.
     """
 
     def __init__(self, max_pending: int = MAX_PENDING) -> None:
         self.max_pending = max_pending
         self._lock = threading.Lock()
-        self._changes: dict[int, bool] = {}  # hash -> True: stored, False: removed
+        self._changes: dict[tuple[Medium, int], bool] = {}  # True: stored, False: removed
         self._overflowed = False
         self._closed = False
 
     def blocks_stored(self, hashes: list[int], block_ids: list[int]) -> None:
-        """KVCacheListener: ``hashes`` were indexed."""
-        self._record(hashes, True)
+        """KVCacheListener: ``hashes`` were indexed in the pool."""
+        self.tier_changed("device", hashes, True)
 
     def blocks_evicted(self, hashes: list[int], block_ids: list[int]) -> None:
-        """KVCacheListener: ``hashes`` left the index."""
-        self._record(hashes, False)
+        """KVCacheListener: ``hashes`` left the pool's index."""
+        self.tier_changed("device", hashes, False)
 
-    def _record(self, hashes: list[int], present: bool) -> None:
+    def tier_changed(self, medium: Medium, hashes: Sequence[int], present: bool) -> None:
+        """TierListener: ``hashes`` were stored in (``present``) or left ``medium``."""
         with self._lock:
             if self._closed:
                 return
             for h in hashes:
-                self._changes[h] = present
+                self._changes[(medium, h)] = present
             if len(self._changes) > self.max_pending:
                 self._changes.clear()
                 self._overflowed = True
 
-    def drain(self) -> tuple[dict[int, bool], bool]:
-        """The changes since the last drain (``hash -> stored?``) and whether some were
-        dropped (overflow: only a snapshot is exact now)."""
+    def drain(self) -> tuple[dict[tuple[Medium, int], bool], bool]:
+        """The changes since the last drain (``(medium, hash) -> stored?``) and whether some
+        were dropped (overflow: only a snapshot is exact now)."""
         with self._lock:
             changes, self._changes = self._changes, {}
             overflowed, self._overflowed = self._overflowed, False
@@ -116,7 +125,9 @@ class KVEventRecorder:
 class KVEventPublisher:
     """Sends one worker incarnation's KV cache events (see the module docstring).
 
-    ``cached_hashes``: the manager's snapshot function; ``key``: the cluster key every event is
+    ``cached_hashes``: the manager's snapshot function (medium ``device``); ``tier_hashes``: the
+    tiers' (:meth:`~pdserve.workers.kv.offload.KVConnector.tier_hashes`; None: no tier);
+    ``key``: the cluster key every event is
     signed with (as the worker's record is); ``send``: the transport (never raises; None = not
     delivered); ``snapshot_requested``: polled at every flush, True when a router asked for a
     snapshot out of band (NATS). ``clock``: monotonic seconds (tests pass a fake).
@@ -132,6 +143,7 @@ class KVEventPublisher:
         recorder: KVEventRecorder,
         cached_hashes: Callable[[], list[int]],
         key: ClusterKey,
+        tier_hashes: Callable[[], Mapping[Medium, list[int]]] | None = None,
         send: KVEventSend,
         snapshot_s: float = 10.0,
         snapshot_requested: Callable[[], bool] | None = None,
@@ -142,6 +154,7 @@ class KVEventPublisher:
         self.epoch = epoch
         self.recorder = recorder
         self._cached_hashes = cached_hashes
+        self._tier_hashes = tier_hashes
         self._key = key
         self._send = send
         self.snapshot_s = snapshot_s
@@ -165,10 +178,10 @@ class KVEventPublisher:
         if self._snapshot_requested is not None and self._snapshot_requested():
             self._snapshot_wanted = True
         snapshot = self._snapshot_wanted or self._clock() >= self._next_snapshot
-        current = self._cached_hashes() if snapshot else []
+        current = self._held() if snapshot else {}
         changes, overflowed = self.recorder.drain()  # after the snapshot: see the docstring
         if overflowed and not snapshot:  # a snapshot now covers what was drained; drain again
-            snapshot, current = True, self._cached_hashes()
+            snapshot, current = True, self._held()
             changes, _ = self.recorder.drain()
         events = self._batches(current, changes, snapshot)
         if snapshot:
@@ -186,24 +199,47 @@ class KVEventPublisher:
                 self._snapshot_wanted = True
         return True
 
+    def _held(self) -> dict[Medium, list[int]]:
+        """What the worker holds now, per medium: the pool's cached hashes, then the tiers'."""
+        held: dict[Medium, list[int]] = {"device": self._cached_hashes()}
+        if self._tier_hashes is not None:
+            held.update(self._tier_hashes())
+        return held
+
     def _batches(
-        self, snapshot: list[int], changes: dict[int, bool], reset: bool
+        self,
+        snapshot: Mapping[Medium, list[int]],
+        changes: Mapping[tuple[Medium, int], bool],
+        reset: bool,
     ) -> list[KVCacheEvent]:
         """Events for a snapshot (``reset``: a first event that clears, even when empty) with
-        the coalesced changes applied over it (they came later), each hash once, at most
-        MAX_HASHES_PER_EVENT hashes per event, ``seq`` assigned, each signed."""
-        merged = dict.fromkeys(snapshot, True)
+        the coalesced changes applied over it (they came later), each (medium, hash) once, one
+        medium per event, at most MAX_HASHES_PER_EVENT hashes per event, ``seq`` assigned,
+        each signed."""
+        merged: dict[tuple[Medium, int], bool] = {}
+        for medium, hashes in snapshot.items():
+            merged.update(dict.fromkeys(((medium, h) for h in hashes), True))
         merged.update(changes)
-        items = [(encode_hash(h), present) for h, present in merged.items()]
+        by_medium: dict[Medium, list[tuple[str, bool]]] = {}
+        for (medium, h), present in merged.items():
+            by_medium.setdefault(medium, []).append((encode_hash(h), present))
+        parts = [
+            (medium, items[start : start + MAX_HASHES_PER_EVENT])
+            for medium in MEDIA
+            if (items := by_medium.get(medium))
+            for start in range(0, len(items), MAX_HASHES_PER_EVENT)
+        ]
+        if reset and not parts:
+            parts = [("device", [])]  # a snapshot of nothing still clears the router's view
         events: list[KVCacheEvent] = []
-        for start in range(0, max(len(items), 1 if reset else 0), MAX_HASHES_PER_EVENT):
-            part = items[start : start + MAX_HASHES_PER_EVENT]
+        for i, (medium, part) in enumerate(parts):
             event = KVCacheEvent(
                 worker_id=self.worker_id,
                 epoch=self.epoch,
                 seq=self._seq,
                 sent_at=time.time(),
-                reset=reset and start == 0,
+                reset=reset and i == 0,
+                medium=medium,
                 stored=tuple(h for h, present in part if present),
                 removed=tuple(h for h, present in part if not present),
             )
@@ -231,6 +267,7 @@ class KVEventPublisher:
 async def open_kv_events(
     *,
     kv_cache: KVCacheManager,
+    connector: KVConnector | None = None,
     registration: object,
     worker_id: str,
     epoch: int,
@@ -238,7 +275,8 @@ async def open_kv_events(
     settings: DiscoverySettings,
     stack: AsyncExitStack,
 ) -> KVEventPublisher | None:
-    """Lifecycle step 1: publish ``kv_cache``'s index changes, signed with ``key`` (the cluster
+    """Lifecycle step 1: publish ``kv_cache``'s index changes and those of ``connector``'s tiers
+    (None: no tier), signed with ``key`` (the cluster
     key, as the worker's record is), through ``registration`` (the cleanup goes onto
     ``stack``). None when KV events are off (``discovery.kv_events``), the
     prefix cache is off, or the registration carries no KV events."""
@@ -247,11 +285,14 @@ async def open_kv_events(
         return None
     recorder = KVEventRecorder()
     kv_cache.add_listener(recorder)
+    if connector is not None:
+        connector.add_tier_listener(recorder)
     publisher = KVEventPublisher(
         worker_id=worker_id,
         epoch=epoch,
         recorder=recorder,
         cached_hashes=kv_cache.cached_hashes,
+        tier_hashes=connector.tier_hashes if connector is not None else None,
         key=key,
         send=send,
         snapshot_s=settings.kv_events_snapshot_s,

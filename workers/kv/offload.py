@@ -48,9 +48,10 @@ import torch
 
 from pdserve.block_hash import BlockHasher, TokenBlocks
 from pdserve.config.settings import KVCacheSettings
+from pdserve.discovery.kvcache import Medium
 from pdserve.workers.kv.manager import KVCacheManager
 from pdserve.workers.kv.remote import RemoteTier
-from pdserve.workers.kv.tiers import DiskTier, HostTier, TierStats
+from pdserve.workers.kv.tiers import DiskTier, HostTier, TierListener, TierStats
 
 log = logging.getLogger(__name__)
 
@@ -350,6 +351,21 @@ class KVConnector:
         self.worker.register_kv_caches(kv_cache.pool)
         if host is not None:
             kv_cache.add_listener(_HostFiller(host, kv_cache.pool))
+
+    def _tiers(self) -> list[HostTier | DiskTier | RemoteTier]:
+        return [t for t in (self.host, self.disk, self.remote) if t is not None]
+
+    def add_tier_listener(self, listener: TierListener) -> None:
+        """Tell ``listener`` of every block each tier stores or drops from now on (the KV
+        cache events: :mod:`pdserve.workers.kv.cache_events`)."""
+        for tier in self._tiers():
+            tier.listeners.add(listener)
+
+    def tier_hashes(self) -> dict[Medium, list[int]]:
+        """Per tier that is on (``host``, ``disk``, ``remote``), the block hashes it holds now
+        (the disk tier: its directory's files; the remote tier: what this worker knows the
+        store holds). For KV cache event snapshots; O(blocks)."""
+        return {tier.listeners.medium: tier.hashes() for tier in self._tiers()}
 
     def start_step(self, items: Iterable[StepItem]) -> None:
         """Steps 2-3 of the module docstring: build and bind the metadata, load."""

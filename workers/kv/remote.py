@@ -55,7 +55,13 @@ from redis.retry import Retry
 
 from pdserve.protocol import KVLayout
 from pdserve.workers.kv.manager import KV_DTYPES
-from pdserve.workers.kv.tiers import TierStats, decode_block, encode_block, layout_shape
+from pdserve.workers.kv.tiers import (
+    TierListeners,
+    TierStats,
+    decode_block,
+    encode_block,
+    layout_shape,
+)
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +134,7 @@ class RemoteTier:
         self._down_until = 0.0
         self._backoff = 0.0
         self._counts = {"stored": 0, "corrupt": 0, "dropped": 0, "errors": 0, "bytes": 0}
+        self.listeners = TierListeners("remote")
         try:
             self.client.ping()
             log.info("KV remote tier: %s reachable", self.where)
@@ -174,12 +181,25 @@ class RemoteTier:
                 log.info("KV remote tier %s: reachable again", self.where)
 
     def _remember(self, hashes: Sequence[int]) -> None:
+        """The store holds ``hashes`` (written or read here): remember them, most recent last;
+        listeners hear of the new ones and of those the bound makes this worker forget."""
+        new: list[int] = []
+        forgotten: list[int] = []
         with self._lock:
             for digest in hashes:
+                if digest not in self._known:
+                    new.append(digest)
                 self._known[digest] = None
                 self._known.move_to_end(digest)
             while len(self._known) > self.known_max:
-                self._known.popitem(last=False)
+                forgotten.append(self._known.popitem(last=False)[0])
+        self.listeners.tell(forgotten, False)
+        self.listeners.tell(new, True)
+
+    def hashes(self) -> list[int]:
+        """The hashes this worker knows the store holds (at most ``known_max``)."""
+        with self._lock:
+            return list(self._known)
 
     # --- reading (engine thread) ------------------------------------------------------------
 
@@ -226,6 +246,7 @@ class RemoteTier:
         with self._lock:
             self._counts["corrupt"] += 1
             self._known.pop(block_hash, None)
+        self.listeners.tell([block_hash], False)
         try:
             self.client.delete(self.key(block_hash))
         except redis.RedisError as exc:

@@ -40,14 +40,17 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import xxhash
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from pdserve.discovery.kvcache import Medium
 from pdserve.protocol import KVLayout
 from pdserve.workers.kv.manager import KV_DTYPES
 
@@ -60,6 +63,31 @@ _SUFFIX = ".safetensors"
 _NAME = re.compile(r"^[0-9a-f]{32}\.safetensors$")
 _STALE_TMP_S = 600.0  # a temporary file this old was left by a crashed writer
 _LOW_WATER = 0.9  # cleanup removes files down to this share of the cap
+
+
+class TierListener(Protocol):
+    """Told of each block a tier stores or drops (the KV cache events' recorder,
+    :class:`~pdserve.workers.kv.cache_events.KVEventRecorder`). Called on the thread that made
+    the change (the engine thread, a writer thread), outside the tier's lock; must be quick and
+    never call back into the tier."""
+
+    def tier_changed(self, medium: Medium, hashes: Sequence[int], present: bool) -> None: ...
+
+
+class TierListeners:
+    """The listeners of one tier, told with the tier's medium."""
+
+    def __init__(self, medium: Medium) -> None:
+        self.medium = medium
+        self._listeners: list[TierListener] = []
+
+    def add(self, listener: TierListener) -> None:
+        self._listeners.append(listener)
+
+    def tell(self, hashes: Sequence[int], present: bool) -> None:
+        if hashes:
+            for listener in self._listeners:
+                listener.tier_changed(self.medium, hashes, present)
 
 
 def block_nbytes(layout: KVLayout) -> int:
@@ -161,12 +189,14 @@ class HostTier:
         self._bytes = 0
         self._stored = 0
         self._evicted = 0
+        self.listeners = TierListeners("host")
 
     def put(self, block_hash: int, kv: torch.Tensor) -> bool:
         """Store ``kv`` (a CPU tensor) under ``block_hash`` as the most recently used block,
         dropping least recently used ones past the cap. False (nothing stored) when the block
         is already held or larger than the whole tier."""
         size = kv.numel() * kv.element_size()
+        dropped: list[int] = []
         with self._lock:
             if block_hash in self._blocks:
                 self._blocks.move_to_end(block_hash)
@@ -174,13 +204,21 @@ class HostTier:
             if size > self.capacity_bytes:
                 return False
             while self._bytes + size > self.capacity_bytes:
-                _, old = self._blocks.popitem(last=False)
+                old_hash, old = self._blocks.popitem(last=False)
                 self._bytes -= old.numel() * old.element_size()
                 self._evicted += 1
+                dropped.append(old_hash)
             self._blocks[block_hash] = kv
             self._bytes += size
             self._stored += 1
-            return True
+        self.listeners.tell(dropped, False)
+        self.listeners.tell([block_hash], True)
+        return True
+
+    def hashes(self) -> list[int]:
+        """Every block hash held now (least recently used first)."""
+        with self._lock:
+            return list(self._blocks)
 
     def get(self, block_hash: int) -> torch.Tensor | None:
         """The block's tensor (now the most recently used), or None."""
@@ -236,6 +274,7 @@ class DiskTier:
         self._closed = False
         self._counts = {"stored": 0, "evicted": 0, "corrupt": 0, "dropped": 0, "errors": 0}
         self._bytes, self._blocks = self._scan(remove_stale=True)
+        self.listeners = TierListeners("disk")
         self._writer = threading.Thread(
             target=self._write_loop, name="pdserve-kv-disk-writer", daemon=True
         )
@@ -298,6 +337,7 @@ class DiskTier:
             pass  # already gone
         with self._lock:
             self._counts["corrupt"] += 1
+        self.listeners.tell([int(path.name[:32], 16)], False)
 
     # --- writing ----------------------------------------------------------------------------------
 
@@ -372,6 +412,7 @@ class DiskTier:
             self._bytes += len(blob)
             self._blocks += 1
             self._counts["stored"] += 1
+        self.listeners.tell([block_hash], True)
 
     def _scan(self, *, remove_stale: bool = False) -> tuple[int, int]:
         """Bytes and count of the block files in the directory now (and, with
@@ -402,7 +443,7 @@ class DiskTier:
                 files.append((st.st_mtime_ns, st.st_size, entry.path))
         total = sum(size for _, size, _ in files)
         target = int(self.capacity_bytes * _LOW_WATER) - incoming
-        removed = 0
+        removed: list[int] = []
         for _, size, path in sorted(files):
             if total <= target:
                 break
@@ -411,10 +452,20 @@ class DiskTier:
             except OSError:
                 pass  # another worker removed it first: it is gone either way
             total -= size
-            removed += 1
+            removed.append(int(os.path.basename(path)[:32], 16))
         with self._lock:
-            self._bytes, self._blocks = total, len(files) - removed
-            self._counts["evicted"] += removed
+            self._bytes, self._blocks = total, len(files) - len(removed)
+            self._counts["evicted"] += len(removed)
+        self.listeners.tell(removed, False)
+
+    def hashes(self) -> list[int]:
+        """The hashes of every block file in the directory now (this worker's and the other
+        workers' of the host: any of them can be loaded here); O(files)."""
+        out: list[int] = []
+        for entry in os.scandir(self.directory):
+            if _NAME.match(entry.name):
+                out.append(int(entry.name[:32], 16))
+        return out
 
     # --- lifecycle ----------------------------------------------------------------------------
 

@@ -235,6 +235,7 @@ class WorkerService:
         self.events = event_publisher(self.registration)
         kv_events = await open_kv_events(
             kv_cache=self.engine.kv_cache,
+            connector=getattr(self.engine, "connector", None),
             registration=self.registration,
             worker_id=self.identity.worker_id,
             epoch=self.identity.epoch,
