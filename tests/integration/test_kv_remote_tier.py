@@ -17,10 +17,11 @@ import torch
 
 from pdserve.protocol import SamplingParams
 from pdserve.workers.engine.engine import Engine
+from pdserve.workers.engine.requests import EngineRequest
 from pdserve.workers.kv.cache_events import KVEventRecorder
 from pdserve.workers.kv.remote import KEY_PREFIX, RemoteTier
 from pdserve.workers.kv.tiers import decode_block
-from tests.support.engine import complete, make_engine
+from tests.support.engine import complete, joined, make_engine, run
 from tests.support.servers import RedisServer, wait_until_sync
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -75,10 +76,12 @@ def test_blocks_one_engine_stored_are_loaded_by_another_with_an_empty_pool(
 
     second = remote_engine(tiny_model_dir, redis_server.url)  # another host: nothing local
     try:
-        assert complete(second, "w-2", tokens, GREEDY).token_ids == want
+        outs = run(second, [EngineRequest("w-2", tokens, GREEDY)])["w-2"]
+        assert joined(outs).token_ids == want
         stats = second.kv_connector_stats()
         assert stats is not None and stats.remote is not None
         assert stats.hit_tokens("remote") == (len(tokens) - 1) // 4 * 4
+        assert outs[0].cached_tokens == stats.hit_tokens("remote"), "usage counts tier loads"
         # what it computed past the loaded prefix was already stored: one EXISTS, no bytes
         assert finished(second).stats().stored == 0
         # a salted prompt of the same tokens finds nothing of the unsalted one's

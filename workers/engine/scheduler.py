@@ -499,6 +499,7 @@ class Scheduler:
                 room -= self._outstanding(seq)
             self.waiting.remove(seq)
             loaded = self._match_external(seq) if looked_up else 0
+            seq.num_cached_tokens += loaded  # usage's cached_tokens counts tier loads too
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             table = self.kv_cache.allocate(seq.request_id, seq.num_computed_tokens + n)
             if loaded and self.connector is not None:

@@ -49,7 +49,8 @@ class Sequence:
     (:class:`~pdserve.workers.kv.prefix_cache.BlockHasher`, 128-bit ints, one per
     ``tokens_per_block`` tokens), extended lazily by the KV cache manager; the prefix cache
     lookup and registration use them, and they survive preemption. ``num_cached_tokens``: the
-    tokens the last admission found in the prefix cache (not computed).
+    tokens the last admission found in the prefix cache or loaded from a KV cache connector
+    tier (not computed; usage's ``cached_tokens``).
     """
 
     request_id: str
