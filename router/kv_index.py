@@ -58,13 +58,14 @@ log = logging.getLogger(__name__)
 MAX_WORKERS = 4096
 """Most worker entries the index keeps (ids come from whoever can publish events)."""
 
-MEDIUM_LOAD_COST: dict[str, float] = {"device": 0.0, "host": 0.01, "disk": 0.09, "remote": 0.12}
-"""Loading a block from each medium, as a fraction of computing it (its prefill). Measured on
-SmolLM2-135M bfloat16, 2 CPU cores (docs/benchmarks.md, "KV remote tier"): a 4,000-token
-prompt computes in 11.2 s; loaded from the disk tier its TTFT is 0.086x of that, from the Redis
-remote tier on loopback about 0.1x (both include the request's own overheads), and a host-tier
-block is one memory copy. A worker holding a prefix on disk therefore still wins over one that
-holds nothing, and loses to one that holds it in its pool."""
+MEDIUM_LOAD_COST: dict[str, float] = {"device": 0.0, "host": 0.01, "disk": 0.03, "remote": 0.05}
+"""Loading a block from each medium, as a fraction of computing it (its prefill). Measured
+with ``pdserve bench kv-restart`` (docs/benchmarks.md, "KV remote tier"; SmolLM2-135M
+bfloat16, AMD EPYC, 2 cores, one sitting): a 4,032-token prompt computes in 15-17 s; loaded
+whole from the disk tier its TTFT is 0.023x of that, from a Redis remote tier on loopback
+0.034x (both include the request's own overheads; a store across a network costs more, hence
+0.05); a host-tier block is one memory copy. So a worker holding a prefix in a tier still wins
+over one that holds nothing, and loses to one that holds it in its pool."""
 
 OUTCOMES = ("applied", "gap", "stale", "unsynced", "malformed", "unsigned")
 """Outcomes of :meth:`KVIndex.apply`, the ``outcome`` label of
@@ -263,7 +264,7 @@ def expected_cached_tokens(
 ) -> dict[str, int]:
     """Per worker id, the leading prompt tokens the worker is expected to hold cached, each
     block credited by its medium's load cost (``MEDIUM_LOAD_COST``: a block in the pool counts
-    whole, one on disk 0.91 of its tokens), rounded down; below the prompt's length. Workers
+    whole, one on disk 0.97 of its tokens), rounded down; below the prompt's length. Workers
     the index has no synced view of get 0."""
     out: dict[str, int] = {}
     for record in workers:

@@ -137,7 +137,9 @@ async def _send(
             outage()
             ttfts, failed = [], []
             for i in range(args.outage_requests):
-                again = text if i % 2 == 0 else f"Outage request {i}: name a colour, briefly."
+                # the long prompt again (now in the pool), or a new one the worker must look up
+                fresh = f"Outage request {i}: a prompt no worker has seen, so the tier is asked. "
+                again = text if i % 2 == 0 else fresh * 24
                 body = chat_request(model, [{"role": "user", "content": again}], args.max_tokens)
                 r = await stream_openai(client, url, body)
                 ttfts.append(r.ttft_s)
