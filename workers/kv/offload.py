@@ -3,8 +3,9 @@
 Design origin: TensorRT-LLM's KV cache connector (the seed's persistent KV cache example,
 ``KvCacheConnectorScheduler`` / ``KvCacheConnectorWorker``), vLLM's v1 ``KVConnectorBase``
 (``get_num_new_matched_tokens``, ``update_state_after_alloc``, ``build_connector_meta`` ->
-``bind_connector_metadata``), its CPU offload and LMCache for the tiers (its remote backends for the remote one). The side that decides
-(:class:`KVConnectorScheduler`, called by the scheduler) and the side that moves bytes
+``bind_connector_metadata``), its CPU offload and LMCache for the tiers (its remote backends
+for the remote one). The side that decides (:class:`KVConnectorScheduler`, called by the
+scheduler) and the side that moves bytes
 (:class:`KVConnectorWorker`, called by the engine around the forward) are joined by one
 :class:`KVConnectorMetadata` per step. The tiers are :mod:`pdserve.workers.kv.tiers` (host,
 disk) and :mod:`pdserve.workers.kv.remote` (a Redis store every host reaches).
