@@ -15,7 +15,7 @@ import pytest
 import redis
 import torch
 
-from pdserve.protocol import SamplingParams
+from pdserve.protocol import ResumedChoice, SamplingParams
 from pdserve.workers.engine.engine import Engine
 from pdserve.workers.engine.requests import EngineRequest
 from pdserve.workers.kv.cache_events import KVEventRecorder
@@ -195,3 +195,40 @@ def test_the_write_queue_is_bounded_and_a_known_block_is_not_sent_twice(
             fresh.close()
     finally:
         tier.close()
+
+
+def test_a_migrated_stream_loads_its_blocks_from_the_store_and_continues_exactly(
+    tiny_model_dir: Path, cold: Engine, redis_server: RedisServer
+) -> None:
+    """Mid-stream migration with the remote tier: the first worker stored the prompt's and the
+    sent tokens' full blocks as it computed them; the worker the stream moves to (nothing in
+    its pool) loads them instead of recomputing prompt + sent tokens, and its greedy tokens
+    continue the first worker's exactly."""
+    tokens = tokens_of(cold, TEXT)
+    sampling = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    want = complete(cold, "cold-m", tokens, sampling)
+    first = remote_engine(tiny_model_dir, redis_server.url)
+    try:
+        outs = run(first, [EngineRequest("m-1", tokens, sampling)])["m-1"]
+        assert joined(outs).token_ids == want.token_ids
+        finished(first)
+    finally:
+        first.shutdown()  # the first decode worker is gone: its pool with it
+    sent, chars = [], 0
+    for out in outs:  # the client got the first outputs' tokens and text, then the leg broke
+        if len(sent) + len(out.token_ids) > 9:
+            break
+        sent += out.token_ids
+        chars += len(out.text)
+    resume = (ResumedChoice(index=0, token_ids=tuple(sent), text_chars=chars),)
+    second = remote_engine(tiny_model_dir, redis_server.url)
+    try:
+        moved = run(second, [EngineRequest("m-1~m1", tokens, sampling, resume=resume)])["m-1~m1"]
+        assert sent + joined(moved).token_ids == want.token_ids
+        assert want.text == want.text[:chars] + joined(moved).text, "text resumes exactly"
+        stats = second.kv_connector_stats()
+        assert stats is not None
+        recomputed = len(tokens) + len(sent) - stats.hit_tokens("remote")
+        assert recomputed <= 4, f"only the last partial block is computed, not {recomputed}"
+    finally:
+        second.shutdown()
