@@ -238,6 +238,40 @@ def _run_kv_restart(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
     return run(args, _need(cfg))
 
 
+# --- kv-migrate ---------------------------------------------------------------------------------
+
+
+def _kv_migrate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=2000,
+        help="tokens of the long prompt's text by the model's tokenizer (default: 2000)",
+    )
+    p.add_argument("--max-tokens", type=int, default=48, help="max_tokens (default: 48)")
+    p.add_argument(
+        "--kill-after",
+        type=int,
+        default=8,
+        help="content deltas of the stream before its decode worker is killed (default: 8)",
+    )
+    p.add_argument(
+        "--remote-cache",
+        default=None,
+        metavar="URL",
+        help="the remote tier's Redis store, flushed first (default: a redis-server from PATH "
+        "on a free loopback port, started for the run)",
+    )
+    _model_argument(p)
+    _timeout_json_arguments(p)
+
+
+def _run_kv_migrate(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
+    from pdserve.bench.engine.bench_kv_migrate import run
+
+    return run(args, _need(cfg))
+
+
 # --- handoff ------------------------------------------------------------------------------------
 
 
@@ -486,6 +520,14 @@ COMMANDS: tuple[BenchCommand, ...] = (
         KV_RESTART_DESCRIPTION,
         _kv_restart_arguments,
         _run_kv_restart,
+        "config",
+    ),
+    BenchCommand(
+        "kv-migrate",
+        "a stream whose decode worker is killed: its added latency with the remote tier and without",
+        _description("engine.bench_kv_migrate"),
+        _kv_migrate_arguments,
+        _run_kv_migrate,
         "config",
     ),
     BenchCommand(

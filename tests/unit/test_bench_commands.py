@@ -41,7 +41,8 @@ HELP = {
         "1.5x",
         "tenants",
     ),  # fmt: skip
-    "kv-restart": ("--prompt-tokens", "--disk-dir", "--config", "0.5x", "disk tier"),
+    "kv-restart": ("--prompt-tokens", "--disk-dir", "--tier", "--config", "0.5x", "disk tier"),
+    "kv-migrate": ("--kill-after", "--remote-cache", "--config", "0.3x", "SIGKILL"),
     "handoff": HANDOFF_HELP,
     "compile": ("--threads", "--rounds", "--skip-startup", "eager", "torch.compile"),
     "formatter": ("--tokens", "--backends", "--threads", "staging"),
@@ -69,7 +70,8 @@ HELP = {
 
 def test_every_benchmark_is_a_subcommand() -> None:
     assert [c.name for c in COMMANDS] == [
-        "serve", "transfer", "multiturn", "fairness", "kv-restart", "handoff", "compile", "formatter",
+        "serve", "transfer", "multiturn", "fairness", "kv-restart", "kv-migrate", "handoff",
+        "compile", "formatter",
         "structured", "kv-dtype", "router", "paged-attention", "speculative", "decode-floor",
         "profile", "plan-check", "autoscale", "gpu", "gpu-proof",
     ]  # fmt: skip
