@@ -242,26 +242,9 @@ def _run_kv_restart(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
 
 
 def _kv_migrate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--prompt-tokens",
-        type=int,
-        default=2000,
-        help="tokens of the long prompt's text by the model's tokenizer (default: 2000)",
-    )
-    p.add_argument("--max-tokens", type=int, default=48, help="max_tokens (default: 48)")
-    p.add_argument(
-        "--kill-after",
-        type=int,
-        default=8,
-        help="content deltas of the stream before its decode worker is killed (default: 8)",
-    )
-    p.add_argument(
-        "--remote-cache",
-        default=None,
-        metavar="URL",
-        help="the remote tier's Redis store, flushed first (default: a redis-server from PATH "
-        "on a free loopback port, started for the run)",
-    )
+    from pdserve.bench.engine.bench_kv_migrate import add_arguments
+
+    add_arguments(p)
     _model_argument(p)
     _timeout_json_arguments(p)
 

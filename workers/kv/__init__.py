@@ -8,6 +8,7 @@
   found in a tier are loaded instead of recomputed
 - ``tiers``: the connector's storage tiers below the pool: host memory and disk
 - ``remote``: the connector's remote tier, a Redis or Valkey store every host reaches
+- ``write_queue``: the bounded write-behind queue and thread of the disk and remote tiers
 - ``sizing``: the pool's size from the machine's free memory
 - ``cache_events``: KV cache events (stored / evicted block hashes) out to the router
 

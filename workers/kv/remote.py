@@ -40,7 +40,6 @@ bytes plus about 200 bytes of safetensors header and 100 of key and Redis overhe
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -62,6 +61,7 @@ from pdserve.workers.kv.tiers import (
     encode_block,
     layout_shape,
 )
+from pdserve.workers.kv.write_queue import WriteQueue
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +115,7 @@ class RemoteTier:
         self.dtype = KV_DTYPES[layout.dtype]
         self.block_bytes = layout.num_layers * layout.block_bytes_per_layer
         self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
-        self.max_pending_bytes = max_pending_bytes
-        self.read_batch, self.write_batch, self.known_max = read_batch, write_batch, known_max
+        self.read_batch, self.known_max = read_batch, known_max
         self.client = redis.Redis.from_url(
             url,
             socket_timeout=timeout_s,
@@ -125,12 +124,7 @@ class RemoteTier:
             retry_on_timeout=False,
         )
         self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._pending: OrderedDict[int, torch.Tensor] = OrderedDict()  # FIFO
-        self._pending_bytes = 0
-        self._writing = 0
         self._known: OrderedDict[int, None] = OrderedDict()  # LRU of hashes the store holds
-        self._closed = False
         self._down_until = 0.0
         self._backoff = 0.0
         self._counts = {"stored": 0, "corrupt": 0, "dropped": 0, "errors": 0, "bytes": 0}
@@ -140,10 +134,17 @@ class RemoteTier:
             log.info("KV remote tier: %s reachable", self.where)
         except redis.RedisError as exc:
             self._failed(exc, "the first ping")
-        self._writer = threading.Thread(
-            target=self._write_loop, name="pdserve-kv-remote-writer", daemon=True
+        self._queue = WriteQueue(
+            "pdserve-kv-remote-writer",
+            self._write,
+            max_pending_bytes=max_pending_bytes,
+            batch=write_batch,
+            on_error=lambda: self._count("errors"),
         )
-        self._writer.start()
+
+    def _count(self, what: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[what] += n
 
     def key(self, block_hash: int) -> str:
         """The store key of ``block_hash`` for this tier's layout."""
@@ -258,58 +259,28 @@ class RemoteTier:
         """True when a :meth:`save` of ``block_hash`` would be taken now: not known to be in
         the store, not queued, the breaker closed. The connector asks before copying a block."""
         with self._lock:
-            return not (
-                self._closed
-                or block_hash in self._pending
-                or block_hash in self._known
-                or time.monotonic() < self._down_until
-            )
+            if block_hash in self._known or time.monotonic() < self._down_until:
+                return False
+        return block_hash not in self._queue
 
     def save(self, block_hash: int, kv: torch.Tensor) -> bool:
         """Queue ``kv`` (a CPU tensor the tier now owns and only reads, ``[num_layers, 2, tpb,
         kvh, hd]``) to be stored as ``block_hash``; returns at once. False when the block is
         known or queued, the tier is closed, or it is dropped (the queue is full or the
         breaker open; counted in ``dropped``)."""
-        size = kv.numel() * kv.element_size()
         with self._lock:
-            if self._closed or block_hash in self._pending or block_hash in self._known:
+            if block_hash in self._known:
                 return False
-            full = self._pending_bytes + size > self.max_pending_bytes
-            if full or time.monotonic() < self._down_until:
-                self._counts["dropped"] += 1
-                return False
-            self._pending[block_hash] = kv
-            self._pending_bytes += size
-            self._wake.notify()
-            return True
-
-    def _write_loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._pending and not self._closed:
-                    self._wake.wait()
-                if not self._pending:
-                    return  # closed and drained
-                batch = list(itertools.islice(self._pending.items(), self.write_batch))
-                self._writing += len(batch)
-            try:
-                self._write(batch)
-            except Exception:  # encoding: never expected, but the writer must live on
-                log.exception("KV remote tier %s: a write batch failed", self.where)
-                with self._lock:
-                    self._counts["errors"] += 1
-            with self._lock:
-                for digest, kv in batch:
-                    self._pending.pop(digest, None)
-                    self._pending_bytes -= kv.numel() * kv.element_size()
-                self._writing -= len(batch)
-                self._wake.notify_all()
+            down = time.monotonic() < self._down_until
+        offer = "full" if down else self._queue.offer(block_hash, kv)
+        if offer == "full":
+            self._count("dropped")
+        return offer == "queued"
 
     def _write(self, batch: list[tuple[int, torch.Tensor]]) -> None:
         """Store the blocks of ``batch`` the store lacks (writer thread; two round trips)."""
         if not self.available():
-            with self._lock:
-                self._counts["dropped"] += len(batch)
+            self._count("dropped", len(batch))
             return
         keys = [self.key(digest) for digest, _ in batch]
         written: list[int] = []
@@ -331,8 +302,7 @@ class RemoteTier:
                 pipe.execute()
         except redis.RedisError as exc:
             self._failed(exc, "a write")
-            with self._lock:
-                self._counts["dropped"] += len(batch)
+            self._count("dropped", len(batch))
             return
         self._succeeded()
         self._remember([digest for digest, _ in batch])
@@ -345,27 +315,17 @@ class RemoteTier:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued block is written or dropped; False when ``timeout`` seconds
         passed first."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            while self._pending or self._writing:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._wake.wait(left)
-            return True
+        return self._queue.flush(timeout)
 
     def close(self, timeout: float = 10.0) -> None:
         """Write what is queued (at most ``timeout`` seconds; the rest is lost), stop the
         writer and close the connections. Idempotent; :meth:`save` refuses blocks afterwards."""
-        with self._lock:
-            self._closed = True
-            self._wake.notify_all()
-        self._writer.join(timeout)
-        if self._writer.is_alive():
+        left = self._queue.close(timeout)
+        if left:
             log.warning(
                 "KV remote tier %s: %d blocks still queued after %.1f s; not written",
                 self.where,
-                len(self._pending),
+                left,
                 timeout,
             )
         else:
@@ -386,6 +346,6 @@ class RemoteTier:
                 stored=c["stored"],
                 corrupt=c["corrupt"],
                 dropped=c["dropped"],
-                pending=len(self._pending),
+                pending=len(self._queue),
                 errors=c["errors"],
             )

@@ -53,6 +53,7 @@ from safetensors.torch import save as st_save
 from pdserve.discovery.kvcache import Medium
 from pdserve.protocol import KVLayout
 from pdserve.workers.kv.manager import KV_DTYPES
+from pdserve.workers.kv.write_queue import WriteQueue
 
 log = logging.getLogger(__name__)
 
@@ -267,18 +268,19 @@ class DiskTier:
         self.dtype = KV_DTYPES[layout.dtype]
         self.shape = layout_shape(layout)
         self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._pending: OrderedDict[int, torch.Tensor] = OrderedDict()  # FIFO
-        self._pending_bytes = 0
-        self._writing = 0  # blocks taken off the queue, not yet written
-        self._closed = False
         self._counts = {"stored": 0, "evicted": 0, "corrupt": 0, "dropped": 0, "errors": 0}
         self._bytes, self._blocks = self._scan(remove_stale=True)
         self.listeners = TierListeners("disk")
-        self._writer = threading.Thread(
-            target=self._write_loop, name="pdserve-kv-disk-writer", daemon=True
+        self._queue = WriteQueue(
+            "pdserve-kv-disk-writer",
+            lambda batch: self._write(*batch[0]),
+            max_pending_bytes=max_pending_bytes,
+            on_error=lambda: self._count("errors"),
         )
-        self._writer.start()
+
+    def _count(self, what: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[what] += n
 
     def path(self, block_hash: int) -> Path:
         """The file of ``block_hash``: ``<dir>/<32 hex digits>.safetensors``."""
@@ -288,17 +290,13 @@ class DiskTier:
 
     def __contains__(self, block_hash: int) -> bool:
         """True when the block is queued or its file exists (not verified: see :meth:`load`)."""
-        with self._lock:
-            if block_hash in self._pending:
-                return True
-        return self.path(block_hash).is_file()
+        return block_hash in self._queue or self.path(block_hash).is_file()
 
     def load(self, block_hash: int) -> torch.Tensor | None:
         """The block's verified tensor (``[num_layers, 2, tpb, kvh, hd]``, CPU, a fresh copy
         the caller owns), or None: no such file, or a file that failed its checks (removed and
         counted in ``corrupt``). A block still queued for writing is served from the queue."""
-        with self._lock:
-            queued = self._pending.get(block_hash)
+        queued = self._queue.get(block_hash)
         if queued is not None:
             return queued.clone()
         path = self.path(block_hash)
@@ -346,52 +344,24 @@ class DiskTier:
         may be a non-contiguous view) to be written as ``block_hash``'s file; returns at once.
         False when it is already queued or on disk, or the queue is full (counted in
         ``dropped``, logged) or the tier is closed."""
-        size = kv.numel() * kv.element_size()
-        with self._lock:
-            if self._closed or block_hash in self._pending:
-                return False
-        if self.path(block_hash).is_file():
+        if block_hash in self._queue or self.path(block_hash).is_file():
             return False
-        with self._lock:
-            if self._pending_bytes + size > self.max_pending_bytes:
+        offer = self._queue.offer(block_hash, kv)
+        if offer == "full":
+            with self._lock:
                 self._counts["dropped"] += 1
                 dropped = self._counts["dropped"]
-                if dropped & (dropped - 1) == 0:  # 1st, 2nd, 4th, ...: no log flood
-                    log.warning(
-                        "KV disk tier: write queue full (%d MiB); %d saves dropped so far",
-                        self.max_pending_bytes >> 20,
-                        dropped,
-                    )
-                return False
-            self._pending[block_hash] = kv
-            self._pending_bytes += size
-            self._wake.notify()
-            return True
-
-    def _write_loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._pending and not self._closed:
-                    self._wake.wait()
-                if not self._pending:
-                    return  # closed and drained
-                block_hash, kv = next(iter(self._pending.items()))
-                self._writing += 1
-            try:
-                self._write(block_hash, kv)
-            except Exception:  # disk full, permissions: log, count, carry on
-                log.exception("KV disk tier: writing block %032x failed", block_hash)
-                with self._lock:
-                    self._counts["errors"] += 1
-            with self._lock:
-                self._pending.pop(block_hash, None)
-                self._pending_bytes -= kv.numel() * kv.element_size()
-                self._writing -= 1
-                self._wake.notify_all()
+            if dropped & (dropped - 1) == 0:  # 1st, 2nd, 4th, ...: no log flood
+                log.warning(
+                    "KV disk tier: write queue full (%d MiB); %d saves dropped so far",
+                    self.max_pending_bytes >> 20,
+                    dropped,
+                )
+        return offer == "queued"
 
     def _write(self, block_hash: int, kv: torch.Tensor) -> None:
         """Serialize, make room under the cap, write to a temporary file, rename (writer
-        thread)."""
+        thread; a failure, disk full or permissions, is logged and counted by the queue)."""
         blob = encode_block(self.layout_key, block_hash, kv)
         with self._lock:
             over = self._bytes + len(blob) > self.capacity_bytes
@@ -472,27 +442,15 @@ class DiskTier:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued block is written (or dropped by an error); False when
         ``timeout`` seconds passed first."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            while self._pending or self._writing:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._wake.wait(left)
-            return True
+        return self._queue.flush(timeout)
 
     def close(self, timeout: float = 10.0) -> None:
         """Write what is queued (at most ``timeout`` seconds; the rest is lost) and stop the
         writer thread. Idempotent; :meth:`save` refuses blocks afterwards."""
-        with self._lock:
-            self._closed = True
-            self._wake.notify_all()
-        self._writer.join(timeout)
-        if self._writer.is_alive():
+        left = self._queue.close(timeout)
+        if left:
             log.warning(
-                "KV disk tier: %d blocks still queued after %.1f s; not written",
-                len(self._pending),
-                timeout,
+                "KV disk tier: %d blocks still queued after %.1f s; not written", left, timeout
             )
 
     def stats(self) -> TierStats:
@@ -505,6 +463,6 @@ class DiskTier:
                 c["evicted"],
                 c["corrupt"],
                 c["dropped"],
-                len(self._pending),
+                len(self._queue),
                 c["errors"],
             )

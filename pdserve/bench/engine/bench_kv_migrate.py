@@ -63,6 +63,31 @@ TARGET_RATIO = 0.3
 """Target: the migrated leg's added latency, at most this times the prompt's cold prefill."""
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``pdserve bench kv-migrate``'s own options (the model, timeout and JSON ones are the
+    bench commands' shared ones)."""
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=2000,
+        help="tokens of the long prompt's text by the model's tokenizer (default: 2000)",
+    )
+    p.add_argument("--max-tokens", type=int, default=48, help="max_tokens (default: 48)")
+    p.add_argument(
+        "--kill-after",
+        type=int,
+        default=8,
+        help="content deltas of the stream before its decode worker is killed (default: 8)",
+    )
+    p.add_argument(
+        "--remote-cache",
+        default=None,
+        metavar="URL",
+        help="the remote tier's Redis store, flushed first (default: a redis-server from PATH "
+        "on a free loopback port, started for the run)",
+    )
+
+
 async def stream(
     client: Any, url: str, body: dict[str, Any], on_delta: Any = None
 ) -> tuple[list[float], str, str | None]:
