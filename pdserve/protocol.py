@@ -21,7 +21,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-PROTOCOL_VERSION = 16
+PROTOCOL_VERSION = 17
 PROTOCOL_HEADER = "x-pdserve-protocol"
 
 
@@ -374,6 +374,16 @@ class TransferHandle(_Msg):
         return self.lease_deadline - (time.time() if now is None else now)
 
 
+PrefixHandle = Annotated[
+    TransferHandle | None,
+    Field(
+        description="peer prefix pull: the lease of the prompt's leading blocks another worker "
+        "holds (LendResponse.handle); the worker pulls them into its prefix cache before the "
+        "prefill and computes only the rest (a failed pull costs a recompute, never an error)",
+    ),
+]
+
+
 class ContextRequest(_Msg):
     """Router -> prefill worker: run the context phase for ``prompt_token_ids``."""
 
@@ -382,6 +392,7 @@ class ContextRequest(_Msg):
     sampling: SamplingParams
     deadline: float = Field(description="wall-clock UNIX seconds")
     traceparent: Traceparent = None
+    prefix: PrefixHandle = None
 
 
 class ContextStarted(_Msg):
@@ -466,9 +477,12 @@ class GenerationRequest(_Msg):
     handle: TransferHandle | None = None
     resume: tuple[ResumedChoice, ...] | None = Field(default=None, min_length=1)
     traceparent: Traceparent = None
+    prefix: PrefixHandle = None
 
     @model_validator(mode="after")
     def _resume_alone(self) -> GenerationRequest:
+        if self.prefix is not None and self.handle is not None:
+            raise ValueError("prefix goes without a handle (the hand-off brings the whole prompt)")
         if self.resume is None:
             return self
         if self.handle is not None or self.first_token is not None:
@@ -577,3 +591,31 @@ class ReleaseRequest(_Msg):
     request_id: str
     epoch: int
     lease_id: str = Field(min_length=1)
+
+
+MAX_LEND_BLOCKS = 1 << 16
+"""The most block hashes one :class:`LendRequest` may name (a 1M-token prompt at 16 tokens per
+block): the lender's lookup is linear in them and bounded."""
+
+
+class LendRequest(_Msg):
+    """Router -> any worker with a transceiver, ``POST /internal/kv/lend``: lease the longest
+    leading run of ``block_hashes`` (the prompt's chained block hashes under the lender's KV
+    layout, :class:`pdserve.block_hash.BlockHasher`, 128-bit ints) that the worker's KV pool
+    holds, for another worker to pull (peer prefix pull). ``request_id`` names the lease (unique
+    per lend); the blocks stay the lender's, pinned, until the puller releases them or
+    ``deadline`` (wall-clock UNIX seconds) passes."""
+
+    request_id: str = Field(min_length=1, max_length=256)
+    block_hashes: tuple[int, ...] = Field(min_length=1, max_length=MAX_LEND_BLOCKS)
+    deadline: float = Field(
+        description="wall-clock UNIX seconds; the lease ends then at the latest"
+    )
+
+
+class LendResponse(_Msg):
+    """Lender -> router: the handle of the leased blocks (``handle.num_tokens`` tokens, the
+    first ``len(handle.block_ids)`` of the request's hashes), or None when the pool holds
+    none of them now (evicted since its KV events said so)."""
+
+    handle: TransferHandle | None = None

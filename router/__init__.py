@@ -12,6 +12,8 @@
 - ``view``: the live workers of one served model, read from the discovery watcher; its
   readiness
 - ``kv_index``: block hashes per worker, from the workers' KV cache events (KV-aware routing)
+- ``peer_pull``: peer prefix pull: which worker lends a prompt's cached prefix to the worker
+  that prefills it, and the lend call
 - ``sessions``: session affinity: a session's next turn prefers the worker of its last one
 - ``admission``: the fair queue between tenants (deficit round robin, priority) while the
   workers are saturated

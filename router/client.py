@@ -6,6 +6,7 @@ One method per worker endpoint (see docs/architecture/workers.md, "Worker proces
 - :meth:`WorkerClient.context_stream` ``POST /internal/context/stream`` -> :class:`ContextStream`
 - :meth:`WorkerClient.generate` ``POST /internal/generate`` -> :class:`GenerationStream`
 - :meth:`WorkerClient.release`  ``POST /internal/release``  -> bool (best effort, never raises)
+- :meth:`WorkerClient.lend`     ``POST /internal/kv/lend``  -> handle or None (best effort)
 
 Every call is bounded by the request's wall-clock ``deadline`` (UNIX seconds): each network
 operation waits at most the time left, and a call that runs out of time raises
@@ -54,6 +55,8 @@ from pdserve.protocol import (
     ContextStarted,
     GenerationChunk,
     GenerationRequest,
+    LendRequest,
+    LendResponse,
     ReleaseRequest,
     TransferHandle,
     WorkerRecord,
@@ -449,6 +452,39 @@ class WorkerClient:
             return False
         log.debug("release of %s on %s: released=%s", req.request_id, worker.worker_id, released)
         return released
+
+    async def lend(
+        self, worker: WorkerRecord, req: LendRequest, timeout_s: float
+    ) -> TransferHandle | None:
+        """Ask ``worker`` to lease the prompt prefix ``req`` names (peer prefix pull,
+        :mod:`pdserve.workers.roles.lending`). Best effort within ``timeout_s`` seconds: the
+        handle, or None (nothing held there now, or any failure, logged), which costs the
+        serving worker a recompute, never the request."""
+        try:
+            resp = await self._http.post(
+                f"{worker.http_url}/internal/kv/lend",
+                content=req.model_dump_json(),
+                headers=self._headers,
+                timeout=timeout_s,
+            )
+            if resp.status_code != 200:
+                log.info(
+                    "lend %s on %s: HTTP %d %s",
+                    req.request_id,
+                    worker.worker_id,
+                    resp.status_code,
+                    resp.text[:200],
+                )
+                return None
+            handle = LendResponse.model_validate_json(resp.content).handle
+        except (httpx.HTTPError, ValidationError) as exc:
+            log.info("lend %s on %s failed: %r", req.request_id, worker.worker_id, exc)
+            return None
+        if handle is not None and handle.worker_id != worker.worker_id:
+            log.warning("lend %s: %s answered another worker's handle", req.request_id,
+                        worker.worker_id)  # fmt: skip
+            return None
+        return handle
 
 
 def _checked(leg: str, req: ContextRequest, out: ContextResponse) -> ContextResponse:

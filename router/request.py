@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.observability.tracing import Timeline
-from pdserve.protocol import FinishReason, GenerationRequest, SamplingParams, TokenLogprob
+from pdserve.protocol import (
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+    TokenLogprob,
+    TransferHandle,
+)
 
 
 @dataclass(frozen=True)
@@ -49,10 +55,16 @@ class RequestSpec:
     timeline: Timeline
     session_id: str | None = None
     """The client's session (:mod:`pdserve.router.sessions`), if it named one."""
+    prefix: TransferHandle | None = None
+    """A peer's lease on the prompt's leading blocks (:mod:`pdserve.router.peer_pull`), for the
+    leg that prefills the prompt."""
 
     def generation(self, **fields: Any) -> GenerationRequest:
         """A :class:`GenerationRequest` for this request with ``fields`` (the leg's span's
-        ``traceparent`` among them)."""
+        ``traceparent`` among them); it carries :attr:`prefix` unless it resumes at a
+        ``handle`` (the hand-off brings the whole prompt)."""
+        if fields.get("handle") is None:
+            fields.setdefault("prefix", self.prefix)
         return GenerationRequest(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_token_ids,

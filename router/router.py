@@ -32,6 +32,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -57,6 +58,7 @@ from pdserve.router.admission import FairQueue, Ticket
 from pdserve.router.client import GenerationStream, WorkerClient
 from pdserve.router.kv_index import KVIndex, PromptHashes, expected_cached_tokens
 from pdserve.router.migration import failure_reason, unless_lost
+from pdserve.router.peer_pull import PeerPull
 from pdserve.router.policy import Pair, Route, RouteWeights, choose_retry, choose_route
 from pdserve.router.request import RequestSpec
 from pdserve.router.retry import LEG_FAILURES, RetryPolicy
@@ -84,8 +86,9 @@ class Router:
     :class:`SessionTable`, owned here; off with ``max_sessions`` 0). ``admission``: the fair
     queue requests wait in while the workers are saturated (None: none). ``metrics``, when
     given, records every request's outcome, TTFT, ITL, TPOT, token counts and routing
-    decisions. Ownership: the router uses but does not own ``view``, ``client``, ``metrics``,
-    ``kv_index`` and ``admission``.
+    decisions. ``peer_pull_min_tokens``: peer prefix pull (:mod:`pdserve.router.peer_pull`,
+    needs ``kv_index``; 0: off). Ownership: the router uses but does not own ``view``,
+    ``client``, ``metrics``, ``kv_index`` and ``admission``.
     """
 
     def __init__(
@@ -105,6 +108,7 @@ class Router:
         self.metrics = metrics
         self.kv_index = kv_index
         self.weights = RouteWeights(settings.kv_overlap_weight, settings.load_weight)
+        self.peer_pull = PeerPull(kv_index, client, settings.peer_pull_min_tokens, metrics)
         self.retry = RetryPolicy(settings.migration_limit)
         self.sessions = (
             SessionTable(ttl_s=settings.session_ttl_s, max_sessions=settings.max_sessions)
@@ -336,6 +340,7 @@ class Router:
             if ticket is not None:
                 ticket.routed()  # the worker's load shows the request from here on
             try:
+                spec = await self._lent_prefix(replace(spec, prefix=None), route)
                 pair = route.pair
                 if pair is None:
                     txn = await self._one_leg(spec, route, holds)
@@ -387,6 +392,22 @@ class Router:
             if ticket is not None:
                 holds.callback(ticket.release)  # the slot goes with the transaction
             return txn
+
+    async def _lent_prefix(self, spec: RequestSpec, route: Route) -> RequestSpec:
+        """``spec`` with a peer's lease on its prompt's prefix when one is worth pulling for
+        the worker that prefills it (:mod:`pdserve.router.peer_pull`); else ``spec``."""
+        puller = route.prefill or route.worker
+        if len(spec.prompt_token_ids) <= self.peer_pull.min_tokens or self.kv_index is None:
+            return spec
+        hashes = PromptHashes(spec.prompt_token_ids, spec.sampling.cache_salt)
+        plan = self.peer_pull.plan(self.view.candidates(), puller, hashes)
+        if plan is None:
+            return spec
+        handle = await self.peer_pull.lend(plan, spec.deadline)
+        log.debug("req %s: %d prefix blocks lent by %s to %s (it had %d)", spec.request_id,
+                  plan.blocks if handle else 0, plan.lender.worker_id, puller.worker_id,
+                  plan.have)  # fmt: skip
+        return spec if handle is None else replace(spec, prefix=handle)
 
     def _excluded(self, failed: list[WorkerRecord]) -> list[str]:
         """Ids of the workers whose incarnation in ``failed`` is still the live one (one that
@@ -527,6 +548,7 @@ def context_request(spec: RequestSpec, traceparent: str | None) -> ContextReques
         sampling=spec.sampling,
         deadline=spec.deadline,
         traceparent=traceparent,
+        prefix=spec.prefix,
     )
 
 

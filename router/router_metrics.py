@@ -115,6 +115,13 @@ class RouterMetrics:
             ["role"],
             registry=r,
         )
+        self.peer_lends = Counter(
+            "pdserve_router_peer_prefix_lends",
+            "Peer prefix pulls asked for (pdserve/router/peer_pull.py), by outcome: lent (a "
+            "worker leased the blocks), none (it held none any more, or did not answer in time)",
+            ["outcome"],
+            registry=r,
+        )
         self.decisions = Counter(
             "pdserve_router_decisions",
             "Routing decisions by path (disaggregated, local_prefill, colocated)",

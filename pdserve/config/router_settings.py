@@ -133,6 +133,17 @@ class RouterSettings(_Section):
     max_n: Annotated[int, Flag("--max-n", ("up", "router"))] = Field(
         default=16, gt=0, le=16, description="most choices (n) in one request (at most 16)"
     )
+    peer_pull_min_tokens: Annotated[int, Flag("--peer-pull-min-tokens", ("up", "router"))] = Field(
+        default=64,
+        ge=0,
+        description="peer prefix pull (pdserve/router/peer_pull.py): when another worker's "
+        "KV pool holds at least this many more of a prompt's leading tokens than the worker "
+        "that will prefill it, that worker pulls them over the transfer plane instead of "
+        "computing them; 0 turns it off. Default 64 (4 blocks of 16): measured on 2 CPU "
+        "cores (docs/benchmarks.md, 'Peer prefix pull'), a pull's fixed cost (the lend call, "
+        "a connection) is a few ms and each block moves in well under a tenth of its "
+        "prefill time",
+    )
     local_prefill_max_tokens: Annotated[
         int, Flag("--local-prefill-max-tokens", ("up", "router"))
     ] = Field(

@@ -185,6 +185,27 @@ class FakeEngine:
             self.freed_parked.append(request_id)
             self.kv_cache.free(request_id)
 
+    # -- peer prefix pull (PrefixLending: the fake is its own scheduler) -------------------------
+
+    @property
+    def scheduler(self) -> FakeEngine:
+        return self
+
+    def lend(self, lend_id: str, block_hashes: list[int]) -> list[int]:
+        tokens = len(block_hashes) * self.layout.tokens_per_block + 1
+        self.kv_cache.acquire_prefix(lend_id, block_hashes, tokens)
+        return self.kv_cache.block_table(lend_id)
+
+    def end_lend(self, lend_id: str) -> None:
+        self.kv_cache.free(lend_id)
+
+    def adopt(self, request_id: str) -> int:
+        with self._lock:
+            blocks = self._reserved.pop(request_id, None)
+        if blocks is not None:
+            self.kv_cache.free(request_id)
+        return 0  # no block hashes here: nothing is indexed
+
     def load(self) -> WorkerLoad:
         with self._lock:
             parked = len(self._parked)

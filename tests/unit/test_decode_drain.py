@@ -11,6 +11,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -27,10 +28,13 @@ from pdserve.protocol import (
     SamplingParams,
     WorkerRecord,
 )
+from pdserve.transfer.formatter.copies import CopyCounter
 from pdserve.workers.engine.requests import EngineOutput
 from pdserve.workers.roles.bridge import OutputStream
 from pdserve.workers.roles.colocated import ColocatedWorker
 from pdserve.workers.roles.decode import DecodeHandler
+from pdserve.workers.roles.lending import Lender
+from pdserve.workers.roles.parking import ParkedBlocks
 from pdserve.workers.roles.service import WorkerIdentity
 from tests.support.fake_engine import FakeEngine
 from tests.support.fakes import CLUSTER_KEY, layout
@@ -133,11 +137,17 @@ def colocated(engine: FakeEngine, *, migrate: bool) -> ColocatedWorker:
         worker=WorkerSettings(worker_id="colocated-0", migrate_on_drain=migrate),
         control_plane="memory://",
     )
+    lender = Lender(engine, 30.0)  # type: ignore[arg-type]
+    parked = ParkedBlocks(epoch=1, lease_s=30.0, free_blocks=lender.free)
     return ColocatedWorker(
         cfg=cfg,
         identity=WorkerIdentity("colocated-0", "http://colocated.test", CLUSTER_KEY),
-        engine=engine,  # type: ignore[arg-type]
-        registration=MemoryRegistration(),  # type: ignore[arg-type]
+        engine=engine,
+        registration=MemoryRegistration(),
+        parked=parked,
+        lender=lender,
+        peers=None,  # no pull happens here: the drain is the point
+        transceiver=SimpleNamespace(copies=CopyCounter()),  # nor any transfer
     )
 
 

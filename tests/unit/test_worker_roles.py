@@ -186,7 +186,9 @@ async def test_each_role_serves_only_its_own_routes(role: Role, missing: list[st
         assert b"pdserve" in (await w.client.get("/metrics")).content
         record = w.registration.records[0]
         assert record.role is role and record.layout == LAYOUT
-        assert ("endpoint" in record.communicator) == (role is not Role.COLOCATED)
+        assert "endpoint" in record.communicator  # every role lends prefix blocks
+        lend = await w.client.post("/internal/kv/lend", json={})
+        assert lend.status_code == 400, lend.text  # the route exists and checks its body
 
 
 async def test_a_malformed_worker_request_is_a_400_naming_the_field() -> None:

@@ -24,17 +24,41 @@ if TYPE_CHECKING:
     from pdserve.workers.kv.offload import KVConnectorStats
 
 
+class PrefixLending(Protocol):
+    """The scheduler's side of a peer prefix pull (:mod:`pdserve.workers.roles.lending`;
+    :class:`~pdserve.workers.engine.scheduler.Scheduler` implements it, thread-safe)."""
+
+    def lend(self, lend_id: str, block_hashes: list[int]) -> list[int]:
+        """Pin the longest cached leading run of ``block_hashes``; its block ids ([]: none)."""
+        ...
+
+    def end_lend(self, lend_id: str) -> None:
+        """Unpin what :meth:`lend` pinned (the blocks stay cached); idempotent."""
+        ...
+
+    def adopt(self, request_id: str) -> int:
+        """Index a filled reservation's full blocks in the prefix cache and free them; the
+        blocks indexed now."""
+        ...
+
+
 class WorkerEngine(Protocol):
     """The engine as the worker roles see it.
 
     ``layout``: the KV layout of :attr:`kv_cache`'s pool (what goes into handles and the
     discovery record). ``kv_cache``: owns the pool tensor
     ``[num_layers, num_blocks, 2, tokens_per_block, num_kv_heads, head_dim]`` and the block
-    generations the prefill side's fencing checks.
+    generations the prefill side's fencing checks. ``scheduler``: lends and adopts prefix
+    blocks (peer prefix pull).
     """
 
     layout: KVLayout
     kv_cache: KVCacheManager
+
+    @property
+    def scheduler(self) -> PrefixLending:
+        """Lends and adopts prefix blocks (peer prefix pull)."""
+        ...
 
     def start(self) -> None:
         """Start the step thread; idempotent."""

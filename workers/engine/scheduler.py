@@ -297,6 +297,40 @@ class Scheduler:
             self.reserved[seq.request_id] = seq
             return kv.allocate(seq.request_id, seq.num_prompt_tokens)
 
+    # --- peer prefix pull (workers/roles/lending.py) -------------------------------------------
+
+    def lend(self, lend_id: str, block_hashes: list[int]) -> list[int]:
+        """Lender side: pin the longest leading run of ``block_hashes`` that the prefix cache
+        holds under ``lend_id`` (a reference per block: no eviction until :meth:`end_lend`)
+        and return their block ids, in token order; [] (nothing held) when none is cached or
+        ``lend_id`` already holds blocks."""
+        kv = self.kv_cache
+        with self._lock:
+            if kv.num_allocated(lend_id):
+                return []
+            # acquire_prefix leaves the block of the last token: ask for one token more
+            kv.acquire_prefix(lend_id, block_hashes, len(block_hashes) * kv.tokens_per_block + 1)
+            return kv.block_table(lend_id)
+
+    def end_lend(self, lend_id: str) -> None:
+        """Drop :meth:`lend`'s references (the blocks stay cached, evictable). Idempotent."""
+        with self._lock:
+            self.kv_cache.free(lend_id)
+
+    def adopt(self, request_id: str) -> int:
+        """Puller side: a reservation whose blocks a peer's K/V filled (every block of its
+        prompt) leaves ``reserved``; its full blocks join the prefix cache under the prompt's
+        block hashes and its blocks are freed (evictable, most recently used). Returns the
+        blocks indexed now (0: no such reservation, or already cached)."""
+        kv = self.kv_cache
+        with self._lock:
+            seq = self.reserved.pop(request_id, None)
+            if seq is None:
+                return 0
+            stored = kv.register(request_id, kv.hasher.extend(seq), seq.num_prompt_tokens)
+            kv.free(request_id)
+            return stored
+
     def unreserve(self, request_id: str) -> bool:
         """Drop a reservation and free its blocks; False if there was none. Idempotent."""
         with self._lock:

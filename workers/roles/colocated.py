@@ -1,5 +1,6 @@
-"""Colocated worker: prefill and decode in one engine, no KV transfer (the aggregated
-baseline, and what ``pdserve up --colocated N`` runs). Its one route, ``POST
+"""Colocated worker: prefill and decode in one engine, no KV hand-off (the aggregated
+baseline, and what ``pdserve up --colocated N`` runs); its transceiver lends prefix blocks to
+peers and pulls lent ones (:mod:`.lending`). Its one route, ``POST
 /internal/generate``, and its request logic are the decode worker's
 (:func:`~pdserve.workers.roles.decode.add_generate_route`,
 :class:`~pdserve.workers.roles.decode.DecodeHandler` without a transceiver): every request is
@@ -10,40 +11,30 @@ a decode worker does.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import Any, ClassVar
 
 from fastapi import APIRouter
 
 from pdserve.protocol import Role
 from pdserve.workers.roles.decode import DecodeHandler, add_generate_route
-from pdserve.workers.roles.service import WorkerIdentity, WorkerService
-
-if TYPE_CHECKING:
-    from pdserve.config.loading import WorkerConfig
-    from pdserve.discovery import Registration
-    from pdserve.workers.engine.api import WorkerEngine
+from pdserve.workers.roles.kv_transfer import TransferWorker
 
 
-class ColocatedWorker(WorkerService):
-    """Colocated baseline: prefill and decode in one engine, no KV transfer."""
+class ColocatedWorker(TransferWorker):
+    """Colocated baseline: prefill and decode in one engine; its transceiver moves only
+    prefix blocks (lent to peers, or pulled from them before a prefill)."""
 
     role: ClassVar[Role] = Role.COLOCATED
 
-    def __init__(
-        self,
-        *,
-        cfg: WorkerConfig,
-        identity: WorkerIdentity,
-        engine: WorkerEngine,
-        registration: Registration,
-    ) -> None:
-        super().__init__(cfg=cfg, identity=identity, engine=engine, registration=registration)
+    def __init__(self, **parts: Any) -> None:
+        super().__init__(**parts)
         self.handler = DecodeHandler(
-            engine=engine,
-            transceiver=None,
+            engine=self.engine,
+            transceiver=None,  # a hand-off's handle is refused here
             metrics=self.metrics,
-            scheduler=cfg.engine.scheduler,
-            transfer=cfg.transfer,
+            scheduler=self.cfg.engine.scheduler,
+            transfer=self.cfg.transfer,
+            puller=self.puller,
         )
 
     def on_deregistered(self) -> None:
@@ -53,4 +44,5 @@ class ColocatedWorker(WorkerService):
 
     @classmethod
     def add_role_routes(cls, api: APIRouter) -> None:
+        super().add_role_routes(api)  # /internal/kv/lend
         add_generate_route(api)

@@ -39,7 +39,8 @@ layout mismatch) are unreserved at once, and so are blocks whose bytes all lande
 digest check (IntegrityError: never used); after a failure mid-transfer (timeout, peer death) they
 are quarantined for the transfer timeout first, since a remote WRITE may still land in them.
 Without a handle (a colocated worker, or a decode worker the router chose for local prefill)
-the engine runs the prefill itself (mode ``full``).
+the engine runs the prefill itself (mode ``full``), after pulling the prompt's prefix from a
+peer when the request carries a lent one (``prefix``, :mod:`pdserve.workers.roles.lending`).
 
 Migration (protocol 10): a request with ``resume`` (no handle) continues one another worker had
 started (it died, or drained as above): 1 -> 4 with engine mode ``full``, only the listed
@@ -54,7 +55,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from fastapi import APIRouter, Request
@@ -80,18 +80,17 @@ from pdserve.protocol import (
 )
 from pdserve.workers.engine.requests import EngineRequest, Reservation
 from pdserve.workers.roles.bridge import OutputStream, StreamInterrupted
-from pdserve.workers.roles.kv_transfer import TransferWorker, capped, open_transceiver
+from pdserve.workers.roles.kv_transfer import TransferWorker, capped
 from pdserve.workers.roles.prefill_directory import PrefillDirectory
-from pdserve.workers.roles.service import WatcherFactory, WorkerIdentity, service_of
+from pdserve.workers.roles.service import service_of
 from pdserve.workers.roles.timing import EngineClock, end_leg, leg_timeline
 
 if TYPE_CHECKING:
-    from pdserve.config.loading import WorkerConfig
-    from pdserve.discovery import Registration
     from pdserve.observability.tracing import Timeline
     from pdserve.transfer import Transceiver
     from pdserve.workers.engine.api import WorkerEngine
     from pdserve.workers.engine.requests import EngineOutput
+    from pdserve.workers.roles.lending import PrefixPuller
     from pdserve.workers.roles.worker_metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -162,8 +161,10 @@ class DecodeHandler:
         scheduler: SchedulerSettings = SchedulerSettings(),  # noqa: B008 (frozen)
         transfer: TransferSettings = TransferSettings(),  # noqa: B008 (frozen)
         prefills: PrefillDirectory | None = None,
+        puller: PrefixPuller | None = None,
     ) -> None:
         self.engine = engine
+        self.puller = puller
         self.transceiver = transceiver
         self.scheduler = scheduler
         self.quarantine_s = transfer.timeout_s
@@ -207,6 +208,13 @@ class DecodeHandler:
         if req.sampling.structured is not None:  # compiled off the event loop and engine step
             await asyncio.to_thread(self.engine.prepare_grammar, req.sampling)
         handle = req.handle
+        if handle is None and req.prefix is not None and self.puller is not None:
+            t_pull = time.time_ns()  # a peer's cached prefix, pulled before the prefill
+            moved = await self.puller.take(
+                req.request_id, req.prompt_token_ids, req.sampling, req.prefix, req.deadline
+            )
+            if timeline is not None:
+                timeline.add("prefix_pull", t_pull, time.time_ns(), pdserve_kv_blocks=moved)
         if handle is None:
             stream = OutputStream(choices=req.choices, clock=EngineClock(timeline, "compute"))
             self.engine.add_request(EngineRequest.for_leg(req, "full"), stream.sink)
@@ -458,43 +466,17 @@ class DecodeWorker(TransferWorker):
 
     role: ClassVar[Role] = Role.DECODE
 
-    def __init__(
-        self,
-        *,
-        cfg: WorkerConfig,
-        identity: WorkerIdentity,
-        engine: WorkerEngine,
-        registration: Registration,
-        transceiver: Transceiver,
-        prefills: PrefillDirectory,
-    ) -> None:
-        self.transceiver = transceiver
-        super().__init__(cfg=cfg, identity=identity, engine=engine, registration=registration)
-        self.metrics.add_kv_copies(transceiver.copies)  # staged / payload bytes
+    def __init__(self, **parts: Any) -> None:
+        super().__init__(**parts)
         self.handler = DecodeHandler(
-            engine=engine,
-            transceiver=transceiver,
+            engine=self.engine,
+            transceiver=self.transceiver,
             metrics=self.metrics,
-            scheduler=cfg.engine.scheduler,
-            transfer=cfg.transfer,
-            prefills=prefills,
+            scheduler=self.cfg.engine.scheduler,
+            transfer=self.cfg.transfer,
+            prefills=self.peers,
+            puller=self.puller,
         )
-
-    @classmethod
-    async def open_parts(
-        cls,
-        cfg: WorkerConfig,
-        identity: WorkerIdentity,
-        engine: WorkerEngine,
-        stack: AsyncExitStack,
-        *,
-        watcher_factory: WatcherFactory,
-    ) -> dict[str, Any]:
-        prefills = PrefillDirectory(watcher_factory(cfg, identity))
-        await prefills.start()
-        stack.push_async_callback(prefills.close)
-        transceiver = await open_transceiver(cfg, identity, engine, None, stack)
-        return {"transceiver": transceiver, "prefills": prefills}
 
     def on_deregistered(self) -> None:
         """Drain (``worker.migrate_on_drain``): migrate the running streams elsewhere."""
@@ -503,4 +485,5 @@ class DecodeWorker(TransferWorker):
 
     @classmethod
     def add_role_routes(cls, api: APIRouter) -> None:
+        super().add_role_routes(api)  # /internal/kv/lend
         add_generate_route(api)

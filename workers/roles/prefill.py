@@ -35,7 +35,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -59,18 +58,17 @@ from pdserve.protocol import (
 )
 from pdserve.workers.engine.requests import EngineRequest
 from pdserve.workers.roles.bridge import OutputStream
-from pdserve.workers.roles.kv_transfer import TransferWorker, capped, open_transceiver
+from pdserve.workers.roles.kv_transfer import TransferWorker, capped
 from pdserve.workers.roles.parking import Lease, ParkedBlocks
-from pdserve.workers.roles.service import WatcherFactory, WorkerIdentity, service_of
+from pdserve.workers.roles.service import service_of
 from pdserve.workers.roles.timing import EngineClock, end_leg, leg_timeline
 
 if TYPE_CHECKING:
-    from pdserve.config.loading import WorkerConfig
-    from pdserve.discovery import Registration
     from pdserve.discovery.load_events import ParkedCounts
     from pdserve.observability.tracing import Timeline
     from pdserve.transfer import Transceiver
     from pdserve.workers.engine.api import WorkerEngine
+    from pdserve.workers.roles.lending import PrefixPuller
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +87,13 @@ class PrefillHandler:
         transceiver: Transceiver,
         parked: ParkedBlocks,
         worker_id: str,
+        puller: PrefixPuller | None = None,
     ) -> None:
         self.engine = engine
         self.transceiver = transceiver
         self.parked = parked
         self.worker_id = worker_id
+        self.puller = puller
 
     async def context(self, req: ContextRequest) -> ContextResponse:
         """Run prefill for ``req``. Raises DeadlineExceededError, InvalidRequestError (from the
@@ -155,6 +155,12 @@ class PrefillHandler:
             t_grammar = time.time_ns()
             await asyncio.to_thread(self.engine.prepare_grammar, req.sampling)
             timeline.add("grammar", t_grammar, time.time_ns())
+        if req.prefix is not None and self.puller is not None:  # a peer's cached prefix
+            t_pull = time.time_ns()
+            moved = await self.puller.take(
+                req.request_id, req.prompt_token_ids, req.sampling, req.prefix, req.deadline
+            )
+            timeline.add("prefix_pull", t_pull, time.time_ns(), pdserve_kv_blocks=moved)
         stream = OutputStream(clock=EngineClock(timeline, "compute"))
         leg = EngineRequest.for_leg(req, "prefill")
         self.engine.add_request(replace(leg, progress=progress), stream.sink)
@@ -251,45 +257,15 @@ class PrefillWorker(TransferWorker):
 
     role: ClassVar[Role] = Role.PREFILL
 
-    def __init__(
-        self,
-        *,
-        cfg: WorkerConfig,
-        identity: WorkerIdentity,
-        engine: WorkerEngine,
-        registration: Registration,
-        parked: ParkedBlocks,
-        transceiver: Transceiver,
-    ) -> None:
-        self.parked = parked
-        self.transceiver = transceiver
-        super().__init__(cfg=cfg, identity=identity, engine=engine, registration=registration)
-        self.metrics.add_kv_copies(transceiver.copies)  # staged / payload bytes
+    def __init__(self, **parts: Any) -> None:
+        super().__init__(**parts)
         self.handler = PrefillHandler(
-            engine=engine, transceiver=transceiver, parked=parked, worker_id=identity.worker_id
+            engine=self.engine,
+            transceiver=self.transceiver,
+            parked=self.parked,
+            worker_id=self.identity.worker_id,
+            puller=self.puller,
         )
-
-    @classmethod
-    async def open_parts(
-        cls,
-        cfg: WorkerConfig,
-        identity: WorkerIdentity,
-        engine: WorkerEngine,
-        stack: AsyncExitStack,
-        *,
-        watcher_factory: WatcherFactory,
-    ) -> dict[str, Any]:
-        parked = ParkedBlocks(
-            epoch=identity.epoch,
-            lease_s=cfg.engine.kv_cache.lease_s,
-            free_blocks=engine.free_parked,
-            generations=engine.kv_cache.generations,  # fencing: no reused block is ever sent
-            send_grace_s=cfg.transfer.timeout_s + 5.0,  # a send outlives no lease by more
-        )
-        parked.start()
-        stack.push_async_callback(parked.close)
-        transceiver = await open_transceiver(cfg, identity, engine, parked, stack)
-        return {"parked": parked, "transceiver": transceiver}
 
     def parked_count(self) -> int:
         return len(self.parked)
@@ -302,6 +278,8 @@ class PrefillWorker(TransferWorker):
 
     @classmethod
     def add_role_routes(cls, api: APIRouter) -> None:
+        super().add_role_routes(api)  # /internal/kv/lend
+
         @api.post("/internal/context")
         async def context(req: ContextRequest, request: Request) -> ContextResponse:
             worker: PrefillWorker = service_of(request)

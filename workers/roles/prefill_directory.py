@@ -1,4 +1,5 @@
-"""Which prefill workers a decode worker pulls from: only those discovery lists.
+"""Which workers a worker pulls KV blocks from: only those discovery lists (a decode worker's
+prefill hand-off: prefill workers; a lent prefix, :mod:`pdserve.workers.roles.lending`: any).
 
 A transfer handle names its prefill worker (worker id, epoch) and that worker's transceiver
 endpoint, and the handle arrives in a request. A decode worker that dialled the endpoint as
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from pdserve.errors import HandleError
@@ -53,16 +55,19 @@ class PrefillDirectory:
         """Stop watching; idempotent."""
         await self._watcher.close()
 
-    async def endpoint(self, handle: TransferHandle) -> str:
-        """The transfer endpoint of the prefill worker ``handle`` names, as its discovery record
-        publishes it. Raises HandleError (nothing was dialled) when no registered prefill worker
-        has that worker id and epoch within ``wait_s`` (or the lease), or when the handle's
-        endpoint is not the record's."""
+    async def endpoint(
+        self, handle: TransferHandle, roles: Collection[Role] = (Role.PREFILL,)
+    ) -> str:
+        """The transfer endpoint of the worker ``handle`` names, as its discovery record
+        publishes it; ``roles``: the roles it may have (a prefill hand-off: prefill; a lent
+        prefix, :mod:`pdserve.workers.roles.lending`: any). Raises HandleError (nothing was
+        dialled) when no registered worker of those roles has that worker id and epoch within
+        ``wait_s`` (or the lease), or when the handle's endpoint is not the record's."""
         loop = asyncio.get_running_loop()
         give_up = loop.time() + max(0.0, min(self.wait_s, handle.lease_remaining()))
         while True:
             record = self._watcher.workers().get(handle.worker_id)
-            if record is not None and record.role == Role.PREFILL and record.epoch == handle.epoch:
+            if record is not None and record.role in roles and record.epoch == handle.epoch:
                 listed = record.communicator.get("endpoint", "")
                 if listed != handle.transfer_endpoint:
                     return self._refuse(
@@ -72,9 +77,9 @@ class PrefillDirectory:
                     )
                 return listed
             if loop.time() >= give_up:
+                what = "prefill worker" if tuple(roles) == (Role.PREFILL,) else "worker"
                 return self._refuse(
-                    handle,
-                    f"{handle.worker_id} epoch {handle.epoch} is not a registered prefill worker",
+                    handle, f"{handle.worker_id} epoch {handle.epoch} is not a registered {what}"
                 )
             await asyncio.sleep(self.poll_s)
 
@@ -82,6 +87,6 @@ class PrefillDirectory:
         self.refused += 1
         log.warning("refused the handle of request %s: %s", handle.request_id, why)
         raise HandleError(
-            f"handle of request {handle.request_id} refused: {why}; a decode worker pulls only "
-            "from prefill workers that discovery lists"
+            f"handle of request {handle.request_id} refused: {why}; a worker pulls only "
+            "from workers that discovery lists"
         )

@@ -90,6 +90,18 @@ class WorkerMetrics:
             "(delta transfer)",
             registry=r,
         )
+        self.peer_prefix_pulls = Counter(
+            "pdserve_kv_peer_prefix_pulls",
+            "Lent prefixes taken before a prefill (peer prefix pull) by outcome: pulled, "
+            "refused (the handle or this pool could not take it), failed (the pull; recomputed)",
+            ["outcome"],
+            registry=r,
+        )
+        self.peer_prefix_blocks = Counter(
+            "pdserve_kv_peer_prefix_blocks",
+            "KV blocks pulled from peers' prefix caches instead of computed",
+            registry=r,
+        )
         self.transfer_streamed = Counter(
             "pdserve_kv_transfer_streamed",
             "KV pulls of streamed handles (each prefill chunk's blocks pulled as computed)",
