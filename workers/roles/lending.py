@@ -170,7 +170,7 @@ class PrefixPuller:
             dst = self.engine.reserve(
                 pull_id,
                 list(prompt[:tokens]),
-                SamplingParams(max_tokens=1, cache_salt=sampling.cache_salt),
+                SamplingParams(max_tokens=2, cache_salt=sampling.cache_salt),
                 reuse_prefix=handle.layout == self.engine.layout,
             )
         except (HandleError, CapacityError, InvalidRequestError) as exc:
