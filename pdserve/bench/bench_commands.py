@@ -36,6 +36,10 @@ Settings = Literal["none", "config", "flags"]
 the setting flags of the ``bench serve`` command (:func:`pdserve.cli.add_setting_flags`)."""
 
 
+ArgumentsFn = Callable[[argparse.ArgumentParser], None]
+RunFn = Callable[[argparse.Namespace, "PdserveConfig | None"], int]
+
+
 @dataclass(frozen=True)
 class BenchCommand:
     """One ``pdserve bench NAME``: ``run(args, cfg)`` returns the exit code; ``cfg`` is the
@@ -44,8 +48,8 @@ class BenchCommand:
     name: str
     help: str
     description: str
-    add_arguments: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace, PdserveConfig | None], int]
+    add_arguments: ArgumentsFn
+    run: RunFn
     settings: Settings = "none"
 
 
@@ -238,21 +242,23 @@ def _run_kv_restart(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
     return run(args, _need(cfg))
 
 
-# --- kv-migrate ---------------------------------------------------------------------------------
+# --- kv-migrate, kv-peer: benchmarks with their own add_arguments and run ------------------------
 
 
-def _kv_migrate_arguments(p: argparse.ArgumentParser) -> None:
-    from pdserve.bench.engine.bench_kv_migrate import add_arguments
+def _own_options(module: str) -> tuple[ArgumentsFn, RunFn]:
+    """The arguments and run of ``pdserve.bench.<module>`` (its ``add_arguments(p)`` with the
+    shared model, timeout and JSON options; its ``run(args, cfg)``), imported when called."""
+    import importlib
 
-    add_arguments(p)
-    _model_argument(p)
-    _timeout_json_arguments(p)
+    def arguments(p: argparse.ArgumentParser) -> None:
+        importlib.import_module(f"pdserve.bench.{module}").add_arguments(p)
+        _model_argument(p)
+        _timeout_json_arguments(p)
 
+    def run(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
+        return int(importlib.import_module(f"pdserve.bench.{module}").run(args, _need(cfg)))
 
-def _run_kv_migrate(args: argparse.Namespace, cfg: PdserveConfig | None) -> int:
-    from pdserve.bench.engine.bench_kv_migrate import run
-
-    return run(args, _need(cfg))
+    return arguments, run
 
 
 # --- handoff ------------------------------------------------------------------------------------
@@ -509,8 +515,14 @@ COMMANDS: tuple[BenchCommand, ...] = (
         "kv-migrate",
         "a stream whose decode worker is killed: its added latency with the remote tier and without",
         _description("engine.bench_kv_migrate"),
-        _kv_migrate_arguments,
-        _run_kv_migrate,
+        *_own_options("engine.bench_kv_migrate"),
+        "config",
+    ),
+    BenchCommand(
+        "kv-peer",
+        "a follow-up on the worker without its prefix: TTFT with the peer prefix pull and without",
+        _description("engine.bench_kv_peer"),
+        *_own_options("engine.bench_kv_peer"),
         "config",
     ),
     BenchCommand(

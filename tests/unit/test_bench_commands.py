@@ -43,6 +43,7 @@ HELP = {
     ),  # fmt: skip
     "kv-restart": ("--prompt-tokens", "--disk-dir", "--tier", "--config", "0.5x", "disk tier"),
     "kv-migrate": ("--kill-after", "--remote-cache", "--config", "0.3x", "SIGKILL"),
+    "kv-peer": ("--prompt-tokens", "--max-tokens", "--config", "0.3x", "colocated"),
     "handoff": HANDOFF_HELP,
     "compile": ("--threads", "--rounds", "--skip-startup", "eager", "torch.compile"),
     "formatter": ("--tokens", "--backends", "--threads", "staging"),
@@ -70,7 +71,8 @@ HELP = {
 
 def test_every_benchmark_is_a_subcommand() -> None:
     assert [c.name for c in COMMANDS] == [
-        "serve", "transfer", "multiturn", "fairness", "kv-restart", "kv-migrate", "handoff",
+        "serve", "transfer", "multiturn", "fairness", "kv-restart", "kv-migrate", "kv-peer",
+        "handoff",
         "compile", "formatter",
         "structured", "kv-dtype", "router", "paged-attention", "speculative", "decode-floor",
         "profile", "plan-check", "autoscale", "gpu", "gpu-proof",

@@ -196,6 +196,8 @@ class PrefixPuller:
             )
             return self._count("failed", 0)
         self.engine.scheduler.adopt(pull_id)
+        if self.metrics is not None:
+            self.metrics.peer_prefix_seconds.observe(time.perf_counter() - t0)
         log.debug(
             "request %s: pulled %d prefix KV blocks from %s in %.1f ms (%d cached here)",
             request_id,

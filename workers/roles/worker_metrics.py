@@ -102,6 +102,12 @@ class WorkerMetrics:
             "KV blocks pulled from peers' prefix caches instead of computed",
             registry=r,
         )
+        self.peer_prefix_seconds = Histogram(
+            "pdserve_kv_peer_prefix_pull_seconds",
+            "Time to pull a lent prefix (reservation, connection, transfer), successful pulls",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.transfer_streamed = Counter(
             "pdserve_kv_transfer_streamed",
             "KV pulls of streamed handles (each prefill chunk's blocks pulled as computed)",
