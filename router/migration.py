@@ -30,7 +30,7 @@ from pdserve.router.view import LOST, WorkerState, WorkerView
 
 if TYPE_CHECKING:
     from pdserve.config.settings import RouterSettings
-    from pdserve.protocol import SamplingParams
+    from pdserve.protocol import SamplingParams, TransferHandle
     from pdserve.router.retry import RetryPolicy
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,15 @@ class MigrationParts(Protocol):
         colocated: bool = False,
         salt: str | None = None,
     ) -> WorkerRecord | None: ...
+
+    async def lend_prefix(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        salt: str | None,
+        deadline: float,
+        puller: WorkerRecord,
+    ) -> TransferHandle | None: ...
 
 
 def leg_request_id(request_id: str, migration: int) -> str:
@@ -115,7 +124,10 @@ async def open_resumed(
     deadline: float,
 ) -> tuple[GenerationStream, WorkerRecord]:
     """Open ``req`` (a :func:`resume_request`) on the usable decode or colocated worker the
-    policy picks (:meth:`MigrationParts.retry_target`: KV-aware when the router is), leaving
+    policy picks (:meth:`MigrationParts.retry_target`: KV-aware when the router is), with a
+    peer's lease on the prompt's prefix when one is worth pulling there
+    (:meth:`MigrationParts.lend_prefix`: the prompt's blocks come from wherever they still are,
+    the prefill worker's cache or a peer's; only what no one holds is recomputed), leaving
     out ``failed`` when the failure ``exc`` was its own and it is still listed (one that left
     discovery is no candidate while gone, and may serve again once it registers
     again: stopped, then continued). A worker that refuses before streaming is left out too
@@ -141,8 +153,11 @@ async def open_resumed(
                 until = time.monotonic() + min(router.settings.worker_wait_s, left)
             await router.wait_for_worker(until, exc)
             continue
+        prefix = await router.lend_prefix(req.request_id, req.prompt_token_ids,
+                                          req.sampling.cache_salt, deadline, target)  # fmt: skip
+        leg = req if prefix is None else req.model_copy(update={"prefix": prefix})
         try:
-            stream = await unless_lost(view, (target,), router.client.generate(target, req))
+            stream = await unless_lost(view, (target,), router.client.generate(target, leg))
             return stream, target
         except WorkerError as again:  # never reached it, or it failed before streaming
             if isinstance(again, WorkerUnreachableError):

@@ -394,20 +394,35 @@ class Router:
             return txn
 
     async def _lent_prefix(self, spec: RequestSpec, route: Route) -> RequestSpec:
-        """``spec`` with a peer's lease on its prompt's prefix when one is worth pulling for
-        the worker that prefills it (:mod:`pdserve.router.peer_pull`); else ``spec``."""
+        """``spec`` with a peer's lease on its prompt's prefix for the worker that prefills it
+        (:meth:`lend_prefix`), if one is worth pulling; else ``spec``."""
         puller = route.prefill or route.worker
-        if len(spec.prompt_token_ids) <= self.peer_pull.min_tokens or self.kv_index is None:
-            return spec
-        hashes = PromptHashes(spec.prompt_token_ids, spec.sampling.cache_salt)
+        handle = await self.lend_prefix(spec.request_id, spec.prompt_token_ids,
+                                        spec.sampling.cache_salt, spec.deadline, puller)  # fmt: skip
+        return spec if handle is None else replace(spec, prefix=handle)
+
+    async def lend_prefix(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        salt: str | None,
+        deadline: float,
+        puller: WorkerRecord,
+    ) -> TransferHandle | None:
+        """A peer's lease on the prompt's prefix for ``puller``, the worker that will prefill
+        it (a first leg or a migrated one), when the KV index shows one worth pulling
+        (:mod:`pdserve.router.peer_pull`); None otherwise or when the lend fails."""
+        if len(prompt_token_ids) <= self.peer_pull.min_tokens or self.kv_index is None:
+            return None
+        hashes = PromptHashes(prompt_token_ids, salt)
         plan = self.peer_pull.plan(self.view.candidates(), puller, hashes)
         if plan is None:
-            return spec
-        handle = await self.peer_pull.lend(plan, spec.deadline)
-        log.debug("req %s: %d prefix blocks lent by %s to %s (it had %d)", spec.request_id,
+            return None
+        handle = await self.peer_pull.lend(plan, deadline)
+        log.debug("req %s: %d prefix blocks lent by %s to %s (it had %d)", request_id,
                   plan.blocks if handle else 0, plan.lender.worker_id, puller.worker_id,
                   plan.have)  # fmt: skip
-        return spec if handle is None else replace(spec, prefix=handle)
+        return handle
 
     def _excluded(self, failed: list[WorkerRecord]) -> list[str]:
         """Ids of the workers whose incarnation in ``failed`` is still the live one (one that

@@ -8,11 +8,17 @@ more loaded one), the prompt's follow-up goes to ``colocated-1``: the router's K
 blocks over the transfer plane instead of computing them: the answer reports them as cached
 and equals the answer ``colocated-0`` computes for the same follow-up. A lend whose lease is
 forged costs a recompute, never the request.
+
+A second stack (router + 1 prefill + 2 decode) kills the decode worker streaming a long
+prompt's answer: the migrated stream's new decode worker pulls the prompt's blocks from the
+prefill worker's cache (which still holds them) instead of recomputing them, and the answer
+equals an undisturbed run.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -61,7 +67,8 @@ def _metrics(url: str) -> dict[str, float]:
 
 
 def _complete(stack: Stack, prompt: list[int], max_tokens: int = 6) -> dict[str, Any]:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
     resp = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=60)
     assert resp.status_code == 200, resp.text
     return dict(resp.json())
@@ -164,3 +171,38 @@ def test_a_forged_lease_costs_a_recompute_not_the_request(stack: Stack) -> None:
     after = _metrics(urls["colocated-1"])
     key = 'pdserve_kv_peer_prefix_pulls_total{outcome="failed"}'
     assert after.get(key, 0) == before.get(key, 0) + 1
+
+
+@pytest.fixture(scope="module")
+def split(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = start_stack(tiny_model_dir, MODEL, tmp_path_factory.mktemp("peer-split"), decode=2)
+    yield s
+    s.stop()
+
+
+def test_a_migrated_stream_pulls_its_prompt_from_the_prefill_worker(split: Stack) -> None:
+    urls = _workers(split)
+    prompt = [(19 * i) % 200 + 33 for i in range(12 * TPB)]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    killed: list[str] = []
+    text = ""
+    with httpx.stream("POST", f"{split.url}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            text += chunk["choices"][0]["text"]
+            if len(text) >= 8 and not killed:  # kill the decode worker streaming it
+                for name in ("decode-0", "decode-1"):
+                    if httpx.get(f"{urls[name]}/load", timeout=5).json()["running"]:
+                        split.procs[name].kill(signal.SIGKILL)
+                        killed.append(name)
+                        break
+    assert killed, "no decode worker showed the stream"
+    survivor = next(n for n in ("decode-0", "decode-1") if n not in killed)
+    pulled = _metrics(urls[survivor]).get("pdserve_kv_peer_prefix_blocks_total", 0)
+    assert pulled >= 11, f"{survivor} pulled {pulled} blocks"
+    again = _complete(split, prompt, max_tokens=200)
+    assert text == again["choices"][0]["text"]

@@ -1,11 +1,14 @@
-"""Migration benchmark: what a stream whose decode worker is killed mid-stream waits, with and
-without the KV cache connector's remote tier.
+"""Migration benchmark: what a stream whose decode worker is killed mid-stream waits, with the
+KV cache connector's remote tier, with the peer prefix pull, and with neither.
 
 ``pdserve bench kv-migrate`` starts router + 1 prefill + 2 decode workers (the SmolLM2 default
 model, settings from ``--config`` and ``PDSERVE_*`` variables, :func:`pdserve.bench.bench.
-stack_settings`) twice in one sitting: once with ``kv_cache.remote_cache`` on a Redis store
+stack_settings`) three times in one sitting: with ``kv_cache.remote_cache`` on a Redis store
 (``--remote-cache URL``, or a redis-server from ``PATH`` started on a free loopback port and
-flushed between the arms), once without any tier (the baseline: the new worker recomputes).
+flushed first) and the peer prefix pull off; with the peer prefix pull
+(``router.peer_pull_min_tokens`` as configured, 64 by default: the new worker pulls the
+prompt's blocks from the prefill worker's cache) and no tier; with neither (the baseline: the
+new worker recomputes).
 In each arm it sends a short warm-up request, then a long prompt (about ``--prompt-tokens``
 tokens by the model's tokenizer, :func:`pdserve.bench.serving.bench_multiturn_workload.
 system_prompt`) streamed with ``max_tokens`` ``--max-tokens``, greedy: its TTFT is the *cold
@@ -18,8 +21,9 @@ SIGKILL, and the router migrates the stream to the other decode worker, which pr
 Reported per arm: the cold prefill's TTFT, the migrated stream's *stall* (the longest gap
 between content deltas, the one around the kill) and its *added latency* (the stall minus
 that stream's median inter-token latency), added latency / cold prefill against the issue's
-target (at most 0.3x with the tier), and the tokens the new worker loaded from the tier
-(``pdserve_kv_tier_hit_tokens_total{tier="remote"}`` on its ``/metrics``). The stream must end
+target (at most 0.3x with the tier and with the pull), the tokens the new worker loaded from
+the tier (``pdserve_kv_tier_hit_tokens_total{tier="remote"}`` on its ``/metrics``) and the
+blocks it pulled from a peer (``pdserve_kv_peer_prefix_blocks_total``). The stream must end
 without an error and with every token (the greedy text equals an undisturbed run of the same
 prompt, sent once more afterwards). Benchmark code only: the router and the workers never
 import it.
@@ -43,19 +47,20 @@ if TYPE_CHECKING:
     from pdserve.config.settings import PdserveConfig
 
 DESCRIPTION = """\
-A stream whose decode worker is killed mid-stream, with the KV cache's remote tier and without:
-two stacks of router + 1 prefill + 2 decode on the default model, one with kv_cache.remote_cache
-on a Redis store (--remote-cache, or a redis-server from PATH started for the run), one with no
-tier. Each times a long prompt's TTFT (the cold prefill), then streams a second long prompt
+A stream whose decode worker is killed mid-stream, with the KV cache's remote tier, with the peer
+prefix pull, and with neither: three stacks of router + 1 prefill + 2 decode on the default
+model, one with kv_cache.remote_cache on a Redis store (--remote-cache, or a redis-server from
+PATH started for the run) and the pull off, one with the pull
+(router.peer_pull_min_tokens) and no tier, one with neither. Each times a long prompt's TTFT (the cold prefill), then streams a second long prompt
 greedily and kills (SIGKILL) the decode worker serving it after --kill-after tokens; the router
 migrates the stream to the other decode worker, which prefills prompt + the tokens sent (from
-the tier when it holds them).
+the tier when it holds them, or pulled from the prefill worker's cache).
 
 Reported per arm: the cold prefill, the stream's stall around the kill and its added latency
 (the stall minus the stream's median inter-token gap), added latency / cold prefill against
-the target (at most 0.3x with the tier), the tokens the new worker loaded from the tier, and
-whether the migrated text equals an undisturbed run. Exit 1 when the target is missed, nothing
-was loaded or a text differs. The stacks take their other settings from --config and
+the target (at most 0.3x with the tier and with the pull), the tokens the new worker loaded
+from the tier and the blocks it pulled, and whether the migrated text equals an undisturbed
+run. Exit 1 when a target is missed, nothing was loaded or pulled, or a text differs. The stacks take their other settings from --config and
 PDSERVE_* variables.
 """
 
@@ -196,6 +201,7 @@ def run_arm(
                 "loaded_tokens": metrics.get(
                     'pdserve_kv_tier_hit_tokens_total{tier="remote"}', 0.0
                 ),
+                "pulled_blocks": metrics.get("pdserve_kv_peer_prefix_blocks_total", 0.0),
                 "killed": killed[0],
             }
 
@@ -206,16 +212,16 @@ def run_arm(
         f"{label}: cold prefill {out['cold_ttft_s'] * 1e3:.0f} ms; killed {out['killed']} after "
         f"{args.kill_after} tokens; stall {out['stall_s'] * 1e3:.0f} ms, added "
         f"{out['added_s'] * 1e3:.0f} ms = {ratio:.3f}x cold; {out['loaded_tokens']:.0f} tokens "
-        f"loaded from the tier; text equal to an undisturbed run: {out['exact']}",
+        f"loaded from the tier, {out['pulled_blocks']:.0f} blocks pulled from a peer; text equal to an undisturbed run: {out['exact']}",
         flush=True,
     )
     return out
 
 
 def run(args: argparse.Namespace, cfg: PdserveConfig) -> int:
-    """``pdserve bench kv-migrate`` (options: :mod:`pdserve.bench.bench_commands`): both arms,
-    then the comparison. 0, or 1 when the target is missed, the tier loaded nothing or a
-    migrated stream's text differs from an undisturbed run. Raises as :func:`run_arm` does, and
+    """``pdserve bench kv-migrate`` (options: :mod:`pdserve.bench.bench_commands`): the three
+    arms, then the comparison. 0, or 1 when a target is missed, the tier loaded or the pull
+    moved nothing, or a migrated stream's text differs from an undisturbed run. Raises as :func:`run_arm` does, and
     FileNotFoundError without ``--remote-cache`` or redis-server."""
     import redis
 
@@ -237,25 +243,34 @@ def run(args: argparse.Namespace, cfg: PdserveConfig) -> int:
     proc, url = (None, args.remote_cache) if args.remote_cache else start_redis()
     try:
         redis.Redis.from_url(url).flushdb()
-        tiered = cfg.model_copy(
+        pull = cfg.router.peer_pull_min_tokens or 64
+        no_pull = cfg.model_copy(
+            update={"router": cfg.router.model_copy(update={"peer_pull_min_tokens": 0})}
+        )
+        tiered = no_pull.model_copy(
             update={"kv_cache": cfg.kv_cache.model_copy(update={"remote_cache": url})}
+        )
+        pulling = cfg.model_copy(
+            update={"router": cfg.router.model_copy(update={"peer_pull_min_tokens": pull})}
         )
         arms = [
             run_arm(args, tiered, model_path, "remote tier", text, logs / "remote"),
-            run_arm(args, cfg, model_path, "no tier (recompute)", text, logs / "none"),
+            run_arm(args, pulling, model_path, "peer pull", text, logs / "pull"),
+            run_arm(args, no_pull, model_path, "neither (recompute)", text, logs / "none"),
         ]
     finally:
         if proc is not None:
             proc.kill()
-    tier, none = arms
-    verdict = (
-        "met"
-        if tier["ratio"] <= TARGET_RATIO
-        else f"missed by {tier['ratio'] / TARGET_RATIO - 1:.0%}"
-    )
+    tier, peer, none = arms
+
+    def verdict(arm: dict[str, Any]) -> str:
+        r = arm["ratio"]
+        return "met" if r <= TARGET_RATIO else f"missed by {r / TARGET_RATIO - 1:.0%}"
+
     print(
         f"added latency of the migrated leg / cold prefill: {tier['ratio']:.3f}x with the remote "
-        f"tier, {none['ratio']:.3f}x without (target <= {TARGET_RATIO}x with it: {verdict})"
+        f"tier ({verdict(tier)}), {peer['ratio']:.3f}x with the peer pull ({verdict(peer)}), "
+        f"{none['ratio']:.3f}x with neither (target <= {TARGET_RATIO}x)"
     )
     if args.json:
         write_json(
@@ -272,4 +287,5 @@ def run(args: argparse.Namespace, cfg: PdserveConfig) -> int:
         print(f"wrote {args.json}")
     print(f"logs: {logs}")
     ok = tier["ratio"] <= TARGET_RATIO and tier["loaded_tokens"] > 0
+    ok = ok and peer["ratio"] <= TARGET_RATIO and peer["pulled_blocks"] > 0
     return 0 if ok and all(a["exact"] for a in arms) else 1
