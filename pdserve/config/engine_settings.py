@@ -213,6 +213,14 @@ class KVCacheSettings(_Section):
         "the store with maxmemory and maxmemory-policy allkeys-lru)",
     )
 
+    zmq_events: Annotated[str | None, Flag("--kv-events-zmq", SERVING)] = Field(
+        default=None,
+        description="also publish the KV pool's events in vLLM's KV event format (msgpack "
+        "KVEventBatch of BlockStored / BlockRemoved on a ZMQ PUB socket, topic 'kv-events') "
+        "bound at this endpoint, e.g. tcp://*:5557 (port 0: any free port, logged), for "
+        "indexers that read vLLM workers (llm-d's, Dynamo's); one endpoint per worker; null: off",
+    )
+
     @field_validator("remote_cache")
     @classmethod
     def _remote_url(cls, url: str | None) -> str | None:

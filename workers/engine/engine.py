@@ -265,7 +265,7 @@ class Engine:
         seq.output_token_ids = [req.first_token]
         seq.num_computed_tokens = len(prompt)
         # The transfer filled the prompt's blocks: its full blocks join the prefix cache.
-        self.kv_cache.register(seq.request_id, self.kv_cache.hasher.extend(seq), len(prompt))
+        self.kv_cache.register(seq.request_id, self.kv_cache.hasher.extend(seq), len(prompt), seq)
         # Replay what the prefill leg emitted for the first token so deltas continue from it.
         detok.append(req.first_token)
         detok.delta()

@@ -327,7 +327,7 @@ class Scheduler:
             seq = self.reserved.pop(request_id, None)
             if seq is None:
                 return 0
-            stored = kv.register(request_id, kv.hasher.extend(seq), seq.num_prompt_tokens)
+            stored = kv.register(request_id, kv.hasher.extend(seq), seq.num_prompt_tokens, seq)
             kv.free(request_id)
             return stored
 

@@ -11,6 +11,7 @@
 - ``write_queue``: the bounded write-behind queue and thread of the disk and remote tiers
 - ``sizing``: the pool's size from the machine's free memory
 - ``cache_events``: KV cache events (stored / evicted block hashes) out to the router
+- ``zmq_events``: the pool's events in vLLM's KV event format on ZMQ, for other indexers
 
 Imports nothing of the engine or the roles.
 """

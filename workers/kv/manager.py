@@ -94,6 +94,19 @@ class KVCacheListener(Protocol):
         ...
 
 
+class KVTokenListener(Protocol):
+    """Observer of stored blocks that wants their tokens too (vLLM's ``BlockStored`` event:
+    :mod:`pdserve.workers.kv.zmq_events`). Called as :class:`KVCacheListener` is."""
+
+    def blocks_stored_tokens(
+        self, hashes: list[int], parent: int | None, tokens: list[int]
+    ) -> None:
+        """A run of consecutive full blocks indexed now: their hashes in token order, the hash
+        of the block before the first (None: it starts the sequence) and their tokens
+        (``len(hashes) * tokens_per_block``)."""
+        ...
+
+
 class KVDemand(Protocol):
     """One scheduled sequence as :meth:`KVCacheManager.prepare_resources` sees it."""
 
@@ -208,11 +221,18 @@ class KVCacheManager:
         self._registered: dict[str, int] = {}  # request id -> leading table blocks registered
         self._evictions = 0
         self._listeners: list[KVCacheListener] = []
+        self._token_listeners: list[KVTokenListener] = []
 
     def add_listener(self, listener: KVCacheListener) -> None:
         """Call ``listener`` on every later store into and eviction from the prefix index."""
         with self._lock:
             self._listeners.append(listener)
+
+    def add_token_listener(self, listener: KVTokenListener) -> None:
+        """Call ``listener`` with the tokens of every later run of blocks stored by a
+        :meth:`register` that names its sequence."""
+        with self._lock:
+            self._token_listeners.append(listener)
 
     # --- allocation ----------------------------------------------------------------------------
 
@@ -374,12 +394,19 @@ class KVCacheManager:
             self._registered[request_id] = len(blocks)
             return len(blocks) * self.tokens_per_block
 
-    def register(self, request_id: str, block_hashes: list[int], num_computed_tokens: int) -> int:
+    def register(
+        self,
+        request_id: str,
+        block_hashes: list[int],
+        num_computed_tokens: int,
+        seq: TokenBlocks | None = None,
+    ) -> int:
         """Index ``request_id``'s full blocks whose K/V is written (the first
         ``num_computed_tokens`` tokens) under ``block_hashes`` (one hash per full block, in
         token order). A block is indexed once; a hash already indexed (another request computed
         the same prefix) leaves this request's block uncached. Returns how many blocks were
-        indexed now. No-op when prefix caching is off."""
+        indexed now. No-op when prefix caching is off. ``seq``: the sequence, whose tokens the
+        token listeners get."""
         if not self.prefix_caching:
             return 0
         with self._lock:
@@ -388,6 +415,7 @@ class KVCacheManager:
             full = min(num_computed_tokens // self.tokens_per_block, len(block_hashes), len(table))
             stored: list[int] = []
             stored_hashes: list[int] = []
+            positions: list[int] = []
             for i in range(done, full):
                 block, digest = table[i], block_hashes[i]
                 if self._block_hash[block] is None and digest not in self._index:
@@ -395,12 +423,29 @@ class KVCacheManager:
                     self._block_hash[block] = digest
                     stored.append(block)
                     stored_hashes.append(digest)
+                    positions.append(i)
             if full > done:
                 self._registered[request_id] = full
             if stored:
                 for listener in self._listeners:
                     listener.blocks_stored(stored_hashes, stored)
+                if seq is not None and self._token_listeners:
+                    self._tell_tokens(block_hashes, positions, seq)
             return len(stored)
+
+    def _tell_tokens(self, hashes: list[int], positions: list[int], seq: TokenBlocks) -> None:
+        """The token listeners get each run of consecutive stored positions (lock held)."""
+        tpb = self.tokens_per_block
+        start = 0
+        for k in range(1, len(positions) + 1):
+            if k < len(positions) and positions[k] == positions[k - 1] + 1:
+                continue
+            first, n = positions[start], k - start
+            parent = hashes[first - 1] if first > 0 else None
+            tokens = seq.token_slice(first * tpb, n * tpb)
+            for listener in self._token_listeners:
+                listener.blocks_stored_tokens(hashes[first : first + n], parent, tokens)
+            start = k
 
     def cached_hashes(self) -> list[int]:
         """Every block hash in the prefix index now (held or evictable), in no order: a KV
@@ -463,7 +508,7 @@ class KVCacheManager:
         for demand in demands:
             computed = demand.num_kv_tokens_after_step
             hashes = self.hasher.extend(demand.seq, computed)
-            self.register(demand.request_id, hashes, computed)
+            self.register(demand.request_id, hashes, computed, demand.seq)
 
     def free_resources(self, request_id: str) -> list[int]:
         """A request finished: recycle its blocks (alias of :meth:`free`)."""

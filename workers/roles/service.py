@@ -245,6 +245,10 @@ class WorkerService:
         )
         if kv_events is not None:
             self.metrics.add_kv_events(kv_events.counts)
+        if self.cfg.engine.kv_cache.zmq_events is not None:  # vLLM's format, for its indexers
+            from pdserve.workers.kv.zmq_events import open_zmq_events
+
+            open_zmq_events(self.engine.kv_cache, self.cfg.engine.kv_cache.zmq_events, stack)
         task = asyncio.create_task(self._refresh_load(), name="load-refresh")
         stack.push_async_callback(_cancel, task)
         self.ready = True
