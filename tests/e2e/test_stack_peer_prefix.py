@@ -2,11 +2,11 @@
 embedded discovery, least-loaded routing (``--router-kv-overlap-weight 0``), so a follow-up
 turn can land on the worker that did not compute its prefix.
 
-``colocated-0`` computes a long prompt. While it streams another long answer (so it is the
-more loaded one), the prompt's follow-up goes to ``colocated-1``: the router's KV index shows
-``colocated-0`` holding the prefix, ``colocated-0`` lends it, and ``colocated-1`` pulls the
-blocks over the transfer plane instead of computing them: the answer reports them as cached
-and equals the answer ``colocated-0`` computes for the same follow-up. A lend whose lease is
+One worker computes a long prompt. While it streams another long answer (so it is the more
+loaded one), the prompt's follow-up goes to the other worker: the router's KV index shows the
+first holding the prefix, it lends it, and the other pulls the blocks over the transfer plane
+instead of computing them: the answer reports them as cached and equals the answer computed
+from a worker's own cache. A lend whose lease is
 forged costs a recompute, never the request.
 
 A second stack (router + 1 prefill + 2 decode) kills the decode worker streaming a long
@@ -42,9 +42,10 @@ from tests.support.stack import Stack, start_stack
 
 MODEL = "tiny-peer"
 TPB = 16
-PREFIX = [(13 * i) % 200 + 25 for i in range(20 * TPB)]  # 20 blocks that colocated-0 computes
+PREFIX = [(13 * i) % 200 + 25 for i in range(20 * TPB)]  # 20 blocks, computed by one worker
 FOLLOW_UP = PREFIX + [40, 41, 42, 43, 44, 45, 46, 47]
-BUSY = [7, 8, 9, 10, 11, 12, 13, 14]  # keeps colocated-0 streaming meanwhile
+BUSY = [7, 8, 9, 10, 11, 12, 13, 14]  # keeps the holder of PREFIX streaming meanwhile
+CACHED_BLOCKS = 'pdserve_prefix_cache_blocks{state="cached"}'
 
 
 @pytest.fixture(scope="module")
@@ -82,46 +83,69 @@ def _workers(stack: Stack) -> dict[str, str]:
     return {w["worker_id"]: w["http_url"] for w in stack.registry_workers()}
 
 
+class Busy:
+    """A long stream through the router, on whichever worker the router picks."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.streaming = threading.Event()
+        self.done = threading.Event()
+        body = {"model": MODEL, "prompt": BUSY, "max_tokens": 480, "temperature": 0,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+
+        def run() -> None:
+            with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=60) as r:
+                for _ in r.iter_lines():
+                    self.streaming.set()
+                    if self.done.is_set():
+                        break
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        assert self.streaming.wait(30), "the busy stream never started"
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join(30)
+
+
+def _running(url: str) -> int:
+    return int(httpx.get(f"{url}/load", timeout=5).json()["running"])
+
+
 def test_a_follow_up_on_the_other_worker_pulls_its_prefix(stack: Stack) -> None:
     urls = _workers(stack)
     first = _complete(stack, PREFIX)
     assert _cached(first) == 0
-    # The router's index knows colocated-0 holds the prefix (its KV events arrived).
+    # The router's index knows the worker that computed it holds the prefix (KV events).
     wait_until_sync(
         lambda: _metrics(stack.url).get("pdserve_router_kv_index_blocks", 0) >= 19,
         timeout_s=15,
         what="the router's KV index to list the prefix's blocks",
     )
-    streaming = threading.Event()
-    done = threading.Event()
-
-    def busy() -> None:  # a long stream on colocated-0 (the tie-break picks it while idle)
-        body = {"model": MODEL, "prompt": BUSY, "max_tokens": 480, "temperature": 0,
-                "ignore_eos": True, "stream": True}  # fmt: skip
-        with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=60) as r:
-            for _ in r.iter_lines():
-                streaming.set()
-                if done.is_set():
-                    break
-
-    thread = threading.Thread(target=busy, daemon=True)
-    thread.start()
+    cached = {n: _metrics(u).get(CACHED_BLOCKS, 0) for n, u in urls.items()}
+    holder = max(cached, key=lambda n: cached[n])
+    other = next(n for n in urls if n != holder)
+    busy = [Busy(stack)]  # keep the holder the more loaded worker
     try:
-        assert streaming.wait(30), "the busy stream never started"
-        before = _metrics(urls["colocated-1"])
+        if _running(urls[holder]) == 0:  # the router put it on the other worker: one more
+            busy.append(Busy(stack))  # goes to the holder, then the first one ends
+            wait_until_sync(lambda: _running(urls[holder]) > 0, 15, what="the holder to stream")
+            busy.pop(0).stop()
+            wait_until_sync(lambda: _running(urls[other]) == 0, 15, what="the other to idle")
+        before = _metrics(urls[other])
         pulled = _complete(stack, FOLLOW_UP)
     finally:
-        done.set()
-        thread.join(30)
-    after = _metrics(urls["colocated-1"])
+        for b in busy:
+            b.stop()
+    after = _metrics(urls[other])
     blocks = after.get("pdserve_kv_peer_prefix_blocks_total", 0) - before.get(
         "pdserve_kv_peer_prefix_blocks_total", 0
     )
-    assert blocks >= 19, f"colocated-1 pulled {blocks} blocks"
+    assert blocks >= 19, f"{other} pulled {blocks} blocks"
     assert _cached(pulled) >= 0.8 * len(PREFIX), pulled["usage"]
     lends = _metrics(stack.url).get('pdserve_router_peer_prefix_lends_total{outcome="lent"}', 0)
     assert lends >= 1
-    # colocated-0 (idle again, first by id) computes the same follow-up from its own cache.
+    # Either worker (both idle, both caching the prefix now) answers the same from its cache.
     again = _complete(stack, FOLLOW_UP)
     assert again["choices"][0]["text"] == pulled["choices"][0]["text"]
 

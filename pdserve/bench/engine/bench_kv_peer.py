@@ -133,7 +133,8 @@ async def holder_first(client: Any, ports: dict[str, int]) -> tuple[str, str]:
     """(the worker whose prefix cache holds the most blocks, the other one)."""
     from pdserve.bench.scrape import scrape
 
-    held = {n: (await scrape(client, f"http://127.0.0.1:{p}")).get("pdserve_prefix_cache_blocks", 0)
+    key = 'pdserve_prefix_cache_blocks{state="cached"}'
+    held = {n: (await scrape(client, f"http://127.0.0.1:{p}")).get(key, 0)
             for n, p in ports.items()}  # fmt: skip
     holder = max(held, key=lambda n: held[n])
     return holder, next(n for n in ports if n != holder)
