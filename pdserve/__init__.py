@@ -36,6 +36,7 @@ The core, which every room may import and which imports no room (but for the ent
 - ``planner``: capacity planning (``pdserve plan``) and SLO-driven autoscaling (``pdserve up
   --autoscale``, ``pdserve planner``)
 - ``protocol``: the typed, versioned wire messages between router, workers and transfer path
+- ``kv_lend``: peer prefix pull's messages (a worker leases a prompt's cached prefix blocks)
 - ``errors``: the one exception hierarchy and the HTTP status each error maps to
 - ``block_hash``: the KV block hash the workers' prefix caches and the router's KV index share
 - ``security``: client API keys and the cluster secret

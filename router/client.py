@@ -46,6 +46,7 @@ from pdserve.errors import (
     WorkerError,
     WorkerUnreachableError,
 )
+from pdserve.kv_lend import LendRequest, LendResponse
 from pdserve.protocol import (
     PROTOCOL_HEADER,
     PROTOCOL_VERSION,
@@ -55,8 +56,6 @@ from pdserve.protocol import (
     ContextStarted,
     GenerationChunk,
     GenerationRequest,
-    LendRequest,
-    LendResponse,
     ReleaseRequest,
     TransferHandle,
     WorkerRecord,

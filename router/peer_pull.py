@@ -35,7 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pdserve.protocol import LendRequest, TransferHandle, WorkerRecord
+from pdserve.kv_lend import LendRequest
+from pdserve.protocol import TransferHandle, WorkerRecord
 from pdserve.router.kv_index import KVIndex, PromptHashes
 
 if TYPE_CHECKING:

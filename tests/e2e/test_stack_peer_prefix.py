@@ -30,13 +30,8 @@ import pytest
 
 from pdserve.bench.serving.bench_multiturn import parse_metrics
 from pdserve.block_hash import BlockHasher
-from pdserve.protocol import (
-    GenerationRequest,
-    LendRequest,
-    LendResponse,
-    SamplingParams,
-    TransferHandle,
-)
+from pdserve.kv_lend import LendRequest, LendResponse
+from pdserve.protocol import GenerationRequest, SamplingParams, TransferHandle
 from tests.support.servers import wait_until_sync
 from tests.support.stack import Stack, start_stack
 

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import APIRouter, Request
 
-from pdserve.protocol import ContextRequest, GenerationRequest, LendRequest, LendResponse
+from pdserve.kv_lend import LendRequest, LendResponse
+from pdserve.protocol import ContextRequest, GenerationRequest
 from pdserve.workers.roles.lending import Lender, PrefixPuller
 from pdserve.workers.roles.parking import ParkedBlocks
 from pdserve.workers.roles.prefill_directory import PrefillDirectory

@@ -9,7 +9,7 @@ peer sharing and Dynamo's KV-aware router solve the same problem. The flow:
    leading blocks than the worker S that will prefill it, by at least
    ``router.peer_pull_min_tokens`` (the decision and its cost model:
    :mod:`pdserve.router.peer_pull`).
-2. Router -> X, ``POST /internal/kv/lend`` (:class:`~pdserve.protocol.LendRequest`, the
+2. Router -> X, ``POST /internal/kv/lend`` (:class:`~pdserve.kv_lend.LendRequest`, the
    prompt's block hashes): :meth:`Lender.lend` pins the leading run X's pool holds
    (:meth:`~pdserve.workers.engine.scheduler.Scheduler.lend`) and parks it exactly as a
    prefill result is parked (:class:`~pdserve.workers.roles.parking.ParkedBlocks`: a fresh
@@ -48,7 +48,8 @@ from pdserve.errors import (
     LayoutMismatchError,
     PdserveError,
 )
-from pdserve.protocol import LendRequest, LendResponse, Role, SamplingParams, TransferHandle
+from pdserve.kv_lend import LendRequest, LendResponse
+from pdserve.protocol import Role, SamplingParams, TransferHandle
 
 if TYPE_CHECKING:
     from pdserve.transfer import Transceiver
