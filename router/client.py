@@ -15,6 +15,10 @@ operation waits at most the time left, and a call that runs out of time raises
 :class:`WorkerUnreachableError` (the request never reached the worker, so it is safe to retry
 elsewhere); any other transport failure raises :class:`WorkerError`.
 
+The calls go over a :class:`~pdserve.http.plane_client.RequestPlane`: the lean HTTP/1.1
+client :class:`~pdserve.http.plane_client.WirePlane` by default, or an ``httpx.AsyncClient``
+(the unit tests' in-process fake workers; ``router.worker_client: httpx``).
+
 The ``/internal/*`` routes are internal: every call carries ``Authorization: Bearer`` with the
 cluster key's token (:class:`pdserve.security.ClusterKey`). A worker holding another secret
 answers 401, which surfaces as :class:`WorkerError` (502) naming the worker.
@@ -46,6 +50,15 @@ from pdserve.errors import (
     WorkerError,
     WorkerUnreachableError,
 )
+from pdserve.http.keepalive import ROUTER_KEEPALIVE_S
+from pdserve.http.plane_client import (
+    HttpxPlane,
+    PlaneConnectError,
+    PlaneError,
+    PlaneResponse,
+    RequestPlane,
+    WirePlane,
+)
 from pdserve.kv_lend import LendRequest, LendResponse
 from pdserve.protocol import (
     PROTOCOL_HEADER,
@@ -76,11 +89,6 @@ _TRANSFER_ERRORS: dict[str, type[TransferError]] = {
 
 def _remaining(deadline: float) -> float:
     return deadline - time.time()
-
-
-def _timeout(deadline: float, connect_timeout_s: float) -> httpx.Timeout:
-    left = max(_remaining(deadline), 0.001)
-    return httpx.Timeout(left, connect=min(left, connect_timeout_s))
 
 
 def error_from_envelope(leg: str, status: int, body: bytes) -> PdserveError:
@@ -119,11 +127,9 @@ def error_from_envelope(leg: str, status: int, body: bytes) -> PdserveError:
 def _transport_error(leg: str, exc: Exception, deadline: float) -> PdserveError:
     if _remaining(deadline) <= 0 or isinstance(exc, TimeoutError):
         return DeadlineExceededError(f"{leg} did not answer before the request deadline")
-    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
-        return WorkerUnreachableError(f"{leg} unreachable: {exc!r}")
-    if isinstance(exc, httpx.TimeoutException):
-        return DeadlineExceededError(f"{leg} timed out: {exc!r}")
-    return WorkerError(f"{leg} failed: {exc!r}")
+    if isinstance(exc, PlaneConnectError):
+        return WorkerUnreachableError(f"{leg} unreachable: {exc}")
+    return WorkerError(f"{leg} failed: {exc}")
 
 
 FINISH_WAIT_S = 0.25
@@ -134,7 +140,7 @@ class GenerationStream:
     """An open ``/internal/generate`` NDJSON stream. Closing it (:meth:`aclose`) drops the
     connection, which makes the decode worker abort the request and free its blocks."""
 
-    def __init__(self, response: httpx.Response, *, leg: str, deadline: float) -> None:
+    def __init__(self, response: PlaneResponse, *, leg: str, deadline: float) -> None:
         self._response = response
         self._leg = leg
         self._deadline = deadline
@@ -171,11 +177,11 @@ class GenerationStream:
                     line = await anext(lines)
             except StopAsyncIteration:
                 return
-            except (httpx.TimeoutException, TimeoutError) as exc:
+            except TimeoutError as exc:
                 if self.lost is not None:
                     raise WorkerError(f"{self._leg} given up: {self.lost}") from None
                 raise _transport_error(self._leg, exc, self._deadline) from exc
-            except httpx.HTTPError as exc:
+            except PlaneError as exc:
                 if self.lost is not None:
                     raise WorkerError(f"{self._leg} given up: {self.lost}") from None
                 raise WorkerError(f"{self._leg} broke its stream (worker gone?): {exc}") from exc
@@ -208,7 +214,7 @@ class GenerationStream:
                     async for line in self._lines:
                         if line.strip():
                             break  # not the end: the connection is dropped below
-            except (httpx.HTTPError, TimeoutError, RuntimeError):  # RuntimeError: being read
+            except (PlaneError, TimeoutError, RuntimeError):  # RuntimeError: being read
                 pass
         await self.aclose()
 
@@ -228,9 +234,9 @@ class NdjsonLines:
     text holds one (a byte-level vocabulary has U+0085) cut a worker's chunk in two. Memory:
     the last read and the longest line, held as its parts until its ``\n`` arrives.
     :meth:`buffered` says whether the next line is already at hand (no read needed). Raises
-    what ``response``'s body iteration raises (httpx errors)."""
+    what ``response``'s body iteration raises (PlaneError)."""
 
-    def __init__(self, response: httpx.Response) -> None:
+    def __init__(self, response: PlaneResponse | httpx.Response) -> None:
         self._body = response.aiter_bytes()
         self._data = b""  # the last read
         self._start = 0  # where its unread part begins
@@ -269,7 +275,7 @@ class NdjsonLines:
                 raise
 
 
-def ndjson_lines(response: httpx.Response) -> NdjsonLines:
+def ndjson_lines(response: PlaneResponse | httpx.Response) -> NdjsonLines:
     """``response``'s body as NDJSON lines (:class:`NdjsonLines`)."""
     return NdjsonLines(response)
 
@@ -280,7 +286,7 @@ class ContextStream:
     (:meth:`aclose`) drops the connection, which makes the prefill worker abort the request
     (its streamed pulls end with TransferFailed)."""
 
-    def __init__(self, response: httpx.Response, *, leg: str, req: ContextRequest) -> None:
+    def __init__(self, response: PlaneResponse, *, leg: str, req: ContextRequest) -> None:
         self._response = response
         self._lines = ndjson_lines(response)
         self._leg = leg
@@ -317,9 +323,9 @@ class ContextStream:
                     line = await anext(self._lines)
         except StopAsyncIteration:
             raise WorkerError(f"{self._leg} ended its context stream early") from None
-        except (httpx.TimeoutException, TimeoutError) as exc:
+        except TimeoutError as exc:
             raise _transport_error(self._leg, exc, deadline) from exc
-        except httpx.HTTPError as exc:
+        except PlaneError as exc:
             raise WorkerError(f"{self._leg} broke its context stream: {exc}") from exc
         try:
             kind = json.loads(line).get("type")
@@ -334,45 +340,50 @@ class ContextStream:
 
 
 class WorkerClient:
-    """The router's side of the worker request plane, over one shared ``httpx.AsyncClient``.
+    """The router's side of the worker request plane.
 
-    Ownership: the caller owns ``http`` (opens and closes it). ``key``: the cluster key whose
-    bearer token every call carries. ``connect_timeout_s`` bounds opening a connection;
-    ``release_timeout_s`` bounds a best-effort release (seconds).
+    ``http``: None (the default) opens a :class:`~pdserve.http.plane_client.WirePlane` owned
+    by this client (:meth:`aclose` closes it); an ``httpx.AsyncClient`` is used as it is and
+    stays the caller's to close. ``key``: the cluster key whose bearer token every call
+    carries. ``connect_timeout_s`` bounds opening a connection; ``release_timeout_s`` bounds a
+    best-effort release (seconds).
     """
 
     def __init__(
         self,
-        http: httpx.AsyncClient,
+        http: httpx.AsyncClient | None = None,
         *,
         key: ClusterKey,
         connect_timeout_s: float = 5.0,
         release_timeout_s: float = 5.0,
     ) -> None:
-        self._http = http
-        self._headers = {**HEADERS, **key.http_headers(), "content-type": "application/json"}
+        headers = {**HEADERS, **key.http_headers(), "content-type": "application/json"}
+        self._plane: RequestPlane = (
+            WirePlane(headers, keepalive_s=ROUTER_KEEPALIVE_S)
+            if http is None
+            else HttpxPlane(http, headers)
+        )
         self.connect_timeout_s = connect_timeout_s
         self.release_timeout_s = release_timeout_s
+
+    async def aclose(self) -> None:
+        """Close the connections of a plane this client opened (none: an httpx client's)."""
+        await self._plane.aclose()
 
     async def context(self, worker: WorkerRecord, req: ContextRequest) -> ContextResponse:
         """Run the context phase on prefill ``worker``. Raises a typed error on failure, also
         when the answer has no handle though the request still needs its blocks (a choice
         unfinished)."""
         leg = f"prefill worker {worker.worker_id}"
+        url = f"{worker.http_url}/internal/context"
         try:
-            async with asyncio.timeout(max(_remaining(req.deadline), 0.0)):
-                resp = await self._http.post(
-                    f"{worker.http_url}/internal/context",
-                    content=req.model_dump_json(),
-                    headers=self._headers,
-                    timeout=_timeout(req.deadline, self.connect_timeout_s),
-                )
-        except (httpx.HTTPError, TimeoutError) as exc:
+            status, content = await self._call(url, _body(req), _remaining(req.deadline))
+        except (PlaneError, TimeoutError) as exc:
             raise _transport_error(leg, exc, req.deadline) from exc
-        if resp.status_code != 200:
-            raise error_from_envelope(leg, resp.status_code, resp.content)
+        if status != 200:
+            raise error_from_envelope(leg, status, content)
         try:
-            out = ContextResponse.model_validate_json(resp.content)
+            out = ContextResponse.model_validate_json(content)
         except ValidationError as exc:
             raise WorkerError(f"{leg} sent a malformed ContextResponse: {exc}") from exc
         return _checked(leg, req, out)
@@ -383,33 +394,40 @@ class WorkerClient:
         :meth:`ContextStream.started`, the answer by :meth:`ContextStream.response`. Raises a
         typed error when the worker refuses before admitting the request."""
         leg = f"prefill worker {worker.worker_id}"
-        resp = await self._open(
-            worker, "/internal/context/stream", req.model_dump_json(), req.deadline, leg
-        )
+        resp = await self._open(worker, "/internal/context/stream", _body(req), req.deadline, leg)
         return ContextStream(resp, leg=leg, req=req)
 
+    async def _call(self, url: str, body: bytes, timeout_s: float) -> tuple[int, bytes]:
+        """POST ``body`` to ``url`` and read the whole answer within ``timeout_s`` seconds:
+        (status, body). Raises PlaneError, TimeoutError."""
+        async with asyncio.timeout(max(timeout_s, 0.0)):
+            resp = await self._plane.post(
+                url, body, timeout_s=max(timeout_s, 0.0), connect_timeout_s=self.connect_timeout_s
+            )
+            try:
+                return resp.status_code, await resp.aread()
+            finally:
+                await resp.aclose()
+
     async def _open(
-        self, worker: WorkerRecord, path: str, body: str, deadline: float, leg: str
-    ) -> httpx.Response:
+        self, worker: WorkerRecord, path: str, body: bytes, deadline: float, leg: str
+    ) -> PlaneResponse:
         """POST ``body`` to ``path`` and return the streaming response once its status is 200;
         raises the typed error of any other status or of the transport."""
-        request = self._http.build_request(
-            "POST",
-            f"{worker.http_url}{path}",
-            content=body,
-            headers=self._headers,
-            timeout=_timeout(deadline, self.connect_timeout_s),
-        )
         try:
-            async with asyncio.timeout(max(_remaining(deadline), 0.0)):
-                resp = await self._http.send(request, stream=True)
-        except (httpx.HTTPError, TimeoutError) as exc:
+            resp = await self._plane.post(
+                f"{worker.http_url}{path}",
+                body,
+                timeout_s=max(_remaining(deadline), 0.0),
+                connect_timeout_s=self.connect_timeout_s,
+            )
+        except (PlaneError, TimeoutError) as exc:
             raise _transport_error(leg, exc, deadline) from exc
         if resp.status_code != 200:
             try:
                 async with asyncio.timeout(self.connect_timeout_s):
                     content = await resp.aread()
-            except (httpx.HTTPError, TimeoutError):
+            except (PlaneError, TimeoutError):
                 content = b""
             finally:
                 await resp.aclose()
@@ -421,32 +439,21 @@ class WorkerClient:
         or colocated worker that prefills the prompt itself). Raises a typed error if the worker
         refuses the request before streaming (its HTTP status and envelope)."""
         leg = f"{worker.role.value} worker {worker.worker_id}"
-        resp = await self._open(
-            worker, "/internal/generate", req.model_dump_json(), req.deadline, leg
-        )
+        resp = await self._open(worker, "/internal/generate", _body(req), req.deadline, leg)
         return GenerationStream(resp, leg=leg, deadline=req.deadline)
 
     async def release(self, worker: WorkerRecord, req: ReleaseRequest) -> bool:
         """Ask prefill ``worker`` to free a parked request's blocks. Best effort: returns whether
         the worker released something; logs and returns False on any failure."""
+        url = f"{worker.http_url}/internal/release"
         try:
-            resp = await self._http.post(
-                f"{worker.http_url}/internal/release",
-                content=req.model_dump_json(),
-                headers=self._headers,
-                timeout=self.release_timeout_s,
-            )
-            if resp.status_code != 200:
-                log.warning(
-                    "release of %s on %s: HTTP %d %s",
-                    req.request_id,
-                    worker.worker_id,
-                    resp.status_code,
-                    resp.text[:200],
-                )
+            status, content = await self._call(url, _body(req), self.release_timeout_s)
+            if status != 200:
+                log.warning("release of %s on %s: HTTP %d %s", req.request_id, worker.worker_id,
+                            status, content[:200].decode(errors="replace"))  # fmt: skip
                 return False
-            released = bool(json.loads(resp.content).get("released", False))
-        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            released = bool(json.loads(content).get("released", False))
+        except (PlaneError, TimeoutError, ValueError, AttributeError) as exc:
             log.warning("release of %s on %s failed: %r", req.request_id, worker.worker_id, exc)
             return False
         log.debug("release of %s on %s: released=%s", req.request_id, worker.worker_id, released)
@@ -459,24 +466,15 @@ class WorkerClient:
         :mod:`pdserve.workers.roles.lending`). Best effort within ``timeout_s`` seconds: the
         handle, or None (nothing held there now, or any failure, logged), which costs the
         serving worker a recompute, never the request."""
+        url = f"{worker.http_url}/internal/kv/lend"
         try:
-            resp = await self._http.post(
-                f"{worker.http_url}/internal/kv/lend",
-                content=req.model_dump_json(),
-                headers=self._headers,
-                timeout=timeout_s,
-            )
-            if resp.status_code != 200:
-                log.info(
-                    "lend %s on %s: HTTP %d %s",
-                    req.request_id,
-                    worker.worker_id,
-                    resp.status_code,
-                    resp.text[:200],
-                )
+            status, content = await self._call(url, _body(req), timeout_s)
+            if status != 200:
+                log.info("lend %s on %s: HTTP %d %s", req.request_id, worker.worker_id, status,
+                         content[:200].decode(errors="replace"))  # fmt: skip
                 return None
-            handle = LendResponse.model_validate_json(resp.content).handle
-        except (httpx.HTTPError, ValidationError) as exc:
+            handle = LendResponse.model_validate_json(content).handle
+        except (PlaneError, TimeoutError, ValidationError) as exc:
             log.info("lend %s on %s failed: %r", req.request_id, worker.worker_id, exc)
             return None
         if handle is not None and handle.worker_id != worker.worker_id:
@@ -484,6 +482,11 @@ class WorkerClient:
                         worker.worker_id)  # fmt: skip
             return None
         return handle
+
+
+def _body(req: ContextRequest | GenerationRequest | ReleaseRequest | LendRequest) -> bytes:
+    """A request message's JSON body."""
+    return req.__pydantic_serializer__.to_json(req)
 
 
 def _checked(leg: str, req: ContextRequest, out: ContextResponse) -> ContextResponse:

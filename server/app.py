@@ -5,7 +5,7 @@ Lifecycle (the lifespan)::
 
     1 START  load the tokenizer (local files only), work out the context window and start the
              tokenizer pool (:mod:`.tokenizer_pool`); start the embedded registry (if this app created it) and the discovery watcher (if this app
-             opened it); open the httpx client for the worker request plane (if not injected)
+             opened it); open the client of the worker request plane (if not injected)
     2 SERVE  /v1/chat/completions, /v1/completions, /v1/responses (:mod:`.responses`),
              /v1/models, /tokenize, /detokenize, /health, /ready, /metrics; the embedded
              registry's /registry/* is a second app (:func:`create_apps`), served on the
@@ -177,8 +177,9 @@ def create_apps(
       ``cfg.discovery.url == "embedded"``, the public app's lifespan creates an
       ``EmbeddedRegistry`` (its routes internal: bearer token, no OpenAPI document) and
       starts/closes it.
-    - ``http_client``: the client for the worker request plane; created (and closed) by the
-      lifespan when not given.
+    - ``http_client``: an httpx client for the worker request plane (the tests' in-process
+      workers); when not given the lifespan opens (and closes) the one ``router.worker_client``
+      names: pdserve's own (``wire``, :mod:`pdserve.http.plane_client`) or httpx.
     - ``cluster_key``: the internal plane's key (registry routes, worker calls, record
       signatures); default ``ClusterKey.from_settings(cfg.security)``, which raises
       :class:`~pdserve.errors.ConfigError` when no cluster secret is configured.
@@ -261,7 +262,7 @@ async def _start(
         )
         await watcher.start()
         stack.push_async_callback(watcher.close)
-    if http_client is None:
+    if http_client is None and cfg.router.worker_client == "httpx":
         http_client = httpx.AsyncClient(
             timeout=httpx.Timeout(cfg.router.request_timeout_s, connect=5.0),
             limits=httpx.Limits(
@@ -272,6 +273,8 @@ async def _start(
             trust_env=False,  # the request plane never goes through an HTTP proxy
         )
         stack.push_async_callback(http_client.aclose)
+    worker_client = WorkerClient(http_client, key=key)  # None: its own lean client (wire)
+    stack.push_async_callback(worker_client.aclose)
     source: WorkerSource = watcher
 
     def usable_workers() -> dict[str, int]:
@@ -309,7 +312,7 @@ async def _start(
         view=view,
         router=Router(
             view,
-            WorkerClient(http_client, key=key),
+            worker_client,
             cfg.router,
             metrics=metrics,
             kv_index=kv_index,

@@ -90,6 +90,14 @@ class RouterSettings(_Section):
         description="the router's event loop: uvloop (libuv) or asyncio's own (slower "
         "per request; for debugging with asyncio's debug mode)",
     )
+    worker_client: Annotated[
+        Literal["wire", "httpx"], Flag("--worker-client", ("up", "router"))
+    ] = Field(
+        default="wire",
+        description="HTTP client of the router's calls to its workers: wire (pdserve's own "
+        "HTTP/1.1 on httptools, keep-alive pool) or httpx (general purpose, more CPU per "
+        "request)",
+    )
     request_timeout_s: Annotated[float, Flag("--request-timeout-s", ("up", "router"))] = Field(
         default=1800.0,
         gt=0,

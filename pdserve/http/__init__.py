@@ -7,4 +7,6 @@
   headers (and a bound on their size)
 - ``event_loop``: the event loop a server runs on (uvloop or asyncio's)
 - ``keepalive``: the request plane's idle-connection timeouts, the router's below the workers'
+- ``plane_client``: the router's HTTP/1.1 client for the worker request plane (httptools,
+  keep-alive pool), and an httpx adapter behind the same interface
 """

@@ -1,7 +1,8 @@
 """The router keeps its connections to a worker: a finished stream's body is read to its end
 (:meth:`pdserve.router.client.GenerationStream.finish`), so the next request reuses the
 connection instead of a TCP connect per request. A stream given up early still drops its
-connection (the worker aborts the request). Real uvicorn, real sockets, a scripted worker."""
+connection (the worker aborts the request). Real uvicorn, real sockets, a scripted worker; both
+worker clients (pdserve's own and httpx)."""
 
 from __future__ import annotations
 
@@ -55,14 +56,17 @@ async def served() -> AsyncIterator[Served]:
     s.sock.close()
 
 
-@pytest.fixture
-async def router(served: Served) -> AsyncIterator[Router]:
+@pytest.fixture(params=["wire", "httpx"])
+async def router(served: Served, request: pytest.FixtureRequest) -> AsyncIterator[Router]:
+    """A router over the served worker, through each worker client (``router.worker_client``)."""
     watcher = FakeWatcher([served.worker.record()])
     async with httpx.AsyncClient(trust_env=False) as http:
         view = WorkerView(watcher, served_model_name=MODEL)
         view.follow(watcher)
-        client = WorkerClient(http, key=CLUSTER_KEY, connect_timeout_s=2.0)
+        given = http if request.param == "httpx" else None
+        client = WorkerClient(given, key=CLUSTER_KEY, connect_timeout_s=2.0)
         yield Router(view, client, RouterSettings(request_timeout_s=10, migration_limit=0))
+        await client.aclose()
 
 
 async def test_finished_requests_reuse_one_connection(served: Served, router: Router) -> None:

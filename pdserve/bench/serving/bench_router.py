@@ -11,7 +11,7 @@ second; its CPU per request is the child's CPU time (user + system, from /proc) 
 requests less that over the direct ones, per request: unlike the latencies, it does not move
 with what else the machine runs. Client, router and worker share the machine: on few cores the
 latencies include their contention (the CPU model is printed). The router speaks and loops as
-``pdserve router`` does (``--http``, ``--loop``: the router's settings, same defaults); the
+``pdserve router`` does (``--http``, ``--loop``, ``--worker-client``: the router's settings, same defaults); the
 scripted worker speaks httptools, as workers do. ``--routers N`` starts N such child processes, their
 routers on one port with SO_REUSEPORT (as ``pdserve up --routers N`` runs them), each routing to
 its own scripted worker, so the request rate shows how router processes scale. Diagnostic
@@ -53,6 +53,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--loop", choices=("uvloop", "asyncio"), default="uvloop", help="the router's loop"
     )
+    p.add_argument(
+        "--worker-client",
+        choices=("wire", "httpx"),
+        default="wire",
+        help="the router's client of the worker request plane (router.worker_client)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -64,7 +70,7 @@ def main(args: argparse.Namespace) -> int:
     env = {**os.environ, SECRET_ENV: generate_secret()}
     port = str(free_port())
     cmd = [sys.executable, "-m", "pdserve.bench.serving.bench_router", str(args.tokens), port]
-    cmd += [args.http, args.loop]
+    cmd += [args.http, args.loop, args.worker_client]
     children = []
     try:
         urls: dict[str, str] = {}
@@ -88,7 +94,8 @@ def main(args: argparse.Namespace) -> int:
     print(
         f"router overhead on {cpu_model()} ({os.cpu_count()} CPUs), {args.tokens}-token "
         f"streams, {args.prompt_tokens}-token prompts, {args.requests} requests per row, "
-        f"{args.routers} router process(es), --http {args.http} --loop {args.loop}"
+        f"{args.routers} router process(es), --http {args.http} --loop {args.loop} "
+        f"--worker-client {args.worker_client}"
     )
     print(
         f"{'conc':>5}{'direct p50 ms':>15}{'router p50 ms':>15}{'added ms':>10}"
@@ -197,9 +204,10 @@ async def _run(one: Any, n: int, concurrency: int) -> tuple[float, float]:
     return statistics.median(times) * 1e3, time.perf_counter() - start
 
 
-async def _serve(tokens: int, router_port: int, http: HttpImpl) -> None:
+async def _serve(tokens: int, router_port: int, http: HttpImpl, worker_client: str) -> None:
     """The child: the scripted worker and the router (on ``router_port``, shared with the other
-    children by SO_REUSEPORT; speaking ``http``), until stdin closes."""
+    children by SO_REUSEPORT; speaking ``http``; calling the worker with ``worker_client``),
+    until stdin closes."""
     import uvicorn
     from starlette.applications import Starlette
     from starlette.requests import Request
@@ -208,6 +216,7 @@ async def _serve(tokens: int, router_port: int, http: HttpImpl) -> None:
 
     from pdserve.config.hosts import listening_socket
     from pdserve.config.loading import RouterConfig
+    from pdserve.config.settings import RouterSettings
     from pdserve.http.uvicorn_protocol import server_protocol
     from pdserve.models import resolve_model
     from pdserve.protocol import (
@@ -282,7 +291,11 @@ async def _serve(tokens: int, router_port: int, http: HttpImpl) -> None:
         def subscribe(self, callback: Any) -> None:
             pass
 
-    cfg = RouterConfig(model_path=model_path, served_model_name="bench")
+    cfg = RouterConfig(
+        model_path=model_path,
+        served_model_name="bench",
+        router=RouterSettings(worker_client=worker_client),
+    )
     router = create_app(cfg, watcher=Watcher(), cluster_key=key)
     protocols = (
         server_protocol(),
@@ -308,4 +321,5 @@ async def _serve(tokens: int, router_port: int, http: HttpImpl) -> None:
 if __name__ == "__main__":
     from pdserve.http.event_loop import run
 
-    run(_serve(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]), sys.argv[4])  # type: ignore[arg-type]
+    argv = sys.argv
+    run(_serve(int(argv[1]), int(argv[2]), argv[3], argv[5]), argv[4])  # type: ignore[arg-type]
