@@ -169,6 +169,11 @@ class GenerationStream:
         """
         lines = self._lines = ndjson_lines(self._response)
         while True:
+            if lines.buffered():  # at hand: no read, so no timeout to arm
+                line = await anext(lines)
+                if line.strip():
+                    yield _chunk(self._leg, line)
+                continue
             try:
                 wait = max(_remaining(self._deadline), 0.0)
                 if self.lost is not None:
@@ -187,12 +192,8 @@ class GenerationStream:
                 raise WorkerError(f"{self._leg} broke its stream (worker gone?): {exc}") from exc
             finally:
                 self._read = None
-            if not line.strip():
-                continue
-            try:
-                yield GenerationChunk.model_validate_json(line)
-            except ValidationError as exc:
-                raise WorkerError(f"{self._leg} sent a malformed chunk: {line[:200]!r}") from exc
+            if line.strip():
+                yield _chunk(self._leg, line)
 
     def buffered(self) -> bool:
         """Whether the next line of the stream is already read: the next chunk of
@@ -223,6 +224,14 @@ class GenerationStream:
         if not self.closed:
             self.closed = True
             await self._response.aclose()
+
+
+def _chunk(leg: str, line: bytes) -> GenerationChunk:
+    """The chunk on one NDJSON line; WorkerError if it is not one."""
+    try:
+        return GenerationChunk.model_validate_json(line)
+    except ValidationError as exc:
+        raise WorkerError(f"{leg} sent a malformed chunk: {line[:200]!r}") from exc
 
 
 class NdjsonLines:

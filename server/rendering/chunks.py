@@ -88,6 +88,7 @@ class _Renderer:
         self.cached_tokens = 0
         self.per_prompt = max(1, info.n // info.prompts)
         self.choices = [_Choice() for _ in range(info.n)]
+        self._template: dict[str, Any] | None = None  # a plain text chunk (_plain_chunk)
 
     def add(self, event: TokenEvent) -> None:
         """Account for one event (both paths call this)."""
@@ -114,6 +115,27 @@ class _Renderer:
         if not self.info.include_usage:
             out.pop("usage", None)
         return out
+
+    def _plain_chunk(self, index: int, text: str, finish: str | None) -> dict[str, Any]:
+        """The stream chunk of choice ``index``'s next ``text`` without logprobs (and without
+        role, tool calls or echo): what the models render, filled into a copy of this
+        request's first such chunk (its keys, in its order; built through the models once) instead
+        of building and dumping two models per token. Its choice's text is under ``delta``'s
+        ``content`` (chat) or under ``text`` (completions): :meth:`_template_chunk` says."""
+        if self._template is None:
+            self._template = self._template_chunk()
+        t = self._template
+        choice = dict(t["choices"][0])
+        choice["index"], choice["finish_reason"] = index, finish
+        if "delta" in choice:
+            choice["delta"] = {**choice["delta"], "content": text}
+        else:
+            choice["text"] = text
+        return {**t, "choices": [choice]}
+
+    def _template_chunk(self) -> dict[str, Any]:
+        """A plain text chunk of choice 0, rendered through the models."""
+        raise NotImplementedError
 
 
 class ChatRenderer(_Renderer):
@@ -192,9 +214,14 @@ class ChatRenderer(_Renderer):
 
     def chunk(self, event: TokenEvent) -> dict[str, Any]:
         self.add(event)
-        logprobs = self._chat_logprobs(list(event.logprobs))
         finish = str(event.finish_reason) if event.finish_reason is not None else None
+        if not self.info.logprobs:
+            return self._plain_chunk(event.index, event.text, finish)
+        logprobs = self._chat_logprobs(list(event.logprobs))
         return self._chunk(event.index, DeltaMessage(content=event.text), logprobs, finish)
+
+    def _template_chunk(self) -> dict[str, Any]:
+        return self._chunk(0, DeltaMessage(content=""), None, None)
 
     def usage_chunk(self) -> dict[str, Any]:
         chunk = ChatCompletionChunk(
@@ -365,6 +392,9 @@ class CompletionRenderer(_Renderer):
 
     def chunk(self, event: TokenEvent) -> dict[str, Any]:
         self.add(event)
+        if self.echo is None and not self.info.logprobs and not self.prompt_logprobs:
+            finish = str(event.finish_reason) if event.finish_reason is not None else None
+            return self._plain_chunk(event.index, event.text, finish)
         c = self.choices[event.index]
         echo, logprobs, prompt = self._opening(event.index, c, list(event.logprobs))
         choice = CompletionChoice(
@@ -378,6 +408,10 @@ class CompletionRenderer(_Renderer):
 
     def usage_chunk(self) -> dict[str, Any]:
         return self._wrap([], self.usage()).model_dump(mode="json")
+
+    def _template_chunk(self) -> dict[str, Any]:
+        choice = CompletionChoice(index=0, text="", logprobs=None, finish_reason=None)
+        return _without_prompt_logprobs(self._dump_chunk(self._wrap([choice], None)))
 
     def response(self) -> dict[str, Any]:
         choices = []
