@@ -2,8 +2,9 @@
 the router and a worker stays open on each side.
 
 The worker's server (uvicorn's ``timeout_keep_alive``, :mod:`pdserve.workers.roles.worker_app`)
-keeps one open :data:`WORKER_KEEPALIVE_S`; the router's client (httpx's ``keepalive_expiry``,
-:mod:`pdserve.server.app`) drops it after :data:`ROUTER_KEEPALIVE_S`, well before. The order is
+keeps one open :data:`WORKER_KEEPALIVE_S`; the router's client (:mod:`.plane_client`'s pool, or
+httpx's ``keepalive_expiry`` with ``router.worker_client: httpx``) drops it after
+:data:`ROUTER_KEEPALIVE_S`, well before. The order is
 the contract: the router never sends a request on a connection the worker is closing, which
 fails as a ReadError (with equal timeouts, a release sent ~5 s after the connection's last use
 lost that race). Constants only: nothing is imported, nothing raises.
@@ -16,5 +17,5 @@ WORKER_KEEPALIVE_S = 30.0
 (which fails as a ReadError: with equal timeouts, a release sent ~5 s after the connection's
 last use lost that race)."""
 ROUTER_KEEPALIVE_S = WORKER_KEEPALIVE_S / 2
-"""How long the router's client keeps an idle connection to a worker (httpx's
-``keepalive_expiry``): half the workers' :data:`WORKER_KEEPALIVE_S`."""
+"""How long the router's client keeps an idle connection to a worker (the plane client's pool,
+httpx's ``keepalive_expiry``): half the workers' :data:`WORKER_KEEPALIVE_S`."""
