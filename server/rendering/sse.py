@@ -28,10 +28,15 @@ from pdserve.errors import PdserveError
 
 DONE = b"data: [DONE]\n\n"
 
+_COMPACT = json.JSONEncoder(
+    separators=(",", ":")
+)  # json.dumps(..., separators=) builds one per call
+
 
 def encode_event(payload: dict[str, Any]) -> bytes:
-    """One SSE data event carrying ``payload`` as compact JSON."""
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    """One SSE data event carrying ``payload`` as compact JSON (ASCII: non-ASCII text, U+2028
+    included, is escaped, so no client's line splitting can cut an event)."""
+    return b"data: " + _COMPACT.encode(payload).encode() + b"\n\n"
 
 
 def encode_named_event(name: str, payload: dict[str, Any]) -> bytes:
