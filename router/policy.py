@@ -342,3 +342,15 @@ def _best_pair(
 
 def _why(cands: Candidates) -> str:
     return f" (skipped: {'; '.join(cands.skipped)})" if cands.skipped else ""
+
+
+def route_attributes(route: Route) -> dict[str, object]:
+    """The routing decision as span attributes (path, workers, KV overlap, reason)."""
+    return {
+        "pdserve_route_path": str(route.path),
+        "pdserve_route_reason": route.reason,
+        "pdserve_worker_id": route.worker.worker_id,
+        "pdserve_prefill_worker_id": route.prefill.worker_id if route.prefill else None,
+        "pdserve_kv_overlap_tokens": route.cached_tokens,
+        "pdserve_prefill_kv_overlap_tokens": route.prefill_cached_tokens if route.prefill else None,
+    }

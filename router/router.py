@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
 
@@ -59,7 +59,14 @@ from pdserve.router.client import GenerationStream, WorkerClient
 from pdserve.router.kv_index import KVIndex, PromptHashes, expected_cached_tokens
 from pdserve.router.migration import failure_reason, unless_lost
 from pdserve.router.peer_pull import PeerPull
-from pdserve.router.policy import Pair, Route, RouteWeights, choose_retry, choose_route
+from pdserve.router.policy import (
+    Pair,
+    Route,
+    RouteWeights,
+    choose_retry,
+    choose_route,
+    route_attributes,
+)
 from pdserve.router.request import RequestSpec
 from pdserve.router.retry import LEG_FAILURES, RetryPolicy
 from pdserve.router.sessions import SessionTable
@@ -109,6 +116,7 @@ class Router:
         self.kv_index = kv_index
         self.weights = RouteWeights(settings.kv_overlap_weight, settings.load_weight)
         self.peer_pull = PeerPull(kv_index, client, settings.peer_pull_min_tokens, metrics)
+        self._last_hashes: tuple[Sequence[int], str | None, PromptHashes] | None = None
         self.retry = RetryPolicy(settings.migration_limit)
         self.sessions = (
             SessionTable(ttl_s=settings.session_ttl_s, max_sessions=settings.max_sessions)
@@ -270,8 +278,17 @@ class Router:
         if self.kv_index is None or not self.weights.kv_aware:
             return None
         workers = [w.record for w in (*cands.prefill, *cands.decode, *cands.colocated)]
+        return expected_cached_tokens(self.kv_index, workers, self._hashes(prompt_token_ids, salt))
+
+    def _hashes(self, prompt_token_ids: Sequence[int], salt: str | None) -> PromptHashes:
+        """The prompt's block hashes, shared by a request's KV-aware cost and peer pull plan (a
+        one-entry memo keyed by the prompt object itself, which it holds, and the salt)."""
+        last = self._last_hashes
+        if last is not None and last[0] is prompt_token_ids and last[1] == salt:
+            return last[2]
         hashes = PromptHashes(prompt_token_ids, salt)
-        return expected_cached_tokens(self.kv_index, workers, hashes)
+        self._last_hashes = (prompt_token_ids, salt, hashes)
+        return hashes
 
     def _record_decision(self, request_id: str, route: Route) -> None:
         """Log the decision at debug and count it (path; KV-aware: cached tokens per role)."""
@@ -414,7 +431,7 @@ class Router:
         (:mod:`pdserve.router.peer_pull`); None otherwise or when the lend fails."""
         if len(prompt_token_ids) <= self.peer_pull.min_tokens or self.kv_index is None:
             return None
-        hashes = PromptHashes(prompt_token_ids, salt)
+        hashes = self._hashes(prompt_token_ids, salt)
         plan = self.peer_pull.plan(self.view.candidates(), puller, hashes)
         if plan is None:
             return None
@@ -581,15 +598,3 @@ def cache_salt(tenant: Tenant | None, client_salt: str | None) -> str | None:
     if tenant is not None and tenant.name != DEFAULT_TENANT:
         return f"tenant\x00{tenant.name}\x00{client_salt or ''}"
     return None if client_salt is None else f"client\x00{client_salt}"
-
-
-def route_attributes(route: Route) -> dict[str, Any]:
-    """The routing decision as span attributes (path, workers, KV overlap, reason)."""
-    return {
-        "pdserve_route_path": str(route.path),
-        "pdserve_route_reason": route.reason,
-        "pdserve_worker_id": route.worker.worker_id,
-        "pdserve_prefill_worker_id": route.prefill.worker_id if route.prefill else None,
-        "pdserve_kv_overlap_tokens": route.cached_tokens,
-        "pdserve_prefill_kv_overlap_tokens": route.prefill_cached_tokens if route.prefill else None,
-    }
