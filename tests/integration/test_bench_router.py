@@ -9,10 +9,13 @@ import pytest
 from pdserve.bench.serving.bench_router import add_arguments, main
 
 
-def test_rows_for_each_concurrency(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("client", ["wire", "httpx"])
+def test_rows_for_each_concurrency(capsys: pytest.CaptureFixture[str], client: str) -> None:
+    """Both HTTP clients, as the load and as the router's worker client."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--requests", "6", "--concurrency", "1", "3", "--tokens", "2"])
+    args = parser.parse_args(["--requests", "6", "--concurrency", "1", "3", "--tokens", "2",
+                              "--client", client, "--worker-client", client])  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out.splitlines()
     rows = [line.split() for line in out[2:]]
@@ -22,3 +25,4 @@ def test_rows_for_each_concurrency(capsys: pytest.CaptureFixture[str]) -> None:
         assert abs(float(routed) - float(direct) - float(added)) < 0.02
         float(cpu_us)  # the router's CPU per request, from /proc (ticks: may round to 0)
     assert "--http httptools --loop uvloop" in out[0]  # the router as pdserve router runs it
+    assert f"--worker-client {client}, load from --client {client}" in out[0]

@@ -54,6 +54,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--loop", choices=("uvloop", "asyncio"), default="uvloop", help="the router's loop"
     )
     p.add_argument(
+        "--client",
+        choices=("wire", "httpx"),
+        default="wire",
+        help="the load generator's HTTP client (wire: pdserve's lean one, leaving the cores to "
+        "the router; httpx: as in the sittings before 2026-12-08)",
+    )
+    p.add_argument(
         "--worker-client",
         choices=("wire", "httpx"),
         default="wire",
@@ -95,7 +102,7 @@ def main(args: argparse.Namespace) -> int:
         f"router overhead on {cpu_model()} ({os.cpu_count()} CPUs), {args.tokens}-token "
         f"streams, {args.prompt_tokens}-token prompts, {args.requests} requests per row, "
         f"{args.routers} router process(es), --http {args.http} --loop {args.loop} "
-        f"--worker-client {args.worker_client}"
+        f"--worker-client {args.worker_client}, load from --client {args.client}"
     )
     print(
         f"{'conc':>5}{'direct p50 ms':>15}{'router p50 ms':>15}{'added ms':>10}"
@@ -128,6 +135,7 @@ async def _measure(
     CPU us per request or None)."""
     import httpx
 
+    from pdserve.http.plane_client import HttpxPlane, RequestPlane, WirePlane
     from pdserve.protocol import GenerationRequest, SamplingParams
     from pdserve.security import ClusterKey
 
@@ -135,12 +143,31 @@ async def _measure(
     prompt = [1000 + i % 5000 for i in range(args.prompt_tokens)]
     sampling = SamplingParams(max_tokens=args.tokens, temperature=0.0)
     rows = []
+    json_type = {"content-type": "application/json"}
+    worker_headers = {**key.http_headers(), **json_type}
     limits = httpx.Limits(max_connections=max(args.concurrency) + 4)
     # Without TCP_NODELAY the client's request body waits for the ACK of its headers, which the
     # server delays by 40 ms (Nagle + delayed ACK): that would be the figure, not the router.
     nodelay = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
     transport = httpx.AsyncHTTPTransport(limits=limits, socket_options=nodelay)
     async with httpx.AsyncClient(timeout=60, transport=transport, trust_env=False) as http:
+        to_worker: RequestPlane
+        to_router: RequestPlane
+        if args.client == "wire":
+            to_worker = WirePlane(worker_headers, keepalive_s=60)
+            to_router = WirePlane(json_type, keepalive_s=60)
+        else:
+            to_worker, to_router = HttpxPlane(http, worker_headers), HttpxPlane(http, json_type)
+
+        async def one(plane: RequestPlane, url: str, body: bytes) -> None:
+            resp = await plane.post(url, body, timeout_s=60, connect_timeout_s=5)
+            try:
+                if resp.status_code != 200:
+                    raise RuntimeError(f"{url} answered {resp.status_code}: {await resp.aread()!r}")
+                async for _ in resp.aiter_bytes():
+                    pass
+            finally:
+                await resp.aclose()
 
         async def direct(i: int) -> None:
             req = GenerationRequest(
@@ -149,29 +176,21 @@ async def _measure(
                 sampling=sampling,
                 deadline=time.time() + 60,
             )
-            headers = {**key.http_headers(), "content-type": "application/json"}
-            async with http.stream(
-                "POST",
-                f"{urls['worker']}/internal/generate",
-                content=req.model_dump_json(),
-                headers=headers,
-            ) as resp:
-                resp.raise_for_status()
-                async for _ in resp.aiter_lines():
-                    pass
+            body = req.model_dump_json().encode()
+            await one(to_worker, f"{urls['worker']}/internal/generate", body)
 
-        async def routed(i: int) -> None:
-            body = {
+        routed_body = json.dumps(
+            {
                 "model": urls["model"],
                 "prompt": prompt,
                 "max_tokens": args.tokens,
                 "temperature": 0,
                 "stream": True,
             }
-            async with http.stream("POST", f"{urls['router']}/v1/completions", json=body) as resp:
-                resp.raise_for_status()
-                async for _ in resp.aiter_lines():
-                    pass
+        ).encode()
+
+        async def routed(i: int) -> None:
+            await one(to_router, f"{urls['router']}/v1/completions", routed_body)
 
         for c in args.concurrency:
             cpu0 = _cpu_seconds(pids)
@@ -183,6 +202,8 @@ async def _measure(
             if cpu0 is not None and cpu1 is not None and cpu2 is not None:
                 cpu_us = ((cpu2 - cpu1) - (cpu1 - cpu0)) / args.requests * 1e6
             rows.append((c, d, r, args.requests / seconds, cpu_us))
+        await to_worker.aclose()
+        await to_router.aclose()
     return rows
 
 
