@@ -24,7 +24,8 @@ a connection broken or closed early, a malformed or oversized response head).
 Bounds: a response head is at most :data:`MAX_HEAD_BYTES` (plus one read); a body is buffered up to
 :data:`READ_HIGH_WATER` bytes before the socket stops being read (TCP flow control holds the
 worker); the pool keeps at most ``max_idle_per_host`` idle connections per address, each for
-``keepalive_s`` seconds (below the workers' keep-alive: :mod:`pdserve.http.keepalive`).
+``keepalive_s`` seconds (below the workers' keep-alive: :mod:`pdserve.http.keepalive`), and
+checks an idle connection's socket before reusing it (a close the loop has not delivered yet).
 Only ``http://`` URLs (the request plane has no TLS; the cluster key's bearer token authenticates
 each call).
 """
@@ -32,6 +33,7 @@ each call).
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
 import time
 from collections import deque
@@ -121,6 +123,7 @@ class _Connection(asyncio.Protocol):
         self._head_bytes = 0
         self._paused = False
         self._waiter: asyncio.Future[None] | None = None
+        self._fd = -1
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -128,6 +131,7 @@ class _Connection(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._fd = sock.fileno() if sock is not None else -1
 
     def data_received(self, data: bytes) -> None:
         if not self.active:  # a worker sends nothing unasked: the connection is unusable
@@ -194,6 +198,19 @@ class _Connection(asyncio.Protocol):
             self._paused = False
             self.transport.resume_reading()
         return data
+
+    def readable(self) -> bool:
+        """Whether the socket has something to read that the loop has not delivered yet: on an
+        idle connection, the worker closed it (or wrote unasked). Checked before reuse, as
+        httpcore does, so a request is not sent on a connection the worker just dropped."""
+        if self._fd < 0:
+            return False
+        poller = select.poll()
+        poller.register(self._fd, select.POLLIN)
+        try:
+            return bool(poller.poll(0))
+        except OSError:
+            return True
 
     def reusable(self) -> bool:
         """Whether the exchange ended cleanly on a connection that stays open."""
@@ -316,8 +333,9 @@ class WirePlane:
         while idle:
             conn = idle.pop()
             if conn.error is None and now - conn.idle_since < self._keepalive_s:
-                return conn
-            conn.close("idle too long")
+                if not conn.readable():
+                    return conn
+            conn.close("stale: idle too long, or closed by the worker")
         return None
 
     async def _connect(self, addr: tuple[str, int], connect_timeout_s: float) -> _Connection:

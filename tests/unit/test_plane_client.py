@@ -4,6 +4,8 @@ real sockets: scripted asyncio servers that answer well, badly, slowly or not at
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -232,3 +234,42 @@ async def test_connections_the_worker_closed_or_asked_to_close_are_not_reused(
     await resp.aclose()
     assert len(s.peers) == 3
     await p.aclose()
+
+
+async def test_an_idle_connection_the_worker_closed_is_not_reused_before_the_loop_sees_it() -> None:
+    """The worker's FIN is in the socket but not yet delivered (the loop has not run since): the
+    pool checks the socket itself before reuse and opens a new connection. The worker is a
+    blocking socket server on a thread, so it closes while the client's loop is held."""
+    listener = bound_socket()
+    listener.listen()
+    peers: list[int] = []
+
+    def serve_two() -> None:
+        for _ in range(2):
+            conn, (_, port) = listener.accept()
+            peers.append(port)
+            data = b""
+            while not data.endswith(b"{}"):  # the head and the 2-byte body
+                data += conn.recv(65536)
+            conn.sendall(OK_HEAD + chunked(b"a"))
+            conn.close()
+
+    thread = threading.Thread(target=serve_two, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/x"
+    p = plane()
+    resp = await p.post(url, b"{}", timeout_s=5, connect_timeout_s=1)
+    assert await resp.aread() == b"a"
+    await resp.aclose()
+    (pooled,) = [c for conns in p._idle.values() for c in conns]
+    deadline = time.monotonic() + 5
+    while not pooled.readable():  # without yielding to the loop: the EOF stays undelivered
+        assert time.monotonic() < deadline, "the server never closed the connection"
+        time.sleep(0.001)
+    assert pooled.error is None  # the loop has not seen the close
+    resp = await p.post(url, b"{}", timeout_s=5, connect_timeout_s=1)
+    assert await resp.aread() == b"a"
+    await resp.aclose()
+    thread.join(5)
+    assert len(peers) == 2
+    listener.close()
