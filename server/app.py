@@ -177,9 +177,8 @@ def create_apps(
       ``cfg.discovery.url == "embedded"``, the public app's lifespan creates an
       ``EmbeddedRegistry`` (its routes internal: bearer token, no OpenAPI document) and
       starts/closes it.
-    - ``http_client``: an httpx client for the worker request plane (the tests' in-process
-      workers); when not given the lifespan opens (and closes) the one ``router.worker_client``
-      names: pdserve's own (``wire``, :mod:`pdserve.http.plane_client`) or httpx.
+    - ``http_client``: an httpx client for the worker request plane (tests); else the lifespan
+      opens and closes the one ``router.worker_client`` names (:mod:`pdserve.http.plane_client`).
     - ``cluster_key``: the internal plane's key (registry routes, worker calls, record
       signatures); default ``ClusterKey.from_settings(cfg.security)``, which raises
       :class:`~pdserve.errors.ConfigError` when no cluster secret is configured.
@@ -274,7 +273,7 @@ async def _start(
         )
         stack.push_async_callback(http_client.aclose)
     worker_client = WorkerClient(http_client, key=key)  # None: its own lean client (wire)
-    stack.push_async_callback(worker_client.aclose)
+    stack.push_async_callback(worker_client.aclose)  # closes only what it opened
     source: WorkerSource = watcher
 
     def usable_workers() -> dict[str, int]:
@@ -311,12 +310,7 @@ async def _start(
         tokens=TokenRenderer(tokenizer),
         view=view,
         router=Router(
-            view,
-            worker_client,
-            cfg.router,
-            metrics=metrics,
-            kv_index=kv_index,
-            admission=admission,
+            view, worker_client, cfg.router, metrics=metrics, kv_index=kv_index, admission=admission
         ),
         max_model_len=max_model_len,
         started_at=int(time.time()),

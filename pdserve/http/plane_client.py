@@ -392,7 +392,6 @@ class HttpxPlane:
         async with _httpx_errors():
             async with asyncio.timeout(timeout_s):
                 return _HttpxResponse(await self._http.send(request, stream=True))
-        raise AssertionError("unreachable")  # pragma: no cover
 
     async def aclose(self) -> None:
         """Nothing: the caller owns the httpx client."""
@@ -411,7 +410,6 @@ class _HttpxResponse:
     async def aread(self) -> bytes:
         async with _httpx_errors():
             return await self._response.aread()
-        raise AssertionError("unreachable")  # pragma: no cover
 
     async def aclose(self) -> None:
         await self._response.aclose()
@@ -425,11 +423,12 @@ class _httpx_errors:  # noqa: N801 (used as a context manager, named like one)
         return None
 
     async def __aexit__(self, tp: type[BaseException] | None, exc: BaseException | None,
-                        tb: object) -> bool:  # fmt: skip
+                        tb: object) -> None:  # fmt: skip
+        """Never swallows: re-raises httpx's errors as this module's, lets the rest through."""
         import httpx
 
         if exc is None or not isinstance(exc, httpx.HTTPError):
-            return False
+            return
         if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
             raise PlaneConnectError(f"{exc!r}") from exc
         if isinstance(exc, httpx.TimeoutException):
